@@ -1,0 +1,1 @@
+"""ONNX -> TVM Relax -> a built artifact for a named target."""

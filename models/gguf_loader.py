@@ -1,0 +1,167 @@
+"""Loading a GGUF file of `llama` or `qwen2` architecture as a float32 Qwen2 model.
+
+Every tensor is dequantized to float32 with the `gguf` package. A Llama model is a
+Qwen2 model whose q/k/v biases are zero. llama.cpp's converter permutes the q and k
+rows of `llama` files for its rotary layout (`qwen2` files are stored unpermuted), so
+those rows are put back here: get that wrong and the text is garbage while nothing fails.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from qwc import progress
+from qwc.config import ModelConfig
+from qwc.errors import QwcError
+
+from .qwen2 import LoadedModel, build_model, load_state
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    return None
+
+
+def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves)."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def _open(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except FileNotFoundError:
+        raise QwcError(f"{path}: no such file") from None
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        raise QwcError(f"{path}: corrupt or unsupported GGUF file ({e})") from None
+
+
+def _field(reader: GGUFReader, key: str, default=None, required: bool = True):
+    f = reader.fields.get(key)
+    if f is None:
+        if required and default is None:
+            raise QwcError(f"GGUF metadata lacks {key}")
+        return default
+    return f.contents()
+
+
+def config_from_gguf(reader: GGUFReader, path: Path) -> tuple[ModelConfig, str]:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise QwcError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    tensor_names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else None))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id", required=False)
+    eot = _field(reader, "tokenizer.ggml.eot_token_id", required=False)
+    eos_ids = [int(x) for x in dict.fromkeys(v for v in (eos, eot) if v is not None)]
+    bos = _field(reader, "tokenizer.ggml.bos_token_id", required=False)
+    cfg = ModelConfig(
+        name=str(_field(reader, "general.name", path.stem, required=False)),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        chat_template=_field(reader, "tokenizer.chat_template", required=False),
+        source=str(path),
+    )
+    cfg.validate()
+    return cfg, arch
+
+
+def _tokenizer(path: Path):
+    # transformers' GGUF tokenizer builder rebuilds the exact fast tokenizer (vocab, merges,
+    # pre-tokenizer split regex, special tokens) from llama.cpp's metadata keys.
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer, get_gguf_tokenizer)
+    try:
+        arch, tok_dict, _ = get_gguf_tokenizer(str(path))
+        if "tokens" not in tok_dict:
+            raise QwcError(f"{path}: GGUF file has no tokenizer vocabulary")
+        tokenizer, _ = convert_gguf_tokenizer(arch, tok_dict)
+    except QwcError:
+        raise
+    except Exception as e:
+        raise QwcError(f"{path}: cannot build its tokenizer ({str(e).splitlines()[0]})") from None
+    return tokenizer
+
+
+def load_gguf(path: Path) -> LoadedModel:
+    path = Path(path)
+    reader = _open(path)
+    cfg, arch = config_from_gguf(reader, path)
+    tokenizer = _tokenizer(path)
+
+    state: dict[str, torch.Tensor] = {}
+    for t in progress.bar(reader.tensors, desc="dequantizing GGUF", unit="tensor"):
+        name = hf_name(t.name)
+        if name is None:
+            if t.name in ("rope_freqs.weight",):
+                raise QwcError(f"{path}: rope frequency scaling ({t.name}) is not supported")
+            continue  # e.g. llama.cpp's precomputed rope tables
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except (NotImplementedError, ValueError) as e:
+            raise QwcError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}: {e})") from None
+        # GGUF lists dimensions fastest-first; numpy wants them slowest-first.
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = unpermute_rotary_rows(w, cfg.num_attention_heads)
+        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = unpermute_rotary_rows(w, cfg.num_key_value_heads)
+        state[name] = torch.from_numpy(w.copy())
+
+    model = build_model(cfg)
+    if arch == "llama":
+        # Llama has no q/k/v biases: Qwen2's are zero.
+        for k, v in model.state_dict().items():
+            if k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                state.setdefault(k, torch.zeros_like(v))
+    load_state(model, state, str(path))
+    return LoadedModel(model, cfg, tokenizer)

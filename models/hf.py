@@ -1,0 +1,78 @@
+"""Loading a Hugging Face Qwen2 directory: config.json, *.safetensors, tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from transformers import Qwen2Config
+
+from qwc import progress
+from qwc.errors import QwcError
+
+from .qwen2 import LoadedModel, build_model, load_state, model_config_from_hf
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise QwcError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_hf_dir(path: Path) -> LoadedModel:
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise QwcError(f"{path}: not a Hugging Face model directory (no config.json)")
+    raw = _read_json(cfg_path)
+    if raw.get("model_type") != "qwen2":
+        raise QwcError(f"{path}: unsupported architecture {raw.get('model_type')!r} "
+                       "(qwc compiles Qwen2 models)")
+    hf = Qwen2Config.from_dict(raw)
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        gen_eos = _read_json(gen_path).get("eos_token_id")
+        if gen_eos is not None:
+            hf.eos_token_id = gen_eos
+    cfg = model_config_from_hf(hf, name=path.name, source=str(path))
+    tokenizer, cfg.chat_template = _load_tokenizer(path)
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise QwcError(f"{path}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in progress.bar(files, desc="reading safetensors", unit="file"):
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise QwcError(f"{f}: corrupt safetensors file ({str(e).splitlines()[0]})") from None
+    state = {k: v.float() for k, v in state.items()}
+    model = build_model(cfg)
+    load_state(model, state, str(path))
+    return LoadedModel(model, cfg, tokenizer)
+
+
+def _load_tokenizer(path: Path) -> tuple[Tokenizer, str | None]:
+    tok_file = path / "tokenizer.json"
+    if tok_file.is_file():
+        try:
+            tok = Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a bare Exception on bad files
+            raise QwcError(f"{tok_file}: unreadable tokenizer ({e})") from None
+    else:
+        from transformers import AutoTokenizer
+        try:
+            tok = AutoTokenizer.from_pretrained(path).backend_tokenizer
+        except Exception as e:
+            raise QwcError(f"{path}: no usable tokenizer ({str(e).splitlines()[0]})") from None
+    template = None
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    elif (path / "tokenizer_config.json").is_file():
+        template = _read_json(path / "tokenizer_config.json").get("chat_template")
+    return tok, template

@@ -1,0 +1,1 @@
+"""ONNX -> ONNX rewrites that raise an exported graph to the canonical int4 graph."""

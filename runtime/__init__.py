@@ -1,0 +1,1 @@
+"""Loads a compiled artifact, owns the KV cache, prefills, decodes and samples."""
