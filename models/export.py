@@ -67,39 +67,72 @@ def example_inputs(lm: LoadedModel, batch: int = 2, seq: int = 3, past: int = 4)
     return ids, mask, pos, kv
 
 
-def export_onnx(lm: LoadedModel, out: Path) -> Path:
-    """Write `out` (+ `out.data` when large), `<stem>.config.json`, `<stem>.tokenizer.json`."""
-    out = Path(out)
-    if out.suffix != ".onnx":
-        raise QwcError(f"output {out} must end in .onnx")
+class _FlatArgs(torch.nn.Module):
+    """TorchScript export wants the cache as separate positional tensors."""
+
+    def __init__(self, wrapper: KVCacheWrapper):
+        super().__init__()
+        self.wrapper = wrapper
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        return self.wrapper(input_ids, attention_mask, position_ids, past)
+
+
+def _export_dynamo(wrapper: KVCacheWrapper, lm: LoadedModel, staged: Path, external: bool) -> None:
     n = lm.config.num_hidden_layers
-    wrapper = KVCacheWrapper(lm.model).eval()
     batch, seq, past, total = (torch.export.Dim(d) for d in ("batch", "seq", "past", "total"))
     dynamic = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq},
                tuple({0: batch, 2: past} for _ in range(2 * n)))
-    cfg_path, tok_path = sidecar_paths(out)
+    program = torch.onnx.export(
+        wrapper, example_inputs(lm), None, dynamo=True, opset_version=OPSET,
+        input_names=input_names(n), output_names=output_names(n),
+        dynamic_shapes=dynamic, verbose=False, optimize=True)
+    # The data file name is stored inside the graph: staged under its final name.
+    program.save(staged, external_data=external)
 
+
+def _export_legacy(wrapper: KVCacheWrapper, lm: LoadedModel, staged: Path) -> None:
+    n = lm.config.num_hidden_layers
+    ids, mask, pos, kv = example_inputs(lm)
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
+            "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+    axes.update({name: {0: "batch", 2: "past"} for name in input_names(n)[3:]})
+    axes.update({name: {0: "batch", 2: "past + seq"} for name in output_names(n)[1:]})
+    torch.onnx.export(_FlatArgs(wrapper), (ids, mask, pos, *kv), str(staged), dynamo=False,
+                      opset_version=17, input_names=input_names(n), output_names=output_names(n),
+                      dynamic_axes=axes)
+
+
+def export_onnx(lm: LoadedModel, out: Path, dynamo: bool = True) -> Path:
+    """Write `out` (+ `out.data` when large), `<stem>.config.json`, `<stem>.tokenizer.json`.
+    `dynamo=False` uses torch's older TorchScript exporter (opset 17), whose graphs the passes
+    also accept; it is meant for small models."""
+    out = Path(out)
+    if out.suffix != ".onnx":
+        raise QwcError(f"output {out} must end in .onnx")
+    wrapper = KVCacheWrapper(lm.model).eval()
+    cfg_path, tok_path = sidecar_paths(out)
+    param_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    external = param_bytes > EXTERNAL_DATA_THRESHOLD
     with staging_dir(out) as tmp:
-        with progress.stage("tracing the model with torch.export and translating to ONNX"), \
+        staged = tmp / out.name
+        how = "torch.export" if dynamo else "the TorchScript exporter"
+        with progress.stage(f"tracing the model with {how} and writing {out.name} "
+                            f"({param_bytes / 2**20:.0f} MiB of weights{', external data' if external else ''})"), \
                 _quiet_torch_onnx(), torch.no_grad():
             try:
-                program = torch.onnx.export(
-                    wrapper, example_inputs(lm), None, dynamo=True, opset_version=OPSET,
-                    input_names=input_names(n), output_names=output_names(n),
-                    dynamic_shapes=dynamic, verbose=False, optimize=True)
+                if dynamo:
+                    _export_dynamo(wrapper, lm, staged, external)
+                else:
+                    _export_legacy(wrapper, lm, staged)
+            except QwcError:
+                raise
             except Exception as e:  # torch raises many types; report the first line
                 raise QwcError(f"ONNX export failed: {str(e).strip().splitlines()[0]}") from e
-        param_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
-        external = param_bytes > EXTERNAL_DATA_THRESHOLD
-        with progress.stage(f"writing {out.name} ({param_bytes / 2**20:.0f} MiB of weights"
-                            f"{', external data' if external else ''})"):
-            staged = tmp / out.name
-            # The data file name is stored inside the graph: stage it under its final name.
-            program.save(staged, external_data=external)
-            (tmp / cfg_path.name).write_text(lm.config.to_json() + "\n")
-            lm.tokenizer.save(str(tmp / tok_path.name))
+        (tmp / cfg_path.name).write_text(lm.config.to_json() + "\n")
+        lm.tokenizer.save(str(tmp / tok_path.name))
         moves = [(tmp / cfg_path.name, cfg_path), (tmp / tok_path.name, tok_path)]
-        if external:
+        if (tmp / (out.name + ".data")).exists():
             moves.append((tmp / (out.name + ".data"), out.with_name(out.name + ".data")))
         publish(moves + [(staged, out)])
     return out

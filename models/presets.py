@@ -15,7 +15,7 @@ from .tokenizer import CHATML_TEMPLATE, byte_level_tokenizer, special_ids
 # winners, so greedy decoding is a meaningful check rather than a coin toss on ties.
 _PRESETS: dict[str, tuple[dict, float]] = {
     "tiny": (dict(
-        vocab_size=320,            # 259 byte-level tokens, padded like Qwen's vocabulary
+        vocab_size=288,            # 259 byte-level tokens, padded to a multiple of 32 as Qwen pads
         hidden_size=128,
         intermediate_size=320,     # 10 blocks of 32: not a multiple of 128 on purpose
         num_hidden_layers=2,

@@ -43,36 +43,7 @@ def hf_config(cfg: ModelConfig, initializer_range: float = 0.02) -> Qwen2Config:
 
 
 def model_config_from_hf(hf: Qwen2Config, name: str, source: str) -> ModelConfig:
-    if getattr(hf, "model_type", None) != "qwen2":
-        raise QwcError(f"{source}: unsupported architecture {getattr(hf, 'model_type', None)!r} "
-                       "(qwc compiles Qwen2 models)")
-    rope = getattr(hf, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise QwcError(f"{source}: unsupported rope scaling {rope.get('rope_type')!r}")
-    if getattr(hf, "use_sliding_window", False):
-        raise QwcError(f"{source}: sliding-window attention is not supported")
-    eos = hf.eos_token_id
-    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    heads = hf.num_attention_heads
-    cfg = ModelConfig(
-        name=name,
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_hidden_layers=hf.num_hidden_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=hf.num_key_value_heads or heads,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-        rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
-        rms_norm_eps=float(hf.rms_norm_eps),
-        max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(hf.tie_word_embeddings),
-        bos_token_id=hf.bos_token_id,
-        eos_token_ids=eos_ids,
-        source=source,
-    )
-    cfg.validate()
-    return cfg
+    return ModelConfig.from_hf_dict(hf.to_dict(), name=name, source=source)
 
 
 def build_model(cfg: ModelConfig, initializer_range: float = 0.02) -> Qwen2ForCausalLM:

@@ -18,10 +18,31 @@ def _cmd_export(args: argparse.Namespace) -> None:
     check_destination(args.output)
     t0 = time.perf_counter()
     lm = load_source(args.source)
-    out = export_onnx(lm, args.output)
+    out = export_onnx(lm, args.output, dynamo=not args.legacy_exporter)
     c = lm.config
     progress.info(f"[qwc] exported {c.name}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
                   f"vocab {c.vocab_size} -> {out} in {time.perf_counter() - t0:.1f}s")
+
+
+def _cmd_optimize(args: argparse.Namespace) -> None:
+    from qwc.passes.options import PassOptions
+    from qwc.passes.pipeline import optimize_file
+
+    opts = PassOptions(block_size=args.block_size, lm_head_bits=args.lm_head_bits,
+                       keep_float=args.keep_float or [], untie_lm_head=args.untie_lm_head)
+    opts.validate()
+    t0 = time.perf_counter()
+    r = optimize_file(args.model, args.output, opts, verify=args.verify)
+    print(f"{'op':34s} {'before':>7s} {'after':>7s}")
+    for op in sorted(set(r["before_ops"]) | set(r["after_ops"]),
+                     key=lambda o: (-r["after_ops"].get(o, 0), -r["before_ops"].get(o, 0), o)):
+        print(f"{op:34s} {r['before_ops'].get(op, 0):7d} {r['after_ops'].get(op, 0):7d}")
+    b, a = r["before_bytes"], r["after_bytes"]
+    print(f"{'nodes':34s} {sum(r['before_ops'].values()):7d} {sum(r['after_ops'].values()):7d}")
+    print(f"parameters: {b / 2**20:.1f} MiB -> {a / 2**20:.1f} MiB ({a / b:.1%} of the input)")
+    if r["report"] is not None:
+        print(f"verify (onnxruntime, prefill 8 + 8 decode steps): {r['report']}")
+    progress.info(f"[qwc] wrote {args.output} in {time.perf_counter() - t0:.1f}s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +56,27 @@ def build_parser() -> argparse.ArgumentParser:
                                    ".gguf file) to ONNX with KV-cache inputs and outputs.")
     e.add_argument("source", help="preset name (tiny, qwen2.5-0.5b), HF model directory, or .gguf file")
     e.add_argument("-o", "--output", required=True, help="output .onnx path")
+    e.add_argument("--legacy-exporter", action="store_true",
+                   help="use torch's TorchScript exporter (dynamo=False), as older toolchains did")
     e.set_defaults(func=_cmd_export)
+
+    o = sub.add_parser("optimize", help="raise an exported graph to qwc's canonical int4 graph",
+                       description="Fuse RMSNorm, rotary and attention into onnxruntime's LLM ops, fold "
+                                   "norm gains into the linears and quantize weights to Q4_0 "
+                                   "(MatMulNBits / GatherBlockQuantized). The result runs in onnxruntime.")
+    o.add_argument("model", help="exported .onnx (with its .config.json beside it)")
+    o.add_argument("-o", "--output", required=True, help="output .onnx path")
+    o.add_argument("--block-size", type=int, default=32, choices=(32, 128),
+                   help="quantization block of the linears (default 32: llama.cpp's Q4_0)")
+    o.add_argument("--lm-head-bits", type=int, default=4, choices=(4, 8),
+                   help="bits of the embedding and tied lm_head (8: llama.cpp's default Q8_0)")
+    o.add_argument("--keep-float", action="append", metavar="PATTERN",
+                   help="leave linears whose name matches (fnmatch, e.g. '*.down_proj') in float; repeatable")
+    o.add_argument("--untie-lm-head", action="store_true",
+                   help="give the lm_head its own weight so the final norm's gain folds into it")
+    o.add_argument("--verify", action="store_true",
+                   help="run the input and output graphs in onnxruntime and report their difference")
+    o.set_defaults(func=_cmd_optimize)
     return p
 
 

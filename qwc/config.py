@@ -59,6 +59,42 @@ class ModelConfig:
             raise QwcError(f"model config lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in d.items() if k in names})
 
+    @classmethod
+    def from_hf_dict(cls, d: dict, name: str, source: str) -> "ModelConfig":
+        """From a Hugging Face Qwen2 config.json (either transformers 4 or 5 spelling)."""
+        if d.get("model_type") != "qwen2":
+            raise QwcError(f"{source}: unsupported architecture {d.get('model_type')!r} "
+                           "(qwc compiles Qwen2 models)")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise QwcError(f"{source}: unsupported rope scaling {rope.get('rope_type', rope.get('type'))!r}")
+        if d.get("use_sliding_window"):
+            raise QwcError(f"{source}: sliding-window attention is not supported")
+        eos = d.get("eos_token_id")
+        heads = d["num_attention_heads"]
+        try:
+            cfg = cls(
+                name=name,
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"],
+                num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=d.get("num_key_value_heads") or heads,
+                head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=d.get("max_position_embeddings", 32768),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+                source=source,
+            )
+        except KeyError as e:
+            raise QwcError(f"{source}: config lacks {e.args[0]}") from None
+        cfg.validate()
+        return cfg
+
     def save(self, path: Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
 
@@ -70,6 +106,30 @@ class ModelConfig:
             raise QwcError(f"model config {path} not found") from None
         except json.JSONDecodeError as e:
             raise QwcError(f"model config {path} is not valid JSON: {e}") from None
+
+
+def load_for_graph(onnx_path: Path) -> ModelConfig:
+    """The config of a graph: qwc's `<stem>.config.json`, else a Hugging Face `config.json`
+    beside it (as optimum and onnxruntime-genai write)."""
+    own, _ = sidecar_paths(onnx_path)
+    if own.is_file():
+        return ModelConfig.load(own)
+    hf = Path(onnx_path).with_name("config.json")
+    if hf.is_file():
+        try:
+            d = json.loads(hf.read_text())
+        except json.JSONDecodeError as e:
+            raise QwcError(f"{hf} is not valid JSON: {e}") from None
+        return ModelConfig.from_hf_dict(d, name=Path(onnx_path).stem, source=str(hf))
+    raise QwcError(f"no model config for {onnx_path}: expected {own.name} or config.json beside it")
+
+
+def tokenizer_for_graph(onnx_path: Path) -> Path | None:
+    _, own = sidecar_paths(onnx_path)
+    if own.is_file():
+        return own
+    hf = Path(onnx_path).with_name("tokenizer.json")
+    return hf if hf.is_file() else None
 
 
 def sidecar_paths(onnx_path: Path) -> tuple[Path, Path]:

@@ -26,6 +26,12 @@ def tiny_onnx(tiny_lm, tmp_path_factory):
     return export_onnx(tiny_lm, tmp_path_factory.mktemp("tiny") / "tiny.onnx")
 
 
+@pytest.fixture(scope="session")
+def tiny_legacy_onnx(tiny_lm, tmp_path_factory):
+    """The same model through torch's older TorchScript exporter (dynamo=False)."""
+    return export_onnx(tiny_lm, tmp_path_factory.mktemp("tiny_legacy") / "tiny.onnx", dynamo=False)
+
+
 def torch_kv_logits(model, prompt: np.ndarray, steps: list[np.ndarray]) -> list[np.ndarray]:
     """Reference: transformers' own cache handling, prefill then one token per step."""
     from transformers.cache_utils import DynamicCache
@@ -47,25 +53,7 @@ def torch_kv_logits(model, prompt: np.ndarray, steps: list[np.ndarray]) -> list[
 
 
 def ort_kv_logits(onnx_path, cfg, prompt: np.ndarray, steps: list[np.ndarray]) -> list[np.ndarray]:
-    """onnxruntime on the exported graph, feeding present.* back as past_key_values.*."""
-    import onnxruntime as ort
+    """onnxruntime on a graph, feeding present.* back as past_key_values.*."""
+    from qwc.passes.verify import run_steps, session
 
-    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    b = prompt.shape[0]
-    kv = {f"past_key_values.{i}.{k}": np.zeros((b, cfg.num_key_value_heads, 0, cfg.head_dim), np.float32)
-          for i in range(cfg.num_hidden_layers) for k in ("key", "value")}
-    outs, ids, past = [], prompt, 0
-    for step in [None] + steps:
-        if step is not None:
-            ids = step
-        s = ids.shape[1]
-        feeds = {"input_ids": ids.astype(np.int64),
-                 "attention_mask": np.ones((b, past + s), np.int64),
-                 "position_ids": np.broadcast_to(np.arange(past, past + s), (b, s)).astype(np.int64),
-                 **kv}
-        res = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
-        outs.append(res["logits"])
-        kv = {f"past_key_values.{i}.{k}": res[f"present.{i}.{k}"]
-              for i in range(cfg.num_hidden_layers) for k in ("key", "value")}
-        past += s
-    return outs
+    return run_steps(session(onnx_path), cfg, [prompt] + list(steps))

@@ -1,0 +1,174 @@
+"""Canonicalize: Constant nodes to initializers, Identity removal, constant folding of shape
+arithmetic, dead-code removal, topological order, shape inference.
+
+Folding is limited to small results (`options.fold_limit` elements): shape arithmetic folds,
+while a Transpose of a large weight (a tied lm_head) stays, so no weight is duplicated.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, shape_inference
+from onnx.reference import ReferenceEvaluator
+
+from .graph import Graph
+from .options import PassOptions
+
+# Ops that are deterministic and cheap to evaluate on constants.
+_FOLDABLE = {
+    "Add", "Sub", "Mul", "Div", "Neg", "Sqrt", "Reciprocal", "Pow", "Cast", "Concat", "Gather",
+    "Reshape", "Squeeze", "Unsqueeze", "Slice", "Range", "Equal", "Where", "Less", "LessOrEqual",
+    "Greater", "GreaterOrEqual", "And", "Or", "Not", "Max", "Min", "Expand", "ConstantOfShape",
+    "Shape", "Size", "Transpose", "Floor", "Ceil", "Abs", "ReduceProd", "ReduceSum", "Tile",
+    "Cos", "Sin", "Exp", "Mod", "Flatten", "ScatterND", "Trilu", "CumSum",
+}
+
+
+def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:
+    options = options or PassOptions()
+    g = Graph(model)
+    _constants_to_initializers(g)
+    g.commit()
+    model = infer_shapes(model)
+    g = Graph(model)
+    _remove_identities(g)
+    _retie_embedding(g)
+    g.commit()
+    g = Graph(model)
+    for _ in range(8):  # folding a Shape can enable more folding downstream
+        changed = _fold_static_shapes(g) | _fold_constants(g, options.fold_limit)
+        g.commit()
+        if not changed:
+            break
+        model = infer_shapes(model)
+        g = Graph(model)
+    return infer_shapes(model)
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            inferred = shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
+                                                    data_prop=True)
+        except Exception:
+            return model  # inference is an aid, never a requirement
+    return inferred
+
+
+def _constants_to_initializers(g: Graph) -> None:
+    for n in list(g.g.node):
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx"):
+            v = g.const(n.output[0])
+            if v is None:
+                continue
+            t = numpy_helper.from_array(np.asarray(v), n.output[0])
+            g.remove_node(n)
+            g.g.initializer.append(t)
+            g.inits[t.name] = t
+
+
+def _elem_type(g: Graph, name: str) -> int | None:
+    if name in g.inits:
+        return g.inits[name].data_type
+    for vi in list(g.g.value_info) + list(g.g.input) + list(g.g.output):
+        if vi.name == name and vi.type.tensor_type.elem_type:
+            return vi.type.tensor_type.elem_type
+    return None
+
+
+def _remove_identities(g: Graph) -> None:
+    """Identity, single-input Concat and a Cast to the type its input already has."""
+    for n in list(g.g.node):
+        if n.domain not in ("", "ai.onnx") or n.output[0] in g.graph_outputs:
+            continue
+        if n.op_type == "Identity" or (n.op_type == "Concat" and len(n.input) == 1) or (
+                n.op_type == "Cast" and _elem_type(g, n.input[0]) == g.attr(n, "to")):
+            g.remove_node(n)
+            g.rename_uses(n.output[0], n.input[0])
+
+
+def _retie_embedding(g: Graph) -> None:
+    """Some exporters store a tied lm_head as its own, transposed copy of the embedding.
+    Point that MatMul back at Transpose(embedding), so the file keeps one copy and the
+    embedding pass quantizes both uses from the same bytes."""
+    for gather in list(g.g.node):
+        if gather.op_type != "Gather" or gather.input[0] not in g.inits:
+            continue
+        e = g.const(gather.input[0])
+        if e is None or e.ndim != 2:
+            continue
+        for mm in list(g.g.node):
+            if mm.op_type != "MatMul" or mm.input[1] not in g.inits:
+                continue
+            t = g.inits[mm.input[1]]
+            if list(t.dims) != [e.shape[1], e.shape[0]] or not np.array_equal(g.const(mm.input[1]), e.T):
+                continue
+            tr = g.fresh(gather.input[0] + "_T")
+            g.node("Transpose", [gather.input[0]], [tr], perm=[1, 0])
+            mm.input[1] = tr
+
+
+def _static_dims(g: Graph, name: str) -> list[int] | None:
+    for vi in list(g.g.value_info) + list(g.g.input) + list(g.g.output):
+        if vi.name == name:
+            dims = vi.type.tensor_type.shape.dim
+            if not vi.type.tensor_type.HasField("shape"):
+                return None
+            return [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    if name in g.inits:
+        return list(g.inits[name].dims)
+    return None
+
+
+def _fold_static_shapes(g: Graph) -> bool:
+    changed = False
+    for n in list(g.g.node):
+        if n.op_type != "Shape" or n.domain not in ("", "ai.onnx") or g.const(n.output[0]) is not None:
+            continue
+        dims = _static_dims(g, n.input[0])
+        if dims is None:
+            continue
+        start, end = g.attr(n, "start", 0), g.attr(n, "end", None)
+        sel = dims[slice(start, end)]
+        if sel and all(d is not None for d in sel):
+            _replace_with_constant(g, n, [np.array(sel, np.int64)])
+            changed = True
+    return changed
+
+
+def _fold_constants(g: Graph, limit: int) -> bool:
+    changed = False
+    for n in list(g.g.node):
+        if n.domain not in ("", "ai.onnx") or n.op_type not in _FOLDABLE:
+            continue
+        if any(o in g.graph_outputs for o in n.output):
+            continue
+        vals = [g.const(i) if i else None for i in n.input]
+        if any(v is None for i, v in zip(n.input, vals) if i):
+            continue
+        # Only fold when inputs and results stay small: shape arithmetic, not weights.
+        if sum(v.size for v in vals if v is not None) > limit and n.op_type not in ("Shape", "Size"):
+            continue
+        try:
+            outs = ReferenceEvaluator(n).run(None, {i: v for i, v in zip(n.input, vals) if i})
+        except Exception:
+            continue
+        if any(np.asarray(o).size > limit for o in outs):
+            continue
+        _replace_with_constant(g, n, [np.asarray(o) for o in outs])
+        changed = True
+    return changed
+
+
+def _replace_with_constant(g: Graph, n: onnx.NodeProto, values: list[np.ndarray]) -> None:
+    g.remove_node(n)
+    for name, v in zip(n.output, values):
+        if not name:
+            continue
+        t = numpy_helper.from_array(np.ascontiguousarray(v), name)
+        g.g.initializer.append(t)
+        g.inits[name] = t

@@ -1,0 +1,116 @@
+"""Fuse rotary position embedding into com.microsoft `RotaryEmbedding`.
+
+Matched (x = Transpose[0,2,1,3](Reshape(lin)), the per-head view of a q or k projection):
+    Add(Mul(x, cos), Mul(Concat(Neg(Slice(x, h:)), Slice(x, :h)), sin))   (either operand order)
+Rewritten to Transpose(Reshape(RotaryEmbedding(lin, position_ids, cos_cache, sin_cache))),
+reusing the original Reshape's shape, so the attention pass sees the rotated projection in
+[batch, seq, heads * head_dim] form.
+
+The cos/sin caches are initializers of [max_position_embeddings, head_dim / 2] computed from
+the model config's rope_theta in float32, the way transformers computes them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from qwc.errors import QwcError
+
+from .graph import MS_DOMAIN, Graph, ensure_ms_opset
+from .options import PassOptions
+
+
+def rotary_caches(head_dim: int, theta: float, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+                ).astype(np.float32)
+    freqs = np.arange(max_pos, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:
+    if options is None or options.config is None:
+        raise QwcError("the rotary pass needs the model config (rope_theta, head_dim)")
+    cfg = options.config
+    g = Graph(model)
+    if "position_ids" not in g.graph_inputs:
+        raise QwcError("graph has no position_ids input: cannot fuse rotary embedding")
+    caches = None
+    for n in list(g.g.node):
+        if n.op_type != "Add" or n.domain not in ("", "ai.onnx"):
+            continue
+        m = _match(g, n, cfg.head_dim)
+        if m is None:
+            continue
+        x_t, lin, shape, heads = m
+        if caches is None:
+            cos, sin = rotary_caches(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+            caches = (g.add_init(cos, "rotary_cos_cache"), g.add_init(sin, "rotary_sin_cache"))
+        rot = g.fresh(lin + "_rotary")
+        g.node("RotaryEmbedding", [lin, "position_ids", *caches], [rot], domain=MS_DOMAIN,
+               interleaved=0, num_heads=heads)
+        view = g.fresh(rot + "_heads")
+        g.node("Reshape", [rot, shape], [view])
+        g.remove_node(n)
+        g.node("Transpose", [view], [n.output[0]], perm=[0, 2, 1, 3])
+    g.commit()
+    ensure_ms_opset(model)
+    return model
+
+
+def _prod(g: Graph, name: str, op: str) -> onnx.NodeProto | None:
+    n = g.producer.get(name)
+    return n if n is not None and n.op_type == op else None
+
+
+def _match(g: Graph, add: onnx.NodeProto, head_dim: int):
+    a, b = (_prod(g, i, "Mul") for i in add.input)
+    if a is None or b is None:
+        return None
+    for direct, rotated in ((a, b), (b, a)):
+        for xi in range(2):
+            x = direct.input[xi]
+            if _is_rotate_half_of(g, rotated, x):
+                return _per_head_view(g, x, head_dim)
+    return None
+
+
+def _is_rotate_half_of(g: Graph, mul: onnx.NodeProto, x: str) -> bool:
+    for ci in range(2):
+        cat = _prod(g, mul.input[ci], "Concat")
+        if cat is None or len(cat.input) != 2 or g.attr(cat, "axis") not in (-1, 3):
+            continue
+        neg = _prod(g, cat.input[0], "Neg")
+        lo = _prod(g, cat.input[1], "Slice")
+        hi = neg and _prod(g, neg.input[0], "Slice")
+        if lo is None or hi is None or lo.input[0] != x or hi.input[0] != x:
+            continue
+        return True
+    return False
+
+
+def _per_head_view(g: Graph, x: str, head_dim: int):
+    """x == Transpose[0,2,1,3](Reshape(lin, shape)) -> (x, lin, shape, heads)."""
+    t = _prod(g, x, "Transpose")
+    if t is None or list(g.attr(t, "perm", [])) != [0, 2, 1, 3]:
+        return None
+    r = _prod(g, t.input[0], "Reshape")
+    if r is None:
+        return None
+    heads = _heads_from_reshape(g, r, head_dim)
+    if heads is None:
+        return None
+    return x, r.input[0], r.input[1], heads
+
+
+def _heads_from_reshape(g: Graph, r: onnx.NodeProto, head_dim: int) -> int | None:
+    """The head count of a [b, s, heads, head_dim] view of `lin`: from the projection's
+    static width (exports often write the head count as -1 in the shape)."""
+    from .canonicalize import _static_dims
+    dims = _static_dims(g, r.input[0])
+    if dims and dims[-1] and dims[-1] % head_dim == 0:
+        return dims[-1] // head_dim
+    shape = g.const(r.input[1])
+    if shape is not None and shape.size == 4 and shape[2] > 0:
+        return int(shape[2])
+    return None

@@ -1,0 +1,203 @@
+"""A small mutable view over an onnx.GraphProto: producers, consumers, constants, names.
+
+Passes match patterns by walking producers/consumers and edit the node list directly; they
+call `Graph.commit()` at the end, which drops dead nodes and initializers and re-sorts the
+nodes topologically, so a pass may append replacement nodes anywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from qwc.errors import QwcError
+
+MS_DOMAIN = "com.microsoft"
+
+
+class Graph:
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.g = model.graph
+        self._counter = itertools.count()
+        self.reindex()
+
+    # -- indexes --------------------------------------------------------------------------
+    def reindex(self) -> None:
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for n in self.g.node:
+            for o in n.output:
+                if o:
+                    self.producer[o] = n
+            for i in n.input:
+                if i:
+                    self.consumers[i].append(n)
+        self.inits = {t.name: t for t in self.g.initializer}
+        self.graph_inputs = {i.name for i in self.g.input}
+        self.graph_outputs = {o.name for o in self.g.output}
+        self._names = {n.name for n in self.g.node} | set(self.producer) | set(self.inits) | self.graph_inputs
+
+    def fresh(self, base: str) -> str:
+        while True:
+            name = f"{base}_{next(self._counter)}"
+            if name not in self._names:
+                self._names.add(name)
+                return name
+
+    # -- constants ------------------------------------------------------------------------
+    def const(self, name: str) -> np.ndarray | None:
+        """The value of an initializer or Constant-node output, else None."""
+        if name in self.inits:
+            return numpy_helper.to_array(self.inits[name])
+        n = self.producer.get(name)
+        if n is not None and n.op_type == "Constant" and n.domain in ("", "ai.onnx"):
+            for a in n.attribute:
+                if a.name == "value":
+                    return numpy_helper.to_array(a.t)
+                if a.name == "value_float":
+                    return np.array(a.f, np.float32)
+                if a.name == "value_floats":
+                    return np.array(a.floats, np.float32)
+                if a.name == "value_int":
+                    return np.array(a.i, np.int64)
+                if a.name == "value_ints":
+                    return np.array(a.ints, np.int64)
+        return None
+
+    def scalar(self, name: str) -> float | None:
+        v = self.const(name)
+        if v is None or v.size != 1:
+            return None
+        return float(v.reshape(()))
+
+    def add_init(self, array: np.ndarray, base: str) -> str:
+        name = self.fresh(base)
+        t = numpy_helper.from_array(np.ascontiguousarray(array), name)
+        self.g.initializer.append(t)
+        self.inits[name] = t
+        return name
+
+    # -- structure ------------------------------------------------------------------------
+    def node(self, op_type: str, inputs, outputs, name: str | None = None, domain: str = "", **attrs):
+        n = helper.make_node(op_type, list(inputs), list(outputs),
+                             name=name or self.fresh(op_type), domain=domain, **attrs)
+        self.g.node.append(n)
+        for o in n.output:
+            if o:
+                self.producer[o] = n
+        for i in n.input:
+            if i:
+                self.consumers[i].append(n)
+        return n
+
+    def only_consumer(self, name: str) -> onnx.NodeProto | None:
+        c = self.consumers.get(name, [])
+        if len(c) == 1 and name not in self.graph_outputs:
+            return c[0]
+        return None
+
+    def rename_uses(self, old: str, new: str, skip: set[int] = frozenset()) -> None:
+        """Make every consumer of `old` (except nodes whose id() is in `skip`) read `new`.
+        Graph outputs keep their names: a pass that replaces one removes its producer and
+        names the new producer's output after it."""
+        if old in self.graph_outputs:
+            raise QwcError(f"internal: cannot rename uses of graph output {old}")
+        for n in list(self.consumers.get(old, [])):
+            if id(n) in skip:
+                continue
+            for k, i in enumerate(n.input):
+                if i == old:
+                    n.input[k] = new
+            self.consumers[new].append(n)
+        self.consumers[old] = [n for n in self.consumers.get(old, []) if id(n) in skip]
+
+    def remove_node(self, n: onnx.NodeProto) -> None:
+        """Remove `n` now (needed when a replacement must produce one of its output names)."""
+        for k, m in enumerate(self.g.node):
+            if list(m.output) == list(n.output) and m.op_type == n.op_type:
+                del self.g.node[k]
+                break
+        for o in n.output:
+            if self.producer.get(o) is n:
+                del self.producer[o]
+        for i in n.input:
+            self.consumers[i] = [c for c in self.consumers.get(i, []) if c is not n]
+
+    def attr(self, node: onnx.NodeProto, name: str, default=None):
+        for a in node.attribute:
+            if a.name == name:
+                return helper.get_attribute_value(a)
+        return default
+
+    # -- clean-up -------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Drop nodes and initializers nothing needs, sort nodes topologically, reindex."""
+        nodes = list(self.g.node)
+        prod = {o: n for n in nodes for o in n.output if o}
+        live: set[str] = set()
+        kept: set[int] = set()
+        work = list(self.graph_outputs)
+        while work:  # order-independent: passes append replacement nodes at the end
+            name = work.pop()
+            if name in live:
+                continue
+            live.add(name)
+            n = prod.get(name)
+            if n is not None and id(n) not in kept:
+                kept.add(id(n))
+                work.extend(i for i in n.input if i)
+        used_inits = [t for t in self.g.initializer if t.name in live]
+        del self.g.initializer[:]
+        self.g.initializer.extend(used_inits)
+        self.inits = {t.name: t for t in self.g.initializer}
+        self._toposort([n for n in nodes if id(n) in kept])
+        # Drop value_info of tensors that no longer exist; shape inference refills it.
+        names = live | {o for n in self.g.node for o in n.output}
+        vi = [v for v in self.g.value_info if v.name in names]
+        del self.g.value_info[:]
+        self.g.value_info.extend(vi)
+        self.reindex()
+
+    def _toposort(self, nodes: list[onnx.NodeProto]) -> None:
+        available = set(self.inits) | self.graph_inputs | {""}
+        prod = {o: n for n in nodes for o in n.output}
+        order, placed, visiting = [], set(), set()
+
+        def visit(n):
+            if id(n) in placed:
+                return
+            if id(n) in visiting:
+                raise QwcError(f"graph has a cycle through node {n.name} ({n.op_type})")
+            visiting.add(id(n))
+            for i in n.input:
+                if i in available or i not in prod:
+                    continue
+                visit(prod[i])
+            visiting.discard(id(n))
+            placed.add(id(n))
+            order.append(n)
+
+        for n in nodes:
+            visit(n)
+        for n in order:
+            for i in n.input:
+                if i and i not in available and i not in prod:
+                    raise QwcError(f"node {n.name} ({n.op_type}) reads {i!r}, which nothing produces "
+                                   "(a missing initializer?)")
+        del self.g.node[:]
+        self.g.node.extend(order)
+
+
+def ensure_ms_opset(model: onnx.ModelProto) -> None:
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+
+
+def node_label(n: onnx.NodeProto) -> str:
+    """A readable name for error messages: the node name and op."""
+    return f"node {n.name or '<unnamed>'} ({n.domain + '::' if n.domain else ''}{n.op_type})"

@@ -1,0 +1,24 @@
+"""Options shared by the passes (one object handed to every `run(model, options)`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qwc.config import ModelConfig
+
+
+@dataclass
+class PassOptions:
+    config: ModelConfig | None = None   # rotary constants and context length come from here
+    block_size: int = 32                # 32 is llama.cpp's Q4_0; 128 trades accuracy for speed
+    lm_head_bits: int = 4               # 8 keeps embedding + tied lm_head at Q8_0 (llama.cpp's default)
+    keep_float: list[str] = field(default_factory=list)   # fnmatch patterns of linears left in float
+    untie_lm_head: bool = False         # give the lm_head its own weight so the final norm folds
+    fold_limit: int = 4096              # largest constant (elements) canonicalize folds: shape math, never weights
+
+    def validate(self) -> None:
+        from qwc.errors import QwcError
+        if self.block_size not in (32, 128):
+            raise QwcError(f"block size {self.block_size} is not supported (32 or 128)")
+        if self.lm_head_bits not in (4, 8):
+            raise QwcError(f"lm-head bits {self.lm_head_bits} is not supported (4 or 8)")

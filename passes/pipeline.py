@@ -1,0 +1,180 @@
+"""The pass pipeline: exported graph -> canonical int4 graph, and the check that the result
+holds only what the compiler accepts."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import onnx
+
+from qwc import progress
+from qwc.errors import QwcError
+
+from . import (canonicalize, fold_norm_scales, fuse_attention, fuse_rmsnorm, fuse_rotary,
+               quantize_embedding, quantize_linears, schemas)
+from .graph import node_label
+from .options import PassOptions
+
+PASSES = [
+    ("canonicalize", canonicalize.run),
+    ("fuse RMSNorm", fuse_rmsnorm.run),
+    ("fold RMSNorm scales", fold_norm_scales.run),
+    ("fuse rotary", fuse_rotary.run),
+    ("fuse attention", fuse_attention.run),
+    ("quantize embedding", quantize_embedding.run),
+    ("quantize linears", quantize_linears.run),
+    ("clean up", canonicalize.run),
+]
+
+CANONICAL_OPS = {
+    ("", "SimplifiedLayerNormalization"), ("com.microsoft", "SkipSimplifiedLayerNormalization"),
+    ("com.microsoft", "RotaryEmbedding"), ("com.microsoft", "GroupQueryAttention"),
+    ("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized"),
+}
+# Plain ops the canonical graph may keep: elementwise math, the lengths GQA needs, the
+# embedding reshape, and float MatMul / Gather / Transpose for linears kept in float.
+PLAIN_OPS = {
+    "Add", "Sub", "Mul", "Div", "Sigmoid", "Tanh", "Relu", "Neg", "Cast", "Shape", "ReduceSum",
+    "Reshape", "Unsqueeze", "Squeeze", "MatMul", "Gather", "Transpose", "Identity", "Concat",
+    "Slice",
+}
+_HINTS = {
+    "LayerNormalization": "qwc handles RMSNorm models; LayerNorm is not supported",
+    "ReduceMean": "a normalization the passes could not fuse (qwc handles RMSNorm only)",
+    "Softmax": "an attention block the passes could not fuse into GroupQueryAttention",
+    "Pow": "an unfused normalization",
+    "Sqrt": "an unfused normalization",
+}
+
+
+def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
+    options.validate()
+    schemas.register()
+    check_ops_known(model)
+    for name, fn in PASSES:
+        t0 = time.perf_counter()
+        model = fn(model, options)
+        progress.info(f"[qwc]   {name}: {len(model.graph.node)} nodes ({time.perf_counter() - t0:.1f}s)")
+    check_canonical(model)
+    onnx.checker.check_model(model if model.ByteSize() < 2**31 - 2**26 else _structure(model))
+    return model
+
+
+def _structure(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model without initializer payloads (for the checker on >2 GB models)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for t in m.graph.initializer:
+        t.ClearField("raw_data")
+    return m
+
+
+def check_ops_known(model: onnx.ModelProto) -> None:
+    """Custom ops we do not implement fail up front, naming the node."""
+    ms = {op for d, op in CANONICAL_OPS if d == "com.microsoft"}
+    for n in model.graph.node:
+        if n.domain in ("", "ai.onnx"):
+            continue
+        if n.domain == "com.microsoft" and n.op_type in ms:
+            continue
+        raise QwcError(f"{node_label(n)}: unsupported custom op")
+
+
+def check_canonical(model: onnx.ModelProto) -> None:
+    for n in model.graph.node:
+        key = (n.domain if n.domain != "ai.onnx" else "", n.op_type)
+        if key in CANONICAL_OPS or (key[0] == "" and key[1] in PLAIN_OPS):
+            continue
+        hint = _HINTS.get(n.op_type, "not part of the canonical graph")
+        raise QwcError(f"{node_label(n)}: {hint}")
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def param_bytes(model: onnx.ModelProto) -> int:
+    total = 0
+    for t in model.graph.initializer:
+        if t.raw_data:
+            total += len(t.raw_data)
+        else:
+            total += onnx.numpy_helper.to_array(t).nbytes
+    return total
+
+
+# --- files -------------------------------------------------------------------------------
+
+EXTERNAL_DATA_THRESHOLD = 1_900_000_000
+
+
+def load_graph(path) -> onnx.ModelProto:
+    from pathlib import Path
+
+    from google.protobuf.message import DecodeError
+
+    path = Path(path)
+    if not path.is_file():
+        raise QwcError(f"{path}: no such file")
+    try:
+        return onnx.load(str(path))
+    except DecodeError:
+        raise QwcError(f"{path}: not a valid ONNX model (protobuf decode failed)") from None
+    except (OSError, ValueError, onnx.checker.ValidationError) as e:
+        raise QwcError(f"{path}: cannot load ONNX model ({str(e).splitlines()[0]})") from None
+
+
+def save_graph(model: onnx.ModelProto, out, config, tokenizer_src) -> None:
+    """Write `out` (+ external data when large) and its config / tokenizer sidecars atomically."""
+    import shutil
+    from pathlib import Path
+
+    from qwc.atomic import publish, staging_dir
+    from qwc.config import sidecar_paths
+
+    out = Path(out)
+    cfg_path, tok_path = sidecar_paths(out)
+    external = param_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    with staging_dir(out) as tmp:
+        staged = tmp / out.name
+        onnx.save(model, str(staged), save_as_external_data=external,
+                  location=out.name + ".data" if external else None)
+        config.save(tmp / cfg_path.name)
+        moves = [(tmp / cfg_path.name, cfg_path)]
+        if tokenizer_src is not None:
+            shutil.copyfile(tokenizer_src, tmp / tok_path.name)
+            moves.append((tmp / tok_path.name, tok_path))
+        if external:
+            moves.append((tmp / (out.name + ".data"), out.with_name(out.name + ".data")))
+        publish(moves + [(staged, out)])
+
+
+def optimize_file(src, out, options: PassOptions, verify: bool = False) -> dict:
+    """`qwc optimize`: load, run the pipeline, optionally verify against the input with
+    onnxruntime, write. Returns the numbers the CLI prints."""
+    from qwc.atomic import check_destination
+    from qwc.config import load_for_graph, tokenizer_for_graph
+
+    from .verify import compare, random_steps
+
+    check_destination(out)
+    config = load_for_graph(src)
+    options.config = config
+    with progress.stage(f"loading {src}"):
+        model = load_graph(src)
+    before_ops, before_bytes = op_counts(model), param_bytes(model)
+    original = onnx.ModelProto()
+    if verify:
+        original.CopyFrom(model)
+    with progress.stage("running passes"):
+        model = optimize(model, options)
+    report = None
+    if verify:
+        with progress.stage("verifying against the input graph with onnxruntime"):
+            report = compare(original, model, config, random_steps(config, batch=1, prompt=8, decode=8))
+        del original
+    with progress.stage(f"writing {out}"):
+        save_graph(model, out, config, tokenizer_for_graph(src))
+    return {"before_ops": before_ops, "after_ops": op_counts(model), "before_bytes": before_bytes,
+            "after_bytes": param_bytes(model), "report": report}

@@ -1,0 +1,63 @@
+"""Quantize linears: MatMul(x, W) with a constant W [K, N] (and a following Add of a
+constant bias [N]) -> com.microsoft MatMulNBits (bits 4, symmetric: no zero-point input,
+so onnxruntime uses 8; block 32 or 128), Q4_0-exact (qwc.q4).
+
+Linears whose module name matches a pattern in `options.keep_float` stay in float.
+The tied lm_head (MatMul(x, Transpose(embedding))) is left to the embedding pass, which
+quantizes both uses from one copy of the bytes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import numpy as np
+import onnx
+
+from qwc.q4 import pack_nibbles, quantize_q4_0
+
+from .graph import MS_DOMAIN, Graph, ensure_ms_opset
+from .naming import module_name
+from .options import PassOptions
+
+
+def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:
+    options = options or PassOptions()
+    g = Graph(model)
+    for n in list(g.g.node):
+        if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx"):
+            continue
+        w = g.const(n.input[1])
+        if w is None or w.ndim != 2 or g.const(n.input[0]) is not None:
+            continue
+        name = module_name(n)
+        if any(fnmatch.fnmatch(name, pat) for pat in options.keep_float):
+            continue
+        emit_matmul_nbits(g, n, np.ascontiguousarray(w.T), options.block_size, name)
+    g.commit()
+    ensure_ms_opset(model)
+    return model
+
+
+def emit_matmul_nbits(g: Graph, n: onnx.NodeProto, w_nk: np.ndarray, block: int, name: str,
+                      packed: str | None = None, scales: str | None = None, bits: int = 4) -> None:
+    """Replace MatMul node `n` (weight given as [N, K]) by MatMulNBits, folding a constant bias
+    Add that follows it. `packed`/`scales` reuse already-quantized initializers."""
+    nn, k = w_nk.shape
+    if packed is None:
+        q, d = quantize_q4_0(w_nk, block)
+        packed = g.add_init(pack_nibbles(q), f"{name}.qweight")
+        scales = g.add_init(d, f"{name}.scales")
+    inputs = [n.input[0], packed, scales]
+    out = n.output[0]
+    add = g.only_consumer(out)
+    if add is not None and add.op_type == "Add":
+        other = add.input[1] if add.input[0] == out else add.input[0]
+        b = g.const(other)
+        if b is not None and b.shape == (nn,) and add.output[0] not in g.graph_outputs:
+            inputs += ["", "", other]
+            g.remove_node(add)
+            out = add.output[0]
+    g.remove_node(n)
+    g.node("MatMulNBits", inputs, [out], name=g.fresh(name + ".MatMulNBits"), domain=MS_DOMAIN,
+           K=k, N=nn, bits=bits, block_size=block)

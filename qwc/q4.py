@@ -1,0 +1,84 @@
+"""Block quantization arithmetic shared by every stage: llama.cpp's Q4_0 and Q8_0.
+
+Q4_0 (symmetric, one fp16 scale per block): d = m / -8 where m is the block's element of
+largest magnitude, with its sign; q = min(15, trunc(x / d + 8.5)); w = (q - 8) * d. The
+arithmetic follows llama.cpp's `quantize_row_q4_0_ref` in float32 step by step (the
+reciprocal is taken from the float32 d, the stored d is rounded to fp16), so the values are
+bit-identical. Only the nibble order of the packed bytes differs: onnxruntime's MatMulNBits
+puts element 2j in the low nibble and 2j+1 in the high one; llama.cpp puts j and j+16.
+
+Q8_0 (used when the embedding / lm_head stay at 8 bits): d = amax / 127, q = round(x / d).
+
+A row whose length is not a multiple of the block is padded with zeros to whole blocks.
+models/qat.py mirrors `fake_quantize_q4_0` in torch; the tests hold the two equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _blocks(w: np.ndarray, block: int) -> np.ndarray:
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
+    n, k = w.shape
+    pad = -k % block
+    if pad:
+        w = np.concatenate([w, np.zeros((n, pad), np.float32)], axis=1)
+    return w.reshape(n, -1, block)
+
+
+def quantize_q4_0(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize rows of `w` [N, K]. Returns q uint8 [N, nb, block] in 0..15 and the
+    fp16-representable scales d float32 [N, nb]."""
+    x = _blocks(w, block)
+    idx = np.argmax(np.abs(x), axis=2)[..., None]
+    m = np.take_along_axis(x, idx, axis=2)[..., 0]
+    d = (m / np.float32(-8.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    v = (x * inv[..., None]).astype(np.float32) + np.float32(8.5)
+    q = np.minimum(np.trunc(v), 15).astype(np.uint8)
+    return q, d.astype(np.float16).astype(np.float32)
+
+
+def dequantize_q4_0(q: np.ndarray, d: np.ndarray, k: int | None = None) -> np.ndarray:
+    w = ((q.astype(np.float32) - 8.0) * d[..., None]).reshape(q.shape[0], -1)
+    return w if k is None else w[:, :k]
+
+
+def fake_quantize_q4_0(w: np.ndarray, block: int = 32) -> np.ndarray:
+    """The float weight a Q4_0 round trip gives (what a quantized kernel computes with)."""
+    q, d = quantize_q4_0(w, block)
+    return dequantize_q4_0(q, d, np.asarray(w).shape[1])
+
+
+def quantize_q8_0(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """Returns q int8 [N, nb, block] and fp16-representable scales d float32 [N, nb]."""
+    x = _blocks(w, block)
+    amax = np.max(np.abs(x), axis=2)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    v = (x * inv[..., None]).astype(np.float32)
+    q = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int8)  # roundf: half away from 0
+    return q, d.astype(np.float16).astype(np.float32)
+
+
+def dequantize_q8_0(q: np.ndarray, d: np.ndarray, k: int | None = None) -> np.ndarray:
+    w = (q.astype(np.float32) * d[..., None]).reshape(q.shape[0], -1)
+    return w if k is None else w[:, :k]
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """[..., 2m] values 0..15 -> [..., m] bytes, element 2j low nibble (onnxruntime order)."""
+    q = q.astype(np.uint8)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_nibbles(b: np.ndarray) -> np.ndarray:
+    out = np.empty(b.shape[:-1] + (2 * b.shape[-1],), np.uint8)
+    out[..., 0::2] = b & 0x0F
+    out[..., 1::2] = b >> 4
+    return out
