@@ -49,14 +49,31 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
 
 
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnx shape inference on the graph's structure: large initializers are replaced by
+    typed graph inputs first, so models past protobuf's 2 GB limit infer as well (and fast).
+    The inferred value_info is copied back onto `model`."""
+    skeleton = onnx.ModelProto()
+    skeleton.ir_version = model.ir_version
+    skeleton.opset_import.extend(model.opset_import)
+    sg = skeleton.graph
+    sg.node.extend(model.graph.node)
+    sg.input.extend(model.graph.input)
+    sg.output.extend(model.graph.output)
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) > (1 << 16):
+            sg.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        else:
+            sg.initializer.append(t)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            inferred = shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
+            inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False,
                                                     data_prop=True)
         except Exception:
             return model  # inference is an aid, never a requirement
-    return inferred
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(inferred.graph.value_info)
+    return model
 
 
 def _constants_to_initializers(g: Graph) -> None:
@@ -147,12 +164,12 @@ def _fold_constants(g: Graph, limit: int) -> bool:
             continue
         if any(o in g.graph_outputs for o in n.output):
             continue
-        vals = [g.const(i) if i else None for i in n.input]
-        if any(v is None for i, v in zip(n.input, vals) if i):
-            continue
         # Only fold when inputs and results stay small: shape arithmetic, not weights.
-        if sum(v.size for v in vals if v is not None) > limit and n.op_type not in ("Shape", "Size"):
+        # Sizes come from initializer dims, so no large tensor is ever decoded here.
+        sizes = [_const_size(g, i) for i in n.input if i]
+        if any(sz is None for sz in sizes) or sum(sizes) > limit:
             continue
+        vals = [g.const(i) if i else None for i in n.input]
         try:
             outs = ReferenceEvaluator(n).run(None, {i: v for i, v in zip(n.input, vals) if i})
         except Exception:
@@ -162,6 +179,15 @@ def _fold_constants(g: Graph, limit: int) -> bool:
         _replace_with_constant(g, n, [np.asarray(o) for o in outs])
         changed = True
     return changed
+
+
+def _const_size(g: Graph, name: str) -> int | None:
+    """Element count of a constant input, or None if it is not a constant."""
+    t = g.inits.get(name)
+    if t is not None:
+        return int(np.prod(t.dims)) if len(t.dims) else 1
+    v = g.const(name)  # Constant nodes are small by construction here
+    return None if v is None else int(v.size)
 
 
 def _replace_with_constant(g: Graph, n: onnx.NodeProto, values: list[np.ndarray]) -> None:

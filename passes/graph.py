@@ -151,9 +151,11 @@ class Graph:
             if n is not None and id(n) not in kept:
                 kept.add(id(n))
                 work.extend(i for i in n.input if i)
-        used_inits = [t for t in self.g.initializer if t.name in live]
-        del self.g.initializer[:]
-        self.g.initializer.extend(used_inits)
+        # Delete dead initializers in place: rebuilding the list would copy every weight
+        # (protobuf keeps removed messages' memory until the model itself is freed).
+        for k in range(len(self.g.initializer) - 1, -1, -1):
+            if self.g.initializer[k].name not in live:
+                del self.g.initializer[k]
         self.inits = {t.name: t for t in self.g.initializer}
         self._toposort([n for n in nodes if id(n) in kept])
         # Drop value_info of tensors that no longer exist; shape inference refills it.
