@@ -15,10 +15,13 @@ from pathlib import Path
 from .errors import QwcError
 
 
-def check_destination(dest: Path) -> None:
-    """Fail early, before any expensive work, if `dest` cannot be written. Creates nothing."""
+def check_destination(dest: Path, folder: bool = False) -> None:
+    """Fail early, before any expensive work, if `dest` cannot be written. Creates nothing.
+    `folder`: the output is a directory (replaced whole), not a file."""
     dest = Path(dest)
-    if dest.is_dir():
+    if folder and dest.exists() and not dest.is_dir():
+        raise QwcError(f"cannot write {dest}: a file is in the way")
+    if not folder and dest.is_dir():
         raise QwcError(f"cannot write {dest}: it is a directory")
     ancestor = dest.parent
     while not ancestor.exists():  # the folders that staging will create
@@ -30,10 +33,10 @@ def check_destination(dest: Path) -> None:
 
 
 @contextlib.contextmanager
-def staging_dir(dest: Path):
+def staging_dir(dest: Path, folder: bool = False):
     """Yield a fresh temp directory on the same filesystem as `dest`; removed on exit."""
     dest = Path(dest)
-    check_destination(dest)
+    check_destination(dest, folder)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))

@@ -45,6 +45,66 @@ def _cmd_optimize(args: argparse.Namespace) -> None:
     progress.info(f"[qwc] wrote {args.output} in {time.perf_counter() - t0:.1f}s")
 
 
+def _cmd_compile(args: argparse.Namespace) -> None:
+    from qwc.compiler.compile import compile_file
+
+    t0 = time.perf_counter()
+    times = compile_file(args.model, args.target, args.output)
+    parts = ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
+    progress.info(f"[qwc] compiled {args.model} for {args.target} -> {args.output} in "
+                  f"{time.perf_counter() - t0:.1f}s ({parts})")
+
+
+def _cmd_run(args: argparse.Namespace) -> None:
+    from qwc.runtime.engine import Engine
+    from qwc.runtime.sampling import SamplingParams
+
+    eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
+    sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        repetition_penalty=args.repetition_penalty, seed=args.seed)
+    if args.chat:
+        _chat(eng, sp, args.max_new_tokens)
+        return
+    if args.prompt is None:
+        raise QwcError("give --prompt TEXT (or --chat)")
+    t0 = time.perf_counter()
+    n = 0
+    sys.stdout.write(args.prompt)
+    for piece in eng.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sp):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        n += 1
+    sys.stdout.write("\n")
+    progress.info(f"[qwc] {eng.pos} tokens in context, {time.perf_counter() - t0:.2f}s")
+
+
+def _chat(eng, sp, max_new_tokens: int) -> None:
+    template = eng.model.get("chat_template")
+    if not template:
+        raise QwcError("this model has no chat template; use --prompt")
+    from jinja2 import Template
+
+    messages = []
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = Template(template).render(messages=messages, add_generation_prompt=True)
+        eng.reset()
+        reply = ""
+        for piece in eng.generate(prompt, max_new_tokens=max_new_tokens, sampling=sp):
+            reply += piece
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        print()
+        messages.append({"role": "assistant", "content": reply})
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwc", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--version", action="version", version=f"qwc {__version__}")
@@ -77,6 +137,29 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--verify", action="store_true",
                    help="run the input and output graphs in onnxruntime and report their difference")
     o.set_defaults(func=_cmd_optimize)
+
+    c = sub.add_parser("compile", help="compile a graph for a target into a model.qwc artifact",
+                       description="Lower the canonical graph (running the passes first if the graph is a "
+                                   "plain export) through TVM and write the artifact.")
+    c.add_argument("model", help=".onnx graph (exported or canonical) with its .config.json beside it")
+    c.add_argument("--target", default="host",
+                   help="host, x86-avx2, arm-yitian or arm-neon (default: host)")
+    c.add_argument("-o", "--output", required=True, help="output artifact folder (model.qwc)")
+    c.set_defaults(func=_cmd_compile)
+
+    r = sub.add_parser("run", help="generate text with a compiled artifact")
+    r.add_argument("model", help="model.qwc artifact folder")
+    r.add_argument("--prompt", help="text to continue")
+    r.add_argument("--chat", action="store_true", help="interactive chat with the model's chat template")
+    r.add_argument("--max-new-tokens", type=int, default=32)
+    r.add_argument("--ctx", type=int, default=512, help="KV-cache size in tokens (default 512)")
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--repetition-penalty", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--threads", type=int, default=None, help="worker threads (default: TVM's choice)")
+    r.set_defaults(func=_cmd_run)
     return p
 
 

@@ -1,0 +1,94 @@
+"""The compiled artifact `model.qwc/`: a folder a person can inspect with standard tools.
+
+    manifest.json   format version, qwc version, target, model config, quantization,
+                    entry points and their signature, parameter index, file hashes
+    lib.so          the built module (cross-linked for ARM targets)
+    params.bin      every parameter, raw little-endian, 64-byte aligned, indexed in the manifest
+    tokenizer.json  the model's tokenizer
+
+Written into a temp folder beside the destination and renamed into place, so a failed
+compile never leaves a half-written artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from qwc import __version__
+from qwc.atomic import staging_dir
+from qwc.config import ModelConfig
+
+FORMAT_VERSION = 1
+ALIGN = 64
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_params(path: Path, names: list[str], values: dict) -> list[dict]:
+    index, offset = [], 0
+    with open(path, "wb") as f:
+        for name in names:
+            a = np.ascontiguousarray(values[name].numpy() if hasattr(values[name], "numpy") else values[name])
+            pad = -offset % ALIGN
+            f.write(b"\0" * pad)
+            offset += pad
+            f.write(a.tobytes())
+            index.append({"name": name, "dtype": str(a.dtype), "shape": list(a.shape), "offset": offset,
+                          "nbytes": a.nbytes})
+            offset += a.nbytes
+    return index
+
+
+def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_names, params,
+                   tokenizer: Path | None, signature: dict, quant: dict) -> None:
+    out = Path(out)
+    with staging_dir(out, folder=True) as tmp:
+        art = tmp / out.name
+        art.mkdir()
+        lib = art / "lib.so"
+        if target.cross_compiler:
+            import tvm
+            executable.export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(target.cross_compiler))
+        else:
+            executable.export_library(str(lib))
+        index = write_params(art / "params.bin", param_names, params)
+        files = ["lib.so", "params.bin"]
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, art / "tokenizer.json")
+            files.append("tokenizer.json")
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "qwc_version": __version__,
+            "target": {"name": target.name, "arch": target.arch, "triple": target.triple, "mcpu": target.mcpu,
+                       "mattr": list(target.mattr), "features": sorted(target.features)},
+            "model": json.loads(config.to_json()),
+            "quantization": quant,
+            "functions": signature,
+            "params": index,
+            "files": {f: sha256(art / f) for f in files},
+        }
+        (art / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        _replace_dir(art, out)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)

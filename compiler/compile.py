@@ -1,0 +1,101 @@
+"""`qwc compile`: canonical graph (or an exported one, run through the passes first) ->
+built module for a target -> the `model.qwc/` artifact."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from qwc import progress
+from qwc.atomic import check_destination
+from qwc.config import load_for_graph, tokenizer_for_graph
+from qwc.errors import QwcError
+
+from .targets import get_target
+
+
+def last_position_logits(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Compute the lm_head for the last position only: generation needs nothing else, and a
+    512-token prompt would otherwise produce 512 x vocab logits (311 MB for Qwen2.5)."""
+    g = model.graph
+    prod = {o: n for n in g.node for o in n.output}
+    head = prod.get("logits")
+    if head is None:
+        raise QwcError("graph has no 'logits' output")
+    x = head.input[0]
+    sliced = x + "_last"
+    g.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), "qwc_last_start"),
+                          numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "qwc_last_end"),
+                          numpy_helper.from_array(np.array([1], np.int64), "qwc_seq_axis")])
+    node = helper.make_node("Slice", [x, "qwc_last_start", "qwc_last_end", "qwc_seq_axis"], [sliced],
+                            name="qwc_last_position")
+    idx = list(g.node).index(head)
+    g.node.insert(idx, node)
+    head.input[0] = sliced
+    return model
+
+
+def quant_summary(model: onnx.ModelProto) -> dict:
+    blocks = Counter()
+    for n in model.graph.node:
+        if n.op_type == "MatMulNBits":
+            a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+            blocks[(int(a.get("bits", 4)), int(a["block_size"]))] += 1
+    gbq = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    emb_bits = int(next((helper.get_attribute_value(a) for a in gbq[0].attribute if a.name == "bits"), 4)) if gbq else None
+    return {"scheme": "q4_0", "linears": [{"bits": b, "block": k, "count": c} for (b, k), c in sorted(blocks.items())],
+            "embedding_bits": emb_bits}
+
+
+def compile_file(src, target_name: str, out, options=None) -> dict:
+    from qwc.passes.options import PassOptions
+    from qwc.passes.pipeline import check_canonical, check_ops_known, load_graph, optimize
+
+    from .artifact import write_artifact
+    from .build import build, to_relax
+
+    target = get_target(target_name)
+    check_destination(out, folder=True)
+    config = load_for_graph(src)
+    times = {}
+    t0 = time.perf_counter()
+    with progress.stage(f"loading {src}"):
+        model = load_graph(src)
+    check_ops_known(model)
+    if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
+        check_canonical(model)
+    else:
+        with progress.stage("running passes (the graph is not canonical yet)"):
+            options = options or PassOptions()
+            options.config = config
+            model = optimize(model, options)
+    times["passes"] = time.perf_counter() - t0
+    quant = quant_summary(model)
+    model = last_position_logits(model)
+    t0 = time.perf_counter()
+    with progress.stage("importing into TVM Relax"):
+        mod, names, params = to_relax(model)
+    times["import"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):
+        ex = build(mod, target)
+    times["build"] = time.perf_counter() - t0
+    cache = [i.name for i in model.graph.input if i.name.startswith("past_key_values.")]
+    signature = {
+        "entry_points": {"prefill": "any number of new tokens", "decode": "one new token"},
+        "inputs": ["input_ids", "attention_mask", "position_ids"],
+        "cache": cache,
+        "cache_shape": ["1", config.num_key_value_heads, "ctx", config.head_dim],
+        "outputs": ["logits [1, 1, vocab] (last position)"] + [c.replace("past_key_values", "present") for c in cache],
+    }
+    t0 = time.perf_counter()
+    with progress.stage(f"writing {out}"):
+        write_artifact(Path(out), executable=ex, target=target, config=config, param_names=names,
+                       params=params, tokenizer=tokenizer_for_graph(src), signature=signature, quant=quant)
+    times["write"] = time.perf_counter() - t0
+    return times

@@ -1,0 +1,153 @@
+"""ONNX (canonical graph) -> TVM Relax.
+
+TVM 0.27's ONNX frontend has no hook for custom ops: its op table is the module function
+`onnx_frontend._get_convert_map()`, looked up on every use and keyed by op_type only. qwc
+extends it here, in one place, with converters for the canonical ops; each emits qwc's
+kernels (`compiler/kernels/`), so int4 weights stay int4 and are dequantized inside the
+matmul. Params stay function inputs (`keep_params_in_input=True`): constant folding would
+otherwise dequantize every weight into an fp32 constant.
+
+The KV cache is a contiguous per-layer buffer [1, kv_heads, cache_len, head_dim] owned by
+the runtime; GroupQueryAttention writes the new K/V into it in place (call_tir_inplace) and
+attends over it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import onnx
+from tvm import relax
+from tvm.relax.frontend.onnx import onnx_frontend as F
+
+from qwc.errors import QwcError
+
+from .kernels import generic
+
+# Kernel names get the entry point's name in front, so the prefill and decode imports can
+# live in one IRModule without their (differently specialised) kernels colliding.
+_prefix = ""
+
+
+def _kname(name: str) -> str:
+    return f"{_prefix}_{name}" if _prefix else name
+
+
+class MatMulNBits(F.OnnxOpConverter):
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        a, w, s = inputs[0], inputs[1], inputs[2]
+        if len(inputs) > 3 and inputs[3] is not None:
+            raise QwcError("MatMulNBits with explicit zero points is not supported (qwc emits symmetric Q4_0)")
+        out = bb.emit_te(generic.matmul_nbits, a, w, s, k=int(attr["K"]), n=int(attr["N"]),
+                         block=int(attr["block_size"]), bits=int(attr.get("bits", 4)),
+                         primfunc_name_hint=_kname("matmul_nbits"))
+        if len(inputs) > 5 and inputs[5] is not None:
+            out = bb.emit(relax.op.add(out, inputs[5]))
+        return out
+
+
+class GatherBlockQuantized(F.OnnxOpConverter):
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        w, idx, s = inputs[0], inputs[1], inputs[2]
+        if attr.get("gather_axis", 0) != 0 or attr.get("quantize_axis", 1) != 2:
+            raise QwcError("GatherBlockQuantized: qwc supports gather_axis 0, quantize_axis 2")
+        return bb.emit_te(generic.gather_block_quantized, w, idx, s, block=int(attr["block_size"]),
+                          bits=int(attr.get("bits", 4)), primfunc_name_hint=_kname("gather_block_quantized"))
+
+
+class SimplifiedLayerNormalization(F.OnnxOpConverter):
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        return relax.op.nn.rms_norm(inputs[0], inputs[1], axes=[-1], epsilon=float(attr.get("epsilon", 1e-5)))
+
+
+class SkipSimplifiedLayerNormalization(F.OnnxOpConverter):
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        total = bb.emit(relax.op.add(inputs[0], inputs[1]))
+        if len(inputs) > 3 and inputs[3] is not None:
+            total = bb.emit(relax.op.add(total, inputs[3]))
+        y = bb.emit(relax.op.nn.rms_norm(total, inputs[2], axes=[-1], epsilon=float(attr.get("epsilon", 1e-5))))
+        return relax.Tuple([y, total, total, total])  # outputs 1-2 (mean, inv std) are never read
+
+
+class RotaryEmbedding(F.OnnxOpConverter):
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        x, pos, cos, sin = inputs[:4]
+        if attr.get("interleaved", 0):
+            raise QwcError("RotaryEmbedding: interleaved rotary is not supported")
+        return bb.emit_te(generic.rotary, x, pos, cos, sin, heads=int(attr["num_heads"]),
+                          primfunc_name_hint=_kname("rotary"))
+
+
+class GroupQueryAttention(F.OnnxOpConverter):
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        q, k, v, past_k, past_v, seqlens = (
+            x if isinstance(x, relax.Var) else bb.emit(x) for x in inputs[:6])
+        if attr.get("do_rotary", 0) or attr.get("softcap", 0.0) or attr.get("local_window_size", -1) != -1:
+            raise QwcError("GroupQueryAttention: do_rotary, softcap and local windows are not supported")
+        heads, kv_heads = int(attr["num_heads"]), int(attr["kv_num_heads"])
+        head_dim = int(past_k.ty.shape[3])
+        scale = float(attr.get("scale", 0.0)) or 1.0 / math.sqrt(head_dim)
+        write = bb.add_func(generic.kv_cache_write(), _kname("kv_cache_write"))
+        kc = bb.emit(relax.call_tir_inplace(write, [past_k, k, seqlens], 0, past_k.ty))
+        vc = bb.emit(relax.call_tir_inplace(write, [past_v, v, seqlens], 0, past_v.ty))
+        out = bb.emit_te(generic.attention, q, kc, vc, seqlens, heads=heads, kv_heads=kv_heads,
+                         head_dim=head_dim, scale=scale, primfunc_name_hint=_kname("attention"))
+        return relax.Tuple([out, kc, vc])
+
+
+_QWC_CONVERTERS = {
+    "MatMulNBits": MatMulNBits,
+    "GatherBlockQuantized": GatherBlockQuantized,
+    "SimplifiedLayerNormalization": SimplifiedLayerNormalization,
+    "SkipSimplifiedLayerNormalization": SkipSimplifiedLayerNormalization,
+    "RotaryEmbedding": RotaryEmbedding,
+    "GroupQueryAttention": GroupQueryAttention,
+}
+
+
+@contextlib.contextmanager
+def qwc_converters():
+    """Install qwc's converters into TVM's ONNX op table for the duration of an import."""
+    stock = F._get_convert_map
+
+    def extended():
+        table = stock()
+        table.update(_QWC_CONVERTERS)
+        return table
+
+    F._get_convert_map = extended
+    try:
+        yield
+    finally:
+        F._get_convert_map = stock
+
+
+def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = ""):
+    """Import the canonical graph for batch 1 and `seq` new tokens (None: any number) as
+    `main`; `prefix` names its kernels."""
+    from tvm import tirx
+
+    global _prefix
+
+    seq_dim = tirx.Var("seq", "int64") if seq is None else seq
+    total, cache = tirx.Var("total", "int64"), tirx.Var("cache_len", "int64")
+    shapes = {"input_ids": [1, seq_dim], "position_ids": [1, seq_dim], "attention_mask": [1, total]}
+    for i in model.graph.input:
+        if i.name.startswith("past_key_values."):
+            dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
+            shapes[i.name] = [1, dims[1], cache, dims[3]]
+    _prefix = prefix
+    try:
+        with qwc_converters(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # input renaming, the checker's view of com.microsoft ops
+            return F.from_onnx(model, shape_dict=shapes, keep_params_in_input=True, sanitize_input_names=True)
+    finally:
+        _prefix = ""

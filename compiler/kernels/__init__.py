@@ -1,0 +1,1 @@
+"""TIR kernels per ISA family. `generic` is correct everywhere; ISA folders specialise."""

@@ -1,0 +1,118 @@
+"""Target-independent kernels, written as TE computations and lowered by TVM.
+
+They define the semantics every specialised kernel must match: int4/int8 block-dequantized
+matmul (the weight is dequantized inside the reduction, never materialised), block-quantized
+gather, rotary embedding, and attention over the KV-cache buffer.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+
+def _dequant(w, s, n, k, block: int, bits: int, scale_3d: bool = False):
+    """Weight element (n, k) of a block-quantized [N, blocks, bytes] uint8 tensor."""
+    b = k // block
+    if bits == 4:
+        byte = w[n, b, (k % block) // 2]
+        nib = tirx.if_then_else(k % 2 == 0, byte & tirx.const(15, "uint8"), byte >> tirx.const(4, "uint8"))
+        q = nib.astype("float32") - tirx.const(8.0, "float32")
+    else:
+        q = w[n, b, k % block].astype("float32") - tirx.const(128.0, "float32")
+    return q * (s[n, b, 0] if scale_3d else s[n, b])
+
+
+def matmul_nbits(a, w, s, *, k: int, n: int, block: int, bits: int):
+    """a [..., K] float32 x block-quantized W [N, K] -> [..., N]."""
+    lead = list(a.shape[:-1])
+    r = te.reduce_axis((0, k), "k")
+
+    def body(*idx):
+        *pre, j = idx
+        return te.sum(a[(*pre, r)] * _dequant(w, s, j, r, block, bits), axis=r)
+
+    return te.compute((*lead, n), body, name="matmul_nbits")
+
+
+def gather_block_quantized(w, idx, s, *, block: int, bits: int):
+    """Rows `idx` [...] of block-quantized W [V, blocks, bytes] -> [..., blocks, block]."""
+    nb = w.shape[1]
+
+    def body(*i):
+        *pre, b, e = i
+        row = idx[tuple(pre)].astype("int64")
+        return _dequant(w, s, row, b * block + e, block, bits, scale_3d=True)
+
+    return te.compute((*idx.shape, nb, block), body, name="gather_block_quantized")
+
+
+def rotary(x, pos, cos, sin, *, heads: int):
+    """Rotate-half rotary on x [b, s, heads*head_dim] at positions pos [b, s]."""
+    width = x.shape[2]
+    d = width // heads
+    half = d // 2
+
+    def body(b, i, c):
+        dd = c % d
+        base = c - dd
+        p = pos[b, i]
+        lo = dd < half
+        j = tirx.if_then_else(lo, dd, dd - half)
+        partner = tirx.if_then_else(lo, x[b, i, base + dd + half], x[b, i, base + dd - half])
+        sign = tirx.if_then_else(lo, tirx.const(-1.0, "float32"), tirx.const(1.0, "float32"))
+        return x[b, i, c] * cos[p, j] + sign * partner * sin[p, j]
+
+    return te.compute(x.shape, body, name="rotary")
+
+
+def attention(q, kc, vc, seqlens, *, heads: int, kv_heads: int, head_dim: int, scale: float):
+    """Causal attention of q [1, s, heads*head_dim] over the cache buffers [1, kv_heads, C,
+    head_dim]. Query i sits at position past + i, past = seqlens[0] + 1 - s; it sees cache
+    slots 0 .. past + i."""
+    s = q.shape[1]
+    cap = kc.shape[2]
+    group = heads // kv_heads
+    past = seqlens[0].astype("int64") + 1 - s
+    r = te.reduce_axis((0, head_dim), "d")
+    dot = te.compute(
+        (heads, s, cap),
+        lambda h, i, j: te.sum(q[0, i, h * head_dim + r] * kc[0, h // group, j, r], axis=r),
+        name="attn_dot")
+    score = te.compute(
+        (heads, s, cap),
+        lambda h, i, j: tirx.if_then_else(j <= past + i, dot[h, i, j] * tirx.const(scale, "float32"),
+                                          tirx.const(-3.0e38, "float32")),
+        name="attn_score")
+    jm = te.reduce_axis((0, cap), "jm")
+    mx = te.compute((heads, s), lambda h, i: te.max(score[h, i, jm], axis=jm), name="attn_max")
+    ex = te.compute((heads, s, cap), lambda h, i, j: te.exp(score[h, i, j] - mx[h, i]), name="attn_exp")
+    js = te.reduce_axis((0, cap), "js")
+    den = te.compute((heads, s), lambda h, i: te.sum(ex[h, i, js], axis=js), name="attn_den")
+    jv = te.reduce_axis((0, cap), "jv")
+    num = te.compute(
+        (1, s, heads * head_dim),
+        lambda b, i, c: te.sum(ex[c // head_dim, i, jv] * vc[0, (c // head_dim) // group, jv, c % head_dim],
+                               axis=jv),
+        name="attn_num")
+    out = te.compute((1, s, heads * head_dim), lambda b, i, c: num[b, i, c] / den[c // head_dim, i],
+                     name="attn_out")
+    return out
+
+
+def kv_cache_write():
+    """In-place write of new K (or V) [1, s, kv_heads*head_dim] into the cache buffer
+    [1, kv_heads, C, head_dim] at slots past .. past + s - 1, past = seqlens[0] + 1 - s."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(private=True)
+    def write(var_cache: T.handle, var_new: T.handle, seqlens: T.Buffer((1,), "int32")):
+        T.func_attr({"tir.noalias": True})
+        kvh, cap, hd, s = T.int64(), T.int64(), T.int64(), T.int64()
+        cache = T.match_buffer(var_cache, (T.int64(1), kvh, cap, hd), "float32")
+        new = T.match_buffer(var_new, (T.int64(1), s, kvh * hd), "float32")
+        past = T.Cast("int64", seqlens[0]) + T.int64(1) - s
+        for h in T.parallel(kvh):
+            for i, d in T.grid(s, hd):
+                cache[T.int64(0), h, past + i, d] = new[T.int64(0), i, h * hd + d]
+
+    return write

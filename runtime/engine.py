@@ -1,0 +1,201 @@
+"""Runs a compiled `model.qwc/` artifact: owns the KV cache, prefills, decodes, samples.
+
+Imports only TVM's runtime, numpy and tokenizers (no torch, no onnx), so it runs where the
+compiler does not, e.g. on an ARM board with the aarch64 TVM wheel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from qwc.errors import QwcError
+
+from .sampling import Sampler, SamplingParams
+
+FORMAT_VERSION = 1
+PREFILL_CHUNK = 256
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _machine_arch() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    return flags
+
+
+# Artifact feature names -> the /proc/cpuinfo flag that proves them.
+_CPU_FLAG = {"avx2": "avx2", "fma": "fma", "avx512f": "avx512f", "avx512bw": "avx512bw",
+             "avx512vl": "avx512vl", "avx512_vnni": "avx512_vnni", "neon": "asimd", "dotprod": "asimddp",
+             "i8mm": "i8mm", "sve2": "sve2", "bf16": "bf16"}
+
+
+def read_manifest(path: Path) -> dict:
+    mf = Path(path) / "manifest.json"
+    if not Path(path).is_dir():
+        raise QwcError(f"{path}: not a compiled artifact (expected a model.qwc folder)")
+    try:
+        manifest = json.loads(mf.read_text())
+    except FileNotFoundError:
+        raise QwcError(f"{path}: no manifest.json (not a qwc artifact)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise QwcError(f"{mf}: corrupt manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        got = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise QwcError(f"{path}: artifact format version {got!r} is not supported by this runtime "
+                       f"(expected {FORMAT_VERSION}); recompile it")
+    for key in ("target", "model", "params", "files"):
+        if key not in manifest:
+            raise QwcError(f"{mf}: manifest lacks {key!r}")
+    return manifest
+
+
+def check_runs_here(manifest: dict) -> None:
+    t = manifest["target"]
+    here = _machine_arch()
+    if t["arch"] != here:
+        raise QwcError(f"artifact was compiled for {t['name']} ({t['arch']}); this machine is {here}")
+    flags = _cpu_flags()
+    missing = [f for f in t.get("features", []) if f in _CPU_FLAG and flags and _CPU_FLAG[f] not in flags]
+    if missing:
+        raise QwcError(f"artifact for {t['name']} needs CPU features this machine lacks: {', '.join(missing)}")
+
+
+class Engine:
+    def __init__(self, path, ctx: int = 512, threads: int | None = None, verify_hashes: bool = True):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        check_runs_here(self.manifest)
+        if verify_hashes:
+            for name, digest in self.manifest["files"].items():
+                f = self.path / name
+                if not f.is_file():
+                    raise QwcError(f"{self.path}: {name} is missing")
+                if _sha256(f) != digest:
+                    raise QwcError(f"{self.path}: {name} does not match its hash in the manifest (corrupt artifact)")
+        if threads:
+            os.environ["TVM_NUM_THREADS"] = str(threads)
+        import tvm
+        from tvm import relax
+
+        self._tvm = tvm
+        self.model = self.manifest["model"]
+        max_ctx = int(self.model["max_position_embeddings"])
+        if ctx > max_ctx:
+            raise QwcError(f"ctx {ctx} exceeds the model's {max_ctx} positions")
+        self.ctx = int(ctx)
+        self.device = tvm.cpu()
+        lib = tvm.runtime.load_module(str(self.path / "lib.so"))
+        self.vm = relax.VirtualMachine(lib, self.device)
+        self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
+        self.params = self._load_params()
+        kvh, hd = int(self.model["num_key_value_heads"]), int(self.model["head_dim"])
+        n_cache = 2 * int(self.model["num_hidden_layers"])
+        self.cache = [tvm.runtime.tensor(np.zeros((1, kvh, self.ctx, hd), np.float32), self.device)
+                      for _ in range(n_cache)]
+        self.pos = 0
+        self.tokenizer = None
+        tok = self.path / "tokenizer.json"
+        if tok.is_file():
+            from tokenizers import Tokenizer
+            self.tokenizer = Tokenizer.from_file(str(tok))
+        self.eos = set(self.model.get("eos_token_ids") or [])
+
+    def _load_params(self):
+        raw = np.memmap(self.path / "params.bin", dtype=np.uint8, mode="r")
+        out = []
+        for p in self.manifest["params"]:
+            end = p["offset"] + p["nbytes"]
+            if end > raw.size:
+                raise QwcError(f"{self.path}: params.bin is truncated ({p['name']} ends at byte {end}, "
+                               f"file has {raw.size})")
+            a = np.frombuffer(raw[p["offset"]:end], dtype=p["dtype"]).reshape(p["shape"])
+            out.append(self._tvm.runtime.tensor(a, self.device))
+        return out
+
+    # -- the model -----------------------------------------------------------------------
+    def reset(self) -> None:
+        """Empty the cache (its memory is reused; stale slots are never read)."""
+        self.pos = 0
+
+    def _run(self, fn, tokens: np.ndarray) -> np.ndarray:
+        tvm = self._tvm
+        s = tokens.shape[1]
+        if self.pos + s > self.ctx:
+            raise QwcError(f"{self.pos + s} tokens do not fit the context of {self.ctx} (use a larger --ctx)")
+        args = [tvm.runtime.tensor(tokens.astype(np.int64), self.device),
+                tvm.runtime.tensor(np.ones((1, self.pos + s), np.int64), self.device),
+                tvm.runtime.tensor(np.arange(self.pos, self.pos + s, dtype=np.int64)[None], self.device)]
+        out = fn(*args, *self.cache, *self.params)
+        self.pos += s
+        return out[0].numpy()[0, -1]
+
+    def prefill(self, tokens) -> np.ndarray:
+        """Feed `tokens` after what the cache holds; returns the last position's logits."""
+        tokens = np.asarray(tokens, np.int64).reshape(1, -1)
+        if tokens.shape[1] == 0:
+            raise QwcError("prefill needs at least one token")
+        if self.pos + tokens.shape[1] > self.ctx:
+            raise QwcError(f"prompt of {tokens.shape[1]} tokens (after {self.pos} cached) does not fit "
+                           f"the context of {self.ctx}")
+        logits = None
+        for i in range(0, tokens.shape[1], PREFILL_CHUNK):
+            chunk = tokens[:, i:i + PREFILL_CHUNK]
+            logits = self._run(self._prefill if chunk.shape[1] > 1 else self._decode, chunk)
+        return logits
+
+    def decode(self, token: int) -> np.ndarray:
+        return self._run(self._decode, np.array([[int(token)]], np.int64))
+
+    # -- text ----------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise QwcError(f"{self.path}: artifact has no tokenizer")
+        return self.tokenizer.encode(text).ids
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 32,
+                 sampling: SamplingParams | None = None, stop: set[int] | None = None) -> Iterator[str]:
+        """Stream decoded text pieces for `prompt`, continuing the current cache."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        sampler = Sampler(sampling or SamplingParams())
+        stop = self.eos if stop is None else stop
+        logits = self.prefill(ids)
+        history, out, shown = list(ids), [], ""
+        for _ in range(max_new_tokens):
+            tok = sampler(logits, history)
+            if tok in stop:
+                break
+            out.append(tok)
+            history.append(tok)
+            text = self.tokenizer.decode(out) if self.tokenizer else ""
+            # Hold back a trailing partial UTF-8 sequence until it completes.
+            if not text.endswith("\ufffd") and len(text) > len(shown):
+                yield text[len(shown):]
+                shown = text
+            if len(out) == max_new_tokens or self.pos >= self.ctx:
+                break
+            logits = self.decode(tok)

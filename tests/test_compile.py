@@ -1,0 +1,155 @@
+"""`qwc compile` + the runtime on the host: the compiled module against onnxruntime on the
+same canonical graph, and the artifact's self-checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from qwc.cli import main
+from qwc.compiler.compile import compile_file
+from qwc.config import sidecar_paths
+from qwc.passes.options import PassOptions
+from qwc.passes.pipeline import optimize, save_graph
+from qwc.passes.verify import run_steps, session
+from qwc.runtime.engine import Engine
+
+
+@pytest.fixture(scope="session")
+def tiny_q4(tiny_onnx, tiny_lm, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q4") / "tiny.q4.onnx"
+    m = optimize(onnx.load(str(tiny_onnx)), PassOptions(config=tiny_lm.config))
+    save_graph(m, out, tiny_lm.config, sidecar_paths(tiny_onnx)[1])
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_host_artifact(tiny_q4, tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "tiny.qwc"
+    compile_file(tiny_q4, "host", out)
+    return out
+
+
+def test_host_matches_onnxruntime_prefill_and_16_decode_steps(tiny_q4, tiny_host_artifact, tiny_lm):
+    """Greedy generation on the compiled module; onnxruntime on the canonical graph is fed the
+    same tokens, and every step's logits agree within 1e-3 of their range."""
+    cfg = tiny_lm.config
+    prompt = np.random.default_rng(11).integers(0, 259, (1, 9))
+    eng = Engine(tiny_host_artifact, ctx=64)
+    logits = [eng.prefill(prompt[0])]
+    steps = [prompt]
+    for _ in range(16):
+        tok = int(logits[-1].argmax())
+        steps.append(np.array([[tok]]))
+        logits.append(eng.decode(tok))
+    ref = [r[0, -1] for r in run_steps(session(str(tiny_q4)), cfg, steps, ctx=64)]
+    for r, g in zip(ref, logits):
+        assert np.abs(r - g).max() / np.abs(r).max() < 1e-3
+    assert [int(r.argmax()) for r in ref] == [int(g.argmax()) for g in logits]
+    eng.reset()
+    assert np.array_equal(eng.prefill(prompt[0]), logits[0])
+
+
+def test_chunked_prefill_equals_one_shot(tiny_host_artifact, monkeypatch):
+    import qwc.runtime.engine as E
+
+    ids = list(np.random.default_rng(3).integers(0, 259, 40))
+    a = Engine(tiny_host_artifact, ctx=64).prefill(ids)
+    monkeypatch.setattr(E, "PREFILL_CHUNK", 16)
+    b = Engine(tiny_host_artifact, ctx=64).prefill(ids)
+    assert np.abs(a - b).max() < 1e-4
+
+
+def test_generate_streams_text_and_stops(tiny_host_artifact):
+    eng = Engine(tiny_host_artifact, ctx=64)
+    pieces = list(eng.generate("Hi", max_new_tokens=8))
+    assert eng.pos <= 2 + 8
+    assert all(isinstance(p, str) for p in pieces)
+    eng.reset()
+    first = list(eng.generate([72, 105], max_new_tokens=5))
+    eng.reset()
+    assert list(eng.generate([72, 105], max_new_tokens=5)) == first   # greedy is deterministic
+
+
+def test_cli_compile_and_run(tiny_onnx, tmp_path, capsys):
+    out = tmp_path / "m.qwc"
+    assert main(["-q", "compile", str(tiny_onnx), "-o", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["lib.so", "manifest.json", "params.bin", "tokenizer.json"]
+    capsys.readouterr()
+    assert main(["-q", "run", str(out), "--prompt", "Hello", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("Hello")
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+def _one_line(capsys, code, expect):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and expect in err[0], err
+
+
+def _copy(art, tmp_path):
+    dst = tmp_path / "copy.qwc"
+    shutil.copytree(art, dst)
+    return dst
+
+
+def _edit_manifest(art, fn):
+    mf = art / "manifest.json"
+    m = json.loads(mf.read_text())
+    fn(m)
+    mf.write_text(json.dumps(m))
+
+
+def test_prompt_longer_than_ctx(tiny_host_artifact, capsys):
+    code = main(["-q", "run", str(tiny_host_artifact), "--prompt", "x" * 40, "--ctx", "16"])
+    _one_line(capsys, code, "does not fit the context of 16")
+
+
+def test_wrong_format_version(tiny_host_artifact, tmp_path, capsys):
+    art = _copy(tiny_host_artifact, tmp_path)
+    _edit_manifest(art, lambda m: m.update(format_version=99))
+    _one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), "format version 99 is not supported")
+
+
+def test_corrupt_manifest(tiny_host_artifact, tmp_path, capsys):
+    art = _copy(tiny_host_artifact, tmp_path)
+    (art / "manifest.json").write_text("{ not json")
+    _one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), "corrupt manifest")
+
+
+def test_edited_hash_or_truncated_params(tiny_host_artifact, tmp_path, capsys):
+    art = _copy(tiny_host_artifact, tmp_path)
+    p = art / "params.bin"
+    p.write_bytes(p.read_bytes()[:1000])
+    _one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), "params.bin does not match its hash")
+    with pytest.raises(Exception, match="params.bin is truncated"):
+        Engine(art, verify_hashes=False)
+
+
+def test_artifact_for_another_architecture(tiny_host_artifact, tmp_path, capsys):
+    art = _copy(tiny_host_artifact, tmp_path)
+    _edit_manifest(art, lambda m: m["target"].update(name="arm-yitian", arch="aarch64"))
+    _one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), "compiled for arm-yitian (aarch64)")
+
+
+def test_unknown_target(tiny_q4, tmp_path, capsys):
+    code = main(["-q", "compile", str(tiny_q4), "--target", "riscv", "-o", str(tmp_path / "x.qwc")])
+    _one_line(capsys, code, "unknown target 'riscv' (known: host, x86-avx2, arm-yitian, arm-neon)")
+    assert not (tmp_path / "x.qwc").exists()
+
+
+def test_unsupported_op_names_node(tiny_q4, tmp_path, capsys):
+    m = onnx.load(str(tiny_q4))
+    sig = next(n for n in m.graph.node if n.op_type == "Sigmoid")
+    sig.op_type, sig.name = "HardSigmoid", "odd_activation"
+    bad = tmp_path / "bad.onnx"
+    onnx.save(m, str(bad))
+    for a, b in zip(sidecar_paths(tiny_q4), sidecar_paths(bad)):
+        b.write_bytes(a.read_bytes())
+    code = main(["-q", "compile", str(bad), "-o", str(tmp_path / "bad.qwc")])
+    _one_line(capsys, code, "node odd_activation (HardSigmoid)")
+    assert not (tmp_path / "bad.qwc").exists()
