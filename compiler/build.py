@@ -21,14 +21,14 @@ from .targets import Target
 N_INPUTS_BEFORE_CACHE = 3   # input_ids, attention_mask, position_ids
 
 
-def to_relax(model: onnx.ModelProto) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
+def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset()) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
     """The two-function module, the param names in call order, and the param values."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
     n_inputs = N_INPUTS_BEFORE_CACHE + n_cache
     funcs = {}
     params = None
     for name, seq in (("prefill", None), ("decode", 1)):
-        mod = import_graph(model, seq, prefix=name)
+        mod = import_graph(model, seq, prefix=name, act_bits=act_bits, features=features)
         mod, detached = relax.frontend.detach_params(mod)
         for gv, fn in mod.functions_items():
             if gv.name_hint == "main":
@@ -44,4 +44,7 @@ def to_relax(model: onnx.ModelProto) -> tuple[tvm.IRModule, list[str], dict[str,
 
 
 def build(mod: tvm.IRModule, target: Target):
-    return tvm.compile(mod, target=target.tvm_target())
+    from .schedule import cpu_pipeline
+
+    t = target.tvm_target()
+    return tvm.compile(mod, target=t, relax_pipeline=cpu_pipeline(t))

@@ -52,7 +52,7 @@ def quant_summary(model: onnx.ModelProto) -> dict:
             "embedding_bits": emb_bits}
 
 
-def compile_file(src, target_name: str, out, options=None) -> dict:
+def compile_file(src, target_name: str, out, options=None, act_bits: int = 32) -> dict:
     from qwc.passes.options import PassOptions
     from qwc.passes.pipeline import check_canonical, check_ops_known, load_graph, optimize
 
@@ -60,6 +60,8 @@ def compile_file(src, target_name: str, out, options=None) -> dict:
     from .build import build, to_relax
 
     target = get_target(target_name)
+    if act_bits not in (8, 32):
+        raise QwcError(f"--act-bits {act_bits} is not supported (8 or 32)")
     check_destination(out, folder=True)
     config = load_for_graph(src)
     times = {}
@@ -76,10 +78,11 @@ def compile_file(src, target_name: str, out, options=None) -> dict:
             model = optimize(model, options)
     times["passes"] = time.perf_counter() - t0
     quant = quant_summary(model)
+    quant["activation_bits"] = act_bits
     model = last_position_logits(model)
     t0 = time.perf_counter()
     with progress.stage("importing into TVM Relax"):
-        mod, names, params = to_relax(model)
+        mod, names, params = to_relax(model, act_bits=act_bits, features=target.features)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):

@@ -29,6 +29,8 @@ from .kernels import generic
 # Kernel names get the entry point's name in front, so the prefill and decode imports can
 # live in one IRModule without their (differently specialised) kernels colliding.
 _prefix = ""
+_act_bits = 32  # 8: W4A8 integer kernels (activations quantized per block to int8)
+_features: frozenset = frozenset()  # the target's ISA features (compiler/targets.py)
 
 
 def _kname(name: str) -> str:
@@ -41,12 +43,30 @@ class MatMulNBits(F.OnnxOpConverter):
         a, w, s = inputs[0], inputs[1], inputs[2]
         if len(inputs) > 3 and inputs[3] is not None:
             raise QwcError("MatMulNBits with explicit zero points is not supported (qwc emits symmetric Q4_0)")
-        out = bb.emit_te(generic.matmul_nbits, a, w, s, k=int(attr["K"]), n=int(attr["N"]),
-                         block=int(attr["block_size"]), bits=int(attr.get("bits", 4)),
-                         primfunc_name_hint=_kname("matmul_nbits"))
+        k, n, block, bits = int(attr["K"]), int(attr["N"]), int(attr["block_size"]), int(attr.get("bits", 4))
+        if _act_bits == 8 and bits == 4 and block == 32 and "dotprod" in _features:
+            out = cls._arm_dotprod(bb, a, w, s, k, n)
+        else:
+            kernel = generic.matmul_nbits_a8 if _act_bits == 8 else generic.matmul_nbits
+            out = bb.emit_te(kernel, a, w, s, k=k, n=n, block=block, bits=bits,
+                             primfunc_name_hint=_kname("matmul_nbits"))
         if len(inputs) > 5 and inputs[5] is not None:
             out = bb.emit(relax.op.add(out, inputs[5]))
         return out
+
+    @staticmethod
+    def _arm_dotprod(bb, a, w, s, k: int, n: int):
+        from .kernels.arm import dotprod
+
+        lead = list(a.ty.shape)[:-1]
+        a2 = bb.emit(relax.op.reshape(a, [-1, k]))
+        aq = bb.emit_te(dotprod.quantize_activations, a2, k=k, primfunc_name_hint=_kname("quantize_act_q8"))
+        q, scale = bb.emit(relax.TupleGetItem(aq, 0)), bb.emit(relax.TupleGetItem(aq, 1))
+        nb = (k + dotprod.BLOCK - 1) // dotprod.BLOCK
+        kernel = bb.add_func(dotprod.q4_dot(n, nb), _kname(f"q4_dot_sdot_{n}x{nb}"))
+        m = a2.ty.shape[0]
+        y = bb.emit(relax.call_tir(kernel, [q, scale, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
+        return bb.emit(relax.op.reshape(y, [*lead, n]))
 
 
 class GatherBlockQuantized(F.OnnxOpConverter):
@@ -130,12 +150,13 @@ def qwc_converters():
         F._get_convert_map = stock
 
 
-def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = ""):
+def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "", act_bits: int = 32,
+                 features: frozenset = frozenset()):
     """Import the canonical graph for batch 1 and `seq` new tokens (None: any number) as
-    `main`; `prefix` names its kernels."""
+    `main`; `prefix` names its kernels; `act_bits` 8 selects the W4A8 matmuls."""
     from tvm import tirx
 
-    global _prefix
+    global _prefix, _act_bits, _features
 
     seq_dim = tirx.Var("seq", "int64") if seq is None else seq
     total, cache = tirx.Var("total", "int64"), tirx.Var("cache_len", "int64")
@@ -144,10 +165,12 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
         if i.name.startswith("past_key_values."):
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
             shapes[i.name] = [1, dims[1], cache, dims[3]]
-    _prefix = prefix
+    _prefix, _act_bits, _features = prefix, act_bits, frozenset(features)
     try:
         with qwc_converters(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # input renaming, the checker's view of com.microsoft ops
             return F.from_onnx(model, shape_dict=shapes, keep_params_in_input=True, sanitize_input_names=True)
     finally:
-        _prefix = ""
+        _prefix, _act_bits, _features = "", 32, frozenset()
+_act_bits = 32  # 8: W4A8 integer kernels (activations quantized per block to int8)
+_features: frozenset = frozenset()  # the target's ISA features (compiler/targets.py)

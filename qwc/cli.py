@@ -49,7 +49,7 @@ def _cmd_compile(args: argparse.Namespace) -> None:
     from qwc.compiler.compile import compile_file
 
     t0 = time.perf_counter()
-    times = compile_file(args.model, args.target, args.output)
+    times = compile_file(args.model, args.target, args.output, act_bits=args.act_bits)
     parts = ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
     progress.info(f"[qwc] compiled {args.model} for {args.target} -> {args.output} in "
                   f"{time.perf_counter() - t0:.1f}s ({parts})")
@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", default="host",
                    help="host, x86-avx2, arm-yitian or arm-neon (default: host)")
     c.add_argument("-o", "--output", required=True, help="output artifact folder (model.qwc)")
+    c.add_argument("--act-bits", type=int, default=32, choices=(8, 32),
+                   help="32: float activations (matches onnxruntime's MatMulNBits); 8: W4A8 integer "
+                        "dot products with activations quantized per 32-block, as llama.cpp does")
     c.set_defaults(func=_cmd_compile)
 
     r = sub.add_parser("run", help="generate text with a compiled artifact")

@@ -36,22 +36,30 @@ def _machine_arch() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
-def _cpu_flags() -> set[str]:
+def _cpu_features() -> set[str] | None:
+    """The artifact feature names this CPU has, or None if they cannot be read."""
+    if _machine_arch() == "aarch64":
+        # The kernel's hwcaps (also what qemu-user reports for the CPU it emulates).
+        import ctypes
+
+        try:
+            getauxval = ctypes.CDLL(None).getauxval
+            getauxval.restype = ctypes.c_ulong
+            hw, hw2 = getauxval(16), getauxval(26)  # AT_HWCAP, AT_HWCAP2
+        except (OSError, AttributeError):
+            return None
+        bits = {"neon": (hw, 1), "dotprod": (hw, 20), "sve": (hw, 22), "sve2": (hw2, 1),
+                "i8mm": (hw2, 13), "bf16": (hw2, 14)}
+        return {name for name, (word, bit) in bits.items() if word >> bit & 1}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return None
     flags = set()
     for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
+        if line.startswith("flags"):
             flags.update(line.split(":", 1)[1].split())
     return flags
-
-
-# Artifact feature names -> the /proc/cpuinfo flag that proves them.
-_CPU_FLAG = {"avx2": "avx2", "fma": "fma", "avx512f": "avx512f", "avx512bw": "avx512bw",
-             "avx512vl": "avx512vl", "avx512_vnni": "avx512_vnni", "neon": "asimd", "dotprod": "asimddp",
-             "i8mm": "i8mm", "sve2": "sve2", "bf16": "bf16"}
 
 
 def read_manifest(path: Path) -> dict:
@@ -79,8 +87,9 @@ def check_runs_here(manifest: dict) -> None:
     here = _machine_arch()
     if t["arch"] != here:
         raise QwcError(f"artifact was compiled for {t['name']} ({t['arch']}); this machine is {here}")
-    flags = _cpu_flags()
-    missing = [f for f in t.get("features", []) if f in _CPU_FLAG and flags and _CPU_FLAG[f] not in flags]
+    have = _cpu_features()
+    # "sve128" is a vector-length promise the kernels rely on; hwcaps cannot show it.
+    missing = sorted(f for f in t.get("features", []) if f != "sve128" and have is not None and f not in have)
     if missing:
         raise QwcError(f"artifact for {t['name']} needs CPU features this machine lacks: {', '.join(missing)}")
 
@@ -97,10 +106,13 @@ class Engine:
                     raise QwcError(f"{self.path}: {name} is missing")
                 if _sha256(f) != digest:
                     raise QwcError(f"{self.path}: {name} does not match its hash in the manifest (corrupt artifact)")
-        if threads:
-            os.environ["TVM_NUM_THREADS"] = str(threads)
+        # TVM sizes its thread pool from TVM_NUM_THREADS when the pool first starts, else from
+        # half the logical CPUs (one worker on a 2-vCPU VM). Default to every usable core.
+        self.threads = int(threads or len(os.sched_getaffinity(0)))
+        if threads or "TVM_NUM_THREADS" not in os.environ:
+            os.environ["TVM_NUM_THREADS"] = str(self.threads)
         import tvm
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine  # runtime-only: works with TVM_USE_RUNTIME_LIB=1
 
         self._tvm = tvm
         self.model = self.manifest["model"]
@@ -110,7 +122,7 @@ class Engine:
         self.ctx = int(ctx)
         self.device = tvm.cpu()
         lib = tvm.runtime.load_module(str(self.path / "lib.so"))
-        self.vm = relax.VirtualMachine(lib, self.device)
+        self.vm = VirtualMachine(lib, self.device)
         self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
         self.params = self._load_params()
         kvh, hd = int(self.model["num_key_value_heads"]), int(self.model["head_dim"])

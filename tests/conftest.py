@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
+
+from qwc.config import sidecar_paths
+from qwc.passes.options import PassOptions
+from qwc.passes.pipeline import optimize, save_graph
 
 from qwc.models.export import export_onnx
 from qwc.models.presets import load_preset
@@ -30,6 +35,15 @@ def tiny_onnx(tiny_lm, tmp_path_factory):
 def tiny_legacy_onnx(tiny_lm, tmp_path_factory):
     """The same model through torch's older TorchScript exporter (dynamo=False)."""
     return export_onnx(tiny_lm, tmp_path_factory.mktemp("tiny_legacy") / "tiny.onnx", dynamo=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_q4(tiny_onnx, tiny_lm, tmp_path_factory):
+    """The tiny export through the passes: the canonical int4 graph."""
+    out = tmp_path_factory.mktemp("q4") / "tiny.q4.onnx"
+    m = optimize(onnx.load(str(tiny_onnx)), PassOptions(config=tiny_lm.config))
+    save_graph(m, out, tiny_lm.config, sidecar_paths(tiny_onnx)[1])
+    return out
 
 
 def torch_kv_logits(model, prompt: np.ndarray, steps: list[np.ndarray]) -> list[np.ndarray]:

@@ -13,18 +13,8 @@ import pytest
 from qwc.cli import main
 from qwc.compiler.compile import compile_file
 from qwc.config import sidecar_paths
-from qwc.passes.options import PassOptions
-from qwc.passes.pipeline import optimize, save_graph
 from qwc.passes.verify import run_steps, session
 from qwc.runtime.engine import Engine
-
-
-@pytest.fixture(scope="session")
-def tiny_q4(tiny_onnx, tiny_lm, tmp_path_factory):
-    out = tmp_path_factory.mktemp("q4") / "tiny.q4.onnx"
-    m = optimize(onnx.load(str(tiny_onnx)), PassOptions(config=tiny_lm.config))
-    save_graph(m, out, tiny_lm.config, sidecar_paths(tiny_onnx)[1])
-    return out
 
 
 @pytest.fixture(scope="session")

@@ -106,7 +106,7 @@ def kv_cache_write():
 
     @T.prim_func(private=True)
     def write(var_cache: T.handle, var_new: T.handle, seqlens: T.Buffer((1,), "int32")):
-        T.func_attr({"tir.noalias": True})
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         kvh, cap, hd, s = T.int64(), T.int64(), T.int64(), T.int64()
         cache = T.match_buffer(var_cache, (T.int64(1), kvh, cap, hd), "float32")
         new = T.match_buffer(var_new, (T.int64(1), s, kvh * hd), "float32")
@@ -116,3 +116,46 @@ def kv_cache_write():
                 cache[T.int64(0), h, past + i, d] = new[T.int64(0), i, h * hd + d]
 
     return write
+
+
+def matmul_nbits_a8(a, w, s, *, k: int, n: int, block: int, bits: int):
+    """W4A8: activations quantized per block to int8 on the fly (llama.cpp's Q8_0: scale =
+    amax / 127), integer dot products per block (int8 x int8 -> int32, which LLVM lowers to
+    sdot / vpdpbusd where the target has them), block scales applied in fp32."""
+    lead = list(a.shape[:-1])
+    nb = (k + block - 1) // block
+    e = te.reduce_axis((0, block), "e")
+
+    def a_at(pre, kk):
+        return tirx.if_then_else(kk < k, a[(*pre, tirx.min(kk, k - 1))], tirx.const(0.0, "float32"))
+
+    amax = te.compute((*lead, nb), lambda *i: te.max(tirx.abs(a_at(i[:-1], i[-1] * block + e)), axis=e),
+                      name="act_amax")
+    dscale = te.compute((*lead, nb), lambda *i: amax[i] / tirx.const(127.0, "float32"), name="act_scale")
+
+    def quant(*i):
+        *pre, kk = i
+        d = dscale[(*pre, kk // block)]
+        v = tirx.if_then_else(d > tirx.const(0.0, "float32"), a_at(pre, kk) / d, tirx.const(0.0, "float32"))
+        return tirx.round(v).astype("int8")
+
+    aq = te.compute((*lead, nb * block), quant, name="act_q8")
+
+    def wq(j, kk):
+        if bits == 4:
+            byte = w[j, kk // block, (kk % block) // 2]
+            nib = tirx.if_then_else(kk % 2 == 0, byte & tirx.const(15, "uint8"), byte >> tirx.const(4, "uint8"))
+            return nib.astype("int8") - tirx.const(8, "int8")
+        return (w[j, kk // block, kk % block].astype("int16") - tirx.const(128, "int16")).astype("int8")
+
+    e2 = te.reduce_axis((0, block), "e2")
+    acc = te.compute(
+        (*lead, n, nb),
+        lambda *i: te.sum(aq[(*i[:-2], i[-1] * block + e2)].astype("int32")
+                          * wq(i[-2], i[-1] * block + e2).astype("int32"), axis=e2),
+        name="block_dot")
+    b = te.reduce_axis((0, nb), "b")
+    return te.compute(
+        (*lead, n),
+        lambda *i: te.sum(acc[(*i, b)].astype("float32") * s[i[-1], b] * dscale[(*i[:-1], b)], axis=b),
+        name="matmul_nbits_a8")

@@ -1,0 +1,37 @@
+"""Runs under the emulated arm64 python (qemu-aarch64): qwc's runtime Engine on an artifact,
+prefill then decode steps, logits saved to a .npy file. Only the runtime is importable there
+(the aarch64 TVM wheel, numpy, tokenizers), so the qwc packages are loaded from the checkout.
+
+    arm_runner.py REPO ARTIFACT OUT.npy '[[prompt ids], next_id, next_id, ...]'
+"""
+
+import importlib.util
+import json
+import platform
+import sys
+from pathlib import Path
+
+
+def _load_package(name: str, folder: Path) -> None:
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+
+
+def main() -> None:
+    repo, artifact, out, steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    _load_package("qwc", repo / "qwc")
+    _load_package("qwc.runtime", repo / "runtime")
+    import numpy as np
+    from qwc.runtime.engine import Engine
+
+    eng = Engine(artifact, ctx=64)
+    logits = [eng.prefill(steps[0])] + [eng.decode(t) for t in steps[1:]]
+    np.save(out, np.stack(logits))
+    print(platform.machine(), len(logits))
+
+
+if __name__ == "__main__":
+    main()

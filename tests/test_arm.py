@@ -1,0 +1,101 @@
+"""ARM targets, cross-compiled here and run under qemu-aarch64 (SVE2 at 128 bits, dotprod,
+i8mm): the same logits as the host build, and the instructions the targets promise.
+The emulation environment comes from scripts/arm64/setup.sh (run here if missing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qwc.compiler.compile import compile_file
+from qwc.runtime.engine import Engine
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = [[72, 101, 108, 108, 111, 44, 32, 119], 5, 6, 7, 8]
+
+
+@pytest.fixture(scope="session")
+def arm64_env():
+    d = Path(os.environ.get("QWC_ARM64_DIR", Path.home() / ".cache" / "qwc" / "arm64"))
+    if not (d / "env.sh").is_file():
+        subprocess.run(["bash", str(REPO / "scripts" / "arm64" / "setup.sh"), str(d)], check=True)
+    env = dict(os.environ)
+    for line in (d / "env.sh").read_text().splitlines():
+        m = re.match(r"export (\w+)=(.*)", line)
+        if m:
+            env[m.group(1)] = m.group(2).strip('"')
+    env["PYTHONPATH"] = env["QWC_ARM64_SITE"]
+    env["TVM_USE_RUNTIME_LIB"] = "1"   # the runtime alone: 4-6 s to import under emulation
+    return env
+
+
+def _run_arm(env, artifact, tmp_path) -> np.ndarray:
+    out = tmp_path / f"{Path(artifact).name}.npy"
+    cmd = shlex.split(env["QWC_ARM64_PY"]) + [str(REPO / "tests" / "arm_runner.py"), str(REPO), str(artifact),
+                                              str(out), json.dumps(STEPS)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[0] == "aarch64"
+    return np.load(out)
+
+
+def _host_logits(artifact) -> np.ndarray:
+    eng = Engine(artifact, ctx=64)
+    return np.stack([eng.prefill(STEPS[0])] + [eng.decode(t) for t in STEPS[1:]])
+
+
+@pytest.fixture(scope="session")
+def builds(tiny_q4, tmp_path_factory):
+    d = tmp_path_factory.mktemp("arm")
+    out = {}
+    for target, act in (("host", 32), ("host", 8), ("arm-yitian", 32), ("arm-yitian", 8),
+                        ("arm-neon", 32), ("arm-neon", 8)):
+        out[target, act] = d / f"{target}-a{act}.qwc"
+        compile_file(tiny_q4, target, out[target, act], act_bits=act)
+    return out
+
+
+@pytest.mark.parametrize("target", ["arm-yitian", "arm-neon"])
+@pytest.mark.parametrize("act", [32, 8])
+def test_arm_logits_match_host(arm64_env, builds, tmp_path, target, act):
+    arm = _run_arm(arm64_env, builds[target, act], tmp_path)
+    host = _host_logits(builds["host", act])
+    assert arm.shape == host.shape == (len(STEPS), 288)
+    for a, h in zip(arm, host):
+        assert np.abs(a - h).max() / np.abs(h).max() < 1e-3
+    assert [int(x.argmax()) for x in arm] == [int(x.argmax()) for x in host]
+
+
+def _disassemble(artifact) -> str:
+    return subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(Path(artifact) / "lib.so")],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_yitian_library_uses_sdot_and_sve(arm64_env, builds):
+    asm = _disassemble(builds["arm-yitian", 8])
+    assert len(re.findall(r"\ssdot\s", asm)) > 0
+    assert len(re.findall(r"\bz\d+\.[bhsd]\b", asm)) > 0        # SVE vector registers
+
+
+def test_neon_library_uses_sdot_and_no_sve(arm64_env, builds):
+    asm = _disassemble(builds["arm-neon", 8])
+    assert len(re.findall(r"\ssdot\s", asm)) > 0
+    assert not re.findall(r"\bz\d+\.[bhsd]\b", asm)
+
+
+def test_arm_artifact_refused_on_this_machine(builds, capsys):
+    from qwc.cli import main
+
+    code = main(["-q", "run", str(builds["arm-yitian", 32]), "--prompt", "a"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "compiled for arm-yitian (aarch64); this machine is x86_64" in err[0]
