@@ -143,3 +143,15 @@ def test_unsupported_op_names_node(tiny_q4, tmp_path, capsys):
     code = main(["-q", "compile", str(bad), "-o", str(tmp_path / "bad.qwc")])
     _one_line(capsys, code, "node odd_activation (HardSigmoid)")
     assert not (tmp_path / "bad.qwc").exists()
+
+
+def test_chat_loop_reads_turns_until_eof(tiny_host_artifact):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "qwc", "-q", "run", str(tiny_host_artifact), "--chat",
+                        "--max-new-tokens", "4", "--ctx", "128"],
+                       input="hello\nsecond turn\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("> ") == 3          # two turns answered, then EOF at the third prompt
+    assert "Traceback" not in r.stderr
