@@ -12,7 +12,6 @@ compile never leaves a half-written artifact.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,18 +21,11 @@ import numpy as np
 
 from qwc import __version__
 from qwc.atomic import staging_dir
+from qwc.checksum import sha256
 from qwc.config import ModelConfig
 
 FORMAT_VERSION = 1
 ALIGN = 64
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_params(path: Path, names: list[str], values: dict) -> list[dict]:

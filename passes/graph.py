@@ -31,12 +31,7 @@ class Graph:
         self.producer: dict[str, onnx.NodeProto] = {}
         self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
         for n in self.g.node:
-            for o in n.output:
-                if o:
-                    self.producer[o] = n
-            for i in n.input:
-                if i:
-                    self.consumers[i].append(n)
+            self._index(n)
         self.inits = {t.name: t for t in self.g.initializer}
         self.graph_inputs = {i.name for i in self.g.input}
         self.graph_outputs = {o.name for o in self.g.output}
@@ -87,13 +82,17 @@ class Graph:
         n = helper.make_node(op_type, list(inputs), list(outputs),
                              name=name or self.fresh(op_type), domain=domain, **attrs)
         self.g.node.append(n)
+        n = self.g.node[-1]  # the graph holds a copy: index and return that one
+        self._index(n)
+        return n
+
+    def _index(self, n: onnx.NodeProto) -> None:
         for o in n.output:
             if o:
                 self.producer[o] = n
         for i in n.input:
             if i:
                 self.consumers[i].append(n)
-        return n
 
     def only_consumer(self, name: str) -> onnx.NodeProto | None:
         c = self.consumers.get(name, [])

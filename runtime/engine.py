@@ -6,7 +6,6 @@ compiler does not, e.g. on an ARM board with the aarch64 TVM wheel.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -15,20 +14,13 @@ from typing import Iterator
 
 import numpy as np
 
+from qwc.checksum import sha256
 from qwc.errors import QwcError
 
 from .sampling import Sampler, SamplingParams
 
 FORMAT_VERSION = 1
 PREFILL_CHUNK = 256
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _machine_arch() -> str:
@@ -104,7 +96,7 @@ class Engine:
                 f = self.path / name
                 if not f.is_file():
                     raise QwcError(f"{self.path}: {name} is missing")
-                if _sha256(f) != digest:
+                if sha256(f) != digest:
                     raise QwcError(f"{self.path}: {name} does not match its hash in the manifest (corrupt artifact)")
         # TVM sizes its thread pool from TVM_NUM_THREADS when the pool first starts, else from
         # half the logical CPUs (one worker on a 2-vCPU VM). Default to every usable core.
