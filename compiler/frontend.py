@@ -45,7 +45,9 @@ class MatMulNBits(F.OnnxOpConverter):
             raise QwcError("MatMulNBits with explicit zero points is not supported (qwc emits symmetric Q4_0)")
         k, n, block, bits = int(attr["K"]), int(attr["N"]), int(attr["block_size"]), int(attr.get("bits", 4))
         if _act_bits == 8 and bits == 4 and block == 32 and "dotprod" in _features:
-            out = cls._arm_dotprod(bb, a, w, s, k, n)
+            out = cls._int8_dot(bb, a, w, s, k, n, "arm")
+        elif _act_bits == 8 and bits == 4 and block == 32 and {"avx512_vnni", "avx512vl"} <= _features:
+            out = cls._int8_dot(bb, a, w, s, k, n, "x86")
         else:
             kernel = generic.matmul_nbits_a8 if _act_bits == 8 else generic.matmul_nbits
             out = bb.emit_te(kernel, a, w, s, k=k, n=n, block=block, bits=bits,
@@ -55,17 +57,28 @@ class MatMulNBits(F.OnnxOpConverter):
         return out
 
     @staticmethod
-    def _arm_dotprod(bb, a, w, s, k: int, n: int):
-        from .kernels.arm import dotprod
+    def _int8_dot(bb, a, w, s, k: int, n: int, isa: str):
+        """W4A8 through an ISA's integer dot-product kernel (sdot / vpdpbusd)."""
+        from .kernels import act_quant
 
         lead = list(a.ty.shape)[:-1]
         a2 = bb.emit(relax.op.reshape(a, [-1, k]))
-        aq = bb.emit_te(dotprod.quantize_activations, a2, k=k, primfunc_name_hint=_kname("quantize_act_q8"))
+        aq = bb.emit_te(act_quant.quantize_activations, a2, k=k, primfunc_name_hint=_kname("quantize_act_q8"))
         q, scale = bb.emit(relax.TupleGetItem(aq, 0)), bb.emit(relax.TupleGetItem(aq, 1))
-        nb = (k + dotprod.BLOCK - 1) // dotprod.BLOCK
-        kernel = bb.add_func(dotprod.q4_dot(n, nb), _kname(f"q4_dot_sdot_{n}x{nb}"))
+        nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
         m = a2.ty.shape[0]
-        y = bb.emit(relax.call_tir(kernel, [q, scale, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
+        out_ty = relax.TensorType(shape=[m, n], dtype="float32")
+        if isa == "arm":
+            from .kernels.arm import dotprod
+
+            kernel = bb.add_func(dotprod.q4_dot(n, nb), _kname(f"q4_dot_sdot_{n}x{nb}"))
+            y = bb.emit(relax.call_tir(kernel, [q, scale, w, s], out_ty))
+        else:
+            from .kernels.x86 import vnni
+
+            off = bb.emit_te(act_quant.block_offsets, q, primfunc_name_hint=_kname("act_block_offset"))
+            kernel = bb.add_func(vnni.q4_dot(n, nb), _kname(f"q4_dot_vnni_{n}x{nb}"))
+            y = bb.emit(relax.call_tir(kernel, [q, scale, off, w, s], out_ty))
         return bb.emit(relax.op.reshape(y, [*lead, n]))
 
 

@@ -155,3 +155,28 @@ def test_chat_loop_reads_turns_until_eof(tiny_host_artifact):
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("> ") == 3          # two turns answered, then EOF at the third prompt
     assert "Traceback" not in r.stderr
+
+
+def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
+    """host (AVX-512 VNNI here) and x86-avx2 (no VNNI: the generic TE kernel) implement the
+    same integer arithmetic; the VNNI library really uses vpdpbusd."""
+    import subprocess
+
+    from qwc.compiler.targets import get_target
+
+    if "avx512_vnni" not in get_target("host").features:
+        pytest.fail("this test expects an AVX-512 VNNI host (the project's CI machine has one)")
+    vnni, generic = tmp_path / "vnni.qwc", tmp_path / "generic.qwc"
+    compile_file(tiny_q4, "host", vnni, act_bits=8)
+    compile_file(tiny_q4, "x86-avx2", generic, act_bits=8)
+    ids = list(np.random.default_rng(5).integers(0, 259, 12))
+    ev, eg = Engine(vnni, ctx=64), Engine(generic, ctx=64)
+    a, b = [ev.prefill(ids)], [eg.prefill(ids)]
+    for _ in range(4):
+        tok = int(a[-1].argmax())
+        a.append(ev.decode(tok))
+        b.append(eg.decode(tok))
+    for x, y in zip(a, b):
+        assert np.abs(x - y).max() <= 1e-5 * np.abs(y).max()
+    asm = subprocess.run(["objdump", "-d", str(vnni / "lib.so")], capture_output=True, text=True).stdout
+    assert "vpdpbusd" in asm

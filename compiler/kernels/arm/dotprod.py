@@ -1,39 +1,14 @@
 """W4A8 block dot products with NEON `sdot` (Armv8.2 dotprod; Neoverse-N2 has it).
 
-Activations arrive quantized per 32-block to int8 and de-interleaved within each block (the 16
-even elements, then the 16 odd ones), so that one 16-byte load of packed Q4_0 weights splits
-into two int8x16 vectors (low nibbles = even elements, high nibbles = odd ones) that line up
-with two 16-byte activation loads: two `sdot`s per block and row, one horizontal add, and the
-two fp32 block scales.
+Activations arrive quantized per 32-block to int8, de-interleaved within each block
+(`kernels/act_quant.py`), so one 16-byte load of packed Q4_0 weights splits into two int8x16
+vectors (low nibbles = even elements, high nibbles = odd ones) that line up with two 16-byte
+activation loads: two `sdot`s per block and row, one horizontal add, the two fp32 block scales.
 """
 
 from __future__ import annotations
 
-from tvm import te, tirx
-
-BLOCK = 32
-
-
-def quantize_activations(a, *, k: int):
-    """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB])."""
-    m = a.shape[0]
-    nb = (k + BLOCK - 1) // BLOCK
-
-    def at(i, kk):
-        return tirx.if_then_else(kk < k, a[i, tirx.min(kk, k - 1)], tirx.const(0.0, "float32"))
-
-    e = te.reduce_axis((0, BLOCK), "e")
-    amax = te.compute((m, nb), lambda i, b: te.max(tirx.abs(at(i, b * BLOCK + e)), axis=e), name="act_amax")
-    scale = te.compute((m, nb), lambda i, b: amax[i, b] / tirx.const(127.0, "float32"), name="act_scale")
-
-    def quant(i, b, t):
-        src = b * BLOCK + tirx.if_then_else(t < 16, 2 * t, 2 * (t - 16) + 1)
-        d = scale[i, b]
-        v = tirx.if_then_else(d > tirx.const(0.0, "float32"), at(i, src) / d, tirx.const(0.0, "float32"))
-        return tirx.round(v).astype("int8")
-
-    aq = te.compute((m, nb, BLOCK), quant, name="act_q8_deinterleaved")
-    return aq, scale
+from ..act_quant import BLOCK, quantize_activations  # noqa: F401  (re-exported for the frontend)
 
 
 def q4_dot(n: int, nb: int):

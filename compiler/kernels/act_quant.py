@@ -1,0 +1,43 @@
+"""On-the-fly activation quantization shared by the W4A8 kernels (llama.cpp's Q8_0: one fp32
+scale per 32-block, scale = amax / 127, q = round(x / scale)).
+
+Each block is stored de-interleaved — its 16 even elements, then its 16 odd ones — because a
+16-byte load of packed Q4_0 weights splits into low nibbles (even elements) and high nibbles
+(odd elements): the two halves line up with the two halves of the activation block.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+BLOCK = 32
+
+
+def quantize_activations(a, *, k: int):
+    """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB])."""
+    m = a.shape[0]
+    nb = (k + BLOCK - 1) // BLOCK
+
+    def at(i, kk):
+        return tirx.if_then_else(kk < k, a[i, tirx.min(kk, k - 1)], tirx.const(0.0, "float32"))
+
+    e = te.reduce_axis((0, BLOCK), "e")
+    amax = te.compute((m, nb), lambda i, b: te.max(tirx.abs(at(i, b * BLOCK + e)), axis=e), name="act_amax")
+    scale = te.compute((m, nb), lambda i, b: amax[i, b] / tirx.const(127.0, "float32"), name="act_scale")
+
+    def quant(i, b, t):
+        src = b * BLOCK + tirx.if_then_else(t < 16, 2 * t, 2 * (t - 16) + 1)
+        d = scale[i, b]
+        v = tirx.if_then_else(d > tirx.const(0.0, "float32"), at(i, src) / d, tirx.const(0.0, "float32"))
+        return tirx.round(v).astype("int8")
+
+    aq = te.compute((m, nb, BLOCK), quant, name="act_q8_deinterleaved")
+    return aq, scale
+
+
+def block_offsets(aq, *, zero_point: int = 8):
+    """zero_point x sum of each activation block, as float32 [M, NB]: what a dot product of
+    unsigned weight nibbles (q) with the activations overcounts relative to (q - 8)."""
+    e = te.reduce_axis((0, BLOCK), "e")
+    s = te.compute(aq.shape[:2], lambda i, b: te.sum(aq[i, b, e].astype("int32"), axis=e), name="act_block_sum")
+    return te.compute(aq.shape[:2], lambda i, b: (s[i, b] * zero_point).astype("float32"), name="act_block_offset")

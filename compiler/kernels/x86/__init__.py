@@ -1,0 +1,1 @@
+"""Kernels for x86-64: AVX-512 VNNI (vpdpbusd)."""
