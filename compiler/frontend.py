@@ -131,8 +131,14 @@ class GroupQueryAttention(F.OnnxOpConverter):
         write = bb.add_func(generic.kv_cache_write(), _kname("kv_cache_write"))
         kc = bb.emit(relax.call_tir_inplace(write, [past_k, k, seqlens], 0, past_k.ty))
         vc = bb.emit(relax.call_tir_inplace(write, [past_v, v, seqlens], 0, past_v.ty))
-        out = bb.emit_te(generic.attention, q, kc, vc, seqlens, heads=heads, kv_heads=kv_heads,
-                         head_dim=head_dim, scale=scale, primfunc_name_hint=_kname("attention"))
+        from .kernels import attention as fast
+
+        if fast.supports(head_dim):
+            kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale), _kname("attention_online"))
+            out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
+        else:
+            out = bb.emit_te(generic.attention, q, kc, vc, seqlens, heads=heads, kv_heads=kv_heads,
+                             head_dim=head_dim, scale=scale, primfunc_name_hint=_kname("attention"))
         return relax.Tuple([out, kc, vc])
 
 
@@ -173,7 +179,9 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
 
     seq_dim = tirx.Var("seq", "int64") if seq is None else seq
     total, cache = tirx.Var("total", "int64"), tirx.Var("cache_len", "int64")
-    shapes = {"input_ids": [1, seq_dim], "position_ids": [1, seq_dim], "attention_mask": [1, total]}
+    present = {i.name for i in model.graph.input}
+    shapes = {k: v for k, v in {"input_ids": [1, seq_dim], "position_ids": [1, seq_dim],
+                                "attention_mask": [1, total]}.items() if k in present}
     for i in model.graph.input:
         if i.name.startswith("past_key_values."):
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]

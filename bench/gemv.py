@@ -1,0 +1,128 @@
+"""Decode GEMV speed per Qwen2.5-0.5B weight shape, as GB/s of weight bytes read, against the
+machine's read bandwidth measured in the same run and onnxruntime's MatMulNBits on the same
+single-op graph:
+
+    .venv/bin/python bench/gemv.py [--threads 2] [--act-bits 8]
+
+Weight bytes = packed 4-bit values + fp32 block scales (what the kernel must read per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+# (name, N, K) of the decode GEMVs in one Qwen2.5-0.5B token (24x each but the lm_head).
+SHAPES = [("q_proj", 896, 896), ("k/v_proj", 128, 896), ("o_proj", 896, 896), ("gate/up_proj", 4864, 896),
+          ("down_proj", 896, 4864), ("lm_head", 151936, 896)]
+
+
+def gemv_graph(n: int, k: int, block: int = 32) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    nb = (k + block - 1) // block
+    w = rng.integers(0, 256, (n, nb, block // 2), dtype=np.uint8)
+    s = (rng.random((n, nb), dtype=np.float32) * 0.01).astype(np.float32)
+    node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=block)
+    g = helper.make_graph([node], "gemv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, n])],
+                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(s, "s")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)],
+                             ir_version=10)
+
+
+def weight_bytes(n, k, block=32):
+    nb = (k + block - 1) // block
+    return n * nb * (block // 2 + 4)
+
+
+def time_call(fn, min_time=0.3) -> float:
+    fn()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < min_time:
+        fn()
+        reps += 1
+    return (time.perf_counter() - t0) / reps
+
+
+def qwc_gemv(model, act_bits):
+    import tvm
+    from tvm import relax
+    from tvm.runtime.vm import VirtualMachine
+
+    from qwc.compiler.build import build
+    from qwc.compiler.frontend import import_graph
+    from qwc.compiler.targets import get_target
+
+    target = get_target("host")
+    mod = import_graph(model, seq=1, act_bits=act_bits, features=target.features)
+    mod, params = relax.frontend.detach_params(mod)
+    vm = VirtualMachine(build(mod, target), tvm.cpu())
+    x = tvm.runtime.tensor(np.random.default_rng(1).standard_normal((1, 1, model.graph.input[0].type.tensor_type.shape.dim[2].dim_value), dtype=np.float32))
+    args = [x, *params["main"]]
+    f = vm["main"]
+    return lambda: f(*args)
+
+
+def ort_gemv(model, threads, accuracy_level):
+    import onnxruntime as ort
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    m.graph.node[0].attribute.append(helper.make_attribute("accuracy_level", accuracy_level))
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    k = model.graph.input[0].type.tensor_type.shape.dim[2].dim_value
+    x = np.random.default_rng(1).standard_normal((1, 1, k), dtype=np.float32)
+    return lambda: sess.run(None, {"x": x})
+
+
+def read_bandwidth() -> float:
+    """GB/s of a parallel streaming read (sum of 512 MiB of int32) built with TVM."""
+    import tvm
+    from tvm import te
+
+    from qwc.compiler.schedule import schedule_func
+
+    rows, cols = 4096, 32768
+    a = te.placeholder((rows, cols), "int32", name="a")
+    r = te.reduce_axis((0, cols), "r")
+    s = te.compute((rows,), lambda i: te.sum(a[i, r], axis=r), name="s")
+    f = schedule_func(te.create_prim_func([a, s]))
+    lib = tvm.compile(f, target=tvm.target.Target({"kind": "llvm", "mcpu": tvm.get_global_func(
+        "target.llvm_get_system_cpu")()}))
+    x = tvm.runtime.tensor(np.ones((rows, cols), np.int32))
+    y = tvm.runtime.tensor(np.zeros(rows, np.int32))
+    dt = time_call(lambda: lib(x, y), 1.0)
+    return rows * cols * 4 / dt / 1e9
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--act-bits", type=int, default=8, choices=(8, 32))
+    args = p.parse_args()
+    os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
+    bw = read_bandwidth()
+    print(f"read bandwidth ({args.threads} threads): {bw:.1f} GB/s")
+    print(f"{'shape':14s} {'N':>7s} {'K':>5s} {'MiB':>6s} {'qwc GB/s':>9s} {'%bw':>5s} {'ort acc4':>9s} {'ort acc0':>9s} {'qwc/ort4':>8s}")
+    for name, n, k in SHAPES:
+        g = gemv_graph(n, k)
+        wb = weight_bytes(n, k)
+        q = wb / time_call(qwc_gemv(g, args.act_bits)) / 1e9
+        o4 = wb / time_call(ort_gemv(g, args.threads, 4)) / 1e9
+        o0 = wb / time_call(ort_gemv(g, args.threads, 0)) / 1e9
+        print(f"{name:14s} {n:7d} {k:5d} {wb / 2**20:6.1f} {q:9.1f} {100 * q / bw:4.0f}% {o4:9.1f} {o0:9.1f} {q / o4:8.2f}")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
