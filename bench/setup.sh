@@ -17,5 +17,5 @@ if ! ls "$WHEELS"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
 -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF" \
     .venv/bin/python -m pip wheel --no-deps --no-cache-dir -w "$WHEELS" llama-cpp-python==0.3.36
 fi
-.venv/bin/python -m pip install -q --no-deps "$WHEELS"/llama_cpp_python-0.3.36-*.whl diskcache==5.6.3 \
+.venv/bin/python -m pip install -q --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-0.3.36-*.whl diskcache==5.6.3 \
   2> >(grep -v "is ignored: it is neither" >&2)
