@@ -76,12 +76,12 @@ class MatMulNBits(F.OnnxOpConverter):
         else:
             from .kernels.x86 import vnni
 
-            off = bb.emit_te(act_quant.block_offsets, q, zero_point=vnni.OFFSET_ZERO_POINT,
-                             primfunc_name_hint=_kname("act_block_offset"))
-            if isinstance(m, int) or (hasattr(m, "value") and int(m.value) == 1):
-                kernel = bb.add_func(vnni.q4_dot(n, nb), _kname(f"q4_gemv_vnni_{n}x{nb}"))
+            one_token = isinstance(m, int) and m == 1 or getattr(m, "value", None) == 1
+            if one_token and n % 2 == 0:
+                kernel, zp = bb.add_func(vnni.q4_dot(n, nb), _kname(f"q4_gemv_vnni_{n}x{nb}")), vnni.GEMV_OFFSET
             else:
-                kernel = bb.add_func(vnni.q4_gemm(n, nb), _kname(f"q4_gemm_vnni_{n}x{nb}"))
+                kernel, zp = bb.add_func(vnni.q4_gemm(n, nb), _kname(f"q4_gemm_vnni_{n}x{nb}")), vnni.GEMM_OFFSET
+            off = bb.emit_te(act_quant.block_offsets, q, zero_point=zp, primfunc_name_hint=_kname(f"act_block_offset{zp}"))
             y = bb.emit(relax.call_tir(kernel, [q, scale, off, w, s], out_ty))
         return bb.emit(relax.op.reshape(y, [*lead, n]))
 

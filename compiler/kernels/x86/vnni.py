@@ -5,29 +5,30 @@ unsigned operand as they are and the int8 activations the signed one, so the act
 no offset: dot(q - 8, a) = dot(q, a) - 8 * sum(a), with sum(a) computed once per activation
 block (`act_quant.block_offsets`) and shared by every row.
 
-Per block and row: one 16-byte weight load split into [low nibbles | high nibbles] = 32
-unsigned bytes (even elements, then odd: the de-interleaved activation layout), one vpdpbusd
-against the 32-byte activation block, converted to fp32 and accumulated lane-wise with the two
-block scales (each of the 8 lanes subtracts sum(a) once: 8 * sum(a) in all). One horizontal add
-per row at the end. A task handles ROWS rows so each activation load serves several rows and
-the accumulators are independent (measured: 8 rows ~1.4x one row; a 512-bit two-row form was
-no faster).
+Accumulation is in fp32 lanes with the two block scales, one horizontal add per row at the
+end; the overcount is subtracted lane-wise (a lane multiple of sum(a) that adds up to 8 x sum(a)
+per row). Tasks cover several rows so each activation load serves them all and the accumulators
+are independent. A 512-bit form (two rows per vpdpbusd) measured no faster than these.
 """
 
 from __future__ import annotations
 
-OFFSET_ZERO_POINT = 1  # block_offsets(zero_point=1): each lane subtracts sum(a)
-
-
-def rows_per_task(n: int) -> int:
-    return next(r for r in (8, 4, 2, 1) if n % r == 0)
+GEMV_ROWS = 8     # rows per task: four row pairs
+GEMV_OFFSET = 2   # per-lane offset multiple of sum(a) for q4_dot (4 lanes per row)
+GEMM_OFFSET = 1   # for q4_gemm (8 lanes per row)
 
 
 def q4_dot(n: int, nb: int):
+    """Decode GEMV. Two rows share one 256-bit vector, [row r's 16 bytes | row r+1's]: its low
+    nibbles dot the duplicated even activation half, its high nibbles the duplicated odd half,
+    both into one int32x8 (lanes 0-3 row r, 4-7 row r+1). Two vpdpbusd, one convert, one fused
+    scale per row pair and block; 8 rows per task (measured ~1.3x the one-row-per-vector form
+    from cache; DRAM-bound shapes the same). Each lane subtracts 2 x sum(a)."""
     from tvm.script import tirx as T
 
     dpbusd = "llvm.x86.avx512.vpdpbusd.256"
-    rows = rows_per_task(n)
+    rows = next(r for r in (GEMV_ROWS, 4, 2) if n % r == 0)
+    pairs = rows // 2
 
     @T.prim_func(private=True)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((n, nb, 16), "uint8"),
@@ -40,21 +41,32 @@ def q4_dot(n: int, nb: int):
         y = T.match_buffer(var_y, (m, n), "float32")
         for jo in T.parallel(n // rows):
             for i in range(m):
-                acc = T.decl_buffer((rows * 8,), "float32", scope="local")
-                for r in T.unroll(rows):
-                    acc[T.ramp(r * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
+                acc = T.decl_buffer((pairs * 8,), "float32", scope="local")
+                for p in T.unroll(pairs):
+                    acc[T.ramp(p * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
                 for b in range(nb):
-                    for r in T.unroll(rows):
-                        acc[T.ramp(r * 8, 1, 8)] = acc[T.ramp(r * 8, 1, 8)] + (T.Cast("float32x8", T.call_llvm_pure_intrin(
-                            "int32x8", dpbusd, T.broadcast(T.int32(0), 8),
-                            T.vectorcombine("uint8x32",
-                                            w.vload([jo * rows + r, b, 0], "uint8x16") & T.broadcast(T.uint8(15), 16),
-                                            w.vload([jo * rows + r, b, 0], "uint8x16") >> T.broadcast(T.uint8(4), 16)),
-                            aq.vload([i, b, 0], "int8x32"))) - T.broadcast(off[i, b], 8)) \
-                            * T.broadcast(ws[jo * rows + r, b] * ad[i, b], 8)
-                for r in T.unroll(rows):
-                    y[i, jo * rows + r] = T.call_llvm_pure_intrin(
-                        "float32", "llvm.vector.reduce.fadd.v8f32", T.float32(0), acc[T.ramp(r * 8, 1, 8)])
+                    for p in T.unroll(pairs):
+                        # One expression: named temporaries would become per-thread allocations.
+                        acc[T.ramp(p * 8, 1, 8)] = acc[T.ramp(p * 8, 1, 8)] + (T.Cast("float32x8", T.call_llvm_pure_intrin(
+                            "int32x8", dpbusd,
+                            T.call_llvm_pure_intrin(
+                                "int32x8", dpbusd, T.broadcast(T.int32(0), 8),
+                                T.vectorcombine("uint8x32", w.vload([jo * rows + 2 * p, b, 0], "uint8x16"),
+                                                w.vload([jo * rows + 2 * p + 1, b, 0], "uint8x16"))
+                                & T.broadcast(T.uint8(15), 32),
+                                T.vectorcombine("int8x32", aq.vload([i, b, 0], "int8x16"), aq.vload([i, b, 0], "int8x16"))),
+                            T.vectorcombine("uint8x32", w.vload([jo * rows + 2 * p, b, 0], "uint8x16"),
+                                            w.vload([jo * rows + 2 * p + 1, b, 0], "uint8x16"))
+                            >> T.broadcast(T.uint8(4), 32),
+                            T.vectorcombine("int8x32", aq.vload([i, b, 16], "int8x16"), aq.vload([i, b, 16], "int8x16"))))
+                            - T.broadcast(off[i, b], 8)) * T.vectorcombine(
+                                "float32x8", T.broadcast(ws[jo * rows + 2 * p, b] * ad[i, b], 4),
+                                T.broadcast(ws[jo * rows + 2 * p + 1, b] * ad[i, b], 4))
+                for p in T.unroll(pairs):
+                    y[i, jo * rows + 2 * p] = T.call_llvm_pure_intrin(
+                        "float32", "llvm.vector.reduce.fadd.v4f32", T.float32(0), acc[T.ramp(p * 8, 1, 4)])
+                    y[i, jo * rows + 2 * p + 1] = T.call_llvm_pure_intrin(
+                        "float32", "llvm.vector.reduce.fadd.v4f32", T.float32(0), acc[T.ramp(p * 8 + 4, 1, 4)])
 
     return kernel
 
