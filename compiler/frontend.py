@@ -63,14 +63,14 @@ class MatMulNBits(F.OnnxOpConverter):
 
         lead = list(a.ty.shape)[:-1]
         a2 = bb.emit(relax.op.reshape(a, [-1, k]))
-        aq = bb.emit_te(act_quant.quantize_activations, a2, k=k, primfunc_name_hint=_kname("quantize_act_q8"))
-        q, scale = bb.emit(relax.TupleGetItem(aq, 0)), bb.emit(relax.TupleGetItem(aq, 1))
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
         m = a2.ty.shape[0]
         out_ty = relax.TensorType(shape=[m, n], dtype="float32")
         if isa == "arm":
             from .kernels.arm import dotprod
 
+            aq = bb.emit_te(act_quant.quantize_activations, a2, k=k, primfunc_name_hint=_kname("quantize_act_q8"))
+            q, scale = bb.emit(relax.TupleGetItem(aq, 0)), bb.emit(relax.TupleGetItem(aq, 1))
             kernel = bb.add_func(dotprod.q4_dot(n, nb), _kname(f"q4_dot_sdot_{n}x{nb}"))
             y = bb.emit(relax.call_tir(kernel, [q, scale, w, s], out_ty))
         else:
@@ -81,7 +81,11 @@ class MatMulNBits(F.OnnxOpConverter):
                 kernel, zp = bb.add_func(vnni.q4_dot(n, nb), _kname(f"q4_gemv_vnni_{n}x{nb}")), vnni.GEMV_OFFSET
             else:
                 kernel, zp = bb.add_func(vnni.q4_gemm(n, nb), _kname(f"q4_gemm_vnni_{n}x{nb}")), vnni.GEMM_OFFSET
-            off = bb.emit_te(act_quant.block_offsets, q, zero_point=zp, primfunc_name_hint=_kname(f"act_block_offset{zp}"))
+            quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token), _kname(f"act_q8_{k}_{zp}_{int(one_token)}"))
+            parts = bb.emit(relax.call_tir(quant, [a2], [
+                relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
+                relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))
+            q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
             y = bb.emit(relax.call_tir(kernel, [q, scale, off, w, s], out_ty))
         return bb.emit(relax.op.reshape(y, [*lead, n]))
 
