@@ -14,6 +14,9 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 
 VECTOR_LANES = 8  # fp32 lanes of a 256-bit vector; LLVM splits or widens for the target
+# Below this many output elements a parallel launch costs more than the work (a decode step's
+# norms, rotary and residual adds are 64-5000 elements): run those on the calling thread.
+MIN_PARALLEL = 1 << 14
 
 
 def schedule_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -43,11 +46,13 @@ def _schedule_block(sch, info) -> None:
     fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
     injective = all(it.kind == "S" for it in info.iters)
     ext = sch.get(fused).extent
+    small = isinstance(ext, tirx.IntImm) and ext.value < MIN_PARALLEL
     if injective and isinstance(ext, tirx.IntImm) and ext.value >= 4 * VECTOR_LANES and ext.value % VECTOR_LANES == 0:
         outer, inner = sch.split(fused, [None, VECTOR_LANES])
-        sch.parallel(outer)
+        if not small:
+            sch.parallel(outer)
         sch.vectorize(inner)
-    else:
+    elif not small:
         sch.parallel(fused)
 
 
@@ -71,7 +76,9 @@ def cpu_pipeline(target):
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             seq = tvm.transform.Sequential(
-                P.library_dispatch_passes(target) + P.legalize_passes(target)
+                # q, k and v (and gate, up) read the same activations: quantize them once.
+                [relax.transform.EliminateCommonSubexpr()]
+                + P.library_dispatch_passes(target) + P.legalize_passes(target)
                 + [generic_cpu_schedule] + P.dataflow_lower_passes(target) + P.finalize_passes(target))
             return seq(mod)
 

@@ -111,7 +111,7 @@ def kv_cache_write():
         cache = T.match_buffer(var_cache, (T.int64(1), kvh, cap, hd), "float32")
         new = T.match_buffer(var_new, (T.int64(1), s, kvh * hd), "float32")
         past = T.Cast("int64", seqlens[0]) + T.int64(1) - s
-        for h in T.parallel(kvh):
+        for h in T.serial(kvh):  # a few KiB per layer: a parallel launch would cost more
             for i, d in T.grid(s, hd):
                 cache[T.int64(0), h, past + i, d] = new[T.int64(0), i, h * hd + d]
 
