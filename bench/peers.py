@@ -70,6 +70,7 @@ class Runner:
 
 class QwcRunner(Runner):
     def __init__(self, paths, threads):
+        os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # what `qwc run` loads: the runtime alone
         from qwc.runtime.engine import Engine
 
         self.eng = Engine(paths["qwc"], ctx=CTX, threads=threads)

@@ -56,6 +56,10 @@ def _cmd_compile(args: argparse.Namespace) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> None:
+    import os
+
+    if "tvm" not in sys.modules:
+        os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # the runtime alone: faster start, less memory
     from qwc.runtime.engine import Engine
     from qwc.runtime.sampling import SamplingParams
 

@@ -130,15 +130,21 @@ class Engine:
         self.eos = set(self.model.get("eos_token_ids") or [])
 
     def _load_params(self):
-        raw = np.memmap(self.path / "params.bin", dtype=np.uint8, mode="r")
+        """Read each parameter straight into its own array (no mapping of the whole file, so
+        the peak memory is the parameters once, not twice)."""
+        path = self.path / "params.bin"
+        size = path.stat().st_size
         out = []
-        for p in self.manifest["params"]:
-            end = p["offset"] + p["nbytes"]
-            if end > raw.size:
-                raise QwcError(f"{self.path}: params.bin is truncated ({p['name']} ends at byte {end}, "
-                               f"file has {raw.size})")
-            a = np.frombuffer(raw[p["offset"]:end], dtype=p["dtype"]).reshape(p["shape"])
-            out.append(self._tvm.runtime.tensor(a, self.device))
+        with open(path, "rb") as f:
+            for p in self.manifest["params"]:
+                end = p["offset"] + p["nbytes"]
+                if end > size:
+                    raise QwcError(f"{self.path}: params.bin is truncated ({p['name']} ends at byte {end}, "
+                                   f"file has {size})")
+                f.seek(p["offset"])
+                a = np.fromfile(f, dtype=p["dtype"], count=int(np.prod(p["shape"], dtype=np.int64)))
+                out.append(self._tvm.runtime.tensor(a.reshape(p["shape"]), self.device))
+                del a
         return out
 
     # -- the model -----------------------------------------------------------------------
