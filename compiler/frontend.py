@@ -46,7 +46,7 @@ class MatMulNBits(F.OnnxOpConverter):
         k, n, block, bits = int(attr["K"]), int(attr["N"]), int(attr["block_size"]), int(attr.get("bits", 4))
         if _act_bits == 8 and bits == 4 and block == 32 and "dotprod" in _features:
             out = cls._int8_dot(bb, a, w, s, k, n, "arm")
-        elif _act_bits == 8 and bits == 4 and block == 32 and {"avx512_vnni", "avx512vl"} <= _features:
+        elif _act_bits == 8 and bits == 4 and block == 32 and {"avx512_vnni", "avx512vl"} <= _features and n % 2 == 0:
             out = cls._int8_dot(bb, a, w, s, k, n, "x86")
         else:
             kernel = generic.matmul_nbits_a8 if _act_bits == 8 else generic.matmul_nbits
@@ -77,7 +77,7 @@ class MatMulNBits(F.OnnxOpConverter):
             from .kernels.x86 import vnni
 
             one_token = isinstance(m, int) and m == 1 or getattr(m, "value", None) == 1
-            if one_token and n % 2 == 0:
+            if one_token:
                 kernel, zp = bb.add_func(vnni.q4_dot(n, nb), _kname(f"q4_gemv_vnni_{n}x{nb}")), vnni.GEMV_OFFSET
             else:
                 kernel, zp = bb.add_func(vnni.q4_gemm(n, nb), _kname(f"q4_gemm_vnni_{n}x{nb}")), vnni.GEMM_OFFSET

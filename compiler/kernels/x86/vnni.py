@@ -14,8 +14,8 @@ are independent. A 512-bit form (two rows per vpdpbusd) measured no faster than 
 from __future__ import annotations
 
 GEMV_ROWS = 8     # rows per task: four row pairs
-GEMV_OFFSET = 2   # per-lane offset multiple of sum(a) for q4_dot (4 lanes per row)
-GEMM_OFFSET = 1   # for q4_gemm (8 lanes per row)
+GEMV_OFFSET = 2   # per-lane offset multiple of sum(a) (4 lanes per row)
+GEMM_OFFSET = GEMV_OFFSET
 
 
 def q4_dot(n: int, nb: int):
@@ -71,17 +71,33 @@ def q4_dot(n: int, nb: int):
     return kernel
 
 
-TOKENS = 4  # tokens per GEMM tile: each unpacked weight vector serves this many dpbusd
+TOKENS = 4  # tokens per GEMM tile: each combined weight vector serves this many tokens
 
 
 def q4_gemm(n: int, nb: int):
-    """The prefill form: tiles of TOKENS tokens x rows, so each 16-byte weight block is
-    unpacked once and used for TOKENS activation blocks; leftover tokens go one at a time."""
+    """Prefill GEMM: tiles of 2 row pairs x TOKENS tokens in the q4_dot layout (a row pair per
+    256-bit vector), so each weight vector is split once and used for TOKENS tokens; leftover
+    tokens go one at a time. Lane offset as in q4_dot (GEMV_OFFSET)."""
     from tvm.script import tirx as T
 
     dpbusd = "llvm.x86.avx512.vpdpbusd.256"
-    rows = next(r for r in (4, 2, 1) if n % r == 0)
+    pairs = 2 if n % 4 == 0 else 1
+    rows = 2 * pairs
     tm = TOKENS
+
+    def pair_dot(T, w, aq, off, ws, ad, j, b, tok):
+        return (T.Cast("float32x8", T.call_llvm_pure_intrin(
+            "int32x8", dpbusd,
+            T.call_llvm_pure_intrin(
+                "int32x8", dpbusd, T.broadcast(T.int32(0), 8),
+                T.vectorcombine("uint8x32", w.vload([j, b, 0], "uint8x16"), w.vload([j + 1, b, 0], "uint8x16"))
+                & T.broadcast(T.uint8(15), 32),
+                T.vectorcombine("int8x32", aq.vload([tok, b, 0], "int8x16"), aq.vload([tok, b, 0], "int8x16"))),
+            T.vectorcombine("uint8x32", w.vload([j, b, 0], "uint8x16"), w.vload([j + 1, b, 0], "uint8x16"))
+            >> T.broadcast(T.uint8(4), 32),
+            T.vectorcombine("int8x32", aq.vload([tok, b, 16], "int8x16"), aq.vload([tok, b, 16], "int8x16"))))
+            - T.broadcast(off[tok, b], 8)) * T.vectorcombine(
+                "float32x8", T.broadcast(ws[j, b] * ad[tok, b], 4), T.broadcast(ws[j + 1, b] * ad[tok, b], 4))
 
     @T.prim_func(private=True)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((n, nb, 16), "uint8"),
@@ -94,39 +110,33 @@ def q4_gemm(n: int, nb: int):
         y = T.match_buffer(var_y, (m, n), "float32")
         for jo in T.parallel(n // rows):
             for it in range(m // tm):
-                acc = T.decl_buffer((rows * tm * 8,), "float32", scope="local")
-                for rt in T.unroll(rows * tm):
-                    acc[T.ramp(rt * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
+                acc = T.decl_buffer((pairs * tm * 8,), "float32", scope="local")
+                for pt in T.unroll(pairs * tm):
+                    acc[T.ramp(pt * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
                 for b in range(nb):
-                    for r in T.unroll(rows):
+                    for p in T.unroll(pairs):
                         for t in T.unroll(tm):
-                            acc[T.ramp((r * tm + t) * 8, 1, 8)] = acc[T.ramp((r * tm + t) * 8, 1, 8)] + (
-                                T.Cast("float32x8", T.call_llvm_pure_intrin(
-                                    "int32x8", dpbusd, T.broadcast(T.int32(0), 8),
-                                    T.vectorcombine("uint8x32",
-                                                    w.vload([jo * rows + r, b, 0], "uint8x16") & T.broadcast(T.uint8(15), 16),
-                                                    w.vload([jo * rows + r, b, 0], "uint8x16") >> T.broadcast(T.uint8(4), 16)),
-                                    aq.vload([it * tm + t, b, 0], "int8x32")))
-                                - T.broadcast(off[it * tm + t, b], 8)) * T.broadcast(ws[jo * rows + r, b] * ad[it * tm + t, b], 8)
-                for r in T.unroll(rows):
+                            acc[T.ramp((p * tm + t) * 8, 1, 8)] = acc[T.ramp((p * tm + t) * 8, 1, 8)] + pair_dot(
+                                T, w, aq, off, ws, ad, jo * rows + 2 * p, b, it * tm + t)
+                for p in T.unroll(pairs):
                     for t in T.unroll(tm):
-                        y[it * tm + t, jo * rows + r] = T.call_llvm_pure_intrin(
-                            "float32", "llvm.vector.reduce.fadd.v8f32", T.float32(0), acc[T.ramp((r * tm + t) * 8, 1, 8)])
+                        y[it * tm + t, jo * rows + 2 * p] = T.call_llvm_pure_intrin(
+                            "float32", "llvm.vector.reduce.fadd.v4f32", T.float32(0), acc[T.ramp((p * tm + t) * 8, 1, 4)])
+                        y[it * tm + t, jo * rows + 2 * p + 1] = T.call_llvm_pure_intrin(
+                            "float32", "llvm.vector.reduce.fadd.v4f32", T.float32(0),
+                            acc[T.ramp((p * tm + t) * 8 + 4, 1, 4)])
             for i in range(m // tm * tm, m):
-                acc1 = T.decl_buffer((rows * 8,), "float32", scope="local")
-                for r in T.unroll(rows):
-                    acc1[T.ramp(r * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
+                acc1 = T.decl_buffer((pairs * 8,), "float32", scope="local")
+                for p in T.unroll(pairs):
+                    acc1[T.ramp(p * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
                 for b in range(nb):
-                    for r in T.unroll(rows):
-                        acc1[T.ramp(r * 8, 1, 8)] = acc1[T.ramp(r * 8, 1, 8)] + (T.Cast("float32x8", T.call_llvm_pure_intrin(
-                            "int32x8", dpbusd, T.broadcast(T.int32(0), 8),
-                            T.vectorcombine("uint8x32",
-                                            w.vload([jo * rows + r, b, 0], "uint8x16") & T.broadcast(T.uint8(15), 16),
-                                            w.vload([jo * rows + r, b, 0], "uint8x16") >> T.broadcast(T.uint8(4), 16)),
-                            aq.vload([i, b, 0], "int8x32"))) - T.broadcast(off[i, b], 8)) \
-                            * T.broadcast(ws[jo * rows + r, b] * ad[i, b], 8)
-                for r in T.unroll(rows):
-                    y[i, jo * rows + r] = T.call_llvm_pure_intrin(
-                        "float32", "llvm.vector.reduce.fadd.v8f32", T.float32(0), acc1[T.ramp(r * 8, 1, 8)])
+                    for p in T.unroll(pairs):
+                        acc1[T.ramp(p * 8, 1, 8)] = acc1[T.ramp(p * 8, 1, 8)] + pair_dot(
+                            T, w, aq, off, ws, ad, jo * rows + 2 * p, b, i)
+                for p in T.unroll(pairs):
+                    y[i, jo * rows + 2 * p] = T.call_llvm_pure_intrin(
+                        "float32", "llvm.vector.reduce.fadd.v4f32", T.float32(0), acc1[T.ramp(p * 8, 1, 4)])
+                    y[i, jo * rows + 2 * p + 1] = T.call_llvm_pure_intrin(
+                        "float32", "llvm.vector.reduce.fadd.v4f32", T.float32(0), acc1[T.ramp(p * 8 + 4, 1, 4)])
 
     return kernel
