@@ -35,7 +35,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
         out = T.match_buffer(var_out, (T.int64(1), s, heads * head_dim), "float32")
         for task in T.parallel(heads * s):
             acc = T.decl_buffer((head_dim,), "float32", scope="local")
-            stat = T.decl_buffer((3,), "float32", scope="local")   # running max, sum, this score
+            stat = T.decl_buffer((4,), "float32", scope="local")   # running max, sum, score, exp
             for c in range(chunks):
                 acc[T.ramp(c * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
             stat[0] = T.float32(neg_inf)
@@ -48,13 +48,17 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
                         q[T.int64(0), task % s, T.ramp((task // s) * head_dim + c * LANES, 1, LANES)]
                         * kc[T.int64(0), (task // s) // group, j, T.ramp(c * LANES, 1, LANES)])
                 stat[2] = stat[2] * T.float32(scale)
-                # new max m' = max(m, x): rescale what was accumulated by exp(m - m')
+                # One exp per key: e = exp(-|x - m|). A new max (x > m) rescales what was
+                # accumulated by e and weighs this key 1; otherwise the key weighs e.
+                stat[3] = T.exp(T.float32(0) - T.abs(stat[2] - stat[0]))
                 for c in range(chunks):
                     acc[T.ramp(c * LANES, 1, LANES)] = (
-                        acc[T.ramp(c * LANES, 1, LANES)] * T.broadcast(T.exp(stat[0] - T.max(stat[0], stat[2])), LANES)
+                        acc[T.ramp(c * LANES, 1, LANES)]
+                        * T.broadcast(T.if_then_else(stat[2] > stat[0], stat[3], T.float32(1)), LANES)
                         + vc[T.int64(0), (task // s) // group, j, T.ramp(c * LANES, 1, LANES)]
-                        * T.broadcast(T.exp(stat[2] - T.max(stat[0], stat[2])), LANES))
-                stat[1] = stat[1] * T.exp(stat[0] - T.max(stat[0], stat[2])) + T.exp(stat[2] - T.max(stat[0], stat[2]))
+                        * T.broadcast(T.if_then_else(stat[2] > stat[0], T.float32(1), stat[3]), LANES))
+                stat[1] = (stat[1] * T.if_then_else(stat[2] > stat[0], stat[3], T.float32(1))
+                           + T.if_then_else(stat[2] > stat[0], T.float32(1), stat[3]))
                 stat[0] = T.max(stat[0], stat[2])
             for c in range(chunks):
                 out[T.int64(0), task % s, T.ramp((task // s) * head_dim + c * LANES, 1, LANES)] = (
