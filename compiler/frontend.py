@@ -78,10 +78,11 @@ class MatMulNBits(F.OnnxOpConverter):
 
             one_token = isinstance(m, int) and m == 1 or getattr(m, "value", None) == 1
             if one_token:
-                kernel, zp = bb.add_func(vnni.q4_dot(n, nb), _kname(f"q4_gemv_vnni_{n}x{nb}")), vnni.GEMV_OFFSET
+                kernel = bb.add_func(vnni.q4_dot(n, nb), _kname(f"q4_gemv_vnni_{n}x{nb}"))
             else:
-                kernel, zp = bb.add_func(vnni.q4_gemm(n, nb), _kname(f"q4_gemm_vnni_{n}x{nb}")), vnni.GEMM_OFFSET
-            quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token), _kname(f"act_q8_{k}_{zp}_{int(one_token)}"))
+                kernel = bb.add_func(vnni.q4_gemm(n, nb), _kname(f"q4_gemm_vnni_{n}x{nb}"))
+            quant = bb.add_func(act_quant.fused_quantizer(k, vnni.OFFSET, one_token),
+                                _kname(f"act_q8_{k}_{int(one_token)}"))
             parts = bb.emit(relax.call_tir(quant, [a2], [
                 relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
                 relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))

@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGMLQuantizationType, TokenType
 from gguf.quants import dequantize, quantize
 
 from qwc.cli import main
 from qwc.config import ModelConfig, sidecar_paths
 from qwc.models.gguf_loader import load_gguf
+from qwc.models.gguf_writer import write_gguf
 from qwc.models.qwen2 import build_model
 from qwc.models.tokenizer import SPECIAL_TOKENS, byte_level_tokenizer
 
@@ -58,64 +59,26 @@ def _gguf_config(arch: str) -> ModelConfig:
 
 
 def _write_gguf(path, arch: str, cfg: ModelConfig, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Write `state` (HF names) as a GGUF; return the float weights the file really holds."""
-    w = GGUFWriter(str(path), arch)
-    w.add_name(cfg.name)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    """Write `state` (HF names) as a GGUF, 2-D tensors as Q8_0 like real files, q/k rows
+    permuted for `llama`; return the float weights the file really holds."""
     tok = byte_level_tokenizer()
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([TokenType.CONTROL if t in SPECIAL_TOKENS else TokenType.NORMAL for t, _ in vocab])
-    w.add_token_merges([])
-    w.add_token_scores([0.0] * len(vocab))
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_ids[0])
-    w.add_chat_template(cfg.chat_template)
-    held = {}
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-             "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    types = [TokenType.CONTROL if t in SPECIAL_TOKENS else TokenType.NORMAL for t, _ in vocab]
+    held, tensors = {}, {}
     for k, v in state.items():
-        if k.startswith("model.layers."):
-            _, _, i, rest = k.split(".", 3)
-            gname = f"blk.{i}.{layer[rest]}"
-        else:
-            gname = names[k]
         if arch == "llama" and k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
             continue
         if v.ndim == 2:
-            # Linears and the embedding as Q8_0, as real files store them.
-            q = quantize(v, GGMLQuantizationType.Q8_0)
-            held[k] = dequantize(q, GGMLQuantizationType.Q8_0).reshape(v.shape)
-            stored, qtype = q, GGMLQuantizationType.Q8_0
+            stored, qtype = quantize(v, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+            held[k] = dequantize(stored, qtype).reshape(v.shape)
         else:
-            held[k] = v
             stored, qtype = v, None
+            held[k] = v
         if arch == "llama" and ("q_proj" in k or "k_proj" in k):
             heads = cfg.num_attention_heads if "q_proj" in k else cfg.num_key_value_heads
             stored = _llama_permute(stored, heads)
-        if qtype is None:
-            w.add_tensor(gname, stored)
-        else:
-            w.add_tensor(gname, stored, raw_shape=stored.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        tensors[k] = (stored, qtype)
+    write_gguf(path, arch, cfg, [t for t, _ in vocab], types, tensors)
     return held
 
 

@@ -35,18 +35,11 @@ def quantize_activations(a, *, k: int):
     return aq, scale
 
 
-def block_offsets(aq, *, zero_point: int = 8):
-    """zero_point x sum of each activation block, as float32 [M, NB]: what a dot product of
-    unsigned weight nibbles (q) with the activations overcounts relative to (q - 8)."""
-    e = te.reduce_axis((0, BLOCK), "e")
-    s = te.compute(aq.shape[:2], lambda i, b: te.sum(aq[i, b, e].astype("int32"), axis=e), name="act_block_sum")
-    return te.compute(aq.shape[:2], lambda i, b: (s[i, b] * zero_point).astype("float32"), name="act_block_offset")
-
-
 def fused_quantizer(k: int, zero_point: int, one_row: bool):
     """amax, scale, de-interleaved int8 values and zero_point x block sum in one pass, as one
-    kernel: the TE stages above cost a parallel launch each, which dominates a decode step's
-    activation work (K = 896: 28 blocks). `one_row` (decode) runs serially."""
+    kernel (the x86 VNNI path): separate TE stages cost a parallel launch each, which dominates a
+    decode step's activation work (K = 896: 28 blocks). `one_row` (decode) runs serially. The
+    block sum is what a dot of raw nibbles q with a overcounts against (q - 8)."""
     from tvm.script import tirx as T
 
     nb = (k + BLOCK - 1) // BLOCK

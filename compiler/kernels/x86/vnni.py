@@ -3,7 +3,7 @@
 vpdpbusd multiplies unsigned bytes by signed bytes. The weight nibbles q (0..15) are the
 unsigned operand as they are and the int8 activations the signed one, so the activations need
 no offset: dot(q - 8, a) = dot(q, a) - 8 * sum(a), with sum(a) computed once per activation
-block (`act_quant.block_offsets`) and shared by every row.
+block (`act_quant.fused_quantizer`) and shared by every row.
 
 Accumulation is in fp32 lanes with the two block scales, one horizontal add per row at the
 end; the overcount is subtracted lane-wise (a lane multiple of sum(a) that adds up to 8 x sum(a)
@@ -14,8 +14,26 @@ are independent. A 512-bit form (two rows per vpdpbusd) measured no faster than 
 from __future__ import annotations
 
 GEMV_ROWS = 8     # rows per task: four row pairs
-GEMV_OFFSET = 2   # per-lane offset multiple of sum(a) (4 lanes per row)
-GEMM_OFFSET = GEMV_OFFSET
+OFFSET = 2        # per-lane multiple of sum(a) to subtract (4 lanes per row: 8 x sum(a) in all)
+
+
+def _pair_dot(T, w, aq, off, ws, ad, j, b, tok):
+    """Rows j and j+1, block b, token tok: the float32x8 contribution (lanes 0-3 row j, 4-7
+    row j+1), written as one expression (named temporaries would become per-thread
+    allocations inside the parallel loop)."""
+    dpbusd = "llvm.x86.avx512.vpdpbusd.256"
+    return (T.Cast("float32x8", T.call_llvm_pure_intrin(
+        "int32x8", dpbusd,
+        T.call_llvm_pure_intrin(
+            "int32x8", dpbusd, T.broadcast(T.int32(0), 8),
+            T.vectorcombine("uint8x32", w.vload([j, b, 0], "uint8x16"), w.vload([j + 1, b, 0], "uint8x16"))
+            & T.broadcast(T.uint8(15), 32),
+            T.vectorcombine("int8x32", aq.vload([tok, b, 0], "int8x16"), aq.vload([tok, b, 0], "int8x16"))),
+        T.vectorcombine("uint8x32", w.vload([j, b, 0], "uint8x16"), w.vload([j + 1, b, 0], "uint8x16"))
+        >> T.broadcast(T.uint8(4), 32),
+        T.vectorcombine("int8x32", aq.vload([tok, b, 16], "int8x16"), aq.vload([tok, b, 16], "int8x16"))))
+        - T.broadcast(off[tok, b], 8)) * T.vectorcombine(
+            "float32x8", T.broadcast(ws[j, b] * ad[tok, b], 4), T.broadcast(ws[j + 1, b] * ad[tok, b], 4))
 
 
 def q4_dot(n: int, nb: int):
@@ -26,7 +44,6 @@ def q4_dot(n: int, nb: int):
     from cache; DRAM-bound shapes the same). Each lane subtracts 2 x sum(a)."""
     from tvm.script import tirx as T
 
-    dpbusd = "llvm.x86.avx512.vpdpbusd.256"
     rows = next(r for r in (GEMV_ROWS, 4, 2) if n % r == 0)
     pairs = rows // 2
 
@@ -46,22 +63,8 @@ def q4_dot(n: int, nb: int):
                     acc[T.ramp(p * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
                 for b in range(nb):
                     for p in T.unroll(pairs):
-                        # One expression: named temporaries would become per-thread allocations.
-                        acc[T.ramp(p * 8, 1, 8)] = acc[T.ramp(p * 8, 1, 8)] + (T.Cast("float32x8", T.call_llvm_pure_intrin(
-                            "int32x8", dpbusd,
-                            T.call_llvm_pure_intrin(
-                                "int32x8", dpbusd, T.broadcast(T.int32(0), 8),
-                                T.vectorcombine("uint8x32", w.vload([jo * rows + 2 * p, b, 0], "uint8x16"),
-                                                w.vload([jo * rows + 2 * p + 1, b, 0], "uint8x16"))
-                                & T.broadcast(T.uint8(15), 32),
-                                T.vectorcombine("int8x32", aq.vload([i, b, 0], "int8x16"), aq.vload([i, b, 0], "int8x16"))),
-                            T.vectorcombine("uint8x32", w.vload([jo * rows + 2 * p, b, 0], "uint8x16"),
-                                            w.vload([jo * rows + 2 * p + 1, b, 0], "uint8x16"))
-                            >> T.broadcast(T.uint8(4), 32),
-                            T.vectorcombine("int8x32", aq.vload([i, b, 16], "int8x16"), aq.vload([i, b, 16], "int8x16"))))
-                            - T.broadcast(off[i, b], 8)) * T.vectorcombine(
-                                "float32x8", T.broadcast(ws[jo * rows + 2 * p, b] * ad[i, b], 4),
-                                T.broadcast(ws[jo * rows + 2 * p + 1, b] * ad[i, b], 4))
+                        acc[T.ramp(p * 8, 1, 8)] = acc[T.ramp(p * 8, 1, 8)] + _pair_dot(
+                            T, w, aq, off, ws, ad, jo * rows + 2 * p, b, i)
                 for p in T.unroll(pairs):
                     y[i, jo * rows + 2 * p] = T.call_llvm_pure_intrin(
                         "float32", "llvm.vector.reduce.fadd.v4f32", T.float32(0), acc[T.ramp(p * 8, 1, 4)])
@@ -77,27 +80,12 @@ TOKENS = 4  # tokens per GEMM tile: each combined weight vector serves this many
 def q4_gemm(n: int, nb: int):
     """Prefill GEMM: tiles of 2 row pairs x TOKENS tokens in the q4_dot layout (a row pair per
     256-bit vector), so each weight vector is split once and used for TOKENS tokens; leftover
-    tokens go one at a time. Lane offset as in q4_dot (GEMV_OFFSET)."""
+    tokens go one at a time. Lane offset as in q4_dot."""
     from tvm.script import tirx as T
 
-    dpbusd = "llvm.x86.avx512.vpdpbusd.256"
     pairs = 2 if n % 4 == 0 else 1
     rows = 2 * pairs
     tm = TOKENS
-
-    def pair_dot(T, w, aq, off, ws, ad, j, b, tok):
-        return (T.Cast("float32x8", T.call_llvm_pure_intrin(
-            "int32x8", dpbusd,
-            T.call_llvm_pure_intrin(
-                "int32x8", dpbusd, T.broadcast(T.int32(0), 8),
-                T.vectorcombine("uint8x32", w.vload([j, b, 0], "uint8x16"), w.vload([j + 1, b, 0], "uint8x16"))
-                & T.broadcast(T.uint8(15), 32),
-                T.vectorcombine("int8x32", aq.vload([tok, b, 0], "int8x16"), aq.vload([tok, b, 0], "int8x16"))),
-            T.vectorcombine("uint8x32", w.vload([j, b, 0], "uint8x16"), w.vload([j + 1, b, 0], "uint8x16"))
-            >> T.broadcast(T.uint8(4), 32),
-            T.vectorcombine("int8x32", aq.vload([tok, b, 16], "int8x16"), aq.vload([tok, b, 16], "int8x16"))))
-            - T.broadcast(off[tok, b], 8)) * T.vectorcombine(
-                "float32x8", T.broadcast(ws[j, b] * ad[tok, b], 4), T.broadcast(ws[j + 1, b] * ad[tok, b], 4))
 
     @T.prim_func(private=True)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((n, nb, 16), "uint8"),
@@ -116,7 +104,7 @@ def q4_gemm(n: int, nb: int):
                 for b in range(nb):
                     for p in T.unroll(pairs):
                         for t in T.unroll(tm):
-                            acc[T.ramp((p * tm + t) * 8, 1, 8)] = acc[T.ramp((p * tm + t) * 8, 1, 8)] + pair_dot(
+                            acc[T.ramp((p * tm + t) * 8, 1, 8)] = acc[T.ramp((p * tm + t) * 8, 1, 8)] + _pair_dot(
                                 T, w, aq, off, ws, ad, jo * rows + 2 * p, b, it * tm + t)
                 for p in T.unroll(pairs):
                     for t in T.unroll(tm):
@@ -131,7 +119,7 @@ def q4_gemm(n: int, nb: int):
                     acc1[T.ramp(p * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
                 for b in range(nb):
                     for p in T.unroll(pairs):
-                        acc1[T.ramp(p * 8, 1, 8)] = acc1[T.ramp(p * 8, 1, 8)] + pair_dot(
+                        acc1[T.ramp(p * 8, 1, 8)] = acc1[T.ramp(p * 8, 1, 8)] + _pair_dot(
                             T, w, aq, off, ws, ad, jo * rows + 2 * p, b, i)
                 for p in T.unroll(pairs):
                     y[i, jo * rows + 2 * p] = T.call_llvm_pure_intrin(

@@ -1,0 +1,64 @@
+"""Writing a Qwen2 / Llama model as a GGUF file: the metadata llama.cpp reads, and tensors
+named the way `gguf_loader` maps them back. Used to hand llama.cpp the same weights as qwc
+(bench/) and to build GGUF files for the loader's tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from qwc.config import ModelConfig
+
+from .gguf_loader import _GLOBAL_TENSORS, _LAYER_TENSORS
+
+_HF_GLOBAL = {hf: g for g, hf in _GLOBAL_TENSORS.items()}
+_HF_LAYER = {hf: g for g, hf in _LAYER_TENSORS.items()}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _HF_GLOBAL:
+        return _HF_GLOBAL[hf_name]
+    _, _, i, rest = hf_name.split(".", 3)  # model.layers.{i}.{rest}
+    return f"blk.{i}.{_HF_LAYER[rest]}"
+
+
+def write_gguf(path: Path, arch: str, cfg: ModelConfig, tokens: list[str], token_types: list[int],
+               tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]],
+               merges: list[str] | None = None, file_type: int | None = None) -> Path:
+    """`tensors`: HF name -> (array, quantization type of its raw bytes, None for float)."""
+    w = GGUFWriter(str(path), arch)
+    w.add_name(cfg.name)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if file_type is not None:
+        w.add_file_type(file_type)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(merges or [])
+    w.add_token_scores([0.0] * len(tokens))
+    if cfg.bos_token_id is not None:
+        w.add_bos_token_id(cfg.bos_token_id)
+    if cfg.eos_token_ids:
+        w.add_eos_token_id(cfg.eos_token_ids[0])
+    if cfg.chat_template:
+        w.add_chat_template(cfg.chat_template)
+    for name, (data, qtype) in tensors.items():
+        if qtype is None:
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+        else:
+            w.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
