@@ -82,6 +82,32 @@ def _cmd_run(args: argparse.Namespace) -> None:
     progress.info(f"[qwc] {eng.pos} tokens in context, {time.perf_counter() - t0:.2f}s")
 
 
+def _cmd_bench(args: argparse.Namespace) -> None:
+    import json
+    import os
+
+    if "tvm" not in sys.modules:
+        os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    from qwc.runtime.bench import run_bench
+    from qwc.runtime.engine import Engine
+
+    ctx = max(args.ctx, args.n_prompt, args.n_gen, 16)
+    eng = Engine(args.model, ctx=ctx, threads=args.threads)
+    rows = run_bench(eng, args.n_prompt, args.n_gen, reps=args.repetitions)
+    m, t = eng.manifest["model"], eng.manifest["target"]
+    size = sum(p["nbytes"] for p in eng.manifest["params"])
+    quant = eng.manifest.get("quantization", {})
+    if args.json:
+        print(json.dumps({"model": m["name"], "target": t["name"], "threads": eng.threads,
+                          "params_bytes": size, "quantization": quant, "results": rows}, indent=1))
+        return
+    print(f"| {'model':14s} | {'size':>10s} | {'target':10s} | {'act':>4s} | {'threads':>7s} | {'test':>6s} | {'t/s':>16s} |")
+    print(f"| {'-' * 14} | {'-' * 10}: | {'-' * 10} | {'-' * 4}: | {'-' * 7}: | {'-' * 6}: | {'-' * 16}: |")
+    for r in rows:
+        print(f"| {m['name'][:14]:14s} | {size / 2**20:6.1f} MiB | {t['name']:10s} | {quant.get('activation_bits', 32):4d}"
+              f" | {eng.threads:7d} | {r['test']:>6s} | {r['tps']:9.2f} ± {r['std']:5.2f} |")
+
+
 def _chat(eng, sp, max_new_tokens: int) -> None:
     template = eng.model.get("chat_template")
     if not template:
@@ -167,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--threads", type=int, default=None, help="worker threads (default: TVM's choice)")
     r.set_defaults(func=_cmd_run)
+
+    b = sub.add_parser("bench", help="prompt-processing and generation speed of an artifact (llama-bench style)")
+    b.add_argument("model", help="model.qwc artifact folder")
+    b.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (0: skip)")
+    b.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (0: skip)")
+    b.add_argument("-r", "--repetitions", type=int, default=3)
+    b.add_argument("--ctx", type=int, default=0, help="KV-cache size (default: what the tests need)")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    b.set_defaults(func=_cmd_bench)
     return p
 
 

@@ -180,3 +180,15 @@ def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
         assert np.abs(x - y).max() <= 1e-5 * np.abs(y).max()
     asm = subprocess.run(["objdump", "-d", str(vnni / "lib.so")], capture_output=True, text=True).stdout
     assert "vpdpbusd" in asm
+
+
+def test_bench_prints_pp_and_tg_rows(tiny_host_artifact, capsys):
+    import json
+
+    assert main(["-q", "bench", str(tiny_host_artifact), "-p", "32", "-n", "8", "-r", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["test"] for r in out["results"]] == ["pp32", "tg8"]
+    assert all(r["tps"] > 0 and r["reps"] == 2 for r in out["results"])
+    assert main(["-q", "bench", str(tiny_host_artifact), "-p", "16", "-n", "0", "-r", "1"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 3 and "pp16" in table[2]
