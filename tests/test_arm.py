@@ -40,7 +40,7 @@ def arm64_env():
 
 def _run_arm(env, artifact, tmp_path) -> np.ndarray:
     out = tmp_path / f"{Path(artifact).name}.npy"
-    cmd = shlex.split(env["QWC_ARM64_PY"]) + [str(REPO / "tests" / "arm_runner.py"), str(REPO), str(artifact),
+    cmd = shlex.split(env["QWC_ARM64_PY"]) + [str(REPO / "scripts" / "arm64" / "run_engine.py"), str(REPO), str(artifact),
                                               str(out), json.dumps(STEPS)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

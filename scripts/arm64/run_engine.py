@@ -2,7 +2,7 @@
 prefill then decode steps, logits saved to a .npy file. Only the runtime is importable there
 (the aarch64 TVM wheel, numpy, tokenizers), so the qwc packages are loaded from the checkout.
 
-    arm_runner.py REPO ARTIFACT OUT.npy '[[prompt ids], next_id, next_id, ...]'
+    run_engine.py REPO ARTIFACT OUT.npy '[[prompt ids], next_id, next_id, ...]'
 """
 
 import importlib.util
