@@ -229,7 +229,7 @@ def peak_rss_mib() -> float:
 # --- orchestration -------------------------------------------------------------------------
 
 def run_all(args) -> dict:
-    paths = prepare(Path(args.workdir))
+    prepare(Path(args.workdir))
     results = {}
     for system in args.systems:
         print(f"[bench] {system} ...", file=sys.stderr, flush=True)

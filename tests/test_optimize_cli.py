@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import onnx
-import pytest
 from onnx import helper, numpy_helper
 import numpy as np
 
