@@ -12,37 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def arm64_env() -> dict:
-    d = Path(os.environ.get("QWC_ARM64_DIR", Path.home() / ".cache" / "qwc" / "arm64"))
-    if not (d / "env.sh").is_file():
-        subprocess.run(["bash", str(REPO / "scripts" / "arm64" / "setup.sh"), str(d)], check=True)
-    env = dict(os.environ)
-    for line in (d / "env.sh").read_text().splitlines():
-        m = re.match(r"export (\w+)=(.*)", line)
-        if m:
-            env[m.group(1)] = m.group(2).strip('"')
-    env.update(PYTHONPATH=env["QWC_ARM64_SITE"], TVM_USE_RUNTIME_LIB="1", TVM_NUM_THREADS="1")
-    return env
+sys.path.insert(0, str(REPO / "scripts" / "arm64"))
+import emulation  # noqa: E402  (scripts/arm64/emulation.py)
 
 
 def count(env, plugin: str, artifact: str, steps: list) -> int:
-    qemu = shlex.split(env["QWC_ARM64_PY"])
-    cmd = [qemu[0], "-plugin", plugin, *qemu[1:], str(REPO / "scripts" / "arm64" / "run_engine.py"),
-           str(REPO), artifact]
     with tempfile.TemporaryDirectory() as d:
-        r = subprocess.run(cmd + [str(Path(d) / "out.npy"), json.dumps(steps)], env=env,
-                           capture_output=True, text=True, timeout=3600)
+        cmd = emulation.engine_command(env, artifact, Path(d) / "out.npy", json.dumps(steps), plugin=plugin)
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     m = re.search(r"qwc-icount: (\d+)", r.stderr)
     if r.returncode != 0 or not m:
         sys.exit(f"arm_icount: the emulated run failed: {r.stderr.strip().splitlines()[-1:]}")
@@ -57,7 +41,7 @@ def main():
     args = p.parse_args()
     plugin = subprocess.run(["bash", str(REPO / "bench" / "icount" / "build.sh")], check=True,
                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    env = arm64_env()
+    env = emulation.arm64_env(single_thread=True)
     prompt = list(range(100, 100 + args.prompt))
     a, b = args.steps
     ia = count(env, plugin, args.artifact, [prompt] + [5] * a)

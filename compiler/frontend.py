@@ -65,29 +65,26 @@ class MatMulNBits(F.OnnxOpConverter):
         a2 = bb.emit(relax.op.reshape(a, [-1, k]))
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
         m = a2.ty.shape[0]
-        out_ty = relax.TensorType(shape=[m, n], dtype="float32")
+        one_token = getattr(m, "value", None) == 1
         if isa == "arm":
             from .kernels.arm import dotprod
 
-            aq = bb.emit_te(act_quant.quantize_activations, a2, k=k, primfunc_name_hint=_kname("quantize_act_q8"))
-            q, scale = bb.emit(relax.TupleGetItem(aq, 0)), bb.emit(relax.TupleGetItem(aq, 1))
+            offset = 0  # sdot multiplies signed (q - 8): no block sums needed
             kernel = bb.add_func(dotprod.q4_dot(n, nb), _kname(f"q4_dot_sdot_{n}x{nb}"))
-            y = bb.emit(relax.call_tir(kernel, [q, scale, w, s], out_ty))
         else:
             from .kernels.x86 import vnni
 
-            one_token = isinstance(m, int) and m == 1 or getattr(m, "value", None) == 1
-            if one_token:
-                kernel = bb.add_func(vnni.q4_dot(n, nb), _kname(f"q4_gemv_vnni_{n}x{nb}"))
-            else:
-                kernel = bb.add_func(vnni.q4_gemm(n, nb), _kname(f"q4_gemm_vnni_{n}x{nb}"))
-            quant = bb.add_func(act_quant.fused_quantizer(k, vnni.OFFSET, one_token),
-                                _kname(f"act_q8_{k}_{int(one_token)}"))
-            parts = bb.emit(relax.call_tir(quant, [a2], [
-                relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
-                relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))
-            q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
-            y = bb.emit(relax.call_tir(kernel, [q, scale, off, w, s], out_ty))
+            offset = vnni.OFFSET
+            kind = "gemv" if one_token else "gemm"
+            kernel = bb.add_func(vnni.q4_matmul(n, nb, decode=one_token), _kname(f"q4_{kind}_vnni_{n}x{nb}"))
+        quant = bb.add_func(act_quant.fused_quantizer(k, offset, one_token),
+                            _kname(f"act_q8_{k}_{offset}_{int(one_token)}"))
+        parts = bb.emit(relax.call_tir(quant, [a2], [
+            relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
+            relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))
+        q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
+        args = [q, scale, w, s] if isa == "arm" else [q, scale, off, w, s]
+        y = bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
         return bb.emit(relax.op.reshape(y, [*lead, n]))
 
 

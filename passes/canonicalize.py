@@ -88,22 +88,13 @@ def _constants_to_initializers(g: Graph) -> None:
             g.inits[t.name] = t
 
 
-def _elem_type(g: Graph, name: str) -> int | None:
-    if name in g.inits:
-        return g.inits[name].data_type
-    for vi in list(g.g.value_info) + list(g.g.input) + list(g.g.output):
-        if vi.name == name and vi.type.tensor_type.elem_type:
-            return vi.type.tensor_type.elem_type
-    return None
-
-
 def _remove_identities(g: Graph) -> None:
     """Identity, single-input Concat and a Cast to the type its input already has."""
     for n in list(g.g.node):
         if n.domain not in ("", "ai.onnx") or n.output[0] in g.graph_outputs:
             continue
         if n.op_type == "Identity" or (n.op_type == "Concat" and len(n.input) == 1) or (
-                n.op_type == "Cast" and _elem_type(g, n.input[0]) == g.attr(n, "to")):
+                n.op_type == "Cast" and g.elem_type(n.input[0]) == g.attr(n, "to")):
             g.remove_node(n)
             g.rename_uses(n.output[0], n.input[0])
 
@@ -129,24 +120,12 @@ def _retie_embedding(g: Graph) -> None:
             mm.input[1] = tr
 
 
-def _static_dims(g: Graph, name: str) -> list[int] | None:
-    for vi in list(g.g.value_info) + list(g.g.input) + list(g.g.output):
-        if vi.name == name:
-            dims = vi.type.tensor_type.shape.dim
-            if not vi.type.tensor_type.HasField("shape"):
-                return None
-            return [d.dim_value if d.HasField("dim_value") else None for d in dims]
-    if name in g.inits:
-        return list(g.inits[name].dims)
-    return None
-
-
 def _fold_static_shapes(g: Graph) -> bool:
     changed = False
     for n in list(g.g.node):
         if n.op_type != "Shape" or n.domain not in ("", "ai.onnx") or g.const(n.output[0]) is not None:
             continue
-        dims = _static_dims(g, n.input[0])
+        dims = g.static_dims(n.input[0])
         if dims is None:
             continue
         start, end = g.attr(n, "start", 0), g.attr(n, "end", None)

@@ -36,9 +36,7 @@ _VIEW_OPS = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Cast", "
 
 
 def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:
-    if options is None or options.config is None:
-        raise QwcError("the attention pass needs the model config (heads, KV heads)")
-    cfg = options.config
+    cfg = (options or PassOptions()).require_config("the attention pass (heads, KV heads)")
     g = Graph(model)
     if "attention_mask" not in g.graph_inputs:
         raise QwcError("graph has no attention_mask input: cannot fuse attention")

@@ -112,8 +112,7 @@ def _fuse_decomposed(g: Graph, rm: onnx.NodeProto) -> None:
 
 
 def _hidden_size(g: Graph, name: str) -> int | None:
-    from .canonicalize import _static_dims
-    dims = _static_dims(g, name)
+    dims = g.static_dims(name)
     return dims[-1] if dims and dims[-1] else None
 
 
@@ -139,8 +138,7 @@ def _emit(g: Graph, x: str, gamma: str, eps: float, out_node: onnx.NodeProto) ->
 
 
 def _same_shape(g: Graph, a: str, b: str) -> bool:
-    from .canonicalize import _static_dims
-    da, db = _static_dims(g, a), _static_dims(g, b)
+    da, db = g.static_dims(a), g.static_dims(b)
     if da is None or db is None:
         return True  # exported residual adds are same-shaped; ORT checks at run time
     return len(da) == len(db) and da[-1] == db[-1]

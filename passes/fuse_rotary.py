@@ -29,9 +29,7 @@ def rotary_caches(head_dim: int, theta: float, max_pos: int) -> tuple[np.ndarray
 
 
 def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:
-    if options is None or options.config is None:
-        raise QwcError("the rotary pass needs the model config (rope_theta, head_dim)")
-    cfg = options.config
+    cfg = (options or PassOptions()).require_config("the rotary pass (rope_theta, head_dim)")
     g = Graph(model)
     if "position_ids" not in g.graph_inputs:
         raise QwcError("graph has no position_ids input: cannot fuse rotary embedding")
@@ -106,8 +104,7 @@ def _per_head_view(g: Graph, x: str, head_dim: int):
 def _heads_from_reshape(g: Graph, r: onnx.NodeProto, head_dim: int) -> int | None:
     """The head count of a [b, s, heads, head_dim] view of `lin`: from the projection's
     static width (exports often write the head count as -1 in the shape)."""
-    from .canonicalize import _static_dims
-    dims = _static_dims(g, r.input[0])
+    dims = g.static_dims(r.input[0])
     if dims and dims[-1] and dims[-1] % head_dim == 0:
         return dims[-1] // head_dim
     shape = g.const(r.input[1])

@@ -35,6 +35,8 @@ class Graph:
         self.inits = {t.name: t for t in self.g.initializer}
         self.graph_inputs = {i.name for i in self.g.input}
         self.graph_outputs = {o.name for o in self.g.output}
+        # Types and shapes known from shape inference (value_info wins over the graph's I/O).
+        self.value_infos = {v.name: v for v in list(self.g.output) + list(self.g.input) + list(self.g.value_info)}
         self._names = {n.name for n in self.g.node} | set(self.producer) | set(self.inits) | self.graph_inputs
 
     def fresh(self, base: str) -> str:
@@ -69,6 +71,23 @@ class Graph:
         if v is None or v.size != 1:
             return None
         return float(v.reshape(()))
+
+    def elem_type(self, name: str) -> int | None:
+        if name in self.inits:
+            return self.inits[name].data_type
+        vi = self.value_infos.get(name)
+        return (vi.type.tensor_type.elem_type or None) if vi is not None else None
+
+    def static_dims(self, name: str) -> list[int | None] | None:
+        """Known dimensions of `name` (None for a symbolic one), or None if its shape is unknown."""
+        vi = self.value_infos.get(name)
+        if vi is not None:
+            if not vi.type.tensor_type.HasField("shape"):
+                return None
+            return [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+        if name in self.inits:
+            return list(self.inits[name].dims)
+        return None
 
     def add_init(self, array: np.ndarray, base: str) -> str:
         name = self.fresh(base)

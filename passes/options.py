@@ -16,6 +16,13 @@ class PassOptions:
     untie_lm_head: bool = False         # give the lm_head its own weight so the final norm folds
     fold_limit: int = 4096              # largest constant (elements) canonicalize folds: shape math, never weights
 
+    def require_config(self, why: str) -> ModelConfig:
+        """The model config, for passes that cannot work without it."""
+        if self.config is None:
+            from qwc.errors import QwcError
+            raise QwcError(f"{why} needs the model config")
+        return self.config
+
     def validate(self) -> None:
         from qwc.errors import QwcError
         if self.block_size not in (32, 128):

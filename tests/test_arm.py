@@ -5,10 +5,9 @@ The emulation environment comes from scripts/arm64/setup.sh (run here if missing
 from __future__ import annotations
 
 import json
-import os
 import re
-import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,29 +19,20 @@ from qwc.runtime.engine import Engine
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts" / "arm64"))
+import emulation  # noqa: E402  (scripts/arm64/emulation.py)
+
 STEPS = [[72, 101, 108, 108, 111, 44, 32, 119], 5, 6, 7, 8]
 
 
 @pytest.fixture(scope="session")
 def arm64_env():
-    d = Path(os.environ.get("QWC_ARM64_DIR", Path.home() / ".cache" / "qwc" / "arm64"))
-    if not (d / "env.sh").is_file():
-        subprocess.run(["bash", str(REPO / "scripts" / "arm64" / "setup.sh"), str(d)], check=True)
-    env = dict(os.environ)
-    for line in (d / "env.sh").read_text().splitlines():
-        m = re.match(r"export (\w+)=(.*)", line)
-        if m:
-            env[m.group(1)] = m.group(2).strip('"')
-    env["PYTHONPATH"] = env["QWC_ARM64_SITE"]
-    env["TVM_USE_RUNTIME_LIB"] = "1"   # the runtime alone: 4-6 s to import under emulation
-    return env
+    return emulation.arm64_env()
 
 
 def _run_arm(env, artifact, tmp_path) -> np.ndarray:
     out = tmp_path / f"{Path(artifact).name}.npy"
-    cmd = shlex.split(env["QWC_ARM64_PY"]) + [str(REPO / "scripts" / "arm64" / "run_engine.py"), str(REPO), str(artifact),
-                                              str(out), json.dumps(STEPS)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(emulation.engine_command(env, artifact, out, json.dumps(STEPS)), env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[0] == "aarch64"
     return np.load(out)

@@ -8,38 +8,15 @@ Each block is stored de-interleaved — its 16 even elements, then its 16 odd on
 
 from __future__ import annotations
 
-from tvm import te, tirx
-
 BLOCK = 32
 
 
-def quantize_activations(a, *, k: int):
-    """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB])."""
-    m = a.shape[0]
-    nb = (k + BLOCK - 1) // BLOCK
-
-    def at(i, kk):
-        return tirx.if_then_else(kk < k, a[i, tirx.min(kk, k - 1)], tirx.const(0.0, "float32"))
-
-    e = te.reduce_axis((0, BLOCK), "e")
-    amax = te.compute((m, nb), lambda i, b: te.max(tirx.abs(at(i, b * BLOCK + e)), axis=e), name="act_amax")
-    scale = te.compute((m, nb), lambda i, b: amax[i, b] / tirx.const(127.0, "float32"), name="act_scale")
-
-    def quant(i, b, t):
-        src = b * BLOCK + tirx.if_then_else(t < 16, 2 * t, 2 * (t - 16) + 1)
-        d = scale[i, b]
-        v = tirx.if_then_else(d > tirx.const(0.0, "float32"), at(i, src) / d, tirx.const(0.0, "float32"))
-        return tirx.round(v).astype("int8")
-
-    aq = te.compute((m, nb, BLOCK), quant, name="act_q8_deinterleaved")
-    return aq, scale
-
-
 def fused_quantizer(k: int, zero_point: int, one_row: bool):
-    """amax, scale, de-interleaved int8 values and zero_point x block sum in one pass, as one
-    kernel (the x86 VNNI path): separate TE stages cost a parallel launch each, which dominates a
-    decode step's activation work (K = 896: 28 blocks). `one_row` (decode) runs serially. The
-    block sum is what a dot of raw nibbles q with a overcounts against (q - 8)."""
+    """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB],
+    zero_point x block sum [M, NB]), in one pass and one kernel: separate stages would cost a
+    parallel launch each, which dominates a decode step's activation work (K = 896: 28 blocks).
+    `one_row` (decode) runs serially. The block sum is what a dot of raw nibbles q with a
+    overcounts against (q - 8) (vpdpbusd); sdot, which takes q - 8 signed, ignores it."""
     from tvm.script import tirx as T
 
     nb = (k + BLOCK - 1) // BLOCK

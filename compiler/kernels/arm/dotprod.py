@@ -1,14 +1,13 @@
 """W4A8 block dot products with NEON `sdot` (Armv8.2 dotprod; Neoverse-N2 has it).
 
 Activations arrive quantized per 32-block to int8, de-interleaved within each block
-(`kernels/act_quant.py`), so one 16-byte load of packed Q4_0 weights splits into two int8x16
-vectors (low nibbles = even elements, high nibbles = odd ones) that line up with two 16-byte
-activation loads: two `sdot`s per block and row, one horizontal add, the two fp32 block scales.
+(`kernels/act_quant.py: fused_quantizer`), so one 16-byte load of packed Q4_0 weights splits
+into two int8x16 vectors (low nibbles = even elements, high nibbles = odd ones) that line up
+with two 16-byte activation loads: two `sdot`s per block and row, one horizontal add, the two
+fp32 block scales.
 """
 
 from __future__ import annotations
-
-from ..act_quant import BLOCK, quantize_activations  # noqa: F401  (re-exported for the frontend)
 
 
 def q4_dot(n: int, nb: int):

@@ -1,0 +1,37 @@
+"""The environment for running qwc's runtime under qemu-aarch64, shared by tests/test_arm.py
+and bench/arm_icount.py: prepares it with setup.sh if missing, and reads its env.sh."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+
+def arm64_env(single_thread: bool = False) -> dict:
+    d = Path(os.environ.get("QWC_ARM64_DIR", Path.home() / ".cache" / "qwc" / "arm64"))
+    if not (d / "env.sh").is_file():
+        subprocess.run(["bash", str(HERE / "setup.sh"), str(d)], check=True)
+    env = dict(os.environ)
+    for line in (d / "env.sh").read_text().splitlines():
+        m = re.match(r"export (\w+)=(.*)", line)
+        if m:
+            env[m.group(1)] = m.group(2).strip('"')
+    env["PYTHONPATH"] = env["QWC_ARM64_SITE"]
+    env["TVM_USE_RUNTIME_LIB"] = "1"   # the runtime alone: 4-6 s to import under emulation
+    if single_thread:
+        env["TVM_NUM_THREADS"] = "1"
+    return env
+
+
+def engine_command(env: dict, artifact, out, steps_json: str, plugin: str | None = None) -> list[str]:
+    """qemu-aarch64 [-plugin P] python3.11 run_engine.py REPO ARTIFACT OUT STEPS."""
+    qemu = shlex.split(env["QWC_ARM64_PY"])
+    if plugin:
+        qemu = [qemu[0], "-plugin", plugin, *qemu[1:]]
+    return qemu + [str(HERE / "run_engine.py"), str(REPO), str(artifact), str(out), steps_json]
