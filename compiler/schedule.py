@@ -14,8 +14,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 
 VECTOR_LANES = 8  # fp32 lanes of a 256-bit vector; LLVM splits or widens for the target
-# Below this many output elements a parallel launch costs more than the work (a decode step's
-# norms, rotary and residual adds are 64-5000 elements): run those on the calling thread.
+# Below this many output elements an elementwise kernel costs less than a parallel launch (a
+# decode step's rotary and residual adds are 64-5000 elements): run those on the calling thread.
 MIN_PARALLEL = 1 << 14
 
 
@@ -46,7 +46,9 @@ def _schedule_block(sch, info) -> None:
     fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
     injective = all(it.kind == "S" for it in info.iters)
     ext = sch.get(fused).extent
-    small = isinstance(ext, tirx.IntImm) and ext.value < MIN_PARALLEL
+    # Elementwise work below MIN_PARALLEL is too small to share; a reduction does K work per
+    # output, so only a single output stays on the calling thread.
+    small = isinstance(ext, tirx.IntImm) and (ext.value < 2 or injective and ext.value < MIN_PARALLEL)
     if injective and isinstance(ext, tirx.IntImm) and ext.value >= 4 * VECTOR_LANES and ext.value % VECTOR_LANES == 0:
         outer, inner = sch.split(fused, [None, VECTOR_LANES])
         if not small:
