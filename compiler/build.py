@@ -1,11 +1,12 @@
-"""Lower the canonical graph to one Relax module with two entry points sharing the weights,
+"""Lower the canonical graph to one Relax module with three entry points sharing the weights,
 and build it for a target.
 
     prefill(input_ids [1, seq], attention_mask [1, total], position_ids [1, seq],
             past_key_values.* [1, kv_heads, cache_len, head_dim] ..., params ...)
     decode(the same with seq = 1)
+    score(the same as prefill, returning the logits of every position: `qwc eval`)
 
-Both return (logits, present.*); the presents alias the cache buffers they were given (the
+All return (logits, present.*); the presents alias the cache buffers they were given (the
 cache is written in place), so the runtime never copies the cache.
 """
 
@@ -21,17 +22,26 @@ from .targets import Target
 N_INPUTS_BEFORE_CACHE = 3   # input_ids, attention_mask, position_ids
 
 
-def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset()) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
-    """The two-function module, the param names in call order, and the param values."""
+def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
+             score_model: onnx.ModelProto | None = None) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
+    """The module, the param names in call order, and the param values. `model` gives prefill
+    and decode; `score_model` (the same graph with every position's logits and the same
+    initializers) gives `score`."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
     n_inputs = N_INPUTS_BEFORE_CACHE + n_cache
     funcs = {}
     params = None
-    for name, seq in (("prefill", None), ("decode", 1)):
-        mod = import_graph(model, seq, prefix=name, act_bits=act_bits, features=features)
+    entries = [("prefill", None, model), ("decode", 1, model)]
+    if score_model is not None:
+        entries.append(("score", None, score_model))
+    for name, seq, graph in entries:
+        mod = import_graph(graph, seq, prefix=name, act_bits=act_bits, features=features)
         mod, detached = relax.frontend.detach_params(mod)
         for gv, fn in mod.functions_items():
             if gv.name_hint == "main":
+                got = [p.name for p in fn.params[n_inputs:]]
+                if params is not None and got != list(params):
+                    raise ValueError(f"entry point {name} takes different parameters than prefill")
                 fn = fn.with_attr("global_symbol", name).with_attr("num_input", n_inputs)
                 funcs[tvm.ir.GlobalVar(name)] = fn
                 if params is None:

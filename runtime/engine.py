@@ -116,6 +116,7 @@ class Engine:
         lib = tvm.runtime.load_module(str(self.path / "lib.so"))
         self.vm = VirtualMachine(lib, self.device)
         self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
+        self._score = self.vm["score"] if "score" in self.manifest["functions"]["entry_points"] else None
         self.params = self._load_params()
         kvh, hd = int(self.model["num_key_value_heads"]), int(self.model["head_dim"])
         n_cache = 2 * int(self.model["num_hidden_layers"])
@@ -162,7 +163,7 @@ class Engine:
                 tvm.runtime.tensor(np.arange(self.pos, self.pos + s, dtype=np.int64)[None], self.device)]
         out = fn(*args, *self.cache, *self.params)
         self.pos += s
-        return out[0].numpy()[0, -1]
+        return out[0].numpy()[0]
 
     def prefill(self, tokens) -> np.ndarray:
         """Feed `tokens` after what the cache holds; returns the last position's logits."""
@@ -175,11 +176,21 @@ class Engine:
         logits = None
         for i in range(0, tokens.shape[1], PREFILL_CHUNK):
             chunk = tokens[:, i:i + PREFILL_CHUNK]
-            logits = self._run(self._prefill if chunk.shape[1] > 1 else self._decode, chunk)
+            logits = self._run(self._prefill if chunk.shape[1] > 1 else self._decode, chunk)[-1]
         return logits
 
     def decode(self, token: int) -> np.ndarray:
-        return self._run(self._decode, np.array([[int(token)]], np.int64))
+        return self._run(self._decode, np.array([[int(token)]], np.int64))[-1]
+
+    def score(self, tokens) -> np.ndarray:
+        """Feed `tokens` after what the cache holds; returns every position's logits [n, vocab]."""
+        if self._score is None:
+            raise QwcError(f"{self.path}: artifact has no score entry point (compiled by an older qwc)")
+        tokens = np.asarray(tokens, np.int64).reshape(1, -1)
+        if self.pos + tokens.shape[1] > self.ctx:
+            raise QwcError(f"{tokens.shape[1]} tokens (after {self.pos} cached) do not fit the context of {self.ctx}")
+        return np.concatenate([self._run(self._score, tokens[:, i:i + PREFILL_CHUNK])
+                               for i in range(0, tokens.shape[1], PREFILL_CHUNK)])
 
     # -- text ----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
