@@ -23,7 +23,7 @@ N_INPUTS_BEFORE_CACHE = 3   # input_ids, attention_mask, position_ids
 
 
 def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
-             score_model: onnx.ModelProto | None = None) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
+             score_model: onnx.ModelProto | None = None, tuned: dict | None = None) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
     """The module, the param names in call order, and the param values. `model` gives prefill
     and decode; `score_model` (the same graph with every position's logits and the same
     initializers) gives `score`."""
@@ -35,7 +35,7 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
     if score_model is not None:
         entries.append(("score", None, score_model))
     for name, seq, graph in entries:
-        mod = import_graph(graph, seq, prefix=name, act_bits=act_bits, features=features)
+        mod = import_graph(graph, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned)
         mod, detached = relax.frontend.detach_params(mod)
         for gv, fn in mod.functions_items():
             if gv.name_hint == "main":

@@ -52,10 +52,24 @@ def quant_summary(model: onnx.ModelProto) -> dict:
             "embedding_bits": emb_bits}
 
 
-def compile_file(src, target_name: str, out, options=None, act_bits: int = 32) -> dict:
+def load_canonical(src, config, options=None) -> onnx.ModelProto:
+    """The canonical graph of `src`: checked as it is, or made by running the passes."""
     from qwc.passes.options import PassOptions
     from qwc.passes.pipeline import check_canonical, check_ops_known, load_graph, optimize
 
+    with progress.stage(f"loading {src}"):
+        model = load_graph(src)
+    check_ops_known(model)
+    if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
+        check_canonical(model)
+        return model
+    with progress.stage("running passes (the graph is not canonical yet)"):
+        options = options or PassOptions()
+        options.config = config
+        return optimize(model, options)
+
+
+def compile_file(src, target_name: str, out, options=None, act_bits: int = 32, tuning_db=None) -> dict:
     from .artifact import write_artifact
     from .build import build, to_relax
 
@@ -63,22 +77,21 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int = 32) -
     if act_bits not in (8, 32):
         raise QwcError(f"--act-bits {act_bits} is not supported (8 or 32)")
     check_destination(out, folder=True)
+    tuned = {}
+    if tuning_db is not None:
+        from .tuning import tuned_knobs
+        tuned = tuned_knobs(Path(tuning_db), target) if act_bits == 32 else {}
+        progress.info(f"[qwc] tuning database {tuning_db}: {len(tuned)} kernels tuned faster than the hand "
+                      "schedule" + ("" if act_bits == 32 else " (none apply: the W4A8 kernels have no knobs)"))
     config = load_for_graph(src)
     times = {}
     t0 = time.perf_counter()
-    with progress.stage(f"loading {src}"):
-        model = load_graph(src)
-    check_ops_known(model)
-    if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
-        check_canonical(model)
-    else:
-        with progress.stage("running passes (the graph is not canonical yet)"):
-            options = options or PassOptions()
-            options.config = config
-            model = optimize(model, options)
+    model = load_canonical(src, config, options)
     times["passes"] = time.perf_counter() - t0
     quant = quant_summary(model)
     quant["activation_bits"] = act_bits
+    if tuned:
+        quant["tuned_kernels"] = tuned
     full = onnx.ModelProto()
     full.CopyFrom(model)
     model = last_position_logits(model)
@@ -87,7 +100,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int = 32) -
     t0 = time.perf_counter()
     with progress.stage("importing into TVM Relax"):
         mod, names, params = to_relax(model, act_bits=act_bits, features=target.features,
-                                      score_model=full)
+                                      score_model=full, tuned=tuned)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):

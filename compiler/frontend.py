@@ -31,6 +31,7 @@ from .kernels import generic
 _prefix = ""
 _act_bits = 32  # 8: W4A8 integer kernels (activations quantized per block to int8)
 _features: frozenset = frozenset()  # the target's ISA features (compiler/targets.py)
+_tuned: dict = {}  # tuning task key -> knobs, from `qwc compile --tuning-db`
 
 
 def _kname(name: str) -> str:
@@ -48,6 +49,8 @@ class MatMulNBits(F.OnnxOpConverter):
             out = cls._int8_dot(bb, a, w, s, k, n, "arm")
         elif _act_bits == 8 and bits == 4 and block == 32 and {"avx512_vnni", "avx512vl"} <= _features and n % 2 == 0:
             out = cls._int8_dot(bb, a, w, s, k, n, "x86")
+        elif _act_bits == 32 and bits == 4 and block == 32:
+            out = cls._f32(bb, a, w, s, k, n)
         else:
             kernel = generic.matmul_nbits_a8 if _act_bits == 8 else generic.matmul_nbits
             out = bb.emit_te(kernel, a, w, s, k=k, n=n, block=block, bits=bits,
@@ -55,6 +58,22 @@ class MatMulNBits(F.OnnxOpConverter):
         if len(inputs) > 5 and inputs[5] is not None:
             out = bb.emit(relax.op.add(out, inputs[5]))
         return out
+
+    @staticmethod
+    def _f32(bb, a, w, s, k: int, n: int):
+        """W4A32: weights dequantized in registers, 16-lane float FMAs (kernels/q4_f32.py)."""
+        from .kernels import q4_f32
+
+        lead = list(a.ty.shape)[:-1]
+        a2 = bb.emit(relax.op.reshape(a, [-1, k]))
+        m = a2.ty.shape[0]
+        one_token = getattr(m, "value", None) == 1
+        nb = (k + q4_f32.BLOCK - 1) // q4_f32.BLOCK
+        kind = f"q4_f32_{'gemv' if one_token else 'gemm'}"
+        kernel = bb.add_func(q4_f32.kernel(k, n, nb, one_token, _tuned.get(f"{kind}_{n}x{k}")),
+                             _kname(f"{kind}_{n}x{nb}"))
+        y = bb.emit(relax.call_tir(kernel, [a2, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
+        return bb.emit(relax.op.reshape(y, [*lead, n]))
 
     @staticmethod
     def _int8_dot(bb, a, w, s, k: int, n: int, isa: str):
@@ -176,12 +195,13 @@ def qwc_converters():
 
 
 def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "", act_bits: int = 32,
-                 features: frozenset = frozenset()):
+                 features: frozenset = frozenset(), tuned: dict | None = None):
     """Import the canonical graph for batch 1 and `seq` new tokens (None: any number) as
-    `main`; `prefix` names its kernels; `act_bits` 8 selects the W4A8 matmuls."""
+    `main`; `prefix` names its kernels; `act_bits` 8 selects the W4A8 matmuls; `tuned` maps
+    tuning task keys (compiler/tuning.py) to schedule knobs."""
     from tvm import tirx
 
-    global _prefix, _act_bits, _features
+    global _prefix, _act_bits, _features, _tuned
 
     seq_dim = tirx.Var("seq", "int64") if seq is None else seq
     total, cache = tirx.Var("total", "int64"), tirx.Var("cache_len", "int64")
@@ -192,12 +212,10 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
         if i.name.startswith("past_key_values."):
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
             shapes[i.name] = [1, dims[1], cache, dims[3]]
-    _prefix, _act_bits, _features = prefix, act_bits, frozenset(features)
+    _prefix, _act_bits, _features, _tuned = prefix, act_bits, frozenset(features), dict(tuned or {})
     try:
         with qwc_converters(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # input renaming, the checker's view of com.microsoft ops
             return F.from_onnx(model, shape_dict=shapes, keep_params_in_input=True, sanitize_input_names=True)
     finally:
-        _prefix, _act_bits, _features = "", 32, frozenset()
-_act_bits = 32  # 8: W4A8 integer kernels (activations quantized per block to int8)
-_features: frozenset = frozenset()  # the target's ISA features (compiler/targets.py)
+        _prefix, _act_bits, _features, _tuned = "", 32, frozenset(), {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -64,7 +65,6 @@ def _cmd_qat(args: argparse.Namespace) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> None:
-    import json
     import os
 
     from qwc.eval.data import resolve_model, resolve_text
@@ -119,10 +119,38 @@ def _cmd_compile(args: argparse.Namespace) -> None:
     from qwc.compiler.compile import compile_file
 
     t0 = time.perf_counter()
-    times = compile_file(args.model, args.target, args.output, act_bits=args.act_bits)
+    times = compile_file(args.model, args.target, args.output, act_bits=args.act_bits, tuning_db=args.tuning_db)
     parts = ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
     progress.info(f"[qwc] compiled {args.model} for {args.target} -> {args.output} in "
                   f"{time.perf_counter() - t0:.1f}s ({parts})")
+
+
+def _cmd_tune(args: argparse.Namespace) -> None:
+    from qwc.compiler.targets import get_target
+    from qwc.compiler.tuning import run
+
+    target = get_target(args.target)
+    rpc = None
+    if args.rpc_tracker or args.rpc_key:
+        if not (args.rpc_tracker and args.rpc_key):
+            raise QwcError("--rpc-tracker and --rpc-key go together")
+        host, _, port = args.rpc_tracker.rpartition(":")
+        if not host or not port.isdigit():
+            raise QwcError(f"--rpc-tracker {args.rpc_tracker!r}: expected HOST:PORT")
+        rpc = (host, int(port), args.rpc_key)
+    elif not target.runs_here():
+        raise QwcError(f"target {target.name} does not run on this machine: measure on a device with "
+                       "--rpc-tracker HOST:PORT --rpc-key KEY")
+    t0 = time.perf_counter()
+    results = run(args.model, target, args.trials, args.db, rpc=rpc, time_budget_min=args.time_budget)
+    print(f"| {'kernel':28s} | {'uses':>4s} | {'hand':>14s} | {'tuned':>14s} | {'knobs':26s} | used |")
+    print(f"| {'-' * 28} | {'-' * 4}: | {'-' * 14}: | {'-' * 14}: | {'-' * 26} | ---- |")
+    for task, rec in results:
+        tuned = task.rate(rec.best_s) if rec.best_s else "-"
+        used = "yes" if rec.best_s and rec.hand_s and rec.best_s < rec.hand_s else "no"
+        print(f"| {task.key:28s} | {task.uses:4d} | {task.rate(rec.hand_s):>14s} | {tuned:>14s} | "
+              f"{json.dumps(rec.knobs):26s} | {used:4s} |")
+    progress.info(f"[qwc] tuned {len(results)} kernels into {args.db} in {time.perf_counter() - t0:.0f}s")
 
 
 def _cmd_run(args: argparse.Namespace) -> None:
@@ -153,7 +181,6 @@ def _cmd_run(args: argparse.Namespace) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
-    import json
     import os
 
     if "tvm" not in sys.modules:
@@ -248,7 +275,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--act-bits", type=int, default=32, choices=(8, 32),
                    help="32: float activations (matches onnxruntime's MatMulNBits); 8: W4A8 integer "
                         "dot products with activations quantized per 32-block, as llama.cpp does")
+    c.add_argument("--tuning-db", metavar="DIR",
+                   help="a `qwc tune` database: use its schedules where they measured faster than qwc's own")
     c.set_defaults(func=_cmd_compile)
+
+    t = sub.add_parser("tune", help="autotune the model's kernels with TVM MetaSchedule (resumable)",
+                       description="Extract the model's tunable kernels (deduplicated by kind and shape), "
+                                   "search a design space that contains qwc's own schedule, and save every "
+                                   "record in DIR. Rerunning the same command resumes. See docs/tuning.md.")
+    t.add_argument("model", help=".onnx graph (exported or canonical) with its .config.json beside it")
+    t.add_argument("--target", default="host", help="target name, as for compile (default: host)")
+    t.add_argument("--trials", type=int, default=16, help="measured candidates per kernel (default 16)")
+    t.add_argument("--db", required=True, metavar="DIR", help="tuning database folder (created; resumed)")
+    t.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on devices of a TVM RPC tracker")
+    t.add_argument("--rpc-key", help="the tracker key of the devices to measure on")
+    t.add_argument("--time-budget", type=float, metavar="MIN", help="stop starting new kernels after MIN minutes")
+    t.set_defaults(func=_cmd_tune)
 
     r = sub.add_parser("run", help="generate text with a compiled artifact")
     r.add_argument("model", help="model.qwc artifact folder")

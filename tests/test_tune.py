@@ -1,0 +1,171 @@
+"""`qwc tune`: a short session on the tiny model writes its database, survives being killed
+mid-way and resumes; `qwc compile --tuning-db` builds a correct artifact with tuned schedules;
+the RPC path measures on a local tracker's servers (the host, and arm64 under qemu)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qwc.cli import main
+from qwc.compiler import tuning
+from qwc.compiler.targets import get_target
+from qwc.passes.pipeline import load_graph
+from qwc.passes.verify import run_steps, session
+from qwc.runtime.engine import Engine
+
+pytestmark = pytest.mark.slow
+QWC = [sys.executable, "-m", "qwc"]
+
+
+def _summary(db: Path) -> dict:
+    try:
+        return json.loads((db / tuning.SUMMARY).read_text())["tasks"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _assert_matches_onnxruntime(art: Path, q4: Path, cfg):
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 9)
+    eng = Engine(art, ctx=64)
+    got = [eng.prefill(ids)] + [eng.decode(t) for t in (5, 17, 99)]
+    steps = [ids[None]] + [np.array([[t]]) for t in (5, 17, 99)]
+    ref = [r[0, -1] for r in run_steps(session(q4), cfg, steps, ctx=64)]
+    for a, b in zip(got, ref):
+        assert np.abs(a - b).max() <= 1e-3 * (b.max() - b.min())
+
+
+def test_tasks_are_deduplicated_by_kind_and_shape(tiny_q4):
+    tasks = tuning.extract_tasks(load_graph(tiny_q4))
+    keys = [t.key for t in tasks]
+    assert len(keys) == len(set(keys)) == 10  # 5 shapes (q/o, k/v, gate/up, down, lm_head) x gemv/gemm
+    assert {t.uses for t in tasks if t.key.startswith("q4_f32_gemv_64x")} == {4}
+
+
+def test_session_is_killed_then_resumes_and_compiles(tiny_q4, tiny_lm, tmp_path):
+    db = tmp_path / "db"
+    cmd = [*QWC, "tune", str(tiny_q4), "--trials", "2", "--db", str(db)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while sum(r["done"] for r in _summary(db).values()) < 2:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no task finished in 10 minutes"
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = {k for k, r in _summary(db).items() if r["done"]}
+    assert 2 <= len(done_before) < 10
+
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming {db}: {len(done_before)}/10 tasks already tuned" in r.stderr
+    for key in done_before:
+        assert f"{key} (used" not in r.stderr          # finished tasks are not tuned again
+    tasks = _summary(db)
+    assert len(tasks) == 10 and all(t["done"] and t["trials"] == 2 and t["hand_s"] > 0 for t in tasks.values())
+    assert all(t["best_s"] > 0 and t["knobs"]["rows"] >= 1 for t in tasks.values())
+    records = (db / "database_tuning_record.json").read_text().splitlines()
+    assert len(records) == 20
+    assert "| q4_f32_gemv_64x128" in r.stdout
+
+    art = tmp_path / "tuned.qwc"
+    assert main(["-q", "compile", str(tiny_q4), "--tuning-db", str(db), "-o", str(art)]) == 0
+    _assert_matches_onnxruntime(art, tiny_q4, tiny_lm.config)
+
+
+def test_compile_uses_only_faster_records(tiny_q4, tiny_lm, tmp_path):
+    """Tuned knobs that differ from the hand schedule's (rows 1, 4-token tiles) still compute the
+    same model; records slower than the hand schedule are ignored."""
+    db = tmp_path / "db"
+    db.mkdir()
+    tasks = {t.key: {"hand_s": 1.0, "best_s": 0.5, "knobs": {"rows": 1, "tokens": 4}, "trials": 1, "done": True}
+             for t in tuning.extract_tasks(load_graph(tiny_q4))}
+    slow = "q4_f32_gemv_64x128"
+    tasks[slow] = {**tasks[slow], "best_s": 2.0, "knobs": {"rows": 2}}
+    (db / tuning.SUMMARY).write_text(json.dumps({"format": 1, "target": "host", "tasks": tasks}))
+    assert set(tuning.tuned_knobs(db, get_target("host"))) == set(tasks) - {slow}
+    art = tmp_path / "t.qwc"
+    assert main(["-q", "compile", str(tiny_q4), "--tuning-db", str(db), "-o", str(art)]) == 0
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert slow not in manifest["quantization"]["tuned_kernels"] and len(manifest["quantization"]["tuned_kernels"]) == 9
+    _assert_matches_onnxruntime(art, tiny_q4, tiny_lm.config)
+
+
+def test_tune_errors(tiny_q4, tmp_path, capsys):
+    db = tmp_path / "db"
+    db.mkdir()
+    (db / tuning.SUMMARY).write_text(json.dumps({"format": 1, "target": "x86-avx2", "tasks": {}}))
+    assert main(["-q", "tune", str(tiny_q4), "--db", str(db)]) == 2
+    assert "holds tuning for target x86-avx2, not host" in capsys.readouterr().err
+    assert main(["-q", "tune", str(tiny_q4), "--target", "arm-yitian", "--db", str(tmp_path / "a")]) == 2
+    assert "does not run on this machine" in capsys.readouterr().err
+    assert main(["-q", "tune", str(tiny_q4), "--rpc-tracker", "nohost", "--rpc-key", "k", "--db", str(db)]) == 2
+    assert "expected HOST:PORT" in capsys.readouterr().err
+    assert main(["-q", "compile", str(tiny_q4), "--tuning-db", str(tmp_path / "none"), "-o", str(tmp_path / "o")]) == 2
+    assert "not a tuning database" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def tracker():
+    """A TVM RPC tracker and two servers on 127.0.0.1: this host (key `host`) and an arm64
+    Python under qemu (key `arm64`, the emulation environment of scripts/arm64)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "arm64"))
+    import emulation  # noqa: E402
+
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
+                               "--port", str(port), "--port-end", str(port + 1)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)]
+    time.sleep(2)
+    server = ["-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}", "--host", "127.0.0.1",
+              "--port", str(_free_port())]
+    procs.append(subprocess.Popen([sys.executable, *server, "--key", "host"], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, start_new_session=True))
+    env = emulation.arm64_env(single_thread=True)
+    env.pop("TVM_USE_RUNTIME_LIB")  # the RPC server module needs the full Python package
+    arm_py = env["QWC_ARM64_PY"].split()
+    procs.append(subprocess.Popen([*arm_py, *server[:-1], str(_free_port()), "--key", "arm64"], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+    deadline = time.monotonic() + 300
+    while True:   # both servers registered?
+        q = subprocess.run([sys.executable, "-m", "tvm.exec.query_rpc_tracker", "--host", "127.0.0.1",
+                            "--port", str(port)], capture_output=True, text=True)
+        if "host" in q.stdout and "arm64" in q.stdout:
+            break
+        assert time.monotonic() < deadline, q.stdout + q.stderr
+        time.sleep(2)
+    yield f"127.0.0.1:{port}"
+    for p in procs:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+@pytest.mark.parametrize("target, key", [("host", "host"), ("arm-yitian", "arm64")])
+def test_rpc_tuning_against_local_servers(tiny_q4, tmp_path, tracker, target, key):
+    db = tmp_path / "db"
+    r = subprocess.run([*QWC, "tune", str(tiny_q4), "--target", target, "--trials", "1", "--db", str(db),
+                        "--rpc-tracker", tracker, "--rpc-key", key], capture_output=True, text=True, timeout=3000)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tasks = _summary(db)
+    assert len(tasks) == 10 and all(t["done"] and t["best_s"] > 0 and t["hand_s"] > 0 for t in tasks.values())
+    summary = json.loads((db / tuning.SUMMARY).read_text())
+    assert summary["target"] == target
+    # records measured remotely, with their traces: the knob decisions
+    recs = [json.loads(x) for x in (db / "database_tuning_record.json").read_text().splitlines()]
+    assert len(recs) == 10
