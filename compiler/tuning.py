@@ -73,8 +73,8 @@ class Task:
     def rate(self, seconds: float) -> str:
         """GB/s of weight bytes for a GEMV, GFLOP/s for a GEMM."""
         if self.kind.endswith("gemv"):
-            return f"{self.n * self.nb * 18 / seconds / 1e9:.1f} GB/s"
-        return f"{2 * self.tokens * self.n * self.k / seconds / 1e9:.1f} GFLOP/s"
+            return f"{self.n * self.nb * 18 / seconds / 1e9:.3g} GB/s"
+        return f"{2 * self.tokens * self.n * self.k / seconds / 1e9:.3g} GFLOP/s"
 
 
 @dataclass
