@@ -28,7 +28,9 @@ QWC = [sys.executable, "-m", "qwc"]
 
 
 def qwc(*args: str, capture: bool = False) -> str:
-    r = subprocess.run([*QWC, *args], text=True, capture_output=capture)
+    # stdout is the table's: the commands' own reports are kept off it
+    r = (subprocess.run([*QWC, *args], text=True, capture_output=True) if capture
+         else subprocess.run([*QWC, *args], text=True, stdout=subprocess.DEVNULL))
     if r.returncode != 0:
         sys.exit(f"accuracy: `qwc {' '.join(args)}` failed" + (f": {r.stderr.strip()[-400:]}" if capture else ""))
     return r.stdout if capture else ""
