@@ -187,6 +187,8 @@ class Engine:
         if self._score is None:
             raise QwcError(f"{self.path}: artifact has no score entry point (compiled by an older qwc)")
         tokens = np.asarray(tokens, np.int64).reshape(1, -1)
+        if tokens.shape[1] == 0:
+            raise QwcError("score needs at least one token")
         if self.pos + tokens.shape[1] > self.ctx:
             raise QwcError(f"{tokens.shape[1]} tokens (after {self.pos} cached) do not fit the context of {self.ctx}")
         return np.concatenate([self._run(self._score, tokens[:, i:i + PREFILL_CHUNK])
