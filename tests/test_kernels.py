@@ -35,9 +35,9 @@ def _run(variant, k, n, m, a, wp, d):
     with bb.function("main", [av, wv, sv]):
         with bb.dataflow():
             if variant == "f32":
-                out = MatMulNBits._f32(bb, av, wv, sv, k, n)
+                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, "f32")
             elif variant == "vnni":
-                out = MatMulNBits._int8_dot(bb, av, wv, sv, k, n, "x86")
+                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, "x86")
             else:
                 kern = generic.matmul_nbits if variant == "generic32" else generic.matmul_nbits_a8
                 out = bb.emit_te(kern, av, wv, sv, k=k, n=n, block=32, bits=4, primfunc_name_hint="mm")
