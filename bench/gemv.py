@@ -81,7 +81,11 @@ def qwc_gemv(model, act_bits):
     from qwc.compiler.frontend import import_graph
     from qwc.compiler.targets import get_target
 
+    from qwc.compiler.repack import repack_weights
+
     target = get_target("host")
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    repack_weights(model, act_bits, target.features)
     mod = import_graph(model, seq=1, act_bits=act_bits, features=target.features)
     mod, params = relax.frontend.detach_params(mod)
     vm = VirtualMachine(build(mod, target), tvm.cpu())

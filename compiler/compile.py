@@ -90,6 +90,11 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int = 32, t
     times["passes"] = time.perf_counter() - t0
     quant = quant_summary(model)
     quant["activation_bits"] = act_bits
+    from .repack import repack_weights
+    with progress.stage("repacking weights for the target's kernels"):
+        repacked = repack_weights(model, act_bits, target.features)
+    if repacked:
+        quant["weight_layout"] = {"x86_vnni_row_groups": repacked}
     if tuned:
         quant["tuned_kernels"] = tuned
     full = onnx.ModelProto()

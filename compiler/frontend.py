@@ -38,6 +38,21 @@ def _kname(name: str) -> str:
     return f"{_prefix}_{name}" if _prefix else name
 
 
+def q4_0_path(k: int, n: int, block: int, bits: int, act_bits: int, features) -> str | None:
+    """Which of qwc's Q4_0 kernels a MatMulNBits takes ("arm", "x86": W4A8 integer dots;
+    "f32": W4A32), None for the generic TE kernels. compiler/repack.py asks the same question
+    to store the weights in the layout the kernel reads."""
+    if bits != 4 or block != 32:
+        return None
+    if act_bits == 32:
+        return "f32"
+    if "dotprod" in features:
+        return "arm"
+    if {"avx512_vnni", "avx512bw", "avx512f"} <= set(features):
+        return "x86"
+    return None
+
+
 class MatMulNBits(F.OnnxOpConverter):
     @classmethod
     def _impl_v1(cls, bb, inputs, attr, params):
@@ -45,12 +60,9 @@ class MatMulNBits(F.OnnxOpConverter):
         if len(inputs) > 3 and inputs[3] is not None:
             raise QwcError("MatMulNBits with explicit zero points is not supported (qwc emits symmetric Q4_0)")
         k, n, block, bits = int(attr["K"]), int(attr["N"]), int(attr["block_size"]), int(attr.get("bits", 4))
-        if _act_bits == 8 and bits == 4 and block == 32 and "dotprod" in _features:
-            out = cls.q4_0_matmul(bb, a, w, s, k, n, "arm")
-        elif _act_bits == 8 and bits == 4 and block == 32 and {"avx512_vnni", "avx512vl"} <= _features and n % 2 == 0:
-            out = cls.q4_0_matmul(bb, a, w, s, k, n, "x86")
-        elif _act_bits == 32 and bits == 4 and block == 32:
-            out = cls.q4_0_matmul(bb, a, w, s, k, n, "f32")
+        path = q4_0_path(k, n, block, bits, _act_bits, _features)
+        if path is not None:
+            out = cls.q4_0_matmul(bb, a, w, s, k, n, path)
         else:
             kernel = generic.matmul_nbits_a8 if _act_bits == 8 else generic.matmul_nbits
             out = bb.emit_te(kernel, a, w, s, k=k, n=n, block=block, bits=bits,
@@ -98,11 +110,15 @@ class MatMulNBits(F.OnnxOpConverter):
         else:
             from .kernels.x86 import vnni
 
-            offset = vnni.OFFSET
+            if len(w.ty.shape) != 4:
+                raise QwcError(f"MatMulNBits {n}x{k}: the x86 W4A8 kernel needs its weight repacked "
+                               "(compiler/repack.py) and got the plain layout")
+            offset = vnni.ZERO_POINT
             kind = "gemv" if one_token else "gemm"
-            kernel = bb.add_func(vnni.q4_matmul(n, nb, decode=one_token), _kname(f"q4_{kind}_vnni_{n}x{nb}"))
+            kernel = bb.add_func(vnni.q4_matmul(n, nb, one_token, str(s.ty.dtype)),
+                                 _kname(f"q4_{kind}_vnni_{n}x{nb}_{s.ty.dtype}"))
         quant = bb.add_func(act_quant.fused_quantizer(k, offset, one_token),
-                            _kname(f"act_q8_{k}_{offset}_{int(one_token)}"))
+                            _kname(f"act_q8_{k}_{int(one_token)}" + (f"_sum{-offset}" if offset else "")))
         parts = bb.emit(relax.call_tir(quant, [a2], [
             relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
             relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))
@@ -117,6 +133,8 @@ class GatherBlockQuantized(F.OnnxOpConverter):
         w, idx, s = inputs[0], inputs[1], inputs[2]
         if attr.get("gather_axis", 0) != 0 or attr.get("quantize_axis", 1) != 2:
             raise QwcError("GatherBlockQuantized: qwc supports gather_axis 0, quantize_axis 2")
+        if len(w.ty.shape) == 4:  # shared with an lm_head whose kernel reads a repacked layout
+            return bb.emit_te(generic.gather_q4_row_groups, w, idx, s, primfunc_name_hint=_kname("gather_q4_packed"))
         return bb.emit_te(generic.gather_block_quantized, w, idx, s, block=int(attr["block_size"]),
                           bits=int(attr.get("bits", 4)), primfunc_name_hint=_kname("gather_block_quantized"))
 

@@ -10,6 +10,7 @@ from tvm import relax
 from qwc.compiler.build import build
 from qwc.compiler.frontend import MatMulNBits
 from qwc.compiler.kernels import generic
+from qwc.compiler.kernels.x86 import vnni
 from qwc.compiler.targets import get_target
 from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 
@@ -28,10 +29,12 @@ def _run(variant, k, n, m, a, wp, d):
     import tvm
 
     target = get_target("host")
+    if variant == "vnni":
+        wp, d = vnni.pack(wp, d)   # the layout compile-time repacking gives it
     bb = relax.BlockBuilder()
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
     wv = relax.Var("w", relax.TensorType(list(wp.shape), "uint8"))
-    sv = relax.Var("s", relax.TensorType(list(d.shape), "float32"))
+    sv = relax.Var("s", relax.TensorType(list(d.shape), str(d.dtype)))
     with bb.function("main", [av, wv, sv]):
         with bb.dataflow():
             if variant == "f32":

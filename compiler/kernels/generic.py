@@ -46,6 +46,23 @@ def gather_block_quantized(w, idx, s, *, block: int, bits: int):
     return te.compute((*idx.shape, nb, block), body, name="gather_block_quantized")
 
 
+def gather_q4_row_groups(w, idx, s, *, rows: int = 16):
+    """Rows `idx` [...] of a Q4_0 weight stored in the x86 kernel's row-group layout
+    (kernels/x86/vnni.py: `pack`; w [G, nb, 4, 4 x rows], s [G, nb, rows]) -> [..., nb, 32]:
+    a tied embedding reads the lm_head's repacked bytes rather than keep a second copy."""
+    nb = w.shape[1]
+
+    def body(*i):
+        *pre, b, e = i
+        row = idx[tuple(pre)].astype("int64")
+        g, r, t = row // rows, row % rows, e // 2   # byte t of the row's block holds elements 2t, 2t+1
+        byte = w[g, b, t // 4, r * 4 + t % 4]
+        nib = tirx.if_then_else(e % 2 == 0, byte & tirx.const(15, "uint8"), byte >> tirx.const(4, "uint8"))
+        return (nib.astype("float32") - tirx.const(8.0, "float32")) * s[g, b, r].astype("float32")
+
+    return te.compute((*idx.shape, nb, 32), body, name="gather_q4_row_groups")
+
+
 def rotary(x, pos, cos, sin, *, heads: int):
     """Rotate-half rotary on x [b, s, heads*head_dim] at positions pos [b, s]."""
     width = x.shape[2]

@@ -1,92 +1,127 @@
-"""W4A8 block dot products with AVX-512 VNNI `vpdpbusd` (256-bit form, AVX512VL).
+"""W4A8 Q4_0 matmul with AVX-512 VNNI `vpdpbusd`, one vector lane per output row.
 
-vpdpbusd multiplies unsigned bytes by signed bytes. The weight nibbles q (0..15) are the
-unsigned operand as they are and the int8 activations the signed one, so the activations need
-no offset: dot(q - 8, a) = dot(q, a) - 8 * sum(a), with sum(a) computed once per activation
-block (`act_quant.fused_quantizer`) and shared by every row.
+Weights are repacked at compile time (`pack`, called by compiler/repack.py) so that a 512-bit
+vector holds 4 packed bytes (8 weights) of each of 16 rows:
 
-Accumulation is in fp32 lanes with the two block scales, one horizontal add per row at the
-end; the overcount is subtracted lane-wise (a lane multiple of sum(a) that adds up to 8 x sum(a)
-per row). Tasks cover several rows so each activation load serves them all and the accumulators
-are independent. A 512-bit form (two rows per vpdpbusd) measured no faster than these.
+    packed[g, b, i, 4 * r + c] = byte 4 * i + c of row 16 * g + r, block b   (i, c in 0..3)
+
+The activations come de-interleaved per block (`act_quant.fused_quantizer`: 16 even elements,
+then 16 odd ones), so the low nibbles of vector i line up with activation bytes 4i..4i+3 and
+the high nibbles with bytes 16+4i..16+4i+3: each 4-byte group is broadcast to every lane
+(an embedded-broadcast memory operand) and one vpdpbusd advances 16 rows by 4 weights. A block
+is 8 vpdpbusd per token and row group; its int32 lanes are then already the 16 rows' block
+dots: one convert and one FMA with the 16 rows' scales, no horizontal sums, and the results
+are a contiguous 16-float store.
+
+vpdpbusd multiplies unsigned by signed bytes: the nibbles q (0..15) are the unsigned operand as
+they are, and dot(q - 8, a) = dot(q, a) - 8 * sum(a); the quantizer supplies -8 * sum(a) per
+block, which starts the accumulation. Scales are stored as fp16 when every scale is exactly an
+fp16 (always for Q4_0 made by qwc: 18 bytes a block as in llama.cpp instead of 20).
+
+Prefill runs tiles of `tokens` tokens over a row group, so each unpacked weight vector serves
+all of them and the group's weights (nb x 256 bytes: 39 KiB at K = 4864) stay in L1/L2.
 """
 
 from __future__ import annotations
 
-OFFSET = 2        # per-lane multiple of sum(a) to subtract (4 lanes per row: 8 x sum(a) in all)
+import numpy as np
+
+ROWS = 16          # output rows per row group: the int32 lanes of a 512-bit vector
+ZERO_POINT = -8    # the quantizer's per-block offset factor: the accumulation starts at -8 x sum(a)
+
+# The schedule's knob: tokens per prefill tile (the hand value; decode is always 1).
+DEFAULTS = {"tokens": 4}
 
 
-def _pair_dot(T, w, aq, off, ws, ad, j, b, tok):
-    """Rows j and j+1, block b, token tok: the float32x8 contribution (lanes 0-3 row j, 4-7
-    row j+1), written as one expression (named temporaries would become per-thread
-    allocations inside the parallel loop)."""
-    dpbusd = "llvm.x86.avx512.vpdpbusd.256"
-    return (T.Cast("float32x8", T.call_llvm_pure_intrin(
-        "int32x8", dpbusd,
-        T.call_llvm_pure_intrin(
-            "int32x8", dpbusd, T.broadcast(T.int32(0), 8),
-            T.vectorcombine("uint8x32", w.vload([j, b, 0], "uint8x16"), w.vload([j + 1, b, 0], "uint8x16"))
-            & T.broadcast(T.uint8(15), 32),
-            T.vectorcombine("int8x32", aq.vload([tok, b, 0], "int8x16"), aq.vload([tok, b, 0], "int8x16"))),
-        T.vectorcombine("uint8x32", w.vload([j, b, 0], "uint8x16"), w.vload([j + 1, b, 0], "uint8x16"))
-        >> T.broadcast(T.uint8(4), 32),
-        T.vectorcombine("int8x32", aq.vload([tok, b, 16], "int8x16"), aq.vload([tok, b, 16], "int8x16"))))
-        - T.broadcast(off[tok, b], 8)) * T.vectorcombine(
-            "float32x8", T.broadcast(ws[j, b] * ad[tok, b], 4), T.broadcast(ws[j + 1, b] * ad[tok, b], 4))
+def groups(n: int) -> int:
+    return (n + ROWS - 1) // ROWS
 
 
-TOKENS = 4  # tokens per prefill tile: each combined weight vector serves this many tokens
+def pack(wp: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MatMulNBits Q4_0 bytes wp [N, nb, 16] and scales s [N, nb] -> the kernel's layout
+    [G, nb, 4, 64] uint8 and [G, nb, 16] scales (fp16 if exact, else fp32). Rows past N are
+    zero (the kernel does not store them)."""
+    n, nb, nbytes = wp.shape
+    if nbytes != 16 or s.shape != (n, nb):
+        raise ValueError(f"expected Q4_0 bytes [N, nb, 16] and scales [N, nb], got {wp.shape} and {s.shape}")
+    g = groups(n)
+    w = np.zeros((g * ROWS, nb, 16), np.uint8)
+    w[:n] = wp
+    # [g, r, b, i, c] -> [g, b, i, r, c]
+    w = w.reshape(g, ROWS, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 4, ROWS * 4)
+    sc = np.zeros((g * ROWS, nb), np.float32)
+    sc[:n] = s
+    sc = sc.reshape(g, ROWS, nb).transpose(0, 2, 1)
+    half = sc.astype(np.float16)
+    exact = np.array_equal(half.astype(np.float32), sc)
+    return np.ascontiguousarray(w), np.ascontiguousarray(half if exact else sc)
 
 
-def q4_matmul(n: int, nb: int, decode: bool):
-    """y [M, N] from the de-interleaved int8 activations and Q4_0 weights. Two rows share one
-    256-bit vector, [row r's 16 bytes | row r+1's]: its low nibbles dot the duplicated even
-    activation half, its high nibbles the duplicated odd half, both into one int32x8 (lanes 0-3
-    row r, 4-7 row r+1): two vpdpbusd, one convert, one fused scale per row pair and block. Each
-    lane subtracts OFFSET x sum(a).
+def _block_dot(T, w, aq, off, g, b, t):
+    """int32x16: the 16 rows' dot(q - 8, a) for block b and token t, as one expression (named
+    temporaries would become per-thread allocations inside the parallel loop). Two chains
+    (low and high nibbles) halve the dependent vpdpbusd latency."""
+    dp = "llvm.x86.avx512.vpdpbusd.512"
 
-    decode (one token): 4 row pairs per task (measured ~1.3x the one-row-per-vector form from
-    cache; DRAM-bound shapes the same). prefill: tiles of 2 row pairs x TOKENS tokens, so each
-    weight vector is split once and used for TOKENS tokens; leftover tokens one at a time."""
+    def act(j):   # activation bytes 4j..4j+3 in every lane
+        return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", aq.vload([t, b, 4 * j], "int8x4")), 16))
+
+    lo = T.broadcast(T.Cast("int32", off[t, b]), 16)
+    hi = T.broadcast(T.int32(0), 16)
+    for i in range(4):
+        lo = T.call_llvm_pure_intrin("int32x16", dp, lo, w.vload([g, b, i, 0], "uint8x64") & T.broadcast(T.uint8(15), 64), act(i))
+        hi = T.call_llvm_pure_intrin("int32x16", dp, hi, w.vload([g, b, i, 0], "uint8x64") >> T.broadcast(T.uint8(4), 64), act(4 + i))
+    return lo + hi
+
+
+def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None):
+    """y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the -8 x sum
+    offsets) and the packed weights. decode: one token; prefill: tiles of `tokens` tokens,
+    leftovers one at a time."""
     from tvm.script import tirx as T
 
-    pairs = next(p for p in ((4, 2, 1) if decode else (2, 1)) if n % (2 * p) == 0)
-    rows = 2 * pairs
-    tm = 1 if decode else TOKENS
+    ng = groups(n)
+    tm = 1 if decode else (tokens or DEFAULTS["tokens"])
+    ragged = n % ROWS != 0
+
+    def scales(ws, g, b):
+        if scale_dtype == "float16":
+            return T.Cast("float32x16", ws.vload([g, b, 0], "float16x16"))
+        return ws.vload([g, b, 0], "float32x16")
 
     @T.macro
-    def tile(w, aq, off, ws, ad, y, jo, first, tokens):
-        """Rows jo*rows .. +rows of tokens first .. first+tokens-1."""
-        acc = T.decl_buffer((pairs * tokens * 8,), "float32", scope="local")
-        for pt in T.unroll(pairs * tokens):
-            acc[T.ramp(pt * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
+    def tile(w, aq, off, ws, ad, y, g, first, count):
+        """Rows 16g .. 16g+15 of tokens first .. first+count-1."""
+        acc = T.decl_buffer((count * ROWS,), "float32", scope="local")
+        for t in T.unroll(count):
+            acc[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
         for b in range(nb):
-            for p in T.unroll(pairs):
-                for t in T.unroll(tokens):
-                    acc[T.ramp((p * tokens + t) * 8, 1, 8)] = acc[T.ramp((p * tokens + t) * 8, 1, 8)] + _pair_dot(
-                        T, w, aq, off, ws, ad, jo * rows + 2 * p, b, first + t)
-        for p in T.unroll(pairs):
-            for t in T.unroll(tokens):
-                y[first + t, jo * rows + 2 * p] = T.call_llvm_pure_intrin(
-                    "float32", "llvm.vector.reduce.fadd.v4f32", T.float32(0), acc[T.ramp((p * tokens + t) * 8, 1, 4)])
-                y[first + t, jo * rows + 2 * p + 1] = T.call_llvm_pure_intrin(
-                    "float32", "llvm.vector.reduce.fadd.v4f32", T.float32(0),
-                    acc[T.ramp((p * tokens + t) * 8 + 4, 1, 4)])
+            for t in T.unroll(count):
+                acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + T.Cast(
+                    "float32x16", _block_dot(T, w, aq, off, g, b, first + t)) * (
+                    scales(ws, g, b) * T.broadcast(ad[first + t, b], ROWS))
+        for t in T.unroll(count):
+            if not ragged or g * ROWS + ROWS <= n:
+                y[first + t, T.ramp(g * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)]
+            else:
+                for r in range(ROWS):
+                    if g * ROWS + r < n:
+                        y[first + t, g * ROWS + r] = acc[t * ROWS + r]
 
     @T.prim_func(private=True)
-    def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((n, nb, 16), "uint8"),
-               ws: T.Buffer((n, nb), "float32"), var_y: T.handle):
+    def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
+               ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         m = T.int64()
         aq = T.match_buffer(var_aq, (m, nb, 32), "int8")
         ad = T.match_buffer(var_ad, (m, nb), "float32")
         off = T.match_buffer(var_off, (m, nb), "float32")
         y = T.match_buffer(var_y, (m, n), "float32")
-        for jo in T.parallel(n // rows):
+        for g in T.parallel(ng):
             for it in range(m // tm):
-                tile(w, aq, off, ws, ad, y, jo, it * tm, tm)
+                tile(w, aq, off, ws, ad, y, g, it * tm, tm)
             if tm > 1:  # decided when the kernel is built: decode has no leftover tokens
                 for i in range(m // tm * tm, m):
-                    tile(w, aq, off, ws, ad, y, jo, i, 1)
+                    tile(w, aq, off, ws, ad, y, g, i, 1)
 
     return kernel

@@ -1,0 +1,83 @@
+"""Compile-time weight repacking: store each MatMulNBits weight in the layout its target's
+kernel reads, so nothing is repacked when an artifact loads.
+
+Today that is the x86 VNNI kernel's row-group layout (kernels/x86/vnni.py: `pack`). The
+decision which kernel a matmul takes is `frontend.q4_0_path`, the same one the importer makes,
+so the two cannot disagree. A tied embedding keeps reading the same (repacked) bytes: its
+GatherBlockQuantized is pointed at the repacked scales and imported with a gather for that
+layout. A weight that anything else reads gets a repacked copy of its own instead.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper, numpy_helper
+
+from .frontend import q4_0_path
+
+
+def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
+    """Repack in place; returns the number of matmuls whose weights were repacked."""
+    from .kernels.x86 import vnni
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    producer = {o: n for n in g.node for o in n.output}
+    for n in g.node:
+        for x in n.input:
+            consumers.setdefault(x, []).append(n)
+    done: dict[tuple[str, str], tuple[str, str]] = {}
+    count = 0
+    for node in g.node:
+        if node.op_type != "MatMulNBits" or len(node.input) < 3:
+            continue
+        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+        k, n, block, bits = int(a["K"]), int(a["N"]), int(a["block_size"]), int(a.get("bits", 4))
+        if q4_0_path(k, n, block, bits, act_bits, features) != "x86":
+            continue
+        wname, sname = node.input[1], node.input[2]
+        if wname not in inits or sname not in inits:
+            continue  # computed weights are not ours to repack (the importer will say so)
+        if (wname, sname) in done:
+            node.input[1], node.input[2] = done[wname, sname]
+            count += 1
+            continue
+        wp, s = numpy_helper.to_array(inits[wname]), numpy_helper.to_array(inits[sname])
+        pw, ps = vnni.pack(wp, s)
+        gathers = _tied_gathers(consumers.get(wname, []), sname, producer)
+        plain_readers = [c for c in consumers.get(wname, []) if c.op_type != "MatMulNBits" and c not in (gathers or [])]
+        plain_readers += [c for c in consumers.get(sname, []) if c.op_type != "MatMulNBits"
+                          and not (c.op_type == "Unsqueeze" and gathers
+                                   and all(x in gathers for x in consumers.get(c.output[0], [])))]
+        if gathers is None or plain_readers:
+            # Something else reads the plain layout: give the matmuls a repacked copy.
+            new = (wname + ".qwc_packed", sname + ".qwc_packed")
+            g.initializer.extend([numpy_helper.from_array(pw, new[0]), numpy_helper.from_array(ps, new[1])])
+        else:
+            new = (wname, sname)
+            inits[wname].CopyFrom(numpy_helper.from_array(pw, wname))
+            inits[sname].CopyFrom(numpy_helper.from_array(ps, sname))
+            for gq in gathers:
+                gq.input[2] = sname   # the repacked scales directly; the Unsqueeze is left unread
+        node.input[1], node.input[2] = new
+        done[wname, sname] = new
+        count += 1
+    return count
+
+
+def _tied_gathers(nodes, sname: str, producer) -> list | None:
+    """The GatherBlockQuantized nodes among `nodes` (4-bit, block 32, reading scales `sname`
+    through an Unsqueeze to [V, nb, 1], as passes/quantize_embedding.py emits them); None if
+    one of them reads anything else."""
+    out = []
+    for c in nodes:
+        if c.op_type != "GatherBlockQuantized":
+            continue
+        a = {x.name: helper.get_attribute_value(x) for x in c.attribute}
+        src = producer.get(c.input[2])
+        if (int(a.get("bits", 4)) != 4 or int(a.get("block_size", 0)) != 32 or int(a.get("gather_axis", 0)) != 0
+                or src is None or src.op_type != "Unsqueeze" or src.input[0] != sname):
+            return None
+        out.append(c)
+    return out
