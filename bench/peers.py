@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -46,9 +47,10 @@ def prepare(workdir: Path) -> dict[str, Path]:
         subprocess.run(qwc + ["export", PRESET, "-o", str(paths["onnx"])], check=True)
     if not paths["q4"].exists():
         subprocess.run(qwc + ["optimize", str(paths["onnx"]), "-o", str(paths["q4"])], check=True)
-    if not paths["qwc"].exists():
-        subprocess.run(qwc + ["compile", str(paths["q4"]), "--target", "host", "--act-bits", "8",
-                              "-o", str(paths["qwc"])], check=True)
+    # The artifact is what is measured: always rebuilt, so it has this checkout's kernels.
+    shutil.rmtree(paths["qwc"], ignore_errors=True)
+    subprocess.run(qwc + ["compile", str(paths["q4"]), "--target", "host", "--act-bits", "8",
+                          "-o", str(paths["qwc"])], check=True)
     if not paths["gguf"].exists():
         sys.path.insert(0, str(Path(__file__).parent))
         from gguf_q4_0 import write_gguf_q4_0

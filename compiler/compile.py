@@ -69,11 +69,15 @@ def load_canonical(src, config, options=None) -> onnx.ModelProto:
         return optimize(model, options)
 
 
-def compile_file(src, target_name: str, out, options=None, act_bits: int = 32, tuning_db=None) -> dict:
+def compile_file(src, target_name: str, out, options=None, act_bits: int | None = None, tuning_db=None) -> dict:
+    """`act_bits` None: the target's default (frontend.default_act_bits)."""
     from .artifact import write_artifact
     from .build import build, to_relax
+    from .frontend import default_act_bits
 
     target = get_target(target_name)
+    if act_bits is None:
+        act_bits = default_act_bits(target.features)
     if act_bits not in (8, 32):
         raise QwcError(f"--act-bits {act_bits} is not supported (8 or 32)")
     check_destination(out, folder=True)
@@ -82,7 +86,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int = 32, t
         from .tuning import tuned_knobs
         tuned = tuned_knobs(Path(tuning_db), target) if act_bits == 32 else {}
         progress.info(f"[qwc] tuning database {tuning_db}: {len(tuned)} kernels tuned faster than the hand "
-                      "schedule" + ("" if act_bits == 32 else " (none apply: the W4A8 kernels have no knobs)"))
+                      "schedule" + ("" if act_bits == 32 else " (none apply: it tunes the W4A32 kernels; compile with --act-bits 32 to use it)"))
     config = load_for_graph(src)
     times = {}
     t0 = time.perf_counter()
@@ -94,7 +98,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int = 32, t
     with progress.stage("repacking weights for the target's kernels"):
         repacked = repack_weights(model, act_bits, target.features)
     if repacked:
-        quant["weight_layout"] = {"x86_vnni_row_groups": repacked}
+        quant["weight_layout"] = {"row_groups_16": repacked}
     if tuned:
         quant["tuned_kernels"] = tuned
     full = onnx.ModelProto()

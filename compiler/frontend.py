@@ -53,6 +53,13 @@ def q4_0_path(k: int, n: int, block: int, bits: int, act_bits: int, features) ->
     return None
 
 
+def default_act_bits(features) -> int:
+    """8 where the target has an integer dot-product kernel (W4A8, as llama.cpp computes Q4_0;
+    +0.4% perplexity on real weights, docs/design.md), else 32: the float kernel is faster
+    than the generic integer one."""
+    return 8 if q4_0_path(32, 32, 32, 4, 8, features) in ("x86", "arm") else 32
+
+
 class MatMulNBits(F.OnnxOpConverter):
     @classmethod
     def _impl_v1(cls, bb, inputs, attr, params):
@@ -98,33 +105,30 @@ class MatMulNBits(F.OnnxOpConverter):
 
     @staticmethod
     def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, isa: str):
-        """W4A8 through an ISA's integer dot-product kernel (sdot / vpdpbusd)."""
+        """W4A8 through an ISA's integer dot-product kernel (vpdpbusd / sdot), both reading the
+        row-group layout compile-time repacking wrote (kernels/row_groups.py)."""
         from .kernels import act_quant
 
+        if len(w.ty.shape) != 4:
+            raise QwcError(f"MatMulNBits {n}x{k}: the W4A8 kernels read weights repacked into row groups "
+                           "(compiler/repack.py), got the plain layout")
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
+        kind, sdt = "gemv" if one_token else "gemm", str(s.ty.dtype)
         if isa == "arm":
-            from .kernels.arm import dotprod
+            from .kernels.arm import dotprod as isa_kernels
 
-            offset = 0  # sdot multiplies signed (q - 8): no block sums needed
-            kernel = bb.add_func(dotprod.q4_dot(n, nb), _kname(f"q4_dot_sdot_{n}x{nb}"))
+            kernel = bb.add_func(isa_kernels.q4_dot(n, nb, one_token, sdt), _kname(f"q4_{kind}_sdot_{n}x{nb}_{sdt}"))
         else:
-            from .kernels.x86 import vnni
+            from .kernels.x86 import vnni as isa_kernels
 
-            if len(w.ty.shape) != 4:
-                raise QwcError(f"MatMulNBits {n}x{k}: the x86 W4A8 kernel needs its weight repacked "
-                               "(compiler/repack.py) and got the plain layout")
-            offset = vnni.ZERO_POINT
-            kind = "gemv" if one_token else "gemm"
-            kernel = bb.add_func(vnni.q4_matmul(n, nb, one_token, str(s.ty.dtype)),
-                                 _kname(f"q4_{kind}_vnni_{n}x{nb}_{s.ty.dtype}"))
-        quant = bb.add_func(act_quant.fused_quantizer(k, offset, one_token),
-                            _kname(f"act_q8_{k}_{int(one_token)}" + (f"_sum{-offset}" if offset else "")))
+            kernel = bb.add_func(isa_kernels.q4_matmul(n, nb, one_token, sdt), _kname(f"q4_{kind}_vnni_{n}x{nb}_{sdt}"))
+        zp = isa_kernels.ZERO_POINT
+        quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token), _kname(f"act_q8_{k}_{int(one_token)}_sum{-zp}"))
         parts = bb.emit(relax.call_tir(quant, [a2], [
             relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
             relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))
         q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
-        args = [q, scale, w, s] if isa == "arm" else [q, scale, off, w, s]
-        return bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
+        return bb.emit(relax.call_tir(kernel, [q, scale, off, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
 
 
 class GatherBlockQuantized(F.OnnxOpConverter):

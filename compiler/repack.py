@@ -1,7 +1,7 @@
 """Compile-time weight repacking: store each MatMulNBits weight in the layout its target's
 kernel reads, so nothing is repacked when an artifact loads.
 
-Today that is the x86 VNNI kernel's row-group layout (kernels/x86/vnni.py: `pack`). The
+Today that is the W4A8 kernels' row-group layout (kernels/row_groups.py), x86 and ARM. The
 decision which kernel a matmul takes is `frontend.q4_0_path`, the same one the importer makes,
 so the two cannot disagree. A tied embedding keeps reading the same (repacked) bytes: its
 GatherBlockQuantized is pointed at the repacked scales and imported with a gather for that
@@ -18,7 +18,7 @@ from .frontend import q4_0_path
 
 def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
     """Repack in place; returns the number of matmuls whose weights were repacked."""
-    from .kernels.x86 import vnni
+    from .kernels import row_groups
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}
@@ -34,7 +34,7 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
             continue
         a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
         k, n, block, bits = int(a["K"]), int(a["N"]), int(a["block_size"]), int(a.get("bits", 4))
-        if q4_0_path(k, n, block, bits, act_bits, features) != "x86":
+        if q4_0_path(k, n, block, bits, act_bits, features) not in ("x86", "arm"):
             continue
         wname, sname = node.input[1], node.input[2]
         if wname not in inits or sname not in inits:
@@ -44,7 +44,7 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
             count += 1
             continue
         wp, s = numpy_helper.to_array(inits[wname]), numpy_helper.to_array(inits[sname])
-        pw, ps = vnni.pack(wp, s)
+        pw, ps = row_groups.pack(wp, s)
         gathers = _tied_gathers(consumers.get(wname, []), sname, producer)
         plain_readers = [c for c in consumers.get(wname, []) if c.op_type != "MatMulNBits" and c not in (gathers or [])]
         plain_readers += [c for c in consumers.get(sname, []) if c.op_type != "MatMulNBits"

@@ -274,9 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", default="host",
                    help="host, x86-avx2, arm-yitian or arm-neon (default: host)")
     c.add_argument("-o", "--output", required=True, help="output artifact folder (model.qwc)")
-    c.add_argument("--act-bits", type=int, default=32, choices=(8, 32),
-                   help="32: float activations (matches onnxruntime's MatMulNBits); 8: W4A8 integer "
-                        "dot products with activations quantized per 32-block, as llama.cpp does")
+    c.add_argument("--act-bits", type=int, choices=(8, 32),
+                   help="8: W4A8 integer dot products with activations quantized per 32-block, as "
+                        "llama.cpp does; 32: float activations (matches onnxruntime's MatMulNBits, for "
+                        "accuracy comparisons). Default: 8 where the target has an integer dot-product "
+                        "kernel (host with AVX-512 VNNI, arm-yitian, arm-neon), else 32")
     c.add_argument("--tuning-db", metavar="DIR",
                    help="a `qwc tune` database: use its schedules where they measured faster than qwc's own")
     c.set_defaults(func=_cmd_compile)

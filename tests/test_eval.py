@@ -124,7 +124,7 @@ def test_same_model_through_torch_onnxruntime_and_compiled(tmp_path, capsys):
     assert main(["-q", "export", str(hf), "-o", str(onnx_)]) == 0
     assert main(["-q", "optimize", str(onnx_), "-o", str(q4)]) == 0
     capsys.readouterr()
-    assert main(["-q", "compile", str(q4), "--target", "host", "-o", str(art)]) == 0
+    assert main(["-q", "compile", str(q4), "--target", "host", "--act-bits", "32", "-o", str(art)]) == 0
     ppl = {}
     for m in (hf, q4, art):
         assert main(["-q", "eval", str(m), "--ppl", str(text), "--ctx", "128", "--chunks", "6", "--json"]) == 0

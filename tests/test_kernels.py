@@ -10,7 +10,7 @@ from tvm import relax
 from qwc.compiler.build import build
 from qwc.compiler.frontend import MatMulNBits
 from qwc.compiler.kernels import generic
-from qwc.compiler.kernels.x86 import vnni
+from qwc.compiler.kernels import row_groups
 from qwc.compiler.targets import get_target
 from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 
@@ -25,31 +25,33 @@ def _weights(k, n, seed):
     return pack_nibbles(q), d, deq
 
 
-def _run(variant, k, n, m, a, wp, d):
-    import tvm
-
-    target = get_target("host")
-    if variant == "vnni":
-        wp, d = vnni.pack(wp, d)   # the layout compile-time repacking gives it
-    bb = relax.BlockBuilder()
+def _emit(bb, name, variant, k, n, m, wp, d):
+    """Function `name`(a, w, s) through one kernel variant; returns the weights in the layout
+    it reads (compile-time repacking gives the W4A8 kernels row groups)."""
+    if variant in ("vnni", "arm"):
+        wp, d = row_groups.pack(wp, d)
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
     wv = relax.Var("w", relax.TensorType(list(wp.shape), "uint8"))
     sv = relax.Var("s", relax.TensorType(list(d.shape), str(d.dtype)))
-    with bb.function("main", [av, wv, sv]):
+    with bb.function(name, [av, wv, sv]):
         with bb.dataflow():
-            if variant == "f32":
-                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, "f32")
-            elif variant == "vnni":
-                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, "x86")
+            if variant in ("f32", "vnni", "arm"):
+                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, {"vnni": "x86"}.get(variant, variant))
             else:
                 kern = generic.matmul_nbits if variant == "generic32" else generic.matmul_nbits_a8
                 out = bb.emit_te(kern, av, wv, sv, k=k, n=n, block=32, bits=4, primfunc_name_hint="mm")
             gv = bb.emit_output(out)
         bb.emit_func_output(gv)
-    ex = build(bb.get(), target)
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    dev = tvm.cpu()
-    return vm["main"](*(tvm.runtime.tensor(x, dev) for x in (a, wp, d))).numpy()
+    return wp, d
+
+
+def _run(variant, k, n, m, a, wp, d):
+    import tvm
+
+    bb = relax.BlockBuilder()
+    wp, d = _emit(bb, "main", variant, k, n, m, wp, d)
+    vm = relax.VirtualMachine(build(bb.get(), get_target("host")), tvm.cpu())
+    return vm["main"](*(tvm.runtime.tensor(x) for x in (a, wp, d))).numpy()
 
 
 def _a8_reference(a, deq_q, d, k):
@@ -84,3 +86,40 @@ def test_w4a8_kernels(variant, k, n, m):
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * np.abs(ref).max())
     exact = a @ deq[:, :k].T
     assert np.abs(got - exact).max() < 0.05 * np.abs(exact).max()   # and int8 activations are close
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["arm-yitian", "arm-neon"])
+def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
+    """The sdot kernels, cross-compiled, on every shape and M above in one library run under
+    qemu-aarch64 (scripts/arm64), against the same reference as the host's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import tvm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "arm64"))
+    import emulation
+
+    env = emulation.arm64_env()
+    bb, inputs, refs = relax.BlockBuilder(), {}, {}
+    for k, n in SHAPES:
+        for m in (1, 3, 17):
+            name = f"mm_{k}_{n}_{m}"
+            wp, d, deq = _weights(k, n, k + n)
+            a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+            for i, x in enumerate((a, *_emit(bb, name, "arm", k, n, m, wp, d))):
+                inputs[f"{name}/{i}"] = x
+            refs[name] = _a8_reference(a, deq, d, k)
+    t = get_target(target)
+    lib = tmp_path / "kernels.so"
+    build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
+    np.savez(tmp_path / "in.npz", **inputs)
+    cmd = emulation.python_command(env, emulation.HERE / "run_module.py", lib, tmp_path / "in.npz", tmp_path / "out.npz")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["aarch64", str(len(refs))]
+    got = np.load(tmp_path / "out.npz")
+    for name, ref in refs.items():
+        np.testing.assert_allclose(got[name], ref, rtol=0, atol=2e-3 * np.abs(ref).max(), err_msg=name)

@@ -75,7 +75,7 @@ def test_smollm2_perplexity_agrees_across_backends(tmp_path, capsys, austen):
                  "--batch", "1", "--quantize-embedding", "-o", str(hf)]) == 0
     assert main(["-q", "export", str(hf), "-o", str(onnx_)]) == 0
     assert main(["-q", "optimize", str(onnx_), "-o", str(q4)]) == 0
-    assert main(["-q", "compile", str(q4), "--target", "host", "-o", str(art)]) == 0
+    assert main(["-q", "compile", str(q4), "--target", "host", "--act-bits", "32", "-o", str(art)]) == 0
     capsys.readouterr()
     ppl = {}
     for m in (hf, q4, art):

@@ -77,7 +77,7 @@ def test_session_is_killed_then_resumes_and_compiles(tiny_q4, tiny_lm, tmp_path)
     assert "| q4_f32_gemv_64x128" in r.stdout
 
     art = tmp_path / "tuned.qwc"
-    assert main(["-q", "compile", str(tiny_q4), "--tuning-db", str(db), "-o", str(art)]) == 0
+    assert main(["-q", "compile", str(tiny_q4), "--act-bits", "32", "--tuning-db", str(db), "-o", str(art)]) == 0
     _assert_matches_onnxruntime(art, tiny_q4, tiny_lm.config)
 
 
@@ -93,7 +93,7 @@ def test_compile_uses_only_faster_records(tiny_q4, tiny_lm, tmp_path):
     (db / tuning.SUMMARY).write_text(json.dumps({"format": 1, "target": "host", "tasks": tasks}))
     assert set(tuning.tuned_knobs(db, get_target("host"))) == set(tasks) - {slow}
     art = tmp_path / "t.qwc"
-    assert main(["-q", "compile", str(tiny_q4), "--tuning-db", str(db), "-o", str(art)]) == 0
+    assert main(["-q", "compile", str(tiny_q4), "--act-bits", "32", "--tuning-db", str(db), "-o", str(art)]) == 0
     manifest = json.loads((art / "manifest.json").read_text())
     assert slow not in manifest["quantization"]["tuned_kernels"] and len(manifest["quantization"]["tuned_kernels"]) == 9
     _assert_matches_onnxruntime(art, tiny_q4, tiny_lm.config)
@@ -109,7 +109,7 @@ def test_tune_errors(tiny_q4, tmp_path, capsys):
     assert "does not run on this machine" in capsys.readouterr().err
     assert main(["-q", "tune", str(tiny_q4), "--rpc-tracker", "nohost", "--rpc-key", "k", "--db", str(db)]) == 2
     assert "expected HOST:PORT" in capsys.readouterr().err
-    assert main(["-q", "compile", str(tiny_q4), "--tuning-db", str(tmp_path / "none"), "-o", str(tmp_path / "o")]) == 2
+    assert main(["-q", "compile", str(tiny_q4), "--act-bits", "32", "--tuning-db", str(tmp_path / "none"), "-o", str(tmp_path / "o")]) == 2
     assert "not a tuning database" in capsys.readouterr().err
 
 

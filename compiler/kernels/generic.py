@@ -47,8 +47,8 @@ def gather_block_quantized(w, idx, s, *, block: int, bits: int):
 
 
 def gather_q4_row_groups(w, idx, s, *, rows: int = 16):
-    """Rows `idx` [...] of a Q4_0 weight stored in the x86 kernel's row-group layout
-    (kernels/x86/vnni.py: `pack`; w [G, nb, 4, 4 x rows], s [G, nb, rows]) -> [..., nb, 32]:
+    """Rows `idx` [...] of a Q4_0 weight stored in the W4A8 kernels' row-group layout
+    (kernels/row_groups.py; w [G, nb, 4, 4 x rows], s [G, nb, rows]) -> [..., nb, 32]:
     a tied embedding reads the lm_head's repacked bytes rather than keep a second copy."""
     nb = w.shape[1]
 

@@ -29,9 +29,14 @@ def arm64_env(single_thread: bool = False) -> dict:
     return env
 
 
-def engine_command(env: dict, artifact, out, steps_json: str, plugin: str | None = None) -> list[str]:
-    """qemu-aarch64 [-plugin P] python3.11 run_engine.py REPO ARTIFACT OUT STEPS."""
+def python_command(env: dict, script, *args, plugin: str | None = None) -> list[str]:
+    """qemu-aarch64 [-plugin P] python3.11 SCRIPT ARGS..."""
     qemu = shlex.split(env["QWC_ARM64_PY"])
     if plugin:
         qemu = [qemu[0], "-plugin", plugin, *qemu[1:]]
-    return qemu + [str(HERE / "run_engine.py"), str(REPO), str(artifact), str(out), steps_json]
+    return qemu + [str(script), *map(str, args)]
+
+
+def engine_command(env: dict, artifact, out, steps_json: str, plugin: str | None = None) -> list[str]:
+    """run_engine.py REPO ARTIFACT OUT STEPS under the emulated python."""
+    return python_command(env, HERE / "run_engine.py", REPO, artifact, out, steps_json, plugin=plugin)

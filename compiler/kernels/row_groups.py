@@ -1,0 +1,48 @@
+"""The weight layout qwc's W4A8 integer-dot kernels read (x86 VNNI and ARM sdot alike),
+written at compile time by compiler/repack.py so nothing is repacked at load.
+
+Rows are taken in groups of 16; per group and block, 4 chunks of 64 bytes hold 4 packed bytes
+(8 weights) of each of the 16 rows:
+
+    packed[g, b, i, 4 * r + c] = byte 4 * i + c of row 16 * g + r in block b   (i, c in 0..3)
+
+A Q4_0 block's byte t holds elements 2t (low nibble) and 2t + 1 (high nibble), and the
+activations arrive de-interleaved per block (`act_quant.fused_quantizer`: the 16 even
+elements, then the 16 odd ones). So in chunk i the low nibbles meet activation bytes
+4i..4i+3 and the high nibbles bytes 16+4i..16+4i+3: broadcast one 4-byte group to every
+32-bit lane and one dot-product instruction advances 16 rows (a 512-bit vpdpbusd) or 4 rows
+(a 128-bit sdot) by 4 weights each, with the results landing one row per lane.
+
+Scales are stored [G, nb, 16] as fp16 when every scale is exactly an fp16 (always for Q4_0
+made by qwc: 18 bytes a block as in llama.cpp, not 20), else fp32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ROWS = 16
+CHUNKS = 4   # 64-byte chunks per group and block
+
+
+def groups(n: int) -> int:
+    return (n + ROWS - 1) // ROWS
+
+
+def pack(wp: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MatMulNBits Q4_0 bytes wp [N, nb, 16] and scales s [N, nb] -> [G, nb, 4, 64] uint8 and
+    [G, nb, 16] scales. Rows past N are zero (the kernels do not store them)."""
+    n, nb, nbytes = wp.shape
+    if nbytes != 16 or s.shape != (n, nb):
+        raise ValueError(f"expected Q4_0 bytes [N, nb, 16] and scales [N, nb], got {wp.shape} and {s.shape}")
+    g = groups(n)
+    w = np.zeros((g * ROWS, nb, 16), np.uint8)
+    w[:n] = wp
+    # [g, r, b, i, c] -> [g, b, i, r, c]
+    w = w.reshape(g, ROWS, nb, CHUNKS, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, CHUNKS, ROWS * 4)
+    sc = np.zeros((g * ROWS, nb), np.float32)
+    sc[:n] = s
+    sc = sc.reshape(g, ROWS, nb).transpose(0, 2, 1)
+    half = sc.astype(np.float16)
+    exact = np.array_equal(half.astype(np.float32), sc)
+    return np.ascontiguousarray(w), np.ascontiguousarray(half if exact else sc)
