@@ -10,6 +10,7 @@ layout. A weight that anything else reads gets a repacked copy of its own instea
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
@@ -45,7 +46,7 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
             continue
         wp, s = numpy_helper.to_array(inits[wname]), numpy_helper.to_array(inits[sname])
         pw, ps = row_groups.pack(wp, s)
-        gathers = _tied_gathers(consumers.get(wname, []), sname, producer)
+        gathers = _tied_gathers(consumers.get(wname, []), sname, s, producer, inits)
         plain_readers = [c for c in consumers.get(wname, []) if c.op_type != "MatMulNBits" and c not in (gathers or [])]
         plain_readers += [c for c in consumers.get(sname, []) if c.op_type != "MatMulNBits"
                           and not (c.op_type == "Unsqueeze" and gathers
@@ -59,25 +60,32 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
             inits[wname].CopyFrom(numpy_helper.from_array(pw, wname))
             inits[sname].CopyFrom(numpy_helper.from_array(ps, sname))
             for gq in gathers:
-                gq.input[2] = sname   # the repacked scales directly; the Unsqueeze is left unread
+                own = gq.input[2]
+                gq.input[2] = sname   # the repacked scales directly; an Unsqueeze is left unread
+                if own in inits and not any(own in c.input for c in g.node):
+                    g.initializer.remove(inits.pop(own))   # its own (folded) copy of the scales
         node.input[1], node.input[2] = new
         done[wname, sname] = new
         count += 1
     return count
 
 
-def _tied_gathers(nodes, sname: str, producer) -> list | None:
-    """The GatherBlockQuantized nodes among `nodes` (4-bit, block 32, reading scales `sname`
-    through an Unsqueeze to [V, nb, 1], as passes/quantize_embedding.py emits them); None if
-    one of them reads anything else."""
+def _tied_gathers(nodes, sname: str, scales, producer, inits) -> list | None:
+    """The GatherBlockQuantized nodes among `nodes` (4-bit, block 32) that read the matmul's
+    scales `sname` as [V, nb, 1]: through an Unsqueeze, as passes/quantize_embedding.py emits
+    them, or as a constant-folded copy. None if one of them reads anything else."""
     out = []
     for c in nodes:
         if c.op_type != "GatherBlockQuantized":
             continue
         a = {x.name: helper.get_attribute_value(x) for x in c.attribute}
+        if int(a.get("bits", 4)) != 4 or int(a.get("block_size", 0)) != 32 or int(a.get("gather_axis", 0)) != 0:
+            return None
         src = producer.get(c.input[2])
-        if (int(a.get("bits", 4)) != 4 or int(a.get("block_size", 0)) != 32 or int(a.get("gather_axis", 0)) != 0
-                or src is None or src.op_type != "Unsqueeze" or src.input[0] != sname):
+        if src is not None:
+            if src.op_type != "Unsqueeze" or src.input[0] != sname:
+                return None
+        elif c.input[2] not in inits or not np.array_equal(numpy_helper.to_array(inits[c.input[2]]), scales[..., None]):
             return None
         out.append(c)
     return out
