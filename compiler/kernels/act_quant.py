@@ -33,7 +33,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool):
         with T.sblock("root"):
             for i in T.serial(m) if one_row else T.parallel(m):
                 for b in range(nb):
-                    st = T.decl_buffer((2,), "float32", scope="local")   # amax, then the block sum
+                    st = T.decl_buffer((2,), "float32", scope="global")   # amax, then the block sum (global: a stack slot, see kernels/x86/vnni.py)
                     st[0] = T.float32(0)
                     for e in range(BLOCK):
                         if b * BLOCK + e < k:

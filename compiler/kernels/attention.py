@@ -42,9 +42,9 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
         vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, head_dim), "float32")
         out = T.match_buffer(var_out, (T.int64(1), s, heads * head_dim), "float32")
         for task in T.parallel(heads * s):
-            acc = T.decl_buffer((head_dim,), "float32", scope="local")
-            stat = T.decl_buffer((4,), "float32", scope="local")   # running max, sum, tile max, rescale
-            sc = T.decl_buffer((TILE,), "float32", scope="local")  # the tile's scores, then weights
+            acc = T.decl_buffer((head_dim,), "float32", scope="global")
+            stat = T.decl_buffer((4,), "float32", scope="global")   # running max, sum, tile max, rescale
+            sc = T.decl_buffer((TILE,), "float32", scope="global")  # the tile's scores, then weights
             for c in range(chunks):
                 acc[T.ramp(c * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
             stat[0] = T.float32(neg_inf)

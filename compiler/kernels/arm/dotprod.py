@@ -60,7 +60,7 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
     @T.macro
     def tile(w, aq, off, ws, ad, y, g, q, first, count):
         """Rows 16g+4q .. +3 of tokens first .. first+count-1."""
-        acc = T.decl_buffer((count * LANES,), "float32", scope="local")
+        acc = T.decl_buffer((count * LANES,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
         for t in T.unroll(count):
             acc[T.ramp(t * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
         for b in range(nb):

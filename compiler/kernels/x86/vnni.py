@@ -61,7 +61,10 @@ def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", token
     @T.macro
     def tile(w, aq, off, ws, ad, y, g, first, count):
         """Rows 16g .. 16g+15 of tokens first .. first+count-1."""
-        acc = T.decl_buffer((count * ROWS,), "float32", scope="local")
+        # "global", not "local": TVM places small constant-size global allocations on the stack
+        # (LLVM then keeps them in registers) but serves every "local" one with a
+        # TVMBackendAllocWorkspace call, here once per 16-row group.
+        acc = T.decl_buffer((count * ROWS,), "float32", scope="global")
         for t in T.unroll(count):
             acc[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
         for b in range(nb):
