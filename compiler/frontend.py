@@ -79,7 +79,7 @@ class MatMulNBits(F.OnnxOpConverter):
         return out
 
     @classmethod
-    def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str):
+    def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str, features=None):
         """a [..., K] through one of qwc's Q4_0 kernels on [M, K] rows ("f32": W4A32; "x86",
         "arm": W4A8 integer dots); M = 1 selects the decode form."""
         lead = list(a.ty.shape)[:-1]
@@ -89,7 +89,7 @@ class MatMulNBits(F.OnnxOpConverter):
         if path == "f32":
             y = cls._f32(bb, a2, m, one_token, w, s, k, n)
         else:
-            y = cls._int8_dot(bb, a2, m, one_token, w, s, k, n, path)
+            y = cls._int8_dot(bb, a2, m, one_token, w, s, k, n, path, _features if features is None else features)
         return bb.emit(relax.op.reshape(y, [*lead, n]))
 
     @staticmethod
@@ -104,7 +104,7 @@ class MatMulNBits(F.OnnxOpConverter):
         return bb.emit(relax.call_tir(kernel, [a2, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
 
     @staticmethod
-    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, isa: str):
+    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, isa: str, features):
         """W4A8 through an ISA's integer dot-product kernel (vpdpbusd / sdot), both reading the
         row-group layout compile-time repacking wrote (kernels/row_groups.py)."""
         from .kernels import act_quant
@@ -114,7 +114,11 @@ class MatMulNBits(F.OnnxOpConverter):
                            "(compiler/repack.py), got the plain layout")
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
         kind, sdt = "gemv" if one_token else "gemm", str(s.ty.dtype)
-        if isa == "arm":
+        if isa == "arm" and not one_token and "i8mm" in features:
+            from .kernels.arm import i8mm as isa_kernels   # prefill: two tokens per smmla
+
+            kernel = bb.add_func(isa_kernels.q4_gemm(n, nb, sdt), _kname(f"q4_gemm_smmla_{n}x{nb}_{sdt}"))
+        elif isa == "arm":
             from .kernels.arm import dotprod as isa_kernels
 
             kernel = bb.add_func(isa_kernels.q4_dot(n, nb, one_token, sdt), _kname(f"q4_{kind}_sdot_{n}x{nb}_{sdt}"))

@@ -70,15 +70,17 @@ def _disassemble(artifact) -> str:
                           capture_output=True, text=True, check=True).stdout
 
 
-def test_yitian_library_uses_sdot_and_sve(arm64_env, builds):
+def test_yitian_library_uses_sdot_smmla_and_sve(arm64_env, builds):
     asm = _disassemble(builds["arm-yitian", 8])
-    assert len(re.findall(r"\ssdot\s", asm)) > 0
+    assert len(re.findall(r"\ssdot\s", asm)) > 0              # decode GEMV
+    assert len(re.findall(r"\ssmmla\s", asm)) > 0             # prefill GEMM (i8mm)
     assert len(re.findall(r"\bz\d+\.[bhsd]\b", asm)) > 0        # SVE vector registers
 
 
 def test_neon_library_uses_sdot_and_no_sve(arm64_env, builds):
     asm = _disassemble(builds["arm-neon", 8])
     assert len(re.findall(r"\ssdot\s", asm)) > 0
+    assert not re.findall(r"\ssmmla\s", asm)                  # no i8mm on arm-neon
     assert not re.findall(r"\bz\d+\.[bhsd]\b", asm)
 
 

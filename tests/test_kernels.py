@@ -25,9 +25,10 @@ def _weights(k, n, seed):
     return pack_nibbles(q), d, deq
 
 
-def _emit(bb, name, variant, k, n, m, wp, d):
-    """Function `name`(a, w, s) through one kernel variant; returns the weights in the layout
-    it reads (compile-time repacking gives the W4A8 kernels row groups)."""
+def _emit(bb, name, variant, k, n, m, wp, d, features=None):
+    """Function `name`(a, w, s) through one kernel variant for a target's `features` (the
+    host's by default); returns the weights in the layout it reads (compile-time repacking
+    gives the W4A8 kernels row groups)."""
     if variant in ("vnni", "arm"):
         wp, d = row_groups.pack(wp, d)
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
@@ -36,7 +37,8 @@ def _emit(bb, name, variant, k, n, m, wp, d):
     with bb.function(name, [av, wv, sv]):
         with bb.dataflow():
             if variant in ("f32", "vnni", "arm"):
-                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, {"vnni": "x86"}.get(variant, variant))
+                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, {"vnni": "x86"}.get(variant, variant),
+                                              features if features is not None else get_target("host").features)
             else:
                 kern = generic.matmul_nbits if variant == "generic32" else generic.matmul_nbits_a8
                 out = bb.emit_te(kern, av, wv, sv, k=k, n=n, block=32, bits=4, primfunc_name_hint="mm")
@@ -91,8 +93,10 @@ def test_w4a8_kernels(variant, k, n, m):
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["arm-yitian", "arm-neon"])
 def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
-    """The sdot kernels, cross-compiled, on every shape and M above in one library run under
-    qemu-aarch64 (scripts/arm64), against the same reference as the host's."""
+    """The ARM kernels (sdot for M = 1; for M > 1 smmla on arm-yitian, sdot on arm-neon),
+    cross-compiled, on every shape and M above in one library run under qemu-aarch64
+    (scripts/arm64), against the same reference as the host's."""
+    import re
     import subprocess
     import sys
     from pathlib import Path
@@ -103,18 +107,20 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     import emulation
 
     env = emulation.arm64_env()
+    t = get_target(target)
     bb, inputs, refs = relax.BlockBuilder(), {}, {}
     for k, n in SHAPES:
         for m in (1, 3, 17):
             name = f"mm_{k}_{n}_{m}"
             wp, d, deq = _weights(k, n, k + n)
             a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-            for i, x in enumerate((a, *_emit(bb, name, "arm", k, n, m, wp, d))):
+            for i, x in enumerate((a, *_emit(bb, name, "arm", k, n, m, wp, d, t.features))):
                 inputs[f"{name}/{i}"] = x
             refs[name] = _a8_reference(a, deq, d, k)
-    t = get_target(target)
     lib = tmp_path / "kernels.so"
     build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
+    asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(lib)], capture_output=True, text=True).stdout
+    assert bool(re.search(r"\ssmmla\s", asm)) == ("i8mm" in t.features) and re.search(r"\ssdot\s", asm)
     np.savez(tmp_path / "in.npz", **inputs)
     cmd = emulation.python_command(env, emulation.HERE / "run_module.py", lib, tmp_path / "in.npz", tmp_path / "out.npz")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
