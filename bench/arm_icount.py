@@ -1,11 +1,14 @@
-"""Guest instructions per decoded token of an ARM artifact under qemu: a deterministic figure
-to compare ARM builds (schedules, kernels) where emulated wall time means nothing.
+"""Guest instructions per decoded (or prefilled) token of an ARM artifact under qemu: a
+deterministic figure to compare ARM builds (schedules, kernels) where emulated wall time means
+nothing.
 
     .venv/bin/python bench/arm_icount.py model.qwc [--prompt 16] [--steps 2 6]
+    .venv/bin/python bench/arm_icount.py model.qwc --prefill 4 12
 
 Runs the Engine under qemu-aarch64 (scripts/arm64/setup.sh) with bench/icount's plugin, one
 thread, twice: prompt + a decode steps, prompt + b decode steps. (I_b - I_a) / (b - a) is the
-cost of one decode step, start-up and prefill cancelled out.
+cost of one decode step, start-up and prefill cancelled out. With --prefill A B the two runs
+are prompts of A and B tokens and no decode: the cost of one prefilled token.
 """
 
 from __future__ import annotations
@@ -38,10 +41,18 @@ def main():
     p.add_argument("artifact")
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--steps", type=int, nargs=2, default=[2, 6])
+    p.add_argument("--prefill", type=int, nargs=2, metavar=("A", "B"), help="count prefill instead: prompts of A and B tokens")
     args = p.parse_args()
     plugin = subprocess.run(["bash", str(REPO / "bench" / "icount" / "build.sh")], check=True,
                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
     env = emulation.arm64_env(single_thread=True)
+    if args.prefill:
+        a, b = args.prefill
+        ia = count(env, plugin, args.artifact, [list(range(100, 100 + a))])
+        ib = count(env, plugin, args.artifact, [list(range(100, 100 + b))])
+        print(f"{args.artifact}: {ia:,} instructions for a {a}-token prompt, {ib:,} for {b}: "
+              f"{(ib - ia) / (b - a):,.0f} instructions per prefilled token")
+        return
     prompt = list(range(100, 100 + args.prompt))
     a, b = args.steps
     ia = count(env, plugin, args.artifact, [prompt] + [5] * a)
