@@ -84,9 +84,10 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     tuned = {}
     if tuning_db is not None:
         from .tuning import tuned_knobs
-        tuned = tuned_knobs(Path(tuning_db), target) if act_bits == 32 else {}
-        progress.info(f"[qwc] tuning database {tuning_db}: {len(tuned)} kernels tuned faster than the hand "
-                      "schedule" + ("" if act_bits == 32 else " (none apply: it tunes the W4A32 kernels; compile with --act-bits 32 to use it)"))
+        family = "q4_f32_" if act_bits == 32 else "q4_a8_"   # the kernels this artifact uses
+        tuned = {k: v for k, v in tuned_knobs(Path(tuning_db), target).items() if k.startswith(family)}
+        progress.info(f"[qwc] tuning database {tuning_db}: {len(tuned)} of this artifact's kernels "
+                      f"(--act-bits {act_bits}) tuned faster than the hand schedule")
     config = load_for_graph(src)
     times = {}
     t0 = time.perf_counter()

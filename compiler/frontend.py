@@ -114,18 +114,20 @@ class MatMulNBits(F.OnnxOpConverter):
                            "(compiler/repack.py), got the plain layout")
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
         kind, sdt = "gemv" if one_token else "gemm", str(s.ty.dtype)
+        tokens = None if one_token else _tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")  # `qwc tune`
         if isa == "arm" and not one_token and "i8mm" in features:
             from .kernels.arm import i8mm as isa_kernels   # prefill: two tokens per smmla
 
-            kernel = bb.add_func(isa_kernels.q4_gemm(n, nb, sdt), _kname(f"q4_gemm_smmla_{n}x{nb}_{sdt}"))
+            kernel = bb.add_func(isa_kernels.q4_gemm(n, nb, sdt, tokens), _kname(f"q4_gemm_smmla_{n}x{nb}_{sdt}"))
         elif isa == "arm":
             from .kernels.arm import dotprod as isa_kernels
 
-            kernel = bb.add_func(isa_kernels.q4_dot(n, nb, one_token, sdt), _kname(f"q4_{kind}_sdot_{n}x{nb}_{sdt}"))
+            kernel = bb.add_func(isa_kernels.q4_dot(n, nb, one_token, sdt, tokens), _kname(f"q4_{kind}_sdot_{n}x{nb}_{sdt}"))
         else:
             from .kernels.x86 import vnni as isa_kernels
 
-            kernel = bb.add_func(isa_kernels.q4_matmul(n, nb, one_token, sdt), _kname(f"q4_{kind}_vnni_{n}x{nb}_{sdt}"))
+            kernel = bb.add_func(isa_kernels.q4_matmul(n, nb, one_token, sdt, tokens),
+                                 _kname(f"q4_{kind}_vnni_{n}x{nb}_{sdt}"))
         zp = isa_kernels.ZERO_POINT
         quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token), _kname(f"act_q8_{k}_{int(one_token)}_sum{-zp}"))
         parts = bb.emit(relax.call_tir(quant, [a2], [

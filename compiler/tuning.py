@@ -1,12 +1,18 @@
 """`qwc tune`: MetaSchedule over the design space of qwc's own schedules.
 
-Tunable kernels are the ones qwc builds as a compute definition plus a schedule with knobs
-(today the W4A32 matmuls of kernels/q4_f32.py: rows per parallel task, tokens per prefill
-tile). A task is one (kind, N, K) of the model, deduplicated; decode GEMVs are measured at one
-token, prefill GEMMs at PREFILL_TOKENS. The design space is `apply_schedule` with each knob drawn
-by `sample_categorical` from q4_f32.CHOICES, which contain the hand schedule's values, so the
-search can only match or beat it; MetaSchedule's ReplayTrace strategy samples it (the space is a
-few dozen points: an evolutionary search has nothing to evolve).
+A task is one (kind, N, K) of the model, deduplicated; decode GEMVs are measured at one token,
+prefill GEMMs at PREFILL_TOKENS. Two families, by the activation bits the artifact will use:
+
+- W4A32 (kernels/q4_f32.py, a compute definition plus a schedule): the design space is
+  `apply_schedule` with each knob (rows per parallel task, tokens per prefill tile) drawn by
+  `sample_categorical` from q4_f32.CHOICES.
+- W4A8 prefill GEMMs (VNNI, sdot, smmla: hand-written TIR whose tiles are Python-level): the
+  trace samples the tile size and annotates the kernel's root block with it (`A8_KNOB`); the
+  builder (`_build`) rebuilds the kernel with the annotated tile. W4A8 decode GEMVs have no knob.
+
+Every candidate list contains the hand schedule's values, so the search can only match or beat
+it; MetaSchedule's ReplayTrace strategy samples the space (a few dozen points at most: an
+evolutionary search has nothing to evolve).
 
 The database folder holds MetaSchedule's own JSON database (every measured record, committed
 as it is measured) and `qwc_tuning.json`: per task the hand schedule's time, the best tuned time
@@ -37,12 +43,17 @@ FORMAT = 1
 PREFILL_TOKENS = 128   # the prefill tile tuned for: a typical prompt chunk
 
 
+A8_KNOB = "qwc.tokens"                                 # root-block annotation: the tile size
+A8_TOKENS = {"vnni": (1, 2, 4, 8), "sdot": (1, 2, 4, 8), "smmla": (2, 4, 8)}
+
+
 @dataclass
 class Task:
-    kind: str          # "q4_f32_gemv" | "q4_f32_gemm"
+    kind: str          # "q4_f32_gemv" | "q4_f32_gemm" | "q4_a8_gemm"
     n: int
     k: int
     uses: int = 0      # matmuls of the model with this shape (the task's weight in the search)
+    impl: str = ""     # q4_a8: "vnni" | "sdot" | "smmla"
 
     @property
     def key(self) -> str:
@@ -61,6 +72,10 @@ class Task:
         starts from) or with the hand schedule."""
         import tvm
 
+        if self.kind == "q4_a8_gemm":
+            f = _a8_standin(self.n, self.nb, self.tokens).with_attr(
+                "qwc.a8_task", f"{self.impl}:{self.n}:{self.nb}:{self.tokens}")
+            return tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
         from .kernels import q4_f32
         make = q4_f32.kernel if scheduled else q4_f32.prim_func
         f = make(self.k, self.n, self.nb, self.kind.endswith("gemv"), m=self.tokens)
@@ -82,22 +97,79 @@ class TaskRecord:
     done: bool = False
 
 
-def extract_tasks(model: onnx.ModelProto) -> list[Task]:
-    """The model's tunable kernels, deduplicated by kind and shape."""
+def a8_kernel(impl: str, n: int, nb: int, m: int, tokens: int | None = None):
+    """The W4A8 prefill kernel `impl` at a fixed token count m (fp16 scales, as qwc's Q4_0)."""
+    from .kernels.arm import dotprod, i8mm
+    from .kernels.x86 import vnni
+
+    if impl == "vnni":
+        return vnni.q4_matmul(n, nb, False, "float16", tokens=tokens, m=m)
+    if impl == "sdot":
+        return dotprod.q4_dot(n, nb, False, "float16", tokens=tokens, m=m)
+    return i8mm.q4_gemm(n, nb, "float16", tokens=tokens, m=m)
+
+
+def _a8_standin(n: int, nb: int, m: int):
+    """What MetaSchedule sees of a W4A8 task: the kernel's signature at m tokens (its runner
+    makes the inputs from it) and a named root block for the trace to annotate. The body is a
+    placeholder: `_build` builds the real kernel, and MetaSchedule's flop estimator cannot read
+    the hand kernel's vector intrinsics."""
+    from tvm.script import tirx as T
+
+    from .kernels.row_groups import ROWS, groups
+
+    ng = groups(n)
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def standin(aq: T.Buffer((m, nb, 32), "int8"), ad: T.Buffer((m, nb), "float32"),
+                off: T.Buffer((m, nb), "float32"), w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
+                ws: T.Buffer((ng, nb, ROWS), "float16"), y: T.Buffer((m, n), "float32")):
+        with T.sblock("root"):
+            y[0, 0] = T.float32(0)
+
+    return standin
+
+
+def a8_impl(features) -> str:
+    """Which W4A8 prefill kernel a target's features select (as frontend._int8_dot does)."""
+    if "dotprod" in features:
+        return "smmla" if "i8mm" in features else "sdot"
+    return "vnni"
+
+
+def extract_tasks(model: onnx.ModelProto, act_bits: int = 32, features=frozenset()) -> list[Task]:
+    """The model's tunable kernels for an artifact with `act_bits` activations on a target with
+    `features`, deduplicated by kind and shape."""
+    from .frontend import q4_0_path
+
     tasks: dict[str, Task] = {}
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":
             continue
         a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-        if int(a.get("bits", 4)) != 4 or int(a["block_size"]) != 32:
-            continue  # the generic kernel, which has no knobs
-        for kind in ("q4_f32_gemv", "q4_f32_gemm"):
-            t = Task(kind, int(a["N"]), int(a["K"]))
+        n, k, block, bits = int(a["N"]), int(a["K"]), int(a["block_size"]), int(a.get("bits", 4))
+        path = q4_0_path(k, n, block, bits, act_bits, features)
+        if path == "f32":
+            new = [Task(kind, n, k) for kind in ("q4_f32_gemv", "q4_f32_gemm")]
+        elif path in ("x86", "arm"):
+            new = [Task("q4_a8_gemm", n, k, impl=a8_impl(features))]
+        else:
+            continue  # the generic kernels, which have no knobs
+        for t in new:
             tasks.setdefault(t.key, t).uses += 1
     return list(tasks.values())
 
 
 def _space(task: Task):
+    if task.kind == "q4_a8_gemm":
+        choices = list(A8_TOKENS[task.impl])
+
+        def a8(sch):
+            t = sch.sample_categorical(candidates=choices, probs=[1 / len(choices)] * len(choices))
+            sch.annotate(sch.get_sblock("root"), A8_KNOB, t)
+
+        return a8
+
     from .kernels import q4_f32
 
     rows = [r for r in q4_f32.CHOICES["rows"] if task.n % r == 0]
@@ -112,13 +184,15 @@ def _space(task: Task):
     return fn
 
 
-def _knobs(trace) -> dict:
+def _knobs(trace, task: Task) -> dict:
     """The knob values a record's trace sampled, in the order _space samples them."""
     values = []
     for inst in trace.insts:
         if inst.kind.name == "SampleCategorical":
             cands = [int(c) for c in inst.attrs[0]]
             values.append(cands[int(trace.decisions[inst])])
+    if task.kind == "q4_a8_gemm":
+        return {"tokens": values[0]} if values else {}
     out = {"rows": values[0]} if values else {}
     if len(values) > 1:
         out["tokens"] = values[1]
@@ -224,16 +298,25 @@ class Session:
             best = top[0]
             secs = [float(x) for x in best.run_secs]
             rec.best_s = sum(secs) / len(secs)
-            rec.knobs = _knobs(best.trace)
+            rec.knobs = _knobs(best.trace, task)
         rec.done = rec.trials >= trials
         return rec
 
 
 def _build(mod, target, _params):
     """LocalBuilder's build without its default's `import tvm.s_tir.tensor_intrin`, which takes
-    ~25 s in every (single-use) builder process; qwc's tunable kernels use no tensor intrinsic."""
+    ~25 s in every (single-use) builder process; qwc's tunable kernels use no tensor intrinsic.
+    A W4A8 candidate is rebuilt with the tile its trace annotated on the root block."""
+    import tvm
     from tvm.driver import build
 
+    f = mod["main"]
+    if f.attrs is not None and "qwc.a8_task" in f.attrs:
+        impl, n, nb, m = str(f.attrs["qwc.a8_task"]).split(":")
+        ann = f.body.block.annotations
+        tokens = int(ann[A8_KNOB]) if A8_KNOB in ann else None
+        f = a8_kernel(impl, int(n), int(nb), int(m), tokens)
+        mod = tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
     return build(mod, target=target)
 
 
@@ -253,17 +336,22 @@ def _cross_export(compiler: str):
 
 
 def run(src, target: Target, trials: int, db: Path, rpc: tuple[str, int, str] | None = None,
-        time_budget_min: float | None = None) -> list[tuple[Task, TaskRecord]]:
+        time_budget_min: float | None = None, act_bits: int | None = None) -> list[tuple[Task, TaskRecord]]:
+    """Tune the kernels an artifact with `act_bits` activations (None: the target's default,
+    as `qwc compile` picks it) would use."""
     from qwc.config import load_for_graph
 
     from .compile import load_canonical
+    from .frontend import default_act_bits
 
     if trials < 1:
         raise QwcError("--trials must be at least 1")
+    act_bits = default_act_bits(target.features) if act_bits is None else act_bits
     model = load_canonical(src, load_for_graph(src))
-    tasks = extract_tasks(model)
+    tasks = extract_tasks(model, act_bits, target.features)
     if not tasks:
-        raise QwcError(f"{src}: no tunable kernels (no 4-bit, block-32 MatMulNBits)")
+        raise QwcError(f"{src}: no tunable kernels for --act-bits {act_bits} on {target.name} "
+                       "(no 4-bit, block-32 MatMulNBits)")
     session = Session(db, target, rpc)
     deadline = None if time_budget_min is None else time.monotonic() + 60 * time_budget_min
     finished = sum(1 for t in tasks if session.records.get(t.key, TaskRecord()).done)
@@ -292,7 +380,8 @@ def run(src, target: Target, trials: int, db: Path, rpc: tuple[str, int, str] | 
 
 
 def tuned_knobs(db: Path, target: Target) -> dict[str, dict]:
-    """task key -> knobs, for the tasks whose tuned schedule beat the hand one."""
+    """task key -> knobs, for the tasks whose tuned schedule beat the hand one (the keys say
+    which kernel family: q4_f32_* for --act-bits 32, q4_a8_* for 8)."""
     db = Path(db)
     if not (db / SUMMARY).is_file():
         raise QwcError(f"{db}: not a tuning database (no {SUMMARY}); run `qwc tune` first")

@@ -144,7 +144,8 @@ def _cmd_tune(args: argparse.Namespace) -> None:
         raise QwcError(f"target {target.name} does not run on this machine: measure on a device with "
                        "--rpc-tracker HOST:PORT --rpc-key KEY")
     t0 = time.perf_counter()
-    results = run(args.model, target, args.trials, args.db, rpc=rpc, time_budget_min=args.time_budget)
+    results = run(args.model, target, args.trials, args.db, rpc=rpc, time_budget_min=args.time_budget,
+                  act_bits=args.act_bits)
     print(f"| {'kernel':28s} | {'uses':>4s} | {'hand':>14s} | {'tuned':>14s} | {'knobs':26s} | used |")
     print(f"| {'-' * 28} | {'-' * 4}: | {'-' * 14}: | {'-' * 14}: | {'-' * 26} | ---- |")
     for task, rec in results:
@@ -294,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on devices of a TVM RPC tracker")
     t.add_argument("--rpc-key", help="the tracker key of the devices to measure on")
     t.add_argument("--time-budget", type=float, metavar="MIN", help="stop starting new kernels after MIN minutes")
+    t.add_argument("--act-bits", type=int, choices=(8, 32),
+                   help="tune the kernels of an artifact with these activation bits (default: the "
+                        "target's, as for compile)")
     t.set_defaults(func=_cmd_tune)
 
     r = sub.add_parser("run", help="generate text with a compiled artifact")

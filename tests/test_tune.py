@@ -52,7 +52,7 @@ def test_tasks_are_deduplicated_by_kind_and_shape(tiny_q4):
 
 def test_session_is_killed_then_resumes_and_compiles(tiny_q4, tiny_lm, tmp_path):
     db = tmp_path / "db"
-    cmd = [*QWC, "tune", str(tiny_q4), "--trials", "2", "--db", str(db)]
+    cmd = [*QWC, "tune", str(tiny_q4), "--act-bits", "32", "--trials", "2", "--db", str(db)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 600
     while sum(r["done"] for r in _summary(db).values()) < 2:
@@ -97,6 +97,36 @@ def test_compile_uses_only_faster_records(tiny_q4, tiny_lm, tmp_path):
     manifest = json.loads((art / "manifest.json").read_text())
     assert slow not in manifest["quantization"]["tuned_kernels"] and len(manifest["quantization"]["tuned_kernels"]) == 9
     _assert_matches_onnxruntime(art, tiny_q4, tiny_lm.config)
+
+
+def test_w4a8_session_and_compile_with_other_tiles(tiny_q4, tmp_path, capsys):
+    """The default host artifact is W4A8: `qwc tune` tunes its prefill GEMMs' tile (MetaSchedule
+    traces annotate it), and an artifact built with other tiles computes the same logits."""
+    db = tmp_path / "db"
+    assert main(["-q", "tune", str(tiny_q4), "--trials", "2", "--db", str(db)]) == 0
+    tasks = _summary(db)
+    assert sorted(tasks) == sorted(t.key for t in tuning.extract_tasks(
+        load_graph(tiny_q4), 8, get_target("host").features))
+    assert len(tasks) == 5 and all(k.startswith("q4_a8_gemm_") for k in tasks)
+    assert all(t["done"] and t["trials"] == 2 and t["hand_s"] > 0 and t["knobs"]["tokens"] in (1, 2, 4, 8)
+               for t in tasks.values())
+    assert "| q4_a8_gemm_64x128" in capsys.readouterr().out
+    hand = tmp_path / "hand.qwc"
+    assert main(["-q", "compile", str(tiny_q4), "-o", str(hand)]) == 0
+    ids = list(np.random.default_rng(4).integers(0, 259, 11))    # 11 tokens: tiles and leftovers
+    ref = Engine(hand, ctx=64).prefill(ids)
+    libs = {(hand / "lib.so").read_bytes()}
+    for tokens in (1, 8):
+        forced = {k: {**t, "best_s": t["hand_s"] / 2, "knobs": {"tokens": tokens}} for k, t in tasks.items()}
+        (db / tuning.SUMMARY).write_text(json.dumps({"format": 1, "target": "host", "tasks": forced}))
+        art = tmp_path / f"t{tokens}.qwc"
+        assert main(["-q", "compile", str(tiny_q4), "--tuning-db", str(db), "-o", str(art)]) == 0
+        manifest = json.loads((art / "manifest.json").read_text())
+        assert manifest["quantization"]["tuned_kernels"] == {k: {"tokens": tokens} for k in tasks}
+        got = Engine(art, ctx=64).prefill(ids)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        libs.add((art / "lib.so").read_bytes())
+    assert len(libs) == 3   # the tiles really changed the code (hand: 4 tokens)
 
 
 def test_tune_errors(tiny_q4, tmp_path, capsys):
@@ -165,18 +195,22 @@ def tracker(tmp_path_factory):
         proc.wait()
 
 
-@pytest.mark.parametrize("target, key", [("host", "host"), ("arm-yitian", "arm64")])
-def test_rpc_tuning_against_local_servers(tiny_q4, tmp_path, tracker, target, key):
+@pytest.mark.parametrize("target, key, act, n_tasks", [("host", "host", 32, 10), ("arm-yitian", "arm64", 32, 10),
+                                                       ("arm-yitian", "arm64", 8, 5)])
+def test_rpc_tuning_against_local_servers(tiny_q4, tmp_path, tracker, target, key, act, n_tasks):
+    """W4A32 kernels (10 tasks) and, on arm-yitian, the W4A8 smmla prefill GEMMs (5 tasks)."""
     db = tmp_path / "db"
-    r = subprocess.run([*QWC, "tune", str(tiny_q4), "--target", target, "--trials", "1", "--db", str(db),
-                        "--rpc-tracker", tracker, "--rpc-key", key], capture_output=True, text=True, timeout=3000)
+    r = subprocess.run([*QWC, "tune", str(tiny_q4), "--target", target, "--act-bits", str(act), "--trials", "1",
+                        "--db", str(db), "--rpc-tracker", tracker, "--rpc-key", key],
+                       capture_output=True, text=True, timeout=3000)
     assert r.returncode == 0, r.stderr[-2000:]
     tasks = _summary(db)
-    assert len(tasks) == 10 and all(t["done"] and t["best_s"] > 0 and t["hand_s"] > 0 for t in tasks.values())
+    assert len(tasks) == n_tasks and all(t["done"] and t["best_s"] > 0 and t["hand_s"] > 0 for t in tasks.values())
+    assert all(k.startswith("q4_f32_" if act == 32 else "q4_a8_gemm_") for k in tasks)
     summary = json.loads((db / tuning.SUMMARY).read_text())
     assert summary["target"] == target
     # records measured remotely, with their traces: the knob decisions
     recs = [json.loads(x) for x in (db / "database_tuning_record.json").read_text().splitlines()]
-    assert len(recs) == 10
+    assert len(recs) == n_tasks
     if target != "host":   # emulated: orders of magnitude slower than this machine's own run
         assert max(t["hand_s"] for t in tasks.values()) > 1e-4

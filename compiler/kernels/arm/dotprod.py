@@ -16,6 +16,8 @@ and unpacked weights fit the 32 vector registers.
 
 from __future__ import annotations
 
+from tvm import tirx
+
 from ..row_groups import ROWS, groups
 
 ZERO_POINT = -8
@@ -43,14 +45,16 @@ def _slice_dot(T, w, aq, off, g, b, q, t):
     return lo + hi
 
 
-def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None):
+def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None,
+           m: int | None = None):
     """y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the -8 x sum
-    offsets) and the row-group weights."""
+    offsets) and the row-group weights; M any, or `m` (tuning measures at fixed M)."""
     from tvm.script import tirx as T
 
     ng = groups(n)
     tm = 1 if decode else (tokens or DEFAULTS["tokens"])
     ragged = n % ROWS != 0
+    rows_in = tirx.Var("m", "int64") if m is None else m
 
     def scales(ws, g, b, q):
         if scale_dtype == "float16":
@@ -76,21 +80,21 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
                     if g * ROWS + LANES * q + r < n:
                         y[first + t, g * ROWS + LANES * q + r] = acc[t * LANES + r]
 
-    @T.prim_func(private=True)
+    @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
                ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-        m = T.int64()
-        aq = T.match_buffer(var_aq, (m, nb, 32), "int8")
-        ad = T.match_buffer(var_ad, (m, nb), "float32")
-        off = T.match_buffer(var_off, (m, nb), "float32")
-        y = T.match_buffer(var_y, (m, n), "float32")
-        for g in T.parallel(ng):
-            for q in range(ROWS // LANES):
-                for it in range(m // tm):
-                    tile(w, aq, off, ws, ad, y, g, q, it * tm, tm)
-                if tm > 1:  # decided when the kernel is built: decode has no leftover tokens
-                    for i in range(m // tm * tm, m):
-                        tile(w, aq, off, ws, ad, y, g, q, i, 1)
+        aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
+        ad = T.match_buffer(var_ad, (rows_in, nb), "float32")
+        off = T.match_buffer(var_off, (rows_in, nb), "float32")
+        y = T.match_buffer(var_y, (rows_in, n), "float32")
+        with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
+            for g in T.parallel(ng):
+                for q in range(ROWS // LANES):
+                    for it in range(rows_in // tm):
+                        tile(w, aq, off, ws, ad, y, g, q, it * tm, tm)
+                    if tm > 1:  # decided when the kernel is built: decode has no leftover tokens
+                        for i in range(rows_in // tm * tm, rows_in):
+                            tile(w, aq, off, ws, ad, y, g, q, i, 1)
 
     return kernel

@@ -16,11 +16,13 @@ token) stays on sdot: smmla would waste half its work.
 
 from __future__ import annotations
 
+from tvm import tirx
+
 from ..row_groups import ROWS, groups
 
 ZERO_POINT = -8
 LANES = 4          # rows per 128-bit slice of a chunk
-PAIRS = 2          # token pairs per tile: the tile's 8 unpacked weight vectors serve 4 tokens
+DEFAULTS = {"tokens": 4}   # tokens per tile (pairs of two): the tile's unpacked weights serve them all
 
 
 def _pair_dot(T, w, aq, off, g, b, q, t0, t1, half):
@@ -47,12 +49,15 @@ def _pair_dot(T, w, aq, off, g, b, q, t0, t1, half):
     return x
 
 
-def q4_gemm(n: int, nb: int, scale_dtype: str = "float16"):
-    """y [M, N] (M >= 1) from the de-interleaved int8 activations and the row-group weights."""
+def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None):
+    """y [M, N] (M >= 1, any, or `m` for tuning) from the de-interleaved int8 activations and
+    the row-group weights, in tiles of `tokens` (even) tokens."""
     from tvm.script import tirx as T
 
     ng = groups(n)
     ragged = n % ROWS != 0
+    pairs_per_tile = max(1, (tokens or DEFAULTS["tokens"]) // 2)
+    rows_in = tirx.Var("m", "int64") if m is None else m
 
     def scales(ws, g, b, q, half, t0, t1, ad):
         """[ws ra·ad t0, ws rb·ad t0, ws ra·ad t1, ws rb·ad t1]"""
@@ -90,22 +95,22 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16"):
                         if not ragged or g * ROWS + LANES * q + 2 * h + j < n:
                             y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * h + j] = acc[(2 * p + h) * 4 + 2 * tt + j]
 
-    @T.prim_func(private=True)
+    @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
                ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-        m = T.int64()
-        aq = T.match_buffer(var_aq, (m, nb, 32), "int8")
-        ad = T.match_buffer(var_ad, (m, nb), "float32")
-        off = T.match_buffer(var_off, (m, nb), "float32")
-        y = T.match_buffer(var_y, (m, n), "float32")
-        for g in T.parallel(ng):
-            for q in range(ROWS // LANES):
-                for it in range(m // (2 * PAIRS)):
-                    tile(w, aq, off, ws, ad, y, g, q, it * 2 * PAIRS, PAIRS, False)
-                for ip in range(m // (2 * PAIRS) * PAIRS, m // 2):
-                    tile(w, aq, off, ws, ad, y, g, q, ip * 2, 1, False)
-                if m % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, g, q, m - 1, 1, True)
+        aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
+        ad = T.match_buffer(var_ad, (rows_in, nb), "float32")
+        off = T.match_buffer(var_off, (rows_in, nb), "float32")
+        y = T.match_buffer(var_y, (rows_in, n), "float32")
+        with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
+            for g in T.parallel(ng):
+                for q in range(ROWS // LANES):
+                    for it in range(rows_in // (2 * pairs_per_tile)):
+                        tile(w, aq, off, ws, ad, y, g, q, it * 2 * pairs_per_tile, pairs_per_tile, False)
+                    for ip in range(rows_in // (2 * pairs_per_tile) * pairs_per_tile, rows_in // 2):
+                        tile(w, aq, off, ws, ad, y, g, q, ip * 2, 1, False)
+                    if rows_in % 2 == 1:
+                        tile(w, aq, off, ws, ad, y, g, q, rows_in - 1, 1, True)
 
     return kernel

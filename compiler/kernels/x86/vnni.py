@@ -18,6 +18,8 @@ on decode for the 0.5B shape (docs/design.md).
 
 from __future__ import annotations
 
+from tvm import tirx
+
 from ..row_groups import ROWS, groups
 
 ZERO_POINT = -8    # the quantizer's per-block offset factor: the accumulation starts at -8 x sum(a)
@@ -43,14 +45,16 @@ def _block_dot(T, w, aq, off, g, b, t):
     return lo + hi
 
 
-def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None):
+def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None,
+              m: int | None = None):
     """y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the -8 x sum
     offsets) and the packed weights. decode: one token; prefill: tiles of `tokens` tokens,
-    leftovers one at a time."""
+    leftovers one at a time. M is any number of tokens, or `m` (tuning measures at fixed M)."""
     from tvm.script import tirx as T
 
     ng = groups(n)
     tm = 1 if decode else (tokens or DEFAULTS["tokens"])
+    rows_in = tirx.Var("m", "int64") if m is None else m   # tokens: any, or fixed for tuning
     ragged = n % ROWS != 0
 
     def scales(ws, g, b):
@@ -80,20 +84,20 @@ def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", token
                     if g * ROWS + r < n:
                         y[first + t, g * ROWS + r] = acc[t * ROWS + r]
 
-    @T.prim_func(private=True)
+    @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
                ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-        m = T.int64()
-        aq = T.match_buffer(var_aq, (m, nb, 32), "int8")
-        ad = T.match_buffer(var_ad, (m, nb), "float32")
-        off = T.match_buffer(var_off, (m, nb), "float32")
-        y = T.match_buffer(var_y, (m, n), "float32")
-        for g in T.parallel(ng):
-            for it in range(m // tm):
-                tile(w, aq, off, ws, ad, y, g, it * tm, tm)
-            if tm > 1:  # decided when the kernel is built: decode has no leftover tokens
-                for i in range(m // tm * tm, m):
-                    tile(w, aq, off, ws, ad, y, g, i, 1)
+        aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
+        ad = T.match_buffer(var_ad, (rows_in, nb), "float32")
+        off = T.match_buffer(var_off, (rows_in, nb), "float32")
+        y = T.match_buffer(var_y, (rows_in, n), "float32")
+        with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
+            for g in T.parallel(ng):
+                for it in range(rows_in // tm):
+                    tile(w, aq, off, ws, ad, y, g, it * tm, tm)
+                if tm > 1:  # decided when the kernel is built: decode has no leftover tokens
+                    for i in range(rows_in // tm * tm, rows_in):
+                        tile(w, aq, off, ws, ad, y, g, i, 1)
 
     return kernel
