@@ -53,6 +53,14 @@ def q4_0_path(k: int, n: int, block: int, bits: int, act_bits: int, features) ->
     return None
 
 
+def w4a8_prefill_kernel(features) -> str:
+    """The W4A8 prefill GEMM a target's features select: "smmla" (i8mm), "sdot" (dotprod) or
+    "vnni" (x86); decode always takes the sdot / vnni GEMV. `qwc tune` asks the same question."""
+    if "dotprod" in features:
+        return "smmla" if "i8mm" in features else "sdot"
+    return "vnni"
+
+
 def default_act_bits(features) -> int:
     """8 where the target has an integer dot-product kernel (W4A8, as llama.cpp computes Q4_0;
     +0.4% perplexity on real weights, docs/design.md), else 32: the float kernel is faster
@@ -115,7 +123,7 @@ class MatMulNBits(F.OnnxOpConverter):
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
         kind, sdt = "gemv" if one_token else "gemm", str(s.ty.dtype)
         tokens = None if one_token else _tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")  # `qwc tune`
-        if isa == "arm" and not one_token and "i8mm" in features:
+        if isa == "arm" and not one_token and w4a8_prefill_kernel(features) == "smmla":
             from .kernels.arm import i8mm as isa_kernels   # prefill: two tokens per smmla
 
             kernel = bb.add_func(isa_kernels.q4_gemm(n, nb, sdt, tokens), _kname(f"q4_gemm_smmla_{n}x{nb}_{sdt}"))

@@ -130,17 +130,10 @@ def _a8_standin(n: int, nb: int, m: int):
     return standin
 
 
-def a8_impl(features) -> str:
-    """Which W4A8 prefill kernel a target's features select (as frontend._int8_dot does)."""
-    if "dotprod" in features:
-        return "smmla" if "i8mm" in features else "sdot"
-    return "vnni"
-
-
 def extract_tasks(model: onnx.ModelProto, act_bits: int = 32, features=frozenset()) -> list[Task]:
     """The model's tunable kernels for an artifact with `act_bits` activations on a target with
     `features`, deduplicated by kind and shape."""
-    from .frontend import q4_0_path
+    from .frontend import q4_0_path, w4a8_prefill_kernel
 
     tasks: dict[str, Task] = {}
     for node in model.graph.node:
@@ -152,7 +145,7 @@ def extract_tasks(model: onnx.ModelProto, act_bits: int = 32, features=frozenset
         if path == "f32":
             new = [Task(kind, n, k) for kind in ("q4_f32_gemv", "q4_f32_gemm")]
         elif path in ("x86", "arm"):
-            new = [Task("q4_a8_gemm", n, k, impl=a8_impl(features))]
+            new = [Task("q4_a8_gemm", n, k, impl=w4a8_prefill_kernel(features))]
         else:
             continue  # the generic kernels, which have no knobs
         for t in new:
