@@ -10,13 +10,17 @@ from __future__ import annotations
 from tvm import te, tirx
 
 
+def _q4(byte, k):
+    """q - 8 of element k from the packed byte holding it (even k: low nibble, odd: high)."""
+    nib = tirx.if_then_else(k % 2 == 0, byte & tirx.const(15, "uint8"), byte >> tirx.const(4, "uint8"))
+    return nib.astype("float32") - tirx.const(8.0, "float32")
+
+
 def _dequant(w, s, n, k, block: int, bits: int, scale_3d: bool = False):
     """Weight element (n, k) of a block-quantized [N, blocks, bytes] uint8 tensor."""
     b = k // block
     if bits == 4:
-        byte = w[n, b, (k % block) // 2]
-        nib = tirx.if_then_else(k % 2 == 0, byte & tirx.const(15, "uint8"), byte >> tirx.const(4, "uint8"))
-        q = nib.astype("float32") - tirx.const(8.0, "float32")
+        q = _q4(w[n, b, (k % block) // 2], k)
     else:
         q = w[n, b, k % block].astype("float32") - tirx.const(128.0, "float32")
     return q * (s[n, b, 0] if scale_3d else s[n, b])
@@ -46,19 +50,19 @@ def gather_block_quantized(w, idx, s, *, block: int, bits: int):
     return te.compute((*idx.shape, nb, block), body, name="gather_block_quantized")
 
 
-def gather_q4_row_groups(w, idx, s, *, rows: int = 16):
+def gather_q4_row_groups(w, idx, s):
     """Rows `idx` [...] of a Q4_0 weight stored in the W4A8 kernels' row-group layout
-    (kernels/row_groups.py; w [G, nb, 4, 4 x rows], s [G, nb, rows]) -> [..., nb, 32]:
+    (kernels/row_groups.py; w [G, nb, 4, 4 x ROWS], s [G, nb, ROWS]) -> [..., nb, 32]:
     a tied embedding reads the lm_head's repacked bytes rather than keep a second copy."""
+    from .row_groups import ROWS
+
     nb = w.shape[1]
 
     def body(*i):
         *pre, b, e = i
         row = idx[tuple(pre)].astype("int64")
-        g, r, t = row // rows, row % rows, e // 2   # byte t of the row's block holds elements 2t, 2t+1
-        byte = w[g, b, t // 4, r * 4 + t % 4]
-        nib = tirx.if_then_else(e % 2 == 0, byte & tirx.const(15, "uint8"), byte >> tirx.const(4, "uint8"))
-        return (nib.astype("float32") - tirx.const(8.0, "float32")) * s[g, b, r].astype("float32")
+        g, r, t = row // ROWS, row % ROWS, e // 2   # byte t of the row's block holds elements 2t, 2t+1
+        return _q4(w[g, b, t // 4, r * 4 + t % 4], e) * s[g, b, r].astype("float32")
 
     return te.compute((*idx.shape, nb, 32), body, name="gather_q4_row_groups")
 

@@ -49,6 +49,19 @@ def _pair_dot(T, w, aq, off, g, b, q, t0, t1, half):
     return x
 
 
+def _pair_update(T, w, aq, off, ws, ad, g, b, q, t0, t1, half):
+    """float32x4: block b's contribution to [t0·ra, t0·rb, t1·ra, t1·rb]: the pair dot times
+    [ws ra·ad t0, ws rb·ad t0, ws ra·ad t1, ws rb·ad t1]."""
+    r = LANES * q + 2 * half
+    if ws.dtype == "float16":
+        pair = T.Cast("float32x2", ws.vload([g, b, r], "float16x2"))
+    else:
+        pair = ws.vload([g, b, r], "float32x2")
+    scale = T.vectorcombine("float32x4", pair, pair) * T.vectorcombine(
+        "float32x4", T.broadcast(ad[t0, b], 2), T.broadcast(ad[t1, b], 2))
+    return T.Cast("float32x4", _pair_dot(T, w, aq, off, g, b, q, t0, t1, half)) * scale
+
+
 def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None):
     """y [M, N] (M >= 1, any, or `m` for tuning) from the de-interleaved int8 activations and
     the row-group weights, in tiles of `tokens` (even) tokens."""
@@ -58,16 +71,6 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
     ragged = n % ROWS != 0
     pairs_per_tile = max(1, (tokens or DEFAULTS["tokens"]) // 2)
     rows_in = tirx.Var("m", "int64") if m is None else m
-
-    def scales(ws, g, b, q, half, t0, t1, ad):
-        """[ws ra·ad t0, ws rb·ad t0, ws ra·ad t1, ws rb·ad t1]"""
-        r = LANES * q + 2 * half
-        if scale_dtype == "float16":
-            pair = T.Cast("float32x2", ws.vload([g, b, r], "float16x2"))
-        else:
-            pair = ws.vload([g, b, r], "float32x2")
-        return T.vectorcombine("float32x4", pair, pair) * T.vectorcombine(
-            "float32x4", T.broadcast(ad[t0, b], 2), T.broadcast(ad[t1, b], 2))
 
     @T.macro
     def tile(w, aq, off, ws, ad, y, g, q, first, pairs, single):
@@ -80,14 +83,10 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             for p in T.unroll(pairs):
                 # The two row pairs written out: the zip pattern must be a Python constant (a
                 # loop variable's `h == 0` would not be).
-                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + T.Cast(
-                    "float32x4", _pair_dot(T, w, aq, off, g, b, q, first + 2 * p,
-                                           first + 2 * p + (0 if single else 1), 0)) * scales(
-                    ws, g, b, q, 0, first + 2 * p, first + 2 * p + (0 if single else 1), ad)
-                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + T.Cast(
-                    "float32x4", _pair_dot(T, w, aq, off, g, b, q, first + 2 * p,
-                                           first + 2 * p + (0 if single else 1), 1)) * scales(
-                    ws, g, b, q, 1, first + 2 * p, first + 2 * p + (0 if single else 1), ad)
+                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
+                    T, w, aq, off, ws, ad, g, b, q, first + 2 * p, first + 2 * p + (0 if single else 1), 0)
+                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
+                    T, w, aq, off, ws, ad, g, b, q, first + 2 * p, first + 2 * p + (0 if single else 1), 1)
         for p in T.unroll(pairs):
             for tt in T.unroll(1 if single else 2):
                 for h in T.unroll(2):
