@@ -74,6 +74,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     from .artifact import write_artifact
     from .build import build, to_relax
     from .frontend import default_act_bits
+    from .kernels.attention import KEY_TILE, supports
 
     target = get_target(target_name)
     if act_bits is None:
@@ -123,6 +124,10 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
         "inputs": ["input_ids", "attention_mask", "position_ids"],
         "cache": cache,
         "cache_shape": ["1", config.num_key_value_heads, "ctx", config.head_dim],
+        # The fast attention reads K in key tiles of 16 (kernels/attention.py): the runtime
+        # rounds the buffers' capacity up to a multiple of this.
+        "cache_capacity_multiple": KEY_TILE if supports(config.head_dim) else 1,
+        "k_cache_layout": f"key_tiles_{KEY_TILE}" if supports(config.head_dim) else "rows",
         "outputs": ["logits [1, 1, vocab] (last position; score: [1, seq, vocab])"] + [c.replace("past_key_values", "present") for c in cache],
     }
     t0 = time.perf_counter()

@@ -97,7 +97,11 @@ class MatMulNBits(F.OnnxOpConverter):
         if path == "f32":
             y = cls._f32(bb, a2, m, one_token, w, s, k, n)
         else:
-            y = cls._int8_dot(bb, a2, m, one_token, w, s, k, n, path, _features if features is None else features)
+            silu = _silu_mul_operands(bb, a)
+            if silu is not None:   # the quantizer computes silu(gate) * up itself
+                silu = [bb.emit(relax.op.reshape(x, [-1, k])) for x in silu]
+            y = cls._int8_dot(bb, a2, m, one_token, w, s, k, n, path, _features if features is None else features,
+                              silu)
         return bb.emit(relax.op.reshape(y, [*lead, n]))
 
     @staticmethod
@@ -112,9 +116,11 @@ class MatMulNBits(F.OnnxOpConverter):
         return bb.emit(relax.call_tir(kernel, [a2, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
 
     @staticmethod
-    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, isa: str, features):
+    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, isa: str, features, silu=None):
         """W4A8 through an ISA's integer dot-product kernel (vpdpbusd / sdot), both reading the
-        row-group layout compile-time repacking wrote (kernels/row_groups.py)."""
+        row-group layout compile-time repacking wrote (kernels/row_groups.py). `silu`: (gate,
+        up) [M, K] when a2 is silu(gate) * up, which the activation quantizer then computes
+        (a2's own kernel is left unused and dead-code elimination drops it)."""
         from .kernels import act_quant
 
         if len(w.ty.shape) != 4:
@@ -137,12 +143,41 @@ class MatMulNBits(F.OnnxOpConverter):
             kernel = bb.add_func(isa_kernels.q4_matmul(n, nb, one_token, sdt, tokens),
                                  _kname(f"q4_{kind}_vnni_{n}x{nb}_{sdt}"))
         zp = isa_kernels.ZERO_POINT
-        quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token), _kname(f"act_q8_{k}_{int(one_token)}_sum{-zp}"))
-        parts = bb.emit(relax.call_tir(quant, [a2], [
+        quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, silu is not None),
+                            _kname(f"act_q8_{'silu_' if silu else ''}{k}_{int(one_token)}_sum{-zp}"))
+        parts = bb.emit(relax.call_tir(quant, list(silu) if silu else [a2], [
             relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
             relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))
         q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
         return bb.emit(relax.call_tir(kernel, [q, scale, off, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
+
+
+def _silu_mul_operands(bb, a):
+    """(gate, up) when `a` is silu(gate) * up as the exporter writes it, Mul(Mul(g,
+    Sigmoid(g)), up) in either operand order and without broadcasting; else None."""
+    import tvm
+    from tvm_ffi import structural_equal
+
+    def value(x):
+        return bb.lookup_binding(x) if isinstance(x, relax.Var) and bb.lookup_binding(x) is not None else x
+
+    def call_of(e, name):
+        return isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == name
+
+    e = value(a)
+    if not call_of(e, "relax.multiply"):
+        return None
+    for silu, up in (e.args, e.args[::-1]):
+        se = value(silu)
+        if not call_of(se, "relax.multiply"):
+            continue
+        for g, sig in (se.args, se.args[::-1]):
+            sg = value(sig)
+            if (call_of(sg, "relax.sigmoid") and sg.args[0].same_as(g)
+                    and structural_equal(g.ty.shape, a.ty.shape)
+                    and structural_equal(up.ty.shape, a.ty.shape)):
+                return g, up
+    return None
 
 
 class GatherBlockQuantized(F.OnnxOpConverter):
@@ -193,12 +228,16 @@ class GroupQueryAttention(F.OnnxOpConverter):
         heads, kv_heads = int(attr["num_heads"]), int(attr["kv_num_heads"])
         head_dim = int(past_k.ty.shape[3])
         scale = float(attr.get("scale", 0.0)) or 1.0 / math.sqrt(head_dim)
-        write = bb.add_func(generic.kv_cache_write(), _kname("kv_cache_write"))
-        kc = bb.emit(relax.call_tir_inplace(write, [past_k, k, seqlens], 0, past_k.ty))
-        vc = bb.emit(relax.call_tir_inplace(write, [past_v, v, seqlens], 0, past_v.ty))
         from .kernels import attention as fast
 
-        if fast.supports(head_dim):
+        # The fast kernel reads K in its key-tile layout (kernels/attention.py); V, and K for
+        # the generic kernel, are rows.
+        tiled = fast.supports(head_dim)
+        write_k = bb.add_func(fast.kv_cache_write(tiled), _kname("k_cache_write_tiles" if tiled else "kv_cache_write"))
+        write_v = bb.add_func(fast.kv_cache_write(False), _kname("kv_cache_write"))
+        kc = bb.emit(relax.call_tir_inplace(write_k, [past_k, k, seqlens], 0, past_k.ty))
+        vc = bb.emit(relax.call_tir_inplace(write_v, [past_v, v, seqlens], 0, past_v.ty))
+        if tiled:
             kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale), _kname("attention_online"))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
         else:

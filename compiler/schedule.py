@@ -79,7 +79,9 @@ def cpu_pipeline(target):
         with target:
             seq = tvm.transform.Sequential(
                 # q, k and v (and gate, up) read the same activations: quantize them once.
-                [relax.transform.EliminateCommonSubexpr()]
+                # DCE drops what a fused kernel made unused (the SiLU·mul the down projection's
+                # quantizer computes itself: frontend._silu_mul_operands).
+                [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
                 + P.library_dispatch_passes(target) + P.legalize_passes(target)
                 + [generic_cpu_schedule] + P.dataflow_lower_passes(target) + P.finalize_passes(target))
             return seq(mod)

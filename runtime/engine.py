@@ -120,7 +120,10 @@ class Engine:
         self.params = self._load_params()
         kvh, hd = int(self.model["num_key_value_heads"]), int(self.model["head_dim"])
         n_cache = 2 * int(self.model["num_hidden_layers"])
-        self.cache = [tvm.runtime.tensor(np.zeros((1, kvh, self.ctx, hd), np.float32), self.device)
+        # Capacity rounded up to the multiple the attention kernel's K layout needs (key tiles).
+        mult = int(self.manifest["functions"].get("cache_capacity_multiple", 1))
+        cap = -(-self.ctx // mult) * mult
+        self.cache = [tvm.runtime.tensor(np.zeros((1, kvh, cap, hd), np.float32), self.device)
                       for _ in range(n_cache)]
         self.pos = 0
         self.tokenizer = None

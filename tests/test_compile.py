@@ -180,6 +180,9 @@ def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
         assert np.abs(x - y).max() <= 1e-5 * np.abs(y).max()
     asm = subprocess.run(["objdump", "-d", str(vnni / "lib.so")], capture_output=True, text=True).stdout
     assert "vpdpbusd" in asm
+    # ...and the down projection's quantizer computed SiLU·mul itself: no sigmoid kernel left
+    syms = subprocess.run(["nm", "-D", str(vnni / "lib.so")], capture_output=True, text=True).stdout
+    assert "decode_act_q8_silu_" in syms and "sigmoid" not in syms
 
 
 def test_bench_prints_pp_and_tg_rows(tiny_host_artifact, capsys):

@@ -129,3 +129,83 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     got = np.load(tmp_path / "out.npz")
     for name, ref in refs.items():
         np.testing.assert_allclose(got[name], ref, rtol=0, atol=2e-3 * np.abs(ref).max(), err_msg=name)
+
+
+def _host_kernel(func):
+    import tvm
+
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                       target=get_target("host").tvm_target())
+
+
+@pytest.mark.parametrize("past, s", [(0, 1), (0, 17), (5, 1), (15, 3), (16, 1), (37, 17)])
+def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s):
+    """The cache writers (K in key tiles of 16, V in rows) then the online-softmax attention,
+    against numpy's causal attention: histories and chunks that do and do not fill tiles."""
+    import tvm
+
+    from qwc.compiler.kernels import attention
+
+    heads, kvh, hd, cap = 14, 2, 64, 64
+    rng = np.random.default_rng(past * 31 + s)
+    k, v = (rng.standard_normal((past + s, kvh * hd), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((1, s, heads * hd), dtype=np.float32)
+    write_k, write_v = _host_kernel(attention.kv_cache_write(True)), _host_kernel(attention.kv_cache_write(False))
+    kc, vc = (tvm.runtime.tensor(np.full((1, kvh, cap, hd), np.nan, np.float32)) for _ in range(2))
+    for lo, hi in ((0, past), (past, past + s)):   # the history, then the new chunk
+        if hi > lo:
+            n = tvm.runtime.tensor(np.array([hi - 1], np.int32))
+            write_k(kc, tvm.runtime.tensor(k[None, lo:hi].copy()), n)
+            write_v(vc, tvm.runtime.tensor(v[None, lo:hi].copy()), n)
+    # slots past the last key stay NaN: a kernel that read them would return NaN
+    out = tvm.runtime.tensor(np.zeros_like(q))
+    _host_kernel(attention.attention(heads, kvh, hd, 0.125))(
+        tvm.runtime.tensor(q), kc, vc, tvm.runtime.tensor(np.array([past + s - 1], np.int32)), out)
+    got = out.numpy()
+    ref = np.zeros_like(q)
+    kh, vh = k.reshape(-1, kvh, hd), v.reshape(-1, kvh, hd)
+    for h in range(heads):
+        for i in range(s):
+            sc = kh[:past + i + 1, h // (heads // kvh)] @ q[0, i, h * hd:(h + 1) * hd] * 0.125
+            p = np.exp(sc - sc.max())
+            ref[0, i, h * hd:(h + 1) * hd] = p @ vh[:past + i + 1, h // (heads // kvh)] / p.sum()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6)
+
+
+def test_attention_rejects_a_cache_capacity_off_the_tile():
+    import tvm
+
+    from qwc.compiler.kernels import attention
+
+    f = _host_kernel(attention.attention(2, 1, 16, 0.25))
+    args = [np.zeros((1, 1, 32), np.float32), np.zeros((1, 1, 20, 16), np.float32),
+            np.zeros((1, 1, 20, 16), np.float32), np.array([0], np.int32), np.zeros((1, 1, 32), np.float32)]
+    with pytest.raises(Exception, match="multiple of 16"):
+        f(*(tvm.runtime.tensor(a) for a in args))
+
+
+@pytest.mark.parametrize("k", [100, 896])
+@pytest.mark.parametrize("silu", [False, True])
+def test_activation_quantizer_against_q8_0(k, silu):
+    """The W4A8 activation quantizer (vector blocks, a scalar partial block at K = 100), alone
+    and computing silu(gate) * up first, against numpy's Q8_0 of the same input."""
+    import tvm
+
+    from qwc.compiler.kernels import act_quant
+
+    m, nb = 17, (k + 31) // 32
+    rng = np.random.default_rng(k)
+    g, u = rng.standard_normal((m, k), dtype=np.float32) * 3, rng.standard_normal((m, k), dtype=np.float32)
+    x = (g / (1 + np.exp(-g.astype(np.float64))) * u).astype(np.float32) if silu else g
+    outs = [np.zeros((m, nb, 32), np.int8), np.zeros((m, nb), np.float32), np.zeros((m, nb), np.float32)]
+    outs = [tvm.runtime.tensor(o) for o in outs]
+    f = _host_kernel(act_quant.fused_quantizer(k, -8, False, silu))
+    f(*(tvm.runtime.tensor(a) for a in ((g, u) if silu else (g,))), *outs)
+    aq, ad, off = (o.numpy() for o in outs)
+    q, _ = quantize_q8_0(x)
+    q = np.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)   # the kernel's de-interleaved order
+    amax = np.abs(np.pad(x, ((0, 0), (0, nb * 32 - k)))).reshape(m, nb, 32).max(-1)
+    np.testing.assert_allclose(ad, amax / 127, rtol=1e-6)
+    diff = np.abs(aq.astype(np.int32) - q)
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3   # a rounding tie may differ by one step
+    np.testing.assert_array_equal(off, -8 * aq.astype(np.float32).sum(-1))

@@ -1,51 +1,123 @@
 """On-the-fly activation quantization shared by the W4A8 kernels (llama.cpp's Q8_0: one fp32
-scale per 32-block, scale = amax / 127, q = round(x / scale)).
+scale per 32-block, d = amax / 127, q = round(x / d), halves away from zero).
 
 Each block is stored de-interleaved — its 16 even elements, then its 16 odd ones — because a
 16-byte load of packed Q4_0 weights splits into low nibbles (even elements) and high nibbles
 (odd elements): the two halves line up with the two halves of the activation block.
+
+The quantizer can also take the MLP's gate and up projections and quantize silu(gate) * up
+(the down projection's input): SiLU·mul then costs neither a kernel of its own, nor a pass
+over 4864 floats a token, nor a libm exp per element (kernels/vector_math.py).
 """
 
 from __future__ import annotations
 
+from tvm import tirx
+
+from . import vector_math
+
 BLOCK = 32
+HALF = BLOCK // 2
+EVENS = [2 * i for i in range(HALF)]
+ODDS = [2 * i + 1 for i in range(HALF)]
 
 
-def fused_quantizer(k: int, zero_point: int, one_row: bool):
+def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = False):
     """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB],
     zero_point x block sum [M, NB]), in one pass and one kernel: separate stages would cost a
     parallel launch each, which dominates a decode step's activation work (K = 896: 28 blocks).
+    With `silu_mul` the kernel takes (gate, up) [M, K] and quantizes silu(gate) * up.
     `one_row` (decode) runs serially. The block sum is what a dot of raw nibbles q with a
-    overcounts against (q - 8) (vpdpbusd); sdot, which takes q - 8 signed, ignores it."""
+    overcounts against (q - 8) (vpdpbusd); sdot, which takes q - 8 signed, ignores it.
+
+    Whole blocks are 16-lane vectors (loaded contiguously, de-interleaved by a shuffle); a
+    last partial block (K not a multiple of 32) runs one element at a time."""
     from tvm.script import tirx as T
 
     nb = (k + BLOCK - 1) // BLOCK
+    full = k // BLOCK
+    rows = T.int64()
+
+    def x_at(a, g, u, i, idx, lanes):
+        """The quantizer's input at row i, columns idx (a ramp of `lanes`, or a scalar)."""
+        if not silu_mul:
+            return a[i, idx]
+        return vector_math.silu(T, g[i, idx], lanes) * u[i, idx]
+
+    def rnd(v, lanes):   # round half away from zero, as llama.cpp's roundf
+        half = T.broadcast(T.float32(0.5), lanes) if lanes > 1 else T.float32(0.5)
+        zero = T.broadcast(T.float32(0), lanes) if lanes > 1 else T.float32(0)
+        return T.Select(v < zero, T.ceil(v - half), T.floor(v + half))
+
+    @T.macro
+    def block_vec(a, g, u, aq, ad, off, i, b):
+        lo = T.bind(x_at(a, g, u, i, T.ramp(b * BLOCK, 1, HALF), HALF))
+        hi = T.bind(x_at(a, g, u, i, T.ramp(b * BLOCK + HALF, 1, HALF), HALF))
+        ev = T.bind(tirx.Shuffle([lo, hi], EVENS))
+        od = T.bind(tirx.Shuffle([lo, hi], ODDS))
+        # |x| >= 0 orders like its bit pattern: an integer max reduces as a tree, where
+        # llvm.vector.reduce.fmax (NaN-aware) is a chain of 16 scalar steps.
+        amax = T.bind(T.reinterpret("float32", T.call_llvm_pure_intrin(
+            "int32", f"llvm.vector.reduce.smax.v{HALF}i32",
+            T.reinterpret(f"int32x{HALF}", T.max(T.fabs(ev), T.fabs(od))))))
+        d = T.bind(amax / T.float32(127))
+        ad[i, b] = d
+        # x / d as the generic kernel computes it (two vector divisions a block), so the two agree
+        dv = T.bind(T.broadcast(T.Select(d > T.float32(0), d, T.float32(1)), HALF))
+        qe = T.bind(T.Cast(f"int32x{HALF}", rnd(ev / dv, HALF)))
+        qo = T.bind(T.Cast(f"int32x{HALF}", rnd(od / dv, HALF)))
+        aq[i, b, T.ramp(0, 1, HALF)] = T.Cast(f"int8x{HALF}", qe)
+        aq[i, b, T.ramp(HALF, 1, HALF)] = T.Cast(f"int8x{HALF}", qo)
+        off[i, b] = T.Cast("float32", T.call_llvm_pure_intrin(
+            "int32", f"llvm.vector.reduce.add.v{HALF}i32", qe + qo)) * T.float32(zero_point)
+
+    @T.macro
+    def block_tail(a, g, u, aq, ad, off, i, b):
+        st = T.decl_buffer((2,), "float32", scope="global")   # amax, then the block sum
+        st[0] = T.float32(0)
+        for e in range(BLOCK):
+            if b * BLOCK + e < k:
+                st[0] = T.max(st[0], T.fabs(x_at(a, g, u, i, b * BLOCK + e, 1)))
+        ad[i, b] = st[0] / T.float32(127)
+        st[1] = T.float32(0)
+        for t in range(BLOCK):
+            col = b * BLOCK + T.if_then_else(t < HALF, 2 * t, 2 * (t - HALF) + 1)
+            aq[i, b, t] = T.Cast("int8", rnd(T.if_then_else(
+                st[0] > T.float32(0) and col < k,
+                x_at(a, g, u, i, T.min(col, k - 1), 1) / ad[i, b], T.float32(0)), 1))
+            st[1] = st[1] + T.Cast("float32", aq[i, b, t])
+        off[i, b] = st[1] * T.float32(zero_point)
+
+    if silu_mul:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel(var_g: T.handle, var_u: T.handle, var_aq: T.handle, var_ad: T.handle, var_off: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+            g = T.match_buffer(var_g, (rows, k), "float32")
+            u = T.match_buffer(var_u, (rows, k), "float32")
+            aq = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
+            ad = T.match_buffer(var_ad, (rows, nb), "float32")
+            off = T.match_buffer(var_off, (rows, nb), "float32")
+            with T.sblock("root"):
+                for i in T.serial(rows) if one_row else T.parallel(rows):
+                    for b in range(full):
+                        block_vec(None, g, u, aq, ad, off, i, b)
+                    for b in range(full, nb):
+                        block_tail(None, g, u, aq, ad, off, i, b)
+        return kernel
 
     @T.prim_func(private=True, check_well_formed=False)
     def kernel(var_a: T.handle, var_aq: T.handle, var_ad: T.handle, var_off: T.handle):
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-        m = T.int64()
-        a = T.match_buffer(var_a, (m, k), "float32")
-        aq = T.match_buffer(var_aq, (m, nb, BLOCK), "int8")
-        ad = T.match_buffer(var_ad, (m, nb), "float32")
-        off = T.match_buffer(var_off, (m, nb), "float32")
+        a = T.match_buffer(var_a, (rows, k), "float32")
+        aq = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
+        ad = T.match_buffer(var_ad, (rows, nb), "float32")
+        off = T.match_buffer(var_off, (rows, nb), "float32")
         # A root block: relax's reshape-pattern analysis insists on one for single-input kernels.
         with T.sblock("root"):
-            for i in T.serial(m) if one_row else T.parallel(m):
-                for b in range(nb):
-                    st = T.decl_buffer((2,), "float32", scope="global")   # amax, then the block sum (global: a stack slot, see kernels/x86/vnni.py)
-                    st[0] = T.float32(0)
-                    for e in range(BLOCK):
-                        if b * BLOCK + e < k:
-                            st[0] = T.max(st[0], T.abs(a[i, b * BLOCK + e]))
-                    ad[i, b] = st[0] / T.float32(127)
-                    st[1] = T.float32(0)
-                    for t in range(BLOCK):
-                        aq[i, b, t] = T.Cast("int8", T.round(T.if_then_else(
-                            ad[i, b] > T.float32(0) and b * BLOCK + T.if_then_else(t < 16, 2 * t, 2 * (t - 16) + 1) < k,
-                            a[i, T.min(b * BLOCK + T.if_then_else(t < 16, 2 * t, 2 * (t - 16) + 1), k - 1)] / ad[i, b],
-                            T.float32(0))))
-                        st[1] = st[1] + T.Cast("float32", aq[i, b, t])
-                    off[i, b] = st[1] * T.float32(zero_point)
+            for i in T.serial(rows) if one_row else T.parallel(rows):
+                for b in range(full):
+                    block_vec(a, None, None, aq, ad, off, i, b)
+                for b in range(full, nb):
+                    block_tail(a, None, None, aq, ad, off, i, b)
 
     return kernel

@@ -1,22 +1,62 @@
-"""Attention over the KV-cache buffer with an online softmax (one pass over the keys).
+"""Attention over the KV-cache buffers with an online softmax (one pass over the keys), and
+the writer of the K layout it reads.
+
+K layout ("key tiles"): the K cache buffer [1, kv_heads, cap, head_dim] holds, per kv head,
+tiles of KEY_TILE keys stored transposed: element d of key p is at flat offset
+(p // 16) * 16 * head_dim + d * 16 + p % 16 within the head. One vector load then gives 16
+keys' element d, so a tile's 16 scores are head_dim broadcast FMAs with no horizontal sum per
+key (the row layout needed one per key: ~2.5x slower). V keeps the row layout: the value
+update is a broadcast FMA per key. cap must be a multiple of 16 (the runtime allocates so).
 
 One parallel task per (head, query). Query i of a chunk of s new tokens sits at position
 past + i (past = seqlens[0] + 1 - s) and attends to cache slots 0 .. past + i: the key loop
 is bounded by that, not by the buffer's capacity. Running max / sum / weighted-value
-accumulator (flash-attention style) updated once per tile of TILE keys, so no score row is
-stored and the tile's dot products and exps are independent of each other; dot products and
-the value update are vectorised over head_dim in 8-lane fp32 vectors.
+accumulator (flash-attention style) updated once per tile, so no score row is stored; exp is
+the vector polynomial of kernels/vector_math.py.
 """
 
 from __future__ import annotations
 
+from . import vector_math
 
-LANES = 8
-TILE = 8    # keys per online-softmax step
+KEY_TILE = 16    # keys per tile of the K layout and per online-softmax step
+LANES = 16       # fp32 lanes of the value accumulator's vectors
+CHAINS = 8       # independent FMA chains per tile's scores (latency, not throughput, bound)
+ACCS = 2         # value accumulators (even and odd keys): halves the update's dependency chain
 
 
 def supports(head_dim: int) -> bool:
     return head_dim % LANES == 0
+
+
+def k_row_col(pos, d: int, head_dim: int):
+    """(row, column) in the K buffer's [cap, head_dim] view of key `pos`, element d."""
+    o = d * KEY_TILE + pos % KEY_TILE
+    return pos // KEY_TILE * KEY_TILE + o // head_dim, o % head_dim
+
+
+def kv_cache_write(key_tiles: bool):
+    """In-place write of new K (or V) [1, s, kv_heads*head_dim] into the cache buffer
+    [1, kv_heads, C, head_dim] at slots past .. past + s - 1, past = seqlens[0] + 1 - s: in
+    rows, or (`key_tiles`, K for the fast kernel) in the key-tile layout."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(private=True)
+    def write(var_cache: T.handle, var_new: T.handle, seqlens: T.Buffer((1,), "int32")):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+        kvh, cap, hd, s = T.int64(), T.int64(), T.int64(), T.int64()
+        cache = T.match_buffer(var_cache, (T.int64(1), kvh, cap, hd), "float32")
+        new = T.match_buffer(var_new, (T.int64(1), s, kvh * hd), "float32")
+        past = T.Cast("int64", seqlens[0]) + T.int64(1) - s
+        for h in T.serial(kvh):  # a few KiB per layer: a parallel launch would cost more
+            for i, d in T.grid(s, hd):
+                if key_tiles:
+                    o = d * KEY_TILE + (past + i) % KEY_TILE
+                    cache[T.int64(0), h, (past + i) // KEY_TILE * KEY_TILE + o // hd, o % hd] = new[T.int64(0), i, h * hd + d]
+                else:
+                    cache[T.int64(0), h, past + i, d] = new[T.int64(0), i, h * hd + d]
+
+    return write
 
 
 def _tree_sum(xs):
@@ -31,6 +71,42 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
     group = heads // kv_heads
     chunks = head_dim // LANES
     neg_inf = -3.0e38
+    kt = KEY_TILE
+
+    def scores(q, kc, h, i, t):
+        """The tile's 16 scores (unscaled): sum over d of q[d] * (16 keys' element d)."""
+        def part(c):
+            terms = []
+            for d in range(c, head_dim, CHAINS):
+                row, col = k_row_col(t * kt, d, head_dim)   # t * kt: the tile's first key
+                terms.append(T.broadcast(q[T.int64(0), i, h * head_dim + d], kt)
+                             * kc[T.int64(0), h // group, row, T.ramp(col, 1, kt)])
+            acc = terms[0]
+            for x in terms[1:]:
+                acc = acc + x
+            return acc
+        return _tree_sum([part(c) for c in range(CHAINS)])
+
+    @T.macro
+    def tile(q, kc, vc, acc, stat, p, task, s, keys, t, masked):
+        """Keys 16t .. 16t+15 into the running state; `masked`: only those below `keys`."""
+        sc = scores(q, kc, task // s, task % s, t) * T.broadcast(T.float32(scale), kt)
+        if masked:
+            sc = T.Select(T.broadcast(t * kt, kt) + T.ramp(T.int64(0), T.int64(1), kt) < T.broadcast(keys, kt),
+                          sc, T.broadcast(T.float32(neg_inf), kt))
+        scv = T.bind(sc)
+        m = T.bind(T.max(stat[0], vector_math.reduce_max(T, scv, kt)))
+        r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
+        p[T.ramp(0, 1, kt)] = vector_math.exp(T, scv - T.broadcast(m, kt), kt)   # masked keys: ~1e-38
+        stat[0] = m
+        stat[1] = stat[1] * r + vector_math.reduce_sum(T, p[T.ramp(0, 1, kt)], kt)
+        for c in range(ACCS * chunks):
+            acc[T.ramp(c * LANES, 1, LANES)] = acc[T.ramp(c * LANES, 1, LANES)] * T.broadcast(r, LANES)
+        for j in T.unroll(kt):
+            if not masked or t * kt + j < keys:
+                for c in T.unroll(chunks):
+                    acc[T.ramp((j % ACCS * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((j % ACCS * chunks + c) * LANES, 1, LANES)] + vc[
+                        T.int64(0), (task // s) // group, t * kt + j, T.ramp(c * LANES, 1, LANES)] * T.broadcast(p[j], LANES)
 
     @T.prim_func(private=True)
     def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, seqlens: T.Buffer((1,), "int32"),
@@ -41,46 +117,23 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
         kc = T.match_buffer(var_k, (T.int64(1), kv_heads, cap, head_dim), "float32")
         vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, head_dim), "float32")
         out = T.match_buffer(var_out, (T.int64(1), s, heads * head_dim), "float32")
+        assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
         for task in T.parallel(heads * s):
-            acc = T.decl_buffer((head_dim,), "float32", scope="global")
-            stat = T.decl_buffer((4,), "float32", scope="global")   # running max, sum, tile max, rescale
-            sc = T.decl_buffer((TILE,), "float32", scope="global")  # the tile's scores, then weights
-            for c in range(chunks):
+            acc = T.decl_buffer((ACCS * head_dim,), "float32", scope="global")
+            stat = T.decl_buffer((2,), "float32", scope="global")   # running max, running sum
+            p = T.decl_buffer((kt,), "float32", scope="global")    # the tile's weights
+            for c in range(ACCS * chunks):
                 acc[T.ramp(c * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
             stat[0] = T.float32(neg_inf)
             stat[1] = T.float32(0)
-            keys = T.Cast("int64", seqlens[0]) + T.int64(1) - s + task % s + T.int64(1)
-            for jt in range((keys + TILE - 1) // TILE):
-                # Scores of the tile: independent of each other and of the running state.
-                # The dot: lane-wise products summed as a balanced tree of vectors, then one
-                # horizontal sum (a reduction per chunk made each key 8 ordered sums long).
-                for u in T.unroll(TILE):
-                    sc[u] = T.if_then_else(jt * TILE + u < keys, T.call_llvm_pure_intrin(
-                        "float32", "llvm.vector.reduce.fadd.v8f32", T.float32(0),
-                        _tree_sum([q[T.int64(0), task % s, T.ramp((task // s) * head_dim + c * LANES, 1, LANES)]
-                                   * kc[T.int64(0), (task // s) // group, T.min(jt * TILE + u, keys - 1),
-                                        T.ramp(c * LANES, 1, LANES)]
-                                   for c in range(chunks)])) * T.float32(scale), T.float32(neg_inf))
-                stat[2] = stat[0]
-                for u in T.unroll(TILE):
-                    stat[2] = T.max(stat[2], sc[u])
-                # One rescale per tile (not per key): the per-key exp no longer waits on the
-                # previous key's running max.
-                stat[3] = T.exp(stat[0] - stat[2])
-                stat[0] = stat[2]
-                stat[1] = stat[1] * stat[3]
-                for c in range(chunks):
-                    acc[T.ramp(c * LANES, 1, LANES)] = acc[T.ramp(c * LANES, 1, LANES)] * T.broadcast(stat[3], LANES)
-                for u in T.unroll(TILE):
-                    sc[u] = T.exp(sc[u] - stat[0])   # 0 for the padding past `keys`
-                    stat[1] = stat[1] + sc[u]
-                for u in range(TILE):
-                    if jt * TILE + u < keys:
-                        for c in range(chunks):
-                            acc[T.ramp(c * LANES, 1, LANES)] = acc[T.ramp(c * LANES, 1, LANES)] + vc[
-                                T.int64(0), (task // s) // group, jt * TILE + u, T.ramp(c * LANES, 1, LANES)] * T.broadcast(sc[u], LANES)
+            keys = T.bind(T.Cast("int64", seqlens[0]) + T.int64(1) - s + task % s + T.int64(1))
+            for t in range(keys // kt):
+                tile(q, kc, vc, acc, stat, p, task, s, keys, t, False)
+            if keys % kt != 0:
+                tile(q, kc, vc, acc, stat, p, task, s, keys, keys // kt, True)
             for c in range(chunks):
                 out[T.int64(0), task % s, T.ramp((task // s) * head_dim + c * LANES, 1, LANES)] = (
-                    acc[T.ramp(c * LANES, 1, LANES)] / T.broadcast(stat[1], LANES))
+                    _tree_sum([acc[T.ramp((a * chunks + c) * LANES, 1, LANES)] for a in range(ACCS)])
+                    / T.broadcast(stat[1], LANES))
 
     return kernel

@@ -120,25 +120,6 @@ def attention(q, kc, vc, seqlens, *, heads: int, kv_heads: int, head_dim: int, s
     return out
 
 
-def kv_cache_write():
-    """In-place write of new K (or V) [1, s, kv_heads*head_dim] into the cache buffer
-    [1, kv_heads, C, head_dim] at slots past .. past + s - 1, past = seqlens[0] + 1 - s."""
-    from tvm.script import tirx as T
-
-    @T.prim_func(private=True)
-    def write(var_cache: T.handle, var_new: T.handle, seqlens: T.Buffer((1,), "int32")):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-        kvh, cap, hd, s = T.int64(), T.int64(), T.int64(), T.int64()
-        cache = T.match_buffer(var_cache, (T.int64(1), kvh, cap, hd), "float32")
-        new = T.match_buffer(var_new, (T.int64(1), s, kvh * hd), "float32")
-        past = T.Cast("int64", seqlens[0]) + T.int64(1) - s
-        for h in T.serial(kvh):  # a few KiB per layer: a parallel launch would cost more
-            for i, d in T.grid(s, hd):
-                cache[T.int64(0), h, past + i, d] = new[T.int64(0), i, h * hd + d]
-
-    return write
-
-
 def matmul_nbits_a8(a, w, s, *, k: int, n: int, block: int, bits: int):
     """W4A8: activations quantized per block to int8 on the fly (llama.cpp's Q8_0: scale =
     amax / 127), integer dot products per block (int8 x int8 -> int32, which LLVM lowers to
