@@ -2,12 +2,17 @@
 machine's read bandwidth measured in the same run and onnxruntime's MatMulNBits on the same
 single-op graph:
 
-    .venv/bin/python bench/gemv.py [--threads 2] [--act-bits 8]
+    .venv/bin/python bench/gemv.py [--threads 2] [--act-bits 8] [--decode model.qwc]
 
 Weight bytes = packed 4-bit values + fp32 block scales (what the kernel must read per token).
 Two figures per system: "hot" (the same call repeated: small shapes stay in cache) and "cold"
 (the caches are flushed by streaming 256 MiB before each timed call, as in a real decode step
 where every layer's weights come from DRAM); the median of the cold calls is reported.
+
+`--decode model.qwc` adds the whole decode step of an artifact (e.g. the one `bench/peers.py`
+builds, ~/.cache/qwc/bench/q.qwc): tokens/s after a 512-token prompt and the GB/s that is of
+the bytes a step must read (every parameter: for a tied model the embedding is the lm_head;
+plus the K/V cache it attends over), against the same read bandwidth.
 """
 
 from __future__ import annotations
@@ -130,10 +135,30 @@ def read_bandwidth() -> float:
     return rows * cols * 4 / dt / 1e9
 
 
+def decode_step(artifact, threads, past=512, steps=64):
+    """(tok/s, weight bytes, KV bytes) of decode steps after a `past`-token prompt."""
+    from pathlib import Path
+
+    from qwc.runtime.engine import Engine
+
+    eng = Engine(artifact, ctx=past + steps + 8, threads=threads)
+    cfg = eng.model
+    eng.prefill(list(np.random.default_rng(0).integers(0, 1000, past)))
+    eng.decode(1)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.decode(1)
+    tps = steps / (time.perf_counter() - t0)
+    weights = (Path(artifact) / "params.bin").stat().st_size
+    kv = 2 * int(cfg["num_hidden_layers"]) * int(cfg["num_key_value_heads"]) * (past + steps // 2) * int(cfg["head_dim"]) * 4
+    return tps, weights, kv
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--act-bits", type=int, default=8, choices=(8, 32))
+    p.add_argument("--decode", metavar="ARTIFACT", help="also measure this artifact's whole decode step")
     args = p.parse_args()
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
     bw = read_bandwidth()
@@ -149,6 +174,12 @@ def main():
         print(f"{name:14s} {n:7d} {k:5d} {wb / 2**20:6.1f} | {qh:8.1f} {o4h:8.1f} | "
               f"{qc:8.1f} {100 * qc / bw:3.0f}% {o4c:9.1f} {o0c:9.1f} {qc / o4c:8.2f}")
         sys.stdout.flush()
+    if args.decode:
+        tps, wb, kv = decode_step(args.decode, args.threads)
+        gbs = tps * (wb + kv) / 1e9
+        print(f"\ndecode step of {args.decode}: {tps:.1f} tok/s after 512 tokens, {wb / 1e6:.0f} MB weights + "
+              f"{kv / 1e6:.1f} MB K/V a token = {gbs:.1f} GB/s, {100 * gbs / bw:.0f}% of the read bandwidth "
+              f"(weights alone {100 * tps * wb / 1e9 / bw:.0f}%)")
 
 
 if __name__ == "__main__":
