@@ -12,6 +12,8 @@ over 4864 floats a token, nor a libm exp per element (kernels/vector_math.py).
 
 from __future__ import annotations
 
+import functools
+
 from tvm import tirx
 
 from . import vector_math
@@ -22,6 +24,7 @@ EVENS = [2 * i for i in range(HALF)]
 ODDS = [2 * i + 1 for i in range(HALF)]
 
 
+@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = False):
     """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB],
     zero_point x block sum [M, NB]), in one pass and one kernel: separate stages would cost a

@@ -17,6 +17,8 @@ the vector polynomial of kernels/vector_math.py.
 
 from __future__ import annotations
 
+import functools
+
 from . import vector_math
 
 KEY_TILE = 16    # keys per tile of the K layout and per online-softmax step
@@ -35,6 +37,7 @@ def k_row_col(pos, d: int, head_dim: int):
     return pos // KEY_TILE * KEY_TILE + o // head_dim, o % head_dim
 
 
+@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def kv_cache_write(key_tiles: bool):
     """In-place write of new K (or V) [1, s, kv_heads*head_dim] into the cache buffer
     [1, kv_heads, C, head_dim] at slots past .. past + s - 1, past = seqlens[0] + 1 - s: in
@@ -65,6 +68,7 @@ def _tree_sum(xs):
     return xs[0]
 
 
+@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
     from tvm.script import tirx as T
 

@@ -16,6 +16,8 @@ and unpacked weights fit the 32 vector registers.
 
 from __future__ import annotations
 
+import functools
+
 from tvm import tirx
 
 from ..row_groups import ROWS, groups
@@ -45,6 +47,7 @@ def _slice_dot(T, w, aq, off, g, b, q, t):
     return lo + hi
 
 
+@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None,
            m: int | None = None):
     """y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the -8 x sum

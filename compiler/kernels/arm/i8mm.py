@@ -16,6 +16,8 @@ token) stays on sdot: smmla would waste half its work.
 
 from __future__ import annotations
 
+import functools
+
 from tvm import tirx
 
 from ..row_groups import ROWS, groups
@@ -62,6 +64,7 @@ def _pair_update(T, w, aq, off, ws, ad, g, b, q, t0, t1, half):
     return T.Cast("float32x4", _pair_dot(T, w, aq, off, g, b, q, t0, t1, half)) * scale
 
 
+@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None):
     """y [M, N] (M >= 1, any, or `m` for tuning) from the de-interleaved int8 activations and
     the row-group weights, in tiles of `tokens` (even) tokens."""

@@ -18,6 +18,8 @@ on decode for the 0.5B shape (docs/design.md).
 
 from __future__ import annotations
 
+import functools
+
 from tvm import tirx
 
 from ..row_groups import ROWS, groups
@@ -51,6 +53,7 @@ def _block_dot(T, w, aq, off, g, b, t):
     return lo + hi
 
 
+@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None,
               m: int | None = None):
     """y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the -8 x sum
