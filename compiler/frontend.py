@@ -99,7 +99,7 @@ class MatMulNBits(F.OnnxOpConverter):
         else:
             silu = _silu_mul_operands(bb, a)
             if silu is not None:   # the quantizer computes silu(gate) * up itself
-                silu = [bb.emit(relax.op.reshape(x, [-1, k])) for x in silu]
+                silu = [_rows(bb, x, k) for x in silu]
             y = cls._int8_dot(bb, a2, m, one_token, w, s, k, n, path, _features if features is None else features,
                               silu)
         return bb.emit(relax.op.reshape(y, [*lead, n]))
@@ -152,28 +152,41 @@ class MatMulNBits(F.OnnxOpConverter):
         return bb.emit(relax.call_tir(kernel, [q, scale, off, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
 
 
+def _binding(bb, x):
+    """What a Relax var was bound to in this import (x itself if it is not a bound var)."""
+    return bb.lookup_binding(x) if isinstance(x, relax.Var) and bb.lookup_binding(x) is not None else x
+
+
+def _call_of(e, name: str) -> bool:
+    import tvm
+
+    return isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == name
+
+
+def _rows(bb, x, k: int):
+    """x as [M, K] rows: the [M, K] tensor a reshape made x from, if so (a matmul's output;
+    reshaping it back would fuse the two reshapes into a copy kernel), else a reshape."""
+    e = _binding(bb, x)
+    if _call_of(e, "relax.reshape") and len(e.args[0].ty.shape) == 2 and int(e.args[0].ty.shape[1]) == k:
+        return e.args[0]
+    return bb.emit(relax.op.reshape(x, [-1, k]))
+
+
 def _silu_mul_operands(bb, a):
     """(gate, up) when `a` is silu(gate) * up as the exporter writes it, Mul(Mul(g,
     Sigmoid(g)), up) in either operand order and without broadcasting; else None."""
-    import tvm
     from tvm_ffi import structural_equal
 
-    def value(x):
-        return bb.lookup_binding(x) if isinstance(x, relax.Var) and bb.lookup_binding(x) is not None else x
-
-    def call_of(e, name):
-        return isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == name
-
-    e = value(a)
-    if not call_of(e, "relax.multiply"):
+    e = _binding(bb, a)
+    if not _call_of(e, "relax.multiply"):
         return None
     for silu, up in (e.args, e.args[::-1]):
-        se = value(silu)
-        if not call_of(se, "relax.multiply"):
+        se = _binding(bb, silu)
+        if not _call_of(se, "relax.multiply"):
             continue
         for g, sig in (se.args, se.args[::-1]):
-            sg = value(sig)
-            if (call_of(sg, "relax.sigmoid") and sg.args[0].same_as(g)
+            sg = _binding(bb, sig)
+            if (_call_of(sg, "relax.sigmoid") and sg.args[0].same_as(g)
                     and structural_equal(g.ty.shape, a.ty.shape)
                     and structural_equal(up.ty.shape, a.ty.shape)):
                 return g, up
