@@ -118,6 +118,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
         ex = build(mod, target)
     times["build"] = time.perf_counter() - t0
     cache = [i.name for i in model.graph.input if i.name.startswith("past_key_values.")]
+    key_tiles = supports(config.head_dim)
     signature = {
         "entry_points": {"prefill": "any number of new tokens", "decode": "one new token",
                          "score": "prefill returning every position's logits"},
@@ -126,8 +127,8 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
         "cache_shape": ["1", config.num_key_value_heads, "ctx", config.head_dim],
         # The fast attention reads K in key tiles of 16 (kernels/attention.py): the runtime
         # rounds the buffers' capacity up to a multiple of this.
-        "cache_capacity_multiple": KEY_TILE if supports(config.head_dim) else 1,
-        "k_cache_layout": f"key_tiles_{KEY_TILE}" if supports(config.head_dim) else "rows",
+        "cache_capacity_multiple": KEY_TILE if key_tiles else 1,
+        "k_cache_layout": f"key_tiles_{KEY_TILE}" if key_tiles else "rows",
         "outputs": ["logits [1, 1, vocab] (last position; score: [1, seq, vocab])"] + [c.replace("past_key_values", "present") for c in cache],
     }
     t0 = time.perf_counter()

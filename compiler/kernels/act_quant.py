@@ -48,8 +48,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         return vector_math.silu(T, g[i, idx], lanes) * u[i, idx]
 
     def rnd(v, lanes):   # round half away from zero, as llama.cpp's roundf
-        half = T.broadcast(T.float32(0.5), lanes) if lanes > 1 else T.float32(0.5)
-        zero = T.broadcast(T.float32(0), lanes) if lanes > 1 else T.float32(0)
+        half, zero = vector_math.const(T, 0.5, lanes), vector_math.const(T, 0.0, lanes)
         return T.Select(v < zero, T.ceil(v - half), T.floor(v + half))
 
     @T.macro
@@ -91,6 +90,15 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             st[1] = st[1] + T.Cast("float32", aq[i, b, t])
         off[i, b] = st[1] * T.float32(zero_point)
 
+    @T.macro
+    def quantize_rows(a, g, u, aq, ad, off):
+        with T.sblock("root"):   # relax's reshape-pattern analysis insists on one (single input)
+            for i in T.serial(rows) if one_row else T.parallel(rows):
+                for b in range(full):
+                    block_vec(a, g, u, aq, ad, off, i, b)
+                for b in range(full, nb):
+                    block_tail(a, g, u, aq, ad, off, i, b)
+
     if silu_mul:
         @T.prim_func(private=True, check_well_formed=False)
         def kernel(var_g: T.handle, var_u: T.handle, var_aq: T.handle, var_ad: T.handle, var_off: T.handle):
@@ -100,12 +108,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             aq = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
             ad = T.match_buffer(var_ad, (rows, nb), "float32")
             off = T.match_buffer(var_off, (rows, nb), "float32")
-            with T.sblock("root"):
-                for i in T.serial(rows) if one_row else T.parallel(rows):
-                    for b in range(full):
-                        block_vec(None, g, u, aq, ad, off, i, b)
-                    for b in range(full, nb):
-                        block_tail(None, g, u, aq, ad, off, i, b)
+            quantize_rows(None, g, u, aq, ad, off)
         return kernel
 
     @T.prim_func(private=True, check_well_formed=False)
@@ -115,12 +118,6 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         aq = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
         ad = T.match_buffer(var_ad, (rows, nb), "float32")
         off = T.match_buffer(var_off, (rows, nb), "float32")
-        # A root block: relax's reshape-pattern analysis insists on one for single-input kernels.
-        with T.sblock("root"):
-            for i in T.serial(rows) if one_row else T.parallel(rows):
-                for b in range(full):
-                    block_vec(a, None, None, aq, ad, off, i, b)
-                for b in range(full, nb):
-                    block_tail(a, None, None, aq, ad, off, i, b)
+        quantize_rows(a, None, None, aq, ad, off)
 
     return kernel

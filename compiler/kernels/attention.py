@@ -31,7 +31,7 @@ def supports(head_dim: int) -> bool:
     return head_dim % LANES == 0
 
 
-def k_row_col(pos, d: int, head_dim: int):
+def k_row_col(pos, d, head_dim):
     """(row, column) in the K buffer's [cap, head_dim] view of key `pos`, element d."""
     o = d * KEY_TILE + pos % KEY_TILE
     return pos // KEY_TILE * KEY_TILE + o // head_dim, o % head_dim
@@ -54,8 +54,8 @@ def kv_cache_write(key_tiles: bool):
         for h in T.serial(kvh):  # a few KiB per layer: a parallel launch would cost more
             for i, d in T.grid(s, hd):
                 if key_tiles:
-                    o = d * KEY_TILE + (past + i) % KEY_TILE
-                    cache[T.int64(0), h, (past + i) // KEY_TILE * KEY_TILE + o // hd, o % hd] = new[T.int64(0), i, h * hd + d]
+                    row, col = k_row_col(past + i, d, hd)
+                    cache[T.int64(0), h, row, col] = new[T.int64(0), i, h * hd + d]
                 else:
                     cache[T.int64(0), h, past + i, d] = new[T.int64(0), i, h * hd + d]
 

@@ -8,7 +8,8 @@ activation quantizer, the attention softmax) use these instead.
 from __future__ import annotations
 
 
-def _const(T, v, lanes: int):
+def const(T, v, lanes: int):
+    """A float32 constant of `lanes` lanes (a scalar for 1)."""
     return T.broadcast(T.float32(v), lanes) if lanes > 1 else T.float32(v)
 
 
@@ -17,7 +18,7 @@ def exp(T, x, lanes: int):
     degree-6 Taylor polynomial (relative error < 2e-7). x is clamped to [-87, 88]: below, the
     result is ~1e-38, not 0."""
     def c(v):
-        return _const(T, v, lanes)
+        return const(T, v, lanes)
 
     ity = f"int32x{lanes}" if lanes > 1 else "int32"
     x = T.max(T.min(x, c(88.0)), c(-87.0))
@@ -33,7 +34,7 @@ def exp(T, x, lanes: int):
 
 def silu(T, x, lanes: int):
     """x * sigmoid(x)."""
-    return x / (_const(T, 1.0, lanes) + exp(T, -x, lanes))
+    return x / (const(T, 1.0, lanes) + exp(T, -x, lanes))
 
 
 def _tree(T, v, lanes: int, op):
