@@ -17,6 +17,7 @@ import numpy as np
 from qwc.checksum import sha256
 from qwc.errors import QwcError
 
+from . import memory
 from .sampling import Sampler, SamplingParams
 
 FORMAT_VERSION = 1
@@ -123,8 +124,9 @@ class Engine:
         # Capacity rounded up to the multiple the attention kernel's K layout needs (key tiles).
         mult = int(self.manifest["functions"].get("cache_capacity_multiple", 1))
         cap = -(-self.ctx // mult) * mult
-        self.cache = [tvm.runtime.tensor(np.zeros((1, kvh, cap, hd), np.float32), self.device)
-                      for _ in range(n_cache)]
+        shape = (1, kvh, cap, hd)
+        cache = memory.arena_for([(shape, np.float32)] * n_cache)   # huge pages, as the params
+        self.cache = [tvm.runtime.from_dlpack(cache.take(shape, np.float32)) for _ in range(n_cache)]
         self.pos = 0
         self.tokenizer = None
         tok = self.path / "tokenizer.json"
@@ -134,21 +136,28 @@ class Engine:
         self.eos = set(self.model.get("eos_token_ids") or [])
 
     def _load_params(self):
-        """Read each parameter straight into its own array (no mapping of the whole file, so
-        the peak memory is the parameters once, not twice)."""
+        """Read each parameter straight into its place in one huge-page arena (runtime/memory.py):
+        no mapping of the whole file and no second copy, so the peak memory is the parameters
+        once."""
         path = self.path / "params.bin"
         size = path.stat().st_size
+        specs = self.manifest["params"]
+        arena = memory.arena_for((p["shape"], p["dtype"]) for p in specs)
         out = []
         with open(path, "rb") as f:
-            for p in self.manifest["params"]:
+            for p in specs:
                 end = p["offset"] + p["nbytes"]
                 if end > size:
                     raise QwcError(f"{self.path}: params.bin is truncated ({p['name']} ends at byte {end}, "
                                    f"file has {size})")
+                a = arena.take(p["shape"], p["dtype"])
                 f.seek(p["offset"])
-                a = np.fromfile(f, dtype=p["dtype"], count=int(np.prod(p["shape"], dtype=np.int64)))
-                out.append(self._tvm.runtime.tensor(a.reshape(p["shape"]), self.device))
-                del a
+                if a.nbytes != p["nbytes"]:
+                    raise QwcError(f"{self.path}: {p['name']} is {p['nbytes']} bytes in the manifest, "
+                                   f"not the {a.nbytes} of its shape and dtype (corrupt artifact)")
+                if f.readinto(memoryview(a.reshape(-1)).cast("B")) != a.nbytes:
+                    raise QwcError(f"{self.path}: params.bin ended while reading {p['name']}")
+                out.append(self._tvm.runtime.from_dlpack(a))
         return out
 
     # -- the model -----------------------------------------------------------------------

@@ -120,6 +120,31 @@ def test_edited_hash_or_truncated_params(tiny_host_artifact, tmp_path, capsys):
         Engine(art, verify_hashes=False)
 
 
+def test_params_and_cache_are_aligned_slices_of_zeroed_arenas(tiny_host_artifact):
+    """runtime/memory.py: the parameters are params.bin's bytes, in place in one mapping
+    (64-byte aligned, in manifest order, no gaps beyond alignment); the cache starts zeroed."""
+    from qwc.runtime.memory import ALIGN, Arena
+
+    eng = Engine(tiny_host_artifact, ctx=40)
+    manifest = json.loads((tiny_host_artifact / "manifest.json").read_text())
+    raw = (tiny_host_artifact / "params.bin").read_bytes()
+    ptrs = [t.data_ptr() for t in eng.params]
+    assert all(p % ALIGN == 0 for p in ptrs)
+    for spec, t, p, nxt in zip(manifest["params"], eng.params, ptrs, ptrs[1:] + [None]):
+        got = t.numpy()
+        assert got.tobytes() == raw[spec["offset"]:spec["offset"] + spec["nbytes"]]
+        if nxt is not None:
+            assert p + spec["nbytes"] <= nxt < p + spec["nbytes"] + ALIGN
+    assert eng.cache[0].shape[2] == 48   # ctx rounded up to the attention's multiple of 16
+    assert all(not c.numpy().any() for c in eng.cache)
+
+    arena = Arena(200)
+    a, b = arena.take((3,), "float16"), arena.take((5,), "int32")
+    assert b.ctypes.data - a.ctypes.data == ALIGN and not b.any()
+    with pytest.raises(ValueError, match="cannot hold"):
+        arena.take((40,), "float32")
+
+
 def test_artifact_for_another_architecture(tiny_host_artifact, tmp_path, capsys):
     art = _copy(tiny_host_artifact, tmp_path)
     _edit_manifest(art, lambda m: m["target"].update(name="arm-yitian", arch="aarch64"))

@@ -29,11 +29,13 @@ ZERO_POINT = -8    # the quantizer's per-block offset factor: the accumulation s
 # The schedule's knob: tokens per prefill tile (the hand value; decode is always 1).
 DEFAULTS = {"tokens": 4}
 
-# Decode prefetches the weights this many blocks (6 x 256 bytes) ahead into L1. The hardware
-# streamer stops at every 4 KiB page, and a GEMV's weights always come from DRAM: +20% on the
-# lm_head, +15% on gate/up and down in a decode step (docs/design.md). Farther (12, 16) was no
-# better; non-temporal was 40% worse; prefetching the scale stream too cost 10%.
-PREFETCH_BLOCKS = 6
+# Decode prefetches the weights twice: 8 blocks (2 KiB) ahead into L1 and 32 blocks (8 KiB)
+# ahead into L2 (prefetcht1). A GEMV's weights always come from DRAM, and the hardware
+# streamer stops at every 4 KiB page and restarts slowly; the far L2 prefetch keeps enough
+# misses in flight across those restarts. Decode step, 0.5B shape: L1 only (6 blocks) 62-69
+# tok/s, L2 only (32) 72-89, both 83-90 (docs/design.md). Non-temporal was 40% worse;
+# prefetching the scale stream too cost 10%.
+PREFETCH = ((8, 3), (32, 2))   # (blocks ahead, LLVM locality: 3 = L1, 2 = L2)
 
 
 def _block_dot(T, w, aq, off, g, b, t):
@@ -72,12 +74,13 @@ def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", token
         return ws.vload([g, b, 0], "float32x16")
 
     def prefetch(T, w, g, b):
-        """Prefetch block b + PREFETCH_BLOCKS of group g: past the group's last block this is
-        the next group's first, which this thread reads next (past the buffer, a prefetch
-        does not fault)."""
-        for i in range(4):
-            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + PREFETCH_BLOCKS, i, 0]),
-                                          T.int32(0), T.int32(3), T.int32(1)))   # read, keep in L1, data
+        """Prefetch block b + ahead of group g for each PREFETCH distance: past the group's
+        last block this is the next groups' data, which this thread reads next (past the
+        buffer, a prefetch does not fault)."""
+        for ahead, locality in PREFETCH:
+            for i in range(4):
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + ahead, i, 0]),
+                                              T.int32(0), T.int32(locality), T.int32(1)))   # read, data
 
     @T.macro
     def tile(w, aq, off, ws, ad, y, g, first, count):
