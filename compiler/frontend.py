@@ -250,7 +250,10 @@ class GroupQueryAttention(F.OnnxOpConverter):
         write_v = bb.add_func(fast.kv_cache_write(False), _kname("kv_cache_write"))
         kc = bb.emit(relax.call_tir_inplace(write_k, [past_k, k, seqlens], 0, past_k.ty))
         vc = bb.emit(relax.call_tir_inplace(write_v, [past_v, v, seqlens], 0, past_v.ty))
-        if tiled:
+        if tiled and getattr(q.ty.shape[1], "value", None) == 1:   # decode: the three-pass kernel
+            kernel = bb.add_func(fast.decode_attention(heads, kv_heads, head_dim, scale), _kname("attention_3pass"))
+            out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
+        elif tiled:
             kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale), _kname("attention_online"))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
         else:

@@ -138,10 +138,11 @@ def _host_kernel(func):
                        target=get_target("host").tvm_target())
 
 
-@pytest.mark.parametrize("past, s", [(0, 1), (0, 17), (5, 1), (15, 3), (16, 1), (37, 17)])
+@pytest.mark.parametrize("past, s", [(0, 1), (0, 17), (5, 1), (15, 3), (16, 1), (37, 17), (40, 1)])
 def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s):
-    """The cache writers (K in key tiles of 16, V in rows) then the online-softmax attention,
-    against numpy's causal attention: histories and chunks that do and do not fill tiles."""
+    """The cache writers (K in key tiles of 16, V in rows) then the online-softmax attention
+    (and for one new token the three-pass decode attention), against numpy's causal attention:
+    histories and chunks that do and do not fill tiles."""
     import tvm
 
     from qwc.compiler.kernels import attention
@@ -158,10 +159,14 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s):
             write_k(kc, tvm.runtime.tensor(k[None, lo:hi].copy()), n)
             write_v(vc, tvm.runtime.tensor(v[None, lo:hi].copy()), n)
     # slots past the last key stay NaN: a kernel that read them would return NaN
-    out = tvm.runtime.tensor(np.zeros_like(q))
-    _host_kernel(attention.attention(heads, kvh, hd, 0.125))(
-        tvm.runtime.tensor(q), kc, vc, tvm.runtime.tensor(np.array([past + s - 1], np.int32)), out)
-    got = out.numpy()
+    kernels = [attention.attention(heads, kvh, hd, 0.125)]
+    if s == 1:
+        kernels.append(attention.decode_attention(heads, kvh, hd, 0.125))
+    got = []
+    for kernel in kernels:
+        out = tvm.runtime.tensor(np.zeros_like(q))
+        _host_kernel(kernel)(tvm.runtime.tensor(q), kc, vc, tvm.runtime.tensor(np.array([past + s - 1], np.int32)), out)
+        got.append(out.numpy())
     ref = np.zeros_like(q)
     kh, vh = k.reshape(-1, kvh, hd), v.reshape(-1, kvh, hd)
     for h in range(heads):
@@ -169,7 +174,8 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s):
             sc = kh[:past + i + 1, h // (heads // kvh)] @ q[0, i, h * hd:(h + 1) * hd] * 0.125
             p = np.exp(sc - sc.max())
             ref[0, i, h * hd:(h + 1) * hd] = p @ vh[:past + i + 1, h // (heads // kvh)] / p.sum()
-    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6)
+    for g in got:
+        np.testing.assert_allclose(g, ref, rtol=0, atol=2e-6)
 
 
 def test_attention_rejects_a_cache_capacity_off_the_tile():
