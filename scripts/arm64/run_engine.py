@@ -27,7 +27,7 @@ def main() -> None:
     import numpy as np
     from qwc.runtime.engine import Engine
 
-    eng = Engine(artifact, ctx=64)
+    eng = Engine(artifact, ctx=max(64, len(steps[0]) + len(steps)))   # room for a long prompt (bench/arm_icount.py)
     logits = [eng.prefill(steps[0])] + [eng.decode(t) for t in steps[1:]]
     np.save(out, np.stack(logits))
     print(platform.machine(), len(logits))
