@@ -61,6 +61,14 @@ def w4a8_prefill_kernel(features) -> str:
     return "vnni"
 
 
+def three_pass_decode_attention(features) -> bool:
+    """Decode attention in three passes (kernels/attention.py) on x86, where it is 1.5x the
+    online kernel at 512 cached tokens; ARM keeps the online kernel, which executes 6% fewer
+    instructions per decoded token there (bench/arm_icount.py, docs/design.md) and is the only
+    ARM measurement there is."""
+    return "neon" not in features
+
+
 def default_act_bits(features) -> int:
     """8 where the target has an integer dot-product kernel (W4A8, as llama.cpp computes Q4_0;
     +0.4% perplexity on real weights, docs/design.md), else 32: the float kernel is faster
@@ -250,7 +258,7 @@ class GroupQueryAttention(F.OnnxOpConverter):
         write_v = bb.add_func(fast.kv_cache_write(False), _kname("kv_cache_write"))
         kc = bb.emit(relax.call_tir_inplace(write_k, [past_k, k, seqlens], 0, past_k.ty))
         vc = bb.emit(relax.call_tir_inplace(write_v, [past_v, v, seqlens], 0, past_v.ty))
-        if tiled and getattr(q.ty.shape[1], "value", None) == 1:   # decode: the three-pass kernel
+        if tiled and getattr(q.ty.shape[1], "value", None) == 1 and three_pass_decode_attention(_features):
             kernel = bb.add_func(fast.decode_attention(heads, kv_heads, head_dim, scale), _kname("attention_3pass"))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
         elif tiled:

@@ -75,6 +75,7 @@ def test_yitian_library_uses_sdot_smmla_and_sve(arm64_env, builds):
     assert len(re.findall(r"\ssdot\s", asm)) > 0              # decode GEMV
     assert len(re.findall(r"\ssmmla\s", asm)) > 0             # prefill GEMM (i8mm)
     assert len(re.findall(r"\bz\d+\.[bhsd]\b", asm)) > 0        # SVE vector registers
+    assert "<decode_attention_online" in asm and "attention_3pass" not in asm   # fewer ARM instructions
 
 
 def test_neon_library_uses_sdot_and_no_sve(arm64_env, builds):

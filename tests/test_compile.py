@@ -208,6 +208,9 @@ def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
     # ...and the down projection's quantizer computed SiLU·mul itself: no sigmoid kernel left
     syms = subprocess.run(["nm", "-D", str(vnni / "lib.so")], capture_output=True, text=True).stdout
     assert "decode_act_q8_silu_" in syms and "sigmoid" not in syms
+    # ...and decode attends in three passes (frontend.three_pass_decode_attention), prefill online
+    assert "decode_attention_3pass" in syms and "decode_attention_online" not in syms
+    assert "prefill_attention_online" in syms
 
 
 def test_bench_prints_pp_and_tg_rows(tiny_host_artifact, capsys):
