@@ -63,9 +63,9 @@ def w4a8_prefill_kernel(features) -> str:
 
 def three_pass_decode_attention(features) -> bool:
     """Decode attention in three passes (kernels/attention.py) on x86, where it is 1.5x the
-    online kernel at 512 cached tokens; ARM keeps the online kernel, which executes 6% fewer
-    instructions per decoded token there (bench/arm_icount.py, docs/design.md) and is the only
-    ARM measurement there is."""
+    online kernel at 512 cached tokens; ARM keeps the online kernel, which executes 4% fewer
+    instructions per decoded token there at 512 cached tokens (bench/arm_icount.py under qemu,
+    docs/design.md): the only ARM measurement there is."""
     return "neon" not in features
 
 
