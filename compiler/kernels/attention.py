@@ -29,6 +29,7 @@ CHAINS = 8       # independent FMA chains per tile's scores (latency, not throug
 # 4 KiB page (16 rows); 32 -> 25 us a layer at 512 cached tokens, cache-cold. Prefetching
 # the K tiles too (each one page) changed nothing.
 V_PREFETCH_ROWS = 32
+NEG_INF = -3.0e38  # the running max's start and masked lanes' score (finite: no inf - inf)
 ACCS = 2         # value accumulators (even and odd keys): halves the update's dependency chain
 
 
@@ -73,36 +74,41 @@ def _tree_sum(xs):
     return xs[0]
 
 
+def _tile_scores(T, q, i, kc, h, kvh, t, head_dim):
+    """Tile t's 16 unscaled scores of query i's head h against kv head kvh: sum over d of
+    q[d] * (16 keys' element d), in CHAINS independent FMA chains."""
+    def part(c):
+        terms = []
+        for d in range(c, head_dim, CHAINS):
+            row, col = k_row_col(t * KEY_TILE, d, head_dim)   # t * KEY_TILE: the tile's first key
+            terms.append(T.broadcast(q[T.int64(0), i, h * head_dim + d], KEY_TILE)
+                         * kc[T.int64(0), kvh, row, T.ramp(col, 1, KEY_TILE)])
+        acc = terms[0]
+        for x in terms[1:]:
+            acc = acc + x
+        return acc
+    return _tree_sum([part(c) for c in range(CHAINS)])
+
+
+def _in_tile(T, t, keys):
+    """Lanes of tile t that hold one of the first `keys` keys."""
+    return T.broadcast(t * KEY_TILE, KEY_TILE) + T.ramp(T.int64(0), T.int64(1), KEY_TILE) < T.broadcast(keys, KEY_TILE)
+
+
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
     from tvm.script import tirx as T
 
     group = heads // kv_heads
     chunks = head_dim // LANES
-    neg_inf = -3.0e38
     kt = KEY_TILE
-
-    def scores(q, kc, h, i, t):
-        """The tile's 16 scores (unscaled): sum over d of q[d] * (16 keys' element d)."""
-        def part(c):
-            terms = []
-            for d in range(c, head_dim, CHAINS):
-                row, col = k_row_col(t * kt, d, head_dim)   # t * kt: the tile's first key
-                terms.append(T.broadcast(q[T.int64(0), i, h * head_dim + d], kt)
-                             * kc[T.int64(0), h // group, row, T.ramp(col, 1, kt)])
-            acc = terms[0]
-            for x in terms[1:]:
-                acc = acc + x
-            return acc
-        return _tree_sum([part(c) for c in range(CHAINS)])
 
     @T.macro
     def tile(q, kc, vc, acc, stat, p, task, s, keys, t, masked):
         """Keys 16t .. 16t+15 into the running state; `masked`: only those below `keys`."""
-        sc = scores(q, kc, task // s, task % s, t) * T.broadcast(T.float32(scale), kt)
+        sc = _tile_scores(T, q, task % s, kc, task // s, task // s // group, t, head_dim) * T.broadcast(T.float32(scale), kt)
         if masked:
-            sc = T.Select(T.broadcast(t * kt, kt) + T.ramp(T.int64(0), T.int64(1), kt) < T.broadcast(keys, kt),
-                          sc, T.broadcast(T.float32(neg_inf), kt))
+            sc = T.Select(_in_tile(T, t, keys), sc, T.broadcast(T.float32(NEG_INF), kt))
         scv = T.bind(sc)
         m = T.bind(T.max(stat[0], vector_math.reduce_max(T, scv, kt)))
         r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
@@ -133,7 +139,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
             p = T.decl_buffer((kt,), "float32", scope="global")    # the tile's weights
             for c in range(ACCS * chunks):
                 acc[T.ramp(c * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
-            stat[0] = T.float32(neg_inf)
+            stat[0] = T.float32(NEG_INF)
             stat[1] = T.float32(0)
             keys = T.bind(T.Cast("int64", seqlens[0]) + T.int64(1) - s + task % s + T.int64(1))
             for t in range(keys // kt):
@@ -167,22 +173,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float):
 
     group = heads // kv_heads
     chunks = head_dim // LANES
-    neg_inf = -3.0e38
     kt = KEY_TILE
-
-    def scores(q, kc, h, kvh, t):
-        """Tile t's 16 scores of head h (scaled)."""
-        def part(c):
-            terms = []
-            for d in range(c, head_dim, CHAINS):
-                row, col = k_row_col(t * kt, d, head_dim)
-                terms.append(T.broadcast(q[T.int64(0), T.int64(0), h * head_dim + d], kt)
-                             * kc[T.int64(0), kvh, row, T.ramp(col, 1, kt)])
-            acc = terms[0]
-            for x in terms[1:]:
-                acc = acc + x
-            return acc
-        return _tree_sum([part(c) for c in range(CHAINS)]) * T.broadcast(T.float32(scale), kt)
 
     @T.prim_func(private=True)
     def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, seqlens: T.Buffer((1,), "int32"),
@@ -202,18 +193,19 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float):
             tot = T.decl_buffer((group,), "float32", scope="global")       # sum of the weights
             acc = T.decl_buffer((group * head_dim,), "float32", scope="global")
             for hh in range(group):
-                mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(neg_inf), kt)
+                mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(NEG_INF), kt)
             for t in range(tiles):          # 1: scores (past the last key: -inf)
                 for hh in T.unroll(group):
-                    s = T.bind(T.Select(T.broadcast(t * kt, kt) + T.ramp(T.int64(0), T.int64(1), kt) < T.broadcast(keys, kt),
-                                        scores(q, kc, kvh * group + hh, kvh, t), T.broadcast(T.float32(neg_inf), kt)))
+                    s = T.bind(T.Select(_in_tile(T, t, keys),
+                                        _tile_scores(T, q, T.int64(0), kc, kvh * group + hh, kvh, t, head_dim)
+                                        * T.broadcast(T.float32(scale), kt), T.broadcast(T.float32(NEG_INF), kt)))
                     sc[hh, T.ramp(t * kt, 1, kt)] = s
                     mx[T.ramp(hh * kt, 1, kt)] = T.max(mx[T.ramp(hh * kt, 1, kt)], s)
             for hh in range(group):         # 2: weights exp(s - max) (past the last key: 0)
                 m = T.bind(vector_math.reduce_max(T, mx[T.ramp(hh * kt, 1, kt)], kt))
                 mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(0), kt)    # now the sum's lanes
                 for t in range(tiles):
-                    e = T.bind(T.Select(T.broadcast(t * kt, kt) + T.ramp(T.int64(0), T.int64(1), kt) < T.broadcast(keys, kt),
+                    e = T.bind(T.Select(_in_tile(T, t, keys),
                                         vector_math.exp(T, sc[hh, T.ramp(t * kt, 1, kt)] - T.broadcast(m, kt), kt),
                                         T.broadcast(T.float32(0), kt)))
                     sc[hh, T.ramp(t * kt, 1, kt)] = e
