@@ -14,7 +14,9 @@ from qwc.compiler.kernels import row_groups
 from qwc.compiler.targets import get_target
 from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 
-SHAPES = [(96, 24), (160, 6), (100, 20), (896, 40)]   # (K, N)
+# (K, N). N = 136 and 128 take the decode GEMV's multi-stream path (N >= 64 rows), with a
+# ragged leftover group and without one.
+SHAPES = [(96, 24), (160, 6), (100, 20), (896, 40), (96, 136), (64, 128)]
 
 
 def _weights(k, n, seed):

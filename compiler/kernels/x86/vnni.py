@@ -36,6 +36,12 @@ DEFAULTS = {"tokens": 4}
 # tok/s, L2 only (32) 72-89, both 83-90 (docs/design.md). Non-temporal was 40% worse;
 # prefetching the scale stream too cost 10%.
 PREFETCH = ((8, 3), (32, 2))   # (blocks ahead, LLVM locality: 3 = L1, 2 = L2)
+# Decode reads STREAMS far-apart row groups in lockstep, block by block: each thread then has
+# STREAMS sequential streams in flight whose page crossings fall at different times, so one
+# restarting stream no longer idles the memory pipe. Weight GB/s in a decode-like stream of
+# distinct weights: 4864x896 28 -> 31, 896x4864 27 -> 30, lm_head 32 -> 35; 8 streams were
+# slower (docs/design.md). A plain read of memory gains the same way (bench/gemv.py).
+STREAMS = 4
 
 
 def _block_dot(T, w, aq, off, g, b, t):
@@ -106,6 +112,26 @@ def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", token
                     if g * ROWS + r < n:
                         y[first + t, g * ROWS + r] = acc[t * ROWS + r]
 
+    full = n // ROWS                 # groups without padding rows
+    per = full // STREAMS if decode else 0   # decode: groups per stream (task p reads p, per + p, ...)
+
+    @T.macro
+    def streams(w, aq, off, ws, ad, y, p):
+        """Decode rows of the STREAMS groups p, per + p, 2 per + p, ... (each a stream: past
+        a group's last block, the prefetch reaches the same stream's next group, p + 1)."""
+        acc = T.decl_buffer((STREAMS * ROWS,), "float32", scope="global")
+        for h in T.unroll(STREAMS):
+            acc[T.ramp(h * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+        for b in range(nb):
+            for h in T.unroll(STREAMS):
+                prefetch(T, w, h * per + p, b)
+            for h in T.unroll(STREAMS):
+                acc[T.ramp(h * ROWS, 1, ROWS)] = acc[T.ramp(h * ROWS, 1, ROWS)] + T.Cast(
+                    "float32x16", _block_dot(T, w, aq, off, h * per + p, b, 0)) * (
+                    scales(ws, h * per + p, b) * T.broadcast(ad[0, b], ROWS))
+        for h in T.unroll(STREAMS):
+            y[0, T.ramp((h * per + p) * ROWS, 1, ROWS)] = acc[T.ramp(h * ROWS, 1, ROWS)]
+
     @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
                ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
@@ -115,11 +141,20 @@ def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", token
         off = T.match_buffer(var_off, (rows_in, nb), "float32")
         y = T.match_buffer(var_y, (rows_in, n), "float32")
         with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
-            for g in T.parallel(ng):
-                for it in range(rows_in // tm):
-                    tile(w, aq, off, ws, ad, y, g, it * tm, tm)
-                if tm > 1:  # decided when the kernel is built: decode has no leftover tokens
-                    for i in range(rows_in // tm * tm, rows_in):
-                        tile(w, aq, off, ws, ad, y, g, i, 1)
+            # Decode: tasks 0 .. per-1 read STREAMS groups each; the last task takes the groups
+            # left over (fewer than STREAMS, and a ragged last one) one at a time. Prefill:
+            # one task per group.
+            for task in T.parallel(per + (ng - per * STREAMS > 0) if decode else ng):
+                if decode and task < per:
+                    streams(w, aq, off, ws, ad, y, task)
+                elif decode:
+                    for g in range(per * STREAMS, ng):
+                        tile(w, aq, off, ws, ad, y, g, 0, 1)
+                else:
+                    for it in range(rows_in // tm):
+                        tile(w, aq, off, ws, ad, y, task, it * tm, tm)
+                    if tm > 1:  # decided when the kernel is built
+                        for i in range(rows_in // tm * tm, rows_in):
+                            tile(w, aq, off, ws, ad, y, task, i, 1)
 
     return kernel
