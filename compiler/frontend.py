@@ -83,21 +83,18 @@ class MatMulNBits(F.OnnxOpConverter):
         if len(inputs) > 3 and inputs[3] is not None:
             raise QwcError("MatMulNBits with explicit zero points is not supported (qwc emits symmetric Q4_0)")
         k, n, block, bits = int(attr["K"]), int(attr["N"]), int(attr["block_size"]), int(attr.get("bits", 4))
+        bias = inputs[5] if len(inputs) > 5 else None
         path = q4_0_path(k, n, block, bits, _act_bits, _features)
         if path is not None:
-            out = cls.q4_0_matmul(bb, a, w, s, k, n, path)
-        else:
-            kernel = generic.matmul_nbits_a8 if _act_bits == 8 else generic.matmul_nbits
-            out = bb.emit_te(kernel, a, w, s, k=k, n=n, block=block, bits=bits,
-                             primfunc_name_hint=_kname("matmul_nbits"))
-        if len(inputs) > 5 and inputs[5] is not None:
-            out = bb.emit(relax.op.add(out, inputs[5]))
-        return out
+            return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias)
+        kernel = generic.matmul_nbits_a8 if _act_bits == 8 else generic.matmul_nbits
+        out = bb.emit_te(kernel, a, w, s, k=k, n=n, block=block, bits=bits, primfunc_name_hint=_kname("matmul_nbits"))
+        return out if bias is None else bb.emit(relax.op.add(out, bias))
 
     @classmethod
-    def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str, features=None):
-        """a [..., K] through one of qwc's Q4_0 kernels on [M, K] rows ("f32": W4A32; "x86",
-        "arm": W4A8 integer dots); M = 1 selects the decode form."""
+    def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str, features=None, bias=None):
+        """a [..., K] (+ bias [N]) through one of qwc's Q4_0 kernels on [M, K] rows ("f32":
+        W4A32; "x86", "arm": W4A8 integer dots); M = 1 selects the decode form."""
         lead = list(a.ty.shape)[:-1]
         a2 = bb.emit(relax.op.reshape(a, [-1, k]))
         m = a2.ty.shape[0]
@@ -108,9 +105,10 @@ class MatMulNBits(F.OnnxOpConverter):
             silu = _silu_mul_operands(bb, a)
             if silu is not None:   # the quantizer computes silu(gate) * up itself
                 silu = [_rows(bb, x, k) for x in silu]
-            y = cls._int8_dot(bb, a2, m, one_token, w, s, k, n, path, _features if features is None else features,
-                              silu)
-        return bb.emit(relax.op.reshape(y, [*lead, n]))
+            y, bias = cls._int8_dot(bb, a2, m, one_token, w, s, k, n, path,
+                                    _features if features is None else features, silu, bias)
+        y = bb.emit(relax.op.reshape(y, [*lead, n]))
+        return y if bias is None else bb.emit(relax.op.add(y, bias))
 
     @staticmethod
     def _f32(bb, a2, m, one_token: bool, w, s, k: int, n: int):
@@ -124,11 +122,12 @@ class MatMulNBits(F.OnnxOpConverter):
         return bb.emit(relax.call_tir(kernel, [a2, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
 
     @staticmethod
-    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, isa: str, features, silu=None):
+    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, isa: str, features, silu=None, bias=None):
         """W4A8 through an ISA's integer dot-product kernel (vpdpbusd / sdot), both reading the
         row-group layout compile-time repacking wrote (kernels/row_groups.py). `silu`: (gate,
         up) [M, K] when a2 is silu(gate) * up, which the activation quantizer then computes
-        (a2's own kernel is left unused and dead-code elimination drops it)."""
+        (a2's own kernel is left unused and dead-code elimination drops it). Returns y and
+        the bias still to add (None when the kernel added it: the x86 decode GEMV)."""
         from .kernels import act_quant
 
         if len(w.ty.shape) != 4:
@@ -145,19 +144,32 @@ class MatMulNBits(F.OnnxOpConverter):
             from .kernels.arm import dotprod as isa_kernels
 
             kernel = bb.add_func(isa_kernels.q4_dot(n, nb, one_token, sdt, tokens), _kname(f"q4_{kind}_sdot_{n}x{nb}_{sdt}"))
+        elif one_token:   # several of these may become one launch (compiler/sibling_gemvs.py)
+            from .kernels.x86 import vnni as isa_kernels
+
+            kernel = bb.add_func(isa_kernels.decode_gemv(((n, bias is not None),), nb, sdt),
+                                 _kname(f"q4_gemv_vnni_{n}x{nb}_{sdt}{'_bias' if bias is not None else ''}"))
         else:
             from .kernels.x86 import vnni as isa_kernels
 
-            kernel = bb.add_func(isa_kernels.q4_matmul(n, nb, one_token, sdt, tokens),
-                                 _kname(f"q4_{kind}_vnni_{n}x{nb}_{sdt}"))
+            kernel = bb.add_func(isa_kernels.q4_matmul(n, nb, sdt, tokens), _kname(f"q4_gemm_vnni_{n}x{nb}_{sdt}"))
         zp = isa_kernels.ZERO_POINT
+        gate_up = _decode_gate_up(bb, *silu) if silu and one_token and isa == "x86" else None
+        if gate_up is not None:   # the gate and up GEMV computes silu(gate) * up: quantize that
+            h = bb.add_func(isa_kernels.decode_gemv(((k, False), (k, False)), int(gate_up[3].ty.shape[1]),
+                                                    str(gate_up[4].ty.dtype), silu_mul=True),
+                            _kname(f"q4_gemv_vnni_silu_mul_{k}x{int(gate_up[3].ty.shape[1])}"))
+            a2, silu = bb.emit(relax.call_tir(h, gate_up, relax.TensorType(shape=[m, k], dtype="float32"))), None
         quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, silu is not None),
                             _kname(f"act_q8_{'silu_' if silu else ''}{k}_{int(one_token)}_sum{-zp}"))
         parts = bb.emit(relax.call_tir(quant, list(silu) if silu else [a2], [
             relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
             relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))
         q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
-        return bb.emit(relax.call_tir(kernel, [q, scale, off, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
+        fused_bias = isa == "x86" and one_token and bias is not None
+        args = [q, scale, off, w, s] + ([bias] if fused_bias else [])
+        y = bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
+        return y, None if fused_bias else bias
 
 
 def _binding(bb, x):
@@ -178,6 +190,34 @@ def _rows(bb, x, k: int):
     if _call_of(e, "relax.reshape") and len(e.args[0].ty.shape) == 2 and int(e.args[0].ty.shape[1]) == k:
         return e.args[0]
     return bb.emit(relax.op.reshape(x, [-1, k]))
+
+
+def _decode_gate_up(bb, gate, up):
+    """[aq, ad, off, w_gate, s_gate, w_up, s_up] when gate and up [1, K] are x86 decode GEMV
+    outputs (no bias) of the same activations: the arguments of one silu_mul GEMV that makes
+    silu(gate) * up itself (kernels/x86/vnni.py: decode_gemv), leaving their own GEMVs and
+    quantizers to dead-code elimination; else None."""
+    from .kernels.x86 import vnni
+
+    calls = []
+    for x in (gate, up):
+        e = _binding(bb, x)
+        if not _call_of(e, "relax.call_tir"):
+            return None
+        func = bb.get()[e.args[0]]
+        args = list(e.args[1].fields)
+        if not (func.attrs and func.attrs.get(vnni.DECODE_GEMV)) or len(args) != 5:
+            return None
+        calls.append(args)
+
+    def source(aq):   # the tensor the activation quantizer of `aq` read, reshapes looked through
+        parts = _binding(bb, _binding(bb, aq).tuple_value)
+        a2 = _binding(bb, parts.args[1].fields[0])
+        return a2.args[0] if _call_of(a2, "relax.reshape") else a2
+
+    if not source(calls[0][0]).same_as(source(calls[1][0])):
+        return None
+    return calls[0] + calls[1][3:]
 
 
 def _silu_mul_operands(bb, a):

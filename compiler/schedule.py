@@ -74,14 +74,18 @@ def cpu_pipeline(target):
     from tvm import relax
     from tvm.relax.backend.cpu_generic import pipeline as P
 
+    from .sibling_gemvs import merge_sibling_gemvs
+
     @tvm.transform.module_pass(opt_level=0, name="qwc.CPUPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             seq = tvm.transform.Sequential(
-                # q, k and v (and gate, up) read the same activations: quantize them once.
-                # DCE drops what a fused kernel made unused (the SiLU·mul the down projection's
-                # quantizer computes itself: frontend._silu_mul_operands).
-                [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
+                # q, k and v (and gate, up) read the same activations: quantize them once,
+                # and run their decode GEMVs as one launch (compiler/sibling_gemvs.py). DCE
+                # drops what a fused kernel made unused (the SiLU·mul the down projection's
+                # quantizer computes itself: frontend._silu_mul_operands; the merged GEMVs).
+                [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination(), merge_sibling_gemvs,
+                 relax.transform.DeadCodeElimination()]
                 + P.library_dispatch_passes(target) + P.legalize_passes(target)
                 + [generic_cpu_schedule] + P.dataflow_lower_passes(target) + P.finalize_passes(target))
             return seq(mod)

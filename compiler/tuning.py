@@ -103,7 +103,7 @@ def a8_kernel(impl: str, n: int, nb: int, m: int, tokens: int | None = None):
     from .kernels.x86 import vnni
 
     if impl == "vnni":
-        return vnni.q4_matmul(n, nb, False, "float16", tokens=tokens, m=m)
+        return vnni.q4_matmul(n, nb, "float16", tokens=tokens, m=m)
     if impl == "sdot":
         return dotprod.q4_dot(n, nb, False, "float16", tokens=tokens, m=m)
     return i8mm.q4_gemm(n, nb, "float16", tokens=tokens, m=m)

@@ -4,6 +4,7 @@ same canonical graph, and the artifact's self-checks."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -205,9 +206,12 @@ def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
         assert np.abs(x - y).max() <= 1e-5 * np.abs(y).max()
     asm = subprocess.run(["objdump", "-d", str(vnni / "lib.so")], capture_output=True, text=True).stdout
     assert "vpdpbusd" in asm
-    # ...and the down projection's quantizer computed SiLU·mul itself: no sigmoid kernel left
+    # ...and SiLU·mul cost no kernel of its own: prefill's down-projection quantizer computed
+    # it, decode's gate/up GEMV; q, k and v decode in one launch (compiler/sibling_gemvs.py)
     syms = subprocess.run(["nm", "-D", str(vnni / "lib.so")], capture_output=True, text=True).stdout
-    assert "decode_act_q8_silu_" in syms and "sigmoid" not in syms
+    assert "prefill_act_q8_silu_" in syms and "decode_q4_gemv_vnni_silu_mul_" in syms and "sigmoid" not in syms
+    assert "decode_act_q8_silu_" not in syms
+    assert re.search(r"decode_q4_gemv_vnni_\d+_\d+_\d+x", syms)   # three outputs
     # ...and decode attends in three passes (frontend.three_pass_decode_attention), prefill online
     assert "decode_attention_3pass" in syms and "decode_attention_online" not in syms
     assert "prefill_attention_online" in syms

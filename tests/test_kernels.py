@@ -217,3 +217,44 @@ def test_activation_quantizer_against_q8_0(k, silu):
     diff = np.abs(aq.astype(np.int32) - q)
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-3   # a rounding tie may differ by one step
     np.testing.assert_array_equal(off, -8 * aq.astype(np.float32).sum(-1))
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul):
+    """The x86 decode GEMV that runs several weights of the same activations in one launch
+    (compiler/sibling_gemvs.py): ragged outputs with and without a bias (N = 136, 24, 40:
+    the multi-stream path and leftover groups), and gate/up written as silu(gate) * up."""
+    import tvm
+
+    from qwc.compiler.kernels import act_quant
+    from qwc.compiler.kernels.x86 import vnni
+
+    if "avx512_vnni" not in get_target("host").features:
+        pytest.fail("this test expects an AVX-512 VNNI host (the project's CI machine has one)")
+    k, nb = 96, 3
+    outputs = ((200, False), (200, False)) if silu_mul else ((136, True), (24, False), (40, True))
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((1, k), dtype=np.float32)
+    parts = [tvm.runtime.tensor(np.zeros(s, dt)) for s, dt in (((1, nb, 32), np.int8), ((1, nb), np.float32),
+                                                                ((1, nb), np.float32))]
+    _host_kernel(act_quant.fused_quantizer(k, vnni.ZERO_POINT, True))(tvm.runtime.tensor(a), *parts)
+    aq, ad = parts[0].numpy(), parts[1].numpy()
+    inter = np.empty_like(aq)
+    inter[..., 0::2], inter[..., 1::2] = aq[..., :16], aq[..., 16:]   # back to element order
+    a8 = (inter.astype(np.float32) * ad[..., None]).reshape(1, k)
+    args, refs = list(parts), []
+    for i, (n, has_bias) in enumerate(outputs):
+        wp, d, deq = _weights(k, n, 100 + i)
+        args += [tvm.runtime.tensor(x) for x in row_groups.pack(wp, d)]
+        refs.append(a8 @ deq.T)
+        if has_bias:
+            bias = rng.standard_normal(n, dtype=np.float32)
+            args.append(tvm.runtime.tensor(bias))
+            refs[-1] = refs[-1] + bias
+    if silu_mul:
+        g, u = refs
+        refs = [g / (1 + np.exp(-g)) * u]
+    outs = [tvm.runtime.tensor(np.zeros(r.shape, np.float32)) for r in refs]
+    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", silu_mul))(*args, *outs)
+    for o, r in zip(outs, refs):
+        np.testing.assert_allclose(o.numpy(), r, rtol=0, atol=1e-5 * np.abs(r).max())

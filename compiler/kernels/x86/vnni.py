@@ -42,6 +42,7 @@ PREFETCH = ((8, 3), (32, 2))   # (blocks ahead, LLVM locality: 3 = L1, 2 = L2)
 # distinct weights: 4864x896 28 -> 31, 896x4864 27 -> 30, lm_head 32 -> 35; 8 streams were
 # slower (docs/design.md). A plain read of memory gains the same way (bench/gemv.py).
 STREAMS = 4
+DECODE_GEMV = "qwc.decode_gemv"   # the attribute that marks decode_gemv kernels
 
 
 def _block_dot(T, w, aq, off, g, b, t):
@@ -61,36 +62,29 @@ def _block_dot(T, w, aq, off, g, b, t):
     return lo + hi
 
 
+def _scales(T, ws, g, b, scale_dtype):
+    """The 16 rows' fp32 scales of group g, block b."""
+    if scale_dtype == "float16":
+        return T.Cast("float32x16", ws.vload([g, b, 0], "float16x16"))
+    return ws.vload([g, b, 0], "float32x16")
+
+
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
-def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None,
-              m: int | None = None):
-    """y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the -8 x sum
-    offsets) and the packed weights. decode: one token; prefill: tiles of `tokens` tokens,
+def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None):
+    """Prefill: y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the
+    -8 x sum offsets) and the packed weights, in tiles of `tokens` tokens per row group and
     leftovers one at a time. M is any number of tokens, or `m` (tuning measures at fixed M)."""
     from tvm.script import tirx as T
 
     ng = groups(n)
-    tm = 1 if decode else (tokens or DEFAULTS["tokens"])
+    tm = tokens or DEFAULTS["tokens"]
     rows_in = tirx.Var("m", "int64") if m is None else m   # tokens: any, or fixed for tuning
     ragged = n % ROWS != 0
 
-    def scales(ws, g, b):
-        if scale_dtype == "float16":
-            return T.Cast("float32x16", ws.vload([g, b, 0], "float16x16"))
-        return ws.vload([g, b, 0], "float32x16")
-
-    def prefetch(T, w, g, b):
-        """Prefetch block b + ahead of group g for each PREFETCH distance: past the group's
-        last block this is the next groups' data, which this thread reads next (past the
-        buffer, a prefetch does not fault)."""
-        for ahead, locality in PREFETCH:
-            for i in range(4):
-                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + ahead, i, 0]),
-                                              T.int32(0), T.int32(locality), T.int32(1)))   # read, data
-
     @T.macro
     def tile(w, aq, off, ws, ad, y, g, first, count):
-        """Rows 16g .. 16g+15 of tokens first .. first+count-1."""
+        """Rows 16g .. 16g+15 of tokens first .. first+count-1 (the group's weights are in
+        cache after the first tile: no prefetch)."""
         # "global", not "local": TVM places small constant-size global allocations on the stack
         # (LLVM then keeps them in registers) but serves every "local" one with a
         # TVMBackendAllocWorkspace call, here once per 16-row group.
@@ -98,12 +92,10 @@ def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", token
         for t in T.unroll(count):
             acc[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
         for b in range(nb):
-            if decode:   # prefill re-reads a group's weights per tile: they are in cache
-                prefetch(T, w, g, b)
             for t in T.unroll(count):
                 acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + T.Cast(
                     "float32x16", _block_dot(T, w, aq, off, g, b, first + t)) * (
-                    scales(ws, g, b) * T.broadcast(ad[first + t, b], ROWS))
+                    _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
         for t in T.unroll(count):
             if not ragged or g * ROWS + ROWS <= n:
                 y[first + t, T.ramp(g * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)]
@@ -111,26 +103,6 @@ def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", token
                 for r in range(ROWS):
                     if g * ROWS + r < n:
                         y[first + t, g * ROWS + r] = acc[t * ROWS + r]
-
-    full = n // ROWS                 # groups without padding rows
-    per = full // STREAMS if decode else 0   # decode: groups per stream (task p reads p, per + p, ...)
-
-    @T.macro
-    def streams(w, aq, off, ws, ad, y, p):
-        """Decode rows of the STREAMS groups p, per + p, 2 per + p, ... (each a stream: past
-        a group's last block, the prefetch reaches the same stream's next group, p + 1)."""
-        acc = T.decl_buffer((STREAMS * ROWS,), "float32", scope="global")
-        for h in T.unroll(STREAMS):
-            acc[T.ramp(h * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
-        for b in range(nb):
-            for h in T.unroll(STREAMS):
-                prefetch(T, w, h * per + p, b)
-            for h in T.unroll(STREAMS):
-                acc[T.ramp(h * ROWS, 1, ROWS)] = acc[T.ramp(h * ROWS, 1, ROWS)] + T.Cast(
-                    "float32x16", _block_dot(T, w, aq, off, h * per + p, b, 0)) * (
-                    scales(ws, h * per + p, b) * T.broadcast(ad[0, b], ROWS))
-        for h in T.unroll(STREAMS):
-            y[0, T.ramp((h * per + p) * ROWS, 1, ROWS)] = acc[T.ramp(h * ROWS, 1, ROWS)]
 
     @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
@@ -141,20 +113,115 @@ def q4_matmul(n: int, nb: int, decode: bool, scale_dtype: str = "float16", token
         off = T.match_buffer(var_off, (rows_in, nb), "float32")
         y = T.match_buffer(var_y, (rows_in, n), "float32")
         with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
-            # Decode: tasks 0 .. per-1 read STREAMS groups each; the last task takes the groups
-            # left over (fewer than STREAMS, and a ragged last one) one at a time. Prefill:
-            # one task per group.
-            for task in T.parallel(per + (ng - per * STREAMS > 0) if decode else ng):
-                if decode and task < per:
-                    streams(w, aq, off, ws, ad, y, task)
-                elif decode:
-                    for g in range(per * STREAMS, ng):
-                        tile(w, aq, off, ws, ad, y, g, 0, 1)
-                else:
-                    for it in range(rows_in // tm):
-                        tile(w, aq, off, ws, ad, y, task, it * tm, tm)
-                    if tm > 1:  # decided when the kernel is built
-                        for i in range(rows_in // tm * tm, rows_in):
-                            tile(w, aq, off, ws, ad, y, task, i, 1)
+            for g in T.parallel(ng):
+                for it in range(rows_in // tm):
+                    tile(w, aq, off, ws, ad, y, g, it * tm, tm)
+                if tm > 1:  # decided when the kernel is built
+                    for i in range(rows_in // tm * tm, rows_in):
+                        tile(w, aq, off, ws, ad, y, g, i, 1)
 
     return kernel
+
+
+@functools.cache
+def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16", silu_mul: bool = False):
+    """Decode: one token through several weights that read the same activations (q, k and v;
+    gate and up) in one parallel launch: outputs = ((N, with bias), ...). Arguments: aq, ad,
+    off [1, ...] as for q4_matmul, then per output its packed weights, scales and bias [N] if
+    it has one, then the outputs y [1, N] in order (compiler/sibling_gemvs.py merges them).
+    `silu_mul`: two outputs (gate, up) of one N, written as the one output silu(gate) * up
+    [1, N] (the MLP's hidden state: no kernel of its own, the gate and up never stored).
+
+    Output i's full row groups form STREAMS streams of `per` groups; its tasks 0 .. per-1
+    read groups p, per + p, 2 per + p, ... in lockstep, block by block, and past a group's
+    last block the prefetch reaches that stream's next group (p + 1), read next. The groups
+    left over (fewer than STREAMS full ones, and a ragged last one) are one more task. With
+    `silu_mul` a task reads the same groups of gate and up (STREAMS / 2 streams each). Built
+    with TVM's IR builder: TVMScript signatures cannot vary in length."""
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    from .. import vector_math
+
+    if silu_mul and (len(outputs) != 2 or outputs[0][0] != outputs[1][0] or any(b for _, b in outputs)):
+        raise ValueError(f"silu_mul takes gate and up of one N without biases, got {outputs}")
+
+    def prefetch(w, g, b):
+        for ahead, locality in PREFETCH:
+            for i in range(4):
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + ahead, i, 0]),
+                                              T.int32(0), T.int32(locality), T.int32(1)))   # read, data
+
+    def accumulate(streams):
+        """Accumulators of the (weights, scales, row group) streams over all blocks, in lockstep."""
+        acc = T.decl_buffer((len(streams) * ROWS,), "float32", scope="global")   # a stack slot: see q4_matmul
+        for h in range(len(streams)):
+            T.buffer_store(acc, T.broadcast(T.float32(0), ROWS), [T.ramp(h * ROWS, 1, ROWS)])
+        with T.serial(0, nb) as b:
+            for w, _, g in streams:
+                prefetch(w, g, b)
+            for h, (w, ws, g) in enumerate(streams):
+                T.buffer_store(acc, acc[T.ramp(h * ROWS, 1, ROWS)] + T.Cast("float32x16", _block_dot(T, w, aq, off, g, b, 0))
+                               * (_scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[0, b], ROWS)),
+                               [T.ramp(h * ROWS, 1, ROWS)])
+        return acc
+
+    def store(y, n, g, value):
+        """Rows 16g .. of y from value(lane index or ramp, lanes); a ragged group row by row."""
+        rows = min(ROWS, n - g * ROWS) if isinstance(g, int) else ROWS
+        if rows == ROWS:
+            T.buffer_store(y, value(T.ramp(0, 1, ROWS), ROWS), [0, T.ramp(g * ROWS, 1, ROWS)])
+        else:
+            for r in range(rows):
+                T.buffer_store(y, value(r, 1), [0, g * ROWS + r])
+
+    def job(task, lo, per, left, weights, y, n):
+        """Output rows of `weights` ([(w, ws, bias)]: one output, or gate and up) for tasks
+        lo .. lo + per (streams) and lo + per (leftovers)."""
+        parts = []
+        if per:
+            parts.append((T.And(task >= lo, task < lo + per), [h * per + task - lo for h in range(STREAMS // len(weights))]))
+        if left:
+            parts.append((task == lo + per, left))
+        for cond, gs in parts:
+            with T.If(cond):
+                with T.Then():
+                    acc = accumulate([(w, ws, g) for w, ws, _ in weights for g in gs])
+                    for h, g in enumerate(gs):
+                        def value(i, lanes, h=h, g=g):
+                            a = acc[T.ramp(h * ROWS, 1, ROWS) if lanes > 1 else h * ROWS + i]
+                            if silu_mul:   # gate's accumulators first, then up's
+                                u = acc[T.ramp((len(gs) + h) * ROWS, 1, ROWS) if lanes > 1 else (len(gs) + h) * ROWS + i]
+                                return vector_math.silu(T, a, lanes) * u
+                            bias = weights[0][2]
+                            if bias is None:
+                                return a
+                            return a + bias[T.ramp(g * ROWS, 1, ROWS) if lanes > 1 else g * ROWS + i]
+                        store(y, n, g, value)
+
+    with IRBuilder() as ib:
+        with T.prim_func(private=True):
+            # opaque: FuseOps leaves it whole; DECODE_GEMV marks it for compiler/sibling_gemvs.py
+            T.func_attr({"tir.noalias": True, "op_pattern": 8, **({} if silu_mul else {DECODE_GEMV: True})})
+            aq = T.arg("aq", T.buffer((1, nb, 32), "int8"))
+            ad = T.arg("ad", T.buffer((1, nb), "float32"))
+            off = T.arg("off", T.buffer((1, nb), "float32"))
+            weights = []
+            for i, (n, has_bias) in enumerate(outputs):
+                w = T.arg(f"w{i}", T.buffer((groups(n), nb, 4, 4 * ROWS), "uint8"))
+                ws = T.arg(f"s{i}", T.buffer((groups(n), nb, ROWS), scale_dtype))
+                bias = T.arg(f"bias{i}", T.buffer((n,), "float32")) if has_bias else None
+                weights.append((w, ws, bias))
+            # (n, weights read together, output) per job: each output, or gate and up as one
+            jobs = ([(outputs[0][0], weights, T.arg("y", T.buffer((1, outputs[0][0]), "float32")))] if silu_mul else
+                    [(n, [wt], T.arg(f"y{i}", T.buffer((1, n), "float32"))) for i, ((n, _), wt) in enumerate(zip(outputs, weights))])
+            plan, first = [], 0   # (first task, per, leftover groups) per job
+            for n, wts, _ in jobs:
+                per = n // ROWS // (STREAMS // len(wts))
+                left = list(range(per * (STREAMS // len(wts)), groups(n)))
+                plan.append((first, per, left))
+                first += per + (1 if left else 0)
+            with T.parallel(0, first) as task:
+                for (n, wts, y), (lo, per, left) in zip(jobs, plan):
+                    job(task, lo, per, left, wts, y, n)
+    return ib.get()
