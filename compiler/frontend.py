@@ -102,11 +102,13 @@ class MatMulNBits(F.OnnxOpConverter):
         if path == "f32":
             y = cls._f32(bb, a2, m, one_token, w, s, k, n)
         else:
-            silu = _silu_mul_operands(bb, a)
+            silu, rms = _silu_mul_operands(bb, a), _rms_norm_operands(bb, a, k)
             if silu is not None:   # the quantizer computes silu(gate) * up itself
                 silu = [_rows(bb, x, k) for x in silu]
+            if rms is not None:    # ...or RMSNorm(x) * gamma
+                rms = (_rows(bb, rms[0], k), *rms[1:])
             y, bias = cls._int8_dot(bb, a2, m, one_token, w, s, k, n, path,
-                                    _features if features is None else features, silu, bias)
+                                    _features if features is None else features, silu, bias, rms)
         y = bb.emit(relax.op.reshape(y, [*lead, n]))
         return y if bias is None else bb.emit(relax.op.add(y, bias))
 
@@ -122,12 +124,14 @@ class MatMulNBits(F.OnnxOpConverter):
         return bb.emit(relax.call_tir(kernel, [a2, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
 
     @staticmethod
-    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, isa: str, features, silu=None, bias=None):
+    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, isa: str, features, silu=None, bias=None,
+                  rms=None):
         """W4A8 through an ISA's integer dot-product kernel (vpdpbusd / sdot), both reading the
         row-group layout compile-time repacking wrote (kernels/row_groups.py). `silu`: (gate,
-        up) [M, K] when a2 is silu(gate) * up, which the activation quantizer then computes
-        (a2's own kernel is left unused and dead-code elimination drops it). Returns y and
-        the bias still to add (None when the kernel added it: the x86 decode GEMV)."""
+        up) [M, K] when a2 is silu(gate) * up, `rms`: (x [M, K], gamma, eps) when a2 is
+        RMSNorm(x) * gamma; the activation quantizer then computes a2 itself (a2's own
+        kernel is left unused and dead-code elimination drops it). Returns y and the bias
+        still to add (None when the kernel added it: the x86 decode GEMV)."""
         from .kernels import act_quant
 
         if len(w.ty.shape) != 4:
@@ -160,9 +164,10 @@ class MatMulNBits(F.OnnxOpConverter):
                                                     str(gate_up[4].ty.dtype), silu_mul=True),
                             _kname(f"q4_gemv_vnni_silu_mul_{k}x{int(gate_up[3].ty.shape[1])}"))
             a2, silu = bb.emit(relax.call_tir(h, gate_up, relax.TensorType(shape=[m, k], dtype="float32"))), None
-        quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, silu is not None),
-                            _kname(f"act_q8_{'silu_' if silu else ''}{k}_{int(one_token)}_sum{-zp}"))
-        parts = bb.emit(relax.call_tir(quant, list(silu) if silu else [a2], [
+        eps = rms[2] if rms else None
+        quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, silu is not None, eps),
+                            _kname(f"act_q8_{'silu_' if silu else 'rms_' if rms else ''}{k}_{int(one_token)}_sum{-zp}"))
+        parts = bb.emit(relax.call_tir(quant, list(silu) if silu else list(rms[:2]) if rms else [a2], [
             relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
             relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))
         q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
@@ -192,23 +197,53 @@ def _rows(bb, x, k: int):
     return bb.emit(relax.op.reshape(x, [-1, k]))
 
 
+def _single_decode_gemv(bb, x):
+    """(kernel GlobalVar, args) when x is (a reshape of) the output of one x86 decode GEMV
+    without a bias (kernels/x86/vnni.py: decode_gemv), else None."""
+    from .kernels.x86 import vnni
+
+    e = _binding(bb, x)
+    if _call_of(e, "relax.reshape"):
+        e = _binding(bb, e.args[0])
+    if not _call_of(e, "relax.call_tir"):
+        return None
+    func = bb.get()[e.args[0]]
+    args = list(e.args[1].fields)
+    if not (func.attrs and func.attrs.get(vnni.DECODE_GEMV)) or len(args) != 5:
+        return None
+    return e.args[0], args
+
+
+def _decode_gemv_plus(bb, y, r):
+    """y + r as one decode GEMV that adds r in its epilogue (r as the bias: one row), when y
+    is a bias-free x86 decode GEMV's output of r's shape (the o and down projections before
+    the residual add); else None. The GEMV without the add is left to dead-code elimination."""
+    from tvm_ffi import structural_equal
+
+    from .kernels.x86 import vnni
+
+    gemv = _single_decode_gemv(bb, y)
+    if gemv is None or not structural_equal(y.ty.shape, r.ty.shape):
+        return None
+    gv, args = gemv
+    n, nb, sdt = int(y.ty.shape[-1]), int(args[3].ty.shape[1]), str(args[4].ty.dtype)
+    kernel = bb.add_func(vnni.decode_gemv(((n, True),), nb, sdt), gv.name_hint + "_bias")
+    out = bb.emit(relax.call_tir(kernel, args + [bb.emit(relax.op.reshape(r, [n]))],
+                                 relax.TensorType(shape=[1, n], dtype="float32")))
+    return bb.emit(relax.op.reshape(out, y.ty.shape))
+
+
 def _decode_gate_up(bb, gate, up):
     """[aq, ad, off, w_gate, s_gate, w_up, s_up] when gate and up [1, K] are x86 decode GEMV
     outputs (no bias) of the same activations: the arguments of one silu_mul GEMV that makes
     silu(gate) * up itself (kernels/x86/vnni.py: decode_gemv), leaving their own GEMVs and
     quantizers to dead-code elimination; else None."""
-    from .kernels.x86 import vnni
-
     calls = []
     for x in (gate, up):
-        e = _binding(bb, x)
-        if not _call_of(e, "relax.call_tir"):
+        gemv = _single_decode_gemv(bb, x)
+        if gemv is None:
             return None
-        func = bb.get()[e.args[0]]
-        args = list(e.args[1].fields)
-        if not (func.attrs and func.attrs.get(vnni.DECODE_GEMV)) or len(args) != 5:
-            return None
-        calls.append(args)
+        calls.append(gemv[1])
 
     def source(aq):   # the tensor the activation quantizer of `aq` read, reshapes looked through
         parts = _binding(bb, _binding(bb, aq).tuple_value)
@@ -218,6 +253,19 @@ def _decode_gate_up(bb, gate, up):
     if not source(calls[0][0]).same_as(source(calls[1][0])):
         return None
     return calls[0] + calls[1][3:]
+
+
+def _rms_norm_operands(bb, a, k: int):
+    """(x, gamma, eps) when `a` is RMSNorm over its last axis (K) with a [K] gamma, else None."""
+    e = _binding(bb, a)
+    if not _call_of(e, "relax.nn.rms_norm"):
+        return None
+    x, gamma = e.args
+    rank = len(x.ty.shape)
+    if ([int(ax) % rank for ax in e.attrs.axes] != [rank - 1] or [int(d) for d in gamma.ty.shape] != [k]
+            or str(x.ty.dtype) != "float32" or str(gamma.ty.dtype) != "float32"):
+        return None
+    return x, gamma, float(e.attrs.epsilon)
 
 
 def _silu_mul_operands(bb, a):
@@ -262,7 +310,9 @@ class SimplifiedLayerNormalization(F.OnnxOpConverter):
 class SkipSimplifiedLayerNormalization(F.OnnxOpConverter):
     @classmethod
     def _impl_v1(cls, bb, inputs, attr, params):
-        total = bb.emit(relax.op.add(inputs[0], inputs[1]))
+        total = _decode_gemv_plus(bb, inputs[1], inputs[0])
+        if total is None:
+            total = bb.emit(relax.op.add(inputs[0], inputs[1]))
         if len(inputs) > 3 and inputs[3] is not None:
             total = bb.emit(relax.op.add(total, inputs[3]))
         y = bb.emit(relax.op.nn.rms_norm(total, inputs[2], axes=[-1], epsilon=float(attr.get("epsilon", 1e-5))))

@@ -127,6 +127,11 @@ class Engine:
         shape = (1, kvh, cap, hd)
         cache = memory.arena_for([(shape, np.float32)] * n_cache)   # huge pages, as the params
         self.cache = [tvm.runtime.from_dlpack(cache.take(shape, np.float32)) for _ in range(n_cache)]
+        # The inputs' memory, reused: a decode step then builds its inputs as views (~1 us)
+        # where fresh tensors cost ~50 us, 0.5% of a 0.5B step.
+        inputs = memory.arena_for([((1, self.ctx), np.int64)] * 3)
+        self._ids, self._mask, self._positions = (inputs.take((1, self.ctx), np.int64) for _ in range(3))
+        self._mask[:] = 1
         self.pos = 0
         self.tokenizer = None
         tok = self.path / "tokenizer.json"
@@ -170,12 +175,12 @@ class Engine:
         s = tokens.shape[1]
         if self.pos + s > self.ctx:
             raise QwcError(f"{self.pos + s} tokens do not fit the context of {self.ctx} (use a larger --ctx)")
-        args = [tvm.runtime.tensor(tokens.astype(np.int64), self.device),
-                tvm.runtime.tensor(np.ones((1, self.pos + s), np.int64), self.device),
-                tvm.runtime.tensor(np.arange(self.pos, self.pos + s, dtype=np.int64)[None], self.device)]
+        self._ids[0, :s] = tokens[0]
+        self._positions[0, :s] = np.arange(self.pos, self.pos + s)
+        args = [tvm.runtime.from_dlpack(x) for x in (self._ids[:, :s], self._mask[:, :self.pos + s], self._positions[:, :s])]
         out = fn(*args, *self.cache, *self.params)
         self.pos += s
-        return out[0].numpy()[0]
+        return np.from_dlpack(out[0])[0]   # a view: the logits are not copied
 
     def prefill(self, tokens) -> np.ndarray:
         """Feed `tokens` after what the cache holds; returns the last position's logits."""

@@ -193,27 +193,35 @@ def test_attention_rejects_a_cache_capacity_off_the_tile():
 
 
 @pytest.mark.parametrize("k", [100, 896])
-@pytest.mark.parametrize("silu", [False, True])
-def test_activation_quantizer_against_q8_0(k, silu):
-    """The W4A8 activation quantizer (vector blocks, a scalar partial block at K = 100), alone
-    and computing silu(gate) * up first, against numpy's Q8_0 of the same input."""
+@pytest.mark.parametrize("mode", ["plain", "silu", "rms"])
+@pytest.mark.parametrize("m", [1, 17])
+def test_activation_quantizer_against_q8_0(k, mode, m):
+    """The W4A8 activation quantizer (vector blocks, a scalar partial block at K = 100), alone,
+    computing silu(gate) * up first, and computing RMSNorm(x) * gamma first, one row (decode,
+    serial) and 17 (parallel), against numpy's Q8_0 of the same input."""
     import tvm
 
     from qwc.compiler.kernels import act_quant
 
-    m, nb = 17, (k + 31) // 32
+    nb, eps = (k + 31) // 32, 1e-6
     rng = np.random.default_rng(k)
     g, u = rng.standard_normal((m, k), dtype=np.float32) * 3, rng.standard_normal((m, k), dtype=np.float32)
-    x = (g / (1 + np.exp(-g.astype(np.float64))) * u).astype(np.float32) if silu else g
+    gamma = rng.random(k, dtype=np.float32) + 0.5
+    if mode == "silu":
+        x, ins = (g / (1 + np.exp(-g.astype(np.float64))) * u).astype(np.float32), (g, u)
+    elif mode == "rms":
+        x, ins = (g / np.sqrt((g.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * gamma).astype(np.float32), (g, gamma)
+    else:
+        x, ins = g, (g,)
     outs = [np.zeros((m, nb, 32), np.int8), np.zeros((m, nb), np.float32), np.zeros((m, nb), np.float32)]
     outs = [tvm.runtime.tensor(o) for o in outs]
-    f = _host_kernel(act_quant.fused_quantizer(k, -8, False, silu))
-    f(*(tvm.runtime.tensor(a) for a in ((g, u) if silu else (g,))), *outs)
+    f = _host_kernel(act_quant.fused_quantizer(k, -8, m == 1, mode == "silu", eps if mode == "rms" else None))
+    f(*(tvm.runtime.tensor(a) for a in ins), *outs)
     aq, ad, off = (o.numpy() for o in outs)
     q, _ = quantize_q8_0(x)
     q = np.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)   # the kernel's de-interleaved order
     amax = np.abs(np.pad(x, ((0, 0), (0, nb * 32 - k)))).reshape(m, nb, 32).max(-1)
-    np.testing.assert_allclose(ad, amax / 127, rtol=1e-6)
+    np.testing.assert_allclose(ad, amax / 127, rtol=1e-5 if mode == "rms" else 1e-6)
     diff = np.abs(aq.astype(np.int32) - q)
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-3   # a rounding tie may differ by one step
     np.testing.assert_array_equal(off, -8 * aq.astype(np.float32).sum(-1))

@@ -20,16 +20,19 @@ from . import vector_math
 
 BLOCK = 32
 HALF = BLOCK // 2
+LANES = 16   # fp32 lanes of the squares (rms_eps)
 EVENS = [2 * i for i in range(HALF)]
 ODDS = [2 * i + 1 for i in range(HALF)]
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
-def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = False):
+def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = False, rms_eps: float | None = None):
     """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB],
     zero_point x block sum [M, NB]), in one pass and one kernel: separate stages would cost a
     parallel launch each, which dominates a decode step's activation work (K = 896: 28 blocks).
-    With `silu_mul` the kernel takes (gate, up) [M, K] and quantizes silu(gate) * up.
+    With `silu_mul` the kernel takes (gate, up) [M, K] and quantizes silu(gate) * up; with
+    `rms_eps` it takes (x [M, K], gamma [K]) and quantizes RMSNorm(x) * gamma itself (a first
+    pass over the row for its sum of squares; the normalized row is never stored).
     `one_row` (decode) runs serially. The block sum is what a dot of raw nibbles q with a
     overcounts against (q - 8) (vpdpbusd); sdot, which takes q - 8 signed, ignores it.
 
@@ -42,10 +45,13 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     rows = T.int64()
 
     def x_at(a, g, u, i, idx, lanes):
-        """The quantizer's input at row i, columns idx (a ramp of `lanes`, or a scalar)."""
-        if not silu_mul:
-            return a[i, idx]
-        return vector_math.silu(T, g[i, idx], lanes) * u[i, idx]
+        """The quantizer's input at row i, columns idx (a ramp of `lanes`, or a scalar). g, u:
+        the gate and up rows (silu_mul), or gamma and the row's 1 / rms (rms_eps)."""
+        if silu_mul:
+            return vector_math.silu(T, g[i, idx], lanes) * u[i, idx]
+        if rms_eps is not None:   # as TOPI's rms_norm: x * (1 / rms) * gamma
+            return a[i, idx] * (T.broadcast(u[0], lanes) if lanes > 1 else u[0]) * g[idx]
+        return a[i, idx]
 
     def rnd(v, lanes):   # round half away from zero, as llama.cpp's roundf
         half, zero = vector_math.const(T, 0.5, lanes), vector_math.const(T, 0.0, lanes)
@@ -91,13 +97,36 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         off[i, b] = st[1] * T.float32(zero_point)
 
     @T.macro
+    def inv_rms(a, inv, i):
+        """inv[0] = 1 / sqrt(mean(a[i]^2) + eps) in TOPI's rms_norm order (the squares, then
+        their sum one after another), so the fusion changes no bit: a quantized input (the
+        embedding) has exact rounding ties, which a differently rounded 1 / rms would flip."""
+        for c in range(k // LANES):
+            inv[T.ramp(LANES + c * LANES, 1, LANES)] = a[i, T.ramp(c * LANES, 1, LANES)] * a[i, T.ramp(c * LANES, 1, LANES)]
+        for e in range(k // LANES * LANES, k):
+            inv[LANES + e] = a[i, e] * a[i, e]
+        inv[0] = T.float32(0)
+        for e in range(k):
+            inv[0] = inv[0] + inv[LANES + e]
+        inv[0] = T.float32(1) / T.sqrt(inv[0] / T.float32(k) + T.float32(rms_eps))
+
+    @T.macro
+    def blocks(a, g, u, aq, ad, off, i):
+        for b in range(full):
+            block_vec(a, g, u, aq, ad, off, i, b)
+        for b in range(full, nb):
+            block_tail(a, g, u, aq, ad, off, i, b)
+
+    @T.macro
     def quantize_rows(a, g, u, aq, ad, off):
         with T.sblock("root"):   # relax's reshape-pattern analysis insists on one (single input)
             for i in T.serial(rows) if one_row else T.parallel(rows):
-                for b in range(full):
-                    block_vec(a, g, u, aq, ad, off, i, b)
-                for b in range(full, nb):
-                    block_tail(a, g, u, aq, ad, off, i, b)
+                if rms_eps is not None:
+                    inv = T.decl_buffer((LANES + k,), "float32", scope="global")   # 1 / rms, the squares
+                    inv_rms(a, inv, i)
+                    blocks(a, g, inv, aq, ad, off, i)
+                else:
+                    blocks(a, g, u, aq, ad, off, i)
 
     if silu_mul:
         @T.prim_func(private=True, check_well_formed=False)
@@ -109,6 +138,18 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             ad = T.match_buffer(var_ad, (rows, nb), "float32")
             off = T.match_buffer(var_off, (rows, nb), "float32")
             quantize_rows(None, g, u, aq, ad, off)
+        return kernel
+
+    if rms_eps is not None:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel(var_a: T.handle, gamma: T.Buffer((k,), "float32"), var_aq: T.handle, var_ad: T.handle,
+                   var_off: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+            a = T.match_buffer(var_a, (rows, k), "float32")
+            aq = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
+            ad = T.match_buffer(var_ad, (rows, nb), "float32")
+            off = T.match_buffer(var_off, (rows, nb), "float32")
+            quantize_rows(a, gamma, None, aq, ad, off)
         return kernel
 
     @T.prim_func(private=True, check_well_formed=False)
