@@ -160,10 +160,10 @@ class MatMulNBits(F.OnnxOpConverter):
         zp = isa_kernels.ZERO_POINT
         gate_up = _decode_gate_up(bb, *silu) if silu and one_token and isa == "x86" else None
         if gate_up is not None:   # the gate and up GEMV computes silu(gate) * up: quantize that
-            h = bb.add_func(isa_kernels.decode_gemv(((k, False), (k, False)), int(gate_up[3].ty.shape[1]),
+            gu = bb.add_func(isa_kernels.decode_gemv(((k, False), (k, False)), int(gate_up[3].ty.shape[1]),
                                                     str(gate_up[4].ty.dtype), silu_mul=True),
                             _kname(f"q4_gemv_vnni_silu_mul_{k}x{int(gate_up[3].ty.shape[1])}"))
-            a2, silu = bb.emit(relax.call_tir(h, gate_up, relax.TensorType(shape=[m, k], dtype="float32"))), None
+            a2, silu = bb.emit(relax.call_tir(gu, gate_up, relax.TensorType(shape=[m, k], dtype="float32"))), None
         eps = rms[2] if rms else None
         quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, silu is not None, eps),
                             _kname(f"act_q8_{'silu_' if silu else 'rms_' if rms else ''}{k}_{int(one_token)}_sum{-zp}"))
@@ -216,8 +216,9 @@ def _single_decode_gemv(bb, x):
 
 def _decode_gemv_plus(bb, y, r):
     """y + r as one decode GEMV that adds r in its epilogue (r as the bias: one row), when y
-    is a bias-free x86 decode GEMV's output of r's shape (the o and down projections before
-    the residual add); else None. The GEMV without the add is left to dead-code elimination."""
+    is a bias-free x86 decode GEMV's output of r's shape (the o and down projections are the
+    skip input of the residual add); else None. The GEMV without the add is left to
+    dead-code elimination."""
     from tvm_ffi import structural_equal
 
     from .kernels.x86 import vnni

@@ -1,11 +1,12 @@
 """One parallel launch for the decode GEMVs that read the same quantized activations.
 
-After common-subexpression elimination, q, k and v (and gate and up) share one activation
-quantizer; their GEMVs are still separate launches, each paying a fork/join and a cold start
-of its memory streams, and k and v (64 KiB of weights each) are too small to reach the
-memory's speed on their own. This pass replaces each such set, within a dataflow block, by
-one call of an n-output kernel (kernels/x86/vnni.py: decode_gemv) at the place of the first,
-the others reading their output from its tuple.
+After common-subexpression elimination, q, k and v share one activation quantizer; their
+GEMVs are still separate launches, each paying a fork/join and a cold start of its memory
+streams, and k and v (64 KiB of weights each) are too small to reach the memory's speed on
+their own. This pass replaces each such set, within a dataflow block, by one call of an
+n-output kernel (kernels/x86/vnni.py: decode_gemv) at the place of the first, the others
+reading their output from its tuple. (Gate and up, which the same would merge, already are
+one GEMV that writes silu(gate) * up: frontend._decode_gate_up.)
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class _Merger(relax.PyExprMutator):
 
 def _sets(mod, func) -> dict:
     """First member's var -> the bindings of each set of >= 2 decode GEMVs in one dataflow
-    block reading the same activations (args 0-2), weights and bias being function params
-    (so the merged call may move to the first member's place)."""
+    block reading the same activations (args 0-2) with scales of one dtype, weights and bias
+    being function params (so the merged call may move to the first member's place)."""
     params = set(func.params)
     out = {}
     for block in func.body.blocks:
@@ -81,7 +82,8 @@ def _sets(mod, func) -> dict:
                 continue
             key = call[1][:3]
             for k, members in by_input:
-                if all(x.same_as(y) for x, y in zip(k, key)):
+                same_scales = str(members[0].value.args[1].fields[4].ty.dtype) == str(call[1][4].ty.dtype)
+                if same_scales and all(x.same_as(y) for x, y in zip(k, key)):
                     members.append(b)
                     break
             else:
