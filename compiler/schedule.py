@@ -80,10 +80,11 @@ def cpu_pipeline(target):
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             seq = tvm.transform.Sequential(
-                # q, k and v (and gate, up) read the same activations: quantize them once,
-                # and run their decode GEMVs as one launch (compiler/sibling_gemvs.py). DCE
-                # drops what a fused kernel made unused (the SiLU·mul the down projection's
-                # quantizer computes itself: frontend._silu_mul_operands; the merged GEMVs).
+                # q, k and v (and gate, up) read the same activations: quantize them once;
+                # q, k and v's decode GEMVs then become one launch (compiler/sibling_gemvs.py;
+                # gate and up already are one, frontend._decode_gate_up). DCE drops what a
+                # fused kernel made unused (the SiLU·mul and RMSNorm the quantizers compute
+                # themselves, the GEMVs a merged or fused one replaced).
                 [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination(), merge_sibling_gemvs,
                  relax.transform.DeadCodeElimination()]
                 + P.library_dispatch_passes(target) + P.legalize_passes(target)
