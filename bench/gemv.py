@@ -7,7 +7,11 @@ single-op graph:
 Weight bytes = packed 4-bit values + fp32 block scales (what the kernel must read per token).
 Two figures per system: "hot" (the same call repeated: small shapes stay in cache) and "cold"
 (the caches are flushed by streaming 256 MiB before each timed call, as in a real decode step
-where every layer's weights come from DRAM); the median of the cold calls is reported.
+where every layer's weights come from DRAM); the median of the cold calls is reported. Both
+go through a VM call with its activation quantizer, which dominates the small shapes. "qwc
+strm" is the decode GEMV kernel alone, called on distinct weights that add up to a decode
+step's bytes (fp16 scales, 18 bytes a block, as an artifact stores them): what the kernel
+streams inside a step.
 
 `--decode model.qwc` adds the whole decode step of an artifact (e.g. the one `bench/peers.py`
 builds, ~/.cache/qwc/bench/q.qwc): tokens/s after a 512-token prompt and the GB/s that is of
@@ -98,6 +102,43 @@ def qwc_gemv(model, act_bits):
     args = [x, *params["main"]]
     f = vm["main"]
     return lambda: f(*args)
+
+
+def qwc_stream(n: int, k: int, total: float = 290e6, rounds: int = 4) -> float | None:
+    """GB/s of qwc's x86 decode GEMV kernel alone (kernels/x86/vnni.py: decode_gemv, fp16
+    scales as in an artifact: 18 bytes a block) called on distinct weights that add up to a
+    decode step's ~290 MB, one after another: every call reads DRAM, as in a real step, and
+    nothing but the call itself sits between them. None where the host has no VNNI kernel."""
+    import tvm
+
+    from qwc.compiler.frontend import q4_0_path
+    from qwc.compiler.kernels.row_groups import groups
+    from qwc.compiler.kernels.x86 import vnni
+    from qwc.compiler.targets import get_target
+
+    target = get_target("host")
+    if q4_0_path(k, n, 32, 4, 8, target.features) != "x86":
+        return None
+    nb = (k + 31) // 32
+    f = tvm.compile(tvm.IRModule({"main": vnni.decode_gemv(((n, False),), nb).with_attr("global_symbol", "main")}),
+                    target=target.tvm_target())["main"]
+    rng = np.random.default_rng(2)
+    act = [tvm.runtime.tensor(rng.integers(-127, 128, (1, nb, 32), dtype=np.int8)),
+           tvm.runtime.tensor(rng.random((1, nb), dtype=np.float32)), tvm.runtime.tensor(rng.random((1, nb), dtype=np.float32))]
+    y = tvm.runtime.tensor(np.zeros((1, n), np.float32))
+    per_set = groups(n) * nb * (256 + 32)
+    sets = [(tvm.runtime.tensor(rng.integers(0, 256, (groups(n), nb, 4, 64), dtype=np.uint8)),
+             tvm.runtime.tensor((rng.random((groups(n), nb, 16)) * 0.01).astype(np.float16)))
+            for _ in range(max(2, int(total // per_set)))]
+    for w, sc in sets:
+        f(*act, w, sc, y)
+    best = 0.0
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for w, sc in sets:
+            f(*act, w, sc, y)
+        best = max(best, len(sets) * per_set / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 def ort_gemv(model, threads, accuracy_level):
@@ -204,15 +245,18 @@ def main():
     bw = read_bandwidth()
     print(f"read bandwidth ({args.threads} threads): {bw:.1f} GB/s")
     print(f"{'shape':14s} {'N':>7s} {'K':>5s} {'MiB':>6s} | {'qwc hot':>8s} {'ort4 hot':>8s} | "
-          f"{'qwc cold':>8s} {'%bw':>4s} {'ort4 cold':>9s} {'ort0 cold':>9s} {'qwc/ort4':>8s}  (GB/s)")
+          f"{'qwc cold':>8s} {'%bw':>4s} {'ort4 cold':>9s} {'ort0 cold':>9s} {'qwc/ort4':>8s} | "
+          f"{'qwc strm':>8s} {'%bw':>4s}  (GB/s)")
     for name, n, k in SHAPES:
         g = gemv_graph(n, k)
         wb = weight_bytes(n, k)
         q, o4, o0 = qwc_gemv(g, args.act_bits), ort_gemv(g, args.threads, 4), ort_gemv(g, args.threads, 0)
         qh, o4h = wb / time_call(q) / 1e9, wb / time_call(o4) / 1e9
         qc, o4c, o0c = (wb / time_cold(f) / 1e9 for f in (q, o4, o0))
+        st = qwc_stream(n, k) if args.act_bits == 8 else None
+        strm = f"{st:8.1f} {100 * st / bw:3.0f}%" if st else f"{'-':>8s} {'-':>4s}"
         print(f"{name:14s} {n:7d} {k:5d} {wb / 2**20:6.1f} | {qh:8.1f} {o4h:8.1f} | "
-              f"{qc:8.1f} {100 * qc / bw:3.0f}% {o4c:9.1f} {o0c:9.1f} {qc / o4c:8.2f}")
+              f"{qc:8.1f} {100 * qc / bw:3.0f}% {o4c:9.1f} {o0c:9.1f} {qc / o4c:8.2f} | {strm}")
         sys.stdout.flush()
     if args.decode:
         tps, wb, kv = decode_step(args.decode, args.threads)
