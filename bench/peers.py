@@ -9,9 +9,10 @@ on the exported fp32 graph), torch_fp32 (transformers, the contest reports' base
 llamacpp_q4_0 (llama.cpp through llama-cpp-python, Q4_0 with a 4-bit tied embedding; run
 bench/setup.sh first to build it, else the row says why it is missing).
 
-For each: prefill tok/s at 128 and 512 prompt tokens, decode tok/s over 128 tokens after a
-512-token prompt, peak RSS of the process. Every system runs in its own process so RSS is its
-own. Artifacts are built once into --workdir (default ~/.cache/qwc/bench).
+For each: prefill tok/s at 128 and 512 prompt tokens (the median of three prefills), decode
+tok/s over 128 tokens after a 512-token prompt, peak RSS of the process. Every system runs in
+its own process so RSS is its own. Artifacts are built once into --workdir (default
+~/.cache/qwc/bench).
 """
 
 from __future__ import annotations
@@ -198,16 +199,19 @@ def make_runner(system, paths, threads) -> Runner:
     raise ValueError(system)
 
 
-def measure(system: str, paths, threads: int, prompts=(128, 512), decode=128) -> dict:
+def measure(system: str, paths, threads: int, prompts=(128, 512), decode=128, reps=3) -> dict:
     r = make_runner(system, paths, threads)
     r.prefill(_tokens(16, 9))          # warm-up: first-call initialisation is not speed
     r.reset()
     out = {}
-    for p in prompts:
-        r.reset()
-        t0 = time.perf_counter()
-        r.prefill(_tokens(p, p))
-        out[f"prefill_{p}"] = p / (time.perf_counter() - t0)
+    for p in prompts:   # the median of `reps` prefills: one 128-token prefill swung by 30%
+        times = []
+        for _ in range(reps):
+            r.reset()
+            t0 = time.perf_counter()
+            r.prefill(_tokens(p, p))
+            times.append(time.perf_counter() - t0)
+        out[f"prefill_{p}"] = p / sorted(times)[len(times) // 2]
     r.reset()
     r.prefill(_tokens(512, 1))
     toks = _tokens(decode, 2)
