@@ -140,6 +140,7 @@ class MatMulNBits(F.OnnxOpConverter):
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
         kind, sdt = "gemv" if one_token else "gemm", str(s.ty.dtype)
         tokens = None if one_token else _tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")  # `qwc tune`
+        fused_bias = False
         if isa == "arm" and not one_token and w4a8_prefill_kernel(features) == "smmla":
             from .kernels.arm import i8mm as isa_kernels   # prefill: two tokens per smmla
 
@@ -151,8 +152,9 @@ class MatMulNBits(F.OnnxOpConverter):
         elif one_token:   # several of these may become one launch (compiler/sibling_gemvs.py)
             from .kernels.x86 import vnni as isa_kernels
 
-            kernel = bb.add_func(isa_kernels.decode_gemv(((n, bias is not None),), nb, sdt),
-                                 _kname(f"q4_gemv_vnni_{n}x{nb}_{sdt}{'_bias' if bias is not None else ''}"))
+            fused_bias = bias is not None   # the decode GEMV adds it in its epilogue
+            kernel = bb.add_func(isa_kernels.decode_gemv(((n, fused_bias),), nb, sdt),
+                                 _kname(f"q4_gemv_vnni_{n}x{nb}_{sdt}{'_bias' if fused_bias else ''}"))
         else:
             from .kernels.x86 import vnni as isa_kernels
 
@@ -171,7 +173,6 @@ class MatMulNBits(F.OnnxOpConverter):
             relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
             relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))
         q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
-        fused_bias = isa == "x86" and one_token and bias is not None
         args = [q, scale, off, w, s] + ([bias] if fused_bias else [])
         y = bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
         return y, None if fused_bias else bias

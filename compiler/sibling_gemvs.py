@@ -42,7 +42,8 @@ class _Merger(relax.PyExprMutator):
         var = binding.var
         if var in self.groups:
             members = self.groups[var]
-            args = [self.visit_expr(a) for a in _gemv_call(self.mod_, members[0].value)[1][:3]]
+            first, first_args = _gemv_call(self.mod_, members[0].value)
+            args = [self.visit_expr(a) for a in first_args[:3]]
             outputs, out_types = [], []
             for b in members:
                 _, margs = _gemv_call(self.mod_, b.value)
@@ -53,7 +54,7 @@ class _Merger(relax.PyExprMutator):
                 out_types.append(relax.TensorType([1, n], "float32"))
             nb, sdt = int(w.ty.shape[1]), str(s.ty.dtype)
             kernel = vnni.decode_gemv(tuple(outputs), nb, sdt)
-            prefix = _gemv_call(self.mod_, members[0].value)[0].name_hint.split("q4_gemv")[0]   # "decode_"
+            prefix = first.name_hint.split("q4_gemv")[0]   # "decode_"
             name = f"{prefix}q4_gemv_vnni_" + "_".join(str(n) for n, _ in outputs) + f"x{nb}_{sdt}"
             gv = self.builder_.add_func(kernel, name)
             tup = self.builder_.emit(relax.call_tir(gv, args, out_types))

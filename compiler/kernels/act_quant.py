@@ -118,7 +118,12 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             block_tail(a, g, u, aq, ad, off, i, b)
 
     @T.macro
-    def quantize_rows(a, g, u, aq, ad, off):
+    def quantize_rows(a, g, u, var_aq, var_ad, var_off):
+        """The kernels' body from their inputs and their three output handles."""
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+        aq = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
+        ad = T.match_buffer(var_ad, (rows, nb), "float32")
+        off = T.match_buffer(var_off, (rows, nb), "float32")
         with T.sblock("root"):   # relax's reshape-pattern analysis insists on one (single input)
             for i in T.serial(rows) if one_row else T.parallel(rows):
                 if rms_eps is not None:
@@ -131,34 +136,22 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     if silu_mul:
         @T.prim_func(private=True, check_well_formed=False)
         def kernel(var_g: T.handle, var_u: T.handle, var_aq: T.handle, var_ad: T.handle, var_off: T.handle):
-            T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
             g = T.match_buffer(var_g, (rows, k), "float32")
             u = T.match_buffer(var_u, (rows, k), "float32")
-            aq = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
-            ad = T.match_buffer(var_ad, (rows, nb), "float32")
-            off = T.match_buffer(var_off, (rows, nb), "float32")
-            quantize_rows(None, g, u, aq, ad, off)
+            quantize_rows(None, g, u, var_aq, var_ad, var_off)
         return kernel
 
     if rms_eps is not None:
         @T.prim_func(private=True, check_well_formed=False)
         def kernel(var_a: T.handle, gamma: T.Buffer((k,), "float32"), var_aq: T.handle, var_ad: T.handle,
                    var_off: T.handle):
-            T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
             a = T.match_buffer(var_a, (rows, k), "float32")
-            aq = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
-            ad = T.match_buffer(var_ad, (rows, nb), "float32")
-            off = T.match_buffer(var_off, (rows, nb), "float32")
-            quantize_rows(a, gamma, None, aq, ad, off)
+            quantize_rows(a, gamma, None, var_aq, var_ad, var_off)
         return kernel
 
     @T.prim_func(private=True, check_well_formed=False)
     def kernel(var_a: T.handle, var_aq: T.handle, var_ad: T.handle, var_off: T.handle):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         a = T.match_buffer(var_a, (rows, k), "float32")
-        aq = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
-        ad = T.match_buffer(var_ad, (rows, nb), "float32")
-        off = T.match_buffer(var_off, (rows, nb), "float32")
-        quantize_rows(a, None, None, aq, ad, off)
+        quantize_rows(a, None, None, var_aq, var_ad, var_off)
 
     return kernel
