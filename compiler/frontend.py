@@ -160,18 +160,23 @@ class MatMulNBits(F.OnnxOpConverter):
 
             kernel = bb.add_func(isa_kernels.q4_matmul(n, nb, sdt, tokens), _kname(f"q4_gemm_vnni_{n}x{nb}_{sdt}"))
         zp = isa_kernels.ZERO_POINT
-        gate_up = _decode_gate_up(bb, *silu) if silu and one_token and isa == "x86" else None
-        if gate_up is not None:   # the gate and up GEMV computes silu(gate) * up: quantize that
-            gu = bb.add_func(isa_kernels.decode_gemv(((k, False), (k, False)), int(gate_up[3].ty.shape[1]),
-                                                    str(gate_up[4].ty.dtype), silu_mul=True),
-                            _kname(f"q4_gemv_vnni_silu_mul_{k}x{int(gate_up[3].ty.shape[1])}"))
-            a2, silu = bb.emit(relax.call_tir(gu, gate_up, relax.TensorType(shape=[m, k], dtype="float32"))), None
-        eps = rms[2] if rms else None
-        quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, silu is not None, eps),
-                            _kname(f"act_q8_{'silu_' if silu else 'rms_' if rms else ''}{k}_{int(one_token)}_sum{-zp}"))
-        parts = bb.emit(relax.call_tir(quant, list(silu) if silu else list(rms[:2]) if rms else [a2], [
-            relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
-            relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]))
+        q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
+              relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]
+        # Decode: the gate and up GEMV computes silu(gate) * up and quantizes it itself, when
+        # its blocks are whole (every Qwen2 size; else the quantizer below computes SiLU·mul)
+        whole = silu and one_token and isa == "x86" and k % act_quant.BLOCK == 0
+        gate_up = _decode_gate_up(bb, *silu) if whole else None
+        if gate_up is not None:
+            gnb = int(gate_up[3].ty.shape[1])
+            gu = bb.add_func(isa_kernels.decode_gemv(((k, False), (k, False)), gnb, str(gate_up[4].ty.dtype),
+                                                    silu_mul=True, quantize=zp),
+                             _kname(f"q4_gemv_vnni_silu_mul_q8_{k}x{gnb}"))
+            parts = bb.emit(relax.call_tir(gu, gate_up, q8))
+        else:
+            eps = rms[2] if rms else None
+            quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, silu is not None, eps),
+                                _kname(f"act_q8_{'silu_' if silu else 'rms_' if rms else ''}{k}_{int(one_token)}_sum{-zp}"))
+            parts = bb.emit(relax.call_tir(quant, list(silu) if silu else list(rms[:2]) if rms else [a2], q8))
         q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
         args = [q, scale, off, w, s] + ([bias] if fused_bias else [])
         y = bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
@@ -238,8 +243,8 @@ def _decode_gemv_plus(bb, y, r):
 def _decode_gate_up(bb, gate, up):
     """[aq, ad, off, w_gate, s_gate, w_up, s_up] when gate and up [1, K] are x86 decode GEMV
     outputs (no bias) of the same activations: the arguments of one silu_mul GEMV that makes
-    silu(gate) * up itself (kernels/x86/vnni.py: decode_gemv), leaving their own GEMVs and
-    quantizers to dead-code elimination; else None."""
+    silu(gate) * up and its Q8_0 itself (kernels/x86/vnni.py: decode_gemv), leaving their own
+    GEMVs and quantizers to dead-code elimination; else None."""
     calls = []
     for x in (gate, up):
         gemv = _single_decode_gemv(bb, x)

@@ -207,10 +207,11 @@ def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
     asm = subprocess.run(["objdump", "-d", str(vnni / "lib.so")], capture_output=True, text=True).stdout
     assert "vpdpbusd" in asm
     # ...and SiLU·mul cost no kernel of its own: prefill's down-projection quantizer computed
-    # it, decode's gate/up GEMV; q, k and v decode in one launch (compiler/sibling_gemvs.py)
+    # it, decode's gate/up GEMV, which also quantized it (no decode quantizer of the MLP's 320
+    # hidden units); q, k and v decode in one launch (compiler/sibling_gemvs.py)
     syms = subprocess.run(["nm", "-D", str(vnni / "lib.so")], capture_output=True, text=True).stdout
-    assert "prefill_act_q8_silu_" in syms and "decode_q4_gemv_vnni_silu_mul_" in syms and "sigmoid" not in syms
-    assert "decode_act_q8_silu_" not in syms
+    assert "prefill_act_q8_silu_" in syms and "decode_q4_gemv_vnni_silu_mul_q8_320x" in syms and "sigmoid" not in syms
+    assert "decode_act_q8_silu_" not in syms and "decode_act_q8_320_" not in syms
     assert re.search(r"decode_q4_gemv_vnni_\d+_\d+_\d+x", syms)   # three outputs
     # ...and decode attends in three passes (frontend.three_pass_decode_attention), prefill online
     assert "decode_attention_3pass" in syms and "decode_attention_online" not in syms

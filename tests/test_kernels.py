@@ -266,3 +266,35 @@ def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul):
     _host_kernel(vnni.decode_gemv(outputs, nb, "float16", silu_mul))(*args, *outs)
     for o, r in zip(outs, refs):
         np.testing.assert_allclose(o.numpy(), r, rtol=0, atol=1e-5 * np.abs(r).max())
+
+
+@pytest.mark.parametrize("n", [224, 4864])
+def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n):
+    """The gate/up decode GEMV that writes the down projection's Q8_0 input itself (`quantize`:
+    adjacent row groups, a block a task) gives the very bits of the silu_mul GEMV followed by
+    the quantizer kernel (N = 224: an odd number of 32-blocks)."""
+    import tvm
+
+    from qwc.compiler.kernels import act_quant
+    from qwc.compiler.kernels.x86 import vnni
+
+    if "avx512_vnni" not in get_target("host").features:
+        pytest.fail("this test expects an AVX-512 VNNI host (the project's CI machine has one)")
+    k, nb, nq = 96, 3, n // 32
+    rng = np.random.default_rng(11)
+    q8 = lambda blocks: [tvm.runtime.tensor(np.zeros(s, dt)) for s, dt in (  # noqa: E731
+        ((1, blocks, 32), np.int8), ((1, blocks), np.float32), ((1, blocks), np.float32))]
+    act = q8(nb)
+    _host_kernel(act_quant.fused_quantizer(k, vnni.ZERO_POINT, True))(
+        tvm.runtime.tensor(rng.standard_normal((1, k), dtype=np.float32)), *act)
+    weights = [tvm.runtime.tensor(x) for i in range(2) for x in row_groups.pack(*_weights(k, n, 200 + i)[:2])]
+    outputs = ((n, False), (n, False))
+    hidden = tvm.runtime.tensor(np.zeros((1, n), np.float32))
+    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True))(*act, *weights, hidden)
+    ref = q8(nq)
+    _host_kernel(act_quant.fused_quantizer(n, vnni.ZERO_POINT, True))(hidden, *ref)
+    got = q8(nq)
+    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True, quantize=vnni.ZERO_POINT))(*act, *weights, *got)
+    assert np.abs(ref[1].numpy()).min() > 0   # every block quantized, none left at zero
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(g.numpy(), r.numpy())

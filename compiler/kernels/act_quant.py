@@ -25,6 +25,41 @@ EVENS = [2 * i for i in range(HALF)]
 ODDS = [2 * i + 1 for i in range(HALF)]
 
 
+def _round(T, v, lanes):
+    """Round half away from zero, as llama.cpp's roundf."""
+    half, zero = vector_math.const(T, 0.5, lanes), vector_math.const(T, 0.0, lanes)
+    return T.Select(v < zero, T.ceil(v - half), T.floor(v + half))
+
+
+def _let(T, name, value):
+    """T.bind under a readable name (the printed kernel reads as the quantizer's own)."""
+    return T.bind(value, var=tirx.Var(name, value.ty))
+
+
+def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int):
+    """Emit block b of row i (aq [., NB, 32], ad and off [., NB]) from its elements 0..15 and
+    16..31 (two float32x16 values): the whole blocks' code, shared by the quantizer and by
+    the decode GEMV that quantizes its own output (kernels/x86/vnni.py). T: TVMScript's or the
+    IR builder's tirx module."""
+    ev = _let(T, "ev", tirx.Shuffle([lo, hi], EVENS))
+    od = _let(T, "od", tirx.Shuffle([lo, hi], ODDS))
+    # |x| >= 0 orders like its bit pattern: an integer max reduces as a tree, where
+    # llvm.vector.reduce.fmax (NaN-aware) is a chain of 16 scalar steps.
+    amax = _let(T, "amax", T.reinterpret("float32", T.call_llvm_pure_intrin(
+        "int32", f"llvm.vector.reduce.smax.v{HALF}i32",
+        T.reinterpret(f"int32x{HALF}", T.max(T.fabs(ev), T.fabs(od))))))
+    d = _let(T, "d", amax / T.float32(127))
+    T.buffer_store(ad, d, [i, b])
+    # x / d as the generic kernel computes it (two vector divisions a block), so the two agree
+    dv = _let(T, "dv", T.broadcast(T.Select(d > T.float32(0), d, T.float32(1)), HALF))
+    qe = _let(T, "qe", T.Cast(f"int32x{HALF}", _round(T, ev / dv, HALF)))
+    qo = _let(T, "qo", T.Cast(f"int32x{HALF}", _round(T, od / dv, HALF)))
+    T.buffer_store(aq, T.Cast(f"int8x{HALF}", qe), [i, b, T.ramp(0, 1, HALF)])
+    T.buffer_store(aq, T.Cast(f"int8x{HALF}", qo), [i, b, T.ramp(HALF, 1, HALF)])
+    T.buffer_store(off, T.Cast("float32", T.call_llvm_pure_intrin(
+        "int32", f"llvm.vector.reduce.add.v{HALF}i32", qe + qo)) * T.float32(zero_point), [i, b])
+
+
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = False, rms_eps: float | None = None):
     """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB],
@@ -53,31 +88,11 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             return a[i, idx] * (T.broadcast(u[0], lanes) if lanes > 1 else u[0]) * g[idx]
         return a[i, idx]
 
-    def rnd(v, lanes):   # round half away from zero, as llama.cpp's roundf
-        half, zero = vector_math.const(T, 0.5, lanes), vector_math.const(T, 0.0, lanes)
-        return T.Select(v < zero, T.ceil(v - half), T.floor(v + half))
-
     @T.macro
     def block_vec(a, g, u, aq, ad, off, i, b):
         lo = T.bind(x_at(a, g, u, i, T.ramp(b * BLOCK, 1, HALF), HALF))
         hi = T.bind(x_at(a, g, u, i, T.ramp(b * BLOCK + HALF, 1, HALF), HALF))
-        ev = T.bind(tirx.Shuffle([lo, hi], EVENS))
-        od = T.bind(tirx.Shuffle([lo, hi], ODDS))
-        # |x| >= 0 orders like its bit pattern: an integer max reduces as a tree, where
-        # llvm.vector.reduce.fmax (NaN-aware) is a chain of 16 scalar steps.
-        amax = T.bind(T.reinterpret("float32", T.call_llvm_pure_intrin(
-            "int32", f"llvm.vector.reduce.smax.v{HALF}i32",
-            T.reinterpret(f"int32x{HALF}", T.max(T.fabs(ev), T.fabs(od))))))
-        d = T.bind(amax / T.float32(127))
-        ad[i, b] = d
-        # x / d as the generic kernel computes it (two vector divisions a block), so the two agree
-        dv = T.bind(T.broadcast(T.Select(d > T.float32(0), d, T.float32(1)), HALF))
-        qe = T.bind(T.Cast(f"int32x{HALF}", rnd(ev / dv, HALF)))
-        qo = T.bind(T.Cast(f"int32x{HALF}", rnd(od / dv, HALF)))
-        aq[i, b, T.ramp(0, 1, HALF)] = T.Cast(f"int8x{HALF}", qe)
-        aq[i, b, T.ramp(HALF, 1, HALF)] = T.Cast(f"int8x{HALF}", qo)
-        off[i, b] = T.Cast("float32", T.call_llvm_pure_intrin(
-            "int32", f"llvm.vector.reduce.add.v{HALF}i32", qe + qo)) * T.float32(zero_point)
+        quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point)
 
     @T.macro
     def block_tail(a, g, u, aq, ad, off, i, b):
@@ -90,7 +105,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         st[1] = T.float32(0)
         for t in range(BLOCK):
             col = b * BLOCK + T.if_then_else(t < HALF, 2 * t, 2 * (t - HALF) + 1)
-            aq[i, b, t] = T.Cast("int8", rnd(T.if_then_else(
+            aq[i, b, t] = T.Cast("int8", _round(T, T.if_then_else(
                 st[0] > T.float32(0) and col < k,
                 x_at(a, g, u, i, T.min(col, k - 1), 1) / ad[i, b], T.float32(0)), 1))
             st[1] = st[1] + T.Cast("float32", aq[i, b, t])

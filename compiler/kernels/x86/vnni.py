@@ -124,32 +124,44 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
 
 
 @functools.cache
-def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16", silu_mul: bool = False):
+def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16", silu_mul: bool = False,
+                quantize: int | None = None):
     """Decode: one token through several weights that read the same activations (q, k and v;
     gate and up) in one parallel launch: outputs = ((N, with bias), ...). Arguments: aq, ad,
     off [1, ...] as for q4_matmul, then per output its packed weights, scales and bias [N] if
     it has one, then the outputs y [1, N] in order (compiler/sibling_gemvs.py merges them).
     `silu_mul`: two outputs (gate, up) of one N, written as the one output silu(gate) * up
     [1, N] (the MLP's hidden state: no kernel of its own, the gate and up never stored).
+    `quantize` (with `silu_mul`, N a multiple of 32): instead of y, the Q8_0 of the hidden
+    state as kernels/act_quant.py's quantizer gives it with this zero point (aq [1, N/32, 32],
+    ad and off [1, N/32]), the down projection's input: the quantizer's kernel is gone.
 
     Output i's full row groups form STREAMS streams of `per` groups; its tasks 0 .. per-1
     read groups p, per + p, 2 per + p, ... in lockstep, block by block, and past a group's
     last block the prefetch reaches that stream's next group (p + 1), read next. The groups
     left over (fewer than STREAMS full ones, and a ragged last one) are one more task. With
-    `silu_mul` a task reads the same groups of gate and up (STREAMS / 2 streams each). Built
-    with TVM's IR builder: TVMScript signatures cannot vary in length."""
+    `silu_mul` a task reads the same groups of gate and up (STREAMS / 2 streams each); with
+    `quantize` those are the adjacent groups 2t and 2t + 1, so task t holds the 32 rows of
+    block t whole and quantizes it, and a stream's prefetch past its group reaches group
+    + 2. Built with TVM's IR builder: TVMScript signatures cannot vary in length."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     from .. import vector_math
+    from ..act_quant import BLOCK, quantize_block
 
     if silu_mul and (len(outputs) != 2 or outputs[0][0] != outputs[1][0] or any(b for _, b in outputs)):
         raise ValueError(f"silu_mul takes gate and up of one N without biases, got {outputs}")
+    if quantize is not None and not (silu_mul and outputs[0][0] % BLOCK == 0):
+        raise ValueError(f"quantize takes silu_mul outputs of an N that is a multiple of {BLOCK}, got {outputs}")
+    step = 2 if quantize is not None else 1   # a stream's next group
 
     def prefetch(w, g, b):
         for ahead, locality in PREFETCH:
+            # past the group's last block: the stream's next group (`step` groups on)
+            blk = b + ahead if step == 1 else b + ahead + T.if_then_else(b + ahead >= nb, (step - 1) * nb, 0)
             for i in range(4):
-                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + ahead, i, 0]),
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, blk, i, 0]),
                                               T.int32(0), T.int32(locality), T.int32(1)))   # read, data
 
     def accumulate(streams):
@@ -179,7 +191,9 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
         """Output rows of `weights` ([(w, ws, bias)]: one output, or gate and up) for tasks
         lo .. lo + per (streams) and lo + per (leftovers)."""
         parts = []
-        if per:
+        if quantize is not None:
+            parts.append((task < per, [2 * task, 2 * task + 1]))
+        elif per:
             parts.append((T.And(task >= lo, task < lo + per), [h * per + task - lo for h in range(STREAMS // len(weights))]))
         if left:
             parts.append((task == lo + per, left))
@@ -187,6 +201,11 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
             with T.If(cond):
                 with T.Then():
                     acc = accumulate([(w, ws, g) for w, ws, _ in weights for g in gs])
+                    if quantize is not None:   # block `task`: rows of group 2t, then of 2t + 1
+                        half = [T.bind(vector_math.silu(T, acc[T.ramp(h * ROWS, 1, ROWS)], ROWS)
+                                       * acc[T.ramp((2 + h) * ROWS, 1, ROWS)]) for h in range(2)]
+                        quantize_block(T, *half, *y, 0, task, quantize)
+                        continue
                     for h, g in enumerate(gs):
                         def value(i, lanes, h=h, g=g):
                             a = acc[T.ramp(h * ROWS, 1, ROWS) if lanes > 1 else h * ROWS + i]
@@ -213,12 +232,16 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
                 bias = T.arg(f"bias{i}", T.buffer((n,), "float32")) if has_bias else None
                 weights.append((w, ws, bias))
             # (n, weights read together, output) per job: each output, or gate and up as one
-            jobs = ([(outputs[0][0], weights, T.arg("y", T.buffer((1, outputs[0][0]), "float32")))] if silu_mul else
+            n0 = outputs[0][0]
+            if quantize is not None:   # the down projection's aq, ad, off
+                y = (T.arg("yq", T.buffer((1, n0 // BLOCK, BLOCK), "int8")),
+                     T.arg("yd", T.buffer((1, n0 // BLOCK), "float32")), T.arg("yoff", T.buffer((1, n0 // BLOCK), "float32")))
+            jobs = ([(n0, weights, y if quantize is not None else T.arg("y", T.buffer((1, n0), "float32")))] if silu_mul else
                     [(n, [wt], T.arg(f"y{i}", T.buffer((1, n), "float32"))) for i, ((n, _), wt) in enumerate(zip(outputs, weights))])
             plan, first = [], 0   # (first task, per, leftover groups) per job
             for n, wts, _ in jobs:
-                per = n // ROWS // (STREAMS // len(wts))
-                left = list(range(per * (STREAMS // len(wts)), groups(n)))
+                per = n // ROWS // (STREAMS // len(wts)) if quantize is None else n // BLOCK
+                left = list(range(per * (STREAMS // len(wts)), groups(n))) if quantize is None else []
                 plan.append((first, per, left))
                 first += per + (1 if left else 0)
             with T.parallel(0, first) as task:
