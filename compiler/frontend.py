@@ -164,7 +164,7 @@ class MatMulNBits(F.OnnxOpConverter):
               relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]
         # Decode: the gate and up GEMV computes silu(gate) * up and quantizes it itself, when
         # its blocks are whole (every Qwen2 size; else the quantizer below computes SiLU·mul)
-        whole = silu and one_token and isa == "x86" and k % act_quant.BLOCK == 0
+        whole = silu is not None and one_token and isa == "x86" and k % act_quant.BLOCK == 0
         gate_up = _decode_gate_up(bb, *silu) if whole else None
         if gate_up is not None:
             gnb = int(gate_up[3].ty.shape[1])

@@ -282,8 +282,11 @@ def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n):
         pytest.fail("this test expects an AVX-512 VNNI host (the project's CI machine has one)")
     k, nb, nq = 96, 3, n // 32
     rng = np.random.default_rng(11)
-    q8 = lambda blocks: [tvm.runtime.tensor(np.zeros(s, dt)) for s, dt in (  # noqa: E731
-        ((1, blocks, 32), np.int8), ((1, blocks), np.float32), ((1, blocks), np.float32))]
+
+    def q8(blocks):   # empty (aq, ad, off) of `blocks` blocks
+        return [tvm.runtime.tensor(np.zeros(s, dt)) for s, dt in (
+            ((1, blocks, 32), np.int8), ((1, blocks), np.float32), ((1, blocks), np.float32))]
+
     act = q8(nb)
     _host_kernel(act_quant.fused_quantizer(k, vnni.ZERO_POINT, True))(
         tvm.runtime.tensor(rng.standard_normal((1, k), dtype=np.float32)), *act)

@@ -191,10 +191,10 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
         """Output rows of `weights` ([(w, ws, bias)]: one output, or gate and up) for tasks
         lo .. lo + per (streams) and lo + per (leftovers)."""
         parts = []
-        if quantize is not None:
-            parts.append((task < per, [2 * task, 2 * task + 1]))
-        elif per:
-            parts.append((T.And(task >= lo, task < lo + per), [h * per + task - lo for h in range(STREAMS // len(weights))]))
+        if per:
+            at = task - lo
+            gs = [2 * at + h if quantize is not None else h * per + at for h in range(STREAMS // len(weights))]
+            parts.append((T.And(task >= lo, task < lo + per), gs))
         if left:
             parts.append((task == lo + per, left))
         for cond, gs in parts:
@@ -236,12 +236,14 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
             if quantize is not None:   # the down projection's aq, ad, off
                 y = (T.arg("yq", T.buffer((1, n0 // BLOCK, BLOCK), "int8")),
                      T.arg("yd", T.buffer((1, n0 // BLOCK), "float32")), T.arg("yoff", T.buffer((1, n0 // BLOCK), "float32")))
-            jobs = ([(n0, weights, y if quantize is not None else T.arg("y", T.buffer((1, n0), "float32")))] if silu_mul else
+            elif silu_mul:
+                y = T.arg("y", T.buffer((1, n0), "float32"))
+            jobs = ([(n0, weights, y)] if silu_mul else
                     [(n, [wt], T.arg(f"y{i}", T.buffer((1, n), "float32"))) for i, ((n, _), wt) in enumerate(zip(outputs, weights))])
             plan, first = [], 0   # (first task, per, leftover groups) per job
-            for n, wts, _ in jobs:
-                per = n // ROWS // (STREAMS // len(wts)) if quantize is None else n // BLOCK
-                left = list(range(per * (STREAMS // len(wts)), groups(n))) if quantize is None else []
+            for n, wts, _ in jobs:   # with `quantize`: per = n / 32 blocks, nothing left over
+                per = n // ROWS // (STREAMS // len(wts))
+                left = list(range(per * (STREAMS // len(wts)), groups(n)))
                 plan.append((first, per, left))
                 first += per + (1 if left else 0)
             with T.parallel(0, first) as task:
