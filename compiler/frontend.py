@@ -32,6 +32,8 @@ _prefix = ""
 _act_bits = 32  # 8: W4A8 integer kernels (activations quantized per block to int8)
 _features: frozenset = frozenset()  # the target's ISA features (compiler/targets.py)
 _tuned: dict = {}  # tuning task key -> knobs, from `qwc compile --tuning-db`
+_rotary_kernels: dict = {}  # name of a rotary kernel this import emitted -> its num_heads
+_ATTENTION_Q8 = "attention_3pass_q8"  # decode attention that also writes its output's Q8_0 blocks
 
 
 def _kname(name: str) -> str:
@@ -166,18 +168,23 @@ class MatMulNBits(F.OnnxOpConverter):
         # its blocks are whole (every Qwen2 size; else the quantizer below computes SiLU·mul)
         whole = silu is not None and one_token and isa == "x86" and k % act_quant.BLOCK == 0
         gate_up = _decode_gate_up(bb, *silu) if whole else None
-        if gate_up is not None:
-            gnb = int(gate_up[3].ty.shape[1])
-            gu = bb.add_func(isa_kernels.decode_gemv(((k, False), (k, False)), gnb, str(gate_up[4].ty.dtype),
-                                                    silu_mul=True, quantize=zp),
-                             _kname(f"q4_gemv_vnni_silu_mul_q8_{k}x{gnb}"))
-            parts = bb.emit(relax.call_tir(gu, gate_up, q8))
+        # ...and the o projection takes the blocks the decode attention wrote with its output
+        attn_q8 = _decode_attention_q8(bb, a2) if one_token and isa == "x86" and silu is None and rms is None else None
+        if attn_q8 is not None:
+            q, scale, off = attn_q8
         else:
-            eps = rms[2] if rms else None
-            quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, silu is not None, eps),
-                                _kname(f"act_q8_{'silu_' if silu else 'rms_' if rms else ''}{k}_{int(one_token)}_sum{-zp}"))
-            parts = bb.emit(relax.call_tir(quant, list(silu) if silu else list(rms[:2]) if rms else [a2], q8))
-        q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
+            if gate_up is not None:
+                gnb = int(gate_up[3].ty.shape[1])
+                gu = bb.add_func(isa_kernels.decode_gemv(((k, False), (k, False)), gnb, str(gate_up[4].ty.dtype),
+                                                        silu_mul=True, quantize=zp),
+                                 _kname(f"q4_gemv_vnni_silu_mul_q8_{k}x{gnb}"))
+                parts = bb.emit(relax.call_tir(gu, gate_up, q8))
+            else:
+                eps = rms[2] if rms else None
+                quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, silu is not None, eps),
+                                    _kname(f"act_q8_{'silu_' if silu else 'rms_' if rms else ''}{k}_{int(one_token)}_sum{-zp}"))
+                parts = bb.emit(relax.call_tir(quant, list(silu) if silu else list(rms[:2]) if rms else [a2], q8))
+            q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
         args = [q, scale, off, w, s] + ([bias] if fused_bias else [])
         y = bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
         return y, None if fused_bias else bias
@@ -194,12 +201,20 @@ def _call_of(e, name: str) -> bool:
     return isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == name
 
 
-def _rows(bb, x, k: int):
-    """x as [M, K] rows: the [M, K] tensor a reshape made x from, if so (a matmul's output;
-    reshaping it back would fuse the two reshapes into a copy kernel), else a reshape."""
+def _unreshaped(bb, x):
+    """The tensor a chain of reshapes made x from (x itself if none)."""
     e = _binding(bb, x)
-    if _call_of(e, "relax.reshape") and len(e.args[0].ty.shape) == 2 and int(e.args[0].ty.shape[1]) == k:
-        return e.args[0]
+    while _call_of(e, "relax.reshape"):
+        x, e = e.args[0], _binding(bb, e.args[0])
+    return x
+
+
+def _rows(bb, x, k: int):
+    """x as [M, K] rows, reshaped once from what reshapes made x from: two reshapes in a row
+    fuse into a copy kernel, one is a view."""
+    x = _unreshaped(bb, x)
+    if len(x.ty.shape) == 2 and getattr(x.ty.shape[1], "value", None) == k:
+        return x
     return bb.emit(relax.op.reshape(x, [-1, k]))
 
 
@@ -235,7 +250,7 @@ def _decode_gemv_plus(bb, y, r):
     gv, args = gemv
     n, nb, sdt = int(y.ty.shape[-1]), int(args[3].ty.shape[1]), str(args[4].ty.dtype)
     kernel = bb.add_func(vnni.decode_gemv(((n, True),), nb, sdt), gv.name_hint + "_bias")
-    out = bb.emit(relax.call_tir(kernel, args + [bb.emit(relax.op.reshape(r, [n]))],
+    out = bb.emit(relax.call_tir(kernel, args + [bb.emit(relax.op.reshape(_unreshaped(bb, r), [n]))],
                                  relax.TensorType(shape=[1, n], dtype="float32")))
     return bb.emit(relax.op.reshape(out, y.ty.shape))
 
@@ -332,8 +347,36 @@ class RotaryEmbedding(F.OnnxOpConverter):
         x, pos, cos, sin = inputs[:4]
         if attr.get("interleaved", 0):
             raise QwcError("RotaryEmbedding: interleaved rotary is not supported")
-        return bb.emit_te(generic.rotary, x, pos, cos, sin, heads=int(attr["num_heads"]),
-                          primfunc_name_hint=_kname("rotary"))
+        heads = int(attr["num_heads"])
+        out = bb.emit_te(generic.rotary, x, pos, cos, sin, heads=heads, primfunc_name_hint=_kname("rotary"))
+        _rotary_kernels[_binding(bb, out).args[0].name_hint] = heads   # decode attention may rotate itself
+        return out
+
+
+def _rotary_operands(bb, x, heads: int, head_dim: int):
+    """(x, position_ids, cos, sin) when x is this import's rotary of heads x head_dim with cos
+    and sin [P, head_dim / 2] (the layout decode attention's own rotary reads), else None."""
+    e = _binding(bb, x)
+    if not _call_of(e, "relax.call_tir") or _rotary_kernels.get(e.args[0].name_hint) != heads:
+        return None
+    args = list(e.args[1].fields)
+    if ([int(d) for d in args[0].ty.shape] != [1, 1, heads * head_dim]
+            or [getattr(d, "value", None) for d in args[1].ty.shape] != [1, 1]
+            or any(getattr(t.ty.shape[1], "value", None) != head_dim // 2 for t in args[2:])):
+        return None
+    return args
+
+
+def _decode_attention_q8(bb, x):
+    """[aq, ad, off] when x is (a reshape of) the output of a decode attention that also wrote
+    it as Q8_0 blocks (GroupQueryAttention below), else None."""
+    e = _binding(bb, _unreshaped(bb, x))
+    if not isinstance(e, relax.TupleGetItem) or e.index != 0:
+        return None
+    call = _binding(bb, e.tuple_value)
+    if not (_call_of(call, "relax.call_tir_inplace") and call.args[0].name_hint == _kname(_ATTENTION_Q8)):
+        return None
+    return [bb.emit(relax.TupleGetItem(e.tuple_value, i)) for i in (3, 4, 5)]
 
 
 class GroupQueryAttention(F.OnnxOpConverter):
@@ -351,20 +394,45 @@ class GroupQueryAttention(F.OnnxOpConverter):
         # The fast kernel reads K in its key-tile layout (kernels/attention.py); V, and K for
         # the generic kernel, are rows.
         tiled = fast.supports(head_dim)
+        if tiled and getattr(q.ty.shape[1], "value", None) == 1 and three_pass_decode_attention(_features):
+            fused = cls._decode(bb, q, k, v, past_k, past_v, seqlens, heads, kv_heads, head_dim, scale)
+            if fused is not None:
+                return fused
         write_k = bb.add_func(fast.kv_cache_write(tiled), _kname("k_cache_write_tiles" if tiled else "kv_cache_write"))
         write_v = bb.add_func(fast.kv_cache_write(False), _kname("kv_cache_write"))
         kc = bb.emit(relax.call_tir_inplace(write_k, [past_k, k, seqlens], 0, past_k.ty))
         vc = bb.emit(relax.call_tir_inplace(write_v, [past_v, v, seqlens], 0, past_v.ty))
-        if tiled and getattr(q.ty.shape[1], "value", None) == 1 and three_pass_decode_attention(_features):
-            kernel = bb.add_func(fast.decode_attention(heads, kv_heads, head_dim, scale), _kname("attention_3pass"))
-            out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
-        elif tiled:
+        if tiled:
             kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale), _kname("attention_online"))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
         else:
             out = bb.emit_te(generic.attention, q, kc, vc, seqlens, heads=heads, kv_heads=kv_heads,
                              head_dim=head_dim, scale=scale, primfunc_name_hint=_kname("attention"))
         return relax.Tuple([out, kc, vc])
+
+    @staticmethod
+    def _decode(bb, q, k, v, past_k, past_v, seqlens, heads, kv_heads, head_dim, scale):
+        """One token's attention as the one three-pass kernel that also rotates q and k and
+        writes the cache (kernels/attention.py: decode_attention), when q and k are this
+        import's rotary of one position; with the x86 W4A8 GEMVs it also writes its output's
+        Q8_0 blocks, which the o projection takes (_decode_attention_q8). Else None."""
+        from .kernels import attention as fast
+        from .kernels.x86 import vnni
+
+        rq, rk = _rotary_operands(bb, q, heads, head_dim), _rotary_operands(bb, k, kv_heads, head_dim)
+        if (not fast.fuses_decode_prologue(head_dim) or rq is None or rk is None
+                or not all(a.same_as(b) for a, b in zip(rq[1:], rk[1:]))):
+            return None
+        pos, cos, sin = rq[1:]
+        zp = vnni.ZERO_POINT if q4_0_path(32, 32, 32, 4, _act_bits, _features) == "x86" else None
+        kernel = bb.add_func(fast.decode_attention(heads, kv_heads, head_dim, scale, str(pos.ty.dtype), zp),
+                             _kname("attention_3pass" if zp is None else _ATTENTION_Q8))
+        nb = heads * head_dim // 32
+        q8 = [relax.TensorType(shape=[1, nb, 32], dtype="int8")] + [relax.TensorType(shape=[1, nb], dtype="float32")] * 2
+        call = bb.emit(relax.call_tir_inplace(
+            kernel, [rq[0], rk[0], v, past_k, past_v, seqlens, pos, cos, sin],
+            [-1, 3, 4] + ([-1] * 3 if zp is not None else []), [q.ty, past_k.ty, past_v.ty] + (q8 if zp is not None else [])))
+        return relax.Tuple([bb.emit(relax.TupleGetItem(call, i)) for i in range(3)])
 
 
 _QWC_CONVERTERS = {
@@ -413,9 +481,11 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
             shapes[i.name] = [1, dims[1], cache, dims[3]]
     _prefix, _act_bits, _features, _tuned = prefix, act_bits, frozenset(features), dict(tuned or {})
+    _rotary_kernels.clear()
     try:
         with qwc_converters(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # input renaming, the checker's view of com.microsoft ops
             return F.from_onnx(model, shape_dict=shapes, keep_params_in_input=True, sanitize_input_names=True)
     finally:
         _prefix, _act_bits, _features, _tuned = "", 32, frozenset(), {}
+        _rotary_kernels.clear()

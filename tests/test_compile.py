@@ -216,6 +216,13 @@ def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
     # ...and decode attends in three passes (frontend.three_pass_decode_attention), prefill online
     assert "decode_attention_3pass" in syms and "decode_attention_online" not in syms
     assert "prefill_attention_online" in syms
+    # ...which rotates q and k, writes the cache and quantizes its output for the o projection
+    # itself (kernels/attention.py: decode_attention): decode has no rotary or cache writer
+    assert "decode_attention_3pass_q8" in syms
+    assert not re.search(r"decode_(rotary|k_cache_write|kv_cache_write)", syms) and "prefill_rotary" in syms
+    # ...and the residual reaches the o and down GEMVs through one reshape (a view), not two
+    # (a copy kernel once fused: frontend._unreshaped)
+    assert not re.search(r"fused_reshape\d*_reshape", syms)
 
 
 def test_bench_prints_pp_and_tg_rows(tiny_host_artifact, capsys):

@@ -140,11 +140,39 @@ def _host_kernel(func):
                        target=get_target("host").tvm_target())
 
 
+def _attention_reference(q, k, v, past, s, heads, kvh, hd, scale):
+    """numpy's causal attention of q [1, s, heads*hd] over keys and values [past + s, kvh*hd]."""
+    ref = np.zeros_like(q)
+    kh, vh = k.reshape(-1, kvh, hd), v.reshape(-1, kvh, hd)
+    for h in range(heads):
+        for i in range(s):
+            sc = kh[:past + i + 1, h // (heads // kvh)] @ q[0, i, h * hd:(h + 1) * hd] * scale
+            p = np.exp(sc - sc.max())
+            ref[0, i, h * hd:(h + 1) * hd] = p @ vh[:past + i + 1, h // (heads // kvh)] / p.sum()
+    return ref
+
+
+def _filled_caches(k, v, chunks, kvh, hd, cap):
+    """K (key tiles) and V (rows) cache buffers, NaN past what the cache writers wrote of k, v
+    [n, kvh*hd] chunk by chunk: a kernel that read an unwritten slot would return NaN."""
+    import tvm
+
+    from qwc.compiler.kernels import attention
+
+    write_k, write_v = _host_kernel(attention.kv_cache_write(True)), _host_kernel(attention.kv_cache_write(False))
+    kc, vc = (tvm.runtime.tensor(np.full((1, kvh, cap, hd), np.nan, np.float32)) for _ in range(2))
+    for lo, hi in chunks:
+        if hi > lo:
+            n = tvm.runtime.tensor(np.array([hi - 1], np.int32))
+            write_k(kc, tvm.runtime.tensor(k[None, lo:hi].copy()), n)
+            write_v(vc, tvm.runtime.tensor(v[None, lo:hi].copy()), n)
+    return kc, vc
+
+
 @pytest.mark.parametrize("past, s", [(0, 1), (0, 17), (5, 1), (15, 3), (16, 1), (37, 17), (40, 1)])
 def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s):
-    """The cache writers (K in key tiles of 16, V in rows) then the online-softmax attention
-    (and for one new token the three-pass decode attention), against numpy's causal attention:
-    histories and chunks that do and do not fill tiles."""
+    """The cache writers (K in key tiles of 16, V in rows) then the online-softmax attention,
+    against numpy's causal attention: histories and chunks that do and do not fill tiles."""
     import tvm
 
     from qwc.compiler.kernels import attention
@@ -153,31 +181,68 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s):
     rng = np.random.default_rng(past * 31 + s)
     k, v = (rng.standard_normal((past + s, kvh * hd), dtype=np.float32) for _ in range(2))
     q = rng.standard_normal((1, s, heads * hd), dtype=np.float32)
-    write_k, write_v = _host_kernel(attention.kv_cache_write(True)), _host_kernel(attention.kv_cache_write(False))
-    kc, vc = (tvm.runtime.tensor(np.full((1, kvh, cap, hd), np.nan, np.float32)) for _ in range(2))
-    for lo, hi in ((0, past), (past, past + s)):   # the history, then the new chunk
-        if hi > lo:
-            n = tvm.runtime.tensor(np.array([hi - 1], np.int32))
-            write_k(kc, tvm.runtime.tensor(k[None, lo:hi].copy()), n)
-            write_v(vc, tvm.runtime.tensor(v[None, lo:hi].copy()), n)
-    # slots past the last key stay NaN: a kernel that read them would return NaN
-    kernels = [attention.attention(heads, kvh, hd, 0.125)]
-    if s == 1:
-        kernels.append(attention.decode_attention(heads, kvh, hd, 0.125))
-    got = []
-    for kernel in kernels:
-        out = tvm.runtime.tensor(np.zeros_like(q))
-        _host_kernel(kernel)(tvm.runtime.tensor(q), kc, vc, tvm.runtime.tensor(np.array([past + s - 1], np.int32)), out)
-        got.append(out.numpy())
-    ref = np.zeros_like(q)
-    kh, vh = k.reshape(-1, kvh, hd), v.reshape(-1, kvh, hd)
-    for h in range(heads):
-        for i in range(s):
-            sc = kh[:past + i + 1, h // (heads // kvh)] @ q[0, i, h * hd:(h + 1) * hd] * 0.125
-            p = np.exp(sc - sc.max())
-            ref[0, i, h * hd:(h + 1) * hd] = p @ vh[:past + i + 1, h // (heads // kvh)] / p.sum()
-    for g in got:
-        np.testing.assert_allclose(g, ref, rtol=0, atol=2e-6)
+    kc, vc = _filled_caches(k, v, ((0, past), (past, past + s)), kvh, hd, cap)  # the history, then the chunk
+    out = tvm.runtime.tensor(np.zeros_like(q))
+    _host_kernel(attention.attention(heads, kvh, hd, 0.125))(
+        tvm.runtime.tensor(q), kc, vc, tvm.runtime.tensor(np.array([past + s - 1], np.int32)), out)
+    np.testing.assert_allclose(out.numpy(), _attention_reference(q, k, v, past, s, heads, kvh, hd, 0.125),
+                               rtol=0, atol=2e-6)
+
+
+def _rotary(x, pos, cos, sin, heads):
+    """The rotary kernel a graph's RotaryEmbedding compiles to (generic.rotary, scheduled as
+    the build schedules it) on x [1, 1, heads*hd] at position pos."""
+    import tvm
+    from tvm import te
+
+    from qwc.compiler.schedule import schedule_func
+
+    xs, ps, cs, ss = (te.placeholder(a.shape, str(a.dtype)) for a in (x, pos, cos, sin))
+    func = schedule_func(te.create_prim_func([xs, ps, cs, ss, generic.rotary(xs, ps, cs, ss, heads=heads)]))
+    out = tvm.runtime.tensor(np.zeros_like(x))
+    _host_kernel(func)(*(tvm.runtime.tensor(a) for a in (x, pos, cos, sin)), out)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("heads, kvh, hd", [(14, 2, 64), (4, 2, 32)])
+@pytest.mark.parametrize("past", [0, 5, 15, 16, 40])
+def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd, past):
+    """The three-pass decode attention given one token's q, k, v before rotary: the cache it
+    leaves equals, bit for bit, what the rotary kernel then the cache writers leave (K tiles, V
+    rows; slot `past`, at position past + 3 to tell the two apart), its output equals numpy's
+    attention over it, and its Q8_0 blocks equal the quantizer kernel's of that output, bit
+    for bit."""
+    import tvm
+
+    from qwc.compiler.kernels import act_quant, attention
+    from qwc.compiler.kernels.x86 import vnni
+
+    cap, scale = 64, 1 / np.sqrt(hd)
+    pos = np.array([[past + 3]], np.int64)
+    rng = np.random.default_rng(past * 7 + hd)
+    k, v = (rng.standard_normal((past + 1, kvh * hd), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 1, heads * hd), dtype=np.float32)
+    angles = np.arange(past + 8)[:, None] * 10000.0 ** (-np.arange(hd // 2) / (hd // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    keys = np.concatenate([k[:past], _rotary(k[None, past:], pos, cos, sin, kvh)[0]])
+    want_k, want_v = (x.numpy() for x in _filled_caches(keys, v, ((0, past), (past, past + 1)), kvh, hd, cap))
+    kc, vc = _filled_caches(k, v, ((0, past),), kvh, hd, cap)
+    nb = heads * hd // 32
+    out, aq, ad, off = (tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in (
+        (q.shape, np.float32), ((1, nb, 32), np.int8), ((1, nb), np.float32), ((1, nb), np.float32)))
+    kernel = _host_kernel(attention.decode_attention(heads, kvh, hd, float(scale), "int64", vnni.ZERO_POINT))
+    kernel(*(tvm.runtime.tensor(x) for x in (q, k[None, past:], v[None, past:])), kc, vc,
+           tvm.runtime.tensor(np.array([past], np.int32)), *(tvm.runtime.tensor(x) for x in (pos, cos, sin)),
+           out, aq, ad, off)
+    np.testing.assert_array_equal(kc.numpy(), want_k)
+    np.testing.assert_array_equal(vc.numpy(), want_v)
+    ref = _attention_reference(_rotary(q, pos, cos, sin, heads), keys, v, past, 1, heads, kvh, hd, scale)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=0, atol=2e-6)
+    quantizer = _host_kernel(act_quant.fused_quantizer(heads * hd, vnni.ZERO_POINT, True))
+    want = [tvm.runtime.tensor(np.zeros(x.shape, x.dtype)) for x in (aq, ad, off)]
+    quantizer(tvm.runtime.tensor(out.numpy().reshape(1, -1)), *want)
+    for got, exp in zip((aq, ad, off), want):
+        np.testing.assert_array_equal(got.numpy(), exp.numpy())
 
 
 def test_attention_rejects_a_cache_capacity_off_the_tile():

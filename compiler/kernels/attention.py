@@ -74,15 +74,14 @@ def _tree_sum(xs):
     return xs[0]
 
 
-def _tile_scores(T, q, i, kc, h, kvh, t, head_dim):
-    """Tile t's 16 unscaled scores of query i's head h against kv head kvh: sum over d of
-    q[d] * (16 keys' element d), in CHAINS independent FMA chains."""
+def _tile_scores(T, q_at, kc, kvh, t, head_dim):
+    """Tile t's 16 unscaled scores of one query (element d: q_at(d)) against kv head kvh: sum
+    over d of q[d] * (16 keys' element d), in CHAINS independent FMA chains."""
     def part(c):
         terms = []
         for d in range(c, head_dim, CHAINS):
             row, col = k_row_col(t * KEY_TILE, d, head_dim)   # t * KEY_TILE: the tile's first key
-            terms.append(T.broadcast(q[T.int64(0), i, h * head_dim + d], KEY_TILE)
-                         * kc[T.int64(0), kvh, row, T.ramp(col, 1, KEY_TILE)])
+            terms.append(T.broadcast(q_at(d), KEY_TILE) * kc[T.int64(0), kvh, row, T.ramp(col, 1, KEY_TILE)])
         acc = terms[0]
         for x in terms[1:]:
             acc = acc + x
@@ -106,7 +105,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
     @T.macro
     def tile(q, kc, vc, acc, stat, p, task, s, keys, t, masked):
         """Keys 16t .. 16t+15 into the running state; `masked`: only those below `keys`."""
-        sc = _tile_scores(T, q, task % s, kc, task // s, task // s // group, t, head_dim) * T.broadcast(T.float32(scale), kt)
+        sc = _tile_scores(T, lambda d: q[T.int64(0), task % s, task // s * head_dim + d], kc, task // s // group, t, head_dim) * T.broadcast(T.float32(scale), kt)
         if masked:
             sc = T.Select(_in_tile(T, t, keys), sc, T.broadcast(T.float32(NEG_INF), kt))
         scv = T.bind(sc)
@@ -154,8 +153,15 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
     return kernel
 
 
+def fuses_decode_prologue(head_dim: int) -> bool:
+    """Whether `decode_attention` can rotate q and k and quantize its output itself: whole
+    16-lane halves of a head, whole 32-blocks of the output."""
+    return head_dim % (2 * LANES) == 0
+
+
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
-def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float):
+def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos_dtype: str,
+                     zero_point: int | None = None):
     """Attention of one new token (decode), one parallel task per kv head running its whole
     group of query heads, in three passes over the cached keys instead of the online update:
 
@@ -168,36 +174,68 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float):
     the core, where the online form's per-tile rescale chain (max -> exp -> rescale -> update)
     serialised them: 1.5x faster than `attention` at 512 cached tokens, 1.9x at 3000 (kernel
     harness, cache-cold; docs/design.md). Decode has kv_heads tasks: on many cores, splitting
-    the keys across threads would be the next step."""
+    the keys across threads would be the next step.
+
+    The task also does what took four kernels of their own (a launch each, 96 a step at 24
+    layers): it rotates its kv head's new key and its group's queries (rotate-half rotary at
+    position_ids [1, 1] of `pos_dtype`, cos / sin [P, head_dim / 2]) and writes the key (K
+    tiles) and the value (a row) into the cache at slot seqlens[0] before it reads it. With
+    `zero_point` it also writes its heads' output as Q8_0 blocks (act_quant: int8, scales,
+    zero_point x block sums) for the o projection's W4A8 GEMV: the quantizer kernel that
+    read the output is gone too. Needs `fuses_decode_prologue(head_dim)`.
+
+    Arguments: q [1, 1, heads*head_dim] and k, v [1, 1, kv_heads*head_dim] before rotary, the
+    K and V caches (written in place), seqlens [1], position_ids, cos, sin, then the outputs:
+    out (q's shape) and, with `zero_point`, aq [1, NB, 32], ad and off [1, NB]."""
     from tvm.script import tirx as T
+
+    from .act_quant import BLOCK, quantize_block
 
     group = heads // kv_heads
     chunks = head_dim // LANES
+    hc = chunks // 2     # 16-lane chunks in half a head: rotate-half pairs chunk c with c +- hc
     kt = KEY_TILE
+    quantize = zero_point is not None
+    assert fuses_decode_prologue(head_dim)
+    nb = heads * head_dim // BLOCK
 
-    @T.prim_func(private=True)
-    def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, seqlens: T.Buffer((1,), "int32"),
-               var_out: T.handle):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-        cap = T.int64()
-        q = T.match_buffer(var_q, (T.int64(1), T.int64(1), heads * head_dim), "float32")
-        kc = T.match_buffer(var_k, (T.int64(1), kv_heads, cap, head_dim), "float32")
-        vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, head_dim), "float32")
-        out = T.match_buffer(var_out, (T.int64(1), T.int64(1), heads * head_dim), "float32")
-        assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
-        keys = T.Cast("int64", seqlens[0]) + T.int64(1)    # the new token attends to slots 0 .. seqlens[0]
+    @T.macro
+    def rotate(dst, at, x, base, cos, sin, p):
+        """dst[at:] = the head at x[0, 0, base:] rotated at position p: x * cos + rotate_half(x) * sin,
+        written as generic.rotary writes it ((-hi) * sin added, not subtracted): LLVM then
+        contracts it into the same FMA and the bits are the rotary kernel's."""
+        for c in range(hc):
+            lo = T.bind(x[T.int64(0), T.int64(0), T.ramp(base + c * LANES, 1, LANES)])
+            hi = T.bind(x[T.int64(0), T.int64(0), T.ramp(base + (c + hc) * LANES, 1, LANES)])
+            dst[T.ramp(at + c * LANES, 1, LANES)] = lo * cos[p, T.ramp(c * LANES, 1, LANES)] + (-hi) * sin[p, T.ramp(c * LANES, 1, LANES)]
+            dst[T.ramp(at + (c + hc) * LANES, 1, LANES)] = hi * cos[p, T.ramp(c * LANES, 1, LANES)] + lo * sin[p, T.ramp(c * LANES, 1, LANES)]
+
+    @T.macro
+    def attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off):
+        slot = T.Cast("int64", seqlens[0])                 # the new token's cache slot
+        keys = slot + T.int64(1)                           # it attends to slots 0 .. seqlens[0]
         tiles = (keys + T.int64(kt - 1)) // T.int64(kt)
         for kvh in T.parallel(kv_heads):
             sc = T.alloc_buffer((group, cap), "float32")        # scores, then weights, per head
             mx = T.decl_buffer((group * kt,), "float32", scope="global")   # running max lanes
             tot = T.decl_buffer((group,), "float32", scope="global")       # sum of the weights
             acc = T.decl_buffer((group * head_dim,), "float32", scope="global")
+            qr = T.decl_buffer((group * head_dim,), "float32", scope="global")   # the group's queries
+            kr = T.decl_buffer((head_dim,), "float32", scope="global")           # the new key
+            rotate(kr, 0, k, kvh * head_dim, cos, sin, pos[0, 0])   # 0: the new key and value into the cache
+            for c in range(chunks):
+                vc[T.int64(0), kvh, slot, T.ramp(c * LANES, 1, LANES)] = v[
+                    T.int64(0), T.int64(0), T.ramp(kvh * head_dim + c * LANES, 1, LANES)]
+            for d in range(head_dim):
+                row, col = k_row_col(slot, d, head_dim)
+                kc[T.int64(0), kvh, row, col] = kr[d]
             for hh in range(group):
+                rotate(qr, hh * head_dim, q, (kvh * group + hh) * head_dim, cos, sin, pos[0, 0])
                 mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(NEG_INF), kt)
             for t in range(tiles):          # 1: scores (past the last key: -inf)
                 for hh in T.unroll(group):
                     s = T.bind(T.Select(_in_tile(T, t, keys),
-                                        _tile_scores(T, q, T.int64(0), kc, kvh * group + hh, kvh, t, head_dim)
+                                        _tile_scores(T, lambda d: qr[hh * head_dim + d], kc, kvh, t, head_dim)
                                         * T.broadcast(T.float32(scale), kt), T.broadcast(T.float32(NEG_INF), kt)))
                     sc[hh, T.ramp(t * kt, 1, kt)] = s
                     mx[T.ramp(hh * kt, 1, kt)] = T.max(mx[T.ramp(hh * kt, 1, kt)], s)
@@ -225,5 +263,40 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float):
                 for c in range(chunks):
                     out[T.int64(0), T.int64(0), T.ramp((kvh * group + hh) * head_dim + c * LANES, 1, LANES)] = (
                         acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] / T.broadcast(tot[hh], LANES))
+                if quantize:   # from the stored output: the same bits as the quantizer kernel reading it
+                    for b in range(head_dim // BLOCK):
+                        col = (kvh * group + hh) * head_dim + b * BLOCK
+                        quantize_block(T, out[T.int64(0), T.int64(0), T.ramp(col, 1, LANES)],
+                                       out[T.int64(0), T.int64(0), T.ramp(col + LANES, 1, LANES)],
+                                       aq, ad, off, T.int64(0), (kvh * group + hh) * (head_dim // BLOCK) + b, zero_point)
 
+    @T.macro
+    def kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+        cap, positions = T.int64(), T.int64()
+        q = T.match_buffer(var_q, (T.int64(1), T.int64(1), heads * head_dim), "float32")
+        k = T.match_buffer(var_k, (T.int64(1), T.int64(1), kv_heads * head_dim), "float32")
+        v = T.match_buffer(var_v, (T.int64(1), T.int64(1), kv_heads * head_dim), "float32")
+        kc = T.match_buffer(var_kc, (T.int64(1), kv_heads, cap, head_dim), "float32")
+        vc = T.match_buffer(var_vc, (T.int64(1), kv_heads, cap, head_dim), "float32")
+        cos = T.match_buffer(var_cos, (positions, head_dim // 2), "float32")
+        sin = T.match_buffer(var_sin, (positions, head_dim // 2), "float32")
+        out = T.match_buffer(var_out, (T.int64(1), T.int64(1), heads * head_dim), "float32")
+        assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
+        attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off)
+
+    if quantize:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
+                   seqlens: T.Buffer((1,), "int32"), pos: T.Buffer((1, 1), pos_dtype), var_cos: T.handle,
+                   var_sin: T.handle, var_out: T.handle, aq: T.Buffer((1, nb, BLOCK), "int8"),
+                   ad: T.Buffer((1, nb), "float32"), off: T.Buffer((1, nb), "float32")):
+            kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off)
+        return kernel
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
+               seqlens: T.Buffer((1,), "int32"), pos: T.Buffer((1, 1), pos_dtype), var_cos: T.handle,
+               var_sin: T.handle, var_out: T.handle):
+        kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, None, None, None)
     return kernel
