@@ -29,13 +29,15 @@ ZERO_POINT = -8    # the quantizer's per-block offset factor: the accumulation s
 # The schedule's knob: tokens per prefill tile (the hand value; decode is always 1).
 DEFAULTS = {"tokens": 4}
 
-# Decode prefetches the weights twice: 8 blocks (2 KiB) ahead into L1 and 32 blocks (8 KiB)
-# ahead into L2 (prefetcht1). A GEMV's weights always come from DRAM, and the hardware
-# streamer stops at every 4 KiB page and restarts slowly; the far L2 prefetch keeps enough
-# misses in flight across those restarts. Decode step, 0.5B shape: L1 only (6 blocks) 62-69
-# tok/s, L2 only (32) 72-89, both 83-90 (docs/design.md). Non-temporal was 40% worse;
+# Decode prefetches the weights 4 blocks (1 KiB) ahead into L1, in each of its STREAMS
+# streams. A GEMV's weights always come from DRAM, and the hardware streamer stops at every
+# 4 KiB page and restarts slowly. With one stream a thread a far L2 prefetch kept misses in
+# flight across those restarts (decode, 0.5B shape: L1 only (6 blocks) 62-69 tok/s, L2 only
+# (32) 72-89, both 83-90). With four streams (below) whose restarts fall at different times
+# it no longer pays: L1 at 4 blocks alone decodes 2.6-3.4% faster than 8 blocks into L1 plus
+# 32 into L2, and 2 blocks is slower (docs/design.md). Non-temporal was 40% worse;
 # prefetching the scale stream too cost 10%.
-PREFETCH = ((8, 3), (32, 2))   # (blocks ahead, LLVM locality: 3 = L1, 2 = L2)
+PREFETCH = ((4, 3),)   # (blocks ahead, LLVM locality: 3 = L1, 2 = L2)
 # Decode reads STREAMS far-apart row groups in lockstep, block by block: each thread then has
 # STREAMS sequential streams in flight whose page crossings fall at different times, so one
 # restarting stream no longer idles the memory pipe. Weight GB/s in a decode-like stream of
