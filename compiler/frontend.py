@@ -428,10 +428,13 @@ class GroupQueryAttention(F.OnnxOpConverter):
         kernel = bb.add_func(fast.decode_attention(heads, kv_heads, head_dim, scale, str(pos.ty.dtype), zp),
                              _kname("attention_3pass" if zp is None else _ATTENTION_Q8))
         nb = heads * head_dim // 32
-        q8 = [relax.TensorType(shape=[1, nb, 32], dtype="int8")] + [relax.TensorType(shape=[1, nb], dtype="float32")] * 2
+        q8 = [] if zp is None else [relax.TensorType(shape=[1, nb, 32], dtype="int8"),
+                                    relax.TensorType(shape=[1, nb], dtype="float32"),
+                                    relax.TensorType(shape=[1, nb], dtype="float32")]
+        # outputs: out (new), the two caches (in place), the Q8_0 blocks (new)
         call = bb.emit(relax.call_tir_inplace(
             kernel, [rq[0], rk[0], v, past_k, past_v, seqlens, pos, cos, sin],
-            [-1, 3, 4] + ([-1] * 3 if zp is not None else []), [q.ty, past_k.ty, past_v.ty] + (q8 if zp is not None else [])))
+            [-1, 3, 4] + [-1] * len(q8), [q.ty, past_k.ty, past_v.ty] + q8))
         return relax.Tuple([bb.emit(relax.TupleGetItem(call, i)) for i in range(3)])
 
 

@@ -105,7 +105,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
     @T.macro
     def tile(q, kc, vc, acc, stat, p, task, s, keys, t, masked):
         """Keys 16t .. 16t+15 into the running state; `masked`: only those below `keys`."""
-        sc = _tile_scores(T, lambda d: q[T.int64(0), task % s, task // s * head_dim + d], kc, task // s // group, t, head_dim) * T.broadcast(T.float32(scale), kt)
+        sc = _tile_scores(T, lambda d: q[T.int64(0), task % s, task // s * head_dim + d],   # query task % s, head task // s
+                          kc, task // s // group, t, head_dim) * T.broadcast(T.float32(scale), kt)
         if masked:
             sc = T.Select(_in_tile(T, t, keys), sc, T.broadcast(T.float32(NEG_INF), kt))
         scv = T.bind(sc)
@@ -207,8 +208,10 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         for c in range(hc):
             lo = T.bind(x[T.int64(0), T.int64(0), T.ramp(base + c * LANES, 1, LANES)])
             hi = T.bind(x[T.int64(0), T.int64(0), T.ramp(base + (c + hc) * LANES, 1, LANES)])
-            dst[T.ramp(at + c * LANES, 1, LANES)] = lo * cos[p, T.ramp(c * LANES, 1, LANES)] + (-hi) * sin[p, T.ramp(c * LANES, 1, LANES)]
-            dst[T.ramp(at + (c + hc) * LANES, 1, LANES)] = hi * cos[p, T.ramp(c * LANES, 1, LANES)] + lo * sin[p, T.ramp(c * LANES, 1, LANES)]
+            cs = T.bind(cos[p, T.ramp(c * LANES, 1, LANES)])
+            sn = T.bind(sin[p, T.ramp(c * LANES, 1, LANES)])
+            dst[T.ramp(at + c * LANES, 1, LANES)] = lo * cs + (-hi) * sn
+            dst[T.ramp(at + (c + hc) * LANES, 1, LANES)] = hi * cs + lo * sn
 
     @T.macro
     def attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off):
@@ -268,7 +271,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                         col = (kvh * group + hh) * head_dim + b * BLOCK
                         quantize_block(T, out[T.int64(0), T.int64(0), T.ramp(col, 1, LANES)],
                                        out[T.int64(0), T.int64(0), T.ramp(col + LANES, 1, LANES)],
-                                       aq, ad, off, T.int64(0), (kvh * group + hh) * (head_dim // BLOCK) + b, zero_point)
+                                       aq, ad, off, T.int64(0), col // BLOCK, zero_point)
 
     @T.macro
     def kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off):
