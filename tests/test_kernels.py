@@ -366,3 +366,14 @@ def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n):
     assert np.abs(ref[1].numpy()).min() > 0   # every block quantized, none left at zero
     for g, r in zip(got, ref):
         np.testing.assert_array_equal(g.numpy(), r.numpy())
+
+
+def test_quantizing_decode_gemv_refuses_streams_that_split_a_block(monkeypatch):
+    """The quantizing gate/up GEMV gives each task one 32-row block as STREAMS / 2 row groups:
+    another STREAMS would overlap the tasks' groups (patched, it gave wrong logits), so the
+    kernel builder refuses it."""
+    from qwc.compiler.kernels.x86 import vnni
+
+    monkeypatch.setattr(vnni, "STREAMS", 6)
+    with pytest.raises(ValueError, match="STREAMS"):
+        vnni.decode_gemv.__wrapped__(((64, False), (64, False)), 2, "float16", silu_mul=True, quantize=vnni.ZERO_POINT)

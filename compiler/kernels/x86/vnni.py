@@ -156,6 +156,10 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
         raise ValueError(f"silu_mul takes gate and up of one N without biases, got {outputs}")
     if quantize is not None and not (silu_mul and outputs[0][0] % BLOCK == 0):
         raise ValueError(f"quantize takes silu_mul outputs of an N that is a multiple of {BLOCK}, got {outputs}")
+    if quantize is not None and STREAMS // 2 * ROWS != BLOCK:
+        # a task's groups of gate (and of up) must be one 32-row block: with other STREAMS the
+        # tasks' groups would overlap or leave gaps (wrong output, found by patching STREAMS)
+        raise ValueError(f"quantize needs STREAMS / 2 row groups of {ROWS} to make a block of {BLOCK}, STREAMS is {STREAMS}")
     step = 2 if quantize is not None else 1   # a stream's next group
 
     def prefetch(w, g, b):
