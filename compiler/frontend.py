@@ -33,7 +33,6 @@ _act_bits = 32  # 8: W4A8 integer kernels (activations quantized per block to in
 _features: frozenset = frozenset()  # the target's ISA features (compiler/targets.py)
 _tuned: dict = {}  # tuning task key -> knobs, from `qwc compile --tuning-db`
 _rotary_kernels: dict = {}  # name of a rotary kernel this import emitted -> its num_heads
-_ATTENTION_Q8 = "attention_3pass_q8"  # decode attention that also writes its output's Q8_0 blocks
 
 
 def _kname(name: str) -> str:
@@ -360,7 +359,7 @@ def _rotary_operands(bb, x, heads: int, head_dim: int):
     if not _call_of(e, "relax.call_tir") or _rotary_kernels.get(e.args[0].name_hint) != heads:
         return None
     args = list(e.args[1].fields)
-    if ([int(d) for d in args[0].ty.shape] != [1, 1, heads * head_dim]
+    if ([getattr(d, "value", None) for d in args[0].ty.shape] != [1, 1, heads * head_dim]
             or [getattr(d, "value", None) for d in args[1].ty.shape] != [1, 1]
             or any(getattr(t.ty.shape[1], "value", None) != head_dim // 2 for t in args[2:])):
         return None
@@ -373,8 +372,13 @@ def _decode_attention_q8(bb, x):
     e = _binding(bb, _unreshaped(bb, x))
     if not isinstance(e, relax.TupleGetItem) or e.index != 0:
         return None
+    from .kernels import attention
+
     call = _binding(bb, e.tuple_value)
-    if not (_call_of(call, "relax.call_tir_inplace") and call.args[0].name_hint == _kname(_ATTENTION_Q8)):
+    if not _call_of(call, "relax.call_tir_inplace"):
+        return None
+    attrs = bb.get()[call.args[0]].attrs
+    if not (attrs and attrs.get(attention.WRITES_Q8)):
         return None
     return [bb.emit(relax.TupleGetItem(e.tuple_value, i)) for i in (3, 4, 5)]
 
@@ -426,7 +430,7 @@ class GroupQueryAttention(F.OnnxOpConverter):
         pos, cos, sin = rq[1:]
         zp = vnni.ZERO_POINT if q4_0_path(32, 32, 32, 4, _act_bits, _features) == "x86" else None
         kernel = bb.add_func(fast.decode_attention(heads, kv_heads, head_dim, scale, str(pos.ty.dtype), zp),
-                             _kname("attention_3pass" if zp is None else _ATTENTION_Q8))
+                             _kname("attention_3pass" + ("" if zp is None else "_q8")))
         nb = heads * head_dim // 32
         q8 = [] if zp is None else [relax.TensorType(shape=[1, nb, 32], dtype="int8"),
                                     relax.TensorType(shape=[1, nb], dtype="float32"),

@@ -31,6 +31,7 @@ CHAINS = 8       # independent FMA chains per tile's scores (latency, not throug
 V_PREFETCH_ROWS = 32
 NEG_INF = -3.0e38  # the running max's start and masked lanes' score (finite: no inf - inf)
 ACCS = 2         # value accumulators (even and odd keys): halves the update's dependency chain
+WRITES_Q8 = "qwc.decode_attention_q8"   # marks a decode attention that also writes its output's Q8_0
 
 
 def supports(head_dim: int) -> bool:
@@ -275,7 +276,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
 
     @T.macro
     def kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+        # opaque: FuseOps leaves it whole; WRITES_Q8 tells the o projection its input is quantized
+        T.func_attr({"tir.noalias": True, "op_pattern": 8, WRITES_Q8: quantize})
         cap, positions = T.int64(), T.int64()
         q = T.match_buffer(var_q, (T.int64(1), T.int64(1), heads * head_dim), "float32")
         k = T.match_buffer(var_k, (T.int64(1), T.int64(1), kv_heads * head_dim), "float32")
