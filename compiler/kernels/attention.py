@@ -25,10 +25,20 @@ from . import vector_math
 KEY_TILE = 16    # keys per tile of the K layout and per online-softmax step
 LANES = 16       # fp32 lanes of the value accumulator's vectors
 CHAINS = 8       # independent FMA chains per tile's scores (latency, not throughput, bound)
-# Decode attention prefetches V rows this far ahead into L2: the streamer restarts at every
-# 4 KiB page (16 rows); 32 -> 25 us a layer at 512 cached tokens, cache-cold. Prefetching
-# the K tiles too (each one page) changed nothing.
-V_PREFETCH_ROWS = 32
+# Decode attention reads each K tile and V row once, from DRAM, at what one core can pull
+# (13-16 GB/s): its passes are reads. So a task keeps several streams in flight, each with a
+# software prefetch 1 KiB ahead into L1 (a tile of keys is one 4 KiB page, where the hardware
+# streamer restarts). Cycle stamps per pass in a decode-like stream of kernels, 512 cached
+# tokens: scores 34.5K -> 27.4K cycles, values 31.8K -> 28.4K (docs/design.md); 8 or 32 K
+# lines and 2 or 8 V rows ahead were no faster.
+SCORE_STREAMS = 2        # K tiles scored at once (if their accumulators fit STACK_BYTES)
+K_PREFETCH_LINES = 16    # 1 KiB ahead in each K stream
+V_STREAMS = 4            # quarters of the keys whose V rows are read in lockstep
+V_PREFETCH_ROWS = 4      # 1 KiB ahead in each V stream
+# TVM serves a constant-size buffer under 1 KiB from the stack, where LLVM keeps it in
+# registers; a larger one from its workspace pool, which LLVM cannot tell apart from the other
+# buffers, so every update of it is stored (the values pass was bound by those stores).
+STACK_BYTES = 1024
 NEG_INF = -3.0e38  # the running max's start and masked lanes' score (finite: no inf - inf)
 ACCS = 2         # value accumulators (even and odd keys): halves the update's dependency chain
 WRITES_Q8 = "qwc.decode_attention_q8"   # marks a decode attention that also writes its output's Q8_0
@@ -67,6 +77,16 @@ def kv_cache_write(key_tiles: bool):
                     cache[T.int64(0), h, past + i, d] = new[T.int64(0), i, h * hd + d]
 
     return write
+
+
+def _tile_line_row(t, d, head_dim):
+    """Row (in the K buffer's [cap, head_dim] view) of line d of K tile t: 16 keys' element d,
+    or for d >= head_dim the next tile's lines."""
+    return (t * KEY_TILE * head_dim + d * KEY_TILE) // head_dim
+
+
+def _tile_line_col(d, head_dim):
+    return d * KEY_TILE % head_dim
 
 
 def _tree_sum(xs):
@@ -168,9 +188,12 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     group of query heads, in three passes over the cached keys instead of the online update:
 
     1. scores: each K tile comes from memory once and serves every head of the group from
-       L1; the scores go to a row per head (past * 4 bytes) and a running vector max;
+       L1; the scores go to a row per head (past * 4 bytes) and a running vector max. Tiles
+       r and tiles / 2 + r are scored together (SCORE_STREAMS), a K line at a time;
     2. exp(score - max) in place and their sum;
-    3. values: each V row comes from memory once and updates every head's accumulators.
+    3. values: each V row updates the accumulators of `sweep` heads (3 at head_dim 64: what
+       fits the registers, see STACK_BYTES), the keys' V_STREAMS quarters in lockstep; the
+       first sweep reads V from memory, the others from L2.
 
     No pass carries a dependency from tile to tile but a max or a sum, so the tiles overlap in
     the core, where the online form's per-tile rescale chain (max -> exp -> rescale -> update)
@@ -200,6 +223,9 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     quantize = zero_point is not None
     assert fuses_decode_prologue(head_dim)
     nb = heads * head_dim // BLOCK
+    nt = SCORE_STREAMS if SCORE_STREAMS * group * kt * 4 < STACK_BYTES else 1   # K tiles scored at once
+    sweeps = -(-group // max(1, (STACK_BYTES - 1) // (head_dim * 4)))          # value sweeps
+    sweep = -(-group // sweeps)                                                # heads a sweep
 
     @T.macro
     def rotate(dst, at, x, base, cos, sin, p):
@@ -216,33 +242,59 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
 
     @T.macro
     def attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off):
-        slot = T.Cast("int64", seqlens[0])                 # the new token's cache slot
-        keys = slot + T.int64(1)                           # it attends to slots 0 .. seqlens[0]
-        tiles = (keys + T.int64(kt - 1)) // T.int64(kt)
+        # T.bind: a plain assignment here became a workspace allocation per call
+        slot = T.bind(T.Cast("int64", seqlens[0]))         # the new token's cache slot
+        keys = T.bind(slot + T.int64(1))                   # it attends to slots 0 .. seqlens[0]
+        tiles = T.bind((keys + T.int64(kt - 1)) // T.int64(kt))
         for kvh in T.parallel(kv_heads):
             sc = T.alloc_buffer((group, cap), "float32")        # scores, then weights, per head
             mx = T.decl_buffer((group * kt,), "float32", scope="global")   # running max lanes
             tot = T.decl_buffer((group,), "float32", scope="global")       # sum of the weights
-            acc = T.decl_buffer((group * head_dim,), "float32", scope="global")
             qr = T.decl_buffer((group * head_dim,), "float32", scope="global")   # the group's queries
             kr = T.decl_buffer((head_dim,), "float32", scope="global")           # the new key
+            # the accumulators (under STACK_BYTES each), zeroed here so that they live through
+            # the whole task: TVM's storage planner would otherwise give them qr's memory,
+            # which is in the workspace pool
+            sacc = T.decl_buffer((nt * group * kt,), "float32", scope="global")   # scores of nt tiles
+            acc = T.decl_buffer((sweep * head_dim,), "float32", scope="global")   # values of `sweep` heads
+            for i in T.unroll(nt * group):
+                sacc[T.ramp(i * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
+            for i in T.unroll(sweep * chunks):
+                acc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
             rotate(kr, 0, k, kvh * head_dim, cos, sin, pos[0, 0])   # 0: the new key and value into the cache
             for c in range(chunks):
                 vc[T.int64(0), kvh, slot, T.ramp(c * LANES, 1, LANES)] = v[
                     T.int64(0), T.int64(0), T.ramp(kvh * head_dim + c * LANES, 1, LANES)]
             for d in range(head_dim):
-                row, col = k_row_col(slot, d, head_dim)
+                row = T.bind(k_row_col(slot, d, head_dim)[0])
+                col = T.bind(k_row_col(slot, d, head_dim)[1])
                 kc[T.int64(0), kvh, row, col] = kr[d]
             for hh in range(group):
                 rotate(qr, hh * head_dim, q, (kvh * group + hh) * head_dim, cos, sin, pos[0, 0])
                 mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(NEG_INF), kt)
-            for t in range(tiles):          # 1: scores (past the last key: -inf)
-                for hh in T.unroll(group):
-                    s = T.bind(T.Select(_in_tile(T, t, keys),
-                                        _tile_scores(T, lambda d: qr[hh * head_dim + d], kc, kvh, t, head_dim)
-                                        * T.broadcast(T.float32(scale), kt), T.broadcast(T.float32(NEG_INF), kt)))
-                    sc[hh, T.ramp(t * kt, 1, kt)] = s
-                    mx[T.ramp(hh * kt, 1, kt)] = T.max(mx[T.ramp(hh * kt, 1, kt)], s)
+            # 1: scores, nt tiles at once (streams): tiles r, per + r, ...; with tiles % nt left
+            # over, one more round whose streams past the last tile redo it (same values)
+            per = T.bind(tiles // T.int64(nt))
+            for r in range(per + T.Cast("int64", tiles % T.int64(nt) > T.int64(0))):
+                for d in range(head_dim):
+                    for i in T.unroll(nt):   # each stream's line K_PREFETCH_LINES on (past the tile: the next)
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(kc[
+                            T.int64(0), kvh, _tile_line_row(T.min(i * per + r, tiles - T.int64(1)), d + K_PREFETCH_LINES, head_dim),
+                            _tile_line_col(d + K_PREFETCH_LINES, head_dim)]), T.int32(0), T.int32(3), T.int32(1)))
+                    for i in T.unroll(nt):
+                        for hh in T.unroll(group):
+                            sacc[T.ramp((i * group + hh) * kt, 1, kt)] = sacc[T.ramp((i * group + hh) * kt, 1, kt)] + (
+                                T.broadcast(qr[hh * head_dim + d], kt) * kc[
+                                    T.int64(0), kvh, _tile_line_row(T.min(i * per + r, tiles - T.int64(1)), d, head_dim),
+                                    T.ramp(_tile_line_col(d, head_dim), 1, kt)])
+                for i in T.unroll(nt):       # past the last key: -inf
+                    for hh in T.unroll(group):
+                        t = T.bind(T.min(i * per + r, tiles - T.int64(1)))
+                        s = T.bind(T.Select(_in_tile(T, t, keys), sacc[T.ramp((i * group + hh) * kt, 1, kt)]
+                                            * T.broadcast(T.float32(scale), kt), T.broadcast(T.float32(NEG_INF), kt)))
+                        sc[hh, T.ramp(t * kt, 1, kt)] = s
+                        mx[T.ramp(hh * kt, 1, kt)] = T.max(mx[T.ramp(hh * kt, 1, kt)], s)
+                        sacc[T.ramp((i * group + hh) * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
             for hh in range(group):         # 2: weights exp(s - max) (past the last key: 0)
                 m = T.bind(vector_math.reduce_max(T, mx[T.ramp(hh * kt, 1, kt)], kt))
                 mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(0), kt)    # now the sum's lanes
@@ -253,23 +305,38 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                     sc[hh, T.ramp(t * kt, 1, kt)] = e
                     mx[T.ramp(hh * kt, 1, kt)] = mx[T.ramp(hh * kt, 1, kt)] + e
                 tot[hh] = vector_math.reduce_sum(T, mx[T.ramp(hh * kt, 1, kt)], kt)
-                for c in range(chunks):
-                    acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
-            for j in range(keys):           # 3: values
-                for c in range(chunks):     # V rows 32 ahead into L2 (past the buffer: no fault)
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                        vc[T.int64(0), kvh, j + V_PREFETCH_ROWS, c * LANES]), T.int32(0), T.int32(2), T.int32(1)))
-                for hh in T.unroll(group):
+            # 3: values, `sweep` heads at a time (the first sweep reads V from DRAM, the others
+            # from L2), V_STREAMS quarters of the keys in lockstep; heads past the group redo
+            # the last one (not stored)
+            quarter = T.bind(keys // T.int64(V_STREAMS))
+            for w in range(sweeps):
+                for r in range(quarter):
+                    for i in T.unroll(V_STREAMS):
+                        for c in T.unroll(chunks):
+                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                                vc[T.int64(0), kvh, i * quarter + r + V_PREFETCH_ROWS, c * LANES]), T.int32(0), T.int32(3), T.int32(1)))
+                    for i in T.unroll(V_STREAMS):
+                        for hh in T.unroll(sweep):
+                            for c in T.unroll(chunks):
+                                acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
+                                    vc[T.int64(0), kvh, i * quarter + r, T.ramp(c * LANES, 1, LANES)]
+                                    * T.broadcast(sc[T.min(w * sweep + hh, group - 1), i * quarter + r], LANES))
+                for j in range(quarter * T.int64(V_STREAMS), keys):
+                    for hh in T.unroll(sweep):
+                        for c in T.unroll(chunks):
+                            acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
+                                vc[T.int64(0), kvh, j, T.ramp(c * LANES, 1, LANES)] * T.broadcast(sc[T.min(w * sweep + hh, group - 1), j], LANES))
+                for hh in T.unroll(sweep):
+                    if w * sweep + hh < group:
+                        for c in T.unroll(chunks):
+                            out[T.int64(0), T.int64(0), T.ramp((kvh * group + w * sweep + hh) * head_dim + c * LANES, 1, LANES)] = (
+                                acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] / T.broadcast(tot[w * sweep + hh], LANES))
                     for c in T.unroll(chunks):
-                        acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
-                            vc[T.int64(0), kvh, j, T.ramp(c * LANES, 1, LANES)] * T.broadcast(sc[hh, j], LANES))
+                        acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
             for hh in range(group):
-                for c in range(chunks):
-                    out[T.int64(0), T.int64(0), T.ramp((kvh * group + hh) * head_dim + c * LANES, 1, LANES)] = (
-                        acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] / T.broadcast(tot[hh], LANES))
                 if quantize:   # from the stored output: the same bits as the quantizer kernel reading it
                     for b in range(head_dim // BLOCK):
-                        col = (kvh * group + hh) * head_dim + b * BLOCK
+                        col = T.bind((kvh * group + hh) * head_dim + b * BLOCK)
                         quantize_block(T, out[T.int64(0), T.int64(0), T.ramp(col, 1, LANES)],
                                        out[T.int64(0), T.int64(0), T.ramp(col + LANES, 1, LANES)],
                                        aq, ad, off, T.int64(0), col // BLOCK, zero_point)
