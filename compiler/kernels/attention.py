@@ -314,7 +314,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                     for i in T.unroll(V_STREAMS):
                         for c in T.unroll(chunks):
                             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                                vc[T.int64(0), kvh, i * quarter + r + V_PREFETCH_ROWS, c * LANES]), T.int32(0), T.int32(3), T.int32(1)))
+                                vc[T.int64(0), kvh, i * quarter + r + V_PREFETCH_ROWS, c * LANES]),
+                                T.int32(0), T.int32(3), T.int32(1)))
                     for i in T.unroll(V_STREAMS):
                         for hh in T.unroll(sweep):
                             for c in T.unroll(chunks):
@@ -325,11 +326,13 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                     for hh in T.unroll(sweep):
                         for c in T.unroll(chunks):
                             acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
-                                vc[T.int64(0), kvh, j, T.ramp(c * LANES, 1, LANES)] * T.broadcast(sc[T.min(w * sweep + hh, group - 1), j], LANES))
+                                vc[T.int64(0), kvh, j, T.ramp(c * LANES, 1, LANES)]
+                                * T.broadcast(sc[T.min(w * sweep + hh, group - 1), j], LANES))
                 for hh in T.unroll(sweep):
                     if w * sweep + hh < group:
                         for c in T.unroll(chunks):
-                            out[T.int64(0), T.int64(0), T.ramp((kvh * group + w * sweep + hh) * head_dim + c * LANES, 1, LANES)] = (
+                            out[T.int64(0), T.int64(0), T.ramp((kvh * group + w * sweep + hh) * head_dim + c * LANES,
+                                                               1, LANES)] = (
                                 acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] / T.broadcast(tot[w * sweep + hh], LANES))
                     for c in T.unroll(chunks):
                         acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
