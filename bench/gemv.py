@@ -16,7 +16,10 @@ streams inside a step.
 `--decode model.qwc` adds the whole decode step of an artifact (e.g. the one `bench/peers.py`
 builds, ~/.cache/qwc/bench/q.qwc): tokens/s after a 512-token prompt and the GB/s that is of
 the bytes a step must read (every parameter: for a tied model the embedding is the lm_head;
-plus the K/V cache it attends over), against the same read bandwidth.
+plus the K/V cache it attends over), against the same read bandwidth. On a shared machine
+one run says little (the reference moves by 10% within minutes), so it takes `--runs` runs
+(3) with the reference measured again after each: every run is held to the higher of the
+readings just before and after it, and the median share is printed with every run's.
 """
 
 from __future__ import annotations
@@ -240,7 +243,10 @@ def main():
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--act-bits", type=int, default=8, choices=(8, 32))
     p.add_argument("--decode", metavar="ARTIFACT", help="also measure this artifact's whole decode step")
+    p.add_argument("--runs", type=int, default=3, help="decode runs, each between two bandwidth readings (default 3)")
     args = p.parse_args()
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
     bw = read_bandwidth()
     print(f"read bandwidth ({args.threads} threads): {bw:.1f} GB/s")
@@ -259,14 +265,21 @@ def main():
               f"{qc:8.1f} {100 * qc / bw:3.0f}% {o4c:9.1f} {o0c:9.1f} {qc / o4c:8.2f} | {strm}")
         sys.stdout.flush()
     if args.decode:
-        tps, wb, kv = decode_step(args.decode, args.threads)
-        after = read_bandwidth()
-        bw = max(bw, after)   # the higher reading of the two: the stricter reference
-        gbs = tps * (wb + kv) / 1e9
-        print(f"\nread bandwidth again: {after:.1f} GB/s; the decode step is held to {bw:.1f}")
-        print(f"decode step of {args.decode}: {tps:.1f} tok/s after 512 tokens, {wb / 1e6:.0f} MB weights + "
-              f"{kv / 1e6:.1f} MB K/V a token = {gbs:.1f} GB/s, {100 * gbs / bw:.0f}% of the read bandwidth "
-              f"(weights alone {100 * tps * wb / 1e9 / bw:.0f}%)")
+        print()
+        shares = []
+        for run in range(1, args.runs + 1):
+            tps, wb, kv = decode_step(args.decode, args.threads)
+            after = read_bandwidth()
+            held = max(bw, after)   # the higher reading of the two next to the run: the stricter reference
+            gbs = tps * (wb + kv) / 1e9
+            shares.append(100 * gbs / held)
+            print(f"decode run {run} of {args.decode}: {tps:.1f} tok/s after 512 tokens, {wb / 1e6:.0f} MB weights + "
+                  f"{kv / 1e6:.1f} MB K/V a token = {gbs:.1f} GB/s; read bandwidth {bw:.1f} before, {after:.1f} after: "
+                  f"{shares[-1]:.0f}% of {held:.1f} (weights alone {100 * tps * wb / 1e9 / held:.0f}%)")
+            sys.stdout.flush()
+            bw = after
+        print(f"decode step: median {np.median(shares):.0f}% of the read bandwidth over {args.runs} runs "
+              f"({', '.join(f'{x:.0f}%' for x in shares)})")
 
 
 if __name__ == "__main__":
