@@ -2,7 +2,7 @@
 machine's read bandwidth measured in the same run and onnxruntime's MatMulNBits on the same
 single-op graph:
 
-    .venv/bin/python bench/gemv.py [--threads 2] [--act-bits 8] [--decode model.qwc]
+    .venv/bin/python bench/gemv.py [--threads 2] [--act-bits 8] [--decode model.qwc [--runs 3]]
 
 Weight bytes = packed 4-bit values + fp32 block scales (what the kernel must read per token).
 Two figures per system: "hot" (the same call repeated: small shapes stay in cache) and "cold"
