@@ -79,16 +79,6 @@ def kv_cache_write(key_tiles: bool):
     return write
 
 
-def _tile_line_row(t, d, head_dim):
-    """Row (in the K buffer's [cap, head_dim] view) of line d of K tile t: 16 keys' element d,
-    or for d >= head_dim the next tile's lines."""
-    return (t * KEY_TILE * head_dim + d * KEY_TILE) // head_dim
-
-
-def _tile_line_col(d, head_dim):
-    return d * KEY_TILE % head_dim
-
-
 def _tree_sum(xs):
     while len(xs) > 1:
         xs = [xs[i] + xs[i + 1] if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
@@ -276,17 +266,19 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             # over, one more round whose streams past the last tile redo it (same values)
             per = T.bind(tiles // T.int64(nt))
             for r in range(per + T.Cast("int64", tiles % T.int64(nt) > T.int64(0))):
-                for d in range(head_dim):
+                for d in range(head_dim):   # line d of a tile: element d of its 16 keys
                     for i in T.unroll(nt):   # each stream's line K_PREFETCH_LINES on (past the tile: the next)
+                        first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))   # the tile's first key
                         T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(kc[
-                            T.int64(0), kvh, _tile_line_row(T.min(i * per + r, tiles - T.int64(1)), d + K_PREFETCH_LINES, head_dim),
-                            _tile_line_col(d + K_PREFETCH_LINES, head_dim)]), T.int32(0), T.int32(3), T.int32(1)))
+                            T.int64(0), kvh, k_row_col(first, d + K_PREFETCH_LINES, head_dim)[0],
+                            k_row_col(first, d + K_PREFETCH_LINES, head_dim)[1]]), T.int32(0), T.int32(3), T.int32(1)))
                     for i in T.unroll(nt):
+                        first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))
                         for hh in T.unroll(group):
                             sacc[T.ramp((i * group + hh) * kt, 1, kt)] = sacc[T.ramp((i * group + hh) * kt, 1, kt)] + (
                                 T.broadcast(qr[hh * head_dim + d], kt) * kc[
-                                    T.int64(0), kvh, _tile_line_row(T.min(i * per + r, tiles - T.int64(1)), d, head_dim),
-                                    T.ramp(_tile_line_col(d, head_dim), 1, kt)])
+                                    T.int64(0), kvh, k_row_col(first, d, head_dim)[0],
+                                    T.ramp(k_row_col(first, d, head_dim)[1], 1, kt)])
                 for i in T.unroll(nt):       # past the last key: -inf
                     for hh in T.unroll(group):
                         t = T.bind(T.min(i * per + r, tiles - T.int64(1)))
