@@ -75,6 +75,13 @@ def cpu_pipeline(target):
     from tvm.relax.backend.cpu_generic import pipeline as P
 
     from .sibling_gemvs import merge_sibling_gemvs
+    from .view_reuse import reuse_views
+
+    # The VM builds each kernel output's view once a call, not once a layer (view_reuse.py):
+    # after the views are lowered to storages, before the pass that drops them after last use.
+    finalize = list(P.finalize_passes(target))
+    at = [p.info.name for p in finalize].index("LowerAllocTensor") + 1
+    finalize[at:at] = [reuse_views]
 
     @tvm.transform.module_pass(opt_level=0, name="qwc.CPUPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -88,7 +95,7 @@ def cpu_pipeline(target):
                 [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination(), merge_sibling_gemvs,
                  relax.transform.DeadCodeElimination()]
                 + P.library_dispatch_passes(target) + P.legalize_passes(target)
-                + [generic_cpu_schedule] + P.dataflow_lower_passes(target) + P.finalize_passes(target))
+                + [generic_cpu_schedule] + P.dataflow_lower_passes(target) + finalize)
             return seq(mod)
 
     return _pipeline

@@ -183,6 +183,37 @@ def test_chat_loop_reads_turns_until_eof(tiny_host_artifact):
     assert "Traceback" not in r.stderr
 
 
+def test_decode_builds_each_planned_view_once(tiny_host_artifact):
+    """compiler/view_reuse.py: no two alloc_tensor instructions of the decode function build the
+    same view, and the only tuple it builds is the one it returns (the logits agreeing with
+    onnxruntime is the test above)."""
+    import tvm
+    from tvm import relax
+
+    text = relax.VMExecutable(tvm.runtime.load_module(str(tiny_host_artifact / "lib.so"))).as_text()
+    decode = text.split("@decode:")[1].split("\n@")[0]
+    views = re.findall(r"call\s+vm\.builtin\.alloc_tensor in: (.*) dst:", decode)
+    kernels = re.findall(r"call\s+(?!vm\.)(\S+) in:", decode)
+    assert views and len(views) == len(set(views)), views
+    assert len(views) < len(kernels)
+    assert len(re.findall(r"vm\.builtin\.make_tuple", decode)) == 1
+
+
+def test_engine_loads_tvm_without_torch_and_torch_still_imports_after(tiny_host_artifact):
+    """TVM's FFI imports torch when installed (~200 MiB of RSS); the engine hides it while TVM
+    first loads. torch must stay importable and the engine must keep working alongside it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from qwc.runtime.engine import Engine\n"
+            f"e = Engine({str(tiny_host_artifact)!r}, ctx=32); a = e.prefill([1, 2, 3])\n"
+            "assert 'torch' not in sys.modules, 'torch was loaded'\n"
+            "import torch; e.reset(); b = e.prefill([1, 2, 3])\n"
+            "assert torch.ones(2).sum().item() == 2 and (a == b).all()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
 def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
     """host (AVX-512 VNNI here) and x86-avx2 (no VNNI: the generic TE kernel) implement the
     same integer arithmetic; the VNNI library really uses vpdpbusd."""
