@@ -24,6 +24,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as F
 
 from qwc.errors import QwcError
 
+from .kernels import attention as fast
 from .kernels import generic
 
 # Kernel names get the entry point's name in front, so the prefill and decode imports can
@@ -372,13 +373,11 @@ def _decode_attention_q8(bb, x):
     e = _binding(bb, _unreshaped(bb, x))
     if not isinstance(e, relax.TupleGetItem) or e.index != 0:
         return None
-    from .kernels import attention
-
     call = _binding(bb, e.tuple_value)
     if not _call_of(call, "relax.call_tir_inplace"):
         return None
     attrs = bb.get()[call.args[0]].attrs
-    if not (attrs and attrs.get(attention.WRITES_Q8)):
+    if not (attrs and attrs.get(fast.WRITES_Q8)):
         return None
     return [bb.emit(relax.TupleGetItem(e.tuple_value, i)) for i in (3, 4, 5)]
 
@@ -393,8 +392,6 @@ class GroupQueryAttention(F.OnnxOpConverter):
         heads, kv_heads = int(attr["num_heads"]), int(attr["kv_num_heads"])
         head_dim = int(past_k.ty.shape[3])
         scale = float(attr.get("scale", 0.0)) or 1.0 / math.sqrt(head_dim)
-        from .kernels import attention as fast
-
         # The fast kernel reads K in its key-tile layout (kernels/attention.py); V, and K for
         # the generic kernel, are rows.
         tiled = fast.supports(head_dim)
@@ -420,7 +417,6 @@ class GroupQueryAttention(F.OnnxOpConverter):
         writes the cache (kernels/attention.py: decode_attention), when q and k are this
         import's rotary of one position; with the x86 W4A8 GEMVs it also writes its output's
         Q8_0 blocks, which the o projection takes (_decode_attention_q8). Else None."""
-        from .kernels import attention as fast
         from .kernels.x86 import vnni
 
         rq, rk = _rotary_operands(bb, q, heads, head_dim), _rotary_operands(bb, k, kv_heads, head_dim)
