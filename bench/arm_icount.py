@@ -1,66 +1,381 @@
-"""Guest instructions per decoded (or prefilled) token of an ARM artifact under qemu: a
-deterministic figure to compare ARM builds (schedules, kernels) where emulated wall time means
-nothing.
+"""qwc against llama.cpp on ARM, in guest instructions per token under qemu (one thread, the
+same QEMU CPU and the same counting plugin): the deterministic proxy for ARM work where
+emulated wall time means nothing.
 
-    .venv/bin/python bench/arm_icount.py model.qwc [--prompt 16] [--steps 2 6]
-    .venv/bin/python bench/arm_icount.py model.qwc --prefill 4 12
+    .venv/bin/python bench/arm_icount.py model.qwc [--peer] [--attribution] [--mca] [--json F]
 
-Runs the Engine under qemu-aarch64 (scripts/arm64/setup.sh) with bench/icount's plugin, one
-thread, twice: prompt + a decode steps, prompt + b decode steps. (I_b - I_a) / (b - a) is the
-cost of one decode step, start-up and prefill cancelled out. With --prefill A B the two runs
-are prompts of A and B tokens and no decode: the cost of one prefilled token.
+Per token = difference of two runs divided by the difference in tokens, so start-up cancels:
+- decode: a 4-token prompt with 2 and with 6 decode steps;
+- prefill: prompts of 4 and 12 tokens (the protocol the project's ARM issue states), and of 24
+  and 48 (steady state: longer prompts amortise per-call costs in both engines).
+
+--peer adds llama.cpp's rows: llama-bench cross-built for the Yitian's ISA
+(bench/llamacpp_arm64.sh: static, armv9-a+sve2+i8mm+dotprod, Q4_0 repack on), run on GGUFs
+written from the same random weights as the artifact's preset (every linear Q4_0; the tied
+embedding/output Q4_0, as qwc's default, and Q8_0, as llama.cpp's own quantizer keeps it).
+The artifact must be compiled from that preset (`qwc export qwen2.5-0.5b`); its shapes are
+checked against it.
+
+--attribution splits each engine's decode and prefill tokens over functions (the plugin's
+per-block counts mapped to ELF symbols), with instructions per multiply-add for the matrix
+kernels. --mca adds llvm-mca's Neoverse-N2 estimate (Debian's llvm-19) of cycles per
+iteration of each matrix kernel's hottest loop, and per multiply-add (the loop's sdot x 16 +
+smmla x 32): a throughput proxy the counts do not see (both engines' loops are bound by N2's
+two vector pipes, where instructions are not all one cycle).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts" / "arm64"))
 import emulation  # noqa: E402  (scripts/arm64/emulation.py)
 
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwc" / "bench"
+PRESET = "qwen2.5-0.5b"
+DECODE = (4, 2, 6)                     # prompt, steps a, steps b
+PREFILL = {"prefill": (4, 12), "prefill_steady": (24, 48)}
+MCA = "/usr/lib/llvm-19/bin/llvm-mca"
+# llama.cpp's matrix kernels on this build (4x8 repack: dotprod GEMV, i8mm GEMM) and the
+# quantizer of its activations; the Q8_0 output runs through the generic vec-dot
+MATRIX_RE = re.compile(r"(q4_gemv|q4_gemm|ggml_gemv_|ggml_gemm_|vec_dot_q8_0|vec_dot_q4_0)")
 
-def count(env, plugin: str, artifact: str, steps: list) -> int:
-    with tempfile.TemporaryDirectory() as d:
-        cmd = emulation.engine_command(env, artifact, Path(d) / "out.npy", json.dumps(steps), plugin=plugin)
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    m = re.search(r"qwc-icount: (\d+)", r.stderr)
-    if r.returncode != 0 or not m:
-        sys.exit(f"arm_icount: the emulated run failed: {r.stderr.strip().splitlines()[-1:]}")
-    return int(m.group(1))
+
+# --- running under the plugin -------------------------------------------------------------
+
+def plugin() -> str:
+    return subprocess.run(["bash", str(REPO / "bench" / "icount" / "build.sh")], check=True,
+                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
+
+
+def run_qwc(env, plug, artifact, steps, out: Path) -> int:
+    """Guest instructions of one Engine run; per-block counts to out.counts, maps to out.maps."""
+    env = dict(env, QWC_DUMP_MAPS=str(out.with_suffix(".maps")))
+    cmd = emulation.engine_command(env, artifact, out.with_suffix(".npy"), json.dumps(steps),
+                                   plugin=f"{plug},out={out.with_suffix('.counts')}")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0 or "qwc-icount:" not in r.stderr:
+        sys.exit(f"arm_icount: the emulated qwc run failed: {r.stderr.strip().splitlines()[-1:]}")
+    return block_total(out)
+
+
+def run_llama(env, plug, bench, gguf, args, out: Path) -> int:
+    cmd = ["qemu-aarch64", "-cpu", env["QEMU_CPU"], "-plugin", f"{plug},out={out.with_suffix('.counts')}",
+           "-d", "plugin", bench, "-m", str(gguf), *args, "-r", "1", "--no-warmup", "-t", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0 or "qwc-icount:" not in r.stderr:
+        sys.exit(f"arm_icount: the emulated llama-bench run failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    return block_total(out)
+
+
+def block_total(out: Path) -> int:
+    """All instructions of a run, as the sum of the plugin's per-block counts: the figure the
+    per-function tables split (the plugin's own total is taken a moment earlier)."""
+    return sum(int(line.split()[1]) for line in out.with_suffix(".counts").read_text().splitlines())
+
+
+# --- attribution ------------------------------------------------------------------------------
+
+def _symbols(elf: str):
+    out = subprocess.run(["aarch64-linux-gnu-nm", "-S", "--defined-only", elf], capture_output=True,
+                         text=True, check=True).stdout
+    syms = sorted((int(f[0], 16), int(f[1], 16), f[3]) for f in (line.split() for line in out.splitlines())
+                  if len(f) == 4 and f[2] in "tTwW")
+    return syms
+
+
+def _segments(elf: str):
+    out = subprocess.run(["aarch64-linux-gnu-readelf", "-lW", elf], capture_output=True, text=True, check=True).stdout
+    return [(int(f[1], 16), int(f[2], 16), int(f[4], 16)) for f in (line.split() for line in out.splitlines())
+            if f and f[0] == "LOAD"]
+
+
+class Attributor:
+    """Per-function instruction counts of one ELF (the artifact's lib.so, or the static
+    llama-bench), everything else grouped per mapped file."""
+
+    def __init__(self, elf: str, static: bool):
+        self.elf, self.static = elf, static
+        self.syms = _symbols(elf)
+        self.starts = [s[0] for s in self.syms]
+        self.segs = _segments(elf)
+
+    def _name(self, vaddr: int) -> str:
+        """The symbol at or before vaddr (unnamed code after a symbol is its own: TVM's
+        parallel lambdas follow their kernel)."""
+        i = bisect.bisect_right(self.starts, vaddr) - 1
+        return self.syms[i][2] if i >= 0 else "?"
+
+    def functions(self, counts: Path) -> dict[str, int]:
+        """{function or file: instructions}; block addresses are also kept for find_loop."""
+        maps = []
+        if not self.static:
+            for line in counts.with_suffix(".maps").read_text().splitlines():
+                f = line.split()
+                lo, hi = (int(x, 16) for x in f[0].split("-"))
+                maps.append((lo, hi, int(f[2], 16), f[5] if len(f) > 5 else "[anon]"))
+        maps.sort()
+        lows, elf = [m[0] for m in maps], str(Path(self.elf).resolve())
+        per: dict[str, int] = defaultdict(int)
+        self.blocks: dict[int, int] = defaultdict(int)   # ELF vaddr of a block start -> instructions
+        for line in counts.read_text().splitlines():
+            a, n = line.split()
+            va, n = int(a, 16), int(n)
+            if self.static:
+                per[self._name(va)] += n
+                self.blocks[va] += n
+                continue
+            j = bisect.bisect_right(lows, va) - 1
+            if j < 0 or va >= maps[j][1]:
+                per["runtime: [unmapped]"] += n
+                continue
+            lo, hi, off, name = maps[j]
+            if name == elf:
+                foff = va - lo + off
+                ev = next((foff - o + v for o, v, sz in self.segs if o <= foff < o + sz), None)
+                per[self._name(ev) if ev is not None else "?"] += n
+                if ev is not None:
+                    self.blocks[ev] += n
+            else:
+                per["runtime: " + Path(name).name] += n
+        return per
+
+    def hottest_loop(self, func: str) -> list[str] | None:
+        """The instructions of the loop around func's most executed block (the innermost
+        backward branch that spans it), as llvm-mca input."""
+        i = next((i for i, s in enumerate(self.syms) if s[2] == func), None)
+        if i is None:
+            return None
+        # up to the next symbol: TVM's parallel lambdas are unnamed code after their kernel
+        lo = self.syms[i][0]
+        hi = next((s[0] for s in self.syms[i + 1:] if s[0] > lo), lo + max(self.syms[i][1], 4))
+        inside = {a: n for a, n in self.blocks.items() if lo <= a < hi}
+        if not inside:
+            return None
+        hot = max(inside, key=inside.get)
+        asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", "--no-show-raw-insn", f"--start-address={lo}",
+                              f"--stop-address={hi}", self.elf], capture_output=True, text=True, check=True).stdout
+        insts = []
+        for line in asm.splitlines():
+            m = re.match(r"\s+([0-9a-f]+):\s+(\S.*)$", line)
+            if m:
+                insts.append((int(m.group(1), 16), m.group(2).split("//")[0].strip()))
+        best = None
+        for addr, text in insts:
+            m = re.match(r"(b\.\w+|b|cbn?z|tbn?z)\s+.*?([0-9a-f]+) <", text)
+            if m and addr >= hot and int(m.group(2), 16) <= hot:
+                start = int(m.group(2), 16)
+                if best is None or addr - start < best[1] - best[0]:
+                    best = (start, addr)
+        if best is None:
+            return None
+        return [re.sub(r"\s+<[^>]*>", "", t).replace("\t", " ") for a, t in insts if best[0] <= a <= best[1]]
+
+
+def mca(loop: list[str]) -> tuple[float, int, int] | None:
+    """(cycles, instructions, multiply-adds) per iteration of a loop body on Neoverse-N2; the
+    multiply-adds from its dot instructions (sdot 16, smmla 32)."""
+    if not Path(MCA).is_file():
+        return None
+    body = [re.sub(r"\s+\S+$", " .Lloop", t) if re.match(r"(b\.\w+|b|cbn?z|tbn?z)\s", t) else t for t in loop]
+    src = ".Lloop:\n" + "\n".join(body) + "\n"
+    r = subprocess.run([MCA, "-mtriple=aarch64", "-mcpu=neoverse-n2", "-iterations=100"], input=src,
+                       capture_output=True, text=True)
+    m = re.search(r"Total Cycles:\s+(\d+)", r.stdout)
+    macs = sum(16 if t.startswith("sdot") else 32 if t.startswith("smmla") else 0 for t in loop)
+    return (int(m.group(1)) / 100, len(loop), macs) if m else None
+
+
+# --- model shapes -----------------------------------------------------------------------------
+
+def linear_macs(cfg) -> dict[tuple[int, int], int]:
+    """(N, K) -> multiply-adds per token of every linear of that shape (the lm_head listed
+    separately under key 'head': prefill computes it for the last token only)."""
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    shapes = defaultdict(int)
+    for n, k in ((h, h), (kv, h), (kv, h), (h, h), (cfg.intermediate_size, h), (cfg.intermediate_size, h),
+                 (h, cfg.intermediate_size)):
+        shapes[n, k] += cfg.num_hidden_layers * n * k
+    return dict(shapes)
+
+
+def qwc_kernel_macs(name: str, shapes, head_macs: int, decode: bool) -> int | None:
+    m = re.search(r"q4_(?:gemv|gemm)\w*?_(\d+)x(\d+)_", name)
+    if not m:
+        return None
+    n, k = int(m.group(1)), int(m.group(2)) * 32
+    total = sum(v for (sn, sk), v in shapes.items() if sn == n and abs(sk - k) < 32)
+    if (n, k) == (head_macs[0], head_macs[1]):
+        total += head_macs[2] if decode else 0
+    return total or None
+
+
+# --- main -----------------------------------------------------------------------------------
+
+def measure(label, run, decode_only=False):
+    """{metric: instructions per token} and the per-function splits, for one engine."""
+    res, splits = {}, {}
+    p, a, b = DECODE
+    ca, cb = run("d_a", p, a), run("d_b", p, b)
+    res["decode"] = (cb[0] - ca[0]) / (b - a)
+    splits["decode"] = {k: (cb[1].get(k, 0) - ca[1].get(k, 0)) / (b - a) for k in set(ca[1]) | set(cb[1])}
+    for metric, (x, y) in PREFILL.items():
+        cx, cy = run(f"{metric}_a", x, 0), run(f"{metric}_b", y, 0)
+        res[metric] = (cy[0] - cx[0]) / (y - x)
+        splits[metric] = {k: (cy[1].get(k, 0) - cx[1].get(k, 0)) / (y - x) for k in set(cx[1]) | set(cy[1])}
+    print(f"  {label}: " + ", ".join(f"{k} {v:,.0f}" for k, v in res.items()), file=sys.stderr)
+    return res, splits
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact")
-    p.add_argument("--prompt", type=int, default=16)
-    p.add_argument("--steps", type=int, nargs=2, default=[2, 6])
-    p.add_argument("--prefill", type=int, nargs=2, metavar=("A", "B"), help="count prefill instead: prompts of A and B tokens")
+    p.add_argument("--peer", action="store_true", help="llama.cpp's rows beside qwc's (builds it once, ~20 min)")
+    p.add_argument("--attribution", action="store_true", help="per-function tables")
+    p.add_argument("--mca", action="store_true", help="llvm-mca Neoverse-N2 cycles of each matrix kernel's hottest loop")
+    p.add_argument("--json", help="write every figure here")
     args = p.parse_args()
-    plugin = subprocess.run(["bash", str(REPO / "bench" / "icount" / "build.sh")], check=True,
-                            capture_output=True, text=True).stdout.strip().splitlines()[-1]
+
+    art = Path(args.artifact)
+    manifest = json.loads((art / "manifest.json").read_text())
+    target = manifest.get("target", {})
+    if target.get("arch") != "aarch64":
+        sys.exit(f"arm_icount: {art} is built for {target.get('name')!r}, not an aarch64 target")
+    plug = plugin()
     env = emulation.arm64_env(single_thread=True)
     env["PYTHONHASHSEED"] = "0"   # hash randomisation moved the count by up to 5% a token between runs
-    if args.prefill:
-        a, b = args.prefill
-        ia = count(env, plugin, args.artifact, [list(range(100, 100 + a))])
-        ib = count(env, plugin, args.artifact, [list(range(100, 100 + b))])
-        print(f"{args.artifact}: {ia:,} instructions for a {a}-token prompt, {ib:,} for {b}: "
-              f"{(ib - ia) / (b - a):,.0f} instructions per prefilled token")
-        return
-    prompt = list(range(100, 100 + args.prompt))
-    a, b = args.steps
-    ia = count(env, plugin, args.artifact, [prompt] + [5] * a)
-    ib = count(env, plugin, args.artifact, [prompt] + [5] * b)
-    print(f"{args.artifact}: {ia:,} instructions with {a} decode steps, {ib:,} with {b}: "
-          f"{(ib - ia) / (b - a):,.0f} instructions per decoded token")
+    # numpy's OpenBLAS threads would spin while the plugin writes its counts: time-dependent
+    env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = "1"
+    work = Path(tempfile.mkdtemp(prefix="qwc-icount-"))
+    lib = str((art / "lib.so").resolve())
+    qwc_attr = Attributor(lib, static=False)
+    rows, splits, attributors = {}, {}, {"qwc": qwc_attr}
+
+    def qwc_run(tag, prompt, steps):
+        out = work / f"qwc_{tag}"
+        n = run_qwc(env, plug, str(art), [list(range(100, 100 + prompt))] + [5] * steps, out)
+        return n, qwc_attr.functions(out.with_suffix(".counts"))
+
+    print("counting qwc ...", file=sys.stderr)
+    rows["qwc"], splits["qwc"] = measure("qwc", qwc_run)
+
+    if args.peer:
+        bench = subprocess.run(["bash", str(REPO / "bench" / "llamacpp_arm64.sh")], check=True,
+                               capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        ggufs = peer_ggufs(manifest)
+        l_attr = Attributor(bench, static=True)
+        for head, gguf in ggufs.items():
+            name = f"llama.cpp ({head} output)"
+            attributors[name] = l_attr
+
+            def l_run(tag, prompt, steps, gguf=gguf, head=head):
+                out = work / f"llama_{head}_{tag}"
+                a = ["-p", "0", "-n", "0", "-pg", f"{prompt},{steps}"] if steps else ["-p", str(prompt), "-n", "0"]
+                n = run_llama(env, plug, bench, gguf, a, out)
+                return n, l_attr.functions(out.with_suffix(".counts"))
+
+            print(f"counting {name} ...", file=sys.stderr)
+            rows[name], splits[name] = measure(name, l_run)
+            continue
+
+    report = {"artifact": str(art), "per_token": rows}
+    print_main(rows)
+    if args.attribution or args.mca:
+        report["attribution"] = attribution_tables(manifest, rows, splits, attributors, args.mca)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def peer_ggufs(manifest) -> dict[str, Path]:
+    """The preset's weights as llama.cpp GGUFs, Q4_0 and Q8_0 output, written once (cached)."""
+    from gguf_q4_0 import write_gguf_q4_0
+
+    from qwc.models.presets import load_preset
+
+    out = {"Q4_0": CACHE / f"{PRESET}-q4_0.gguf", "Q8_0": CACHE / f"{PRESET}-q4_0-q8out.gguf"}
+    lm = None
+    for head, path in out.items():
+        if not path.is_file():
+            CACHE.mkdir(parents=True, exist_ok=True)
+            lm = lm or load_preset(PRESET)
+            cfg = manifest.get("model", {})
+            if cfg and (cfg.get("hidden_size"), cfg.get("num_hidden_layers")) != (
+                    lm.config.hidden_size, lm.config.num_hidden_layers):
+                sys.exit(f"arm_icount: the artifact is not the {PRESET} preset's shape; --peer compares the same weights")
+            tmp = path.with_suffix(".partial")
+            write_gguf_q4_0(lm, tmp, head_bits=4 if head == "Q4_0" else 8)
+            tmp.rename(path)
+    return out
+
+
+def print_main(rows):
+    q = rows["qwc"]
+    metrics = ["decode", *PREFILL]
+    print("\n| engine | " + " | ".join(f"{m}, instructions/token" for m in metrics) + " |")
+    print("| --- |" + " ---: |" * len(metrics))
+    for name, r in rows.items():
+        print(f"| {name} | " + " | ".join(f"{r[m]:,.0f}" for m in metrics) + " |")
+    for name, r in rows.items():
+        if name != "qwc":
+            print(f"| qwc / {name} | " + " | ".join(f"{q[m] / r[m]:.3f}x" for m in metrics) + " |")
+
+
+def attribution_tables(manifest, rows, splits, attributors, with_mca: bool):
+    from qwc.config import ModelConfig
+
+    cfg = ModelConfig(**{k: v for k, v in manifest["model"].items() if k in ModelConfig.__dataclass_fields__})
+    shapes = linear_macs(cfg)
+    head = (cfg.vocab_size, cfg.hidden_size, cfg.vocab_size * cfg.hidden_size)
+    total_macs = {"decode": sum(shapes.values()) + head[2], "prefill": sum(shapes.values()),
+                  "prefill_steady": sum(shapes.values())}
+    out = {}
+    for metric in ("decode", "prefill_steady"):
+        print(f"\n### {metric}: per function (instructions per token; per multiply-add for matrix kernels)\n")
+        print("| engine | function | instructions/token | share | instr/MAC | hot loop: instr / MACs / "
+              "N2 cycles (mca) | N2 cycles/MAC |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for name, split in splits.items():
+            total = rows[name][metric]
+            items = sorted(split[metric].items(), key=lambda kv: -kv[1])
+            shown, table = 0, []
+            for fn, n in items:
+                if n < 0.004 * total:
+                    break
+                shown += n
+                macs = None
+                if name == "qwc":
+                    macs = qwc_kernel_macs(fn, shapes, head, metric == "decode")
+                elif "ggml_gem" in fn:   # every linear; the output too where it is Q4_0 (decode)
+                    macs = total_macs[metric] - (head[2] if metric == "decode" and "Q8_0" in name else 0)
+                cyc = None
+                if with_mca and MATRIX_RE.search(fn):
+                    loop = attributors[name].hottest_loop(fn)
+                    cyc = mca(loop) if loop else None
+                per_mac = cyc[0] / cyc[2] if cyc and cyc[2] else None
+                table.append({"function": fn, "per_token": n, "per_mac": n / macs if macs else None,
+                              "loop": {"instructions": cyc[1], "macs": cyc[2], "n2_cycles": cyc[0]} if cyc else None,
+                              "n2_cycles_per_mac": per_mac})
+                print(f"| {name} | {fn} | {n:,.0f} | {100 * n / total:.1f}% | "
+                      f"{'' if not macs else f'{n / macs:.3f}'} | "
+                      f"{'' if not cyc else f'{cyc[1]} / {cyc[2]} / {cyc[0]:.1f}'} | "
+                      f"{'' if not per_mac else f'{per_mac:.4f}'} |")
+            print(f"| {name} | (the rest) | {total - shown:,.0f} | {100 * (total - shown) / total:.1f}% | | | |")
+            out.setdefault(metric, {})[name] = table
+    return out
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(REPO / "bench"))
     main()

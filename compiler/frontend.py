@@ -143,6 +143,10 @@ class MatMulNBits(F.OnnxOpConverter):
         kind, sdt = "gemv" if one_token else "gemm", str(s.ty.dtype)
         tokens = None if one_token else _tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")  # `qwc tune`
         fused_bias = False
+        # The ARM kernels start from int32 offsets; the smmla GEMM reads token pairs interleaved.
+        layout = "plain"
+        if isa == "arm":
+            layout = "arm_pairs" if not one_token and w4a8_prefill_kernel(features) == "smmla" else "arm"
         if isa == "arm" and not one_token and w4a8_prefill_kernel(features) == "smmla":
             from .kernels.arm import i8mm as isa_kernels   # prefill: two tokens per smmla
 
@@ -162,8 +166,10 @@ class MatMulNBits(F.OnnxOpConverter):
 
             kernel = bb.add_func(isa_kernels.q4_matmul(n, nb, sdt, tokens), _kname(f"q4_gemm_vnni_{n}x{nb}_{sdt}"))
         zp = isa_kernels.ZERO_POINT
+        scales = [m, nb, 2] if layout == "arm_pairs" else [m, nb]   # act_quant.fused_quantizer
         q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
-              relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="float32")]
+              relax.TensorType(shape=scales, dtype="float32"),
+              relax.TensorType(shape=scales, dtype="float32" if layout == "plain" else "int32")]
         # Decode: the gate and up GEMV computes silu(gate) * up and quantizes it itself, when
         # its blocks are whole (every Qwen2 size; else the quantizer below computes SiLU·mul)
         whole = silu is not None and one_token and isa == "x86" and k % act_quant.BLOCK == 0
@@ -181,8 +187,9 @@ class MatMulNBits(F.OnnxOpConverter):
                 parts = bb.emit(relax.call_tir(gu, gate_up, q8))
             else:
                 eps = rms[2] if rms else None
-                quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, silu is not None, eps),
-                                    _kname(f"act_q8_{'silu_' if silu else 'rms_' if rms else ''}{k}_{int(one_token)}_sum{-zp}"))
+                quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, silu is not None, eps, layout),
+                                    _kname(f"act_q8_{'silu_' if silu else 'rms_' if rms else ''}{k}_{int(one_token)}_sum{-zp}"
+                                           + ("" if layout == "plain" else f"_{layout}")))
                 parts = bb.emit(relax.call_tir(quant, list(silu) if silu else list(rms[:2]) if rms else [a2], q8))
             q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
         args = [q, scale, off, w, s] + ([bias] if fused_bias else [])

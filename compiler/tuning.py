@@ -44,7 +44,7 @@ PREFILL_TOKENS = 128   # the prefill tile tuned for: a typical prompt chunk
 
 
 A8_KNOB = "qwc.tokens"                                 # root-block annotation: the tile size
-A8_TOKENS = {"vnni": (1, 2, 4, 8), "sdot": (1, 2, 4, 8), "smmla": (2, 4, 8)}
+A8_TOKENS = {"vnni": (1, 2, 4, 8), "sdot": (1, 2, 4, 8), "smmla": (4, 8, 10, 12)}
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Task:
         import tvm
 
         if self.kind == "q4_a8_gemm":
-            f = _a8_standin(self.n, self.nb, self.tokens).with_attr(
+            f = _a8_standin(self.n, self.nb, self.tokens, self.impl).with_attr(
                 "qwc.a8_task", f"{self.impl}:{self.n}:{self.nb}:{self.tokens}")
             return tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
         from .kernels import q4_f32
@@ -109,7 +109,7 @@ def a8_kernel(impl: str, n: int, nb: int, m: int, tokens: int | None = None):
     return i8mm.q4_gemm(n, nb, "float16", tokens=tokens, m=m)
 
 
-def _a8_standin(n: int, nb: int, m: int):
+def _a8_standin(n: int, nb: int, m: int, impl: str):
     """What MetaSchedule sees of a W4A8 task: the kernel's signature at m tokens (its runner
     makes the inputs from it) and a named root block for the trace to annotate. The body is a
     placeholder: `_build` builds the real kernel, and MetaSchedule's flop estimator cannot read
@@ -119,10 +119,12 @@ def _a8_standin(n: int, nb: int, m: int):
     from .kernels.row_groups import ROWS, groups
 
     ng = groups(n)
+    off_dtype = "float32" if impl == "vnni" else "int32"   # the ARM kernels start from int32 offsets
+    scales = (m, nb, 2) if impl == "smmla" else (m, nb)     # act_quant's "arm_pairs" layout
 
     @T.prim_func(private=True, check_well_formed=False)
-    def standin(aq: T.Buffer((m, nb, 32), "int8"), ad: T.Buffer((m, nb), "float32"),
-                off: T.Buffer((m, nb), "float32"), w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
+    def standin(aq: T.Buffer((m, nb, 32), "int8"), ad: T.Buffer(scales, "float32"),
+                off: T.Buffer(scales, off_dtype), w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
                 ws: T.Buffer((ng, nb, ROWS), "float16"), y: T.Buffer((m, n), "float32")):
         with T.sblock("root"):
             y[0, 0] = T.float32(0)

@@ -30,8 +30,10 @@ def arm64_env():
     return emulation.arm64_env()
 
 
-def _run_arm(env, artifact, tmp_path) -> np.ndarray:
-    out = tmp_path / f"{Path(artifact).name}.npy"
+def _run_arm(env, artifact, tmp_path, threads: int | None = None) -> np.ndarray:
+    out = tmp_path / f"{Path(artifact).name}-{threads}.npy"
+    if threads is not None:
+        env = dict(env, TVM_NUM_THREADS=str(threads))
     r = subprocess.run(emulation.engine_command(env, artifact, out, json.dumps(STEPS)), env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[0] == "aarch64"
@@ -68,6 +70,25 @@ def test_arm_logits_match_host(arm64_env, builds, tmp_path, target, act):
 def _disassemble(artifact) -> str:
     return subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(Path(artifact) / "lib.so")],
                           capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("target", ["arm-yitian", "arm-neon"])
+def test_arm_logits_do_not_depend_on_threads(arm64_env, builds, tmp_path, target):
+    """Every kernel's task owns its output rows: 1, 3 and 8 threads give the same bits."""
+    runs = [_run_arm(arm64_env, builds[target, 8], tmp_path, threads) for threads in (1, 3, 8)]
+    assert all(np.array_equal(r, runs[0]) for r in runs[1:])
+
+
+@pytest.mark.parametrize("threads", [2, 8])
+def test_qwc_bench_runs_arm_artifacts_with_threads(arm64_env, builds, threads):
+    """`qwc bench --threads N` on an ARM artifact, as an ARM machine runs the CLI."""
+    cmd = emulation.cli_command(arm64_env, "bench", builds["arm-yitian", 8], "-p", "8", "-n", "4", "-r", "1",
+                                "--threads", threads)
+    r = subprocess.run(cmd, env=arm64_env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in r.stdout.splitlines() if "arm-yitian" in line]
+    assert [row[5] for row in rows] == ["pp8", "tg4"]
+    assert all(row[4] == str(threads) and float(row[6].split()[0]) > 0 for row in rows)
 
 
 def test_yitian_library_uses_sdot_smmla_and_sve(arm64_env, builds):

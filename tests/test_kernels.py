@@ -17,6 +17,7 @@ from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 # (K, N). N = 136 and 128 take the decode GEMV's multi-stream path (N >= 64 rows), with a
 # ragged leftover group and without one.
 SHAPES = [(96, 24), (160, 6), (100, 20), (896, 40), (96, 136), (64, 128)]
+ARM_M = (1, 3, 10, 17, 27)
 
 
 def _weights(k, n, seed):
@@ -96,8 +97,11 @@ def test_w4a8_kernels(variant, k, n, m):
 @pytest.mark.parametrize("target", ["arm-yitian", "arm-neon"])
 def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     """The ARM kernels (sdot for M = 1; for M > 1 smmla on arm-yitian, sdot on arm-neon),
-    cross-compiled, on every shape and M above in one library run under qemu-aarch64
-    (scripts/arm64), against the same reference as the host's."""
+    cross-compiled, on every shape and M in one library run under qemu-aarch64
+    (scripts/arm64), against the same reference as the host's, with 1, 2, 4 and 8 threads
+    (identical results: a task owns its rows). M covers the smmla GEMM's tiles: 10 leaves 4
+    pairs after none whole (12-token tiles), 17 a 2-pair leftover and an odd token, 27 two
+    whole tiles and an odd token."""
     import re
     import subprocess
     import sys
@@ -112,7 +116,7 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     t = get_target(target)
     bb, inputs, refs = relax.BlockBuilder(), {}, {}
     for k, n in SHAPES:
-        for m in (1, 3, 17):
+        for m in ARM_M:
             name = f"mm_{k}_{n}_{m}"
             wp, d, deq = _weights(k, n, k + n)
             a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
@@ -124,13 +128,18 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(lib)], capture_output=True, text=True).stdout
     assert bool(re.search(r"\ssmmla\s", asm)) == ("i8mm" in t.features) and re.search(r"\ssdot\s", asm)
     np.savez(tmp_path / "in.npz", **inputs)
-    cmd = emulation.python_command(env, emulation.HERE / "run_module.py", lib, tmp_path / "in.npz", tmp_path / "out.npz")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["aarch64", str(len(refs))]
-    got = np.load(tmp_path / "out.npz")
+    outs = []
+    for threads in (1, 2, 4, 8):
+        out = tmp_path / f"out{threads}.npz"
+        cmd = emulation.python_command(env, emulation.HERE / "run_module.py", lib, tmp_path / "in.npz", out)
+        r = subprocess.run(cmd, env=dict(env, TVM_NUM_THREADS=str(threads)), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split() == ["aarch64", str(len(refs))]
+        outs.append(np.load(out))
     for name, ref in refs.items():
-        np.testing.assert_allclose(got[name], ref, rtol=0, atol=2e-3 * np.abs(ref).max(), err_msg=name)
+        np.testing.assert_allclose(outs[0][name], ref, rtol=0, atol=2e-3 * np.abs(ref).max(), err_msg=name)
+        for other in outs[1:]:
+            assert np.array_equal(other[name], outs[0][name]), name
 
 
 def _host_kernel(func):

@@ -20,6 +20,6 @@ if [[ ! -f $OUT/libqwc_icount.so || $HERE/icount.c -nt $OUT/libqwc_icount.so ]];
     cp "$src"/qemu-*/include/qemu/qemu-plugin.h "$OUT/"
     rm -rf "$src"
   fi
-  gcc -O2 -fPIC -shared -I"$OUT" "$HERE/icount.c" -o "$OUT/libqwc_icount.so"
+  gcc -O2 -fPIC -shared -I"$OUT" "$HERE/icount.c" -o "$OUT/libqwc_icount.so" -lpthread
 fi
 echo "$OUT/libqwc_icount.so"

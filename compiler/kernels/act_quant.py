@@ -21,6 +21,7 @@ from . import vector_math
 BLOCK = 32
 HALF = BLOCK // 2
 LANES = 16   # fp32 lanes of the squares (rms_eps)
+LAYOUTS = ("plain", "arm", "arm_pairs")   # see fused_quantizer
 EVENS = [2 * i for i in range(HALF)]
 ODDS = [2 * i + 1 for i in range(HALF)]
 
@@ -36,11 +37,23 @@ def _let(T, name, value):
     return T.bind(value, var=tirx.Var(name, value.ty))
 
 
-def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int):
+def pair_index(i, b, e, m, paired):
+    """Flat index of byte e of row i, block b in the layout the ARM i8mm GEMM reads
+    (kernels/arm/i8mm.py): block-major ([NB, M, 32], so a tile's tokens are adjacent), and
+    within a block rows 2p and 2p + 1 (below `paired`, M rounded down to even) alternate
+    their 8-byte pieces, so one 16-byte load is a smmla operand of two tokens. An odd last
+    row keeps its 32 bytes in order."""
+    return b * m * BLOCK + tirx.Select(i < paired, (i - i % 2) * BLOCK + (e // 8) * 16 + (i % 2) * 8 + e % 8,
+                                       i * BLOCK + e)
+
+
+def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int, flat=None):
     """Emit block b of row i (aq [., NB, 32], ad and off [., NB]) from its elements 0..15 and
     16..31 (two float32x16 values): the whole blocks' code, shared by the quantizer and by
     the decode GEMV that quantizes its own output (kernels/x86/vnni.py). T: TVMScript's or the
-    IR builder's tirx module."""
+    IR builder's tirx module. With `flat` (the ARM quantizers), aq, ad and off are flat int8,
+    float32 and int32 buffers and flat = (aq_at, scale_at): byte e of the block goes to
+    aq[aq_at(e)], the scale and the offset (an int32) to each index of scale_at."""
     ev = _let(T, "ev", tirx.Shuffle([lo, hi], EVENS))
     od = _let(T, "od", tirx.Shuffle([lo, hi], ODDS))
     # |x| >= 0 orders like its bit pattern: an integer max reduces as a tree, where
@@ -49,19 +62,31 @@ def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int):
         "int32", f"llvm.vector.reduce.smax.v{HALF}i32",
         T.reinterpret(f"int32x{HALF}", T.max(T.fabs(ev), T.fabs(od))))))
     d = _let(T, "d", amax / T.float32(127))
-    T.buffer_store(ad, d, [i, b])
+    for at in [(i, b)] if flat is None else [(at,) for at in flat[1]]:
+        T.buffer_store(ad, d, list(at))
     # x / d as the generic kernel computes it (two vector divisions a block), so the two agree
     dv = _let(T, "dv", T.broadcast(T.Select(d > T.float32(0), d, T.float32(1)), HALF))
     qe = _let(T, "qe", T.Cast(f"int32x{HALF}", _round(T, ev / dv, HALF)))
     qo = _let(T, "qo", T.Cast(f"int32x{HALF}", _round(T, od / dv, HALF)))
-    T.buffer_store(aq, T.Cast(f"int8x{HALF}", qe), [i, b, T.ramp(0, 1, HALF)])
-    T.buffer_store(aq, T.Cast(f"int8x{HALF}", qo), [i, b, T.ramp(HALF, 1, HALF)])
-    T.buffer_store(off, T.Cast("float32", T.call_llvm_pure_intrin(
-        "int32", f"llvm.vector.reduce.add.v{HALF}i32", qe + qo)) * T.float32(zero_point), [i, b])
+    total = T.call_llvm_pure_intrin("int32", f"llvm.vector.reduce.add.v{HALF}i32", qe + qo)
+    if flat is None:
+        T.buffer_store(aq, T.Cast(f"int8x{HALF}", qe), [i, b, T.ramp(0, 1, HALF)])
+        T.buffer_store(aq, T.Cast(f"int8x{HALF}", qo), [i, b, T.ramp(HALF, 1, HALF)])
+        T.buffer_store(off, T.Cast("float32", total) * T.float32(zero_point), [i, b])
+        return
+    aq_at, scale_at = flat
+    for half, q in ((0, qe), (1, qo)):
+        for piece in range(2):   # 8-byte pieces: where they go depends on the layout
+            e = HALF * half + 8 * piece
+            T.buffer_store(aq, T.Cast("int8x8", tirx.Shuffle([q], list(range(8 * piece, 8 * piece + 8)))),
+                           [T.ramp(aq_at(e), 1, 8)])
+    for at in scale_at:
+        T.buffer_store(off, total * T.int32(zero_point), [at])
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
-def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = False, rms_eps: float | None = None):
+def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = False, rms_eps: float | None = None,
+                    layout: str = "plain"):
     """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB],
     zero_point x block sum [M, NB]), in one pass and one kernel: separate stages would cost a
     parallel launch each, which dominates a decode step's activation work (K = 896: 28 blocks).
@@ -70,14 +95,23 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     pass over the row for its sum of squares; the normalized row is never stored).
     `one_row` (decode) runs serially. The block sum is what a dot of raw nibbles q with a
     overcounts against (q - 8) (vpdpbusd); sdot, which takes q - 8 signed, ignores it.
+    `layout`: "plain" (x86: the offsets as float32), "arm" (int32 offsets, which the sdot and
+    smmla kernels start their accumulators from), "arm_pairs" (int32 offsets; everything
+    block-major and rows pair-interleaved for the i8mm GEMM: pair_index; scales and offsets
+    [M, NB, 2], each written twice: see flat).
 
     Whole blocks are 16-lane vectors (loaded contiguously, de-interleaved by a shuffle); a
     last partial block (K not a multiple of 32) runs one element at a time."""
     from tvm.script import tirx as T
 
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown activation layout {layout!r}")
     nb = (k + BLOCK - 1) // BLOCK
     full = k // BLOCK
     rows = T.int64()
+    off_dtype = "float32" if layout == "plain" else "int32"
+    copies = 2 if layout == "arm_pairs" else 1
+    scale_shape = (rows, nb, 2) if layout == "arm_pairs" else (rows, nb)
 
     def x_at(a, g, u, i, idx, lanes):
         """The quantizer's input at row i, columns idx (a ramp of `lanes`, or a scalar). g, u:
@@ -88,11 +122,26 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             return a[i, idx] * (T.broadcast(u[0], lanes) if lanes > 1 else u[0]) * g[idx]
         return a[i, idx]
 
+    def flat(i, b):
+        """(aq_at, scale_at) of row i, block b for quantize_block: where the ARM layouts put
+        the block's bytes and its scale and offset (None: the plain 3-D and 2-D buffers).
+        "arm_pairs" writes each scale and offset twice, [NB, M, 2] block-major as
+        [x t0, x t1, x t0, x t1] per pair (an odd last row [x, x]): one 16-byte load is then
+        what a smmla tile of two tokens multiplies and starts from."""
+        if layout == "plain":
+            return None
+        if layout == "arm":
+            return (lambda e: (i * nb + b) * BLOCK + e), (i * nb + b,)
+        first = b * rows * 2 + tirx.Select(i < rows - rows % 2, i - i % 2, i) * 2
+        paired = i < rows - rows % 2
+        return ((lambda e: pair_index(i, b, e, rows, rows - rows % 2)),
+                (first + tirx.Select(paired, i % 2, T.int64(0)), first + tirx.Select(paired, i % 2 + 2, T.int64(1))))
+
     @T.macro
     def block_vec(a, g, u, aq, ad, off, i, b):
         lo = T.bind(x_at(a, g, u, i, T.ramp(b * BLOCK, 1, HALF), HALF))
         hi = T.bind(x_at(a, g, u, i, T.ramp(b * BLOCK + HALF, 1, HALF), HALF))
-        quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point)
+        quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point, flat(i, b))
 
     @T.macro
     def block_tail(a, g, u, aq, ad, off, i, b):
@@ -101,15 +150,30 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         for e in range(BLOCK):
             if b * BLOCK + e < k:
                 st[0] = T.max(st[0], T.fabs(x_at(a, g, u, i, b * BLOCK + e, 1)))
-        ad[i, b] = st[0] / T.float32(127)
-        st[1] = T.float32(0)
-        for t in range(BLOCK):
-            col = b * BLOCK + T.if_then_else(t < HALF, 2 * t, 2 * (t - HALF) + 1)
-            aq[i, b, t] = T.Cast("int8", _round(T, T.if_then_else(
-                st[0] > T.float32(0) and col < k,
-                x_at(a, g, u, i, T.min(col, k - 1), 1) / ad[i, b], T.float32(0)), 1))
-            st[1] = st[1] + T.Cast("float32", aq[i, b, t])
-        off[i, b] = st[1] * T.float32(zero_point)
+        if layout == "plain":
+            ad[i, b] = st[0] / T.float32(127)
+            st[1] = T.float32(0)
+            for t in range(BLOCK):
+                col = b * BLOCK + T.if_then_else(t < HALF, 2 * t, 2 * (t - HALF) + 1)
+                aq[i, b, t] = T.Cast("int8", _round(T, T.if_then_else(
+                    st[0] > T.float32(0) and col < k,
+                    x_at(a, g, u, i, T.min(col, k - 1), 1) / ad[i, b], T.float32(0)), 1))
+                st[1] = st[1] + T.Cast("float32", aq[i, b, t])
+            off[i, b] = st[1] * T.float32(zero_point)
+        else:   # the same at the ARM layouts' flat places (flat), the offset an int32
+            ad[flat(i, b)[1][0]] = st[0] / T.float32(127)
+            if copies == 2:
+                ad[flat(i, b)[1][1]] = st[0] / T.float32(127)
+            st[1] = T.float32(0)
+            for t in range(BLOCK):
+                col = b * BLOCK + T.if_then_else(t < HALF, 2 * t, 2 * (t - HALF) + 1)
+                aq[flat(i, b)[0](t)] = T.Cast("int8", _round(T, T.if_then_else(
+                    st[0] > T.float32(0) and col < k,
+                    x_at(a, g, u, i, T.min(col, k - 1), 1) / ad[flat(i, b)[1][0]], T.float32(0)), 1))
+                st[1] = st[1] + T.Cast("float32", aq[flat(i, b)[0](t)])
+            off[flat(i, b)[1][0]] = T.Cast("int32", st[1]) * T.int32(zero_point)
+            if copies == 2:
+                off[flat(i, b)[1][1]] = T.Cast("int32", st[1]) * T.int32(zero_point)
 
     @T.macro
     def inv_rms(a, inv, i):
@@ -136,10 +200,14 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     def quantize_rows(a, g, u, var_aq, var_ad, var_off):
         """The kernels' body from their inputs and their three output handles."""
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-        aq = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
-        ad = T.match_buffer(var_ad, (rows, nb), "float32")
-        off = T.match_buffer(var_off, (rows, nb), "float32")
+        aq3 = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
+        ad2 = T.match_buffer(var_ad, scale_shape, "float32")
+        off2 = T.match_buffer(var_off, scale_shape, off_dtype)
         with T.sblock("root"):   # relax's reshape-pattern analysis insists on one (single input)
+            # the ARM layouts address the outputs flat (pair_index)
+            aq = aq3 if layout == "plain" else T.decl_buffer((rows * nb * BLOCK,), "int8", data=aq3.data)
+            ad = ad2 if layout == "plain" else T.decl_buffer((rows * nb * copies,), "float32", data=ad2.data)
+            off = off2 if layout == "plain" else T.decl_buffer((rows * nb * copies,), "int32", data=off2.data)
             for i in T.serial(rows) if one_row else T.parallel(rows):
                 if rms_eps is not None:
                     inv = T.decl_buffer((LANES + k,), "float32", scope="global")   # 1 / rms, the squares

@@ -40,3 +40,8 @@ def python_command(env: dict, script, *args, plugin: str | None = None) -> list[
 def engine_command(env: dict, artifact, out, steps_json: str, plugin: str | None = None) -> list[str]:
     """run_engine.py REPO ARTIFACT OUT STEPS under the emulated python."""
     return python_command(env, HERE / "run_engine.py", REPO, artifact, out, steps_json, plugin=plugin)
+
+
+def cli_command(env: dict, *args, plugin: str | None = None) -> list[str]:
+    """`qwc ARGS...` as an ARM machine runs it (run_cli.py: the runtime-only commands)."""
+    return python_command(env, HERE / "run_cli.py", REPO, *args, plugin=plugin)

@@ -7,6 +7,7 @@ prefill then decode steps, logits saved to a .npy file. Only the runtime is impo
 
 import importlib.util
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -30,6 +31,8 @@ def main() -> None:
     eng = Engine(artifact, ctx=max(64, len(steps[0]) + len(steps)))   # room for a long prompt (bench/arm_icount.py)
     logits = [eng.prefill(steps[0])] + [eng.decode(t) for t in steps[1:]]
     np.save(out, np.stack(logits))
+    if os.environ.get("QWC_DUMP_MAPS"):   # where each library was mapped, for bench/arm_icount.py's attribution
+        Path(os.environ["QWC_DUMP_MAPS"]).write_text(Path("/proc/self/maps").read_text())
     print(platform.machine(), len(logits))
 
 

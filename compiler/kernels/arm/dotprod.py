@@ -1,17 +1,22 @@
 """W4A8 Q4_0 matmul with NEON `sdot` (Armv8.2 dotprod; Neoverse-N2 has it), one 32-bit lane
-per output row.
+per output row: the decode GEMV on every ARM target, and the prefill GEMM where there is no
+i8mm (arm-neon).
 
-The weights come in the row-group layout (kernels/row_groups.py): each 64-byte chunk holds 4
-bytes of each of 16 rows, i.e. four 128-bit vectors of 4 rows each. With one 4-byte
-activation group broadcast to every lane, one sdot advances 4 rows by 4 weights; a block is 8
-sdot per 4 rows and token, whose int32 lanes are then the 4 rows' block dots: one convert and
-one FMA with the 4 rows' scales, no horizontal sums (the form this replaced spent an `addv`
-and scalar scale arithmetic per row and block).
+The weights come in the row-group layout (kernels/row_groups.py): each 64-byte chunk i holds
+4 bytes of each of 16 rows, i.e. four 128-bit vectors ("slices") of 4 rows each. Chunk i's
+low nibbles meet activation bytes 4i..4i+3 of the de-interleaved block, its high nibbles bytes
+16+4i..16+4i+3: 32-bit lane i of the block's first and second 16-byte halves. So the block's
+activations are two vector loads, and every sdot takes its 4 bytes by element
+(`sdot v.4s, w.16b, a.4b[i]`): no broadcast loads. A block is 8 sdot per slice and token,
+whose int32 lanes are then the 4 rows' block dots: one convert and one FMA with the rows'
+scales, no horizontal sums.
 
-The nibbles q (0..15) are valid signed bytes, so as on x86 the dot is taken with q itself and
-the quantizer's -8 x sum(a) per block starts the accumulation: no per-vector subtraction.
-Each task is one group; its four 4-row slices run one after another so a tile's accumulators
-and unpacked weights fit the 32 vector registers.
+The nibbles q (0..15) are valid signed bytes, so the dot is taken with q itself and the
+quantizer's -8 x sum(a) per block starts the accumulation: no per-vector subtraction.
+
+Decode (one token) takes all four slices of a group per block, so one load of the block's
+activations, scales and offset serves 16 rows; the prefill form takes one slice at a time
+over a tile of tokens, whose accumulators would not fit the 32 vector registers otherwise.
 """
 
 from __future__ import annotations
@@ -24,34 +29,48 @@ from ..row_groups import ROWS, groups
 
 ZERO_POINT = -8
 LANES = 4          # int32 lanes of a 128-bit vector: rows per slice
+SLICES = ROWS // LANES
 DEFAULTS = {"tokens": 4}
+SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
+
+
+def halved_float(T, v):
+    """float32x4 of int32x4 v / 2, exactly (|v| < 2^24): the fixed-point `scvtf v.4s, v.4s, #1`,
+    which Neoverse-N2 issues on one vector pipe where the integer form takes both (llvm-mca's
+    N2 model; the vector pipes bound these kernels). The kernels double their sums once at
+    the store, so the result is the same to the bit."""
+    return T.call_llvm_pure_intrin("float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", v, T.int32(1))
+
+
+def _lane(T, v, i):
+    """int8x16: 32-bit lane i of v in every lane, the by-element operand of an indexed sdot."""
+    return T.reinterpret("int8x16", tirx.Shuffle([T.reinterpret("int32x4", v)], [i] * 4))
 
 
 def _slice_dot(T, w, aq, off, g, b, q, t):
-    """int32x4: rows 16g+4q .. +3, block b, token t (one expression: named temporaries would
-    become per-thread allocations inside the parallel loop); two chains halve the latency."""
-    sdot = "llvm.aarch64.neon.sdot.v4i32.v16i8"
-
-    def act(j):   # activation bytes 4j..4j+3 in every lane
-        return T.reinterpret("int8x16", T.broadcast(T.reinterpret("int32", aq.vload([t, b, 4 * j], "int8x4")), 4))
-
-    def nib(i, high):
-        v = w.vload([g, b, i, 16 * q], "uint8x16")
-        return T.reinterpret("int8x16", (v >> T.broadcast(T.uint8(4), 16)) if high else (v & T.broadcast(T.uint8(15), 16)))
-
-    lo = T.broadcast(T.Cast("int32", off[t, b]), 4)
-    hi = T.broadcast(T.int32(0), 4)
+    """int32x4: rows 16g+4q .. +3, block b, token t, as one chain of 8 sdot (one expression:
+    named temporaries would become per-thread allocations inside the parallel loop)."""
+    acc = T.broadcast(off[t, b], LANES)
     for i in range(4):
-        lo = T.call_llvm_pure_intrin("int32x4", sdot, lo, nib(i, False), act(i))
-        hi = T.call_llvm_pure_intrin("int32x4", sdot, hi, nib(i, True), act(4 + i))
-    return lo + hi
+        v = w.vload([g, b, i, 16 * q], "uint8x16")
+        lo = T.reinterpret("int8x16", v & T.broadcast(T.uint8(15), 16))
+        hi = T.reinterpret("int8x16", v >> T.broadcast(T.uint8(4), 16))
+        acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, lo, _lane(T, aq.vload([t, b, 0], "int8x16"), i))
+        acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, hi, _lane(T, aq.vload([t, b, 16], "int8x16"), i))
+    return acc
+
+
+def _scales(T, ws, g, b, q):
+    if ws.dtype == "float16":
+        return T.Cast("float32x4", ws.vload([g, b, LANES * q], "float16x4"))
+    return ws.vload([g, b, LANES * q], "float32x4")
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None,
            m: int | None = None):
     """y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the -8 x sum
-    offsets) and the row-group weights; M any, or `m` (tuning measures at fixed M)."""
+    offsets as int32: act_quant layout "arm") and the row-group weights; M any, or `m` (tuning measures at fixed M)."""
     from tvm.script import tirx as T
 
     ng = groups(n)
@@ -59,29 +78,45 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
     ragged = n % ROWS != 0
     rows_in = tirx.Var("m", "int64") if m is None else m
 
-    def scales(ws, g, b, q):
-        if scale_dtype == "float16":
-            return T.Cast("float32x4", ws.vload([g, b, LANES * q], "float16x4"))
-        return ws.vload([g, b, LANES * q], "float32x4")
+    @T.macro
+    def store(y, acc, t, g, q, k):
+        """Row-slice q of group g for token t from acc[4k .. 4k+3] (doubled: halved_float), the
+        ragged edge lane by lane."""
+        if not ragged or g * ROWS + LANES * q + LANES <= n:
+            y[t, T.ramp(g * ROWS + LANES * q, 1, LANES)] = acc[T.ramp(k * LANES, 1, LANES)] * T.broadcast(
+                T.float32(2), LANES)
+        else:
+            for r in range(LANES):
+                if g * ROWS + LANES * q + r < n:
+                    y[t, g * ROWS + LANES * q + r] = acc[k * LANES + r] * T.float32(2)
+
+    @T.macro
+    def group(w, aq, off, ws, ad, y, g, t):
+        """All 16 rows of group g for one token: one activation load per block serves 4 slices."""
+        acc = T.decl_buffer((SLICES * LANES,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
+        for q in T.unroll(SLICES):
+            acc[T.ramp(q * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+        for b in range(nb):
+            for q in T.unroll(SLICES):
+                acc[T.ramp(q * LANES, 1, LANES)] = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(
+                    T, _slice_dot(T, w, aq, off, g, b, q, t)) * (
+                    _scales(T, ws, g, b, q) * T.broadcast(ad[t, b], LANES))
+        for q in T.unroll(SLICES):
+            store(y, acc, t, g, q, q)
 
     @T.macro
     def tile(w, aq, off, ws, ad, y, g, q, first, count):
-        """Rows 16g+4q .. +3 of tokens first .. first+count-1."""
-        acc = T.decl_buffer((count * LANES,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
+        """Rows 16g+4q .. +3 of tokens first .. first+count-1 (the unpacked weights serve them all)."""
+        acc = T.decl_buffer((count * LANES,), "float32", scope="global")
         for t in T.unroll(count):
             acc[T.ramp(t * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
         for b in range(nb):
             for t in T.unroll(count):
-                acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + T.Cast(
-                    "float32x4", _slice_dot(T, w, aq, off, g, b, q, first + t)) * (
-                    scales(ws, g, b, q) * T.broadcast(ad[first + t, b], LANES))
+                acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
+                    T, _slice_dot(T, w, aq, off, g, b, q, first + t)) * (
+                    _scales(T, ws, g, b, q) * T.broadcast(ad[first + t, b], LANES))
         for t in T.unroll(count):
-            if not ragged or g * ROWS + LANES * q + LANES <= n:
-                y[first + t, T.ramp(g * ROWS + LANES * q, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)]
-            else:
-                for r in range(LANES):
-                    if g * ROWS + LANES * q + r < n:
-                        y[first + t, g * ROWS + LANES * q + r] = acc[t * LANES + r]
+            store(y, acc, first + t, g, q, t)
 
     @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
@@ -89,14 +124,17 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
         ad = T.match_buffer(var_ad, (rows_in, nb), "float32")
-        off = T.match_buffer(var_off, (rows_in, nb), "float32")
+        off = T.match_buffer(var_off, (rows_in, nb), "int32")
         y = T.match_buffer(var_y, (rows_in, n), "float32")
         with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
             for g in T.parallel(ng):
-                for q in range(ROWS // LANES):
-                    for it in range(rows_in // tm):
-                        tile(w, aq, off, ws, ad, y, g, q, it * tm, tm)
-                    if tm > 1:  # decided when the kernel is built: decode has no leftover tokens
+                if tm == 1:
+                    for t in range(rows_in):
+                        group(w, aq, off, ws, ad, y, g, t)
+                else:
+                    for q in range(SLICES):
+                        for it in range(rows_in // tm):
+                            tile(w, aq, off, ws, ad, y, g, q, it * tm, tm)
                         for i in range(rows_in // tm * tm, rows_in):
                             tile(w, aq, off, ws, ad, y, g, q, i, 1)
 

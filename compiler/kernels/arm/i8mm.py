@@ -2,16 +2,29 @@
 weights as the sdot kernels (kernels/row_groups.py).
 
 smmla multiplies a 2x8 int8 matrix by an 8x2 one into a 2x2 int32 tile: lane 2i + j gets
-sum_k A[i, k] * B[j, k]. A holds two tokens' activations (8 bytes each), B two rows' weights:
-one instruction does 32 multiply-adds, twice an sdot's, and covers two tokens at once. TVM
-ships no smmla intrinsic; the kernel calls LLVM's `llvm.aarch64.neon.smmla` directly.
+sum_k A[i, k] * B[j, k]: one instruction does 32 multiply-adds, twice an sdot's. Here A holds
+two weight rows (8 bytes each), B two tokens, so a tile's lanes are [r0 t0, r0 t1, r1 t0,
+r1 t1]. TVM ships no smmla intrinsic; the kernel calls LLVM's `llvm.aarch64.neon.smmla`.
 
-The row-group chunk i holds 4 bytes of each of 4 rows per 128-bit vector; zipping the 32-bit
-lanes of chunks i and i+1 gives rows r, r+1 with 8 consecutive bytes each, which meet the
-activation bytes 8i'..8i'+7 (i' = i / 2) of the de-interleaved block, low nibbles against the
-even half and high nibbles against the odd half. A block is then 4 smmla per row pair and token
-pair, with the -8 x sum(a) offsets starting the accumulation as in the sdot kernel. Decode (one
-token) stays on sdot: smmla would waste half its work.
+Operands, per block:
+- weights: the row-group chunk i holds 4 bytes of each of 4 rows per 128-bit vector; zipping
+  the 32-bit lanes of chunks i and i+1 (packed: one zip serves both nibbles) gives rows
+  (r, r+1) with 8 consecutive bytes each. Low nibbles then meet activation bytes 8i'..8i'+7
+  (i' = i / 2) of the de-interleaved block, high nibbles bytes 16 + 8i'.. .
+- activations: the quantizer writes them block-major with token pairs interleaved
+  (act_quant.pair_index: the two tokens' 8-byte pieces alternate), so every B operand is one
+  16-byte load and a tile's are adjacent (`ldp`); it writes each pair's scales and int32
+  offsets as [x t0, x t1, x t0, x t1], one load each: the tile's scale factor and start value.
+- the -8 x sum(a) offsets start the accumulation as in the sdot kernels; one convert and one
+  FMA per tile and block apply [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1].
+
+A tile is 4 rows (one slice of a group) by `tokens` tokens (10: 5 pairs, 10 int32 and 10
+float accumulators; 12 fill the 32 vector registers and the allocator starts rotating
+accumulators with moves, 8 reload the weights more often: llvm-mca's N2 model puts 10 ahead
+in cycles per multiply-add, 0.0368 against 0.0383 and 0.0424); the unpacked
+weights of a block serve every pair of the tile. Leftover pairs take tiles of 4, 2 and 1
+pairs, an odd last token a pair with itself, stored once. Decode (one token) stays on sdot:
+smmla would waste half its work.
 """
 
 from __future__ import annotations
@@ -21,98 +34,139 @@ import functools
 from tvm import tirx
 
 from ..row_groups import ROWS, groups
+from .dotprod import halved_float
 
 ZERO_POINT = -8
 LANES = 4          # rows per 128-bit slice of a chunk
-DEFAULTS = {"tokens": 4}   # tokens per tile (pairs of two): the tile's unpacked weights serve them all
+DEFAULTS = {"tokens": 10}  # tokens per tile (pairs of two): the tile's unpacked weights serve them all
+SMMLA = "llvm.aarch64.neon.smmla.v4i32.v16i8"
 
 
-def _pair_dot(T, w, aq, off, g, b, q, t0, t1, half):
-    """int32x4 [t0·ra, t0·rb, t1·ra, t1·rb] for rows (ra, rb) = 16g + 4q + 2·half + (0, 1),
-    block b (one expression: named temporaries would become per-thread allocations)."""
-    mmla = "llvm.aarch64.neon.smmla.v4i32.v16i8"
-
-    def nib(i, high):
-        v = w.vload([g, b, i, 16 * q], "uint8x16")
-        return T.reinterpret("int32x4", (v >> T.broadcast(T.uint8(4), 16)) if high else (v & T.broadcast(T.uint8(15), 16)))
-
-    assert half in (0, 1)   # a Python int: it picks the zip pattern
-
-    def rows(i, high):   # zip the 32-bit lanes of chunks i, i+1: rows 2·half, 2·half+1, 8 bytes each
-        idx = [0, 4, 1, 5] if half == 0 else [2, 6, 3, 7]
-        return T.reinterpret("int8x16", T.Shuffle([nib(i, high), nib(i + 1, high)], idx))
-
-    def act(k):          # two tokens' activation bytes 8k .. 8k+7
-        return T.vectorcombine("int8x16", aq.vload([t0, b, 8 * k], "int8x8"), aq.vload([t1, b, 8 * k], "int8x8"))
-
-    x = T.vectorcombine("int32x4", T.broadcast(T.Cast("int32", off[t0, b]), 2), T.broadcast(T.Cast("int32", off[t1, b]), 2))
-    for k, (i, high) in enumerate(((0, False), (2, False), (0, True), (2, True))):
-        x = T.call_llvm_pure_intrin("int32x4", mmla, x, act(k), rows(i, high))
-    return x
+def _rows(T, w, g, b, q, k, rp):
+    """int8x16: rows (r, r + 1) = 16g + 4q + 2rp + (0, 1), 8 weights each, that meet
+    activation piece k (0..3) of block b: chunks 2(k % 2), 2(k % 2) + 1 zipped (packed, so
+    one zip serves both nibbles), low nibbles for k < 2, high ones for k >= 2."""
+    assert rp in (0, 1)   # a Python int: it picks the zip pattern
+    i = 2 * (k % 2)
+    z = tirx.Shuffle([T.reinterpret("int32x4", w.vload([g, b, i, 16 * q], "uint8x16")),
+                      T.reinterpret("int32x4", w.vload([g, b, i + 1, 16 * q], "uint8x16"))],
+                     [0, 4, 1, 5] if rp == 0 else [2, 6, 3, 7])
+    v = T.reinterpret("uint8x16", z)
+    v = (v >> T.broadcast(T.uint8(4), 16)) if k >= 2 else (v & T.broadcast(T.uint8(15), 16))
+    return T.reinterpret("int8x16", v)
 
 
-def _pair_update(T, w, aq, off, ws, ad, g, b, q, t0, t1, half):
-    """float32x4: block b's contribution to [t0·ra, t0·rb, t1·ra, t1·rb]: the pair dot times
-    [ws ra·ad t0, ws rb·ad t0, ws ra·ad t1, ws rb·ad t1]."""
-    r = LANES * q + 2 * half
-    if ws.dtype == "float16":
-        pair = T.Cast("float32x2", ws.vload([g, b, r], "float16x2"))
-    else:
-        pair = ws.vload([g, b, r], "float32x2")
-    scale = T.vectorcombine("float32x4", pair, pair) * T.vectorcombine(
-        "float32x4", T.broadcast(ad[t0, b], 2), T.broadcast(ad[t1, b], 2))
-    return T.Cast("float32x4", _pair_dot(T, w, aq, off, g, b, q, t0, t1, half)) * scale
+def _pair_dot(T, w, aqf, init, g, b, q, rp, base):
+    """int32x4 [r0 t0, r0 t1, r1 t0, r1 t1] of block b for the row pair rp of slice q and the
+    token pair whose interleaved block-b activations start at flat index `base`, from `init` (the
+    pair's offsets); one expression (named temporaries would become per-thread allocations)."""
+    acc = init
+    for k in range(4):
+        acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp),
+                                      aqf.vload([base + 16 * k], "int8x16"))
+    return acc
+
+
+def _row_scales(T, ws, g, b, q, rp):
+    """float32x4 [d r, d r, d r', d r'] of row pair rp."""
+    idx = [0, 0, 1, 1] if rp == 0 else [2, 2, 3, 3]
+    if ws.dtype == "float16":   # duplicated while fp16: one zip of 4 halves, then one convert
+        return T.Cast("float32x4", tirx.Shuffle([ws.vload([g, b, LANES * q], "float16x4")], idx))
+    return tirx.Shuffle([ws.vload([g, b, LANES * q], "float32x4")], idx)
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None):
-    """y [M, N] (M >= 1, any, or `m` for tuning) from the de-interleaved int8 activations and
-    the row-group weights, in tiles of `tokens` (even) tokens."""
+    """y [M, N] (M >= 1, any, or `m` for tuning) from the pair-interleaved int8 activations
+    (act_quant layout "arm_pairs") and the row-group weights, in tiles of `tokens` (even)."""
     from tvm.script import tirx as T
 
     ng = groups(n)
     ragged = n % ROWS != 0
-    pairs_per_tile = max(1, (tokens or DEFAULTS["tokens"]) // 2)
+    tile_pairs = max(1, (tokens or DEFAULTS["tokens"]) // 2)
     rows_in = tirx.Var("m", "int64") if m is None else m
 
     @T.macro
-    def tile(w, aq, off, ws, ad, y, g, q, first, pairs, single):
-        """Rows 16g+4q .. +3 of `pairs` token pairs from `first` (single: one token, computed
-        as a pair with itself, stored once)."""
+    def tile(w, aqf, adf, offf, ws, y, g, q, first, pairs):
+        """Rows 16g+4q .. +3 of `pairs` token pairs from token `first` (even)."""
         acc = T.decl_buffer((pairs * 8,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
         for p in T.unroll(pairs * 2):
             acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
         for b in range(nb):
             for p in T.unroll(pairs):
                 # The two row pairs written out: the zip pattern must be a Python constant (a
-                # loop variable's `h == 0` would not be).
-                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                    T, w, aq, off, ws, ad, g, b, q, first + 2 * p, first + 2 * p + (0 if single else 1), 0)
-                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                    T, w, aq, off, ws, ad, g, b, q, first + 2 * p, first + 2 * p + (0 if single else 1), 1)
+                # loop variable's `rp == 0` would not be).
+                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + halved_float(T, _pair_dot(
+                    T, w, aqf, offf.vload([(b * rows_in + first + 2 * p) * 2], "int32x4"), g, b, q, 0,
+                    (b * rows_in + first + 2 * p) * 32)) * (_row_scales(T, ws, g, b, q, 0) * adf.vload(
+                        [(b * rows_in + first + 2 * p) * 2], "float32x4"))
+                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + halved_float(T, _pair_dot(
+                    T, w, aqf, offf.vload([(b * rows_in + first + 2 * p) * 2], "int32x4"), g, b, q, 1,
+                    (b * rows_in + first + 2 * p) * 32)) * (_row_scales(T, ws, g, b, q, 1) * adf.vload(
+                        [(b * rows_in + first + 2 * p) * 2], "float32x4"))
         for p in T.unroll(pairs):
-            for tt in T.unroll(1 if single else 2):
-                for h in T.unroll(2):
-                    for j in T.unroll(2):
-                        if not ragged or g * ROWS + LANES * q + 2 * h + j < n:
-                            y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * h + j] = acc[(2 * p + h) * 4 + 2 * tt + j]
+            for rp in T.unroll(2):
+                for j in T.unroll(2):
+                    for tt in T.unroll(2):
+                        if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
+                            y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * rp + j] = acc[
+                                8 * p + 4 * rp + 2 * j + tt] * T.float32(2)   # halved_float
+
+    def _single_dot(T, w, aqf, offf, g, b, q, rp, t):
+        """The odd last token t (plain aq layout) against itself: B's halves both hold it."""
+        acc = T.broadcast(offf[(b * rows_in + t) * 2], 4)
+        for k in range(4):
+            piece = T.reinterpret("int8x16", T.broadcast(
+                T.reinterpret("int64", aqf.vload([(b * rows_in + t) * 32 + 8 * k], "int8x8")), 2))
+            acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp), piece)
+        return acc
+
+    @T.macro
+    def last_tile(w, aqf, adf, offf, ws, y, g, q, t):
+        """The odd last token: lanes [r0 t, r0 t, r1 t, r1 t], stored once."""
+        acc = T.decl_buffer((8,), "float32", scope="global")
+        for p in T.unroll(2):
+            acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
+        for b in range(nb):
+            acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + halved_float(T, _single_dot(
+                T, w, aqf, offf, g, b, q, 0, t)) * (_row_scales(T, ws, g, b, q, 0) * T.broadcast(adf[(b * rows_in + t) * 2], 4))
+            acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + halved_float(T, _single_dot(
+                T, w, aqf, offf, g, b, q, 1, t)) * (_row_scales(T, ws, g, b, q, 1) * T.broadcast(adf[(b * rows_in + t) * 2], 4))
+        for rp in T.unroll(2):
+            for j in T.unroll(2):
+                if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
+                    y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2)
 
     @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
                ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
-        ad = T.match_buffer(var_ad, (rows_in, nb), "float32")
-        off = T.match_buffer(var_off, (rows_in, nb), "float32")
+        ad = T.match_buffer(var_ad, (rows_in, nb, 2), "float32")
+        off = T.match_buffer(var_off, (rows_in, nb, 2), "int32")
         y = T.match_buffer(var_y, (rows_in, n), "float32")
         with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
+            aqf = T.decl_buffer((rows_in * nb * 32,), "int8", data=aq.data)
+            adf = T.decl_buffer((rows_in * nb * 2,), "float32", data=ad.data)
+            offf = T.decl_buffer((rows_in * nb * 2,), "int32", data=off.data)
             for g in T.parallel(ng):
                 for q in range(ROWS // LANES):
-                    for it in range(rows_in // (2 * pairs_per_tile)):
-                        tile(w, aq, off, ws, ad, y, g, q, it * 2 * pairs_per_tile, pairs_per_tile, False)
-                    for ip in range(rows_in // (2 * pairs_per_tile) * pairs_per_tile, rows_in // 2):
-                        tile(w, aq, off, ws, ad, y, g, q, ip * 2, 1, False)
+                    for it in range(rows_in // (2 * tile_pairs)):
+                        tile(w, aqf, adf, offf, ws, y, g, q, it * 2 * tile_pairs, tile_pairs)
+                    # the pairs left over (fewer than a tile's): tiles of 4, 2 and 1 pairs
+                    left = rows_in // 2 % tile_pairs
+                    p4 = rows_in // 2 - left
+                    if tile_pairs > 4:
+                        if left >= 4:
+                            tile(w, aqf, adf, offf, ws, y, g, q, 2 * p4, 4)
+                    p2 = p4 + left // 4 * 4
+                    if tile_pairs > 2:
+                        if left % 4 >= 2:
+                            tile(w, aqf, adf, offf, ws, y, g, q, 2 * p2, 2)
+                    if left % 2 == 1:
+                        tile(w, aqf, adf, offf, ws, y, g, q, 2 * (p2 + left % 4 // 2 * 2), 1)
                     if rows_in % 2 == 1:
-                        tile(w, aq, off, ws, ad, y, g, q, rows_in - 1, 1, True)
+                        last_tile(w, aqf, adf, offf, ws, y, g, q, rows_in - 1)
 
     return kernel
+
