@@ -110,6 +110,7 @@ class Attributor:
         self.syms = _symbols(elf)
         self.starts = [s[0] for s in self.syms]
         self.segs = _segments(elf)
+        self.blocks: dict[int, int] = defaultdict(int)   # ELF vaddr of a block start -> instructions, all runs
 
     def _name(self, vaddr: int) -> str:
         """The symbol at or before vaddr (unnamed code after a symbol is its own: TVM's
@@ -118,7 +119,8 @@ class Attributor:
         return self.syms[i][2] if i >= 0 else "?"
 
     def functions(self, counts: Path) -> dict[str, int]:
-        """{function or file: instructions}; block addresses are also kept for find_loop."""
+        """{function or file: instructions}; the blocks' counts also add up in self.blocks,
+        over every run, for hottest_loop."""
         maps = []
         if not self.static:
             for line in counts.with_suffix(".maps").read_text().splitlines():
@@ -128,7 +130,6 @@ class Attributor:
         maps.sort()
         lows, elf = [m[0] for m in maps], str(Path(self.elf).resolve())
         per: dict[str, int] = defaultdict(int)
-        self.blocks: dict[int, int] = defaultdict(int)   # ELF vaddr of a block start -> instructions
         for line in counts.read_text().splitlines():
             a, n = line.split()
             va, n = int(a, 16), int(n)
@@ -248,7 +249,10 @@ def main():
     args = p.parse_args()
 
     art = Path(args.artifact)
-    manifest = json.loads((art / "manifest.json").read_text())
+    try:
+        manifest = json.loads((art / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        sys.exit(f"arm_icount: {art} is not a qwc artifact ({getattr(e, 'strerror', None) or e})")
     target = manifest.get("target", {})
     if target.get("arch") != "aarch64":
         sys.exit(f"arm_icount: {art} is built for {target.get('name')!r}, not an aarch64 target")

@@ -13,14 +13,13 @@ compile never leaves a half-written artifact.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 
 from qwc import __version__
-from qwc.atomic import staging_dir
+from qwc.atomic import replace_dir, staging_dir
 from qwc.checksum import sha256
 from qwc.config import ModelConfig
 
@@ -46,7 +45,7 @@ def write_params(path: Path, names: list[str], values: dict) -> list[dict]:
 def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_names, params,
                    tokenizer: Path | None, signature: dict, quant: dict) -> None:
     out = Path(out)
-    with staging_dir(out, folder=True) as tmp:
+    with staging_dir(out, folder=True, foreign=foreign_files) as tmp:
         art = tmp / out.name
         art.mkdir()
         lib = art / "lib.so"
@@ -72,15 +71,17 @@ def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_
             "files": {f: sha256(art / f) for f in files},
         }
         (art / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        _replace_dir(art, out)
+        replace_dir(art, out, foreign_files)
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
+def foreign_files(folder: Path) -> str | None:
+    """What in an existing `folder` is not an artifact qwc wrote (None: nothing): qwc replaces
+    an artifact whose manifest lists every file in it, and nothing else (qwc.atomic)."""
+    try:
+        files = json.loads((folder / "manifest.json").read_text())["files"]
+        if not isinstance(files, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it is not a qwc artifact (no readable manifest.json)"
+    extra = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json" and p.name not in files)
+    return f"it holds {extra[0]}, which is not part of the artifact" if extra else None

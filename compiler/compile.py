@@ -16,6 +16,7 @@ from qwc.atomic import check_destination
 from qwc.config import load_for_graph, tokenizer_for_graph
 from qwc.errors import QwcError
 
+from .artifact import foreign_files
 from .targets import get_target
 
 
@@ -81,7 +82,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
         act_bits = default_act_bits(target.features)
     if act_bits not in (8, 32):
         raise QwcError(f"--act-bits {act_bits} is not supported (8 or 32)")
-    check_destination(out, folder=True)
+    check_destination(out, folder=True, foreign=foreign_files)
     tuned = {}
     if tuning_db is not None:
         from .tuning import tuned_knobs

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwc import progress
-from qwc.atomic import check_destination, staging_dir
+from qwc.atomic import check_destination, replace_dir, staging_dir
 from qwc.errors import QwcError
 
 from .qwen2 import LoadedModel
@@ -161,7 +161,7 @@ def train(lm: LoadedModel, source: str, data_path: Path, settings: QatSettings, 
     """Fine-tune `lm` with Q4_0 fake quantization and write a HF Qwen2 directory to `out_dir`."""
     settings.validate()
     out_dir = Path(out_dir)
-    check_destination(out_dir, folder=True)
+    check_destination(out_dir, folder=True, foreign=foreign_files)
     try:
         raw = Path(data_path).read_bytes()
     except OSError as e:
@@ -238,15 +238,27 @@ def train(lm: LoadedModel, source: str, data_path: Path, settings: QatSettings, 
             "first_loss": losses[0], "final_loss": float(np.mean(losses[-10:]))}
 
 
+QAT_MARKER = "qwc_qat.json"
+
+
+def foreign_files(folder: Path) -> str | None:
+    """What in an existing `folder` is not a QAT output qwc wrote (None: nothing): its marker
+    (QAT_MARKER) and the Hugging Face files _save_hf writes, nothing else (qwc.atomic)."""
+    if not (folder / QAT_MARKER).is_file():
+        return f"it is not a folder qwc qat wrote (no {QAT_MARKER})"
+    ours = {"config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja", QAT_MARKER}
+    extra = sorted(p.name for p in folder.iterdir()
+                   if p.name not in ours and not (p.is_file() and p.name.startswith("model") and ".safetensors" in p.name))
+    return f"it holds {extra[0]}, which qwc qat did not write" if extra else None
+
+
 def _save_hf(lm: LoadedModel, out_dir: Path, record: dict) -> None:
     """config.json, model.safetensors, tokenizer.json (+ chat template), written atomically."""
-    with staging_dir(out_dir, folder=True) as tmp:
+    with staging_dir(out_dir, folder=True, foreign=foreign_files) as tmp:
         stage = tmp / out_dir.name
         lm.model.save_pretrained(stage, safe_serialization=True)
         lm.tokenizer.save(str(stage / "tokenizer.json"))
         if lm.config.chat_template:
             (stage / "chat_template.jinja").write_text(lm.config.chat_template)
-        (stage / "qwc_qat.json").write_text(json.dumps(record, indent=1))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(stage, out_dir)
+        (stage / QAT_MARKER).write_text(json.dumps(record, indent=1))
+        replace_dir(stage, out_dir, foreign_files)

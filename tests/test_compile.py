@@ -266,3 +266,34 @@ def test_bench_prints_pp_and_tg_rows(tiny_host_artifact, capsys):
     assert main(["-q", "bench", str(tiny_host_artifact), "-p", "16", "-n", "0", "-r", "1"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert len(table) == 3 and "pp16" in table[2]
+
+
+def _refused(capsys, code, path):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"cannot write {path}" in err[0] and "qwc replaces only a folder it wrote" in err[0]
+
+
+def test_compile_never_replaces_a_folder_it_did_not_write(tiny_q4, tmp_path, capsys):
+    """-o naming a user's folder is refused before any work, and the user's file stays."""
+    mine = tmp_path / "somedir"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    _refused(capsys, main(["-q", "compile", str(tiny_q4), "-o", str(mine)]), mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+    assert not list(tmp_path.glob(".somedir.*"))   # no staging left behind
+
+
+def test_compile_replaces_its_own_artifact_but_not_a_file_kept_in_it(tiny_q4, tiny_host_artifact, tmp_path, capsys):
+    art = _copy(tiny_host_artifact, tmp_path)
+    (art / "my-notes.txt").write_text("mine")
+    _refused(capsys, main(["-q", "compile", str(tiny_q4), "-o", str(art)]), art)
+    assert (art / "my-notes.txt").read_text() == "mine"
+    (art / "my-notes.txt").unlink()
+    stamp = (art / "manifest.json").stat().st_mtime_ns
+    assert main(["-q", "compile", str(tiny_q4), "-o", str(art)]) == 0   # an artifact qwc wrote: replaced
+    assert (art / "manifest.json").stat().st_mtime_ns != stamp and not list(tmp_path.glob(".copy.qwc.*"))
+    empty = tmp_path / "empty.qwc"
+    empty.mkdir()
+    assert main(["-q", "compile", str(tiny_q4), "-o", str(empty)]) == 0   # nothing in it to lose
+    assert (empty / "manifest.json").is_file()

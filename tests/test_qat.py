@@ -4,6 +4,7 @@ quantized weight on the Q4_0 grid, resumes after an interruption, and optimizes 
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -155,3 +156,18 @@ def test_qat_bad_settings(corpus, tmp_path, capsys, args, message):
     assert main(["-q", "qat", "tiny", "--data", str(corpus), *args, "-o", str(tmp_path / "o")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_qat_never_replaces_a_folder_it_did_not_write(corpus, qat_dir, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert _qat(corpus, mine) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "qwc replaces only a folder it wrote" in err[0]
+    assert (mine / "notes.txt").read_text() == "mine"
+    own = tmp_path / "own"
+    shutil.copytree(qat_dir, own)
+    assert qat.foreign_files(own) is None            # its own output: replaceable
+    (own / "notes.txt").write_text("mine")
+    assert "notes.txt" in qat.foreign_files(own)     # with a user's file in it: not
