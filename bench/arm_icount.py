@@ -110,7 +110,6 @@ class Attributor:
         self.syms = _symbols(elf)
         self.starts = [s[0] for s in self.syms]
         self.segs = _segments(elf)
-        self.blocks: dict[int, int] = defaultdict(int)   # ELF vaddr of a block start -> instructions, all runs
 
     def _name(self, vaddr: int) -> str:
         """The symbol at or before vaddr (unnamed code after a symbol is its own: TVM's
@@ -118,9 +117,8 @@ class Attributor:
         i = bisect.bisect_right(self.starts, vaddr) - 1
         return self.syms[i][2] if i >= 0 else "?"
 
-    def functions(self, counts: Path) -> dict[str, int]:
-        """{function or file: instructions}; the blocks' counts also add up in self.blocks,
-        over every run, for hottest_loop."""
+    def functions(self, counts: Path) -> tuple[dict[str, int], dict[int, int]]:
+        """({function or file: instructions}, {ELF address of a block start: instructions})."""
         maps = []
         if not self.static:
             for line in counts.with_suffix(".maps").read_text().splitlines():
@@ -130,12 +128,13 @@ class Attributor:
         maps.sort()
         lows, elf = [m[0] for m in maps], str(Path(self.elf).resolve())
         per: dict[str, int] = defaultdict(int)
+        blocks: dict[int, int] = defaultdict(int)
         for line in counts.read_text().splitlines():
             a, n = line.split()
             va, n = int(a, 16), int(n)
             if self.static:
                 per[self._name(va)] += n
-                self.blocks[va] += n
+                blocks[va] += n
                 continue
             j = bisect.bisect_right(lows, va) - 1
             if j < 0 or va >= maps[j][1]:
@@ -147,21 +146,21 @@ class Attributor:
                 ev = next((foff - o + v for o, v, sz in self.segs if o <= foff < o + sz), None)
                 per[self._name(ev) if ev is not None else "?"] += n
                 if ev is not None:
-                    self.blocks[ev] += n
+                    blocks[ev] += n
             else:
                 per["runtime: " + Path(name).name] += n
-        return per
+        return per, blocks
 
-    def hottest_loop(self, func: str) -> list[str] | None:
-        """The instructions of the loop around func's most executed block (the innermost
-        backward branch that spans it), as llvm-mca input."""
+    def hottest_loop(self, func: str, blocks: dict[int, int]) -> list[str] | None:
+        """The instructions of the loop around func's most executed block in `blocks` (the
+        innermost backward branch that spans it), as llvm-mca input."""
         i = next((i for i, s in enumerate(self.syms) if s[2] == func), None)
         if i is None:
             return None
         # up to the next symbol: TVM's parallel lambdas are unnamed code after their kernel
         lo = self.syms[i][0]
         hi = next((s[0] for s in self.syms[i + 1:] if s[0] > lo), lo + max(self.syms[i][1], 4))
-        inside = {a: n for a, n in self.blocks.items() if lo <= a < hi}
+        inside = {a: n for a, n in blocks.items() if lo <= a < hi}
         if not inside:
             return None
         hot = max(inside, key=inside.get)
@@ -211,7 +210,7 @@ def linear_macs(cfg) -> dict[tuple[int, int], int]:
     return dict(shapes)
 
 
-def qwc_kernel_macs(name: str, shapes, head_macs: int, decode: bool) -> int | None:
+def qwc_kernel_macs(name: str, shapes, head_macs: tuple[int, int, int], decode: bool) -> int | None:
     m = re.search(r"q4_(?:gemv|gemm)\w*?_(\d+)x(\d+)_", name)
     if not m:
         return None
@@ -224,17 +223,17 @@ def qwc_kernel_macs(name: str, shapes, head_macs: int, decode: bool) -> int | No
 
 # --- main -----------------------------------------------------------------------------------
 
-def measure(label, run, decode_only=False):
-    """{metric: instructions per token} and the per-function splits, for one engine."""
-    res, splits = {}, {}
+def measure(label, run):
+    """{metric: instructions per token} and the per-function splits, for one engine; the
+    splits also keep, under "blocks", each metric's block counts (its hot loops)."""
+    res, splits = {}, {"blocks": {}}
     p, a, b = DECODE
-    ca, cb = run("d_a", p, a), run("d_b", p, b)
-    res["decode"] = (cb[0] - ca[0]) / (b - a)
-    splits["decode"] = {k: (cb[1].get(k, 0) - ca[1].get(k, 0)) / (b - a) for k in set(ca[1]) | set(cb[1])}
-    for metric, (x, y) in PREFILL.items():
-        cx, cy = run(f"{metric}_a", x, 0), run(f"{metric}_b", y, 0)
+    for metric, (x, y, steps) in {"decode": (a, b, True), **{m: (*v, False) for m, v in PREFILL.items()}}.items():
+        cx = run(f"{metric}_a", p if steps else x, x if steps else 0)
+        cy = run(f"{metric}_b", p if steps else y, y if steps else 0)
         res[metric] = (cy[0] - cx[0]) / (y - x)
         splits[metric] = {k: (cy[1].get(k, 0) - cx[1].get(k, 0)) / (y - x) for k in set(cx[1]) | set(cy[1])}
+        splits["blocks"][metric] = cy[2]
     print(f"  {label}: " + ", ".join(f"{k} {v:,.0f}" for k, v in res.items()), file=sys.stderr)
     return res, splits
 
@@ -269,7 +268,7 @@ def main():
     def qwc_run(tag, prompt, steps):
         out = work / f"qwc_{tag}"
         n = run_qwc(env, plug, str(art), [list(range(100, 100 + prompt))] + [5] * steps, out)
-        return n, qwc_attr.functions(out.with_suffix(".counts"))
+        return (n, *qwc_attr.functions(out.with_suffix(".counts")))
 
     print("counting qwc ...", file=sys.stderr)
     rows["qwc"], splits["qwc"] = measure("qwc", qwc_run)
@@ -287,7 +286,7 @@ def main():
                 out = work / f"llama_{head}_{tag}"
                 a = ["-p", "0", "-n", "0", "-pg", f"{prompt},{steps}"] if steps else ["-p", str(prompt), "-n", "0"]
                 n = run_llama(env, plug, bench, gguf, a, out)
-                return n, l_attr.functions(out.with_suffix(".counts"))
+                return (n, *l_attr.functions(out.with_suffix(".counts")))
 
             print(f"counting {name} ...", file=sys.stderr)
             rows[name], splits[name] = measure(name, l_run)
@@ -365,7 +364,7 @@ def attribution_tables(manifest, rows, splits, attributors, with_mca: bool):
                     macs = total_macs[metric] - (head[2] if metric == "decode" and "Q8_0" in name else 0)
                 cyc = None
                 if with_mca and MATRIX_RE.search(fn):
-                    loop = attributors[name].hottest_loop(fn)
+                    loop = attributors[name].hottest_loop(fn, split["blocks"][metric])
                     cyc = mca(loop) if loop else None
                 per_mac = cyc[0] / cyc[2] if cyc and cyc[2] else None
                 table.append({"function": fn, "per_token": n, "per_mac": n / macs if macs else None,

@@ -17,7 +17,7 @@ from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 # (K, N). N = 136 and 128 take the decode GEMV's multi-stream path (N >= 64 rows), with a
 # ragged leftover group and without one.
 SHAPES = [(96, 24), (160, 6), (100, 20), (896, 40), (96, 136), (64, 128)]
-ARM_M = (1, 3, 4, 7, 9, 10, 17, 27)
+ARM_M = (1, 3, 4, 7, 9, 10, 12, 17, 23, 27)
 
 
 def _weights(k, n, seed):
@@ -99,9 +99,10 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     """The ARM kernels (sdot for M = 1; for M > 1 smmla on arm-yitian, sdot on arm-neon),
     cross-compiled, on every shape and M in one library run under qemu-aarch64
     (scripts/arm64), against the same reference as the host's, with 1, 2, 4 and 8 threads
-    (identical results: a task owns its rows). M covers every smmla tile (5 pairs, leftovers in
-    tiles of 4, 2 and 1 pairs, an odd token): 3 = 1 pair + odd, 4 = 2, 7 = 2 + 1 + odd,
-    9 = 4 + odd, 10 = 5, 17 = 5 + 2 + 1 + odd, 27 = 5 + 5 + 2 + 1 + odd."""
+    (identical results: a task owns its rows). M covers every smmla tile (5 pairs; a lone
+    leftover pair merged into a tile of 6; other leftovers in tiles of 4, 2 and 1 pairs; an odd
+    token): 3 = 1 pair + odd, 4 = 2, 7 = 2 + 1 + odd, 9 = 4 + odd, 10 = 5, 12 = 6,
+    17 = 5 + 2 + 1 + odd, 23 = 5 + 6 + odd, 27 = 5 + 5 + 2 + 1 + odd."""
     import re
     import subprocess
     import sys

@@ -22,8 +22,9 @@ A tile is 4 rows (one slice of a group) by `tokens` tokens (10: 5 pairs, 10 int3
 float accumulators; 12 fill the 32 vector registers and the allocator starts rotating
 accumulators with moves, 8 reload the weights more often: llvm-mca's N2 model puts 10 ahead
 in cycles per multiply-add, 0.0368 against 0.0383 and 0.0424); the unpacked
-weights of a block serve every pair of the tile. Leftover pairs take tiles of 4, 2 and 1
-pairs, an odd last token a pair with itself, stored once. Decode (one token) stays on sdot:
+weights of a block serve every pair of the tile. A lone leftover pair joins the last whole
+tile (a tile of 6, converting plainly), other leftovers take tiles of 4, 2 and 1 pairs, an
+odd last token a pair with itself, stored once. Decode (one token) stays on sdot:
 smmla would waste half its work.
 """
 
@@ -38,6 +39,7 @@ from .dotprod import halved_float
 
 ZERO_POINT = -8
 LANES = 4          # rows per 128-bit slice of a chunk
+MERGE_INTO = 5             # tile pairs after which a lone leftover pair merges into a 6-pair tile
 DEFAULTS = {"tokens": 10}  # tokens per tile (pairs of two): the tile's unpacked weights serve them all
 SMMLA = "llvm.aarch64.neon.smmla.v4i32.v16i8"
 
@@ -65,6 +67,17 @@ def _pair_dot(T, w, aqf, init, g, b, q, rp, base):
         acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp),
                                       aqf.vload([base + 16 * k], "int8x16"))
     return acc
+
+
+FIXED_POINT_PAIRS = 5   # tiles up to this many pairs convert with halved_float
+
+
+def _convert(T, pairs: int, v):
+    """float32x4 of v: halved (the fixed-point scvtf, one N2 vector pipe) in tiles of up to
+    FIXED_POINT_PAIRS pairs, plain in the 6-pair tile, whose registers are full: there the
+    fixed-point form made LLVM rotate accumulators with moves (more instructions and more
+    llvm-mca cycles than the plain convert)."""
+    return halved_float(T, v) if pairs <= FIXED_POINT_PAIRS else T.Cast("float32x4", v)
 
 
 def _row_scales(T, ws, g, b, q, rp):
@@ -96,11 +109,11 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             for p in T.unroll(pairs):
                 # The two row pairs written out: the zip pattern must be a Python constant (a
                 # loop variable's `rp == 0` would not be).
-                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + halved_float(T, _pair_dot(
+                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _convert(T, pairs, _pair_dot(
                     T, w, aqf, offf.vload([(b * rows_in + first + 2 * p) * 2], "int32x4"), g, b, q, 0,
                     (b * rows_in + first + 2 * p) * 32)) * (_row_scales(T, ws, g, b, q, 0) * adf.vload(
                         [(b * rows_in + first + 2 * p) * 2], "float32x4"))
-                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + halved_float(T, _pair_dot(
+                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _convert(T, pairs, _pair_dot(
                     T, w, aqf, offf.vload([(b * rows_in + first + 2 * p) * 2], "int32x4"), g, b, q, 1,
                     (b * rows_in + first + 2 * p) * 32)) * (_row_scales(T, ws, g, b, q, 1) * adf.vload(
                         [(b * rows_in + first + 2 * p) * 2], "float32x4"))
@@ -110,7 +123,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                     for tt in T.unroll(2):
                         if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
                             y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * rp + j] = acc[
-                                8 * p + 4 * rp + 2 * j + tt] * T.float32(2)   # halved_float
+                                8 * p + 4 * rp + 2 * j + tt] * T.float32(2 if pairs <= FIXED_POINT_PAIRS else 1)
 
     def _single_dot(T, w, aqf, offf, g, b, q, rp, t):
         """The odd last token t (plain aq layout) against itself: B's halves both hold it."""
@@ -137,6 +150,12 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                 if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
                     y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2)
 
+    def merge_last(m):
+        """Whether a lone leftover pair joins the last whole tile (a PrimExpr of M)."""
+        if tile_pairs != MERGE_INTO:
+            return tirx.const(False)
+        return tirx.And(m // 2 % tile_pairs == 1, m // 2 > tile_pairs)
+
     @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
                ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
@@ -149,12 +168,20 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             aqf = T.decl_buffer((rows_in * nb * 32,), "int8", data=aq.data)
             adf = T.decl_buffer((rows_in * nb * 2,), "float32", data=ad.data)
             offf = T.decl_buffer((rows_in * nb * 2,), "int32", data=off.data)
+            # One leftover pair after whole tiles of 5 is taken with the last of them as a tile
+            # of 6 (0.092 instructions a multiply-add, where a 1-pair tile costs 0.19; llvm-mca
+            # puts the two ways within 4% in N2 cycles, the tile of 6 ahead); other leftovers below.
+            merge = merge_last(rows_in)
+            whole = rows_in // (2 * tile_pairs) - T.Cast("int64", merge)
+            left = rows_in // 2 % tile_pairs - T.Cast("int64", merge)
             for g in T.parallel(ng):
                 for q in range(ROWS // LANES):
-                    for it in range(rows_in // (2 * tile_pairs)):
+                    for it in range(whole):
                         tile(w, aqf, adf, offf, ws, y, g, q, it * 2 * tile_pairs, tile_pairs)
+                    if tile_pairs == MERGE_INTO:
+                        if merge:   # a lone leftover pair rides with the last whole tile
+                            tile(w, aqf, adf, offf, ws, y, g, q, 2 * whole * tile_pairs, tile_pairs + 1)
                     # the pairs left over (fewer than a tile's): tiles of 4, 2 and 1 pairs
-                    left = rows_in // 2 % tile_pairs
                     p4 = rows_in // 2 - left
                     if tile_pairs > 4:
                         if left >= 4:
