@@ -147,7 +147,7 @@ class MatMulNBits(F.OnnxOpConverter):
         layout = "plain"
         if isa == "arm":
             layout = "arm_pairs" if not one_token and w4a8_prefill_kernel(features) == "smmla" else "arm"
-        if isa == "arm" and not one_token and w4a8_prefill_kernel(features) == "smmla":
+        if layout == "arm_pairs":
             from .kernels.arm import i8mm as isa_kernels   # prefill: two tokens per smmla
 
             kernel = bb.add_func(isa_kernels.q4_gemm(n, nb, sdt, tokens), _kname(f"q4_gemm_smmla_{n}x{nb}_{sdt}"))

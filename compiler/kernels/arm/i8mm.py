@@ -80,6 +80,15 @@ def _convert(T, pairs: int, v):
     return halved_float(T, v) if pairs <= FIXED_POINT_PAIRS else T.Cast("float32x4", v)
 
 
+def _pair_update(T, w, aqf, adf, offf, ws, g, b, q, rp, at, pairs: int):
+    """float32x4: block b's contribution to row pair rp of slice q for the token pair whose
+    block-b entries start at `at` (in token units: activations at 32 at, scales and offsets at
+    2 at), in a tile of `pairs` pairs: the pair dot from its offsets, converted, times
+    [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1]."""
+    dot = _pair_dot(T, w, aqf, offf.vload([at * 2], "int32x4"), g, b, q, rp, at * 32)
+    return _convert(T, pairs, dot) * (_row_scales(T, ws, g, b, q, rp) * adf.vload([at * 2], "float32x4"))
+
+
 def _row_scales(T, ws, g, b, q, rp):
     """float32x4 [d r, d r, d r', d r'] of row pair rp."""
     idx = [0, 0, 1, 1] if rp == 0 else [2, 2, 3, 3]
@@ -109,14 +118,10 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             for p in T.unroll(pairs):
                 # The two row pairs written out: the zip pattern must be a Python constant (a
                 # loop variable's `rp == 0` would not be).
-                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _convert(T, pairs, _pair_dot(
-                    T, w, aqf, offf.vload([(b * rows_in + first + 2 * p) * 2], "int32x4"), g, b, q, 0,
-                    (b * rows_in + first + 2 * p) * 32)) * (_row_scales(T, ws, g, b, q, 0) * adf.vload(
-                        [(b * rows_in + first + 2 * p) * 2], "float32x4"))
-                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _convert(T, pairs, _pair_dot(
-                    T, w, aqf, offf.vload([(b * rows_in + first + 2 * p) * 2], "int32x4"), g, b, q, 1,
-                    (b * rows_in + first + 2 * p) * 32)) * (_row_scales(T, ws, g, b, q, 1) * adf.vload(
-                        [(b * rows_in + first + 2 * p) * 2], "float32x4"))
+                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
+                    T, w, aqf, adf, offf, ws, g, b, q, 0, b * rows_in + first + 2 * p, pairs)
+                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
+                    T, w, aqf, adf, offf, ws, g, b, q, 1, b * rows_in + first + 2 * p, pairs)
         for p in T.unroll(pairs):
             for rp in T.unroll(2):
                 for j in T.unroll(2):
