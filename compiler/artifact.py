@@ -19,12 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from qwc import __version__
-from qwc.atomic import replace_dir, staging_dir
+from qwc.atomic import replace_dir, staging_dir, temp_files_in
 from qwc.checksum import sha256
 from qwc.config import ModelConfig
+from qwc.errors import QwcError
+from qwc.runtime.manifest import ALIGN, FORMAT_VERSION, check_manifest
 
-FORMAT_VERSION = 1
-ALIGN = 64
+LIB_SPACE = 64 << 20   # lib.so and its object files: ~1-6 MiB for the presets
 
 
 def write_params(path: Path, names: list[str], values: dict) -> list[dict]:
@@ -49,12 +50,19 @@ def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_
         art = tmp / out.name
         art.mkdir()
         lib = art / "lib.so"
-        if target.cross_compiler:
-            import tvm
-            executable.export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(target.cross_compiler))
-        else:
-            executable.export_library(str(lib))
         index = write_params(art / "params.bin", param_names, params)
+        # LLVM ends the process (exit 1) when it cannot write its object file: refuse a nearly
+        # full disk here, in one line, rather than there.
+        free = shutil.disk_usage(tmp).free
+        if free < LIB_SPACE:
+            raise QwcError(f"cannot write {out}: no space left on the device ({free / 2**20:.0f} MiB free, "
+                           f"the library needs up to {LIB_SPACE / 2**20:.0f} MiB while it is built)")
+        with temp_files_in(tmp):
+            if target.cross_compiler:
+                import tvm
+                executable.export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(target.cross_compiler))
+            else:
+                executable.export_library(str(lib))
         files = ["lib.so", "params.bin"]
         if tokenizer is not None:
             shutil.copyfile(tokenizer, art / "tokenizer.json")
@@ -70,6 +78,7 @@ def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_
             "params": index,
             "files": {f: sha256(art / f) for f in files},
         }
+        check_manifest(manifest, where=f"the manifest qwc wrote for {out}")   # the reader's schema
         (art / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
         replace_dir(art, out, foreign_files)
 
@@ -77,6 +86,8 @@ def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_
 def foreign_files(folder: Path) -> str | None:
     """What in an existing `folder` is not an artifact qwc wrote (None: nothing): qwc replaces
     an artifact whose manifest lists every file in it, and nothing else (qwc.atomic)."""
+    if not folder.exists():
+        return None
     try:
         files = json.loads((folder / "manifest.json").read_text())["files"]
         if not isinstance(files, dict):

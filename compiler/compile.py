@@ -56,11 +56,12 @@ def quant_summary(model: onnx.ModelProto) -> dict:
 def load_canonical(src, config, options=None) -> onnx.ModelProto:
     """The canonical graph of `src`: checked as it is, or made by running the passes."""
     from qwc.passes.options import PassOptions
-    from qwc.passes.pipeline import check_canonical, check_ops_known, load_graph, optimize
+    from qwc.passes.pipeline import check_canonical, check_float32, check_ops_known, load_graph, optimize
 
     with progress.stage(f"loading {src}"):
         model = load_graph(src)
     check_ops_known(model)
+    check_float32(model)
     if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
         check_canonical(model)
         return model
@@ -72,17 +73,18 @@ def load_canonical(src, config, options=None) -> onnx.ModelProto:
 
 def compile_file(src, target_name: str, out, options=None, act_bits: int | None = None, tuning_db=None) -> dict:
     """`act_bits` None: the target's default (frontend.default_act_bits)."""
+    target = get_target(target_name)
+    if act_bits not in (None, 8, 32):
+        raise QwcError(f"--act-bits {act_bits} is not supported (8 or 32)")
+    check_destination(out, folder=True, foreign=foreign_files)
+    config = load_for_graph(src)   # cheap checks first: TVM takes seconds to import
     from .artifact import write_artifact
     from .build import build, to_relax
     from .frontend import default_act_bits
     from .kernels.attention import KEY_TILE, supports
 
-    target = get_target(target_name)
     if act_bits is None:
         act_bits = default_act_bits(target.features)
-    if act_bits not in (8, 32):
-        raise QwcError(f"--act-bits {act_bits} is not supported (8 or 32)")
-    check_destination(out, folder=True, foreign=foreign_files)
     tuned = {}
     if tuning_db is not None:
         from .tuning import tuned_knobs
@@ -90,7 +92,6 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
         tuned = {k: v for k, v in tuned_knobs(Path(tuning_db), target).items() if k.startswith(family)}
         progress.info(f"[qwc] tuning database {tuning_db}: {len(tuned)} of this artifact's kernels "
                       f"(--act-bits {act_bits}) tuned faster than the hand schedule")
-    config = load_for_graph(src)
     times = {}
     t0 = time.perf_counter()
     model = load_canonical(src, config, options)

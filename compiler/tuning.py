@@ -34,6 +34,7 @@ import onnx
 from onnx import helper
 
 from qwc import progress
+from qwc.atomic import check_destination
 from qwc.errors import QwcError
 
 from .targets import Target
@@ -201,23 +202,34 @@ class Session:
         self.rpc = rpc
         self.summary_path = self.db / SUMMARY
         self._pools = None
-        try:
-            self.db.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise QwcError(f"cannot use {self.db} as a tuning database: {e.strerror}") from None
+        if self.db.is_dir() and not self.summary_path.is_file() and any(self.db.iterdir()):
+            # tune writes its records into the folder: never into one that holds a user's files
+            raise QwcError(f"cannot use {self.db} as a tuning database: it holds files and no {SUMMARY} "
+                           "(choose a new or empty folder)")
+        check_destination(self.db, folder=True)   # created by the first save, not before the work
         self.records: dict[str, TaskRecord] = {}
         if self.summary_path.is_file():
             try:
                 raw = json.loads(self.summary_path.read_text())
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise QwcError(f"{self.summary_path}: corrupt ({e})") from None
-            if raw.get("format") != FORMAT:
+            if not isinstance(raw, dict) or raw.get("format") != FORMAT:
                 raise QwcError(f"{self.summary_path}: unknown format {raw.get('format')}")
             if raw.get("target") != target.name:
                 raise QwcError(f"{self.db} holds tuning for target {raw.get('target')}, not {target.name}")
-            self.records = {k: TaskRecord(**v) for k, v in raw["tasks"].items()}
+            try:
+                self.records = {k: TaskRecord(**v) for k, v in raw["tasks"].items()}
+            except (KeyError, TypeError, AttributeError):
+                raise QwcError(f"{self.summary_path}: corrupt (its tasks are not tuning records)") from None
+
+    def _mkdir(self) -> None:
+        try:
+            self.db.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise QwcError(f"cannot use {self.db} as a tuning database: {e.strerror}") from None
 
     def save(self) -> None:
+        self._mkdir()
         tmp = self.summary_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({"format": FORMAT, "target": self.target.name,
                                    "tasks": {k: asdict(v) for k, v in self.records.items()}}, indent=1))
@@ -268,6 +280,7 @@ class Session:
         from tvm.s_tir import meta_schedule as ms
 
         rec = self.records.setdefault(task.key, TaskRecord())
+        self._mkdir()
         database = ms.database.JSONDatabase(path_workload=str(self.db / "database_workload.json"),
                                             path_tuning_record=str(self.db / "database_tuning_record.json"),
                                             module_equality="structural")
@@ -342,12 +355,12 @@ def run(src, target: Target, trials: int, db: Path, rpc: tuple[str, int, str] | 
     if trials < 1:
         raise QwcError("--trials must be at least 1")
     act_bits = default_act_bits(target.features) if act_bits is None else act_bits
+    session = Session(db, target, rpc)   # checks the folder before the passes run
     model = load_canonical(src, load_for_graph(src))
     tasks = extract_tasks(model, act_bits, target.features)
     if not tasks:
         raise QwcError(f"{src}: no tunable kernels for --act-bits {act_bits} on {target.name} "
                        "(no 4-bit, block-32 MatMulNBits)")
-    session = Session(db, target, rpc)
     deadline = None if time_budget_min is None else time.monotonic() + 60 * time_budget_min
     finished = sum(1 for t in tasks if session.records.get(t.key, TaskRecord()).done)
     if finished:

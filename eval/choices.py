@@ -73,8 +73,25 @@ def build_items(text: str, n: int = 200, options: int = 4, context_sentences: in
 def write_items(items: list[dict], path: Path) -> None:
     from qwc.atomic import staging_dir
 
+    from qwc.atomic import check_replaceable
+
     path = Path(path)
-    with staging_dir(path) as tmp:
+    with staging_dir(path, foreign=foreign_items) as tmp:
         f = tmp / path.name
         f.write_text("".join(json.dumps(it, ensure_ascii=False) + "\n" for it in items), encoding="utf-8")
+        check_replaceable(path, foreign_items)
         f.replace(path)
+
+
+def foreign_items(path: Path) -> str | None:
+    """None if `path` is absent or a multiple-choice set (what this module writes), which may
+    be replaced; anything else is a user's file (qwc.atomic)."""
+    from .metrics import read_choices
+
+    if not Path(path).exists():
+        return None
+    try:
+        read_choices(path)
+    except QwcError:
+        return "it exists and is not a multiple-choice set qwc wrote"
+    return None

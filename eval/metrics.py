@@ -100,14 +100,16 @@ def read_choices(path: Path) -> list[dict]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise QwcError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise QwcError(f"{path}: not UTF-8 text (byte {e.start})") from None
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             it = json.loads(line)
-            ok = (isinstance(it["context"], str) and isinstance(it["options"], list) and len(it["options"]) >= 2
+            ok = (isinstance(it["context"], str) and it["context"].strip() and isinstance(it["options"], list) and len(it["options"]) >= 2
                   and all(isinstance(o, str) and o for o in it["options"])
-                  and isinstance(it["answer"], int) and 0 <= it["answer"] < len(it["options"]))
+                  and type(it["answer"]) is int and 0 <= it["answer"] < len(it["options"]))
         except (json.JSONDecodeError, KeyError, TypeError):
             ok = False
         if not ok:

@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicCache
 
 from qwc import progress
 from qwc.atomic import publish, staging_dir
-from qwc.config import sidecar_paths
+from qwc.config import foreign_graph_files, sidecar_paths
 from qwc.errors import QwcError
 
 from .qwen2 import LoadedModel
@@ -114,7 +114,7 @@ def export_onnx(lm: LoadedModel, out: Path, dynamo: bool = True) -> Path:
     cfg_path, tok_path = sidecar_paths(out)
     param_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     external = param_bytes > EXTERNAL_DATA_THRESHOLD
-    with staging_dir(out) as tmp:
+    with staging_dir(out, foreign=foreign_graph_files) as tmp:
         staged = tmp / out.name
         how = "torch.export" if dynamo else "the TorchScript exporter"
         with progress.stage(f"tracing the model with {how} and writing {out.name} "
@@ -134,7 +134,7 @@ def export_onnx(lm: LoadedModel, out: Path, dynamo: bool = True) -> Path:
         moves = [(tmp / cfg_path.name, cfg_path), (tmp / tok_path.name, tok_path)]
         if (tmp / (out.name + ".data")).exists():
             moves.append((tmp / (out.name + ".data"), out.with_name(out.name + ".data")))
-        publish(moves + [(staged, out)])
+        publish(moves + [(staged, out)], foreign=foreign_graph_files)
     return out
 
 

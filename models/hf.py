@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from transformers import Qwen2Config
 
 from qwc import progress
+from qwc.config import ModelConfig
 from qwc.errors import QwcError
 
 from .qwen2 import LoadedModel, build_model, load_state, model_config_from_hf
@@ -19,9 +20,12 @@ from .qwen2 import LoadedModel, build_model, load_state, model_config_from_hf
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise QwcError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise QwcError(f"{path}: not a JSON object")
+    return d
 
 
 def load_hf_dir(path: Path) -> LoadedModel:
@@ -33,7 +37,11 @@ def load_hf_dir(path: Path) -> LoadedModel:
     if raw.get("model_type") != "qwen2":
         raise QwcError(f"{path}: unsupported architecture {raw.get('model_type')!r} "
                        "(qwc compiles Qwen2 models)")
-    hf = Qwen2Config.from_dict(raw)
+    ModelConfig.from_hf_dict(raw, name=path.name, source=str(cfg_path))   # types and ranges first
+    try:
+        hf = Qwen2Config.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise QwcError(f"{cfg_path}: transformers rejects it ({str(e).splitlines()[0]})") from None
     gen_path = path / "generation_config.json"
     if gen_path.is_file():
         gen_eos = _read_json(gen_path).get("eos_token_id")

@@ -17,11 +17,11 @@ the same data as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +34,7 @@ from torch import nn
 from qwc import progress
 from qwc.atomic import check_destination, replace_dir, staging_dir
 from qwc.errors import QwcError
+from qwc.eval.data import read_text
 
 from .qwen2 import LoadedModel
 
@@ -132,8 +133,12 @@ class QatSettings:
             raise QwcError(f"--group-size {self.group_size}: only 32 (Q4_0) is supported")
         if self.seq_len < 2 or self.batch < 1:
             raise QwcError("--seq-len must be at least 2 and --batch at least 1")
-        if not self.lr > 0:
-            raise QwcError("--lr must be positive")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise QwcError(f"--lr {self.lr}: must be a positive finite number")
+        if self.save_every < 1:
+            raise QwcError(f"--save-every {self.save_every}: must be at least 1")
+        if self.fake_quant_after is not None and not 0 <= self.fake_quant_after <= self.steps:
+            raise QwcError(f"--fake-quant-after {self.fake_quant_after}: must be between 0 and --steps")
 
     @property
     def fq_start(self) -> int:
@@ -162,12 +167,9 @@ def train(lm: LoadedModel, source: str, data_path: Path, settings: QatSettings, 
     settings.validate()
     out_dir = Path(out_dir)
     check_destination(out_dir, folder=True, foreign=foreign_files)
-    try:
-        raw = Path(data_path).read_bytes()
-    except OSError as e:
-        raise QwcError(f"{data_path}: {e.strerror}") from None
-    tokens = np.asarray(lm.tokenizer.encode(raw.decode("utf-8", errors="replace"), add_special_tokens=False).ids,
-                        np.int64)
+    text = read_text(data_path)
+    raw = text.encode("utf-8")
+    tokens = np.asarray(lm.tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
     if len(tokens) < settings.seq_len + 2:
         raise QwcError(f"{data_path}: {len(tokens)} tokens, fewer than one sequence of {settings.seq_len}")
     if threads:
@@ -181,6 +183,9 @@ def train(lm: LoadedModel, source: str, data_path: Path, settings: QatSettings, 
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
 
     ckpt_dir = out_dir.with_name(out_dir.name + ".ckpt")
+    if ckpt_dir.exists() and (not ckpt_dir.is_dir() or any(p.name not in CKPT_FILES for p in ckpt_dir.iterdir())):
+        raise QwcError(f"cannot use {ckpt_dir} for checkpoints: it holds files qwc qat did not write "
+                       "(remove it or choose another output)")
     fingerprint = _fingerprint(source, raw, settings)
     step, losses = 0, []
     state_file = ckpt_dir / "state.pt"
@@ -233,17 +238,23 @@ def train(lm: LoadedModel, source: str, data_path: Path, settings: QatSettings, 
     model.config._attn_implementation = "eager"
     _save_hf(lm, out_dir, {"source": str(source), "data": str(data_path), "settings": asdict(settings),
                            "final_loss": float(np.mean(losses[-10:])), "losses": losses})
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    for name in CKPT_FILES:   # only what save_checkpoint wrote: never a user's file
+        (ckpt_dir / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        ckpt_dir.rmdir()
     return {"steps": settings.steps, "trained_steps": settings.steps - first, "seconds": elapsed,
             "first_loss": losses[0], "final_loss": float(np.mean(losses[-10:]))}
 
 
 QAT_MARKER = "qwc_qat.json"
+CKPT_FILES = ("state.pt", "state.pt.tmp")
 
 
 def foreign_files(folder: Path) -> str | None:
     """What in an existing `folder` is not a QAT output qwc wrote (None: nothing): its marker
     (QAT_MARKER) and the Hugging Face files _save_hf writes, nothing else (qwc.atomic)."""
+    if not folder.exists():
+        return None
     if not (folder / QAT_MARKER).is_file():
         return f"it is not a folder qwc qat wrote (no {QAT_MARKER})"
     ours = {"config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja", QAT_MARKER}

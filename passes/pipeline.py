@@ -52,6 +52,7 @@ def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
     options.validate()
     schemas.register()
     check_ops_known(model)
+    check_float32(model)
     for name, fn in PASSES:
         t0 = time.perf_counter()
         model = fn(model, options)
@@ -61,9 +62,11 @@ def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
         # A fresh copy releases the memory of every weight the passes replaced: protobuf
         # frees removed messages only with the message that owned them.
         model = onnx.load_from_string(model.SerializeToString())
-        onnx.checker.check_model(model)
-    else:
-        onnx.checker.check_model(_structure(model))
+    try:
+        onnx.checker.check_model(model if model.ByteSize() < 2**31 - 2**26 else _structure(model))
+    except onnx.checker.ValidationError as e:
+        raise QwcError(f"the rewritten graph is not valid ONNX ({str(e).strip().splitlines()[0]}); "
+                       "is the input an exported Qwen2 graph?") from None
     return model
 
 
@@ -85,6 +88,33 @@ def check_ops_known(model: onnx.ModelProto) -> None:
         if n.domain == "com.microsoft" and n.op_type in ms:
             continue
         raise QwcError(f"{node_label(n)}: unsupported custom op")
+
+
+_FLOAT_KINDS = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
+                onnx.TensorProto.DOUBLE: "float64"}
+
+
+def check_float32(model: onnx.ModelProto) -> None:
+    """qwc's passes and kernels are float32 (with int4/int8 weights and float16 or float32 block
+    scales): a graph in another float type (e.g. an fp16 export) is refused by name rather than
+    failing later inside TVM."""
+    g = model.graph
+    # Block scales of the quantized ops may be float16 (the kernels read either)
+    scales = {n.input[2] for n in g.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized") and len(n.input) > 2}
+    tensors = [("initializer", t.name, t.data_type) for t in g.initializer if t.name not in scales]
+    tensors += [(kind, v.name, v.type.tensor_type.elem_type)
+                for kind, vs in (("input", g.input), ("output", g.output)) for v in vs]
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                tensors.append(("constant", n.name or n.output[0], a.t.data_type))
+        if n.op_type == "Cast":
+            to = next((a.i for a in n.attribute if a.name == "to"), None)
+            tensors.append(("Cast to", n.name or n.output[0], to))
+    for kind, name, dtype in tensors:
+        if dtype in _FLOAT_KINDS:
+            raise QwcError(f"{kind} {name} is {_FLOAT_KINDS[dtype]}: qwc takes float32 graphs "
+                           "(export the model in float32)")
 
 
 def check_canonical(model: onnx.ModelProto) -> None:
@@ -124,11 +154,14 @@ def load_graph(path) -> onnx.ModelProto:
     if not path.is_file():
         raise QwcError(f"{path}: no such file")
     try:
-        return onnx.load(str(path))
+        model = onnx.load(str(path))
     except DecodeError:
         raise QwcError(f"{path}: not a valid ONNX model (protobuf decode failed)") from None
     except (OSError, ValueError, onnx.checker.ValidationError) as e:
         raise QwcError(f"{path}: cannot load ONNX model ({str(e).splitlines()[0]})") from None
+    if not model.graph.node:
+        raise QwcError(f"{path}: the graph has no nodes (an empty or non-ONNX file?)")
+    return model
 
 
 def save_graph(model: onnx.ModelProto, out, config, tokenizer_src) -> None:
@@ -137,12 +170,12 @@ def save_graph(model: onnx.ModelProto, out, config, tokenizer_src) -> None:
     from pathlib import Path
 
     from qwc.atomic import publish, staging_dir
-    from qwc.config import sidecar_paths
+    from qwc.config import foreign_graph_files, sidecar_paths
 
     out = Path(out)
     cfg_path, tok_path = sidecar_paths(out)
     external = param_bytes(model) > EXTERNAL_DATA_THRESHOLD
-    with staging_dir(out) as tmp:
+    with staging_dir(out, foreign=foreign_graph_files) as tmp:
         staged = tmp / out.name
         onnx.save(model, str(staged), save_as_external_data=external,
                   location=out.name + ".data" if external else None)
@@ -153,18 +186,18 @@ def save_graph(model: onnx.ModelProto, out, config, tokenizer_src) -> None:
             moves.append((tmp / tok_path.name, tok_path))
         if external:
             moves.append((tmp / (out.name + ".data"), out.with_name(out.name + ".data")))
-        publish(moves + [(staged, out)])
+        publish(moves + [(staged, out)], foreign=foreign_graph_files)
 
 
 def optimize_file(src, out, options: PassOptions, verify: bool = False) -> dict:
     """`qwc optimize`: load, run the pipeline, optionally verify against the input with
     onnxruntime, write. Returns the numbers the CLI prints."""
     from qwc.atomic import check_destination
-    from qwc.config import load_for_graph, tokenizer_for_graph
+    from qwc.config import foreign_graph_files, load_for_graph, tokenizer_for_graph
 
     from .verify import compare, random_steps
 
-    check_destination(out)
+    check_destination(out, foreign=foreign_graph_files)
     config = load_for_graph(src)
     options.config = config
     with progress.stage(f"loading {src}"):

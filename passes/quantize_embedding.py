@@ -20,7 +20,7 @@ from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 
 from .graph import MS_DOMAIN, Graph, ensure_ms_opset
 from .options import PassOptions
-from .quantize_linears import emit_matmul_nbits
+from .quantize_linears import check_quantizable, emit_matmul_nbits
 
 EMBED_BLOCK = 32  # llama.cpp's block for Q4_0 and Q8_0 alike
 
@@ -36,6 +36,7 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
         if e is None or e.ndim != 2 or e.shape[1] % EMBED_BLOCK:
             continue
         vocab, hidden = e.shape
+        check_quantizable(e, "the embedding")
         if bits == 4:
             q, d = quantize_q4_0(e, EMBED_BLOCK)
             data = pack_nibbles(q)

@@ -14,6 +14,7 @@ import fnmatch
 import numpy as np
 import onnx
 
+from qwc.errors import QwcError
 from qwc.q4 import pack_nibbles, quantize_q4_0
 
 from .graph import MS_DOMAIN, Graph, ensure_ms_opset
@@ -45,6 +46,7 @@ def emit_matmul_nbits(g: Graph, n: onnx.NodeProto, w_nk: np.ndarray, block: int,
     Add that follows it. `packed`/`scales` reuse already-quantized initializers."""
     nn, k = w_nk.shape
     if packed is None:
+        check_quantizable(w_nk, name)
         q, d = quantize_q4_0(w_nk, block)
         packed = g.add_init(pack_nibbles(q), f"{name}.qweight")
         scales = g.add_init(d, f"{name}.scales")
@@ -61,3 +63,16 @@ def emit_matmul_nbits(g: Graph, n: onnx.NodeProto, w_nk: np.ndarray, block: int,
     g.remove_node(n)
     g.node("MatMulNBits", inputs, [out], name=g.fresh(name + ".MatMulNBits"), domain=MS_DOMAIN,
            K=k, N=nn, bits=bits, block_size=block)
+
+
+F16_MAX_SCALE = 65504.0   # Q4_0's block scale is a float16
+
+
+def check_quantizable(w: np.ndarray, name: str) -> None:
+    """Weights Q4_0 can hold: finite, and small enough that a block's scale (max |w| / 8) is a
+    finite float16. A corrupt or diverged checkpoint stops here, by name."""
+    if not np.isfinite(w).all():
+        raise QwcError(f"{name}: the weights hold NaN or infinite values")
+    big = float(np.abs(w).max(initial=0.0))
+    if big / 8 > F16_MAX_SCALE:
+        raise QwcError(f"{name}: a weight of magnitude {big:.3g} is beyond Q4_0's float16 scales")

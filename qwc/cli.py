@@ -3,22 +3,80 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
+import os
 import sys
 import time
 
-from . import __version__, progress
+from . import __version__, interrupts, progress
 from .atomic import check_destination
 from .errors import QwcError
+from .limits import max_threads
+
+
+# -- option types: a bad value is one line `qwc: error: argument --x: ...`, exit 2 ----------
+
+def _int_at_least(lo: int, what: str = ""):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v} must be at least {lo}{what}")
+        return v
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo) or (hi_open and v == hi):
+            lb, hb = "(" if lo_open else "[", ")" if hi_open else "]"
+            raise argparse.ArgumentTypeError(f"{text} is not in {lb}{lo:g}, {hi:g}{hb}")
+        return v
+    return parse
+
+
+def _threads(text: str) -> int:
+    v = _int_at_least(1)(text)
+    cap = max_threads()
+    if v > cap:
+        raise argparse.ArgumentTypeError(f"{v} is more than {cap} (4 per CPU this process may use, at least 8)")
+    return v
+
+
+def _seed(text: str) -> int:
+    v = _int_at_least(-1)(text)
+    if v >= 2**63:
+        raise argparse.ArgumentTypeError(f"{v} does not fit 64 bits")
+    return v
+
+
+_count = _int_at_least(0)
+_positive = _int_at_least(1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in the one-line form every other qwc error has."""
+
+    def error(self, message: str):
+        self.exit(2, f"qwc: error: {message} (see {self.prog} --help)\n")
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
     from qwc.models.export import export_onnx
     from qwc.models.load import load_source
 
+    from qwc.config import foreign_graph_files
     from qwc.eval.data import resolve_model
 
-    check_destination(args.output)
+    check_destination(args.output, foreign=foreign_graph_files)
     t0 = time.perf_counter()
     lm = load_source(resolve_model(args.source))
     out = export_onnx(lm, args.output, dynamo=not args.legacy_exporter)
@@ -40,7 +98,7 @@ def _cmd_data(args: argparse.Namespace) -> None:
 
     if not args.output:
         raise QwcError("qwc data choices needs -o FILE.jsonl")
-    text = data.resolve_text(args.text).read_text(encoding="utf-8")
+    text = data.read_text(data.resolve_text(args.text))
     items = build_items(text, n=args.items, options=args.options, seed=args.seed)
     write_items(items, args.output)
     progress.info(f"[qwc] wrote {len(items)} items of {args.options} options to {args.output}")
@@ -67,7 +125,7 @@ def _cmd_qat(args: argparse.Namespace) -> None:
 def _cmd_eval(args: argparse.Namespace) -> None:
     import os
 
-    from qwc.eval.data import resolve_model, resolve_text
+    from qwc.eval.data import read_text, resolve_model, resolve_text
 
     if args.ppl is None and args.choices is None:
         raise QwcError("give --ppl TEXT_FILE and/or --choices FILE.jsonl")
@@ -78,7 +136,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     from qwc.eval.metrics import as_dict, multiple_choice, perplexity, read_choices
     from qwc.eval.scorers import open_scorer
 
-    text = resolve_text(args.ppl).read_text(encoding="utf-8") if args.ppl else None
+    text = read_text(resolve_text(args.ppl)) if args.ppl else None
     items = read_choices(args.choices) if args.choices else None
     scorer = open_scorer(resolve_model(args.model), threads=args.threads, ctx=max(args.ctx, 2048))
     out = {"model": args.model, "backend": scorer.backend}
@@ -166,12 +224,14 @@ def _cmd_run(args: argparse.Namespace) -> None:
 
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        repetition_penalty=args.repetition_penalty, seed=args.seed)
+                        repetition_penalty=args.repetition_penalty,
+                        seed=None if args.seed == -1 else args.seed)   # -1: random, as llama.cpp
     if args.chat:
         _chat(eng, sp, args.max_new_tokens)
         return
     if args.prompt is None:
         raise QwcError("give --prompt TEXT (or --chat)")
+    _check_utf8(args.prompt, "--prompt")
     t0 = time.perf_counter()
     n = 0
     sys.stdout.write(args.prompt)
@@ -191,6 +251,8 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     from qwc.runtime.bench import run_bench
     from qwc.runtime.engine import Engine
 
+    if not args.n_prompt and not args.n_gen:
+        raise QwcError("nothing to measure: -p and -n are both 0")
     ctx = max(args.ctx, args.n_prompt, args.n_gen, 16)
     eng = Engine(args.model, ctx=ctx, threads=args.threads)
     rows = run_bench(eng, args.n_prompt, args.n_gen, reps=args.repetitions)
@@ -208,12 +270,24 @@ def _cmd_bench(args: argparse.Namespace) -> None:
               f" | {eng.threads:7d} | {r['test']:>6s} | {r['tps']:9.2f} ± {r['std']:5.2f} |")
 
 
+def _check_utf8(text: str, what: str) -> None:
+    """Bytes that are not UTF-8 reach Python as lone surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise QwcError(f"{what} is not valid UTF-8 text") from None
+
+
 def _chat(eng, sp, max_new_tokens: int) -> None:
     template = eng.model.get("chat_template")
     if not template:
         raise QwcError("this model has no chat template; use --prompt")
-    from jinja2 import Template
+    import jinja2
 
+    try:
+        template = jinja2.Template(template)
+    except jinja2.TemplateError as e:
+        raise QwcError(f"the model's chat template does not parse ({e})") from None
     messages = []
     while True:
         try:
@@ -221,10 +295,16 @@ def _chat(eng, sp, max_new_tokens: int) -> None:
         except EOFError:
             print()
             return
+        except UnicodeDecodeError:
+            raise QwcError("stdin is not valid UTF-8 text") from None
+        _check_utf8(line, "stdin")
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        prompt = Template(template).render(messages=messages, add_generation_prompt=True)
+        try:
+            prompt = template.render(messages=messages, add_generation_prompt=True)
+        except jinja2.TemplateError as e:
+            raise QwcError(f"the model's chat template fails ({e})") from None
         eng.reset()
         reply = ""
         for piece in eng.generate(prompt, max_new_tokens=max_new_tokens, sampling=sp):
@@ -236,7 +316,7 @@ def _chat(eng, sp, max_new_tokens: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwc", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = _Parser(prog="qwc", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--version", action="version", version=f"qwc {__version__}")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -290,11 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "record in DIR. Rerunning the same command resumes. See docs/tuning.md.")
     t.add_argument("model", help=".onnx graph (exported or canonical) with its .config.json beside it")
     t.add_argument("--target", default="host", help="target name, as for compile (default: host)")
-    t.add_argument("--trials", type=int, default=16, help="measured candidates per kernel (default 16)")
+    t.add_argument("--trials", type=_positive, default=16, help="measured candidates per kernel (default 16)")
     t.add_argument("--db", required=True, metavar="DIR", help="tuning database folder (created; resumed)")
     t.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on devices of a TVM RPC tracker")
     t.add_argument("--rpc-key", help="the tracker key of the devices to measure on")
-    t.add_argument("--time-budget", type=float, metavar="MIN", help="stop starting new kernels after MIN minutes")
+    t.add_argument("--time-budget", type=_float_in(0, 1e6, lo_open=True), metavar="MIN", help="stop starting new kernels after MIN minutes")
     t.add_argument("--act-bits", type=int, choices=(8, 32),
                    help="tune the kernels of an artifact with these activation bits (default: the "
                         "target's, as for compile)")
@@ -304,23 +384,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("model", help="model.qwc artifact folder")
     r.add_argument("--prompt", help="text to continue")
     r.add_argument("--chat", action="store_true", help="interactive chat with the model's chat template")
-    r.add_argument("--max-new-tokens", type=int, default=32)
-    r.add_argument("--ctx", type=int, default=512, help="KV-cache size in tokens (default 512)")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    r.add_argument("--top-k", type=int, default=0)
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--repetition-penalty", type=float, default=1.0)
-    r.add_argument("--seed", type=int, default=None)
-    r.add_argument("--threads", type=int, default=None, help="worker threads (default: TVM's choice)")
+    r.add_argument("--max-new-tokens", type=_count, default=32)
+    r.add_argument("--ctx", type=_positive, default=512, help="KV-cache size in tokens (default 512)")
+    r.add_argument("--temperature", type=_float_in(0, 1e4), default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-k", type=_count, default=0, help="0 = off (default)")
+    r.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0, help="1 = off (default)")
+    r.add_argument("--repetition-penalty", type=_float_in(0, 1e4, lo_open=True), default=1.0, help="1 = off (default)")
+    r.add_argument("--seed", type=_seed, default=None, help="sampling seed (-1 or none: random)")
+    r.add_argument("--threads", type=_threads, default=None, help="worker threads (default: every usable CPU)")
     r.set_defaults(func=_cmd_run)
 
     b = sub.add_parser("bench", help="prompt-processing and generation speed of an artifact (llama-bench style)")
     b.add_argument("model", help="model.qwc artifact folder")
-    b.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (0: skip)")
-    b.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (0: skip)")
-    b.add_argument("-r", "--repetitions", type=int, default=3)
-    b.add_argument("--ctx", type=int, default=0, help="KV-cache size (default: what the tests need)")
-    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("-p", "--n-prompt", type=_count, default=512, help="prompt tokens for the pp test (0: skip)")
+    b.add_argument("-n", "--n-gen", type=_count, default=128, help="generated tokens for the tg test (0: skip)")
+    b.add_argument("-r", "--repetitions", type=_positive, default=3)
+    b.add_argument("--ctx", type=_count, default=0, help="KV-cache size (default: what the tests need)")
+    b.add_argument("--threads", type=_threads, default=None)
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
     b.set_defaults(func=_cmd_bench)
 
@@ -331,9 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("action", choices=("fetch", "choices"))
     d.add_argument("--text", default="austen:persuasion",
                    help="choices: source text, a file or austen:<novel> (default austen:persuasion)")
-    d.add_argument("--items", type=int, default=200, help="choices: number of items (default 200)")
-    d.add_argument("--options", type=int, default=4, help="choices: options per item (default 4)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--items", type=_positive, default=200, help="choices: number of items (default 200)")
+    d.add_argument("--options", type=_int_at_least(2), default=4, help="choices: options per item (default 4)")
+    d.add_argument("--seed", type=_count, default=0)
     d.add_argument("-o", "--output", help="choices: output .jsonl")
     d.set_defaults(func=_cmd_data)
 
@@ -354,8 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--fake-quant-after", type=int, default=None,
                    help="float warm-up steps before fake quantization starts (default: 10%% of --steps)")
     q.add_argument("--save-every", type=int, default=50, help="checkpoint interval in steps")
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--threads", type=int, default=None)
+    q.add_argument("--seed", type=_count, default=0)
+    q.add_argument("--threads", type=_threads, default=None)
     q.add_argument("-o", "--output", required=True, help="output HF directory")
     q.set_defaults(func=_cmd_qat)
 
@@ -365,11 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "follows llama.cpp: non-overlapping chunks, second half scored, no BOS.")
     v.add_argument("model")
     v.add_argument("--ppl", metavar="TEXT_FILE", help="text to score: a file or austen:<novel>")
-    v.add_argument("--ctx", type=int, default=512, help="chunk length in tokens (default 512)")
-    v.add_argument("--chunks", type=int, default=None, help="score only the first N chunks")
+    v.add_argument("--ctx", type=_int_at_least(4), default=512, help="chunk length in tokens (default 512)")
+    v.add_argument("--chunks", type=_positive, default=None, help="score only the first N chunks")
     v.add_argument("--choices", metavar="FILE.jsonl", help="multiple-choice items (see `qwc data choices`)")
-    v.add_argument("--items", type=int, default=None, help="score only the first N items")
-    v.add_argument("--threads", type=int, default=None)
+    v.add_argument("--items", type=_positive, default=None, help="score only the first N items")
+    v.add_argument("--threads", type=_threads, default=None)
     v.add_argument("--json", action="store_true", help="print the results as JSON")
     v.set_defaults(func=_cmd_eval)
     return p
@@ -378,15 +458,47 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     progress.set_quiet(args.quiet)
+    interrupts.install()
     try:
         args.func(args)
     except QwcError as e:
         print(f"qwc: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("qwc: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(argv)
+    except BrokenPipeError:
+        # The reader went away (`qwc run ... | head`): stop quietly, as programs killed by SIGPIPE do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:
+        if interrupts.seen():
+            return _interrupted(argv)
+        target = e.filename or getattr(args, "output", None)
+        where = f"cannot write {target}: " if e.errno in (errno.ENOSPC, errno.EDQUOT) and target else \
+            (f"{e.filename}: " if e.filename else "")
+        what = "no space left on the device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        print(f"qwc: error: {where}{what}", file=sys.stderr)
+        return 2
+    except Exception:
+        # Ctrl-C inside a TVM pass comes back as TVM's own error type, not KeyboardInterrupt.
+        if interrupts.seen():
+            return _interrupted(argv)
+        raise
+    finally:
+        if argv is None:   # as a program: a Ctrl-C now would only kill the interpreter's exit
+            interrupts.ignore()
     return 0
+
+
+def _interrupted(argv) -> int:
+    print("qwc: interrupted", file=sys.stderr)
+    if argv is None and "tvm" in sys.modules:
+        # As a program: end now. TVM's objects left mid-pass log warnings from their C++
+        # destructors at exit, after the one line. Outputs are already cleaned up.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    return 130
 
 
 if __name__ == "__main__":

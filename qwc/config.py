@@ -36,18 +36,46 @@ class ModelConfig:
     source: str = ""
 
     def validate(self) -> None:
+        """Types and ranges, so an impossible config (a hand-edited config.json or manifest) is
+        one line here rather than a shape error deep in a later stage."""
+        def integer(name, lo=1):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise QwcError(f"{self.name}: {name} {v!r} must be an integer >= {lo}")
+        def positive(name):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
+                raise QwcError(f"{self.name}: {name} {v!r} must be a positive finite number")
+        if not isinstance(self.name, str):
+            raise QwcError(f"model name {self.name!r} must be a string")
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            integer(f)
+        positive("rope_theta")
+        positive("rms_norm_eps")
         if self.num_attention_heads % self.num_key_value_heads:
             raise QwcError(
                 f"{self.name}: {self.num_attention_heads} attention heads is not a multiple "
                 f"of {self.num_key_value_heads} KV heads")
         if self.head_dim % 2:
             raise QwcError(f"{self.name}: head_dim {self.head_dim} must be even for rotary")
+        specials = ([] if self.bos_token_id is None else [self.bos_token_id]) + (
+            self.eos_token_ids if isinstance(self.eos_token_ids, list) else [self.eos_token_ids])
+        for t in specials:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise QwcError(f"{self.name}: special token id {t!r} is not in the vocabulary [0, {self.vocab_size})")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise QwcError(f"{self.name}: tie_word_embeddings {self.tie_word_embeddings!r} must be true or false")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise QwcError(f"{self.name}: chat_template must be a string")
 
     def to_json(self) -> str:
         return json.dumps({"qwc_config_format": CONFIG_FORMAT, **dataclasses.asdict(self)}, indent=2)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise QwcError("model config is not a JSON object")
         fmt = d.get("qwc_config_format")
         if fmt != CONFIG_FORMAT:
             raise QwcError(f"model config format {fmt!r} is not supported (expected {CONFIG_FORMAT})")
@@ -57,22 +85,28 @@ class ModelConfig:
                    and f.default_factory is dataclasses.MISSING]
         if missing:
             raise QwcError(f"model config lacks {', '.join(missing)}")
-        return cls(**{k: v for k, v in d.items() if k in names})
+        cfg = cls(**{k: v for k, v in d.items() if k in names})
+        cfg.validate()
+        return cfg
 
     @classmethod
     def from_hf_dict(cls, d: dict, name: str, source: str) -> "ModelConfig":
         """From a Hugging Face Qwen2 config.json (either transformers 4 or 5 spelling)."""
+        if not isinstance(d, dict):
+            raise QwcError(f"{source}: not a JSON object")
         if d.get("model_type") != "qwen2":
             raise QwcError(f"{source}: unsupported architecture {d.get('model_type')!r} "
                            "(qwc compiles Qwen2 models)")
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise QwcError(f"{source}: rope parameters {rope!r} are not a JSON object")
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise QwcError(f"{source}: unsupported rope scaling {rope.get('rope_type', rope.get('type'))!r}")
         if d.get("use_sliding_window"):
             raise QwcError(f"{source}: sliding-window attention is not supported")
         eos = d.get("eos_token_id")
-        heads = d["num_attention_heads"]
         try:
+            heads = d["num_attention_heads"]
             cfg = cls(
                 name=name,
                 vocab_size=d["vocab_size"],
@@ -92,6 +126,8 @@ class ModelConfig:
             )
         except KeyError as e:
             raise QwcError(f"{source}: config lacks {e.args[0]}") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise QwcError(f"{source}: impossible config values ({e})") from None
         cfg.validate()
         return cfg
 
@@ -104,7 +140,7 @@ class ModelConfig:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except FileNotFoundError:
             raise QwcError(f"model config {path} not found") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise QwcError(f"model config {path} is not valid JSON: {e}") from None
 
 
@@ -118,7 +154,7 @@ def load_for_graph(onnx_path: Path) -> ModelConfig:
     if hf.is_file():
         try:
             d = json.loads(hf.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise QwcError(f"{hf} is not valid JSON: {e}") from None
         return ModelConfig.from_hf_dict(d, name=Path(onnx_path).stem, source=str(hf))
     raise QwcError(f"no model config for {onnx_path}: expected {own.name} or config.json beside it")
@@ -138,3 +174,20 @@ def sidecar_paths(onnx_path: Path) -> tuple[Path, Path]:
     onnx_path = Path(onnx_path)
     stem = onnx_path.name[:-5] if onnx_path.name.endswith(".onnx") else onnx_path.name
     return onnx_path.with_name(stem + ".config.json"), onnx_path.with_name(stem + ".tokenizer.json")
+
+
+def foreign_graph_files(onnx_path: Path) -> str | None:
+    """What among the files a graph output writes (`name.onnx`, `name.onnx.data` and the two
+    sidecars) qwc did not write (None: nothing): they are qwc's when the config sidecar beside
+    them is one qwc wrote, since every qwc graph is written with it (qwc.atomic)."""
+    onnx_path = Path(onnx_path)
+    cfg, tok = sidecar_paths(onnx_path)
+    existing = [p for p in (onnx_path, onnx_path.with_name(onnx_path.name + ".data"), cfg, tok) if p.exists()]
+    if not existing:
+        return None
+    try:
+        d = json.loads(cfg.read_text())
+        ours = isinstance(d, dict) and "qwc_config_format" in d
+    except (OSError, ValueError, TypeError):
+        ours = False
+    return None if ours else f"{existing[0].name} exists and qwc did not write it (no qwc {cfg.name} beside it)"

@@ -8,6 +8,8 @@ import time
 
 from tqdm import tqdm
 
+from . import interrupts
+
 _quiet = False
 
 
@@ -23,14 +25,18 @@ def info(msg: str) -> None:
 
 @contextlib.contextmanager
 def stage(name: str):
-    """Print `name ...` when work starts and its wall time when it ends."""
+    """Print `name ...` when work starts and its wall time when it ends. A Ctrl-C that a
+    library swallowed (TVM's importer can) takes effect here, before the next stage."""
+    interrupts.check()
     info(f"[qwc] {name} ...")
     t0 = time.perf_counter()
     yield
+    interrupts.check()
     info(f"[qwc] {name} done in {time.perf_counter() - t0:.1f}s")
 
 
 def bar(iterable=None, *, total=None, desc=None, unit="it"):
-    """A tqdm bar on stderr that disappears in quiet mode."""
-    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=_quiet,
+    """A tqdm bar on stderr that disappears in quiet mode, and when stderr is not a terminal
+    (tqdm's disable=None): a log file gets the stage lines, not hundreds of redrawn frames."""
+    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=True if _quiet else None,
                 file=sys.stderr, leave=False, dynamic_ncols=True)

@@ -6,7 +6,7 @@ compiler does not, e.g. on an ARM board with the aarch64 TVM wheel.
 
 from __future__ import annotations
 
-import json
+import numbers
 import os
 import platform
 import sys
@@ -17,11 +17,12 @@ import numpy as np
 
 from qwc.checksum import sha256
 from qwc.errors import QwcError
+from qwc.limits import max_threads
 
 from . import memory
+from .manifest import check_library, read_manifest
 from .sampling import Sampler, SamplingParams
 
-FORMAT_VERSION = 1
 PREFILL_CHUNK = 256
 
 
@@ -72,24 +73,8 @@ def _cpu_features() -> set[str] | None:
     return flags
 
 
-def read_manifest(path: Path) -> dict:
-    mf = Path(path) / "manifest.json"
-    if not Path(path).is_dir():
-        raise QwcError(f"{path}: not a compiled artifact (expected a model.qwc folder)")
-    try:
-        manifest = json.loads(mf.read_text())
-    except FileNotFoundError:
-        raise QwcError(f"{path}: no manifest.json (not a qwc artifact)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QwcError(f"{mf}: corrupt manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        got = manifest.get("format_version") if isinstance(manifest, dict) else None
-        raise QwcError(f"{path}: artifact format version {got!r} is not supported by this runtime "
-                       f"(expected {FORMAT_VERSION}); recompile it")
-    for key in ("target", "model", "params", "files"):
-        if key not in manifest:
-            raise QwcError(f"{mf}: manifest lacks {key!r}")
-    return manifest
+def _is_int(v, lo: int = 0) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= lo
 
 
 def check_runs_here(manifest: dict) -> None:
@@ -107,6 +92,11 @@ def check_runs_here(manifest: dict) -> None:
 class Engine:
     def __init__(self, path, ctx: int = 512, threads: int | None = None, verify_hashes: bool = True):
         self.path = Path(path)
+        if threads is not None and (not _is_int(threads) or not 1 <= threads <= max_threads()):
+            raise QwcError(f"threads {threads!r}: must be an integer from 1 to {max_threads()} "
+                           "(4 per usable CPU, at least 8)")
+        if not _is_int(ctx) or ctx < 1:
+            raise QwcError(f"ctx {ctx!r}: must be a positive integer")
         self.manifest = read_manifest(self.path)
         check_runs_here(self.manifest)
         if verify_hashes:
@@ -131,8 +121,12 @@ class Engine:
             raise QwcError(f"ctx {ctx} exceeds the model's {max_ctx} positions")
         self.ctx = int(ctx)
         self.device = tvm.cpu()
-        lib = tvm.runtime.load_module(str(self.path / "lib.so"))
-        self.vm = VirtualMachine(lib, self.device)
+        try:
+            lib = tvm.runtime.load_module(str(self.path / "lib.so"))
+            self.vm = VirtualMachine(lib, self.device)
+        except Exception as e:  # TVM's error types: not an ELF, wrong arch, missing symbols
+            raise QwcError(f"{self.path}: lib.so cannot be loaded ({str(e).strip().splitlines()[-1]})") from None
+        check_library(self.vm._get_function_arity, self.vm._get_function_param_name, self.manifest, str(self.path))
         self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
         self._score = self.vm["score"] if "score" in self.manifest["functions"]["entry_points"] else None
         self.params = self._load_params()
@@ -154,8 +148,28 @@ class Engine:
         tok = self.path / "tokenizer.json"
         if tok.is_file():
             from tokenizers import Tokenizer
-            self.tokenizer = Tokenizer.from_file(str(tok))
+            try:
+                self.tokenizer = Tokenizer.from_file(str(tok))
+            except Exception as e:  # tokenizers raises a bare Exception on bad files
+                raise QwcError(f"{self.path}: tokenizer.json cannot be read ({str(e).splitlines()[0]})") from None
+        self.vocab_size = int(self.model["vocab_size"])
         self.eos = set(self.model.get("eos_token_ids") or [])
+        self._probe()
+
+    def _probe(self) -> None:
+        """One decode step at load: the library must accept these parameters and this cache (its
+        own shape checks), and its logits must span the manifest's vocabulary, which bounds the
+        token ids the embedding gather is given."""
+        # A cache of its own (one key tile): the real one stays untouched, and zero.
+        mult = int(self.manifest["functions"].get("cache_capacity_multiple", 1))
+        shape = (1, int(self.model["num_key_value_heads"]), mult, int(self.model["head_dim"]))
+        arena = memory.arena_for([(shape, np.float32)] * len(self.cache))   # TVM takes 64-byte aligned data
+        cache = [self._tvm.runtime.from_dlpack(arena.take(shape, np.float32)) for _ in self.cache]
+        n = self._run(self._decode, np.zeros((1, 1), np.int64), cache=cache).shape[-1]
+        self.reset()
+        if n != self.vocab_size:
+            raise QwcError(f"{self.path}: the manifest's vocab_size {self.vocab_size} is not the library's {n} "
+                           "(corrupt artifact; recompile it)")
 
     def _load_params(self):
         """Read each parameter straight into its place in one huge-page arena (runtime/memory.py):
@@ -187,7 +201,7 @@ class Engine:
         """Empty the cache (its memory is reused; stale slots are never read)."""
         self.pos = 0
 
-    def _run(self, fn, tokens: np.ndarray) -> np.ndarray:
+    def _run(self, fn, tokens: np.ndarray, cache=None) -> np.ndarray:
         tvm = self._tvm
         s = tokens.shape[1]
         if self.pos + s > self.ctx:
@@ -195,15 +209,17 @@ class Engine:
         self._ids[0, :s] = tokens[0]
         self._positions[0, :s] = np.arange(self.pos, self.pos + s)
         args = [tvm.runtime.from_dlpack(x) for x in (self._ids[:, :s], self._mask[:, :self.pos + s], self._positions[:, :s])]
-        out = fn(*args, *self.cache, *self.params)
+        try:
+            out = fn(*args, *(self.cache if cache is None else cache), *self.params)
+        except Exception as e:   # TVM's own error types: the library's checks of shapes and dtypes
+            raise QwcError(f"{self.path}: the library refused its inputs "
+                           f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
         self.pos += s
         return np.from_dlpack(out[0])[0]   # a view: the logits are not copied
 
     def prefill(self, tokens) -> np.ndarray:
         """Feed `tokens` after what the cache holds; returns the last position's logits."""
-        tokens = np.asarray(tokens, np.int64).reshape(1, -1)
-        if tokens.shape[1] == 0:
-            raise QwcError("prefill needs at least one token")
+        tokens = self._token_ids(tokens, "prefill")
         if self.pos + tokens.shape[1] > self.ctx:
             raise QwcError(f"prompt of {tokens.shape[1]} tokens (after {self.pos} cached) does not fit "
                            f"the context of {self.ctx}")
@@ -214,15 +230,37 @@ class Engine:
         return logits
 
     def decode(self, token: int) -> np.ndarray:
-        return self._run(self._decode, np.array([[int(token)]], np.int64))[-1]
+        if isinstance(token, np.ndarray) and token.ndim == 0:
+            token = token.item()
+        if not _is_int(token, lo=-2**63):
+            raise QwcError(f"decode takes one token id (an integer), not {type(token).__name__}")
+        return self._run(self._decode, self._token_ids([token], "decode"))[-1]
+
+    def _token_ids(self, tokens, what: str) -> np.ndarray:
+        """`tokens` as a [1, n] int64 array, refusing anything that is not a non-empty flat
+        sequence of ids in the vocabulary: the embedding gather does not bound its index."""
+        if isinstance(tokens, (str, bytes)):
+            raise QwcError(f"{what} takes token ids; encode text first (Engine.encode)")
+        try:
+            a = np.asarray(tokens)
+        except (TypeError, ValueError):
+            a = np.asarray(None)
+        if a.ndim != 1:
+            raise QwcError(f"{what} takes a flat sequence of token ids, not an array of {a.ndim} dimensions")
+        if a.size == 0:
+            raise QwcError(f"{what} needs at least one token")
+        if a.dtype.kind not in "iu":
+            raise QwcError(f"{what}: token ids must be integers (got {a.dtype})")
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise QwcError(f"{what}: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
+        return a.astype(np.int64).reshape(1, -1)
 
     def score(self, tokens) -> np.ndarray:
         """Feed `tokens` after what the cache holds; returns every position's logits [n, vocab]."""
         if self._score is None:
             raise QwcError(f"{self.path}: artifact has no score entry point (compiled by an older qwc)")
-        tokens = np.asarray(tokens, np.int64).reshape(1, -1)
-        if tokens.shape[1] == 0:
-            raise QwcError("score needs at least one token")
+        tokens = self._token_ids(tokens, "score")
         if self.pos + tokens.shape[1] > self.ctx:
             raise QwcError(f"{tokens.shape[1]} tokens (after {self.pos} cached) do not fit the context of {self.ctx}")
         return np.concatenate([self._run(self._score, tokens[:, i:i + PREFILL_CHUNK])
@@ -232,12 +270,22 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise QwcError(f"{self.path}: artifact has no tokenizer")
+        if not isinstance(text, str):
+            raise QwcError(f"encode takes a string, not {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise QwcError("the text is not valid UTF-8 (it holds lone surrogates)") from None
         return self.tokenizer.encode(text).ids
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32,
                  sampling: SamplingParams | None = None, stop: set[int] | None = None) -> Iterator[str]:
         """Stream decoded text pieces for `prompt`, continuing the current cache."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not _is_int(max_new_tokens):
+            raise QwcError(f"max_new_tokens {max_new_tokens!r}: must be an integer >= 0")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise QwcError("sampling must be a SamplingParams")
+        ids = self.encode(prompt) if isinstance(prompt, str) else self._token_ids(prompt, "generate")[0].tolist()
         sampler = Sampler(sampling or SamplingParams())
         stop = self.eos if stop is None else stop
         logits = self.prefill(ids)

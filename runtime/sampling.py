@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
+
+from qwc.errors import QwcError
 
 
 @dataclass
@@ -14,6 +18,20 @@ class SamplingParams:
     top_p: float = 1.0              # 1: off
     repetition_penalty: float = 1.0  # 1: off (llama.cpp / HF semantics)
     seed: int | None = None
+
+    def __post_init__(self):
+        def number(name, ok, want):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not ok(v):
+                raise QwcError(f"{name} {v!r}: must be {want}")
+        number("temperature", lambda v: v >= 0, "a finite number >= 0 (0: greedy)")
+        number("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1: off)")
+        number("repetition_penalty", lambda v: v > 0, "a finite number > 0 (1: off)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+            raise QwcError(f"top_k {self.top_k!r}: must be an integer >= 0 (0: off)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+                                      or not 0 <= self.seed < 2**63):
+            raise QwcError(f"seed {self.seed!r}: must be an integer in [0, 2**63) or None (random)")
 
 
 class Sampler:
@@ -30,7 +48,7 @@ class Sampler:
             x[seen] = np.where(v > 0, v / self.p.repetition_penalty, v * self.p.repetition_penalty)
         if self.p.temperature <= 0.0:
             return int(np.argmax(x))
-        x /= self.p.temperature
+        x = (x - x.max()) / self.p.temperature   # shifted first: a tiny temperature cannot overflow
         if self.p.top_k > 0 and self.p.top_k < x.size:
             kth = np.partition(x, -self.p.top_k)[-self.p.top_k]
             x[x < kth] = -np.inf

@@ -271,7 +271,7 @@ def test_bench_prints_pp_and_tg_rows(tiny_host_artifact, capsys):
 def _refused(capsys, code, path):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert f"cannot write {path}" in err[0] and "qwc replaces only a folder it wrote" in err[0]
+    assert f"cannot write {path}" in err[0] and "qwc replaces only what it wrote" in err[0]
 
 
 def test_compile_never_replaces_a_folder_it_did_not_write(tiny_q4, tmp_path, capsys):

@@ -164,7 +164,7 @@ def test_qat_never_replaces_a_folder_it_did_not_write(corpus, qat_dir, tmp_path,
     (mine / "notes.txt").write_text("mine")
     assert _qat(corpus, mine) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "qwc replaces only a folder it wrote" in err[0]
+    assert len(err) == 1 and "qwc replaces only what it wrote" in err[0]
     assert (mine / "notes.txt").read_text() == "mine"
     own = tmp_path / "own"
     shutil.copytree(qat_dir, own)

@@ -1,0 +1,145 @@
+"""The artifact's `manifest.json`: its format version and schema, shared by the writer
+(compiler/artifact.py checks what it writes) and the runtime (checks what it reads, before
+anything is loaded).
+
+The manifest is not covered by its own hashes: a hand-edited one must fail here in one line,
+not as a shape error inside the library or as reads outside params.bin.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from qwc.config import ModelConfig
+from qwc.errors import QwcError
+
+FORMAT_VERSION = 1
+ALIGN = 64                       # every parameter's offset in params.bin
+DTYPES = {"float32", "float16", "int8", "uint8", "int32", "int64"}
+REQUIRED_FILES = ("lib.so", "params.bin")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def read_manifest(path: Path) -> dict:
+    """The checked manifest of the artifact folder `path`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise QwcError(f"{path}: not a compiled artifact (expected a model.qwc folder)")
+    mf = path / "manifest.json"
+    try:
+        manifest = json.loads(mf.read_text())
+    except FileNotFoundError:
+        raise QwcError(f"{path}: no manifest.json (not a qwc artifact)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise QwcError(f"{mf}: corrupt manifest ({e})") from None
+    except OSError as e:
+        raise QwcError(f"{mf}: cannot read ({e.strerror})") from None
+    check_manifest(manifest, where=str(mf))
+    return manifest
+
+
+def _is_int(v, lo=0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _is_str_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def check_manifest(m, where: str = "manifest.json") -> None:
+    def bad(what: str):
+        raise QwcError(f"{where}: {what} (corrupt artifact; recompile it)")
+
+    if not isinstance(m, dict):
+        bad("not a JSON object")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise QwcError(f"{where}: artifact format version {m.get('format_version')!r} is not supported by "
+                       f"this runtime (expected {FORMAT_VERSION}); recompile it")
+    for key, kind in (("target", dict), ("model", dict), ("functions", dict), ("params", list),
+                      ("files", dict), ("quantization", dict)):
+        if not isinstance(m.get(key), kind):
+            bad(f"{key!r} is missing or not a JSON {'object' if kind is dict else 'list'}")
+
+    t = m["target"]
+    for key in ("name", "arch", "triple", "mcpu"):
+        if not isinstance(t.get(key), str):
+            bad(f"target.{key} is missing or not a string")
+    if not _is_str_list(t.get("features", [])) or not _is_str_list(t.get("mattr", [])):
+        bad("target.features / target.mattr must be lists of strings")
+
+    try:
+        cfg = ModelConfig.from_dict(m["model"])
+    except (QwcError, TypeError) as e:
+        bad(f"model: {e}")
+
+    f = m["functions"]
+    entries = f.get("entry_points")
+    if not isinstance(entries, dict) or not {"prefill", "decode"} <= set(entries):
+        bad("functions.entry_points must name prefill and decode")
+    cache = f.get("cache")
+    if not _is_str_list(cache) or len(cache) != 2 * cfg.num_hidden_layers:
+        bad(f"functions.cache must list {2 * cfg.num_hidden_layers} cache tensors (a key and a value per layer)")
+    if f.get("inputs") != ["input_ids", "attention_mask", "position_ids"]:
+        bad("functions.inputs must be input_ids, attention_mask, position_ids")
+    if f.get("cache_shape") != ["1", cfg.num_key_value_heads, "ctx", cfg.head_dim]:
+        bad(f"functions.cache_shape {f.get('cache_shape')!r} does not match the model "
+            f"(1, {cfg.num_key_value_heads} KV heads, ctx, head_dim {cfg.head_dim})")
+    mult = f.get("cache_capacity_multiple", 1)
+    if not _is_int(mult, 1) or mult > 4096:
+        bad(f"functions.cache_capacity_multiple {mult!r} must be an integer in [1, 4096]")
+
+    end, names = 0, set()
+    for i, p in enumerate(m["params"]):
+        if not isinstance(p, dict) or not isinstance(p.get("name"), str):
+            bad(f"params[{i}] has no name")
+        name = p["name"]
+        if name in names:
+            bad(f"parameter {name} is listed twice")
+        names.add(name)
+        if p.get("dtype") not in DTYPES:
+            bad(f"parameter {name}: dtype {p.get('dtype')!r} is not one of {', '.join(sorted(DTYPES))}")
+        shape = p.get("shape")
+        if not isinstance(shape, list) or not all(_is_int(d, 1) for d in shape):
+            bad(f"parameter {name}: shape {shape!r} must be a list of positive integers")
+        off, nbytes = p.get("offset"), p.get("nbytes")
+        if not _is_int(off) or off % ALIGN or off < end:
+            bad(f"parameter {name}: offset {off!r} must be a multiple of {ALIGN} past the previous parameter")
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(p["dtype"]).itemsize
+        if nbytes != size:
+            bad(f"parameter {name}: nbytes {nbytes!r} is not the {size} of its shape and dtype")
+        end = off + nbytes
+
+    files = m["files"]
+    for name in REQUIRED_FILES:
+        if name not in files:
+            bad(f"files lacks {name}")
+    for name, digest in files.items():
+        if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
+            bad(f"file name {name!r} is not a plain file name")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            bad(f"the hash of {name} is not a sha256 hex digest")
+
+
+def check_library(vm_arity, vm_param_name, manifest: dict, where: str) -> None:
+    """The library's own signature (the parameter names its entry points were compiled with)
+    must be the manifest's inputs, cache and parameters, in order."""
+    f = manifest["functions"]
+    want = f["inputs"] + [c.replace(".", "_") for c in f["cache"]] + [p["name"] for p in manifest["params"]]
+    for fn in ("prefill", "decode", "score"):
+        if fn not in f["entry_points"]:
+            continue
+        try:
+            n = vm_arity(fn)
+            got = [vm_param_name(fn, i) for i in range(n)]
+        except Exception as e:  # TVM's error types; a library without the function
+            raise QwcError(f"{where}: lib.so has no usable {fn} entry point ({str(e).splitlines()[0]})") from None
+        if got != want:
+            first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise QwcError(f"{where}: lib.so's {fn} takes {len(got)} arguments, the manifest lists {len(want)}; "
+                           f"they first differ at #{first} "
+                           f"({got[first] if first < len(got) else '-'} vs {want[first] if first < len(want) else '-'})")

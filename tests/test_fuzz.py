@@ -1,0 +1,73 @@
+"""The reliability campaign of bench/fuzz.py in the test suite: every named bad-input case (the
+reliability issue's list and the ones that complete each family) and a seeded sample of the
+random mutations. Each must end in one clean `qwc: error:` line (or `qwc: interrupted`) or a
+correct result, with nothing half-written or left behind and no user file touched."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("qwc_fuzz", Path(__file__).parents[1] / "bench" / "fuzz.py")
+fuzz = importlib.util.module_from_spec(_spec)
+sys.modules["qwc_fuzz"] = fuzz
+_spec.loader.exec_module(fuzz)
+
+RANDOM_SEED = 20261123
+RANDOM_CASES = 40
+
+
+@pytest.fixture(scope="module")
+def model(tiny_onnx, tmp_path_factory):
+    return fuzz.prepare(tmp_path_factory.mktemp("fuzz") / "base", onnx_src=tiny_onnx)
+
+
+def _check(case, model, tmp_path):
+    r = fuzz.run_case(case, model, tmp_path)
+    assert r.outcome in ("clean error", "correct"), f"{r.outcome}: {r.detail}"
+    return r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", fuzz.named_cases(), ids=lambda c: f"{c.family}/{c.name}")
+def test_named_case(case, model, tmp_path):
+    _check(case, model, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", fuzz.random_cases(RANDOM_CASES, RANDOM_SEED), ids=lambda c: f"{c.family}/{c.name}")
+def test_random_case(case, model, tmp_path):
+    _check(case, model, tmp_path)
+
+
+def test_the_harness_sees_each_bad_outcome(model, tmp_path):
+    """The classifier is what the campaign's zeros rest on: a traceback, an exit 0 on an invalid
+    value, a half-written output and a touched user file must each be reported as such."""
+    traceback = fuzz.Case("options", "raw-traceback", api="    raise ValueError('boom')\n")
+    assert fuzz.run_case(traceback, model, tmp_path).outcome == "traceback"
+    accepted = fuzz.Case("options", "accepted", ["run", "a.qwc", "--prompt", "x", "--max-new-tokens", "1"],
+                         setup=fuzz.copy_artifact, expect=("error",))
+    assert fuzz.run_case(accepted, model, tmp_path).outcome == "accepted invalid"
+    # fails cleanly, but leaves something under its output's name
+    half = fuzz.Case("paths", "half-written", api="    open('half.out', 'w').write('x')\n    raise QwcError('failed')\n",
+                     output="half.out")
+    assert fuzz.run_case(half, model, tmp_path).outcome == "leftovers"
+    touched = fuzz.Case("paths", "touched", api="    open('user-notes.txt', 'w').write('gone')\n",
+                        setup=fuzz.user_file("user-notes.txt"), expect=("ok",))
+    assert fuzz.run_case(touched, model, tmp_path).outcome == "leftovers"
+    wrong = fuzz.Case("options", "wrong", ["run", "a.qwc", "--prompt", fuzz.PROMPT, "--max-new-tokens", "3"],
+                      setup=fuzz.copy_artifact, expect=("ok",), check=fuzz.same_as_reference)
+    assert fuzz.run_case(wrong, model, tmp_path).outcome == "silent wrong"
+
+
+def test_campaign_has_the_promised_size():
+    """The campaign bench/fuzz.py runs by default: at least 300 cases over all five families."""
+    named = fuzz.named_cases()
+    cases = named + fuzz.random_cases(320 - len(named), 0)
+    assert len(cases) >= 300
+    assert {c.family for c in cases} == set(fuzz.FAMILIES)
+    names = [f"{c.family}/{c.name}" for c in cases]
+    assert len(set(names)) == len(names)
