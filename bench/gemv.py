@@ -116,13 +116,13 @@ def qwc_stream(n: int, k: int, total: float = 290e6, rounds: int = 4) -> float |
     nothing but the call itself sits between them. None where the host has no VNNI kernel."""
     import tvm
 
-    from qwc.compiler.frontend import q4_0_path
+    from qwc.compiler.targets import q4_0_path
     from qwc.compiler.kernels.row_groups import groups
     from qwc.compiler.kernels.x86 import vnni
     from qwc.compiler.targets import get_target
 
     target = get_target("host")
-    if q4_0_path(k, n, 32, 4, 8, target.features) != "x86":
+    if q4_0_path(32, 4, 8, target.features) != "x86":
         return None
     nb = (k + 31) // 32
     f = tvm.compile(tvm.IRModule({"main": vnni.decode_gemv(((n, False),), nb).with_attr("global_symbol", "main")}),

@@ -7,72 +7,37 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from qwc import progress
 from qwc.atomic import check_destination
 from qwc.config import load_for_graph, tokenizer_for_graph
 from qwc.errors import QwcError
 
+from qwc.passes.last_position import last_position_logits
+from qwc.passes.pipeline import load_canonical
+
 from .artifact import foreign_files
-from .targets import get_target
-
-
-def last_position_logits(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Compute the lm_head for the last position only: generation needs nothing else, and a
-    512-token prompt would otherwise produce 512 x vocab logits (311 MB for Qwen2.5)."""
-    g = model.graph
-    prod = {o: n for n in g.node for o in n.output}
-    head = prod.get("logits")
-    if head is None:
-        raise QwcError("graph has no 'logits' output")
-    x = head.input[0]
-    sliced = x + "_last"
-    g.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), "qwc_last_start"),
-                          numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "qwc_last_end"),
-                          numpy_helper.from_array(np.array([1], np.int64), "qwc_seq_axis")])
-    node = helper.make_node("Slice", [x, "qwc_last_start", "qwc_last_end", "qwc_seq_axis"], [sliced],
-                            name="qwc_last_position")
-    idx = list(g.node).index(head)
-    g.node.insert(idx, node)
-    head.input[0] = sliced
-    return model
+from .targets import default_act_bits, get_target
 
 
 def quant_summary(model: onnx.ModelProto) -> dict:
+    from qwc.passes.graph import matmul_nbits_dims
+
     blocks = Counter()
     for n in model.graph.node:
         if n.op_type == "MatMulNBits":
-            a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
-            blocks[(int(a.get("bits", 4)), int(a["block_size"]))] += 1
+            _, _, block, bits = matmul_nbits_dims(n)
+            blocks[(bits, block)] += 1
     gbq = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
     emb_bits = int(next((helper.get_attribute_value(a) for a in gbq[0].attribute if a.name == "bits"), 4)) if gbq else None
     return {"scheme": "q4_0", "linears": [{"bits": b, "block": k, "count": c} for (b, k), c in sorted(blocks.items())],
             "embedding_bits": emb_bits}
 
 
-def load_canonical(src, config, options=None) -> onnx.ModelProto:
-    """The canonical graph of `src`: checked as it is, or made by running the passes."""
-    from qwc.passes.options import PassOptions
-    from qwc.passes.pipeline import check_canonical, check_float32, check_ops_known, load_graph, optimize
-
-    with progress.stage(f"loading {src}"):
-        model = load_graph(src)
-    check_ops_known(model)
-    check_float32(model)
-    if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
-        check_canonical(model)
-        return model
-    with progress.stage("running passes (the graph is not canonical yet)"):
-        options = options or PassOptions()
-        options.config = config
-        return optimize(model, options)
-
-
 def compile_file(src, target_name: str, out, options=None, act_bits: int | None = None, tuning_db=None) -> dict:
-    """`act_bits` None: the target's default (frontend.default_act_bits)."""
+    """`act_bits` None: the target's default (targets.default_act_bits)."""
     target = get_target(target_name)
     if act_bits not in (None, 8, 32):
         raise QwcError(f"--act-bits {act_bits} is not supported (8 or 32)")
@@ -80,7 +45,6 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     config = load_for_graph(src)   # cheap checks first: TVM takes seconds to import
     from .artifact import write_artifact
     from .build import build, to_relax
-    from .frontend import default_act_bits
     from .kernels.attention import KEY_TILE, supports
 
     if act_bits is None:

@@ -15,8 +15,10 @@ attends over it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import warnings
+from dataclasses import dataclass, field
 
 import onnx
 from tvm import relax
@@ -25,57 +27,34 @@ from tvm.relax.frontend.onnx import onnx_frontend as F
 from qwc.errors import QwcError
 
 from .kernels import attention as fast
-from .kernels import generic
+from .kernels import generic, w4a8_gemm, w4a8_zero_point
+from .targets import kernels_for, q4_0_path
 
-# Kernel names get the entry point's name in front, so the prefill and decode imports can
-# live in one IRModule without their (differently specialised) kernels colliding.
-_prefix = ""
-_act_bits = 32  # 8: W4A8 integer kernels (activations quantized per block to int8)
-_features: frozenset = frozenset()  # the target's ISA features (compiler/targets.py)
-_tuned: dict = {}  # tuning task key -> knobs, from `qwc compile --tuning-db`
-_rotary_kernels: dict = {}  # name of a rotary kernel this import emitted -> its num_heads
+@dataclass
+class ImportContext:
+    """What one import_graph call hands its converters (TVM calls them with the block builder,
+    the inputs and the attributes only, so they find it in _CONTEXT)."""
+    # Kernel names get the entry point's name in front, so the prefill and decode imports can
+    # live in one IRModule without their (differently specialised) kernels colliding.
+    prefix: str = ""
+    act_bits: int = 32                              # 8: W4A8 integer kernels
+    features: frozenset = frozenset()               # the target's ISA features (targets.py)
+    tuned: dict = field(default_factory=dict)       # tuning task key -> knobs (`--tuning-db`)
+    rotary_kernels: dict = field(default_factory=dict)   # rotary kernel emitted -> its num_heads
+
+    def kname(self, name: str) -> str:
+        return f"{self.prefix}_{name}" if self.prefix else name
+
+
+_CONTEXT: contextvars.ContextVar[ImportContext] = contextvars.ContextVar("qwc_import", default=ImportContext())
+
+
+def _ctx() -> ImportContext:
+    return _CONTEXT.get()
 
 
 def _kname(name: str) -> str:
-    return f"{_prefix}_{name}" if _prefix else name
-
-
-def q4_0_path(k: int, n: int, block: int, bits: int, act_bits: int, features) -> str | None:
-    """Which of qwc's Q4_0 kernels a MatMulNBits takes ("arm", "x86": W4A8 integer dots;
-    "f32": W4A32), None for the generic TE kernels. compiler/repack.py asks the same question
-    to store the weights in the layout the kernel reads."""
-    if bits != 4 or block != 32:
-        return None
-    if act_bits == 32:
-        return "f32"
-    if "dotprod" in features:
-        return "arm"
-    if {"avx512_vnni", "avx512bw", "avx512f"} <= set(features):
-        return "x86"
-    return None
-
-
-def w4a8_prefill_kernel(features) -> str:
-    """The W4A8 prefill GEMM a target's features select: "smmla" (i8mm), "sdot" (dotprod) or
-    "vnni" (x86); decode always takes the sdot / vnni GEMV. `qwc tune` asks the same question."""
-    if "dotprod" in features:
-        return "smmla" if "i8mm" in features else "sdot"
-    return "vnni"
-
-
-def three_pass_decode_attention(features) -> bool:
-    """Decode attention in three passes (kernels/attention.py) on x86, where it is 1.5x the
-    online kernel at 512 cached tokens; ARM keeps the online kernel, which executes 4% fewer
-    instructions per decoded token there at 512 cached tokens (bench/arm_icount.py under qemu,
-    docs/design.md): the only ARM measurement there is."""
-    return "neon" not in features
-
-
-def default_act_bits(features) -> int:
-    """8 where the target has an integer dot-product kernel (W4A8, as llama.cpp computes Q4_0;
-    +0.4% perplexity on real weights, docs/design.md), else 32: the float kernel is faster
-    than the generic integer one."""
-    return 8 if q4_0_path(32, 32, 32, 4, 8, features) in ("x86", "arm") else 32
+    return _ctx().kname(name)
 
 
 class MatMulNBits(F.OnnxOpConverter):
@@ -86,10 +65,10 @@ class MatMulNBits(F.OnnxOpConverter):
             raise QwcError("MatMulNBits with explicit zero points is not supported (qwc emits symmetric Q4_0)")
         k, n, block, bits = int(attr["K"]), int(attr["N"]), int(attr["block_size"]), int(attr.get("bits", 4))
         bias = inputs[5] if len(inputs) > 5 else None
-        path = q4_0_path(k, n, block, bits, _act_bits, _features)
+        path = q4_0_path(block, bits, _ctx().act_bits, _ctx().features)
         if path is not None:
             return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias)
-        kernel = generic.matmul_nbits_a8 if _act_bits == 8 else generic.matmul_nbits
+        kernel = generic.matmul_nbits_a8 if _ctx().act_bits == 8 else generic.matmul_nbits
         out = bb.emit_te(kernel, a, w, s, k=k, n=n, block=block, bits=bits, primfunc_name_hint=_kname("matmul_nbits"))
         return out if bias is None else bb.emit(relax.op.add(out, bias))
 
@@ -110,7 +89,7 @@ class MatMulNBits(F.OnnxOpConverter):
             if rms is not None:    # ...or RMSNorm(x) * gamma
                 rms = (_rows(bb, rms[0], k), *rms[1:])
             y, bias = cls._int8_dot(bb, a2, m, one_token, w, s, k, n, path,
-                                    _features if features is None else features, silu, bias, rms)
+                                    _ctx().features if features is None else features, silu, bias, rms)
         y = bb.emit(relax.op.reshape(y, [*lead, n]))
         return y if bias is None else bb.emit(relax.op.add(y, bias))
 
@@ -121,7 +100,7 @@ class MatMulNBits(F.OnnxOpConverter):
 
         nb = (k + q4_f32.BLOCK - 1) // q4_f32.BLOCK
         kind = f"q4_f32_{'gemv' if one_token else 'gemm'}"
-        kernel = bb.add_func(q4_f32.kernel(k, n, nb, one_token, _tuned.get(f"{kind}_{n}x{k}")),
+        kernel = bb.add_func(q4_f32.kernel(k, n, nb, one_token, _ctx().tuned.get(f"{kind}_{n}x{k}")),
                              _kname(f"{kind}_{n}x{nb}"))
         return bb.emit(relax.call_tir(kernel, [a2, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
 
@@ -140,32 +119,27 @@ class MatMulNBits(F.OnnxOpConverter):
             raise QwcError(f"MatMulNBits {n}x{k}: the W4A8 kernels read weights repacked into row groups "
                            "(compiler/repack.py), got the plain layout")
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
-        kind, sdt = "gemv" if one_token else "gemm", str(s.ty.dtype)
-        tokens = None if one_token else _tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")  # `qwc tune`
+        sdt = str(s.ty.dtype)
+        tokens = None if one_token else _ctx().tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")  # `qwc tune`
         fused_bias = False
-        # The ARM kernels start from int32 offsets; the smmla GEMM reads token pairs interleaved.
-        layout = "plain"
-        if isa == "arm":
-            layout = "arm_pairs" if not one_token and w4a8_prefill_kernel(features) == "smmla" else "arm"
-        if layout == "arm_pairs":
-            from .kernels.arm import i8mm as isa_kernels   # prefill: two tokens per smmla
+        w4a8 = kernels_for(features).w4a8
+        impl = w4a8.decode if one_token else w4a8.prefill
+        # How the kernel reads activations: the ARM kernels start from int32 offsets, the smmla
+        # GEMM reads token pairs interleaved (act_quant.fused_quantizer).
+        layout = w4a8.decode_layout if one_token else w4a8.prefill_layout
+        if not one_token:
+            kernel = bb.add_func(w4a8_gemm(impl, n, nb, sdt, tokens), _kname(f"q4_gemm_{impl}_{n}x{nb}_{sdt}"))
+        elif impl == "sdot":
+            from .kernels.arm import dotprod
 
-            kernel = bb.add_func(isa_kernels.q4_gemm(n, nb, sdt, tokens), _kname(f"q4_gemm_smmla_{n}x{nb}_{sdt}"))
-        elif isa == "arm":
-            from .kernels.arm import dotprod as isa_kernels
-
-            kernel = bb.add_func(isa_kernels.q4_dot(n, nb, one_token, sdt, tokens), _kname(f"q4_{kind}_sdot_{n}x{nb}_{sdt}"))
-        elif one_token:   # several of these may become one launch (compiler/sibling_gemvs.py)
-            from .kernels.x86 import vnni as isa_kernels
+            kernel = bb.add_func(dotprod.q4_dot(n, nb, True, sdt), _kname(f"q4_gemv_sdot_{n}x{nb}_{sdt}"))
+        else:   # several of these may become one launch (compiler/sibling_gemvs.py)
+            from .kernels.x86 import vnni
 
             fused_bias = bias is not None   # the decode GEMV adds it in its epilogue
-            kernel = bb.add_func(isa_kernels.decode_gemv(((n, fused_bias),), nb, sdt),
+            kernel = bb.add_func(vnni.decode_gemv(((n, fused_bias),), nb, sdt),
                                  _kname(f"q4_gemv_vnni_{n}x{nb}_{sdt}{'_bias' if fused_bias else ''}"))
-        else:
-            from .kernels.x86 import vnni as isa_kernels
-
-            kernel = bb.add_func(isa_kernels.q4_matmul(n, nb, sdt, tokens), _kname(f"q4_gemm_vnni_{n}x{nb}_{sdt}"))
-        zp = isa_kernels.ZERO_POINT
+        zp = w4a8_zero_point(impl)
         scales = [m, nb, 2] if layout == "arm_pairs" else [m, nb]   # act_quant.fused_quantizer
         q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
               relax.TensorType(shape=scales, dtype="float32"),
@@ -181,7 +155,9 @@ class MatMulNBits(F.OnnxOpConverter):
         else:
             if gate_up is not None:
                 gnb = int(gate_up[3].ty.shape[1])
-                gu = bb.add_func(isa_kernels.decode_gemv(((k, False), (k, False)), gnb, str(gate_up[4].ty.dtype),
+                from .kernels.x86 import vnni
+
+                gu = bb.add_func(vnni.decode_gemv(((k, False), (k, False)), gnb, str(gate_up[4].ty.dtype),
                                                         silu_mul=True, quantize=zp),
                                  _kname(f"q4_gemv_vnni_silu_mul_q8_{k}x{gnb}"))
                 parts = bb.emit(relax.call_tir(gu, gate_up, q8))
@@ -356,7 +332,7 @@ class RotaryEmbedding(F.OnnxOpConverter):
             raise QwcError("RotaryEmbedding: interleaved rotary is not supported")
         heads = int(attr["num_heads"])
         out = bb.emit_te(generic.rotary, x, pos, cos, sin, heads=heads, primfunc_name_hint=_kname("rotary"))
-        _rotary_kernels[_binding(bb, out).args[0].name_hint] = heads   # decode attention may rotate itself
+        _ctx().rotary_kernels[_binding(bb, out).args[0].name_hint] = heads   # decode attention may rotate itself
         return out
 
 
@@ -364,7 +340,7 @@ def _rotary_operands(bb, x, heads: int, head_dim: int):
     """(x, position_ids, cos, sin) when x is this import's rotary of heads x head_dim with cos
     and sin [P, head_dim / 2] (the layout decode attention's own rotary reads), else None."""
     e = _binding(bb, x)
-    if not _call_of(e, "relax.call_tir") or _rotary_kernels.get(e.args[0].name_hint) != heads:
+    if not _call_of(e, "relax.call_tir") or _ctx().rotary_kernels.get(e.args[0].name_hint) != heads:
         return None
     args = list(e.args[1].fields)
     if ([getattr(d, "value", None) for d in args[0].ty.shape] != [1, 1, heads * head_dim]
@@ -402,7 +378,8 @@ class GroupQueryAttention(F.OnnxOpConverter):
         # The fast kernel reads K in its key-tile layout (kernels/attention.py); V, and K for
         # the generic kernel, are rows.
         tiled = fast.supports(head_dim)
-        if tiled and getattr(q.ty.shape[1], "value", None) == 1 and three_pass_decode_attention(_features):
+        if (tiled and getattr(q.ty.shape[1], "value", None) == 1
+                and kernels_for(_ctx().features).decode_attention == "three_pass"):
             fused = cls._decode(bb, q, k, v, past_k, past_v, seqlens, heads, kv_heads, head_dim, scale)
             if fused is not None:
                 return fused
@@ -431,7 +408,7 @@ class GroupQueryAttention(F.OnnxOpConverter):
                 or not all(a.same_as(b) for a, b in zip(rq[1:], rk[1:]))):
             return None
         pos, cos, sin = rq[1:]
-        zp = vnni.ZERO_POINT if q4_0_path(32, 32, 32, 4, _act_bits, _features) == "x86" else None
+        zp = vnni.ZERO_POINT if q4_0_path(32, 4, _ctx().act_bits, _ctx().features) == "x86" else None
         kernel = bb.add_func(fast.decode_attention(heads, kv_heads, head_dim, scale, str(pos.ty.dtype), zp),
                              _kname("attention_3pass" + ("" if zp is None else "_q8")))
         nb = heads * head_dim // 32
@@ -479,8 +456,6 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
     tuning task keys (compiler/tuning.py) to schedule knobs."""
     from tvm import tirx
 
-    global _prefix, _act_bits, _features, _tuned
-
     seq_dim = tirx.Var("seq", "int64") if seq is None else seq
     total, cache = tirx.Var("total", "int64"), tirx.Var("cache_len", "int64")
     present = {i.name for i in model.graph.input}
@@ -490,12 +465,10 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
         if i.name.startswith("past_key_values."):
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
             shapes[i.name] = [1, dims[1], cache, dims[3]]
-    _prefix, _act_bits, _features, _tuned = prefix, act_bits, frozenset(features), dict(tuned or {})
-    _rotary_kernels.clear()
+    token = _CONTEXT.set(ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {})))
     try:
         with qwc_converters(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # input renaming, the checker's view of com.microsoft ops
             return F.from_onnx(model, shape_dict=shapes, keep_params_in_input=True, sanitize_input_names=True)
     finally:
-        _prefix, _act_bits, _features, _tuned = "", 32, frozenset(), {}
-        _rotary_kernels.clear()
+        _CONTEXT.reset(token)

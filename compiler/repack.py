@@ -2,7 +2,7 @@
 kernel reads, so nothing is repacked when an artifact loads.
 
 Today that is the W4A8 kernels' row-group layout (kernels/row_groups.py), x86 and ARM. The
-decision which kernel a matmul takes is `frontend.q4_0_path`, the same one the importer makes,
+decision which kernel a matmul takes is `targets.q4_0_path`, the same one the importer makes,
 so the two cannot disagree. A tied embedding keeps reading the same (repacked) bytes: its
 GatherBlockQuantized is pointed at the repacked scales and imported with a gather for that
 layout. A weight that anything else reads gets a repacked copy of its own instead.
@@ -14,28 +14,24 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .frontend import q4_0_path
+from qwc.passes.graph import Graph, matmul_nbits_dims
+
+from .targets import q4_0_path
 
 
 def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
     """Repack in place; returns the number of matmuls whose weights were repacked."""
     from .kernels import row_groups
 
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    producer = {o: n for n in g.node for o in n.output}
-    for n in g.node:
-        for x in n.input:
-            consumers.setdefault(x, []).append(n)
+    graph = Graph(model)
+    g, inits, consumers, producer = model.graph, graph.inits, graph.consumers, graph.producer
     done: dict[tuple[str, str], tuple[str, str]] = {}
     count = 0
     for node in g.node:
         if node.op_type != "MatMulNBits" or len(node.input) < 3:
             continue
-        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-        k, n, block, bits = int(a["K"]), int(a["N"]), int(a["block_size"]), int(a.get("bits", 4))
-        if q4_0_path(k, n, block, bits, act_bits, features) not in ("x86", "arm"):
+        _, _, block, bits = matmul_nbits_dims(node)
+        if q4_0_path(block, bits, act_bits, features) not in ("x86", "arm"):
             continue
         wname, sname = node.input[1], node.input[2]
         if wname not in inits or sname not in inits:

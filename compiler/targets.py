@@ -1,14 +1,15 @@
-"""The one table of compilation targets: name -> TVM target, ISA features, toolchain.
+"""The tables of compilation targets: name -> TVM target, ISA features, toolchain; and ISA
+features -> the kernels they select (KERNEL_RULES).
 
 Everything that differs between targets is decided here and nowhere else.
 """
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass, field
 
 from qwc.errors import QwcError
+from qwc.runtime.manifest import machine_arch as host_arch   # the one map of machine names
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,6 @@ class Target:
 
     def runs_here(self) -> bool:
         return self.arch == host_arch()
-
-
-def host_arch() -> str:
-    m = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
 def _x86_host() -> Target:
@@ -89,3 +85,66 @@ def get_target(name: str) -> Target:
     if name not in _TABLE:
         raise QwcError(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
     return _TABLE[name]
+
+
+# -- which kernels a target's ISA features select ---------------------------------------------
+# One table, read by the importer (compiler/frontend.py), compile-time repacking (repack.py),
+# `qwc tune` (tuning.py), `qwc compile` and bench/gemv.py. Rules are tried in order and the
+# first whose features the target has wins, as TVM's dlight rules or ggml's per-arch folders.
+# The builders behind the names are in compiler/kernels/__init__.py.
+
+@dataclass(frozen=True)
+class W4A8:
+    """A target's W4A8 kernels: Q4_0 weights, activations quantized per 32-block to int8."""
+    isa: str                          # "x86" | "arm": the weight layout (kernels/row_groups.py)
+    decode: str                       # the decode GEMV: "vnni" | "sdot"
+    prefill: str                      # the prefill GEMM: "vnni" | "sdot" | "smmla"
+    decode_layout: str                # act_quant.fused_quantizer's layout for decode ...
+    prefill_layout: str               # ... and for prefill: "plain" | "arm" | "arm_pairs"
+    prefill_tokens: tuple[int, ...]   # the GEMM tile widths `qwc tune` searches
+
+
+@dataclass(frozen=True)
+class Kernels:
+    w4a8: W4A8 | None                 # None: no integer dot-product kernel (the default is W4A32)
+    decode_attention: str             # "three_pass" | "online" (kernels/attention.py)
+
+
+_VNNI = W4A8("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8))
+_SDOT = W4A8("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8))
+_SMMLA = W4A8("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12))
+
+KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
+    # Decode attention: three passes on x86, 1.5x the online kernel at 512 cached tokens; ARM
+    # keeps the online kernel, 4% fewer instructions per decoded token under qemu (results.md).
+    (frozenset({"dotprod", "i8mm"}), Kernels(_SMMLA, "online")),
+    (frozenset({"dotprod"}), Kernels(_SDOT, "online")),
+    (frozenset({"neon"}), Kernels(None, "online")),
+    (frozenset({"avx512_vnni", "avx512bw", "avx512f"}), Kernels(_VNNI, "three_pass")),
+    (frozenset(), Kernels(None, "three_pass")),
+)
+GEMM_TILES = {w.prefill: w.prefill_tokens for _, k in KERNEL_RULES if (w := k.w4a8)}
+GEMM_LAYOUT = {w.prefill: w.prefill_layout for _, k in KERNEL_RULES if (w := k.w4a8)}
+
+
+def kernels_for(features) -> Kernels:
+    features = set(features)
+    return next(k for needs, k in KERNEL_RULES if needs <= features)
+
+
+def q4_0_path(block: int, bits: int, act_bits: int, features) -> str | None:
+    """Which of qwc's Q4_0 kernels a MatMulNBits takes: "x86" / "arm" (W4A8 integer dots),
+    "f32" (W4A32), or None for the generic TE kernels."""
+    if bits != 4 or block != 32:
+        return None
+    if act_bits == 32:
+        return "f32"
+    w = kernels_for(features).w4a8
+    return w.isa if w else None
+
+
+def default_act_bits(features) -> int:
+    """8 where the target has an integer dot-product kernel (W4A8, as llama.cpp computes Q4_0;
+    +0.4% perplexity on real weights, docs/design.md), else 32: the float kernel is faster
+    than the generic integer one."""
+    return 8 if kernels_for(features).w4a8 else 32

@@ -31,13 +31,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import onnx
-from onnx import helper
 
 from qwc import progress
 from qwc.atomic import check_destination
 from qwc.errors import QwcError
+from qwc.passes.graph import matmul_nbits_dims
 
-from .targets import Target
+from .kernels import w4a8_gemm
+from .targets import GEMM_LAYOUT, GEMM_TILES, Target, default_act_bits, kernels_for, q4_0_path
 
 SUMMARY = "qwc_tuning.json"
 FORMAT = 1
@@ -45,7 +46,6 @@ PREFILL_TOKENS = 128   # the prefill tile tuned for: a typical prompt chunk
 
 
 A8_KNOB = "qwc.tokens"                                 # root-block annotation: the tile size
-A8_TOKENS = {"vnni": (1, 2, 4, 8), "sdot": (1, 2, 4, 8), "smmla": (4, 8, 10, 12)}
 
 
 @dataclass
@@ -98,18 +98,6 @@ class TaskRecord:
     done: bool = False
 
 
-def a8_kernel(impl: str, n: int, nb: int, m: int, tokens: int | None = None):
-    """The W4A8 prefill kernel `impl` at a fixed token count m (fp16 scales, as qwc's Q4_0)."""
-    from .kernels.arm import dotprod, i8mm
-    from .kernels.x86 import vnni
-
-    if impl == "vnni":
-        return vnni.q4_matmul(n, nb, "float16", tokens=tokens, m=m)
-    if impl == "sdot":
-        return dotprod.q4_dot(n, nb, False, "float16", tokens=tokens, m=m)
-    return i8mm.q4_gemm(n, nb, "float16", tokens=tokens, m=m)
-
-
 def _a8_standin(n: int, nb: int, m: int, impl: str):
     """What MetaSchedule sees of a W4A8 task: the kernel's signature at m tokens (its runner
     makes the inputs from it) and a named root block for the trace to annotate. The body is a
@@ -120,8 +108,9 @@ def _a8_standin(n: int, nb: int, m: int, impl: str):
     from .kernels.row_groups import ROWS, groups
 
     ng = groups(n)
-    off_dtype = "float32" if impl == "vnni" else "int32"   # the ARM kernels start from int32 offsets
-    scales = (m, nb, 2) if impl == "smmla" else (m, nb)     # act_quant's "arm_pairs" layout
+    layout = GEMM_LAYOUT[impl]                           # act_quant.fused_quantizer's
+    off_dtype = "float32" if layout == "plain" else "int32"
+    scales = (m, nb, 2) if layout == "arm_pairs" else (m, nb)
 
     @T.prim_func(private=True, check_well_formed=False)
     def standin(aq: T.Buffer((m, nb, 32), "int8"), ad: T.Buffer(scales, "float32"),
@@ -136,19 +125,17 @@ def _a8_standin(n: int, nb: int, m: int, impl: str):
 def extract_tasks(model: onnx.ModelProto, act_bits: int = 32, features=frozenset()) -> list[Task]:
     """The model's tunable kernels for an artifact with `act_bits` activations on a target with
     `features`, deduplicated by kind and shape."""
-    from .frontend import q4_0_path, w4a8_prefill_kernel
 
     tasks: dict[str, Task] = {}
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":
             continue
-        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-        n, k, block, bits = int(a["N"]), int(a["K"]), int(a["block_size"]), int(a.get("bits", 4))
-        path = q4_0_path(k, n, block, bits, act_bits, features)
+        k, n, block, bits = matmul_nbits_dims(node)
+        path = q4_0_path(block, bits, act_bits, features)
         if path == "f32":
             new = [Task(kind, n, k) for kind in ("q4_f32_gemv", "q4_f32_gemm")]
         elif path in ("x86", "arm"):
-            new = [Task("q4_a8_gemm", n, k, impl=w4a8_prefill_kernel(features))]
+            new = [Task("q4_a8_gemm", n, k, impl=kernels_for(features).w4a8.prefill)]
         else:
             continue  # the generic kernels, which have no knobs
         for t in new:
@@ -158,7 +145,7 @@ def extract_tasks(model: onnx.ModelProto, act_bits: int = 32, features=frozenset
 
 def _space(task: Task):
     if task.kind == "q4_a8_gemm":
-        choices = list(A8_TOKENS[task.impl])
+        choices = list(GEMM_TILES[task.impl])
 
         def a8(sch):
             t = sch.sample_categorical(candidates=choices, probs=[1 / len(choices)] * len(choices))
@@ -323,7 +310,7 @@ def _build(mod, target, _params):
         impl, n, nb, m = str(f.attrs["qwc.a8_task"]).split(":")
         ann = f.body.block.annotations
         tokens = int(ann[A8_KNOB]) if A8_KNOB in ann else None
-        f = a8_kernel(impl, int(n), int(nb), int(m), tokens)
+        f = w4a8_gemm(impl, int(n), int(nb), "float16", tokens=tokens, m=int(m))   # fp16 scales, as qwc's Q4_0
         mod = tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
     return build(mod, target=target)
 
@@ -349,8 +336,7 @@ def run(src, target: Target, trials: int, db: Path, rpc: tuple[str, int, str] | 
     as `qwc compile` picks it) would use."""
     from qwc.config import load_for_graph
 
-    from .compile import load_canonical
-    from .frontend import default_act_bits
+    from qwc.passes.pipeline import load_canonical
 
     if trials < 1:
         raise QwcError("--trials must be at least 1")

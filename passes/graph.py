@@ -221,3 +221,12 @@ def ensure_ms_opset(model: onnx.ModelProto) -> None:
 def node_label(n: onnx.NodeProto) -> str:
     """A readable name for error messages: the node name and op."""
     return f"node {n.name or '<unnamed>'} ({n.domain + '::' if n.domain else ''}{n.op_type})"
+
+
+def matmul_nbits_dims(n: onnx.NodeProto) -> tuple[int, int, int, int]:
+    """A MatMulNBits node's (K, N, block_size, bits), as onnxruntime defines them."""
+    a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+    try:
+        return int(a["K"]), int(a["N"]), int(a["block_size"]), int(a.get("bits", 4))
+    except KeyError as e:
+        raise QwcError(f"{node_label(n)} lacks its {e.args[0]} attribute") from None

@@ -214,3 +214,18 @@ def optimize_file(src, out, options: PassOptions, verify: bool = False) -> dict:
         save_graph(model, out, config, tokenizer_for_graph(src))
     return {"before_ops": before_ops, "after_ops": op_counts(model), "before_bytes": before_bytes,
             "after_bytes": param_bytes(model), "report": report}
+
+
+def load_canonical(src, config, options=None) -> onnx.ModelProto:
+    """The canonical graph of `src`: checked as it is, or made by running the passes."""
+    with progress.stage(f"loading {src}"):
+        model = load_graph(src)
+    check_ops_known(model)
+    check_float32(model)
+    if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
+        check_canonical(model)
+        return model
+    with progress.stage("running passes (the graph is not canonical yet)"):
+        options = options or PassOptions()
+        options.config = config
+        return optimize(model, options)

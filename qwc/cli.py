@@ -232,15 +232,17 @@ def _cmd_run(args: argparse.Namespace) -> None:
     if args.prompt is None:
         raise QwcError("give --prompt TEXT (or --chat)")
     _check_utf8(args.prompt, "--prompt")
-    t0 = time.perf_counter()
-    n = 0
     sys.stdout.write(args.prompt)
     for piece in eng.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sp):
         sys.stdout.write(piece)
         sys.stdout.flush()
-        n += 1
     sys.stdout.write("\n")
-    progress.info(f"[qwc] {eng.pos} tokens in context, {time.perf_counter() - t0:.2f}s")
+    sys.stdout.flush()   # the text before the timings, also when stdout is a pipe
+    st = eng.stats
+    rate = (lambda n, s: f"{n / s:.1f} tok/s" if s > 0 and n else "-")
+    progress.info(f"[qwc] prompt {st['prompt_tokens']} tokens at {rate(st['prompt_tokens'], st['prompt_s'])}, "
+                  f"generated {st['generated']} at {rate(st['generated'], st['generate_s'])} "
+                  f"({eng.threads} threads, {eng.pos} tokens in context)")
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:

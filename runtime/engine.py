@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numbers
 import os
-import platform
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -20,7 +20,7 @@ from qwc.errors import QwcError
 from qwc.limits import max_threads
 
 from . import memory
-from .manifest import check_library, read_manifest
+from .manifest import check_library, machine_arch, read_manifest
 from .sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 256
@@ -42,14 +42,9 @@ def _import_tvm():
     return tvm
 
 
-def _machine_arch() -> str:
-    m = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
-
-
 def _cpu_features() -> set[str] | None:
     """The artifact feature names this CPU has, or None if they cannot be read."""
-    if _machine_arch() == "aarch64":
+    if machine_arch() == "aarch64":
         # The kernel's hwcaps (also what qemu-user reports for the CPU it emulates).
         import ctypes
 
@@ -79,7 +74,7 @@ def _is_int(v, lo: int = 0) -> bool:
 
 def check_runs_here(manifest: dict) -> None:
     t = manifest["target"]
-    here = _machine_arch()
+    here = machine_arch()
     if t["arch"] != here:
         raise QwcError(f"artifact was compiled for {t['name']} ({t['arch']}); this machine is {here}")
     have = _cpu_features()
@@ -144,6 +139,7 @@ class Engine:
         self._ids, self._mask, self._positions = (arena.take((1, self.ctx), np.int64) for _ in range(3))
         self._mask[:] = 1
         self.pos = 0
+        self.stats: dict = {}   # the last generate's token counts and times
         self.tokenizer = None
         tok = self.path / "tokenizer.json"
         if tok.is_file():
@@ -288,7 +284,12 @@ class Engine:
         ids = self.encode(prompt) if isinstance(prompt, str) else self._token_ids(prompt, "generate")[0].tolist()
         sampler = Sampler(sampling or SamplingParams())
         stop = self.eos if stop is None else stop
+        t0 = time.perf_counter()
         logits = self.prefill(ids)
+        t1 = time.perf_counter()
+        # What `qwc run` reports, as llama.cpp's timings: the prompt, then each new token (the
+        # consumer's time between pieces included).
+        self.stats = {"prompt_tokens": len(ids), "prompt_s": t1 - t0, "generated": 0, "generate_s": 0.0}
         history, out, shown = list(ids), [], ""
         for _ in range(max_new_tokens):
             tok = sampler(logits, history)
@@ -296,6 +297,7 @@ class Engine:
                 break
             out.append(tok)
             history.append(tok)
+            self.stats["generated"], self.stats["generate_s"] = len(out), time.perf_counter() - t1
             text = self.tokenizer.decode(out) if self.tokenizer else ""
             # Hold back a trailing partial UTF-8 sequence until it completes.
             if not text.endswith("\ufffd") and len(text) > len(shown):

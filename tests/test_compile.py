@@ -244,7 +244,7 @@ def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
     assert "prefill_act_q8_silu_" in syms and "decode_q4_gemv_vnni_silu_mul_q8_320x" in syms and "sigmoid" not in syms
     assert "decode_act_q8_silu_" not in syms and "decode_act_q8_320_" not in syms
     assert re.search(r"decode_q4_gemv_vnni_\d+_\d+_\d+x", syms)   # three outputs
-    # ...and decode attends in three passes (frontend.three_pass_decode_attention), prefill online
+    # ...and decode attends in three passes (targets.KERNEL_RULES), prefill online
     assert "decode_attention_3pass" in syms and "decode_attention_online" not in syms
     assert "prefill_attention_online" in syms
     # ...which rotates q and k, writes the cache and quantizes its output for the o projection

@@ -1,1 +1,28 @@
-"""TIR kernels per ISA family. `generic` is correct everywhere; ISA folders specialise."""
+"""TIR kernels per ISA family. `generic` is correct everywhere; ISA folders specialise.
+
+The W4A8 builders by the names compiler/targets.py's KERNEL_RULES give them.
+"""
+
+
+def w4a8_gemm(impl: str, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None):
+    """The W4A8 prefill GEMM `impl` ("vnni", "sdot", "smmla") for N rows, nb blocks of K;
+    `tokens`: its tile width (None: the kernel's default); `m`: a fixed token count."""
+    if impl == "vnni":
+        from .x86 import vnni
+        return vnni.q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m)
+    if impl == "sdot":
+        from .arm import dotprod
+        return dotprod.q4_dot(n, nb, False, scale_dtype, tokens=tokens, m=m)
+    if impl == "smmla":
+        from .arm import i8mm
+        return i8mm.q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m)
+    raise ValueError(f"unknown W4A8 GEMM {impl!r}")
+
+
+def w4a8_zero_point(impl: str) -> int:
+    """The per-block offset factor the activation quantizer folds in for kernel `impl`."""
+    if impl == "vnni":
+        from .x86 import vnni
+        return vnni.ZERO_POINT
+    from .arm import dotprod, i8mm
+    return {"sdot": dotprod.ZERO_POINT, "smmla": i8mm.ZERO_POINT}[impl]
