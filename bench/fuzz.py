@@ -773,7 +773,7 @@ def named_cases() -> list[Case]:
              signal_at=("tracing", 2.0, signal.SIGINT), expect=("interrupt",), output="o.onnx"),
         Case("paths", "sigint-optimize", ["optimize", "m.onnx", "-o", "o.onnx"], setup=copy_graph(),
              signal_at=("running passes", 0.1, signal.SIGINT), expect=("interrupt", "ok"), output="o.onnx"),
-        Case("paths", "sigint-bench", ["bench", "a.qwc", "-p", "0", "-n", "2000", "-r", "50"], setup=copy_artifact,
+        Case("paths", "sigint-bench", ["bench", "a.qwc", "-p", "0", "-n", "2000", "-r", "200"], setup=copy_artifact,
              signal_at=(None, 3.0, signal.SIGINT), expect=("interrupt",)),
         Case("paths", "sigkill-compile-in-write-then-rerun", ["compile", "m.q4.onnx", "-o", "o.qwc"],
              setup=copy_graph("tiny.q4.onnx", "m.q4.onnx"), signal_at=("writing", 0.3, signal.SIGKILL),
