@@ -315,7 +315,7 @@ def _last(text: str) -> str:
 
 # -- checks ----------------------------------------------------------------------------------
 
-def same_as_reference(cwd: Path, r: Run, model=None) -> str | None:
+def same_as_reference(cwd: Path, r: Run) -> str | None:
     ref = _MODEL["reference"]
     return None if r.stdout == ref else f"output {r.stdout[:60]!r} differs from the clean artifact's {ref[:60]!r}"
 

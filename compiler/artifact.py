@@ -23,7 +23,7 @@ from qwc.atomic import replace_dir, staging_dir, temp_files_in
 from qwc.checksum import sha256
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
-from qwc.runtime.manifest import ALIGN, FORMAT_VERSION, check_manifest
+from qwc.manifest import ALIGN, FORMAT_VERSION, check_manifest
 
 LIB_SPACE = 64 << 20   # lib.so and its object files: ~1-6 MiB for the presets
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qwc.errors import QwcError
-from qwc.runtime.manifest import machine_arch as host_arch   # the one map of machine names
+from qwc.manifest import machine_arch as host_arch   # the one map of machine names
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 import os
+
+
+def is_int(v, lo: int | None = 0) -> bool:
+    """An integer (Python's or numpy's, not a bool) of at least `lo` (None: any)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and (lo is None or v >= lo)
 
 
 def usable_cpus() -> int:

@@ -6,7 +6,6 @@ compiler does not, e.g. on an ARM board with the aarch64 TVM wheel.
 
 from __future__ import annotations
 
-import numbers
 import os
 import sys
 import time
@@ -17,10 +16,10 @@ import numpy as np
 
 from qwc.checksum import sha256
 from qwc.errors import QwcError
-from qwc.limits import max_threads
+from qwc.limits import is_int, max_threads
 
 from . import memory
-from .manifest import check_library, machine_arch, read_manifest
+from qwc.manifest import check_library, machine_arch, read_manifest
 from .sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 256
@@ -68,10 +67,6 @@ def _cpu_features() -> set[str] | None:
     return flags
 
 
-def _is_int(v, lo: int = 0) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= lo
-
-
 def check_runs_here(manifest: dict) -> None:
     t = manifest["target"]
     here = machine_arch()
@@ -87,10 +82,10 @@ def check_runs_here(manifest: dict) -> None:
 class Engine:
     def __init__(self, path, ctx: int = 512, threads: int | None = None, verify_hashes: bool = True):
         self.path = Path(path)
-        if threads is not None and (not _is_int(threads) or not 1 <= threads <= max_threads()):
+        if threads is not None and (not is_int(threads) or not 1 <= threads <= max_threads()):
             raise QwcError(f"threads {threads!r}: must be an integer from 1 to {max_threads()} "
                            "(4 per usable CPU, at least 8)")
-        if not _is_int(ctx) or ctx < 1:
+        if not is_int(ctx) or ctx < 1:
             raise QwcError(f"ctx {ctx!r}: must be a positive integer")
         self.manifest = read_manifest(self.path)
         check_runs_here(self.manifest)
@@ -228,9 +223,11 @@ class Engine:
     def decode(self, token: int) -> np.ndarray:
         if isinstance(token, np.ndarray) and token.ndim == 0:
             token = token.item()
-        if not _is_int(token, lo=-2**63):
+        if not is_int(token, lo=None):
             raise QwcError(f"decode takes one token id (an integer), not {type(token).__name__}")
-        return self._run(self._decode, self._token_ids([token], "decode"))[-1]
+        if not 0 <= token < self.vocab_size:
+            raise QwcError(f"decode: token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        return self._run(self._decode, np.array([[token]], np.int64))[-1]
 
     def _token_ids(self, tokens, what: str) -> np.ndarray:
         """`tokens` as a [1, n] int64 array, refusing anything that is not a non-empty flat
@@ -277,7 +274,7 @@ class Engine:
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32,
                  sampling: SamplingParams | None = None, stop: set[int] | None = None) -> Iterator[str]:
         """Stream decoded text pieces for `prompt`, continuing the current cache."""
-        if not _is_int(max_new_tokens):
+        if not is_int(max_new_tokens):
             raise QwcError(f"max_new_tokens {max_new_tokens!r}: must be an integer >= 0")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise QwcError("sampling must be a SamplingParams")

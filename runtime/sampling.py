@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qwc.errors import QwcError
+from qwc.limits import is_int
 
 
 @dataclass
@@ -27,10 +28,9 @@ class SamplingParams:
         number("temperature", lambda v: v >= 0, "a finite number >= 0 (0: greedy)")
         number("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1: off)")
         number("repetition_penalty", lambda v: v > 0, "a finite number > 0 (1: off)")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+        if not is_int(self.top_k):
             raise QwcError(f"top_k {self.top_k!r}: must be an integer >= 0 (0: off)")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
-                                      or not 0 <= self.seed < 2**63):
+        if self.seed is not None and not (is_int(self.seed) and self.seed < 2**63):
             raise QwcError(f"seed {self.seed!r}: must be an integer in [0, 2**63) or None (random)")
 
 

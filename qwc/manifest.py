@@ -17,6 +17,7 @@ import numpy as np
 
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
+from qwc.limits import is_int
 
 FORMAT_VERSION = 1
 ALIGN = 64                       # every parameter's offset in params.bin
@@ -48,10 +49,6 @@ def read_manifest(path: Path) -> dict:
         raise QwcError(f"{mf}: cannot read ({e.strerror})") from None
     check_manifest(manifest, where=str(mf))
     return manifest
-
-
-def _is_int(v, lo=0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
 
 def _is_str_list(v) -> bool:
@@ -97,7 +94,7 @@ def check_manifest(m, where: str = "manifest.json") -> None:
         bad(f"functions.cache_shape {f.get('cache_shape')!r} does not match the model "
             f"(1, {cfg.num_key_value_heads} KV heads, ctx, head_dim {cfg.head_dim})")
     mult = f.get("cache_capacity_multiple", 1)
-    if not _is_int(mult, 1) or mult > 4096:
+    if not is_int(mult, 1) or mult > 4096:
         bad(f"functions.cache_capacity_multiple {mult!r} must be an integer in [1, 4096]")
 
     end, names = 0, set()
@@ -111,10 +108,10 @@ def check_manifest(m, where: str = "manifest.json") -> None:
         if p.get("dtype") not in DTYPES:
             bad(f"parameter {name}: dtype {p.get('dtype')!r} is not one of {', '.join(sorted(DTYPES))}")
         shape = p.get("shape")
-        if not isinstance(shape, list) or not all(_is_int(d, 1) for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d, 1) for d in shape):
             bad(f"parameter {name}: shape {shape!r} must be a list of positive integers")
         off, nbytes = p.get("offset"), p.get("nbytes")
-        if not _is_int(off) or off % ALIGN or off < end:
+        if not is_int(off) or off % ALIGN or off < end:
             bad(f"parameter {name}: offset {off!r} must be a multiple of {ALIGN} past the previous parameter")
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(p["dtype"]).itemsize
         if nbytes != size:
