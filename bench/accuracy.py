@@ -1,11 +1,13 @@
 """SmolLM2-135M on Jane Austen: float vs PTQ Q4_0 vs QAT Q4_0, in one table.
 
-    .venv/bin/python bench/accuracy.py [--qat-steps 200] [--lr 5e-5] [--chunks 40] [--items 200]
+    .venv/bin/python bench/accuracy.py [--qat-steps 200] [--lr 5e-5] [--chunks 40] [--items 200] [--rows a,b]
 
 Rows (every one through `qwc` commands, so the table is what a user gets):
   float        the GGUF's weights dequantized (Q4_1 -> fp32), torch
   ptq          `qwc optimize` of the float export (Q4_0 linears and 4-bit embedding), onnxruntime
   ptq-emb8     the same with the embedding / tied lm_head at Q8_0 (`--lm-head-bits 8`)
+  fold, fold-emb8  the same two with the norm gains folded into the weights first (`--fold-norm-gains`)
+  awq, awq-emb8    the same two with activation-aware scales (`--awq`, calibrated on Emma)
   ft+ptq       control: float fine-tune on the same Emma data and steps, then PTQ; separates
                what QAT gains from what fine-tuning on Austen gains by itself
   qat          `qwc qat --quantize-embedding` on Emma, then `qwc optimize` (lossless), onnxruntime
@@ -52,6 +54,9 @@ def evaluate(model: Path | str, work: Path, a, choices: Path, tag: str) -> dict:
     return json.loads(out.read_text())
 
 
+ROWS = ("float", "ptq", "ptq-emb8", "fold", "fold-emb8", "awq", "awq-emb8", "ft+ptq", "qat")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--qat-steps", type=int, default=200)
@@ -62,29 +67,39 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "qwc" / "accuracy")
     ap.add_argument("--no-compiled", action="store_true", help="skip the compiled-artifact column")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--rows", help=f"only these rows, comma-separated (of {', '.join(ROWS)})")
     a = ap.parse_args()
+    wanted = ROWS if not a.rows else a.rows.split(",")
+    if set(wanted) - set(ROWS):
+        sys.exit(f"accuracy: unknown rows {sorted(set(wanted) - set(ROWS))} (known: {', '.join(ROWS)})")
     w = a.work
     w.mkdir(parents=True, exist_ok=True)
     qwc("-q", "data", "fetch")
     choices = ensure(w / "persuasion.jsonl", "data", "choices", "--text", "austen:persuasion",
                      "--items", str(max(a.items, 200)), "-o", str(w / "persuasion.jsonl"))
     train = ["--data", "austen:emma", "--steps", str(a.qat_steps), "--lr", str(a.lr)]
-    qat_dir = ensure(w / f"qat-{a.qat_steps}", "qat", "smollm2", *train, "--quantize-embedding",
-                     "-o", str(w / f"qat-{a.qat_steps}"))
-    ft_dir = ensure(w / f"ft-{a.qat_steps}", "qat", "smollm2", *train, "--fake-quant-after", str(a.qat_steps),
-                    "-o", str(w / f"ft-{a.qat_steps}"))
+
+    def trained(kind: str, *opt: str) -> str:   # a QAT or float fine-tune run, made once
+        return str(ensure(w / f"{kind}-{a.qat_steps}", "qat", "smollm2", *train, *opt, "-o", str(w / f"{kind}-{a.qat_steps}")))
 
     def quantized(src: str, name: str, *opt: str) -> tuple[Path, Path]:
-        onnx_ = ensure(w / f"{name}.onnx", "-q", "export", src, "-o", str(w / f"{name}.onnx"))
+        base = Path(src).name   # one export per source model, shared by its rows
+        onnx_ = ensure(w / f"{base}.onnx", "-q", "export", src, "-o", str(w / f"{base}.onnx"))
         q4 = ensure(w / f"{name}.q4.onnx", "-q", "optimize", str(onnx_), *opt, "-o", str(w / f"{name}.q4.onnx"))
         art = w / f"{name}.qwc"
         if not a.no_compiled:
             ensure(art, "-q", "compile", str(q4), "--target", "host", "--act-bits", "8", "-o", str(art))
         return q4, art
 
-    rows = {"float": (evaluate("smollm2", w, a, choices, "float"), None)}
-    for name, src, opt in (("ptq", "smollm2", ()), ("ptq-emb8", "smollm2", ("--lm-head-bits", "8")),
-                           ("ft+ptq", str(ft_dir), ()), ("qat", str(qat_dir), ())):
+    rows = {"float": (evaluate("smollm2", w, a, choices, "float"), None)} if "float" in wanted else {}
+    emb8, fold, awq = ("--lm-head-bits", "8"), ("--fold-norm-gains",), ("--awq", "--calib", "austen:emma")
+    recipes = {"ptq": lambda: ("smollm2", ()), "ptq-emb8": lambda: ("smollm2", emb8),
+               "fold": lambda: ("smollm2", fold), "fold-emb8": lambda: ("smollm2", fold + emb8),
+               "awq": lambda: ("smollm2", awq), "awq-emb8": lambda: ("smollm2", awq + emb8),
+               "ft+ptq": lambda: (trained("ft", "--fake-quant-after", str(a.qat_steps)), ()),
+               "qat": lambda: (trained("qat", "--quantize-embedding"), ())}
+    for name in (r for r in ROWS[1:] if r in wanted):
+        src, opt = recipes[name]()
         q4, art = quantized(src, name.replace("+", "-"), *opt)
         ref = evaluate(q4, w, a, choices, name)
         comp = None if a.no_compiled else evaluate(art, w, a, choices, name + "-qwc")

@@ -89,7 +89,7 @@ def cpu_pipeline(target):
             seq = tvm.transform.Sequential(
                 # q, k and v (and gate, up) read the same activations: quantize them once;
                 # q, k and v's decode GEMVs then become one launch (compiler/sibling_gemvs.py;
-                # gate and up already are one, frontend._decode_gate_up). DCE drops what a
+                # gate and up already are one, compiler/fuse_gate_up.py). DCE drops what a
                 # fused kernel made unused (the SiLU·mul and RMSNorm the quantizers compute
                 # themselves, the GEMVs a merged or fused one replaced).
                 [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination(), merge_sibling_gemvs,

@@ -6,7 +6,7 @@ streams, and k and v (64 KiB of weights each) are too small to reach the memory'
 their own. This pass replaces each such set, within a dataflow block, by one call of an
 n-output kernel (kernels/x86/vnni.py: decode_gemv) at the place of the first, the others
 reading their output from its tuple. (Gate and up, which the same would merge, already are
-one GEMV that writes silu(gate) * up: frontend._decode_gate_up.)
+one GEMV that writes silu(gate) * up: fuse_gate_up.py, run at import.)
 """
 
 from __future__ import annotations

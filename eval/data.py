@@ -193,3 +193,19 @@ def read_text(path: Path) -> str:
 def resolve_model(spec: str) -> str:
     """`smollm2` names the cached SmolLM2 GGUF (fetched if missing); anything else is as given."""
     return str(smollm2_path()) if spec == "smollm2" else spec
+
+
+def calibration_ids(spec: str, tokenizer_path: Path | None, tokens: int, window: int = 512, seed: int = 0):
+    """`tokens` token ids of the text `spec` (a file or austen:<novel>) as whole windows of
+    `window` tokens at seeded random places, for calibrating a quantizer (`qwc optimize --awq`)."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    if tokenizer_path is None:
+        raise QwcError("calibration needs the model's tokenizer (a .tokenizer.json beside the graph)")
+    ids = np.asarray(Tokenizer.from_file(str(tokenizer_path)).encode(read_text(resolve_text(spec))).ids, np.int64)
+    n = max(1, tokens // window)
+    if len(ids) < n * window:
+        raise QwcError(f"{spec}: {len(ids)} tokens, fewer than the {n * window} calibration needs")
+    starts = np.sort(np.random.default_rng(seed).choice(len(ids) - window + 1, n, replace=False))
+    return np.concatenate([ids[s:s + window] for s in starts])

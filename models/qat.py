@@ -4,10 +4,9 @@ Forward passes use fq(W), the weight a Q4_0 round trip gives (qwc/q4.py's arithm
 bit for bit); gradients pass straight through to the float weight (straight-through
 estimator). The saved checkpoint holds fq(W) itself, so `qwc optimize` on it is lossless.
 
-The passes fold each RMSNorm gain into the linears that read it before quantizing
-(passes/fold_norm_scales.py), which would move trained weights off the grid. So training
-starts by doing that fold itself and keeps the folded gains at exactly 1: the quantized weight
-trained here is the one the passes will quantize. The final norm keeps a trainable gain, as the
+Training starts by folding each RMSNorm gain into the linears that read it and keeps the
+folded gains at exactly 1: the quantized weight trained here is the one the passes quantize,
+with or without `qwc optimize --fold-norm-gains` (which skips all-ones gains). The final norm keeps a trainable gain, as the
 tied lm_head cannot absorb it.
 
 Checkpoints (model, optimizer, step) go to OUT_DIR.ckpt/ every `save_every` steps; a rerun of

@@ -3,7 +3,8 @@
     (x / rms(x) * g) @ W  ==  (x / rms(x)) @ (diag(g) W)
 
 so the norm's gain becomes ones and the multiply disappears into weights that are about to
-be quantized anyway. A norm is folded only when every reader of its output is a MatMul with a
+be quantized anyway. Only with `fold_norm_gains` (`qwc optimize --fold-norm-gains`): before
+post-training quantization the fold costs accuracy (PassOptions says how much). A norm is folded only when every reader of its output is a MatMul with a
 constant weight (q/k/v after the input norm, gate/up after the post-attention norm).
 
 A tied lm_head reads the final norm through Transpose(embedding): folding the gain into it
@@ -25,6 +26,8 @@ _NORMS = {("", "SimplifiedLayerNormalization"): 1, ("com.microsoft", "SkipSimpli
 
 def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:
     options = options or PassOptions()
+    if not options.fold_norm_gains:   # the default: PassOptions.fold_norm_gains says why
+        return model
     g = Graph(model)
     for n in list(g.g.node):
         k = _NORMS.get((n.domain, n.op_type))

@@ -13,7 +13,15 @@ class PassOptions:
     block_size: int = 32                # 32 is llama.cpp's Q4_0; 128 trades accuracy for speed
     lm_head_bits: int = 4               # 8 keeps embedding + tied lm_head at Q8_0 (llama.cpp's default)
     keep_float: list[str] = field(default_factory=list)   # fnmatch patterns of linears left in float
-    untie_lm_head: bool = False         # give the lm_head its own weight so the final norm folds
+    # Fold each RMSNorm gain into the linears after it. Off by default: for post-training
+    # quantization it spreads the gain's outliers over every Q4_0 block (+16% perplexity on
+    # SmolLM2, docs/results.md "Accuracy"); the compiled norm applies the gain for free inside
+    # the activation quantizer. A QAT checkpoint's gains are already folded (all ones).
+    fold_norm_gains: bool = False
+    untie_lm_head: bool = False         # with fold_norm_gains: the lm_head's own weight, so the final norm folds
+    # Token ids of calibration text: activation-aware scales before quantizing (passes/awq.py);
+    # None: plain Q4_0
+    awq_calibration: object = None
     fold_limit: int = 4096              # largest constant (elements) canonicalize folds: shape math, never weights
 
     def require_config(self, why: str) -> ModelConfig:
@@ -29,3 +37,5 @@ class PassOptions:
             raise QwcError(f"block size {self.block_size} is not supported (32 or 128)")
         if self.lm_head_bits not in (4, 8):
             raise QwcError(f"lm-head bits {self.lm_head_bits} is not supported (4 or 8)")
+        if self.untie_lm_head and not self.fold_norm_gains:
+            raise QwcError("--untie-lm-head only changes anything with --fold-norm-gains (it lets the final norm's gain fold)")

@@ -11,7 +11,7 @@ import onnx
 from qwc import progress
 from qwc.errors import QwcError
 
-from . import (canonicalize, fold_norm_scales, fuse_attention, fuse_rmsnorm, fuse_rotary,
+from . import (awq, canonicalize, fold_norm_scales, fuse_attention, fuse_rmsnorm, fuse_rotary,
                quantize_embedding, quantize_linears, schemas)
 from .graph import node_label
 from .options import PassOptions
@@ -22,6 +22,7 @@ PASSES = [
     ("fold RMSNorm scales", fold_norm_scales.run),
     ("fuse rotary", fuse_rotary.run),
     ("fuse attention", fuse_attention.run),
+    ("activation-aware scales", awq.run),   # only with --awq; needs the fused float graph
     ("quantize embedding", quantize_embedding.run),
     ("quantize linears", quantize_linears.run),
     ("clean up", canonicalize.run),

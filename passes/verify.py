@@ -44,8 +44,10 @@ def uses_cache_buffer(sess) -> bool:
     return False
 
 
-def run_steps(sess, cfg: ModelConfig, steps: list[np.ndarray], ctx: int = 64) -> list[np.ndarray]:
-    """Logits for each chunk of `steps` (int arrays [batch, n]) fed one after another."""
+def run_steps(sess, cfg: ModelConfig, steps: list[np.ndarray], ctx: int = 64,
+              capture: dict | None = None) -> list[np.ndarray]:
+    """Logits for each chunk of `steps` (int arrays [batch, n]) fed one after another;
+    `capture` (a dict) gets every output of the last step by name."""
     b = steps[0].shape[0]
     buffer = uses_cache_buffer(sess)
     names = [o.name for o in sess.get_outputs()]
@@ -62,6 +64,8 @@ def run_steps(sess, cfg: ModelConfig, steps: list[np.ndarray], ctx: int = 64) ->
                  **kv}
         res = dict(zip(names, sess.run(None, feeds)))
         outs.append(res["logits"])
+        if capture is not None:
+            capture.update(res)
         kv = {f"past_key_values.{i}.{k}": res[f"present.{i}.{k}"] for i in range(n_layers) for k in ("key", "value")}
         past += s
     return outs

@@ -159,8 +159,14 @@ def _cmd_optimize(args: argparse.Namespace) -> None:
     from qwc.passes.pipeline import optimize_file
 
     opts = PassOptions(block_size=args.block_size, lm_head_bits=args.lm_head_bits,
-                       keep_float=args.keep_float or [], untie_lm_head=args.untie_lm_head)
+                       keep_float=args.keep_float or [], untie_lm_head=args.untie_lm_head,
+                       fold_norm_gains=args.fold_norm_gains)
     opts.validate()
+    if args.awq:
+        from qwc.config import tokenizer_for_graph
+        from qwc.eval.data import calibration_ids
+
+        opts.awq_calibration = calibration_ids(args.calib, tokenizer_for_graph(args.model), args.calib_tokens)
     t0 = time.perf_counter()
     r = optimize_file(args.model, args.output, opts, verify=args.verify)
     print(f"{'op':34s} {'before':>7s} {'after':>7s}")
@@ -333,8 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_export)
 
     o = sub.add_parser("optimize", help="raise an exported graph to qwc's canonical int4 graph",
-                       description="Fuse RMSNorm, rotary and attention into onnxruntime's LLM ops, fold "
-                                   "norm gains into the linears and quantize weights to Q4_0 "
+                       description="Fuse RMSNorm, rotary and attention into onnxruntime's LLM ops and "
+                                   "quantize weights to Q4_0 "
                                    "(MatMulNBits / GatherBlockQuantized). The result runs in onnxruntime.")
     o.add_argument("model", help="exported .onnx (with its .config.json beside it)")
     o.add_argument("-o", "--output", required=True, help="output .onnx path")
@@ -344,8 +350,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bits of the embedding and tied lm_head (8: llama.cpp's default Q8_0)")
     o.add_argument("--keep-float", action="append", metavar="PATTERN",
                    help="leave linears whose name matches (fnmatch, e.g. '*.down_proj') in float; repeatable")
+    o.add_argument("--fold-norm-gains", action="store_true",
+                   help="fold each RMSNorm gain into the linears after it before quantizing (off by default: "
+                        "it costs post-training quantization accuracy; the compiled norm applies the gain for free)")
+    o.add_argument("--awq", action="store_true",
+                   help="activation-aware scales before Q4_0 (AWQ), searched on calibration text; "
+                        "the result is plain Q4_0. A QAT checkpoint is left as it is")
+    o.add_argument("--calib", default="austen:emma", metavar="TEXT",
+                   help="calibration text for --awq: a file or austen:<novel> (default austen:emma)")
+    o.add_argument("--calib-tokens", type=_int_at_least(512, " (one calibration window)"), default=4096, metavar="N",
+                   help="calibration tokens for --awq, in windows of 512 (default 4096)")
     o.add_argument("--untie-lm-head", action="store_true",
-                   help="give the lm_head its own weight so the final norm's gain folds into it")
+                   help="with --fold-norm-gains: give the lm_head its own weight so the final norm's gain folds into it")
     o.add_argument("--verify", action="store_true",
                    help="run the input and output graphs in onnxruntime and report their difference")
     o.set_defaults(func=_cmd_optimize)

@@ -252,7 +252,7 @@ def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
     assert "decode_attention_3pass_q8" in syms
     assert not re.search(r"decode_(rotary|k_cache_write|kv_cache_write)", syms) and "prefill_rotary" in syms
     # ...and the residual reaches the o and down GEMVs through one reshape (a view), not two
-    # (a copy kernel once fused: frontend._unreshaped)
+    # (a copy kernel once fused: relax_match.BindingRewriter.unreshaped)
     assert not re.search(r"fused_reshape\d*_reshape", syms)
 
 

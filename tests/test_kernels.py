@@ -10,7 +10,7 @@ from tvm import relax
 from qwc.compiler.build import build
 from qwc.compiler.frontend import MatMulNBits
 from qwc.compiler.kernels import generic
-from qwc.compiler.kernels import row_groups
+from qwc.compiler.kernels import row_groups, w4a8
 from qwc.compiler.targets import get_target
 from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 
@@ -225,7 +225,6 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
     import tvm
 
     from qwc.compiler.kernels import act_quant, attention
-    from qwc.compiler.kernels.x86 import vnni
 
     cap, scale = 64, 1 / np.sqrt(hd)
     pos = np.array([[past + 3]], np.int64)
@@ -240,7 +239,7 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
     nb = heads * hd // 32
     out, aq, ad, off = (tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in (
         (q.shape, np.float32), ((1, nb, 32), np.int8), ((1, nb), np.float32), ((1, nb), np.float32)))
-    kernel = _host_kernel(attention.decode_attention(heads, kvh, hd, float(scale), "int64", vnni.ZERO_POINT))
+    kernel = _host_kernel(attention.decode_attention(heads, kvh, hd, float(scale), "int64", w4a8.ZERO_POINT))
     kernel(*(tvm.runtime.tensor(x) for x in (q, k[None, past:], v[None, past:])), kc, vc,
            tvm.runtime.tensor(np.array([past], np.int32)), *(tvm.runtime.tensor(x) for x in (pos, cos, sin)),
            out, aq, ad, off)
@@ -248,7 +247,7 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
     np.testing.assert_array_equal(vc.numpy(), want_v)
     ref = _attention_reference(_rotary(q, pos, cos, sin, heads), keys, v, past, 1, heads, kvh, hd, scale)
     np.testing.assert_allclose(out.numpy(), ref, rtol=0, atol=2e-6)
-    quantizer = _host_kernel(act_quant.fused_quantizer(heads * hd, vnni.ZERO_POINT, True))
+    quantizer = _host_kernel(act_quant.fused_quantizer(heads * hd, w4a8.ZERO_POINT, True))
     want = [tvm.runtime.tensor(np.zeros(x.shape, x.dtype)) for x in (aq, ad, off)]
     quantizer(tvm.runtime.tensor(out.numpy().reshape(1, -1)), *want)
     for got, exp in zip((aq, ad, off), want):
@@ -320,7 +319,7 @@ def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul):
     a = rng.standard_normal((1, k), dtype=np.float32)
     parts = [tvm.runtime.tensor(np.zeros(s, dt)) for s, dt in (((1, nb, 32), np.int8), ((1, nb), np.float32),
                                                                 ((1, nb), np.float32))]
-    _host_kernel(act_quant.fused_quantizer(k, vnni.ZERO_POINT, True))(tvm.runtime.tensor(a), *parts)
+    _host_kernel(act_quant.fused_quantizer(k, w4a8.ZERO_POINT, True))(tvm.runtime.tensor(a), *parts)
     aq, ad = parts[0].numpy(), parts[1].numpy()
     inter = np.empty_like(aq)
     inter[..., 0::2], inter[..., 1::2] = aq[..., :16], aq[..., 16:]   # back to element order
@@ -363,16 +362,16 @@ def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n):
             ((1, blocks, 32), np.int8), ((1, blocks), np.float32), ((1, blocks), np.float32))]
 
     act = q8(nb)
-    _host_kernel(act_quant.fused_quantizer(k, vnni.ZERO_POINT, True))(
+    _host_kernel(act_quant.fused_quantizer(k, w4a8.ZERO_POINT, True))(
         tvm.runtime.tensor(rng.standard_normal((1, k), dtype=np.float32)), *act)
     weights = [tvm.runtime.tensor(x) for i in range(2) for x in row_groups.pack(*_weights(k, n, 200 + i)[:2])]
     outputs = ((n, False), (n, False))
     hidden = tvm.runtime.tensor(np.zeros((1, n), np.float32))
     _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True))(*act, *weights, hidden)
     ref = q8(nq)
-    _host_kernel(act_quant.fused_quantizer(n, vnni.ZERO_POINT, True))(hidden, *ref)
+    _host_kernel(act_quant.fused_quantizer(n, w4a8.ZERO_POINT, True))(hidden, *ref)
     got = q8(nq)
-    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True, quantize=vnni.ZERO_POINT))(*act, *weights, *got)
+    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True, quantize=w4a8.ZERO_POINT))(*act, *weights, *got)
     assert np.abs(ref[1].numpy()).min() > 0   # every block quantized, none left at zero
     for g, r in zip(got, ref):
         np.testing.assert_array_equal(g.numpy(), r.numpy())
@@ -386,4 +385,4 @@ def test_quantizing_decode_gemv_refuses_streams_that_split_a_block(monkeypatch):
 
     monkeypatch.setattr(vnni, "STREAMS", 6)
     with pytest.raises(ValueError, match="STREAMS"):
-        vnni.decode_gemv.__wrapped__(((64, False), (64, False)), 2, "float16", silu_mul=True, quantize=vnni.ZERO_POINT)
+        vnni.decode_gemv.__wrapped__(((64, False), (64, False)), 2, "float16", silu_mul=True, quantize=w4a8.ZERO_POINT)

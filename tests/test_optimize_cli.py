@@ -119,3 +119,25 @@ def test_hf_config_json_beside_a_foreign_graph(tiny_onnx, tiny_lm, tmp_path, cap
     tiny_lm.model.config.save_pretrained(d)
     code, cap = _run(["optimize", str(d / "model.onnx"), "-o", str(tmp_path / "out.onnx")], capsys)
     assert code == 0, cap.err
+
+
+def test_norm_gains_stay_in_the_norms_unless_folding_is_asked_for(tiny_onnx, tmp_path, capsys):
+    """Post-training quantization keeps each RMSNorm gain in its norm (folding it first costs
+    accuracy); --fold-norm-gains folds all but the tied final norm's; --untie-lm-head alone is
+    refused, since without folding it would change nothing."""
+    import numpy as np
+
+    def gains(path):
+        m = onnx.load(str(path))
+        inits = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
+        return [inits[n.input[1 if n.op_type == "SimplifiedLayerNormalization" else 2]] for n in m.graph.node
+                if "SimplifiedLayerNormalization" in n.op_type]
+
+    code, cap = _run(["optimize", str(tiny_onnx), "-o", str(tmp_path / "plain.onnx")], capsys)
+    assert code == 0, cap.err
+    assert len(gains(tmp_path / "plain.onnx")) == 5 and not any(np.all(g == 1) for g in gains(tmp_path / "plain.onnx"))
+    code, cap = _run(["optimize", str(tiny_onnx), "-o", str(tmp_path / "folded.onnx"), "--fold-norm-gains"], capsys)
+    assert code == 0, cap.err
+    assert sum(np.all(g == 1) for g in gains(tmp_path / "folded.onnx")) == 4
+    code, cap = _run(["optimize", str(tiny_onnx), "-o", str(tmp_path / "bad.onnx"), "--untie-lm-head"], capsys)
+    _assert_one_line_error(code, cap, "--fold-norm-gains", tmp_path)

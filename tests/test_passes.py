@@ -36,7 +36,7 @@ def _ops(m):
 def test_each_fusion_and_fold_keeps_outputs(exported, tiny_lm):
     schemas.register()
     cfg = tiny_lm.config
-    opts = PassOptions(config=cfg)
+    opts = PassOptions(config=cfg, fold_norm_gains=True)
     steps = random_steps(cfg, batch=2, prompt=8, decode=4)
     prev = onnx.load(str(exported))
     for p in FUSIONS:
@@ -59,7 +59,7 @@ def test_chunked_prefill_on_the_cache_buffer(exported, tiny_lm):
     m = onnx.load(str(exported))
     fused = m
     for p in FUSIONS:
-        fused = p.run(fused, PassOptions(config=cfg))
+        fused = p.run(fused, PassOptions(config=cfg, fold_norm_gains=True))
     rng = np.random.default_rng(7)
     steps = [rng.integers(0, 259, (1, 6)), rng.integers(0, 259, (1, 1)), rng.integers(0, 259, (1, 5)),
              rng.integers(0, 259, (1, 1))]
@@ -71,14 +71,14 @@ def test_fold_sets_gains_to_one_except_the_tied_lm_head(tiny_onnx, tiny_lm):
     cfg = tiny_lm.config
     m = onnx.load(str(tiny_onnx))
     for p in (canonicalize, fuse_rmsnorm, fold_norm_scales):
-        m = p.run(m, PassOptions(config=cfg))
+        m = p.run(m, PassOptions(config=cfg, fold_norm_gains=True))
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
     gains = [inits[n.input[1 if n.op_type == "SimplifiedLayerNormalization" else 2]] for n in m.graph.node
              if "SimplifiedLayerNormalization" in n.op_type]
     assert sum(np.all(g == 1) for g in gains) == 4          # all but the final norm
     untied = onnx.load(str(tiny_onnx))
     for p in (canonicalize, fuse_rmsnorm, fold_norm_scales):
-        untied = p.run(untied, PassOptions(config=cfg, untie_lm_head=True))
+        untied = p.run(untied, PassOptions(config=cfg, fold_norm_gains=True, untie_lm_head=True))
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in untied.graph.initializer}
     gains = [inits[n.input[1 if n.op_type == "SimplifiedLayerNormalization" else 2]] for n in untied.graph.node
              if "SimplifiedLayerNormalization" in n.op_type]
@@ -86,16 +86,18 @@ def test_fold_sets_gains_to_one_except_the_tied_lm_head(tiny_onnx, tiny_lm):
     assert compare(m, untied, cfg).max_rel < 1e-5
 
 
-def _fake_quant_reference(lm, block=32, embed_bits=4):
+def _fake_quant_reference(lm, block=32, embed_bits=4, fold=False):
     """transformers' model with the passes' transformations done in torch: norm gains folded
-    into the linears, every linear weight through the numpy Q4_0 round trip, the (tied)
-    embedding through Q4_0 or Q8_0."""
+    into the linears (`fold`), every linear weight through the numpy Q4_0 round trip, the
+    (tied) embedding through Q4_0 or Q8_0."""
     ref = copy.deepcopy(lm.model)
     with torch.no_grad():
         for layer in ref.model.layers:
             a, m = layer.self_attn, layer.mlp
             for norm, lins in ((layer.input_layernorm, (a.q_proj, a.k_proj, a.v_proj)),
                                (layer.post_attention_layernorm, (m.gate_proj, m.up_proj))):
+                if not fold:
+                    continue
                 for lin in lins:
                     lin.weight.mul_(norm.weight)
                 norm.weight.fill_(1.0)
@@ -109,12 +111,13 @@ def _fake_quant_reference(lm, block=32, embed_bits=4):
     return ref
 
 
-@pytest.mark.parametrize("block,embed_bits", [(32, 4), (128, 4), (32, 8)])
-def test_quantized_graph_matches_numpy_q4_0_reference(exported, tiny_lm, block, embed_bits):
+@pytest.mark.parametrize("block,embed_bits,fold", [(32, 4, False), (128, 4, False), (32, 8, False), (32, 4, True)])
+def test_quantized_graph_matches_numpy_q4_0_reference(exported, tiny_lm, block, embed_bits, fold):
     cfg = tiny_lm.config
-    m = optimize(onnx.load(str(exported)), PassOptions(config=cfg, block_size=block, lm_head_bits=embed_bits))
+    m = optimize(onnx.load(str(exported)), PassOptions(config=cfg, block_size=block, lm_head_bits=embed_bits,
+                                                       fold_norm_gains=fold))
     steps = random_steps(cfg, batch=1, prompt=8, decode=8, seed=3)
-    ref = torch_kv_logits(_fake_quant_reference(tiny_lm, block, embed_bits), steps[0], steps[1:])
+    ref = torch_kv_logits(_fake_quant_reference(tiny_lm, block, embed_bits, fold), steps[0], steps[1:])
     got = run_steps(session(m), cfg, steps)
     for r, g in zip(ref, got):
         assert np.abs(r - g).max() < 1e-4

@@ -1,6 +1,7 @@
 """TIR kernels per ISA family. `generic` is correct everywhere; ISA folders specialise.
 
-The W4A8 builders by the names compiler/targets.py's KERNEL_RULES give them.
+The W4A8 builders by the names compiler/targets.py's KERNEL_RULES give them; what the W4A8
+kernels share (signature, zero point, tile defaults) is in w4a8.py.
 """
 
 
@@ -17,12 +18,3 @@ def w4a8_gemm(impl: str, n: int, nb: int, scale_dtype: str, tokens: int | None =
         from .arm import i8mm
         return i8mm.q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m)
     raise ValueError(f"unknown W4A8 GEMM {impl!r}")
-
-
-def w4a8_zero_point(impl: str) -> int:
-    """The per-block offset factor the activation quantizer folds in for kernel `impl`."""
-    if impl == "vnni":
-        from .x86 import vnni
-        return vnni.ZERO_POINT
-    from .arm import dotprod, i8mm
-    return {"sdot": dotprod.ZERO_POINT, "smmla": i8mm.ZERO_POINT}[impl]

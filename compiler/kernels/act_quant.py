@@ -22,6 +22,9 @@ BLOCK = 32
 HALF = BLOCK // 2
 LANES = 16   # fp32 lanes of the squares (rms_eps)
 LAYOUTS = ("plain", "arm", "arm_pairs")   # see fused_quantizer
+# The attribute that marks fused_quantizer's kernels, with what built them ("kind": "plain",
+# "silu_mul" or "rms"; "layout"; "zero_point"), for the import-time fusion passes
+QUANTIZER = "qwc.act_quantizer"
 EVENS = [2 * i for i in range(HALF)]
 ODDS = [2 * i + 1 for i in range(HALF)]
 
@@ -82,6 +85,12 @@ def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int, flat=None):
                            [T.ramp(aq_at(e), 1, 8)])
     for at in scale_at:
         T.buffer_store(off, total * T.int32(zero_point), [at])
+
+
+def quantizer_name(k: int, zero_point: int, one_row: bool, kind: str = "plain", layout: str = "plain") -> str:
+    """The kernel name fused_quantizer's kernel goes by in a module (without the entry point's prefix)."""
+    stem = {"plain": "", "silu_mul": "silu_", "rms": "rms_"}[kind]
+    return f"act_q8_{stem}{k}_{int(one_row)}_sum{-zero_point}" + ("" if layout == "plain" else f"_{layout}")
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
@@ -216,13 +225,16 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
                 else:
                     blocks(a, g, u, aq, ad, off, i)
 
+    def mark(kernel, kind):
+        return kernel.with_attr(QUANTIZER, {"kind": kind, "layout": layout, "zero_point": zero_point})
+
     if silu_mul:
         @T.prim_func(private=True, check_well_formed=False)
         def kernel(var_g: T.handle, var_u: T.handle, var_aq: T.handle, var_ad: T.handle, var_off: T.handle):
             g = T.match_buffer(var_g, (rows, k), "float32")
             u = T.match_buffer(var_u, (rows, k), "float32")
             quantize_rows(None, g, u, var_aq, var_ad, var_off)
-        return kernel
+        return mark(kernel, "silu_mul")
 
     if rms_eps is not None:
         @T.prim_func(private=True, check_well_formed=False)
@@ -230,11 +242,11 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
                    var_off: T.handle):
             a = T.match_buffer(var_a, (rows, k), "float32")
             quantize_rows(a, gamma, None, var_aq, var_ad, var_off)
-        return kernel
+        return mark(kernel, "rms")
 
     @T.prim_func(private=True, check_well_formed=False)
     def kernel(var_a: T.handle, var_aq: T.handle, var_ad: T.handle, var_off: T.handle):
         a = T.match_buffer(var_a, (rows, k), "float32")
         quantize_rows(a, None, None, var_aq, var_ad, var_off)
 
-    return kernel
+    return mark(kernel, "plain")

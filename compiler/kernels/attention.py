@@ -42,6 +42,7 @@ STACK_BYTES = 1024
 NEG_INF = -3.0e38  # the running max's start and masked lanes' score (finite: no inf - inf)
 ACCS = 2         # value accumulators (even and odd keys): halves the update's dependency chain
 WRITES_Q8 = "qwc.decode_attention_q8"   # marks a decode attention that also writes its output's Q8_0
+ONLINE_SCALE = "qwc.attention_scale"    # marks `attention` with its score scale (compiler/fuse_decode_attention.py)
 
 
 def supports(head_dim: int) -> bool:
@@ -162,7 +163,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
                     _tree_sum([acc[T.ramp((a * chunks + c) * LANES, 1, LANES)] for a in range(ACCS)])
                     / T.broadcast(stat[1], LANES))
 
-    return kernel
+    return kernel.with_attr(ONLINE_SCALE, float(scale))
 
 
 def fuses_decode_prologue(head_dim: int) -> bool:
@@ -230,6 +231,115 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             dst[T.ramp(at + c * LANES, 1, LANES)] = lo * cs + (-hi) * sn
             dst[T.ramp(at + (c + hc) * LANES, 1, LANES)] = hi * cs + lo * sn
 
+    # decode_attention's steps, run by one task per kv head (kvh) in `attend`
+    @T.macro
+    def write_new_token(k, v, kc, vc, kr, cos, sin, pos, kvh, slot):
+        """0: the kv head's new key, rotated (kept in kr), and value into the caches at `slot`."""
+        rotate(kr, 0, k, kvh * head_dim, cos, sin, pos[0, 0])
+        for c in range(chunks):
+            vc[T.int64(0), kvh, slot, T.ramp(c * LANES, 1, LANES)] = v[
+                T.int64(0), T.int64(0), T.ramp(kvh * head_dim + c * LANES, 1, LANES)]
+        for d in range(head_dim):
+            row = T.bind(k_row_col(slot, d, head_dim)[0])
+            col = T.bind(k_row_col(slot, d, head_dim)[1])
+            kc[T.int64(0), kvh, row, col] = kr[d]
+
+    @T.macro
+    def rotate_queries(q, qr, mx, cos, sin, pos, kvh):
+        """The group's queries, rotated, into qr; the running max lanes to -inf."""
+        for hh in range(group):
+            rotate(qr, hh * head_dim, q, (kvh * group + hh) * head_dim, cos, sin, pos[0, 0])
+            mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(NEG_INF), kt)
+
+    @T.macro
+    def score(kc, qr, sc, mx, sacc, kvh, keys, tiles):
+        """1: scores into sc and their running max lanes into mx, nt tiles at once (streams):
+        tiles r, per + r, ...; with tiles % nt left over, one more round whose streams past
+        the last tile redo it (same values)."""
+        per = T.bind(tiles // T.int64(nt))
+        for r in range(per + T.Cast("int64", tiles % T.int64(nt) > T.int64(0))):
+            for d in range(head_dim):   # line d of a tile: element d of its 16 keys
+                for i in T.unroll(nt):   # each stream's line K_PREFETCH_LINES on (past the tile: the next)
+                    first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))   # the tile's first key
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(kc[
+                        T.int64(0), kvh, k_row_col(first, d + K_PREFETCH_LINES, head_dim)[0],
+                        k_row_col(first, d + K_PREFETCH_LINES, head_dim)[1]]), T.int32(0), T.int32(3), T.int32(1)))
+                for i in T.unroll(nt):
+                    first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))
+                    for hh in T.unroll(group):
+                        sacc[T.ramp((i * group + hh) * kt, 1, kt)] = sacc[T.ramp((i * group + hh) * kt, 1, kt)] + (
+                            T.broadcast(qr[hh * head_dim + d], kt) * kc[
+                                T.int64(0), kvh, k_row_col(first, d, head_dim)[0],
+                                T.ramp(k_row_col(first, d, head_dim)[1], 1, kt)])
+            for i in T.unroll(nt):       # past the last key: -inf
+                for hh in T.unroll(group):
+                    t = T.bind(T.min(i * per + r, tiles - T.int64(1)))
+                    s = T.bind(T.Select(_in_tile(T, t, keys), sacc[T.ramp((i * group + hh) * kt, 1, kt)]
+                                        * T.broadcast(T.float32(scale), kt), T.broadcast(T.float32(NEG_INF), kt)))
+                    sc[hh, T.ramp(t * kt, 1, kt)] = s
+                    mx[T.ramp(hh * kt, 1, kt)] = T.max(mx[T.ramp(hh * kt, 1, kt)], s)
+                    sacc[T.ramp((i * group + hh) * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
+
+    @T.macro
+    def weigh(sc, mx, tot, keys, tiles):
+        """2: weights exp(s - max) in place of the scores (past the last key: 0), their sums in tot."""
+        for hh in range(group):
+            m = T.bind(vector_math.reduce_max(T, mx[T.ramp(hh * kt, 1, kt)], kt))
+            mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(0), kt)    # now the sum's lanes
+            for t in range(tiles):
+                e = T.bind(T.Select(_in_tile(T, t, keys),
+                                    vector_math.exp(T, sc[hh, T.ramp(t * kt, 1, kt)] - T.broadcast(m, kt), kt),
+                                    T.broadcast(T.float32(0), kt)))
+                sc[hh, T.ramp(t * kt, 1, kt)] = e
+                mx[T.ramp(hh * kt, 1, kt)] = mx[T.ramp(hh * kt, 1, kt)] + e
+            tot[hh] = vector_math.reduce_sum(T, mx[T.ramp(hh * kt, 1, kt)], kt)
+
+    @T.macro
+    def values(vc, sc, tot, acc, out, kvh, keys):
+        """3: out = weighted sum of the values, `sweep` heads at a time (the first sweep reads V
+        from DRAM, the others from L2), V_STREAMS quarters of the keys in lockstep; heads past
+        the group redo the last one (not stored)."""
+        quarter = T.bind(keys // T.int64(V_STREAMS))
+        for w in range(sweeps):
+            for r in range(quarter):
+                for i in T.unroll(V_STREAMS):
+                    for c in T.unroll(chunks):
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                            vc[T.int64(0), kvh, i * quarter + r + V_PREFETCH_ROWS, c * LANES]),
+                            T.int32(0), T.int32(3), T.int32(1)))
+                for i in T.unroll(V_STREAMS):
+                    for hh in T.unroll(sweep):
+                        for c in T.unroll(chunks):
+                            acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
+                                vc[T.int64(0), kvh, i * quarter + r, T.ramp(c * LANES, 1, LANES)]
+                                * T.broadcast(sc[T.min(w * sweep + hh, group - 1), i * quarter + r], LANES))
+            for j in range(quarter * T.int64(V_STREAMS), keys):
+                for hh in T.unroll(sweep):
+                    for c in T.unroll(chunks):
+                        acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
+                            vc[T.int64(0), kvh, j, T.ramp(c * LANES, 1, LANES)]
+                            * T.broadcast(sc[T.min(w * sweep + hh, group - 1), j], LANES))
+            for hh in T.unroll(sweep):
+                if w * sweep + hh < group:
+                    for c in T.unroll(chunks):
+                        out[T.int64(0), T.int64(0), T.ramp((kvh * group + w * sweep + hh) * head_dim + c * LANES,
+                                                           1, LANES)] = (
+                            acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] / T.broadcast(tot[w * sweep + hh], LANES))
+                for c in T.unroll(chunks):
+                    acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+
+    @T.macro
+    def quantize_output(out, aq, ad, off, kvh):
+        """4 (with zero_point): the group's output as Q8_0 blocks, from the stored output: the
+        same bits as the quantizer kernel reading it."""
+        for hh in range(group):
+            if quantize:
+                for b in range(head_dim // BLOCK):
+                    col = T.bind((kvh * group + hh) * head_dim + b * BLOCK)
+                    quantize_block(T, out[T.int64(0), T.int64(0), T.ramp(col, 1, LANES)],
+                                   out[T.int64(0), T.int64(0), T.ramp(col + LANES, 1, LANES)],
+                                   aq, ad, off, T.int64(0), col // BLOCK, zero_point)
+
     @T.macro
     def attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off):
         # T.bind: a plain assignment here became a workspace allocation per call
@@ -251,90 +361,12 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                 sacc[T.ramp(i * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
             for i in T.unroll(sweep * chunks):
                 acc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
-            rotate(kr, 0, k, kvh * head_dim, cos, sin, pos[0, 0])   # 0: the new key and value into the cache
-            for c in range(chunks):
-                vc[T.int64(0), kvh, slot, T.ramp(c * LANES, 1, LANES)] = v[
-                    T.int64(0), T.int64(0), T.ramp(kvh * head_dim + c * LANES, 1, LANES)]
-            for d in range(head_dim):
-                row = T.bind(k_row_col(slot, d, head_dim)[0])
-                col = T.bind(k_row_col(slot, d, head_dim)[1])
-                kc[T.int64(0), kvh, row, col] = kr[d]
-            for hh in range(group):
-                rotate(qr, hh * head_dim, q, (kvh * group + hh) * head_dim, cos, sin, pos[0, 0])
-                mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(NEG_INF), kt)
-            # 1: scores, nt tiles at once (streams): tiles r, per + r, ...; with tiles % nt left
-            # over, one more round whose streams past the last tile redo it (same values)
-            per = T.bind(tiles // T.int64(nt))
-            for r in range(per + T.Cast("int64", tiles % T.int64(nt) > T.int64(0))):
-                for d in range(head_dim):   # line d of a tile: element d of its 16 keys
-                    for i in T.unroll(nt):   # each stream's line K_PREFETCH_LINES on (past the tile: the next)
-                        first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))   # the tile's first key
-                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(kc[
-                            T.int64(0), kvh, k_row_col(first, d + K_PREFETCH_LINES, head_dim)[0],
-                            k_row_col(first, d + K_PREFETCH_LINES, head_dim)[1]]), T.int32(0), T.int32(3), T.int32(1)))
-                    for i in T.unroll(nt):
-                        first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))
-                        for hh in T.unroll(group):
-                            sacc[T.ramp((i * group + hh) * kt, 1, kt)] = sacc[T.ramp((i * group + hh) * kt, 1, kt)] + (
-                                T.broadcast(qr[hh * head_dim + d], kt) * kc[
-                                    T.int64(0), kvh, k_row_col(first, d, head_dim)[0],
-                                    T.ramp(k_row_col(first, d, head_dim)[1], 1, kt)])
-                for i in T.unroll(nt):       # past the last key: -inf
-                    for hh in T.unroll(group):
-                        t = T.bind(T.min(i * per + r, tiles - T.int64(1)))
-                        s = T.bind(T.Select(_in_tile(T, t, keys), sacc[T.ramp((i * group + hh) * kt, 1, kt)]
-                                            * T.broadcast(T.float32(scale), kt), T.broadcast(T.float32(NEG_INF), kt)))
-                        sc[hh, T.ramp(t * kt, 1, kt)] = s
-                        mx[T.ramp(hh * kt, 1, kt)] = T.max(mx[T.ramp(hh * kt, 1, kt)], s)
-                        sacc[T.ramp((i * group + hh) * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
-            for hh in range(group):         # 2: weights exp(s - max) (past the last key: 0)
-                m = T.bind(vector_math.reduce_max(T, mx[T.ramp(hh * kt, 1, kt)], kt))
-                mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(0), kt)    # now the sum's lanes
-                for t in range(tiles):
-                    e = T.bind(T.Select(_in_tile(T, t, keys),
-                                        vector_math.exp(T, sc[hh, T.ramp(t * kt, 1, kt)] - T.broadcast(m, kt), kt),
-                                        T.broadcast(T.float32(0), kt)))
-                    sc[hh, T.ramp(t * kt, 1, kt)] = e
-                    mx[T.ramp(hh * kt, 1, kt)] = mx[T.ramp(hh * kt, 1, kt)] + e
-                tot[hh] = vector_math.reduce_sum(T, mx[T.ramp(hh * kt, 1, kt)], kt)
-            # 3: values, `sweep` heads at a time (the first sweep reads V from DRAM, the others
-            # from L2), V_STREAMS quarters of the keys in lockstep; heads past the group redo
-            # the last one (not stored)
-            quarter = T.bind(keys // T.int64(V_STREAMS))
-            for w in range(sweeps):
-                for r in range(quarter):
-                    for i in T.unroll(V_STREAMS):
-                        for c in T.unroll(chunks):
-                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                                vc[T.int64(0), kvh, i * quarter + r + V_PREFETCH_ROWS, c * LANES]),
-                                T.int32(0), T.int32(3), T.int32(1)))
-                    for i in T.unroll(V_STREAMS):
-                        for hh in T.unroll(sweep):
-                            for c in T.unroll(chunks):
-                                acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
-                                    vc[T.int64(0), kvh, i * quarter + r, T.ramp(c * LANES, 1, LANES)]
-                                    * T.broadcast(sc[T.min(w * sweep + hh, group - 1), i * quarter + r], LANES))
-                for j in range(quarter * T.int64(V_STREAMS), keys):
-                    for hh in T.unroll(sweep):
-                        for c in T.unroll(chunks):
-                            acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
-                                vc[T.int64(0), kvh, j, T.ramp(c * LANES, 1, LANES)]
-                                * T.broadcast(sc[T.min(w * sweep + hh, group - 1), j], LANES))
-                for hh in T.unroll(sweep):
-                    if w * sweep + hh < group:
-                        for c in T.unroll(chunks):
-                            out[T.int64(0), T.int64(0), T.ramp((kvh * group + w * sweep + hh) * head_dim + c * LANES,
-                                                               1, LANES)] = (
-                                acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] / T.broadcast(tot[w * sweep + hh], LANES))
-                    for c in T.unroll(chunks):
-                        acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
-            for hh in range(group):
-                if quantize:   # from the stored output: the same bits as the quantizer kernel reading it
-                    for b in range(head_dim // BLOCK):
-                        col = T.bind((kvh * group + hh) * head_dim + b * BLOCK)
-                        quantize_block(T, out[T.int64(0), T.int64(0), T.ramp(col, 1, LANES)],
-                                       out[T.int64(0), T.int64(0), T.ramp(col + LANES, 1, LANES)],
-                                       aq, ad, off, T.int64(0), col // BLOCK, zero_point)
+            write_new_token(k, v, kc, vc, kr, cos, sin, pos, kvh, slot)
+            rotate_queries(q, qr, mx, cos, sin, pos, kvh)
+            score(kc, qr, sc, mx, sacc, kvh, keys, tiles)
+            weigh(sc, mx, tot, keys, tiles)
+            values(vc, sc, tot, acc, out, kvh, keys)
+            quantize_output(out, aq, ad, off, kvh)
 
     @T.macro
     def kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off):

@@ -26,11 +26,10 @@ import functools
 from tvm import tirx
 
 from ..row_groups import ROWS, groups
+from ..w4a8 import DEFAULT_TOKENS, gemm_kernel, store_rows, token_count
 
-ZERO_POINT = -8
 LANES = 4          # int32 lanes of a 128-bit vector: rows per slice
 SLICES = ROWS // LANES
-DEFAULTS = {"tokens": 4}
 SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
 
 
@@ -74,21 +73,13 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
     from tvm.script import tirx as T
 
     ng = groups(n)
-    tm = 1 if decode else (tokens or DEFAULTS["tokens"])
-    ragged = n % ROWS != 0
-    rows_in = tirx.Var("m", "int64") if m is None else m
+    tm = 1 if decode else (tokens or DEFAULT_TOKENS["sdot"])
+    rows_in = token_count(m)
 
     @T.macro
     def store(y, acc, t, g, q, k):
-        """Row-slice q of group g for token t from acc[4k .. 4k+3] (doubled: halved_float), the
-        ragged edge lane by lane."""
-        if not ragged or g * ROWS + LANES * q + LANES <= n:
-            y[t, T.ramp(g * ROWS + LANES * q, 1, LANES)] = acc[T.ramp(k * LANES, 1, LANES)] * T.broadcast(
-                T.float32(2), LANES)
-        else:
-            for r in range(LANES):
-                if g * ROWS + LANES * q + r < n:
-                    y[t, g * ROWS + LANES * q + r] = acc[k * LANES + r] * T.float32(2)
+        """Row-slice q of group g for token t from acc[4k .. 4k+3] (doubled: halved_float)."""
+        store_rows(y, t, g * ROWS + LANES * q, LANES, n, acc, k * LANES, 2)
 
     @T.macro
     def group(w, aq, off, ws, ad, y, g, t):
@@ -118,24 +109,17 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
         for t in T.unroll(count):
             store(y, acc, first + t, g, q, t)
 
-    @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
-    def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
-               ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-        aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
-        ad = T.match_buffer(var_ad, (rows_in, nb), "float32")
-        off = T.match_buffer(var_off, (rows_in, nb), "int32")
-        y = T.match_buffer(var_y, (rows_in, n), "float32")
-        with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
-            for g in T.parallel(ng):
-                if tm == 1:
-                    for t in range(rows_in):
-                        group(w, aq, off, ws, ad, y, g, t)
-                else:
-                    for q in range(SLICES):
-                        for it in range(rows_in // tm):
-                            tile(w, aq, off, ws, ad, y, g, q, it * tm, tm)
-                        for i in range(rows_in // tm * tm, rows_in):
-                            tile(w, aq, off, ws, ad, y, g, q, i, 1)
+    @T.macro
+    def body(w, aq, off, ws, ad, y):
+        for g in T.parallel(ng):
+            if tm == 1:
+                for t in range(rows_in):
+                    group(w, aq, off, ws, ad, y, g, t)
+            else:
+                for q in range(SLICES):
+                    for it in range(rows_in // tm):
+                        tile(w, aq, off, ws, ad, y, g, q, it * tm, tm)
+                    for i in range(rows_in // tm * tm, rows_in):
+                        tile(w, aq, off, ws, ad, y, g, q, i, 1)
 
-    return kernel
+    return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32")

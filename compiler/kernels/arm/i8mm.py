@@ -35,12 +35,11 @@ import functools
 from tvm import tirx
 
 from ..row_groups import ROWS, groups
+from ..w4a8 import DEFAULT_TOKENS, gemm_kernel, token_count
 from .dotprod import halved_float
 
-ZERO_POINT = -8
 LANES = 4          # rows per 128-bit slice of a chunk
-MERGE_INTO = 5             # tile pairs after which a lone leftover pair merges into a 6-pair tile
-DEFAULTS = {"tokens": 10}  # tokens per tile (pairs of two): the tile's unpacked weights serve them all
+MERGE_INTO = 5     # tile pairs after which a lone leftover pair merges into a 6-pair tile
 SMMLA = "llvm.aarch64.neon.smmla.v4i32.v16i8"
 
 
@@ -105,8 +104,8 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
 
     ng = groups(n)
     ragged = n % ROWS != 0
-    tile_pairs = max(1, (tokens or DEFAULTS["tokens"]) // 2)
-    rows_in = tirx.Var("m", "int64") if m is None else m
+    tile_pairs = max(1, (tokens or DEFAULT_TOKENS["smmla"]) // 2)   # the tile's unpacked weights serve them all
+    rows_in = token_count(m)
 
     @T.macro
     def tile(w, aqf, adf, offf, ws, y, g, q, first, pairs):
@@ -161,44 +160,36 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             return tirx.const(False)
         return tirx.And(m // 2 % tile_pairs == 1, m // 2 > tile_pairs)
 
-    @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
-    def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
-               ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-        aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
-        ad = T.match_buffer(var_ad, (rows_in, nb, 2), "float32")
-        off = T.match_buffer(var_off, (rows_in, nb, 2), "int32")
-        y = T.match_buffer(var_y, (rows_in, n), "float32")
-        with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
-            aqf = T.decl_buffer((rows_in * nb * 32,), "int8", data=aq.data)
-            adf = T.decl_buffer((rows_in * nb * 2,), "float32", data=ad.data)
-            offf = T.decl_buffer((rows_in * nb * 2,), "int32", data=off.data)
-            # One leftover pair after whole tiles of 5 is taken with the last of them as a tile
-            # of 6 (0.092 instructions a multiply-add, where a 1-pair tile costs 0.19; llvm-mca
-            # puts the two ways within 4% in N2 cycles, the tile of 6 ahead); other leftovers below.
-            merge = merge_last(rows_in)
-            whole = rows_in // (2 * tile_pairs) - T.Cast("int64", merge)
-            left = rows_in // 2 % tile_pairs - T.Cast("int64", merge)
-            for g in T.parallel(ng):
-                for q in range(ROWS // LANES):
-                    for it in range(whole):
-                        tile(w, aqf, adf, offf, ws, y, g, q, it * 2 * tile_pairs, tile_pairs)
-                    if tile_pairs == MERGE_INTO:
-                        if merge:   # a lone leftover pair rides with the last whole tile
-                            tile(w, aqf, adf, offf, ws, y, g, q, 2 * whole * tile_pairs, tile_pairs + 1)
-                    # the pairs left over (fewer than a tile's): tiles of 4, 2 and 1 pairs
-                    p4 = rows_in // 2 - left
-                    if tile_pairs > 4:
-                        if left >= 4:
-                            tile(w, aqf, adf, offf, ws, y, g, q, 2 * p4, 4)
-                    p2 = p4 + left // 4 * 4
-                    if tile_pairs > 2:
-                        if left % 4 >= 2:
-                            tile(w, aqf, adf, offf, ws, y, g, q, 2 * p2, 2)
-                    if left % 2 == 1:
-                        tile(w, aqf, adf, offf, ws, y, g, q, 2 * (p2 + left % 4 // 2 * 2), 1)
-                    if rows_in % 2 == 1:
-                        last_tile(w, aqf, adf, offf, ws, y, g, q, rows_in - 1)
+    @T.macro
+    def body(w, aq, off, ws, ad, y):
+        aqf = T.decl_buffer((rows_in * nb * 32,), "int8", data=aq.data)
+        adf = T.decl_buffer((rows_in * nb * 2,), "float32", data=ad.data)
+        offf = T.decl_buffer((rows_in * nb * 2,), "int32", data=off.data)
+        # One leftover pair after whole tiles of 5 is taken with the last of them as a tile
+        # of 6 (0.092 instructions a multiply-add, where a 1-pair tile costs 0.19; llvm-mca
+        # puts the two ways within 4% in N2 cycles, the tile of 6 ahead); other leftovers below.
+        merge = merge_last(rows_in)
+        whole = rows_in // (2 * tile_pairs) - T.Cast("int64", merge)
+        left = rows_in // 2 % tile_pairs - T.Cast("int64", merge)
+        for g in T.parallel(ng):
+            for q in range(ROWS // LANES):
+                for it in range(whole):
+                    tile(w, aqf, adf, offf, ws, y, g, q, it * 2 * tile_pairs, tile_pairs)
+                if tile_pairs == MERGE_INTO:
+                    if merge:   # a lone leftover pair rides with the last whole tile
+                        tile(w, aqf, adf, offf, ws, y, g, q, 2 * whole * tile_pairs, tile_pairs + 1)
+                # the pairs left over (fewer than a tile's): tiles of 4, 2 and 1 pairs
+                p4 = rows_in // 2 - left
+                if tile_pairs > 4:
+                    if left >= 4:
+                        tile(w, aqf, adf, offf, ws, y, g, q, 2 * p4, 4)
+                p2 = p4 + left // 4 * 4
+                if tile_pairs > 2:
+                    if left % 4 >= 2:
+                        tile(w, aqf, adf, offf, ws, y, g, q, 2 * p2, 2)
+                if left % 2 == 1:
+                    tile(w, aqf, adf, offf, ws, y, g, q, 2 * (p2 + left % 4 // 2 * 2), 1)
+                if rows_in % 2 == 1:
+                    last_tile(w, aqf, adf, offf, ws, y, g, q, rows_in - 1)
 
-    return kernel
-
+    return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32", pair_scales=True)

@@ -20,14 +20,8 @@ from __future__ import annotations
 
 import functools
 
-from tvm import tirx
-
 from ..row_groups import ROWS, groups
-
-ZERO_POINT = -8    # the quantizer's per-block offset factor: the accumulation starts at -8 x sum(a)
-
-# The schedule's knob: tokens per prefill tile (the hand value; decode is always 1).
-DEFAULTS = {"tokens": 4}
+from ..w4a8 import DEFAULT_TOKENS, gemm_kernel, store_rows, token_count
 
 # Decode prefetches the weights 4 blocks (1 KiB) ahead into L1, in each of its STREAMS
 # streams. A GEMV's weights always come from DRAM, and the hardware streamer stops at every
@@ -79,9 +73,8 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
     from tvm.script import tirx as T
 
     ng = groups(n)
-    tm = tokens or DEFAULTS["tokens"]
-    rows_in = tirx.Var("m", "int64") if m is None else m   # tokens: any, or fixed for tuning
-    ragged = n % ROWS != 0
+    tm = tokens or DEFAULT_TOKENS["vnni"]
+    rows_in = token_count(m)
 
     @T.macro
     def tile(w, aq, off, ws, ad, y, g, first, count):
@@ -99,30 +92,18 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                     "float32x16", _block_dot(T, w, aq, off, g, b, first + t)) * (
                     _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
         for t in T.unroll(count):
-            if not ragged or g * ROWS + ROWS <= n:
-                y[first + t, T.ramp(g * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)]
-            else:
-                for r in range(ROWS):
-                    if g * ROWS + r < n:
-                        y[first + t, g * ROWS + r] = acc[t * ROWS + r]
+            store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None)
 
-    @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
-    def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
-               ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-        aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
-        ad = T.match_buffer(var_ad, (rows_in, nb), "float32")
-        off = T.match_buffer(var_off, (rows_in, nb), "float32")
-        y = T.match_buffer(var_y, (rows_in, n), "float32")
-        with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
-            for g in T.parallel(ng):
-                for it in range(rows_in // tm):
-                    tile(w, aq, off, ws, ad, y, g, it * tm, tm)
-                if tm > 1:  # decided when the kernel is built
-                    for i in range(rows_in // tm * tm, rows_in):
-                        tile(w, aq, off, ws, ad, y, g, i, 1)
+    @T.macro
+    def body(w, aq, off, ws, ad, y):
+        for g in T.parallel(ng):
+            for it in range(rows_in // tm):
+                tile(w, aq, off, ws, ad, y, g, it * tm, tm)
+            if tm > 1:  # decided when the kernel is built
+                for i in range(rows_in // tm * tm, rows_in):
+                    tile(w, aq, off, ws, ad, y, g, i, 1)
 
-    return kernel
+    return gemm_kernel(n, nb, scale_dtype, rows_in, body)
 
 
 @functools.cache

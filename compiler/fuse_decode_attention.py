@@ -1,0 +1,125 @@
+"""Decode's rotary, cache writes and attention as the one three-pass kernel, and the o
+projection's quantizer into it.
+
+As imported, one token's attention is five kernels: rotary of q and of k, the K and V cache
+writes, and the online attention (kernels/attention.py: attention). Where the target's rule
+picks three-pass decode attention (compiler/targets.py: KERNEL_RULES), this pass replaces
+them by decode_attention, which rotates q and k, writes the cache and attends in one launch.
+With `zero_point` (the x86 W4A8 decode GEMVs) that kernel also writes its output's Q8_0
+blocks, and the o projection's quantizer that read the output is replaced by them.
+
+Where it runs: last of the import-time fusions (frontend.import_graph), after
+fuse_quantizer_inputs (the o projection's quantizer is then the plain one this pass looks
+for). The replaced kernels are left to dead-code elimination.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from .kernels import act_quant
+from .kernels import attention as fast
+from .relax_match import Bindings, call_args, call_of, kernel_attr, rewrite_functions, static_dims
+
+
+def _rotary_operands(defs: Bindings, rotary_kernels: dict, x, heads: int, head_dim: int):
+    """(x, position_ids, cos, sin) when x is a rotary of heads x head_dim of one token with cos
+    and sin [P, head_dim / 2] (the layout decode_attention's own rotary reads), else None."""
+    e = defs.value(x)
+    if not call_of(e, "relax.call_tir") or rotary_kernels.get(e.args[0].name_hint) != heads:
+        return None
+    args = call_args(e)
+    if (static_dims(args[0]) != [1, 1, heads * head_dim] or static_dims(args[1]) != [1, 1]
+            or any(static_dims(t)[1] != head_dim // 2 for t in args[2:])):
+        return None
+    return args
+
+
+def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point):
+    """{attention output var: what its fused call needs} for every fusable decode attention,
+    and {o projection quantizer var: that attention output var} where zero_point is given."""
+    fused, quantizers = {}, {}
+    for out, e in defs.values.items():
+        scale = kernel_attr(mod, e, fast.ONLINE_SCALE)
+        if scale is None:
+            continue
+        q, kc, vc, seqlens = call_args(e)
+        writes = [defs.value(c) for c in (kc, vc)]
+        if not all(call_of(w, "relax.call_tir_inplace") for w in writes):
+            continue
+        (past_k, k, _), (past_v, v, _) = (call_args(w) for w in writes)
+        head_dim, kv_heads = static_dims(past_k)[3], static_dims(past_k)[1]
+        heads = static_dims(q)[2] // head_dim
+        if static_dims(q)[1] != 1 or not fast.fuses_decode_prologue(head_dim):
+            continue
+        rq = _rotary_operands(defs, rotary_kernels, q, heads, head_dim)
+        rk = _rotary_operands(defs, rotary_kernels, k, kv_heads, head_dim)
+        if rq is None or rk is None or not all(a.same_as(b) for a, b in zip(rq[1:], rk[1:])):
+            continue
+        inputs = [rq[0], rk[0], v, past_k, past_v, seqlens, *rq[1:]]
+        if any(defs.order.get(x, -1) > defs.order[kc] for x in inputs):
+            continue   # the fused call goes where the K cache write was
+        fused[out] = dict(kc=kc, vc=vc, inputs=inputs, q=q, past_k=past_k, past_v=past_v,
+                          heads=heads, kv_heads=kv_heads, head_dim=head_dim, scale=float(scale))
+    if zero_point is not None:
+        for var, e in defs.values.items():
+            mark = kernel_attr(mod, e, act_quant.QUANTIZER)
+            if (mark is None or mark["kind"] != "plain" or mark["layout"] != "plain"
+                    or int(mark["zero_point"]) != zero_point):
+                continue
+            src = defs.unreshaped(call_args(e)[0])
+            if src not in fused:
+                continue
+            readers = [v for v, x in defs.values.items() if isinstance(x, relax.TupleGetItem) and x.tuple_value.same_as(var)]
+            if len(readers) == defs.uses.get(var, 0):   # read only through its fields
+                quantizers[var] = src
+    return fused, quantizers
+
+
+def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None):
+    """The pass; `kname` names a kernel in this entry point, `rotary_kernels` maps the rotary
+    kernels the import emitted to their head count (frontend.ImportContext), `zero_point`:
+    also write the output's Q8_0 with this zero point (None: do not)."""
+
+    def make(mod, defs: Bindings):
+        fused, quantizers = _plan(mod, defs, rotary_kernels, zero_point)
+        by_write = {f["kc"]: out for out, f in fused.items()}
+        made = {}   # attention output var -> the fused call's (out, K cache, V cache) vars and call
+
+        def rewrite(rw, binding):
+            var, e = binding.var, binding.value
+            if var in by_write:
+                f = fused[by_write[var]]
+                quantize = zero_point is not None and by_write[var] in quantizers.values()
+                pos = f["inputs"][6]
+                kernel = fast.decode_attention(f["heads"], f["kv_heads"], f["head_dim"], f["scale"],
+                                               str(pos.ty.dtype), zero_point if quantize else None)
+                gv = rw.builder_.add_func(kernel, kname("attention_3pass" + ("_q8" if quantize else "")))
+                nb = f["heads"] * f["head_dim"] // act_quant.BLOCK
+                q8 = [] if not quantize else [relax.TensorType(shape=[1, nb, act_quant.BLOCK], dtype="int8"),
+                                              relax.TensorType(shape=[1, nb], dtype="float32"),
+                                              relax.TensorType(shape=[1, nb], dtype="float32")]
+                # outputs: out (new), the two caches (in place), the Q8_0 blocks (new)
+                call = rw.emit(relax.call_tir_inplace(
+                    gv, [rw.var(x) for x in f["inputs"]], [-1, 3, 4] + [-1] * len(q8),
+                    [f["q"].ty, f["past_k"].ty, f["past_v"].ty] + q8))
+                made[by_write[var]] = [rw.emit(relax.TupleGetItem(call, i)) for i in range(3)] + [call]
+                return made[by_write[var]][1]
+            for out, f in fused.items():
+                if var.same_as(f["vc"]):
+                    return made[out][2]
+            if var in fused:
+                return made[var][0]
+            if var in quantizers:
+                return False   # its readers take the attention's blocks below
+            if isinstance(e, relax.TupleGetItem) and e.tuple_value in quantizers:
+                return rw.emit(relax.TupleGetItem(made[quantizers[e.tuple_value]][3], 3 + e.index))
+            return None
+        return rewrite
+
+    @tvm.transform.module_pass(opt_level=0, name="qwc.FuseDecodeAttention")
+    def run(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return rewrite_functions(mod, make)
+
+    return run

@@ -1,0 +1,72 @@
+"""Decode's gate and up GEMVs, SiLU·mul and the down projection's quantizer as one kernel.
+
+After fuse_quantizer_inputs, the down projection's quantizer reads gate and up [1, K] and
+computes silu(gate) * up itself. When gate and up are x86 decode GEMVs without biases of the
+same activations and K is whole 32-blocks (every Qwen2 size), this pass replaces the
+quantizer by one GEMV over both weights that computes silu(gate) * up in its epilogue and
+writes its Q8_0 blocks (kernels/x86/vnni.py: decode_gemv with silu_mul and quantize): the
+hidden state is never stored and the gate and up GEMVs are left to dead-code elimination.
+
+Where it runs: in the import-time fusions (frontend.import_graph) after
+fuse_quantizer_inputs, and before the CPU pipeline's merge_sibling_gemvs, which would
+otherwise make gate and up one two-output launch without the fused epilogue.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from .fuse_residual_gemv import single_decode_gemv
+from .kernels import act_quant
+from .kernels.x86 import vnni
+from .relax_match import Bindings, call_args, call_of, kernel_attr, rewrite_functions
+
+
+def gate_up_arguments(mod, defs: Bindings, gate, up):
+    """[aq, ad, off, w_gate, s_gate, w_up, s_up] when gate and up are bias-free x86 decode
+    GEMV outputs of the same activations, else None."""
+    calls = []
+    for x in (gate, up):
+        gemv = single_decode_gemv(mod, defs, x)
+        if gemv is None:
+            return None
+        calls.append(gemv[1])
+
+    def source(aq):   # the tensor the quantizer of `aq` read, reshapes looked through
+        parts = defs.value(defs.value(aq).tuple_value)
+        a2 = defs.value(call_args(parts)[0])
+        return a2.args[0] if call_of(a2, "relax.reshape") else a2
+
+    if not source(calls[0][0]).same_as(source(calls[1][0])):
+        return None
+    return calls[0] + calls[1][3:]
+
+
+def fuse_gate_up(kname):
+    """The pass; `kname` names a kernel in this entry point (frontend.ImportContext.kname)."""
+
+    def make(mod, defs: Bindings):
+        def rewrite(rw, binding):
+            mark = kernel_attr(mod, binding.value, act_quant.QUANTIZER)
+            if mark is None or mark["kind"] != "silu_mul":
+                return None
+            gate, up = call_args(binding.value)
+            k = int(gate.ty.shape[1])
+            if getattr(gate.ty.shape[0], "value", None) != 1 or k % act_quant.BLOCK:
+                return None
+            args = gate_up_arguments(mod, defs, gate, up)
+            if args is None:
+                return None
+            nb = int(args[3].ty.shape[1])
+            kernel = vnni.decode_gemv(((k, False), (k, False)), nb, str(args[4].ty.dtype), silu_mul=True,
+                                      quantize=int(mark["zero_point"]))
+            gv = rw.builder_.add_func(kernel, kname(f"q4_gemv_vnni_silu_mul_q8_{k}x{nb}"))
+            return rw.emit(relax.call_tir(gv, [rw.var(a) for a in args], list(binding.var.ty.fields)))
+        return rewrite
+
+    @tvm.transform.module_pass(opt_level=0, name="qwc.FuseGateUp")
+    def run(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return rewrite_functions(mod, make)
+
+    return run

@@ -1,0 +1,71 @@
+"""What every W4A8 Q4_0 matmul kernel shares, so each ISA file (x86/vnni.py, arm/dotprod.py,
+arm/i8mm.py) holds only its dot product and its tiling.
+
+- the signature: y [M, N] = the quantized activations (aq [M, NB, 32] int8, de-interleaved
+  per block; their scales ad; the zero point x block sums off, act_quant.fused_quantizer) times
+  the row-group weights (w [groups, NB, 4, 64] uint8 and their scales [groups, NB, 16],
+  kernels/row_groups.py); M any number of tokens or fixed (`qwc tune` measures at fixed M);
+- the zero point: every kernel takes the nibbles q (0..15) as they are and starts its
+  accumulation from ZERO_POINT x sum(a) per block, which the quantizer writes, so
+  dot(q - 8, a) costs no subtraction;
+- the store of a vector of rows with the ragged last row group (N not a multiple of 16) row
+  by row;
+- the default prefill tile width per kernel (each ISA file says why).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .row_groups import ROWS, groups
+
+ZERO_POINT = -8
+# Tokens per prefill tile, the hand value (`qwc tune` searches targets.W4A8.prefill_tokens):
+# vnni and sdot: x86/vnni.py's docstring; smmla: 5 token pairs, arm/i8mm.py's docstring.
+DEFAULT_TOKENS = {"vnni": 4, "sdot": 4, "smmla": 10}
+
+
+def token_count(m: int | None):
+    """M: a symbolic token count, or `m` fixed."""
+    return tirx.Var("m", "int64") if m is None else m
+
+
+def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, off_dtype: str = "float32",
+                pair_scales: bool = False):
+    """The PrimFunc of a W4A8 matmul whose root block is the macro `body(w, aq, off, ws, ad, y)`.
+    `off_dtype`: float32 (x86) or int32 (ARM: offsets start the integer accumulators);
+    `pair_scales`: ad and off are [M, NB, 2] (act_quant layout "arm_pairs")."""
+    ng = groups(n)
+    act = (rows_in, nb, 2) if pair_scales else (rows_in, nb)
+
+    @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
+    def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
+               ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+        aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
+        ad = T.match_buffer(var_ad, act, "float32")
+        off = T.match_buffer(var_off, act, off_dtype)
+        y = T.match_buffer(var_y, (rows_in, n), "float32")
+        with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
+            body(w, aq, off, ws, ad, y)
+
+    return kernel
+
+
+@T.macro
+def store_rows(y, t, row, lanes: int, n: int, acc, base, factor):
+    """y[t, row .. row + lanes - 1] = acc[base ..] (times `factor` unless None); where the rows
+    pass N (the ragged last group), only those below N, one at a time."""
+    if n % ROWS == 0 or row + lanes <= n:
+        if factor is None:
+            y[t, T.ramp(row, 1, lanes)] = acc[T.ramp(base, 1, lanes)]
+        else:
+            y[t, T.ramp(row, 1, lanes)] = acc[T.ramp(base, 1, lanes)] * T.broadcast(T.float32(factor), lanes)
+    else:
+        for r in range(lanes):
+            if row + r < n:
+                if factor is None:
+                    y[t, row + r] = acc[base + r]
+                else:
+                    y[t, row + r] = acc[base + r] * T.float32(factor)

@@ -1,0 +1,94 @@
+"""The import-time fusion passes (compiler/fuse_*.py): each fires on the tiny graph where its
+target's kernels allow it, on its own and in the pipeline's order, and leaves nothing of what it
+replaced once dead code is gone. That the fused artifacts compute the same logits as
+onnxruntime is test_compile's and test_arm's job."""
+
+from __future__ import annotations
+
+import re
+
+import onnx
+import pytest
+import tvm
+from tvm import relax
+
+from qwc.compiler.frontend import ImportContext, fusion_passes, import_graph
+from qwc.compiler.repack import repack_weights
+from qwc.compiler.targets import get_target
+
+VNNI = frozenset({"avx512_vnni", "avx512bw", "avx512f"})   # the x86 rule, whatever this CPU has
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_q4):
+    def load(features):
+        model = onnx.load(str(tiny_q4))
+        repack_weights(model, 8, features)
+        return model
+    return load
+
+
+def _kernels(mod) -> list[str]:
+    """The kernels `main` calls once dead code is gone, in order."""
+    mod = relax.transform.DeadCodeElimination(["main"])(mod)
+    names = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name.startswith("relax.call_tir"):
+            names.append(e.args[0].name_hint)
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return names
+
+
+def _has(names, pattern) -> int:
+    return sum(1 for n in names if re.fullmatch(pattern, n))
+
+
+def test_x86_decode_fuses_everything_it_can(graph):
+    names = _kernels(import_graph(graph(VNNI), seq=1, prefix="decode", act_bits=8, features=VNNI))
+    layers = 2
+    # rotary, cache writes, attention and the o projection's quantizer: one kernel a layer
+    assert _has(names, r"decode_attention_3pass_q8") == layers
+    assert not _has(names, r"decode_(rotary\d*|k_cache_write_tiles|kv_cache_write|attention_online)")
+    # gate, up, SiLU·mul and the down projection's quantizer: one GEMV a layer
+    assert _has(names, r"decode_q4_gemv_vnni_silu_mul_q8_320x4") == layers
+    assert not _has(names, r"decode_act_q8_(silu_)?320_.*")
+    # the residual rides in the o and down projections' epilogue (q's own bias in q's)
+    assert _has(names, r"decode_q4_gemv_vnni_128x10_float16_bias") == layers
+    assert _has(names, r"decode_q4_gemv_vnni_128x4_float16_bias") == 2 * layers
+    assert not _has(names, r"decode_q4_gemv_vnni_128x(4|10)_float16")
+    # q, k, v and the MLP read RMSNorm through their quantizers; no plain quantizer is left
+    assert _has(names, r"decode_act_q8_rms_128_1_sum8") >= 2 * layers
+    assert not _has(names, r"decode_act_q8_\d+_.*")
+
+
+def test_without_the_passes_the_converters_emit_each_op_alone(graph):
+    features = VNNI
+    ctx = ImportContext("decode", 8, features)
+    mod = import_graph(graph(features), seq=1, prefix="decode", act_bits=8, features=features, fuse=False)
+    names = _kernels(mod)
+    assert _has(names, r"decode_attention_online") == 2 and _has(names, r"decode_rotary\d*") == 4
+    assert not _has(names, r".*(3pass|silu_mul_q8|rms|silu).*")
+    # the passes on that module give the fused one (the rotary kernels' head counts, as the
+    # import records them: the tiny model's head_dim is 32)
+    def record(e):
+        if (isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir"
+                and "rotary" in e.args[0].name_hint):
+            ctx.rotary_kernels[e.args[0].name_hint] = int(e.args[1].fields[0].ty.shape[2]) // 32
+
+    relax.analysis.post_order_visit(mod["main"], record)
+    fused = _kernels(fusion_passes(ctx)(mod))
+    assert _has(fused, r"decode_attention_3pass_q8") == 2 and _has(fused, r".*silu_mul_q8.*") == 2
+
+
+@pytest.mark.parametrize("target", ["arm-yitian", "arm-neon"])
+def test_arm_fuses_norm_and_silu_into_quantizers_only(graph, target):
+    features = get_target(target).features
+    for seq, prefix in ((1, "decode"), (None, "prefill")):
+        names = _kernels(import_graph(graph(features), seq=seq, prefix=prefix, act_bits=8, features=features))
+        assert _has(names, rf"{prefix}_act_q8_rms_128_{int(seq == 1)}_sum8_arm(_pairs)?") >= 2
+        assert _has(names, rf"{prefix}_act_q8_silu_320_{int(seq == 1)}_sum8_arm(_pairs)?") == 2
+        # ARM keeps the online attention and separate GEMVs (targets.KERNEL_RULES)
+        assert _has(names, rf"{prefix}_attention_online") == 2
+        assert not _has(names, r".*(3pass|vnni).*")
