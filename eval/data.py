@@ -195,15 +195,18 @@ def resolve_model(spec: str) -> str:
     return str(smollm2_path()) if spec == "smollm2" else spec
 
 
-def calibration_ids(spec: str, tokenizer_path: Path | None, tokens: int, window: int = 512, seed: int = 0):
+def calibration_ids(spec: str, tokenizer, tokens: int, window: int = 512, seed: int = 0):
     """`tokens` token ids of the text `spec` (a file or austen:<novel>) as whole windows of
-    `window` tokens at seeded random places, for calibrating a quantizer (`qwc optimize --awq`)."""
+    `window` tokens at seeded random places, for calibration (`qwc optimize --awq`, `qwc
+    prune`). `tokenizer`: a tokenizers.Tokenizer or its tokenizer.json."""
     import numpy as np
     from tokenizers import Tokenizer
 
-    if tokenizer_path is None:
+    if tokenizer is None:
         raise QwcError("calibration needs the model's tokenizer (a .tokenizer.json beside the graph)")
-    ids = np.asarray(Tokenizer.from_file(str(tokenizer_path)).encode(read_text(resolve_text(spec))).ids, np.int64)
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = Tokenizer.from_file(str(tokenizer))
+    ids = np.asarray(tokenizer.encode(read_text(resolve_text(spec)), add_special_tokens=False).ids, np.int64)
     n = max(1, tokens // window)
     if len(ids) < n * window:
         raise QwcError(f"{spec}: {len(ids)} tokens, fewer than the {n * window} calibration needs")

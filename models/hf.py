@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from transformers import Qwen2Config
 
 from qwc import progress
+from qwc.atomic import replace_dir, staging_dir
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
 
@@ -84,3 +85,32 @@ def _load_tokenizer(path: Path) -> tuple[Tokenizer, str | None]:
     elif (path / "tokenizer_config.json").is_file():
         template = _read_json(path / "tokenizer_config.json").get("chat_template")
     return tok, template
+
+
+def foreign_hf_files(folder: Path, marker: str, command: str) -> str | None:
+    """What in an existing `folder` is not a Hugging Face directory `command` wrote (None:
+    nothing): its marker file and the files save_hf_dir writes, nothing else (qwc.atomic)."""
+    if not folder.exists():
+        return None
+    if not (folder / marker).is_file():
+        return f"it is not a folder {command} wrote (no {marker})"
+    ours = {"config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja", marker}
+    extra = sorted(p.name for p in folder.iterdir()
+                   if p.name not in ours and not (p.is_file() and p.name.startswith("model") and ".safetensors" in p.name))
+    return f"it holds {extra[0]}, which {command} did not write" if extra else None
+
+
+def save_hf_dir(lm: LoadedModel, out_dir: Path, marker: str, record: dict, command: str) -> None:
+    """config.json, model.safetensors, tokenizer.json (+ chat template) and `marker` holding
+    `record`, written atomically; an existing folder is replaced only if `command` wrote it."""
+    def foreign(folder: Path) -> str | None:
+        return foreign_hf_files(folder, marker, command)
+
+    with staging_dir(out_dir, folder=True, foreign=foreign) as tmp:
+        stage = tmp / out_dir.name
+        lm.model.save_pretrained(stage, safe_serialization=True)
+        lm.tokenizer.save(str(stage / "tokenizer.json"))
+        if lm.config.chat_template:
+            (stage / "chat_template.jinja").write_text(lm.config.chat_template)
+        (stage / marker).write_text(json.dumps(record, indent=1))
+        replace_dir(stage, out_dir, foreign)

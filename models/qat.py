@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwc import progress
-from qwc.atomic import check_destination, replace_dir, staging_dir
+from qwc.atomic import check_destination
 from qwc.errors import QwcError
 from qwc.eval.data import read_text
 
@@ -250,25 +250,13 @@ CKPT_FILES = ("state.pt", "state.pt.tmp")
 
 
 def foreign_files(folder: Path) -> str | None:
-    """What in an existing `folder` is not a QAT output qwc wrote (None: nothing): its marker
-    (QAT_MARKER) and the Hugging Face files _save_hf writes, nothing else (qwc.atomic)."""
-    if not folder.exists():
-        return None
-    if not (folder / QAT_MARKER).is_file():
-        return f"it is not a folder qwc qat wrote (no {QAT_MARKER})"
-    ours = {"config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja", QAT_MARKER}
-    extra = sorted(p.name for p in folder.iterdir()
-                   if p.name not in ours and not (p.is_file() and p.name.startswith("model") and ".safetensors" in p.name))
-    return f"it holds {extra[0]}, which qwc qat did not write" if extra else None
+    """What in an existing `folder` is not a QAT output qwc wrote (None: nothing)."""
+    from .hf import foreign_hf_files
+
+    return foreign_hf_files(folder, QAT_MARKER, "qwc qat")
 
 
 def _save_hf(lm: LoadedModel, out_dir: Path, record: dict) -> None:
-    """config.json, model.safetensors, tokenizer.json (+ chat template), written atomically."""
-    with staging_dir(out_dir, folder=True, foreign=foreign_files) as tmp:
-        stage = tmp / out_dir.name
-        lm.model.save_pretrained(stage, safe_serialization=True)
-        lm.tokenizer.save(str(stage / "tokenizer.json"))
-        if lm.config.chat_template:
-            (stage / "chat_template.jinja").write_text(lm.config.chat_template)
-        (stage / QAT_MARKER).write_text(json.dumps(record, indent=1))
-        replace_dir(stage, out_dir, foreign_files)
+    from .hf import save_hf_dir
+
+    save_hf_dir(lm, out_dir, QAT_MARKER, record, "qwc qat")

@@ -122,6 +122,28 @@ def _cmd_qat(args: argparse.Namespace) -> None:
                   f"{r['final_loss']:.3f}; wrote {args.output}")
 
 
+def _cmd_prune(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from qwc.eval.data import calibration_ids, resolve_model
+    from qwc.models.load import load_source
+    from qwc.models.prune import foreign_files, prune, save
+
+    check_destination(args.output, folder=True, foreign=foreign_files)
+    source = resolve_model(args.source)
+    lm = load_source(source)
+    if not 1 <= args.remove < lm.config.num_hidden_layers:
+        raise QwcError(f"--remove {args.remove}: the model has {lm.config.num_hidden_layers} blocks; "
+                       f"remove 1 to {lm.config.num_hidden_layers - 1}")
+    windows = calibration_ids(args.calib, lm.tokenizer, args.calib_tokens).reshape(-1, 512)
+    r = prune(lm, windows, args.remove, args.method, threads=args.threads)
+    save(lm, Path(args.output), {"source": source, "calibration": args.calib, "calibration_tokens": int(windows.size), **r})
+    print(f"removed blocks {r['removed_blocks']} ({args.method}): {r['blocks']} of "
+          f"{r['blocks'] + args.remove} left; calibration perplexity {r['calibration_ppl_before']:.2f} -> "
+          f"{r['calibration_ppl_after']:.2f}")
+    progress.info(f"[qwc] wrote {args.output}")
+
+
 def _cmd_eval(args: argparse.Namespace) -> None:
     import os
 
@@ -456,6 +478,22 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--threads", type=_threads, default=None)
     q.add_argument("-o", "--output", required=True, help="output HF directory")
     q.set_defaults(func=_cmd_qat)
+
+    pr = sub.add_parser("prune", help="remove whole transformer blocks chosen on calibration text",
+                        description="Depth pruning: SLEB removes, greedily, the block whose removal raises "
+                                    "the calibration perplexity least; ShortGPT the blocks whose output is "
+                                    "closest in angle to their input. Writes a HF Qwen2 directory that "
+                                    "`qwc export` and `qwc qat` take as it is.")
+    pr.add_argument("source", help="preset, HF directory, .gguf file, or smollm2 (the cached SmolLM2 GGUF)")
+    pr.add_argument("--remove", type=_positive, required=True, metavar="N", help="blocks to remove")
+    pr.add_argument("--method", choices=("sleb", "shortgpt"), default="sleb", help="default: sleb")
+    pr.add_argument("--calib", default="austen:emma", metavar="TEXT",
+                    help="calibration text: a file or austen:<novel> (default austen:emma)")
+    pr.add_argument("--calib-tokens", type=_int_at_least(512, " (one calibration window)"), default=2048, metavar="N",
+                    help="calibration tokens, in windows of 512 (default 2048)")
+    pr.add_argument("--threads", type=_threads, default=None)
+    pr.add_argument("-o", "--output", required=True, help="output HF directory")
+    pr.set_defaults(func=_cmd_prune)
 
     v = sub.add_parser("eval", help="perplexity and multiple-choice accuracy of a model at any stage",
                        description="MODEL: a HF directory, .gguf, preset or smollm2 (torch), an .onnx graph "
