@@ -133,13 +133,12 @@ class MatMulNBits(F.OnnxOpConverter):
             fused_bias = bias is not None   # the decode GEMV adds it in its epilogue
             kernel = bb.add_func(vnni.decode_gemv(((n, fused_bias),), nb, sdt),
                                  _kname(f"q4_gemv_vnni_{n}x{nb}_{sdt}{'_bias' if fused_bias else ''}"))
-        zp = ZERO_POINT
         scales = [m, nb, 2] if layout == "arm_pairs" else [m, nb]   # act_quant.fused_quantizer
         q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
               relax.TensorType(shape=scales, dtype="float32"),
               relax.TensorType(shape=scales, dtype="float32" if layout == "plain" else "int32")]
-        quant = bb.add_func(act_quant.fused_quantizer(k, zp, one_token, layout=layout),
-                            _kname(act_quant.quantizer_name(k, zp, one_token, layout=layout)))
+        quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token, layout=layout),
+                            _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token, layout=layout)))
         parts = bb.emit(relax.call_tir(quant, [a2], q8))
         q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
         args = [q, scale, off, w, s] + ([bias] if fused_bias else [])

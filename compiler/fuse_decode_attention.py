@@ -15,12 +15,11 @@ for). The replaced kernels are left to dead-code elimination.
 
 from __future__ import annotations
 
-import tvm
 from tvm import relax
 
 from .kernels import act_quant
 from .kernels import attention as fast
-from .relax_match import Bindings, call_args, call_of, kernel_attr, rewrite_functions, static_dims
+from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr, static_dims
 
 
 def _rotary_operands(defs: Bindings, rotary_kernels: dict, x, heads: int, head_dim: int):
@@ -85,6 +84,7 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None):
     def make(mod, defs: Bindings):
         fused, quantizers = _plan(mod, defs, rotary_kernels, zero_point)
         by_write = {f["kc"]: out for out, f in fused.items()}
+        by_v_write = {f["vc"]: out for out, f in fused.items()}
         made = {}   # attention output var -> the fused call's (out, K cache, V cache) vars and call
 
         def rewrite(rw, binding):
@@ -106,9 +106,8 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None):
                     [f["q"].ty, f["past_k"].ty, f["past_v"].ty] + q8))
                 made[by_write[var]] = [rw.emit(relax.TupleGetItem(call, i)) for i in range(3)] + [call]
                 return made[by_write[var]][1]
-            for out, f in fused.items():
-                if var.same_as(f["vc"]):
-                    return made[out][2]
+            if var in by_v_write:
+                return made[by_v_write[var]][2]
             if var in fused:
                 return made[var][0]
             if var in quantizers:
@@ -118,8 +117,4 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None):
             return None
         return rewrite
 
-    @tvm.transform.module_pass(opt_level=0, name="qwc.FuseDecodeAttention")
-    def run(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return rewrite_functions(mod, make)
-
-    return run
+    return binding_pass("qwc.FuseDecodeAttention", make)

@@ -14,13 +14,12 @@ otherwise make gate and up one two-output launch without the fused epilogue.
 
 from __future__ import annotations
 
-import tvm
 from tvm import relax
 
 from .fuse_residual_gemv import single_decode_gemv
 from .kernels import act_quant
 from .kernels.x86 import vnni
-from .relax_match import Bindings, call_args, call_of, kernel_attr, rewrite_functions
+from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
 def gate_up_arguments(mod, defs: Bindings, gate, up):
@@ -65,8 +64,4 @@ def fuse_gate_up(kname):
             return rw.emit(relax.call_tir(gv, [rw.var(a) for a in args], list(binding.var.ty.fields)))
         return rewrite
 
-    @tvm.transform.module_pass(opt_level=0, name="qwc.FuseGateUp")
-    def run(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return rewrite_functions(mod, make)
-
-    return run
+    return binding_pass("qwc.FuseGateUp", make)

@@ -13,12 +13,11 @@ look for the quantizers it writes. Prefill and decode, every ISA with W4A8 kerne
 
 from __future__ import annotations
 
-import tvm
 from tvm import relax
 from tvm_ffi import structural_equal
 
 from .kernels import act_quant
-from .relax_match import Bindings, call_args, call_of, kernel_attr, rewrite_functions
+from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
 def rms_norm_operands(defs: Bindings, a, k: int):
@@ -86,8 +85,4 @@ def fuse_quantizer_inputs(kname):
             return rw.emit(relax.call_tir(gv, inputs, list(binding.var.ty.fields)))
         return rewrite
 
-    @tvm.transform.module_pass(opt_level=0, name="qwc.FuseQuantizerInputs")
-    def run(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return rewrite_functions(mod, make)
-
-    return run
+    return binding_pass("qwc.FuseQuantizerInputs", make)

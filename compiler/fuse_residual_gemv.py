@@ -14,12 +14,11 @@ a row, which lower to a copy kernel).
 
 from __future__ import annotations
 
-import tvm
 from tvm import relax
 from tvm_ffi import structural_equal
 
 from .kernels.x86 import vnni
-from .relax_match import Bindings, call_args, call_of, kernel_attr, rewrite_functions
+from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
 def single_decode_gemv(mod, defs: Bindings, x):
@@ -55,6 +54,4 @@ def _rewrite(mod, defs: Bindings):
     return rewrite
 
 
-@tvm.transform.module_pass(opt_level=0, name="qwc.FuseResidualGEMV")
-def fuse_residual_gemv(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    return rewrite_functions(mod, _rewrite)
+fuse_residual_gemv = binding_pass("qwc.FuseResidualGEMV", _rewrite)

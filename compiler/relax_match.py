@@ -10,6 +10,8 @@ the CPU pipeline, compiler/schedule.py).
 
 from __future__ import annotations
 
+import functools
+
 import tvm
 from tvm import relax
 
@@ -46,18 +48,23 @@ class Bindings:
     """Var -> the value it was bound to, over every block of one function as imported."""
 
     def __init__(self, func: relax.Function):
+        self.func = func
         self.values = {}
         self.order = {}     # var -> its binding's position
-        self.uses = {}      # var -> how many bindings read it
         for block in func.body.blocks:
             for b in block.bindings:
                 if isinstance(b, relax.VarBinding):
                     self.values[b.var] = b.value
                     self.order[b.var] = len(self.order)
-                    for v in relax.analysis.all_vars(b.value):
-                        self.uses[v] = self.uses.get(v, 0) + 1
-        for v in relax.analysis.all_vars(func.body.body):
-            self.uses[v] = self.uses.get(v, 0) + 1
+
+    @functools.cached_property
+    def uses(self) -> dict:
+        """Var -> how many bindings (and the function's result) read it; counted on first use."""
+        uses = {}
+        for e in [*self.values.values(), self.func.body.body]:
+            for v in relax.analysis.all_vars(e):
+                uses[v] = uses.get(v, 0) + 1
+        return uses
 
     def value(self, x):
         """What x was bound to (x itself if it is not a bound var)."""
@@ -107,13 +114,17 @@ class BindingRewriter(relax.PyExprMutator):
         return x
 
 
-def rewrite_functions(mod: tvm.IRModule, make_rewrite) -> tvm.IRModule:
-    """Each Relax function of mod through a BindingRewriter with make_rewrite(mod, Bindings)."""
-    for gv, func in list(mod.functions_items()):
-        if not isinstance(func, relax.Function):
-            continue
-        rewriter = BindingRewriter(mod, make_rewrite(mod, Bindings(func)))
-        new = rewriter.visit_expr(func)
-        mod = rewriter.builder_.finalize()
-        mod[gv] = new
-    return mod
+def binding_pass(name: str, make_rewrite):
+    """A module pass that runs each Relax function through a BindingRewriter with the rewrite
+    make_rewrite(mod, Bindings of the function) returns."""
+    def run(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for gv, func in list(mod.functions_items()):
+            if not isinstance(func, relax.Function):
+                continue
+            rewriter = BindingRewriter(mod, make_rewrite(mod, Bindings(func)))
+            new = rewriter.visit_expr(func)
+            mod = rewriter.builder_.finalize()
+            mod[gv] = new
+        return mod
+
+    return tvm.transform.module_pass(run, opt_level=0, name=name)

@@ -86,6 +86,11 @@ def shortgpt(model, windows: torch.Tensor, remove: int) -> tuple[list[int], list
     return sorted(range(n), key=lambda i: influence[i])[:remove], influence
 
 
+def check_remove(remove: int, blocks: int) -> None:
+    if not 1 <= remove < blocks:
+        raise QwcError(f"--remove {remove}: the model has {blocks} blocks; remove 1 to {blocks - 1}")
+
+
 def prune(lm: LoadedModel, windows: np.ndarray, remove: int, method: str = "sleb",
           threads: int | None = None) -> dict:
     """Remove `remove` blocks from lm.model in place; returns what was removed and the
@@ -93,8 +98,7 @@ def prune(lm: LoadedModel, windows: np.ndarray, remove: int, method: str = "sleb
     n = lm.config.num_hidden_layers
     if method not in METHODS:
         raise QwcError(f"unknown pruning method {method!r} (one of {', '.join(METHODS)})")
-    if not 1 <= remove < n:
-        raise QwcError(f"--remove {remove}: the model has {n} blocks; remove 1 to {n - 1}")
+    check_remove(remove, n)
     if threads:
         torch.set_num_threads(threads)
     model = lm.model

@@ -127,14 +127,12 @@ def _cmd_prune(args: argparse.Namespace) -> None:
 
     from qwc.eval.data import calibration_ids, resolve_model
     from qwc.models.load import load_source
-    from qwc.models.prune import foreign_files, prune, save
+    from qwc.models.prune import check_remove, foreign_files, prune, save
 
     check_destination(args.output, folder=True, foreign=foreign_files)
     source = resolve_model(args.source)
     lm = load_source(source)
-    if not 1 <= args.remove < lm.config.num_hidden_layers:
-        raise QwcError(f"--remove {args.remove}: the model has {lm.config.num_hidden_layers} blocks; "
-                       f"remove 1 to {lm.config.num_hidden_layers - 1}")
+    check_remove(args.remove, lm.config.num_hidden_layers)   # before the calibration text is read
     windows = calibration_ids(args.calib, lm.tokenizer, args.calib_tokens).reshape(-1, 512)
     r = prune(lm, windows, args.remove, args.method, threads=args.threads)
     save(lm, Path(args.output), {"source": source, "calibration": args.calib, "calibration_tokens": int(windows.size), **r})
@@ -345,6 +343,14 @@ def _chat(eng, sp, max_new_tokens: int) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
+def _calibration_options(p: argparse.ArgumentParser, what: str, tokens: int) -> None:
+    """--calib and --calib-tokens (eval/data.calibration_ids reads them)."""
+    p.add_argument("--calib", default="austen:emma", metavar="TEXT",
+                   help=f"calibration text{what}: a file or austen:<novel> (default austen:emma)")
+    p.add_argument("--calib-tokens", type=_int_at_least(512, " (one calibration window)"), default=tokens, metavar="N",
+                   help=f"calibration tokens, in windows of 512 (default {tokens})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="qwc", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--version", action="version", version=f"qwc {__version__}")
@@ -378,10 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--awq", action="store_true",
                    help="activation-aware scales before Q4_0 (AWQ), searched on calibration text; "
                         "the result is plain Q4_0. A QAT checkpoint is left as it is")
-    o.add_argument("--calib", default="austen:emma", metavar="TEXT",
-                   help="calibration text for --awq: a file or austen:<novel> (default austen:emma)")
-    o.add_argument("--calib-tokens", type=_int_at_least(512, " (one calibration window)"), default=4096, metavar="N",
-                   help="calibration tokens for --awq, in windows of 512 (default 4096)")
+    _calibration_options(o, " for --awq", 4096)
     o.add_argument("--untie-lm-head", action="store_true",
                    help="with --fold-norm-gains: give the lm_head its own weight so the final norm's gain folds into it")
     o.add_argument("--verify", action="store_true",
@@ -487,10 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("source", help="preset, HF directory, .gguf file, or smollm2 (the cached SmolLM2 GGUF)")
     pr.add_argument("--remove", type=_positive, required=True, metavar="N", help="blocks to remove")
     pr.add_argument("--method", choices=("sleb", "shortgpt"), default="sleb", help="default: sleb")
-    pr.add_argument("--calib", default="austen:emma", metavar="TEXT",
-                    help="calibration text: a file or austen:<novel> (default austen:emma)")
-    pr.add_argument("--calib-tokens", type=_int_at_least(512, " (one calibration window)"), default=2048, metavar="N",
-                    help="calibration tokens, in windows of 512 (default 2048)")
+    _calibration_options(pr, "", 2048)
     pr.add_argument("--threads", type=_threads, default=None)
     pr.add_argument("-o", "--output", required=True, help="output HF directory")
     pr.set_defaults(func=_cmd_prune)
