@@ -10,7 +10,7 @@ Per token = difference of two runs divided by the difference in tokens, so start
   and 48 (steady state: longer prompts amortise per-call costs in both engines).
 
 --peer adds llama.cpp's rows: llama-bench cross-built for the Yitian's ISA
-(bench/llamacpp_arm64.sh: static, armv9-a+sve2+i8mm+dotprod, Q4_0 repack on), run on GGUFs
+(bench/llamacpp.sh arm64: static, armv9-a+sve2+i8mm+dotprod, Q4_0 repack on), run on GGUFs
 written from the same random weights as the artifact's preset (every linear Q4_0; the tied
 embedding/output Q4_0, as qwc's default, and Q8_0, as llama.cpp's own quantizer keeps it).
 The artifact must be compiled from that preset (`qwc export qwen2.5-0.5b`); its shapes are
@@ -274,8 +274,9 @@ def main():
     rows["qwc"], splits["qwc"] = measure("qwc", qwc_run)
 
     if args.peer:
-        bench = subprocess.run(["bash", str(REPO / "bench" / "llamacpp_arm64.sh")], check=True,
-                               capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        tools = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "arm64"], check=True,
+                               stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+        bench = str(Path(tools) / "llama-bench-0.3.36")
         ggufs = peer_ggufs(manifest)
         l_attr = Attributor(bench, static=True)
         for head, gguf in ggufs.items():

@@ -6,8 +6,10 @@ the values), same thread count, one run:
 Systems (keys of --json): qwc (the host artifact, W4A8), ort_int4 (onnxruntime on the canonical
 graph, MatMulNBits accuracy_level 4), ort_int4_acc0 (accuracy_level 0), ort_fp32 (onnxruntime
 on the exported fp32 graph), torch_fp32 (transformers, the contest reports' baseline),
-llamacpp_q4_0 (llama.cpp through llama-cpp-python, Q4_0 with a 4-bit tied embedding; run
-bench/setup.sh first to build it, else the row says why it is missing).
+llamacpp_q4_0 (llama.cpp's llama-bench, Q4_0 with a 4-bit tied embedding, the strongest build on
+this CPU: clang, -march=native, AMX where the CPU has it), llamacpp_q4_0_gcc (GCC 12 native
+without AMX). The llama.cpp builds come from bench/llamacpp.sh (built on first use, ~20 min each,
+cached); where the CPU has AMX the row checks in llama-bench's log that AMX really ran.
 
 For each: prefill tok/s at 128 and 512 prompt tokens (the median of three prefills), decode
 tok/s over 128 tokens after a 512-token prompt, peak RSS of the process. Every system runs in
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -28,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-SYSTEMS = ["qwc", "ort_int4", "ort_int4_acc0", "ort_fp32", "torch_fp32", "llamacpp_q4_0"]
+SYSTEMS = ["qwc", "ort_int4", "ort_int4_acc0", "ort_fp32", "torch_fp32", "llamacpp_q4_0", "llamacpp_q4_0_gcc"]
+LLAMACPP_BUILDS = {"llamacpp_q4_0": "x86", "llamacpp_q4_0_gcc": "x86-gcc"}
 PRESET = "qwen2.5-0.5b"
 CTX = 640
 
@@ -166,21 +170,38 @@ class TorchRunner(Runner):
         return self._run([token])
 
 
-class LlamaCppRunner(Runner):
-    def __init__(self, paths, threads):
-        from llama_cpp import Llama
+def cpu_has(flag: str) -> bool:
+    return any(line.startswith("flags") and f" {flag} " in f"{line} " for line in Path("/proc/cpuinfo").read_text().splitlines())
 
-        self.llm = Llama(model_path=str(paths["gguf"]), n_ctx=CTX, n_batch=512, n_ubatch=512, n_threads=threads,
-                         n_threads_batch=threads, verbose=False, logits_all=False)
 
-    def reset(self):
-        self.llm.reset()
+def llamacpp_tools(build: str) -> Path:
+    r = subprocess.run(["bash", str(Path(__file__).parent / "llamacpp.sh"), build], text=True, stdout=subprocess.PIPE)
+    if r.returncode != 0:
+        raise SystemExit(f"bench/llamacpp.sh {build} failed")
+    return Path(r.stdout.strip().splitlines()[-1])
 
-    def prefill(self, tokens):
-        self.llm.eval(tokens)
 
-    def step(self, token):
-        self.llm.eval([token])
+def measure_llama_bench(build: str, paths, threads: int, reps=3) -> dict:
+    """llama.cpp's own llama-bench on the same GGUF: pp128 and pp512 from an empty cache, tg128
+    after 512 tokens of context (-d 512), the median of `reps` runs each, as `measure` does."""
+    bench = llamacpp_tools(build) / "llama-bench-0.3.36"
+    out, log = {}, ""
+    for args in (["-p", "128,512", "-n", "0"], ["-p", "0", "-n", "128", "-d", "512"]):
+        cmd = [str(bench), "-m", str(paths["gguf"]), "-t", str(threads), "-r", str(reps), "-o", "json", "-v", *args]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"{bench.name} exited {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
+        log += r.stderr
+        for test in json.loads(r.stdout):
+            key = "decode" if test["n_gen"] else f"prefill_{test['n_prompt']}"
+            samples = sorted(test["samples_ts"])
+            out[key] = samples[len(samples) // 2]
+    # the worker's waited-for children are the llama-bench runs: their peak RSS
+    out["rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    out["amx"] = "AMX" in log
+    if cpu_has("amx_int8") and build == "x86" and not out["amx"]:
+        raise SystemExit("the clang build did not use AMX on this AMX CPU (no AMX buffer in llama-bench's log)")
+    return out
 
 
 def make_runner(system, paths, threads) -> Runner:
@@ -194,8 +215,6 @@ def make_runner(system, paths, threads) -> Runner:
         return OrtRunner(paths["onnx"], threads, buffer=False)
     if system == "torch_fp32":
         return TorchRunner(threads)
-    if system == "llamacpp_q4_0":
-        return LlamaCppRunner(paths, threads)
     raise ValueError(system)
 
 
@@ -298,7 +317,10 @@ def main() -> None:
     if args.worker:
         paths = {"onnx": Path(args.workdir) / "q.onnx", "q4": Path(args.workdir) / "q.q4.onnx",
                  "qwc": Path(args.workdir) / "q.qwc", "gguf": Path(args.workdir) / "q.q4_0.gguf"}
-        print(json.dumps(measure(args.worker, paths, args.threads)))
+        if args.worker in LLAMACPP_BUILDS:
+            print(json.dumps(measure_llama_bench(LLAMACPP_BUILDS[args.worker], paths, args.threads)))
+        else:
+            print(json.dumps(measure(args.worker, paths, args.threads)))
         return
     results = run_all(args)
     print(table(results))

@@ -60,6 +60,7 @@ def _seed(text: str) -> int:
 
 _count = _int_at_least(0)
 _positive = _int_at_least(1)
+_SELF = "\0self"   # `qwc qat --teacher` with no value: the source model itself
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,13 +112,18 @@ def _cmd_qat(args: argparse.Namespace) -> None:
 
     s = QatSettings(steps=args.steps, lr=args.lr, seq_len=args.seq_len, batch=args.batch,
                     group_size=args.group_size, quantize_embedding=args.quantize_embedding,
-                    fake_quant_after=args.fake_quant_after, save_every=args.save_every, seed=args.seed)
+                    fake_quant_after=args.fake_quant_after, save_every=args.save_every, seed=args.seed,
+                    kd_weight=0.5 if args.kd_weight is None else args.kd_weight,
+                    kd_temperature=1.0 if args.kd_temperature is None else args.kd_temperature, bf16=args.bf16)
+    if args.teacher is None and (args.kd_weight is not None or args.kd_temperature is not None):
+        raise QwcError("--kd-weight and --kd-temperature need --teacher")
     s.validate()
     check_destination(args.output, folder=True)
-    text = resolve_text(args.data)
+    texts = [resolve_text(t) for t in args.data]
     source = resolve_model(args.source)
+    s.teacher = None if args.teacher is None else (source if args.teacher == _SELF else resolve_model(args.teacher))
     lm = load_source(source)
-    r = train(lm, source, text, s, args.output, threads=args.threads)
+    r = train(lm, source, texts, s, args.output, threads=args.threads)
     progress.info(f"[qwc] {r['trained_steps']} steps in {r['seconds']:.0f}s, loss {r['first_loss']:.3f} -> "
                   f"{r['final_loss']:.3f}; wrote {args.output}")
 
@@ -271,6 +277,39 @@ def _cmd_run(args: argparse.Namespace) -> None:
                   f"({eng.threads} threads, {eng.pos} tokens in context)")
 
 
+def _cmd_serve(args: argparse.Namespace) -> None:
+    import importlib.util
+    import socket
+    from pathlib import Path
+
+    if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "prometheus_client")):
+        raise QwcError("qwc serve needs the serve extra: pip install 'qwc[serve]'")
+    import uvicorn
+
+    if "tvm" not in sys.modules:
+        os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    from qwc.runtime.engine import Engine
+    from qwc.runtime.scheduler import Scheduler
+    from qwc.runtime.server import Settings, create_app
+
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        raise QwcError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
+    eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
+    sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue)
+    name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
+    app = create_app(eng, sched, Settings(model_id=name, api_key=args.api_key))
+    host, port = sock.getsockname()[:2]
+    progress.info(f"[qwc] serving {name!r} at http://{host}:{port}/v1 ({args.max_batch} sequences of up to "
+                  f"{eng.ctx} tokens, {eng.threads} threads{', API key required' if args.api_key else ''})")
+    sched.start()
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
+    finally:
+        sched.stop()
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
     import os
 
@@ -307,15 +346,11 @@ def _check_utf8(text: str, what: str) -> None:
 
 
 def _chat(eng, sp, max_new_tokens: int) -> None:
-    template = eng.model.get("chat_template")
-    if not template:
-        raise QwcError("this model has no chat template; use --prompt")
-    import jinja2
+    from qwc.runtime.chat import ChatTemplate
 
-    try:
-        template = jinja2.Template(template)
-    except jinja2.TemplateError as e:
-        raise QwcError(f"the model's chat template does not parse ({e})") from None
+    if not eng.model.get("chat_template"):
+        raise QwcError("this model has no chat template; use --prompt")
+    template = ChatTemplate(eng.model["chat_template"])
     messages = []
     while True:
         try:
@@ -329,10 +364,7 @@ def _chat(eng, sp, max_new_tokens: int) -> None:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        try:
-            prompt = template.render(messages=messages, add_generation_prompt=True)
-        except jinja2.TemplateError as e:
-            raise QwcError(f"the model's chat template fails ({e})") from None
+        prompt = template.render(messages)
         eng.reset()
         reply = ""
         for piece in eng.generate(prompt, max_new_tokens=max_new_tokens, sampling=sp):
@@ -437,6 +469,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--threads", type=_threads, default=None, help="worker threads (default: every usable CPU)")
     r.set_defaults(func=_cmd_run)
 
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
+                        description="Serve an artifact over the OpenAI API (/v1/completions, /v1/chat/completions, "
+                                    "/v1/models; /health, /metrics). Needs the serve extra: pip install 'qwc[serve]'.")
+    sv.add_argument("model", help="model.qwc artifact folder")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=_int_at_least(0), default=8080, help="port (default 8080; 0: any free one)")
+    sv.add_argument("--max-batch", type=_positive, default=8, help="sequences running at once (default 8)")
+    sv.add_argument("--max-queue", type=_count, default=64, help="requests waiting beyond those (default 64; "
+                                                                  "more get 503)")
+    sv.add_argument("--ctx", type=_positive, default=2048, help="context per sequence in tokens (default 2048)")
+    sv.add_argument("--threads", type=_threads, default=None)
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    sv.add_argument("--model-name", help="the model id clients name (default: the artifact folder's name without .qwc)")
+    sv.set_defaults(func=_cmd_serve)
+
     b = sub.add_parser("bench", help="prompt-processing and generation speed of an artifact (llama-bench style)")
     b.add_argument("model", help="model.qwc artifact folder")
     b.add_argument("-p", "--n-prompt", type=_count, default=512, help="prompt tokens for the pp test (0: skip)")
@@ -466,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Qwen2 directory whose weights sit on the Q4_0 grid. Rerunning the same "
                                    "command resumes from OUT_DIR.ckpt/.")
     q.add_argument("source", help="preset, HF directory, .gguf file, or smollm2 (the cached SmolLM2 GGUF)")
-    q.add_argument("--data", required=True, help="training text: a file or austen:<novel>")
+    q.add_argument("--data", required=True, action="append",
+                   help="training text: a file or austen:<novel>; repeat to train on several")
     q.add_argument("--steps", type=int, required=True)
     q.add_argument("--lr", type=float, default=2e-5)
     q.add_argument("--seq-len", type=int, default=256)
@@ -476,6 +524,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fake-quantize the embedding (and the tied lm_head) too")
     q.add_argument("--fake-quant-after", type=int, default=None,
                    help="float warm-up steps before fake quantization starts (default: 10%% of --steps)")
+    q.add_argument("--teacher", nargs="?", const=_SELF, metavar="SOURCE",
+                   help="distil from this model's logits (alone: the float SOURCE being trained)")
+    q.add_argument("--kd-weight", type=float, default=None,
+                   help="with --teacher: loss = (1 - w) CE + w KD (default 0.5)")
+    q.add_argument("--kd-temperature", type=float, default=None, help="with --teacher: softmax temperature (default 1)")
+    q.add_argument("--bf16", action="store_true",
+                   help="bf16 autocast for the forward matmuls (about 2x faster on CPUs with AMX or AVX512-BF16); "
+                        "the saved weights are exact Q4_0 either way")
     q.add_argument("--save-every", type=int, default=50, help="checkpoint interval in steps")
     q.add_argument("--seed", type=_count, default=0)
     q.add_argument("--threads", type=_threads, default=None)

@@ -25,6 +25,14 @@ from .sampling import Sampler, SamplingParams
 PREFILL_CHUNK = 256
 
 
+class Sequence:
+    """One stream's KV cache (a key and a value tensor per layer) and how many positions of it
+    are filled. The engine has one of its own; a server makes one per slot (Engine.sequence)."""
+
+    def __init__(self, cache: list, capacity: int):
+        self.cache, self.capacity, self.pos = cache, capacity, 0
+
+
 def _import_tvm():
     """TVM, loaded without torch where the process has not loaded either. TVM's FFI package
     imports torch whenever it is installed (to accept torch tensors, which the engine never
@@ -120,20 +128,14 @@ class Engine:
         self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
         self._score = self.vm["score"] if "score" in self.manifest["functions"]["entry_points"] else None
         self.params = self._load_params()
-        kvh, hd = int(self.model["num_key_value_heads"]), int(self.model["head_dim"])
-        n_cache = 2 * int(self.model["num_hidden_layers"])
-        # Capacity rounded up to the multiple the attention kernel's K layout needs (key tiles).
-        mult = int(self.manifest["functions"].get("cache_capacity_multiple", 1))
-        cap = -(-self.ctx // mult) * mult
-        shape = (1, kvh, cap, hd)
-        # The cache in huge pages, as the params; after it the inputs' memory, reused: a step
-        # then builds its inputs as views (~1 us) where fresh tensors cost ~50 us, 0.5% of a
-        # 0.5B decode step.
-        arena = memory.arena_for([(shape, np.float32)] * n_cache + [((1, self.ctx), np.int64)] * 3)
-        self.cache = [tvm.runtime.from_dlpack(arena.take(shape, np.float32)) for _ in range(n_cache)]
+        self._kv_heads, self._head_dim = int(self.model["num_key_value_heads"]), int(self.model["head_dim"])
+        self._n_cache = 2 * int(self.model["num_hidden_layers"])   # a key and a value per layer
+        # The inputs' memory, reused: a step builds its inputs as views (~1 us) where fresh
+        # tensors cost ~50 us, 0.5% of a 0.5B decode step.
+        arena = memory.arena_for([((1, self.ctx), np.int64)] * 3)
         self._ids, self._mask, self._positions = (arena.take((1, self.ctx), np.int64) for _ in range(3))
         self._mask[:] = 1
-        self.pos = 0
+        self.seq = self.sequence()
         self.stats: dict = {}   # the last generate's token counts and times
         self.tokenizer = None
         tok = self.path / "tokenizer.json"
@@ -147,17 +149,30 @@ class Engine:
         self.eos = set(self.model.get("eos_token_ids") or [])
         self._probe()
 
+    def sequence(self, ctx: int | None = None) -> Sequence:
+        """A new, empty KV cache for `ctx` positions (default: the engine's), in huge pages as
+        the parameters, its capacity rounded up to the multiple the attention kernel's key
+        tiles need."""
+        ctx = self.ctx if ctx is None else ctx
+        if not 1 <= ctx <= self.ctx:
+            raise QwcError(f"a sequence of {ctx} positions does not fit the engine's context of {self.ctx}")
+        mult = int(self.manifest["functions"].get("cache_capacity_multiple", 1))
+        shape = (1, self._kv_heads, -(-ctx // mult) * mult, self._head_dim)
+        arena = memory.arena_for([(shape, np.float32)] * self._n_cache)   # TVM takes 64-byte aligned data
+        return Sequence([self._tvm.runtime.from_dlpack(arena.take(shape, np.float32)) for _ in range(self._n_cache)],
+                        capacity=ctx)
+
+    @property
+    def pos(self) -> int:
+        """Positions filled in the engine's own sequence."""
+        return self.seq.pos
+
     def _probe(self) -> None:
         """One decode step at load: the library must accept these parameters and this cache (its
         own shape checks), and its logits must span the manifest's vocabulary, which bounds the
         token ids the embedding gather is given."""
         # A cache of its own (one key tile): the real one stays untouched, and zero.
-        mult = int(self.manifest["functions"].get("cache_capacity_multiple", 1))
-        shape = (1, int(self.model["num_key_value_heads"]), mult, int(self.model["head_dim"]))
-        arena = memory.arena_for([(shape, np.float32)] * len(self.cache))   # TVM takes 64-byte aligned data
-        cache = [self._tvm.runtime.from_dlpack(arena.take(shape, np.float32)) for _ in self.cache]
-        n = self._run(self._decode, np.zeros((1, 1), np.int64), cache=cache).shape[-1]
-        self.reset()
+        n = self._run(self._decode, np.zeros((1, 1), np.int64), self.sequence(1)).shape[-1]
         if n != self.vocab_size:
             raise QwcError(f"{self.path}: the manifest's vocab_size {self.vocab_size} is not the library's {n} "
                            "(corrupt artifact; recompile it)")
@@ -188,46 +203,47 @@ class Engine:
         return out
 
     # -- the model -----------------------------------------------------------------------
-    def reset(self) -> None:
+    def reset(self, seq: Sequence | None = None) -> None:
         """Empty the cache (its memory is reused; stale slots are never read)."""
-        self.pos = 0
+        (seq or self.seq).pos = 0
 
-    def _run(self, fn, tokens: np.ndarray, cache=None) -> np.ndarray:
+    def _run(self, fn, tokens: np.ndarray, seq: Sequence) -> np.ndarray:
         tvm = self._tvm
-        s = tokens.shape[1]
-        if self.pos + s > self.ctx:
-            raise QwcError(f"{self.pos + s} tokens do not fit the context of {self.ctx} (use a larger --ctx)")
+        s, pos = tokens.shape[1], seq.pos
+        if pos + s > seq.capacity:
+            raise QwcError(f"{pos + s} tokens do not fit the context of {seq.capacity} (use a larger --ctx)")
         self._ids[0, :s] = tokens[0]
-        self._positions[0, :s] = np.arange(self.pos, self.pos + s)
-        args = [tvm.runtime.from_dlpack(x) for x in (self._ids[:, :s], self._mask[:, :self.pos + s], self._positions[:, :s])]
+        self._positions[0, :s] = np.arange(pos, pos + s)
+        args = [tvm.runtime.from_dlpack(x) for x in (self._ids[:, :s], self._mask[:, :pos + s], self._positions[:, :s])]
         try:
-            out = fn(*args, *(self.cache if cache is None else cache), *self.params)
+            out = fn(*args, *seq.cache, *self.params)
         except Exception as e:   # TVM's own error types: the library's checks of shapes and dtypes
             raise QwcError(f"{self.path}: the library refused its inputs "
                            f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
-        self.pos += s
+        seq.pos += s
         return np.from_dlpack(out[0])[0]   # a view: the logits are not copied
 
-    def prefill(self, tokens) -> np.ndarray:
+    def prefill(self, tokens, seq: Sequence | None = None) -> np.ndarray:
         """Feed `tokens` after what the cache holds; returns the last position's logits."""
+        seq = seq or self.seq
         tokens = self._token_ids(tokens, "prefill")
-        if self.pos + tokens.shape[1] > self.ctx:
-            raise QwcError(f"prompt of {tokens.shape[1]} tokens (after {self.pos} cached) does not fit "
-                           f"the context of {self.ctx}")
+        if seq.pos + tokens.shape[1] > seq.capacity:
+            raise QwcError(f"prompt of {tokens.shape[1]} tokens (after {seq.pos} cached) does not fit "
+                           f"the context of {seq.capacity}")
         logits = None
         for i in range(0, tokens.shape[1], PREFILL_CHUNK):
             chunk = tokens[:, i:i + PREFILL_CHUNK]
-            logits = self._run(self._prefill if chunk.shape[1] > 1 else self._decode, chunk)[-1]
+            logits = self._run(self._prefill if chunk.shape[1] > 1 else self._decode, chunk, seq)[-1]
         return logits
 
-    def decode(self, token: int) -> np.ndarray:
+    def decode(self, token: int, seq: Sequence | None = None) -> np.ndarray:
         if isinstance(token, np.ndarray) and token.ndim == 0:
             token = token.item()
         if not is_int(token, lo=None):
             raise QwcError(f"decode takes one token id (an integer), not {type(token).__name__}")
         if not 0 <= token < self.vocab_size:
             raise QwcError(f"decode: token id {token} is outside the vocabulary [0, {self.vocab_size})")
-        return self._run(self._decode, np.array([[token]], np.int64))[-1]
+        return self._run(self._decode, np.array([[token]], np.int64), seq or self.seq)[-1]
 
     def _token_ids(self, tokens, what: str) -> np.ndarray:
         """`tokens` as a [1, n] int64 array, refusing anything that is not a non-empty flat
@@ -256,7 +272,7 @@ class Engine:
         tokens = self._token_ids(tokens, "score")
         if self.pos + tokens.shape[1] > self.ctx:
             raise QwcError(f"{tokens.shape[1]} tokens (after {self.pos} cached) do not fit the context of {self.ctx}")
-        return np.concatenate([self._run(self._score, tokens[:, i:i + PREFILL_CHUNK])
+        return np.concatenate([self._run(self._score, tokens[:, i:i + PREFILL_CHUNK], self.seq)
                                for i in range(0, tokens.shape[1], PREFILL_CHUNK)])
 
     # -- text ----------------------------------------------------------------------------

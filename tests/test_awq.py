@@ -15,7 +15,7 @@ from qwc.passes import awq, canonicalize, fuse_attention, fuse_rmsnorm, fuse_rot
 from qwc.passes.graph import Graph
 from qwc.passes.options import PassOptions
 from qwc.passes.verify import compare, random_steps
-from qwc.q4 import fake_quantize_q4_0
+from qwc.q4 import dequantize_q4_0, fake_quantize_q4_0, quantize_q4_0, unpack_nibbles
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,24 @@ def test_cli_optimize_awq(tiny_onnx, tmp_path, capsys):
     assert code in (0, None), cap.err
     assert "AWQ: 6 groups scaled" in cap.err
     onnx.checker.check_model(str(out))
+    # still Q4_0: every packed weight decodes to a matrix that llama.cpp's quantizer (qwc.q4,
+    # bit-identical to it) maps back to the same nibbles and fp16 scales
+    m = onnx.load(str(out))
+    init = _weights(m)
+    matmuls = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
+    assert len(matmuls) >= 7 * 2
+    for node in matmuls:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if attrs["bits"] != 4:
+            continue
+        q = unpack_nibbles(init[node.input[1]])                    # [N, nb, 32]
+        d = init[node.input[2]].astype(np.float32).reshape(q.shape[:2])
+        assert np.array_equal(d.astype(np.float16).astype(np.float32), d), node.name
+        w = dequantize_q4_0(q, d)
+        q2, d2 = quantize_q4_0(w)
+        assert np.array_equal(d2, d), node.name
+        nonzero = d != 0
+        assert np.array_equal(q2[nonzero], q[nonzero]), node.name
     code = main(["optimize", str(tiny_onnx), "-o", str(tmp_path / "bad.onnx"), "--awq", "--calib", str(text),
                  "--calib-tokens", "8192"])
     cap = capsys.readouterr()

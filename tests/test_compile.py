@@ -136,8 +136,11 @@ def test_params_and_cache_are_aligned_slices_of_zeroed_arenas(tiny_host_artifact
         assert got.tobytes() == raw[spec["offset"]:spec["offset"] + spec["nbytes"]]
         if nxt is not None:
             assert p + spec["nbytes"] <= nxt < p + spec["nbytes"] + ALIGN
-    assert eng.cache[0].shape[2] == 48   # ctx rounded up to the attention's multiple of 16
-    assert all(not c.numpy().any() for c in eng.cache)
+    assert eng.seq.cache[0].shape[2] == 48   # ctx rounded up to the attention's multiple of 16
+    assert eng.seq.capacity == 40
+    assert all(not c.numpy().any() for c in eng.seq.cache)
+    other = eng.sequence()                    # a second stream: its own cache, the same shape
+    assert other.cache[0].data_ptr() != eng.seq.cache[0].data_ptr() and other.cache[0].shape[2] == 48
 
     arena = Arena(200)
     a, b = arena.take((3,), "float16"), arena.take((5,), "int32")

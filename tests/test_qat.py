@@ -10,12 +10,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
+import torch.nn.functional as F
 
 from qwc.cli import main
 from qwc.config import sidecar_paths
 from qwc.models import qat
 from qwc.models.export import export_onnx
 from qwc.models.hf import load_hf_dir
+from qwc.models.presets import load_preset
 from qwc.passes.options import PassOptions
 from qwc.passes.pipeline import optimize, save_graph
 from qwc.passes.verify import random_steps, run_steps, session
@@ -147,7 +149,43 @@ def test_qat_resumes_where_it_stopped(corpus, tmp_path, monkeypatch, capsys):
     assert "holds a run with other settings" in capsys.readouterr().err
 
 
+def test_distillation_loss_is_scaled_kl():
+    torch.manual_seed(0)
+    s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    assert qat.distillation_loss(t, t, 2.0).abs() < 1e-6
+    ref = F.kl_div(F.log_softmax(s / 2, -1), F.log_softmax(t / 2, -1), log_target=True, reduction="none").sum(-1).mean()
+    torch.testing.assert_close(qat.distillation_loss(s, t, 2.0), 4 * ref)
+
+
+def test_distillation_from_the_float_model_lowers_the_kd_loss(corpus, tmp_path):
+    out = tmp_path / "kd"
+    assert main(["-q", "qat", "tiny", "--data", str(corpus), "--data", str(corpus), "--steps", "16",
+                 "--seq-len", "32", "--batch", "2", "--lr", "3e-4", "--fake-quant-after", "0",
+                 "--quantize-embedding", "--teacher", "--kd-weight", "1", "-o", str(out)]) == 0
+    rec = json.loads((out / "qwc_qat.json").read_text())
+    assert rec["settings"]["teacher"] == "tiny" and rec["settings"]["kd_weight"] == 1.0
+    assert len(rec["data"]) == 2
+
+    # on held windows of the text: the KL from the float teacher to the distilled student is
+    # well below the KL to the same model quantized without training (plain PTQ)
+    teacher = load_preset("tiny")
+    ptq = load_preset("tiny").model
+    qat.fold_norm_gains(ptq)
+    qat.FakeQuant(qat.quantized_modules(ptq, embedding=True), 32).snap()
+    student = load_hf_dir(out).model
+    ids = torch.tensor(teacher.tokenizer.encode(corpus.read_text()).ids[:8 * 64]).reshape(8, 64)
+    with torch.no_grad():
+        t = teacher.model(ids).logits
+        kl_ptq = qat.distillation_loss(ptq(ids).logits, t, 1.0)
+        kl_kd = qat.distillation_loss(student(ids).logits, t, 1.0)
+    assert kl_ptq > 0.05 and kl_kd < 0.7 * kl_ptq, (kl_ptq, kl_kd)
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--steps", "2", "--kd-weight", "0.5"], "need --teacher"),
+    (["--steps", "2", "--teacher", "--kd-weight", "1.5"], "--kd-weight 1.5: must be between 0 and 1"),
+    (["--steps", "2", "--teacher", "--kd-temperature", "0"], "--kd-temperature 0.0: must be a positive"),
+    (["--steps", "2", "--teacher", "no-such-model"], "neither a preset"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--steps", "2", "--group-size", "64"], "only 32"),
     (["--steps", "2", "--seq-len", "100000"], "fewer than one sequence"),

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own tools from the llama-cpp-python sdist (the version every peer row uses),
+# as the strongest build a user gets on each ISA:
+#
+#   bench/llamacpp.sh BUILD [DIR]
+#
+#   x86        clang, -march=native: the strongest build on this CPU. Where the CPU has AMX the
+#              build has it too: GCC 12 miscompiles ggml's AMX tile config (ldtilecfg faults), and
+#              clang 14 predefines __AMXINT8__ where ggml tests __AMX_INT8__, so a plain clang
+#              build silently has no AMX; the defines below turn it on.
+#   x86-gcc    GCC 12, -march=native without AMX (what a default build from source gives).
+#   arm64      cross-built, static, for the Yitian 710's ISA (Armv9 SVE2, i8mm, dotprod) with the
+#              Q4_0 repack on, run under qemu by bench/arm_icount.py.
+#
+# DIR defaults to ${XDG_CACHE_HOME:-~/.cache}/qwc/llamacpp-BUILD (x86: -BUILD-<hash of this CPU's
+# flags>, so a cached native build never runs on another CPU). Builds (~20 min each on 2 cores)
+# are cached there as TOOL-VERSION (x86: linked to the shared libraries in DIR/build/bin); prints
+# DIR last.
+set -euo pipefail
+VERSION=0.3.36
+BUILD=${1:?usage: bench/llamacpp.sh x86|x86-gcc|arm64 [DIR]}
+cpu=
+[[ $BUILD == x86* ]] && cpu=-$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-8)
+DIR=${2:-${XDG_CACHE_HOME:-$HOME/.cache}/qwc/llamacpp-$BUILD$cpu}
+say() { echo "[llama.cpp $BUILD] $*" >&2; }
+need() {   # Debian packages, installed when missing
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if ((${#missing[@]})); then
+    say "installing ${missing[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}" >/dev/null
+  fi
+}
+mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
+case $BUILD in
+  x86)
+    TOOLS="llama-bench llama-perplexity llama-quantize llama-server"
+    FLAGS=(-DGGML_NATIVE=ON -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++)
+    if grep -q '^flags.* amx_int8' /proc/cpuinfo; then
+      amx_defs="-D__AMX_TILE__=1 -D__AMX_INT8__=1 -D__AMX_BF16__=1"
+      FLAGS+=("-DCMAKE_C_FLAGS=$amx_defs" "-DCMAKE_CXX_FLAGS=$amx_defs")
+    fi
+    need cmake ninja-build clang libomp-dev ;;
+  x86-gcc)
+    TOOLS="llama-bench llama-perplexity llama-quantize llama-server"
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    FLAGS=(-DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=$no_amx" "-DCMAKE_CXX_FLAGS=$no_amx")
+    need cmake ninja-build g++ ;;
+  arm64)
+    TOOLS="llama-bench"
+    need cmake ninja-build g++-aarch64-linux-gnu
+    cat >"$DIR/toolchain.cmake" <<TC
+set(CMAKE_SYSTEM_NAME Linux)
+set(CMAKE_SYSTEM_PROCESSOR aarch64)
+set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)
+set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)
+TC
+    FLAGS=("-DCMAKE_TOOLCHAIN_FILE=$DIR/toolchain.cmake" -DGGML_NATIVE=OFF
+      -DGGML_CPU_ARM_ARCH=armv9-a+sve2+i8mm+dotprod+fp16+bf16 -DGGML_CPU_REPACK=ON -DBUILD_SHARED_LIBS=OFF
+      -DCMAKE_EXE_LINKER_FLAGS=-static "-DOpenMP_gomp_LIBRARY=$(aarch64-linux-gnu-gcc -print-file-name=libgomp.a)") ;;
+  *) echo "llamacpp.sh: unknown build '$BUILD' (x86, x86-gcc or arm64)" >&2; exit 2 ;;
+esac
+todo=()
+for t in $TOOLS; do [[ -x $DIR/$t-$VERSION ]] || todo+=("$t"); done
+if ((${#todo[@]})); then
+  src=$DIR/src
+  if [[ ! -d $src/vendor/llama.cpp ]]; then
+    say "fetching the llama-cpp-python $VERSION sdist"
+    rm -rf "$DIR/sdist" && mkdir -p "$DIR/sdist"
+    python3 -m pip download -q --no-deps --no-binary=:all: -d "$DIR/sdist" "llama-cpp-python==$VERSION" \
+      2> >(grep -v "is ignored: it is neither" >&2)
+    rm -rf "$src.partial" && mkdir -p "$src.partial"
+    tar -C "$src.partial" --strip-components=1 -xzf "$DIR"/sdist/llama_cpp_python-$VERSION.tar.gz
+    mv "$src.partial" "$src"
+  fi
+  say "building ${todo[*]} (about 20 minutes)"
+  cmake -S "$src/vendor/llama.cpp" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${FLAGS[@]}" \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_TOOLS=ON >"$DIR/cmake.log" 2>&1 || { tail -20 "$DIR/cmake.log" >&2; exit 1; }
+  cmake --build "$DIR/build" --target "${todo[@]}" -j 2 >"$DIR/build.log" 2>&1 || { tail -20 "$DIR/build.log" >&2; exit 1; }
+  for t in "${todo[@]}"; do cp "$DIR/build/bin/$t" "$DIR/$t.partial" && mv "$DIR/$t.partial" "$DIR/$t-$VERSION"; done
+fi
+echo "$DIR"

@@ -1,0 +1,164 @@
+"""Load test: N concurrent streaming clients against `qwc serve` and llama.cpp's `llama-server`,
+same model shape and format (Qwen2.5-0.5B, random weights, Q4_0 with a 4-bit tied embedding),
+same threads, one run:
+
+    .venv/bin/python bench/serve.py [--clients 1,4,8,16] [--requests 2] [--max-tokens 64] [--png serve.png]
+
+Each client sends `--requests` completions one after another (prompts of 16-256 random tokens,
+seeded; `ignore_eos`, so every request generates exactly `--max-tokens`), streaming. Reported per
+server and client count: aggregate generated tok/s (all tokens / wall time), time to first token
+p50/p99, inter-token latency p50/p99 (each request's mean over its tokens), failed requests. Both servers get as many slots as clients
+(`--max-batch N` / `-np N`, llama-server's continuous batching on). The servers run one at a
+time, alternating per client count. Artifacts come from bench/peers.py's work dir
+(~/.cache/qwc/bench); llama-server from bench/llamacpp.sh x86.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).parent
+
+
+def start(cmd: list[str], ready: str, env=None) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    t0 = time.time()
+    for line in proc.stderr:
+        if re.search(ready, line):
+            return proc, line
+        if time.time() - t0 > 300:
+            break
+    proc.kill()
+    sys.exit(f"serve: {cmd[0]} did not start")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def client(http, url: str, model: str, prompts: list[list[int]], max_tokens: int, out: list) -> None:
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        times = []
+        try:
+            async with http.stream("POST", url, json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                      "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+                if r.status_code != 200:
+                    out.append({"ok": False})
+                    continue
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:
+                        times.append(time.perf_counter())
+            out.append({"ok": len(times) > 1, "t0": t0, "times": times, "tokens": max_tokens})
+        except Exception:   # a refused or broken connection is a failed request
+            out.append({"ok": False})
+
+
+async def load(base: str, model: str, clients: int, requests: int, max_tokens: int, seed: int) -> dict:
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    plans = [[[int(t) for t in rng.integers(100, 4000, int(rng.integers(16, 257)))] for _ in range(requests)]
+             for _ in range(clients)]
+    out: list = []
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http, base + "/v1/completions", model, p, max_tokens, out) for p in plans))
+        wall = time.perf_counter() - t0
+    ok = [r for r in out if r["ok"]]
+    ttft = [r["times"][0] - r["t0"] for r in ok]
+    # a streamed piece may carry more than one token (text held back at a partial UTF-8
+    # character), so the inter-token latency is each request's mean: first to last piece over
+    # its tokens
+    itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in ok]
+    pct = (lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else float("nan"))
+    return {"tok_s": sum(r["tokens"] for r in ok) / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "failed": len(out) - len(ok), "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", default="1,4,8,16")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "bench")
+    ap.add_argument("--ctx", type=int, default=512, help="context per sequence")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--png", type=Path)
+    a = ap.parse_args()
+    counts = [int(c) for c in a.clients.split(",")]
+    sys.path.insert(0, str(HERE))
+    from peers import llamacpp_tools, prepare
+
+    paths = prepare(a.workdir)
+    server = llamacpp_tools("x86") / "llama-server-0.3.36"
+    results: dict = {"qwc": {}, "llama-server": {}}
+    for n in counts:
+        for name in ("qwc", "llama-server"):
+            print(f"[serve] {name}, {n} clients ...", file=sys.stderr, flush=True)
+            if name == "qwc":
+                env = dict(os.environ, TVM_NUM_THREADS=str(a.threads))
+                proc, line = start([sys.executable, "-m", "qwc", "serve", str(paths["qwc"]), "--port", "0",
+                                    "--max-batch", str(n), "--ctx", str(a.ctx), "--threads", str(a.threads),
+                                    "--model-name", "m"], r"serving .* at http://", env)
+                base = re.search(r"(http://[^ ]+)/v1", line)[1]
+            else:
+                port = 18000 + n
+                proc, _ = start([str(server), "-m", str(paths["gguf"]), "--port", str(port), "-np", str(n),
+                                 "-c", str(a.ctx * n), "-t", str(a.threads), "-tb", str(a.threads), "-cb",
+                                 "--alias", "m"], r"listening on http")
+                base = f"http://127.0.0.1:{port}"
+            try:
+                results[name][n] = asyncio.run(load(base, "m", n, a.requests, a.max_tokens, seed=n))
+            finally:
+                stop(proc)
+
+    print(f"\nQwen2.5-0.5B shape, random weights, Q4_0 (4-bit output), {a.threads} threads; each client "
+          f"{a.requests} streaming requests of 16-256 prompt tokens and {a.max_tokens} generated\n")
+    print("| server | clients | gen tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | failed |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, rows in results.items():
+        for n, r in rows.items():
+            print(f"| {name} | {n} | {r['tok_s']:.1f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | "
+                  f"{r['itl_p50']:.1f} | {r['itl_p99']:.1f} | {r['failed']} |")
+    print("\n| clients | qwc / llama-server (gen tok/s) |\n| ---: | ---: |")
+    for n in counts:
+        print(f"| {n} | {results['qwc'][n]['tok_s'] / results['llama-server'][n]['tok_s']:.2f} |")
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+    if a.png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+        for name, rows in results.items():
+            ax[0].plot(list(rows), [r["tok_s"] for r in rows.values()], marker="o", label=name)
+            ax[1].plot(list(rows), [r["itl_p50"] for r in rows.values()], marker="o", label=name)
+        ax[0].set(xlabel="concurrent clients", ylabel="generated tok/s (all clients)")
+        ax[1].set(xlabel="concurrent clients", ylabel="inter-token latency p50 (ms)")
+        ax[0].legend()
+        fig.tight_layout()
+        fig.savefig(a.png, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The model's chat template (Jinja, from its GGUF / tokenizer config, kept in the manifest),
+rendered in a sandbox as Hugging Face's tokenizers do: `qwc run --chat` and `qwc serve`'s
+/v1/chat/completions share it."""
+
+from __future__ import annotations
+
+from qwc.errors import QwcError
+
+
+class ChatTemplate:
+    def __init__(self, source: str | None):
+        if not source:
+            raise QwcError("this model has no chat template")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):   # templates call it on bad conversations (HF's convention)
+            raise jinja2.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise QwcError(f"the model's chat template does not parse ({e})") from None
+        self._error = jinja2.TemplateError
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        except self._error as e:
+            raise QwcError(f"the model's chat template fails on these messages ({e})") from None

@@ -1,0 +1,219 @@
+"""Continuous batching over one Engine: requests join and leave between steps.
+
+One thread owns the engine (it is not thread-safe) and loops: admit queued requests into free
+sequence slots (each slot a KV cache of its own, made once and reused), run at most
+`prefill_chunk` prompt tokens of one prefilling request, then one decode step for every
+running request, so a long prompt arriving never stalls the streams already flowing (chunked
+prefill). A request leaves at its stop token, a stop string, its token budget, the context's
+end, or when it is cancelled (a client that went away); its slot is free for the next step.
+
+Each request's tokens depend only on its own prompt, cache and sampler, so greedy output is the
+same whatever else runs beside it. The decode step still runs the sequences one after another;
+a batched decode entry point that reads the weights once for all of them is the next step
+(docs/design.md, "Serving").
+
+Callers get events through `Request.emit` (called on the scheduler's thread):
+("text", piece) for every token (the piece may be empty), then ("done", finish_reason) with finish_reason "stop" | "length" | "cancelled"
+| "error: ..."; counts and times are on the request.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from qwc.errors import QwcError
+
+from .sampling import Sampler, SamplingParams
+
+
+class QueueFull(QwcError):
+    """More requests are waiting than the server queues."""
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    emit: Callable[[str, str], None]
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False          # llama-server's option: generate max_tokens whatever comes
+    # filled in by the scheduler
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    t_submit: float = 0.0
+    t_first: float | None = None      # first generated token
+    token_times: list[float] = field(default_factory=list)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class _Running:
+    """A request in a slot: how much of its prompt is in the cache, what it has said."""
+
+    def __init__(self, req: Request, seq, eos: set[int]):
+        self.req, self.seq, self.eos = req, seq, eos
+        self.fed = 0                     # prompt tokens in the cache
+        self.logits: np.ndarray | None = None
+        self.sampler = Sampler(req.sampling)
+        self.history = list(req.prompt)
+        self.shown = ""                  # text already emitted
+
+
+class Scheduler:
+    def __init__(self, engine, max_running: int = 8, max_queue: int = 64, prefill_chunk: int = 128):
+        if max_running < 1 or max_queue < 0 or prefill_chunk < 1:
+            raise QwcError("max_running and prefill_chunk must be at least 1, max_queue at least 0")
+        self.engine = engine
+        self.max_running, self.max_queue, self.prefill_chunk = max_running, max_queue, prefill_chunk
+        self._free: list = []            # sequence slots made and idle
+        self._made = 0
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[_Running] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0                   # decode steps run, and sequences in them (for metrics)
+        self.last_batch = 0
+        self.on_step: Callable[[int], None] | None = None
+
+    # -- the caller's side -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="qwc-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread:
+            self._thread.join()
+
+    def submit(self, req: Request) -> Request:
+        if len(req.prompt) + 1 > self.engine.ctx:
+            raise QwcError(f"the prompt has {len(req.prompt)} tokens; the context holds {self.engine.ctx} "
+                           "with room for at least one new token")
+        with self._cv:
+            if len(self._waiting) >= self.max_queue and len(self._running) + len(self._waiting) >= self.max_running:
+                raise QueueFull(f"the server is full: {len(self._running)} running, {len(self._waiting)} queued")
+            req.t_submit = time.perf_counter()
+            self._waiting.append(req)
+            self._cv.notify()
+        return req
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    # -- the scheduler's thread -----------------------------------------------------------
+    def _slot(self):
+        if self._free:
+            seq = self._free.pop()
+            self.engine.reset(seq)
+            return seq
+        self._made += 1
+        return self.engine.sequence()
+
+    def _finish(self, run: _Running, reason: str) -> None:
+        run.req.finish_reason = reason
+        self._running.remove(run)
+        self._free.append(run.seq)
+        run.req.emit("done", reason)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting and not self._running:
+                    self._cv.wait()
+                if self._stop:
+                    for run in list(self._running):
+                        self._finish(run, "cancelled")
+                    while self._waiting:
+                        self._waiting.popleft().emit("done", "cancelled")
+                    return
+                while self._waiting and len(self._running) < self.max_running:
+                    req = self._waiting.popleft()
+                    self._running.append(_Running(req, self._slot(), set() if req.ignore_eos else self.engine.eos))
+            try:
+                self._step()
+            except Exception as e:   # a failing step ends its requests with the reason, not the server
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                for run in list(self._running):
+                    self._finish(run, f"error: {msg}")
+
+    def _step(self) -> None:
+        for run in [r for r in self._running if r.req.cancelled.is_set()]:
+            self._finish(run, "cancelled")
+        # one prefill chunk a step, to the request that has waited longest
+        pending = [r for r in self._running if r.fed < len(r.req.prompt)]
+        if pending:
+            run = pending[0]
+            chunk = run.req.prompt[run.fed:run.fed + self.prefill_chunk]
+            run.logits = self.engine.prefill(chunk, seq=run.seq)
+            run.fed += len(chunk)
+        decoding = [r for r in self._running if r.fed == len(r.req.prompt) and r.logits is not None]
+        for run in decoding:
+            self._advance(run)
+        self.last_batch = len(decoding)
+        if decoding:
+            self.steps += 1
+            if self.on_step:
+                self.on_step(len(decoding))
+
+    def _advance(self, run: _Running) -> None:
+        """Sample the next token from the last logits, emit its text, and decode it (unless the
+        request ends here)."""
+        req = run.req
+        tok = run.sampler(run.logits, run.history)
+        now = time.perf_counter()
+        if tok in run.eos:
+            return self._finish(run, "stop")
+        req.generated.append(tok)
+        run.history.append(tok)
+        if req.t_first is None:
+            req.t_first = now
+        req.token_times.append(now)
+        text = self.engine.tokenizer.decode(req.generated)
+        reason = None
+        cut = min((i for i in (text.find(s, max(0, len(run.shown) - len(s))) for s in req.stop_strings) if i >= 0),
+                  default=-1)
+        if cut >= 0:
+            text, reason = text[:cut], "stop"
+        elif len(req.generated) >= req.max_tokens or run.seq.pos + 1 > run.seq.capacity:
+            reason = "length"
+        # Hold back a partial UTF-8 sequence (as Engine.generate does), and text that may be the
+        # start of a stop string; text before a stop string is final, whatever it ends with.
+        # Every token gets an event, its text possibly empty (held back, or a token without
+        # text), so clients see the token cadence as from llama-server.
+        safe = len(text) if reason else _safe_end(text, req.stop_strings)
+        piece = ""
+        if safe > len(run.shown) and (cut >= 0 or not text[:safe].endswith("\ufffd")):
+            piece, run.shown = text[len(run.shown):safe], text[:safe]
+        if piece or cut < 0:
+            req.emit("text", piece)
+        if reason:
+            return self._finish(run, reason)
+        run.logits = self.engine.decode(tok, seq=run.seq)
+
+
+def _safe_end(text: str, stops: tuple[str, ...]) -> int:
+    """The length of `text` that cannot be the beginning of a stop string still being written."""
+    end = len(text)
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                end = min(end, len(text) - k)
+                break
+    return end

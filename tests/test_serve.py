@@ -1,0 +1,220 @@
+"""`qwc serve` end to end: a real server process on the tiny artifact, driven by the official
+`openai` client and raw HTTP. Concurrent greedy requests equal single-stream greedy generation;
+streams can be cancelled; every bad request gets OpenAI's error shape and status."""
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from qwc.compiler.compile import compile_file
+from qwc.runtime.engine import Engine
+from qwc.runtime.sampling import SamplingParams
+from qwc.runtime.scheduler import _safe_end
+
+CTX = 2048
+LONG = 2000   # tokens: a stream that lasts a second or more, to cancel or to hold a slot
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_q4, tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve") / "tiny.qwc"
+    compile_file(tiny_q4, "host", out)
+    return out
+
+
+class Server:
+    def __init__(self, artifact, *extra):
+        self.proc = subprocess.Popen([sys.executable, "-m", "qwc", "serve", str(artifact), "--port", "0",
+                                      "--ctx", str(CTX), "--threads", "1", *extra],
+                                     stderr=subprocess.PIPE, text=True)
+        line = self.proc.stderr.readline()
+        m = re.search(r"at (http://[^ ]+/v1)", line)
+        if not m:
+            self.proc.kill()
+            raise AssertionError(f"server did not start: {line}{self.proc.stderr.read()}")
+        self.url = m[1]
+        self.base = self.url.removesuffix("/v1")
+
+    def post(self, path, body, **kw):
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return httpx.post(self.base + path, content=data, timeout=60, **kw)
+
+    def metric(self, name) -> float:
+        text = httpx.get(self.base + "/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    s = Server(artifact, "--max-batch", "4")
+    yield s
+    s.close()
+
+
+def _reference(artifact, prompts, n):
+    eng = Engine(artifact, ctx=CTX, threads=1)
+    out = []
+    for p in prompts:
+        eng.reset()
+        out.append("".join(eng.generate(p, max_new_tokens=n, sampling=SamplingParams())))
+    return out
+
+
+def test_concurrent_greedy_equals_single_stream(server, artifact):
+    prompts = ["Hello there", "The cat sat on", "A long time ago in a galaxy", "x", "Numbers: 1 2 3", "Why?"]
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    results = [None] * len(prompts)
+
+    def ask(i):
+        r = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=12, temperature=0)
+        results[i] = r
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ref = _reference(artifact, prompts, 12)
+    for r, want in zip(results, ref):
+        assert r.choices[0].text == want
+        assert r.usage.completion_tokens <= 12 and r.choices[0].finish_reason in ("length", "stop")
+    assert server.metric("qwc_decode_batch_size_bucket{le=\"1.0\"}") < server.metric("qwc_decode_batch_size_count")
+
+
+def test_streaming_chat_with_the_openai_client(server):
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish in (["length"], ["stop"])
+    assert chunks[-1].usage.completion_tokens <= 6 and chunks[-1].usage.prompt_tokens > 1
+    whole = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=6, temperature=0)
+    assert whole.choices[0].message.content == text
+    assert whole.choices[0].message.role == "assistant"
+
+
+def test_sampling_with_a_seed_repeats(server):
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    a, b = (client.completions.create(model="tiny", prompt="Once", max_tokens=8, temperature=0.9, top_p=0.9,
+                                      seed=7).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_stop_strings_cut_the_text(server, artifact):
+    full = _reference(artifact, ["Hello there"], 12)[0]
+    assert len(full) > 4
+    stop = full[2:4]
+    r = server.post("/v1/completions", {"model": "tiny", "prompt": "Hello there", "max_tokens": 12,
+                                        "temperature": 0, "stop": [stop]}).json()
+    assert r["choices"][0]["text"] == full[:full.index(stop)] and r["choices"][0]["finish_reason"] == "stop"
+    assert _safe_end("abc</s", ("</stop>",)) == 3 and _safe_end("abc", ("xyz",)) == 3
+
+
+def test_cancelled_stream_frees_its_slot(server):
+    before = server.metric('qwc_requests_total{outcome="cancelled"')
+    with httpx.stream("POST", server.base + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": "Go", "max_tokens": LONG, "ignore_eos": True,
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert got[0].startswith("data: ")
+    deadline = time.time() + 20
+    while time.time() < deadline and server.metric('qwc_requests_total{outcome="cancelled"') == before:
+        time.sleep(0.1)
+    assert server.metric('qwc_requests_total{outcome="cancelled"') == before + 1
+    assert server.metric("qwc_running_sequences") == 0
+    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("path, body, status, code, words", [
+    ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 400, "model_not_found", "does not exist"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a " * 1100}, 400, "context_length_exceeded", "context"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": 5}, 400, None, "'temperature'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 0}, 400, None, "'top_p'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 0}, 400, None, "'max_tokens'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 2}, 400, None, "n = 1"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": [1]}, 400, None, "'stop'"),
+    ("/v1/completions", {"model": "tiny", "prompt": [10 ** 9]}, 400, None, "token ids"),
+    ("/v1/completions", {"model": "tiny"}, 400, None, "'prompt'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "stream": "yes"}, 400, None, "'stream'"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, None, "'messages'"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "a"}]}, 400, None, "role"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, None, "content"),
+    ("/v1/nowhere", {}, 404, None, "no route"),
+])
+def test_bad_requests_get_openai_errors(server, path, body, status, code, words):
+    r = server.post(path, body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and words in err["message"]
+    assert err["code"] == code
+    # and the openai client raises its own error type for it
+    if path == "/v1/completions" and isinstance(body, dict) and "model" in body and "prompt" in body and status == 400:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**body)
+
+
+def test_api_key_and_a_full_queue(artifact):
+    s = Server(artifact, "--api-key", "sekrit", "--max-batch", "1", "--max-queue", "0")
+    try:
+        assert s.post("/v1/completions", {"model": "tiny", "prompt": "a"}).status_code == 401
+        bad = openai.OpenAI(base_url=s.url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=s.url, api_key="sekrit", max_retries=0)
+        assert [m.id for m in good.models.list()] == ["tiny"]
+        assert httpx.get(s.base + "/health").status_code == 200        # health needs no key
+        auth = {"Authorization": "Bearer sekrit"}
+        # one slot, no queue: of eight requests sent at once, those that find the slot busy get 503
+        codes = []
+
+        def ask():
+            r = s.post("/v1/completions", {"model": "tiny", "prompt": "Go", "max_tokens": LONG, "ignore_eos": True},
+                       headers=auth)
+            codes.append((r.status_code, r.json().get("error", {}).get("code")))
+
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert (200, None) in codes and (503, "server_overloaded") in codes, codes
+        assert set(codes) <= {(200, None), (503, "server_overloaded")}
+    finally:
+        s.close()
+
+
+def test_serve_refuses_a_busy_port_and_a_missing_artifact(artifact, tmp_path):
+    s = Server(artifact)
+    try:
+        port = s.base.rsplit(":", 1)[1]
+        r = subprocess.run([sys.executable, "-m", "qwc", "serve", str(artifact), "--port", port],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot listen" in r.stderr
+    finally:
+        s.close()
+    r = subprocess.run([sys.executable, "-m", "qwc", "serve", str(tmp_path / "none.qwc"), "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
