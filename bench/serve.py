@@ -108,9 +108,12 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from peers import llamacpp_tools, prepare
 
-    paths = prepare(a.workdir)
+    paths = prepare(a.workdir, max_batch=max(max(counts), 2))
     server = llamacpp_tools("x86") / "llama-server-0.3.36"
     results: dict = {"qwc": {}, "llama-server": {}}
+    r = subprocess.run([sys.executable, "-m", "qwc", "bench", str(paths["qwc"]), "-p", "0", "-n", str(a.max_tokens),
+                        "--threads", str(a.threads), "--json"], capture_output=True, text=True, check=True)
+    tg = json.loads(r.stdout)["results"][0]["tps"]
     for n in counts:
         for name in ("qwc", "llama-server"):
             print(f"[serve] {name}, {n} clients ...", file=sys.stderr, flush=True)
@@ -139,11 +142,17 @@ def main() -> None:
         for n, r in rows.items():
             print(f"| {name} | {n} | {r['tok_s']:.1f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | "
                   f"{r['itl_p50']:.1f} | {r['itl_p99']:.1f} | {r['failed']} |")
-    print("\n| clients | qwc / llama-server (gen tok/s) |\n| ---: | ---: |")
+    print("\n| clients | qwc / llama-server (gen tok/s) | qwc / qwc at 1 client |\n| ---: | ---: | ---: |")
+    one = results["qwc"].get(1, {}).get("tok_s")
     for n in counts:
-        print(f"| {n} | {results['qwc'][n]['tok_s'] / results['llama-server'][n]['tok_s']:.2f} |")
+        q = results["qwc"][n]["tok_s"]
+        print(f"| {n} | {q / results['llama-server'][n]['tok_s']:.2f} | {q / one if one else float('nan'):.2f} |")
+    if 1 in results["qwc"]:
+        itl = results["qwc"][1]["itl_p50"]
+        print(f"\n`qwc bench -n {a.max_tokens}` on the same artifact: {tg:.1f} tok/s ({1000 / tg:.2f} ms a token); "
+              f"`qwc serve` with one client: ITL p50 {itl:.2f} ms, {itl * tg / 1000:.3f}x")
     if a.json:
-        a.json.write_text(json.dumps(results, indent=1))
+        a.json.write_text(json.dumps({"qwc_bench_tg": tg, **results}, indent=1))
     if a.png:
         import matplotlib
         matplotlib.use("Agg")

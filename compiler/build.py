@@ -5,6 +5,10 @@ and build it for a target.
             past_key_values.* [1, kv_heads, cache_len, head_dim] ..., params ...)
     decode(the same with seq = 1)
     score(the same as prefill, returning the logits of every position: `qwc eval`)
+    decode_batch(input_ids [B, 1], attention_mask [B, total], position_ids [B, 1],
+                 past_key_values.* [B, kv_heads, cache_len, head_dim] ...): one new token of
+                 each of B sequences, row b of the cache buffers being sequence b's cache and
+                 row b of the mask its length (ones, then zeros); `qwc compile --max-batch`
 
 All return (logits, present.*); the presents alias the cache buffers they were given (the
 cache is written in place), so the runtime never copies the cache.
@@ -23,19 +27,23 @@ N_INPUTS_BEFORE_CACHE = 3   # input_ids, attention_mask, position_ids
 
 
 def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
-             score_model: onnx.ModelProto | None = None, tuned: dict | None = None) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
+             score_model: onnx.ModelProto | None = None, tuned: dict | None = None,
+             batched_decode: bool = False) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
     """The module, the param names in call order, and the param values. `model` gives prefill
-    and decode; `score_model` (the same graph with every position's logits and the same
-    initializers) gives `score`."""
+    and decode (and, with `batched_decode`, decode_batch); `score_model` (the same graph with
+    every position's logits and the same initializers) gives `score`."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
     n_inputs = N_INPUTS_BEFORE_CACHE + n_cache
     funcs = {}
     params = None
-    entries = [("prefill", None, model), ("decode", 1, model)]
+    entries = [("prefill", None, model, False), ("decode", 1, model, False)]
     if score_model is not None:
-        entries.append(("score", None, score_model))
-    for name, seq, graph in entries:
-        mod = import_graph(graph, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned)
+        entries.append(("score", None, score_model, False))
+    if batched_decode:
+        entries.append(("decode_batch", 1, model, True))
+    for name, seq, graph, batched in entries:
+        mod = import_graph(graph, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned,
+                           batched=batched)
         mod, detached = relax.frontend.detach_params(mod)
         for gv, fn in mod.functions_items():
             if gv.name_hint == "main":

@@ -14,6 +14,7 @@ from qwc import progress
 from qwc.atomic import check_destination
 from qwc.config import load_for_graph, tokenizer_for_graph
 from qwc.errors import QwcError
+from qwc.limits import MAX_BATCH
 
 from qwc.passes.last_position import last_position_logits
 from qwc.passes.pipeline import load_canonical
@@ -36,11 +37,15 @@ def quant_summary(model: onnx.ModelProto) -> dict:
             "embedding_bits": emb_bits}
 
 
-def compile_file(src, target_name: str, out, options=None, act_bits: int | None = None, tuning_db=None) -> dict:
-    """`act_bits` None: the target's default (targets.default_act_bits)."""
+def compile_file(src, target_name: str, out, options=None, act_bits: int | None = None, tuning_db=None,
+                 max_batch: int = 1) -> dict:
+    """`act_bits` None: the target's default (targets.default_act_bits). `max_batch` >= 2 adds
+    the decode_batch entry point (compiler/build.py) for up to that many sequences."""
     target = get_target(target_name)
     if act_bits not in (None, 8, 32):
         raise QwcError(f"--act-bits {act_bits} is not supported (8 or 32)")
+    if not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
+        raise QwcError(f"--max-batch {max_batch!r}: must be an integer from 1 to {MAX_BATCH}")
     check_destination(out, folder=True, foreign=foreign_files)
     config = load_for_graph(src)   # cheap checks first: TVM takes seconds to import
     from .artifact import write_artifact
@@ -77,7 +82,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     t0 = time.perf_counter()
     with progress.stage("importing into TVM Relax"):
         mod, names, params = to_relax(model, act_bits=act_bits, features=target.features,
-                                      score_model=full, tuned=tuned)
+                                      score_model=full, tuned=tuned, batched_decode=max_batch > 1)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):
@@ -87,7 +92,10 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     key_tiles = supports(config.head_dim)
     signature = {
         "entry_points": {"prefill": "any number of new tokens", "decode": "one new token",
-                         "score": "prefill returning every position's logits"},
+                         "score": "prefill returning every position's logits",
+                         **({"decode_batch": "one new token of each of B sequences, B <= max_batch, "
+                                             "cache rows [B, ...]"} if max_batch > 1 else {})},
+        "max_batch": max_batch,
         "inputs": ["input_ids", "attention_mask", "position_ids"],
         "cache": cache,
         "cache_shape": ["1", config.num_key_value_heads, "ctx", config.head_dim],

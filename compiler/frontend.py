@@ -42,6 +42,7 @@ class ImportContext:
     features: frozenset = frozenset()               # the target's ISA features (targets.py)
     tuned: dict = field(default_factory=dict)       # tuning task key -> knobs (`--tuning-db`)
     rotary_kernels: dict = field(default_factory=dict)   # rotary kernel emitted -> its num_heads
+    batched: bool = False                           # B sequences, each with its own cache row
 
     def kname(self, name: str) -> str:
         return f"{self.prefix}_{name}" if self.prefix else name
@@ -199,13 +200,15 @@ class GroupQueryAttention(F.OnnxOpConverter):
         # The fast kernel reads K in its key-tile layout (kernels/attention.py); V, and K for
         # the generic kernel, are rows.
         # Decode's rotary, cache writes and attention may become one kernel: fuse_decode_attention.py
-        tiled = fast.supports(head_dim)
-        write_k = bb.add_func(fast.kv_cache_write(tiled), _kname("k_cache_write_tiles" if tiled else "kv_cache_write"))
-        write_v = bb.add_func(fast.kv_cache_write(False), _kname("kv_cache_write"))
+        tiled, batched = fast.supports(head_dim), _ctx().batched
+        if batched and not tiled:
+            raise QwcError(f"batched decode needs a head_dim that is a multiple of {fast.LANES} (got {head_dim})")
+        write_k = bb.add_func(fast.kv_cache_write(tiled, batched), _kname("k_cache_write_tiles" if tiled else "kv_cache_write"))
+        write_v = bb.add_func(fast.kv_cache_write(False, batched), _kname("kv_cache_write"))
         kc = bb.emit(relax.call_tir_inplace(write_k, [past_k, k, seqlens], 0, past_k.ty))
         vc = bb.emit(relax.call_tir_inplace(write_v, [past_v, v, seqlens], 0, past_v.ty))
         if tiled:
-            kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale), _kname("attention_online"))
+            kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale, batched), _kname("attention_online"))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
         else:
             out = bb.emit_te(generic.attention, q, kc, vc, seqlens, heads=heads, kv_heads=kv_heads,
@@ -241,23 +244,27 @@ def qwc_converters():
 
 
 def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "", act_bits: int = 32,
-                 features: frozenset = frozenset(), tuned: dict | None = None, fuse: bool = True):
+                 features: frozenset = frozenset(), tuned: dict | None = None, fuse: bool = True,
+                 batched: bool = False):
     """Import the canonical graph for batch 1 and `seq` new tokens (None: any number) as
     `main`; `prefix` names its kernels; `act_bits` 8 selects the W4A8 matmuls; `tuned` maps
     tuning task keys (compiler/tuning.py) to schedule knobs; `fuse` False skips the fusion
-    passes (tests, measurements of what a fusion gains)."""
+    passes (tests, measurements of what a fusion gains). `batched`: any number B of sequences
+    instead of one, each with its own row of the cache buffers [B, ...] and its own length
+    (its attention_mask row: ones, then zeros)."""
     from tvm import tirx
 
     seq_dim = tirx.Var("seq", "int64") if seq is None else seq
+    batch = tirx.Var("batch", "int64") if batched else 1
     total, cache = tirx.Var("total", "int64"), tirx.Var("cache_len", "int64")
     present = {i.name for i in model.graph.input}
-    shapes = {k: v for k, v in {"input_ids": [1, seq_dim], "position_ids": [1, seq_dim],
-                                "attention_mask": [1, total]}.items() if k in present}
+    shapes = {k: v for k, v in {"input_ids": [batch, seq_dim], "position_ids": [batch, seq_dim],
+                                "attention_mask": [batch, total]}.items() if k in present}
     for i in model.graph.input:
         if i.name.startswith("past_key_values."):
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
-            shapes[i.name] = [1, dims[1], cache, dims[3]]
-    ctx = ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {}))
+            shapes[i.name] = [batch, dims[1], cache, dims[3]]
+    ctx = ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {}), batched=batched)
     token = _CONTEXT.set(ctx)
     try:
         with qwc_converters(), warnings.catch_warnings():

@@ -13,7 +13,7 @@ import time
 from . import __version__, interrupts, progress
 from .atomic import check_destination
 from .errors import QwcError
-from .limits import max_threads
+from .limits import MAX_BATCH, max_threads
 
 
 # -- option types: a bad value is one line `qwc: error: argument --x: ...`, exit 2 ----------
@@ -26,6 +26,15 @@ def _int_at_least(lo: int, what: str = ""):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"{v} must be at least {lo}{what}")
+        return v
+    return parse
+
+
+def _int_in(lo: int, hi: int):
+    def parse(text: str) -> int:
+        v = _int_at_least(lo)(text)
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"{v} is more than {hi}")
         return v
     return parse
 
@@ -211,7 +220,8 @@ def _cmd_compile(args: argparse.Namespace) -> None:
     from qwc.compiler.compile import compile_file
 
     t0 = time.perf_counter()
-    times = compile_file(args.model, args.target, args.output, act_bits=args.act_bits, tuning_db=args.tuning_db)
+    times = compile_file(args.model, args.target, args.output, act_bits=args.act_bits, tuning_db=args.tuning_db,
+                         max_batch=args.max_batch)
     parts = ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
     progress.info(f"[qwc] compiled {args.model} for {args.target} -> {args.output} in "
                   f"{time.perf_counter() - t0:.1f}s ({parts})")
@@ -301,6 +311,10 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
     app = create_app(eng, sched, Settings(model_id=name, api_key=args.api_key))
     host, port = sock.getsockname()[:2]
+    if eng.max_batch < args.max_batch:
+        has = "no batched decode" if eng.max_batch == 1 else f"a batched decode of at most {eng.max_batch} sequences"
+        progress.info(f"[qwc] note: {args.model} has {has}; steps with more decode one sequence after another "
+                      f"(compile it with --max-batch {args.max_batch})")
     progress.info(f"[qwc] serving {name!r} at http://{host}:{port}/v1 ({args.max_batch} sequences of up to "
                   f"{eng.ctx} tokens, {eng.threads} threads{', API key required' if args.api_key else ''})")
     sched.start()
@@ -437,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "kernel (host with AVX-512 VNNI, arm-yitian, arm-neon), else 32")
     c.add_argument("--tuning-db", metavar="DIR",
                    help="a `qwc tune` database: use its schedules where they measured faster than qwc's own")
+    c.add_argument("--max-batch", type=_int_in(1, MAX_BATCH), default=1, metavar="N",
+                   help="N >= 2 adds a batched decode entry point (one token of each of up to N sequences "
+                        "a step, reading the weights once) for `qwc serve`; costs compile time "
+                        "(default 1: none)")
     c.set_defaults(func=_cmd_compile)
 
     t = sub.add_parser("tune", help="autotune the model's kernels with TVM MetaSchedule (resumable)",

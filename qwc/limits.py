@@ -6,6 +6,9 @@ import numbers
 import os
 
 
+MAX_BATCH = 256   # `qwc compile --max-batch`: sequences one batched decode step may carry
+
+
 def is_int(v, lo: int | None = 0) -> bool:
     """An integer (Python's or numpy's, not a bool) of at least `lo` (None: any)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool) and (lo is None or v >= lo)

@@ -134,7 +134,7 @@ def check_library(vm_arity, vm_param_name, manifest: dict, where: str) -> None:
     must be the manifest's inputs, cache and parameters, in order."""
     f = manifest["functions"]
     want = f["inputs"] + [c.replace(".", "_") for c in f["cache"]] + [p["name"] for p in manifest["params"]]
-    for fn in ("prefill", "decode", "score"):
+    for fn in ("prefill", "decode", "score", "decode_batch"):
         if fn not in f["entry_points"]:
             continue
         try:

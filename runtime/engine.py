@@ -27,10 +27,31 @@ PREFILL_CHUNK = 256
 
 class Sequence:
     """One stream's KV cache (a key and a value tensor per layer) and how many positions of it
-    are filled. The engine has one of its own; a server makes one per slot (Engine.sequence)."""
+    are filled. The engine has one of its own; a server makes a pool of them (Engine.pool),
+    where `row` is the sequence's row of the pool's buffers."""
 
-    def __init__(self, cache: list, capacity: int):
+    def __init__(self, cache: list, capacity: int, pool: "Pool | None" = None, row: int = 0):
         self.cache, self.capacity, self.pos = cache, capacity, 0
+        self.pool, self.row = pool, row
+
+
+class Pool:
+    """The KV caches of `slots` sequences as rows of one buffer per cache tensor [slots, ...],
+    so that any first `rows` of them are one [rows, ...] tensor for decode_batch, and the
+    inputs' memory for such a step."""
+
+    def __init__(self, arrays: list, inputs: tuple, capacity: int, to_tensor):
+        self.arrays, self.capacity, self._to_tensor = arrays, capacity, to_tensor
+        self.ids, self.positions, self.mask = inputs    # [slots, 1], [slots, 1], flat [slots * rows]
+        self.seqs = [Sequence([to_tensor(a[r:r + 1]) for a in arrays], capacity, self, r)
+                     for r in range(arrays[0].shape[0])]
+        self._views: dict[int, list] = {}
+
+    def cache(self, rows: int) -> list:
+        """The first `rows` rows of every cache buffer, as tensors (made once per row count)."""
+        if rows not in self._views:
+            self._views[rows] = [self._to_tensor(a[:rows]) for a in self.arrays]
+        return self._views[rows]
 
 
 def _import_tvm():
@@ -126,7 +147,11 @@ class Engine:
             raise QwcError(f"{self.path}: lib.so cannot be loaded ({str(e).strip().splitlines()[-1]})") from None
         check_library(self.vm._get_function_arity, self.vm._get_function_param_name, self.manifest, str(self.path))
         self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
-        self._score = self.vm["score"] if "score" in self.manifest["functions"]["entry_points"] else None
+        entries = self.manifest["functions"]["entry_points"]
+        self._score = self.vm["score"] if "score" in entries else None
+        self._decode_batch = self.vm["decode_batch"] if "decode_batch" in entries else None
+        # sequences one decode_batch step takes (`qwc compile --max-batch`); 1: no such step
+        self.max_batch = int(self.manifest["functions"].get("max_batch", 1)) if self._decode_batch else 1
         self.params = self._load_params()
         self._kv_heads, self._head_dim = int(self.model["num_key_value_heads"]), int(self.model["head_dim"])
         self._n_cache = 2 * int(self.model["num_hidden_layers"])   # a key and a value per layer
@@ -161,6 +186,24 @@ class Engine:
         arena = memory.arena_for([(shape, np.float32)] * self._n_cache)   # TVM takes 64-byte aligned data
         return Sequence([self._tvm.runtime.from_dlpack(arena.take(shape, np.float32)) for _ in range(self._n_cache)],
                         capacity=ctx)
+
+    def pool(self, slots: int, ctx: int | None = None) -> Pool:
+        """`slots` empty sequences of `ctx` positions each (default: the engine's) whose caches
+        are rows of shared buffers, for decode_many. Each buffer keeps one position past the
+        capacity, where a row that is not decoding in a batched step gets its placeholder token
+        written (its real positions are never touched)."""
+        ctx = self.ctx if ctx is None else ctx
+        if not 1 <= ctx <= self.ctx:
+            raise QwcError(f"a sequence of {ctx} positions does not fit the engine's context of {self.ctx}")
+        if not is_int(slots, lo=1):
+            raise QwcError(f"a pool takes at least one slot, not {slots!r}")
+        mult = int(self.manifest["functions"].get("cache_capacity_multiple", 1))
+        shape = (slots, self._kv_heads, -(-(ctx + 1) // mult) * mult, self._head_dim)
+        inputs = [((slots, 1), np.int64)] * 2 + [((slots * (ctx + 1),), np.int64)]
+        arena = memory.arena_for([(shape, np.float32)] * self._n_cache + inputs)
+        arrays = [arena.take(shape, np.float32) for _ in range(self._n_cache)]
+        ins = tuple(arena.take(s, d) for s, d in inputs)
+        return Pool(arrays, ins, ctx, self._tvm.runtime.from_dlpack)
 
     @property
     def pos(self) -> int:
@@ -244,6 +287,44 @@ class Engine:
         if not 0 <= token < self.vocab_size:
             raise QwcError(f"decode: token id {token} is outside the vocabulary [0, {self.vocab_size})")
         return self._run(self._decode, np.array([[token]], np.int64), seq or self.seq)[-1]
+
+    def decode_many(self, tokens, seqs: list) -> list[np.ndarray]:
+        """One new token for each of `seqs`; their logits, in order. When the artifact has
+        decode_batch and the sequences are rows of one pool (Engine.pool), one step reads the
+        weights once for all of them (the rows between them that are not decoding run a
+        placeholder token past their last position); else one decode after another."""
+        if len(tokens) != len(seqs):
+            raise QwcError(f"decode_many: {len(tokens)} tokens for {len(seqs)} sequences")
+        pool = seqs[0].pool if seqs else None
+        rows = max((s.row for s in seqs), default=-1) + 1
+        if (len(seqs) < 2 or self._decode_batch is None or pool is None or rows > self.max_batch
+                or any(s.pool is not pool for s in seqs) or len({s.row for s in seqs}) != len(seqs)):
+            return [self.decode(t, s) for t, s in zip(tokens, seqs)]
+        for t, s in zip(tokens, seqs):
+            if not is_int(t, lo=0) or t >= self.vocab_size:
+                raise QwcError(f"decode: token id {t!r} is not in the vocabulary [0, {self.vocab_size})")
+            if s.pos + 1 > s.capacity:
+                raise QwcError(f"{s.pos + 1} tokens do not fit the context of {s.capacity} (use a larger --ctx)")
+        tvm = self._tvm
+        ids, positions = pool.ids[:rows], pool.positions[:rows]
+        ids[:] = 0
+        lens = np.array([pool.seqs[r].pos for r in range(rows)], np.int64)
+        for t, s in zip(tokens, seqs):
+            ids[s.row, 0] = t
+        positions[:, 0] = lens
+        total = int(lens.max()) + 1
+        mask = pool.mask[:rows * total].reshape(rows, total)
+        np.less_equal(np.arange(total), lens[:, None], out=mask, casting="unsafe")   # row b: lens[b] + 1 ones
+        args = [tvm.runtime.from_dlpack(x) for x in (ids, mask, positions)]
+        try:
+            out = self._decode_batch(*args, *pool.cache(rows), *self.params)
+        except Exception as e:   # TVM's own error types
+            raise QwcError(f"{self.path}: the library refused its inputs "
+                           f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
+        logits = np.from_dlpack(out[0])
+        for s in seqs:
+            s.pos += 1
+        return [logits[s.row, -1] for s in seqs]
 
     def _token_ids(self, tokens, what: str) -> np.ndarray:
         """`tokens` as a [1, n] int64 array, refusing anything that is not a non-empty flat

@@ -1,16 +1,17 @@
 """Continuous batching over one Engine: requests join and leave between steps.
 
 One thread owns the engine (it is not thread-safe) and loops: admit queued requests into free
-sequence slots (each slot a KV cache of its own, made once and reused), run at most
-`prefill_chunk` prompt tokens of one prefilling request, then one decode step for every
-running request, so a long prompt arriving never stalls the streams already flowing (chunked
-prefill). A request leaves at its stop token, a stop string, its token budget, the context's
-end, or when it is cancelled (a client that went away); its slot is free for the next step.
+sequence slots (rows of one KV-cache pool, Engine.pool; the lowest free row first, so that the
+running rows stay packed), run at most `prefill_chunk` prompt tokens of one prefilling request,
+then one decode step for every running request, so a long prompt arriving never stalls the
+streams already flowing (chunked prefill). The decode step is one batched call
+(Engine.decode_many: the artifact's decode_batch reads the weights once for every sequence)
+where the artifact has it, else one decode per sequence. A request leaves at its stop token, a
+stop string, its token budget, the context's end, or when it is cancelled (a client that went
+away); its slot is free for the next step.
 
-Each request's tokens depend only on its own prompt, cache and sampler, so greedy output is the
-same whatever else runs beside it. The decode step still runs the sequences one after another;
-a batched decode entry point that reads the weights once for all of them is the next step
-(docs/design.md, "Serving").
+Each request's tokens depend only on its own prompt, cache and sampler: the batched kernels
+compute each row on its own, so greedy output does not change with what else runs beside it.
 
 Callers get events through `Request.emit` (called on the scheduler's thread):
 ("text", piece) for every token (the piece may be empty), then ("done", finish_reason) with finish_reason "stop" | "length" | "cancelled"
@@ -74,8 +75,7 @@ class Scheduler:
             raise QwcError("max_running and prefill_chunk must be at least 1, max_queue at least 0")
         self.engine = engine
         self.max_running, self.max_queue, self.prefill_chunk = max_running, max_queue, prefill_chunk
-        self._free: list = []            # sequence slots made and idle
-        self._made = 0
+        self._free: list = list(engine.pool(max_running).seqs)   # idle slots
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[_Running] = []
         self._cv = threading.Condition()
@@ -119,12 +119,10 @@ class Scheduler:
 
     # -- the scheduler's thread -----------------------------------------------------------
     def _slot(self):
-        if self._free:
-            seq = self._free.pop()
-            self.engine.reset(seq)
-            return seq
-        self._made += 1
-        return self.engine.sequence()
+        seq = min(self._free, key=lambda s: s.row)
+        self._free.remove(seq)
+        self.engine.reset(seq)
+        return seq
 
     def _finish(self, run: _Running, reason: str) -> None:
         run.req.finish_reason = reason
@@ -164,22 +162,26 @@ class Scheduler:
             run.logits = self.engine.prefill(chunk, seq=run.seq)
             run.fed += len(chunk)
         decoding = [r for r in self._running if r.fed == len(r.req.prompt) and r.logits is not None]
-        for run in decoding:
-            self._advance(run)
-        self.last_batch = len(decoding)
-        if decoding:
+        going = [(run, tok) for run in decoding if (tok := self._advance(run)) is not None]
+        if going:
+            seqs, toks = [r.seq for r, _ in going], [t for _, t in going]
+            for (run, _), lg in zip(going, self.engine.decode_many(toks, seqs)):
+                run.logits = lg
+        self.last_batch = len(going)
+        if going:
             self.steps += 1
             if self.on_step:
-                self.on_step(len(decoding))
+                self.on_step(len(going))
 
-    def _advance(self, run: _Running) -> None:
-        """Sample the next token from the last logits, emit its text, and decode it (unless the
-        request ends here)."""
+    def _advance(self, run: _Running) -> int | None:
+        """Sample the next token from the last logits and emit its text; the token to decode
+        next, or None where the request ends here."""
         req = run.req
         tok = run.sampler(run.logits, run.history)
         now = time.perf_counter()
         if tok in run.eos:
-            return self._finish(run, "stop")
+            self._finish(run, "stop")
+            return None
         req.generated.append(tok)
         run.history.append(tok)
         if req.t_first is None:
@@ -204,8 +206,9 @@ class Scheduler:
         if piece or cut < 0:
             req.emit("text", piece)
         if reason:
-            return self._finish(run, reason)
-        run.logits = self.engine.decode(tok, seq=run.seq)
+            self._finish(run, reason)
+            return None
+        return tok
 
 
 def _safe_end(text: str, stops: tuple[str, ...]) -> int:

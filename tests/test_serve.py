@@ -25,7 +25,7 @@ LONG = 2000   # tokens: a stream that lasts a second or more, to cancel or to ho
 @pytest.fixture(scope="module")
 def artifact(tiny_q4, tmp_path_factory):
     out = tmp_path_factory.mktemp("serve") / "tiny.qwc"
-    compile_file(tiny_q4, "host", out)
+    compile_file(tiny_q4, "host", out, max_batch=4)   # batched decode steps
     return out
 
 
@@ -34,12 +34,16 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "qwc", "serve", str(artifact), "--port", "0",
                                       "--ctx", str(CTX), "--threads", "1", *extra],
                                      stderr=subprocess.PIPE, text=True)
-        line = self.proc.stderr.readline()
-        m = re.search(r"at (http://[^ ]+/v1)", line)
+        said = ""
+        for line in self.proc.stderr:   # notes, then the address
+            said += line
+            m = re.search(r"at (http://[^ ]+/v1)", line)
+            if m or not line.startswith("[qwc] note:"):
+                break
         if not m:
             self.proc.kill()
-            raise AssertionError(f"server did not start: {line}{self.proc.stderr.read()}")
-        self.url = m[1]
+            raise AssertionError(f"server did not start: {said}{self.proc.stderr.read()}")
+        self.url, self.notes = m[1], said
         self.base = self.url.removesuffix("/v1")
 
     def post(self, path, body, **kw):
@@ -207,7 +211,8 @@ def test_api_key_and_a_full_queue(artifact):
 
 
 def test_serve_refuses_a_busy_port_and_a_missing_artifact(artifact, tmp_path):
-    s = Server(artifact)
+    s = Server(artifact)   # --max-batch 8 on an artifact of 4: a note first
+    assert "batched decode of at most 4 sequences" in s.notes
     try:
         port = s.base.rsplit(":", 1)[1]
         r = subprocess.run([sys.executable, "-m", "qwc", "serve", str(artifact), "--port", port],

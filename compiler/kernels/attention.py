@@ -56,11 +56,35 @@ def k_row_col(pos, d, head_dim):
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
-def kv_cache_write(key_tiles: bool):
+def kv_cache_write(key_tiles: bool, batched: bool = False):
     """In-place write of new K (or V) [1, s, kv_heads*head_dim] into the cache buffer
     [1, kv_heads, C, head_dim] at slots past .. past + s - 1, past = seqlens[0] + 1 - s: in
-    rows, or (`key_tiles`, K for the fast kernel) in the key-tile layout."""
+    rows, or (`key_tiles`, K for the fast kernel) in the key-tile layout. `batched`: B
+    sequences, new [B, s, ...] into cache rows [B, ...] at each row's own seqlens[b]."""
     from tvm.script import tirx as T
+
+    @T.macro
+    def put(cache, new, b, seqlen, kvh, hd, s):
+        past = T.bind(T.Cast("int64", seqlen) + T.int64(1) - s)
+        for h in T.serial(kvh):  # a few KiB per layer: a parallel launch would cost more
+            for i, d in T.grid(s, hd):
+                if key_tiles:
+                    row, col = k_row_col(past + i, d, hd)
+                    cache[b, h, row, col] = new[b, i, h * hd + d]
+                else:
+                    cache[b, h, past + i, d] = new[b, i, h * hd + d]
+
+    if batched:
+        @T.prim_func(private=True)
+        def write_batch(var_cache: T.handle, var_new: T.handle, var_seqlens: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})
+            bsz, kvh, cap, hd, s = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            cache = T.match_buffer(var_cache, (bsz, kvh, cap, hd), "float32")
+            new = T.match_buffer(var_new, (bsz, s, kvh * hd), "float32")
+            seqlens = T.match_buffer(var_seqlens, (bsz,), "int32")
+            for b in T.serial(bsz):
+                put(cache, new, b, seqlens[b], kvh, hd, s)
+        return write_batch
 
     @T.prim_func(private=True)
     def write(var_cache: T.handle, var_new: T.handle, seqlens: T.Buffer((1,), "int32")):
@@ -68,14 +92,7 @@ def kv_cache_write(key_tiles: bool):
         kvh, cap, hd, s = T.int64(), T.int64(), T.int64(), T.int64()
         cache = T.match_buffer(var_cache, (T.int64(1), kvh, cap, hd), "float32")
         new = T.match_buffer(var_new, (T.int64(1), s, kvh * hd), "float32")
-        past = T.Cast("int64", seqlens[0]) + T.int64(1) - s
-        for h in T.serial(kvh):  # a few KiB per layer: a parallel launch would cost more
-            for i, d in T.grid(s, hd):
-                if key_tiles:
-                    row, col = k_row_col(past + i, d, hd)
-                    cache[T.int64(0), h, row, col] = new[T.int64(0), i, h * hd + d]
-                else:
-                    cache[T.int64(0), h, past + i, d] = new[T.int64(0), i, h * hd + d]
+        put(cache, new, T.int64(0), seqlens[0], kvh, hd, s)
 
     return write
 
@@ -86,14 +103,16 @@ def _tree_sum(xs):
     return xs[0]
 
 
-def _tile_scores(T, q_at, kc, kvh, t, head_dim):
-    """Tile t's 16 unscaled scores of one query (element d: q_at(d)) against kv head kvh: sum
-    over d of q[d] * (16 keys' element d), in CHAINS independent FMA chains."""
+def _tile_scores(T, q_at, kc, kvh, t, head_dim, b=None):
+    """Tile t's 16 unscaled scores of one query (element d: q_at(d)) against kv head kvh of
+    cache row b (default 0): sum over d of q[d] * (16 keys' element d), in CHAINS independent
+    FMA chains."""
     def part(c):
         terms = []
         for d in range(c, head_dim, CHAINS):
             row, col = k_row_col(t * KEY_TILE, d, head_dim)   # t * KEY_TILE: the tile's first key
-            terms.append(T.broadcast(q_at(d), KEY_TILE) * kc[T.int64(0), kvh, row, T.ramp(col, 1, KEY_TILE)])
+            terms.append(T.broadcast(q_at(d), KEY_TILE) * kc[T.int64(0) if b is None else b, kvh, row,
+                                                                 T.ramp(col, 1, KEY_TILE)])
         acc = terms[0]
         for x in terms[1:]:
             acc = acc + x
@@ -107,7 +126,9 @@ def _in_tile(T, t, keys):
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
-def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
+def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: bool = False):
+    """`batched`: B sequences (q, out [B, s, ...], caches [B, ...], seqlens [B]), each row
+    attending to its own cache row up to its own seqlens[b]; one task per (row, head, query)."""
     from tvm.script import tirx as T
 
     group = heads // kv_heads
@@ -115,10 +136,10 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
     kt = KEY_TILE
 
     @T.macro
-    def tile(q, kc, vc, acc, stat, p, task, s, keys, t, masked):
-        """Keys 16t .. 16t+15 into the running state; `masked`: only those below `keys`."""
-        sc = _tile_scores(T, lambda d: q[T.int64(0), task % s, task // s * head_dim + d],   # query task % s, head task // s
-                          kc, task // s // group, t, head_dim) * T.broadcast(T.float32(scale), kt)
+    def tile(q, kc, vc, acc, stat, p, b, task, s, keys, t, masked):
+        """Keys 16t .. 16t+15 of cache row b into the running state; `masked`: only those below `keys`."""
+        sc = _tile_scores(T, lambda d: q[b, task % s, task // s * head_dim + d],   # query task % s, head task // s
+                          kc, task // s // group, t, head_dim, b) * T.broadcast(T.float32(scale), kt)
         if masked:
             sc = T.Select(_in_tile(T, t, keys), sc, T.broadcast(T.float32(NEG_INF), kt))
         scv = T.bind(sc)
@@ -133,7 +154,43 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
             if not masked or t * kt + j < keys:
                 for c in T.unroll(chunks):
                     acc[T.ramp((j % ACCS * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((j % ACCS * chunks + c) * LANES, 1, LANES)] + vc[
-                        T.int64(0), (task // s) // group, t * kt + j, T.ramp(c * LANES, 1, LANES)] * T.broadcast(p[j], LANES)
+                        b, (task // s) // group, t * kt + j, T.ramp(c * LANES, 1, LANES)] * T.broadcast(p[j], LANES)
+
+    @T.macro
+    def attend(q, kc, vc, out, b, task, s, seqlen):
+        """Query task % s of head task // s of row b, over that row's keys."""
+        acc = T.decl_buffer((ACCS * head_dim,), "float32", scope="global")
+        stat = T.decl_buffer((2,), "float32", scope="global")   # running max, running sum
+        p = T.decl_buffer((kt,), "float32", scope="global")    # the tile's weights
+        for c in range(ACCS * chunks):
+            acc[T.ramp(c * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+        stat[0] = T.float32(NEG_INF)
+        stat[1] = T.float32(0)
+        keys = T.bind(T.Cast("int64", seqlen) + T.int64(1) - s + task % s + T.int64(1))
+        for t in range(keys // kt):
+            tile(q, kc, vc, acc, stat, p, b, task, s, keys, t, False)
+        if keys % kt != 0:
+            tile(q, kc, vc, acc, stat, p, b, task, s, keys, keys // kt, True)
+        for c in range(chunks):
+            out[b, task % s, T.ramp((task // s) * head_dim + c * LANES, 1, LANES)] = (
+                _tree_sum([acc[T.ramp((a * chunks + c) * LANES, 1, LANES)] for a in range(ACCS)])
+                / T.broadcast(stat[1], LANES))
+
+    if batched:
+        @T.prim_func(private=True)
+        def kernel_batch(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_seqlens: T.handle,
+                         var_out: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})
+            bsz, s, cap = T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(var_q, (bsz, s, heads * head_dim), "float32")
+            kc = T.match_buffer(var_k, (bsz, kv_heads, cap, head_dim), "float32")
+            vc = T.match_buffer(var_v, (bsz, kv_heads, cap, head_dim), "float32")
+            seqlens = T.match_buffer(var_seqlens, (bsz,), "int32")
+            out = T.match_buffer(var_out, (bsz, s, heads * head_dim), "float32")
+            assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
+            for bt in T.parallel(bsz * heads * s):
+                attend(q, kc, vc, out, bt // (heads * s), bt % (heads * s), s, seqlens[bt // (heads * s)])
+        return kernel_batch.with_attr(ONLINE_SCALE, float(scale))
 
     @T.prim_func(private=True)
     def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, seqlens: T.Buffer((1,), "int32"),
@@ -146,22 +203,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float):
         out = T.match_buffer(var_out, (T.int64(1), s, heads * head_dim), "float32")
         assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
         for task in T.parallel(heads * s):
-            acc = T.decl_buffer((ACCS * head_dim,), "float32", scope="global")
-            stat = T.decl_buffer((2,), "float32", scope="global")   # running max, running sum
-            p = T.decl_buffer((kt,), "float32", scope="global")    # the tile's weights
-            for c in range(ACCS * chunks):
-                acc[T.ramp(c * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
-            stat[0] = T.float32(NEG_INF)
-            stat[1] = T.float32(0)
-            keys = T.bind(T.Cast("int64", seqlens[0]) + T.int64(1) - s + task % s + T.int64(1))
-            for t in range(keys // kt):
-                tile(q, kc, vc, acc, stat, p, task, s, keys, t, False)
-            if keys % kt != 0:
-                tile(q, kc, vc, acc, stat, p, task, s, keys, keys // kt, True)
-            for c in range(chunks):
-                out[T.int64(0), task % s, T.ramp((task // s) * head_dim + c * LANES, 1, LANES)] = (
-                    _tree_sum([acc[T.ramp((a * chunks + c) * LANES, 1, LANES)] for a in range(ACCS)])
-                    / T.broadcast(stat[1], LANES))
+            attend(q, kc, vc, out, T.int64(0), task, s, seqlens[0])
 
     return kernel.with_attr(ONLINE_SCALE, float(scale))
 

@@ -3,6 +3,10 @@ prefill then decode steps, logits saved to a .npy file. Only the runtime is impo
 (the aarch64 TVM wheel, numpy, tokenizers), so the qwc packages are loaded from the checkout.
 
     run_engine.py REPO ARTIFACT OUT.npy '[[prompt ids], next_id, next_id, ...]'
+    run_engine.py REPO ARTIFACT OUT.npy '{"batch": [[prompt ids], ...], "tokens": N}'
+
+The second form generates N greedy tokens for each prompt alone, then for all of them at once
+through Engine.decode_many (rows of one pool), and saves both: logits [2, prompts, N, vocab].
 """
 
 import importlib.util
@@ -28,12 +32,36 @@ def main() -> None:
     import numpy as np
     from qwc.runtime.engine import Engine
 
-    eng = Engine(artifact, ctx=max(64, len(steps[0]) + len(steps)))   # room for a long prompt (bench/arm_icount.py)
-    logits = [eng.prefill(steps[0])] + [eng.decode(t) for t in steps[1:]]
+    if isinstance(steps, dict):
+        logits = greedy_alone_and_batched(Engine(artifact, ctx=64), steps["batch"], steps["tokens"])
+    else:
+        eng = Engine(artifact, ctx=max(64, len(steps[0]) + len(steps)))   # room for a long prompt (bench/arm_icount.py)
+        logits = [eng.prefill(steps[0])] + [eng.decode(t) for t in steps[1:]]
     np.save(out, np.stack(logits))
     if os.environ.get("QWC_DUMP_MAPS"):   # where each library was mapped, for bench/arm_icount.py's attribution
         Path(os.environ["QWC_DUMP_MAPS"]).write_text(Path("/proc/self/maps").read_text())
     print(platform.machine(), len(logits))
+
+
+def greedy_alone_and_batched(eng, prompts, n):
+    import numpy as np
+
+    alone = []
+    for p in prompts:
+        seq = eng.sequence()
+        lg, steps = eng.prefill(p, seq), []
+        for _ in range(n):
+            steps.append(lg.copy())
+            lg = eng.decode(int(lg.argmax()), seq)
+        alone.append(steps)
+    seqs = eng.pool(len(prompts)).seqs
+    cur = [eng.prefill(p, s).copy() for p, s in zip(prompts, seqs)]
+    batched = [[] for _ in prompts]
+    for _ in range(n):
+        for b, lg in enumerate(cur):
+            batched[b].append(lg)
+        cur = [x.copy() for x in eng.decode_many([int(lg.argmax()) for lg in cur], seqs)]
+    return [np.array(alone), np.array(batched)]
 
 
 if __name__ == "__main__":

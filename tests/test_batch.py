@@ -1,0 +1,83 @@
+"""Batched decode (`qwc compile --max-batch`, Engine.pool / decode_many): every sequence's
+tokens are those it gets alone, its row's logits do not depend on what else is in the batch,
+and rows that are not decoding (mid-prefill, idle) are left as they were."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qwc.compiler.compile import compile_file
+from qwc.errors import QwcError
+from qwc.runtime.engine import Engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "arm64"))
+from run_engine import greedy_alone_and_batched  # noqa: E402  (also run under qemu by test_arm.py)
+
+PROMPTS = [[72, 101, 108, 108, 111], list(range(3, 40)), [7], list(range(100, 117))]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_q4, tmp_path_factory):
+    out = tmp_path_factory.mktemp("batch") / "tiny.qwc"
+    compile_file(tiny_q4, "host", out, max_batch=4)
+    return Engine(out, ctx=64)
+
+
+def test_batched_greedy_equals_each_sequence_alone(engine):
+    assert engine.max_batch == 4
+    alone, batched = greedy_alone_and_batched(engine, PROMPTS, 8)
+    assert alone.shape == batched.shape == (len(PROMPTS), 8, engine.vocab_size)
+    assert np.array_equal(alone.argmax(-1), batched.argmax(-1))
+    # the batched step runs the GEMM kernels and the online attention, alone runs the decode
+    # GEMV and the three-pass attention: the same integer dots, float sums in another order
+    assert np.abs(alone - batched).max() / np.abs(alone).max() < 1e-5
+
+
+def _step(engine, rows):
+    """Prefill every prompt into a fresh pool, then one batched step of `rows`."""
+    seqs = engine.pool(4).seqs
+    for p, s in zip(PROMPTS, seqs):
+        engine.prefill(p, s)
+    return engine.decode_many([5] * len(rows), [seqs[r] for r in rows]), seqs
+
+
+def test_a_row_does_not_depend_on_the_others(engine):
+    two, _ = _step(engine, [0, 1])
+    four, _ = _step(engine, [3, 1, 0, 2])
+    assert np.array_equal(two[0], four[2]) and np.array_equal(two[1], four[1])
+
+
+def test_rows_that_do_not_decode_are_untouched(engine):
+    seqs = engine.pool(4).seqs
+    engine.prefill(PROMPTS[0], seqs[0])
+    engine.prefill(PROMPTS[1][:20], seqs[2])    # row 2 is mid-prefill, row 1 idle
+    engine.prefill(PROMPTS[3], seqs[3])
+    for _ in range(3):
+        engine.decode_many([5, 6], [seqs[0], seqs[3]])
+    assert (seqs[1].pos, seqs[2].pos) == (0, 20)
+    rest = engine.prefill(PROMPTS[1][20:], seqs[2])
+    alone = engine.sequence()
+    assert np.array_equal(rest, engine.prefill(PROMPTS[1], alone))
+
+
+def test_decode_many_refuses_bad_tokens_and_a_full_context(engine):
+    seqs = engine.pool(2, ctx=8).seqs
+    engine.prefill(list(range(8)), seqs[0])
+    engine.prefill([1], seqs[1])
+    with pytest.raises(QwcError, match="do not fit the context of 8"):
+        engine.decode_many([1, 1], seqs)
+    with pytest.raises(QwcError, match="not in the vocabulary"):
+        engine.decode_many([1, engine.vocab_size], [seqs[1], seqs[0]])
+    with pytest.raises(QwcError, match="2 tokens for 1 sequences"):
+        engine.decode_many([1, 2], seqs[:1])
+
+
+def test_max_batch_is_checked(tiny_q4, tmp_path):
+    with pytest.raises(QwcError, match="--max-batch 0"):
+        compile_file(tiny_q4, "host", tmp_path / "a.qwc", max_batch=0)
+    r = subprocess.run([sys.executable, "-m", "qwc", "compile", str(tiny_q4), "--max-batch", "999",
+                        "-o", str(tmp_path / "b.qwc")], capture_output=True, text=True)
+    assert r.returncode == 2 and "999 is more than 256" in r.stderr and not (tmp_path / "b.qwc").exists()
