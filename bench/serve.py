@@ -42,6 +42,23 @@ def start(cmd: list[str], ready: str, env=None) -> tuple[subprocess.Popen, str]:
     sys.exit(f"serve: {cmd[0]} did not start")
 
 
+def wait_ready(base: str, proc: subprocess.Popen) -> None:
+    """Until GET /health answers 200: llama-server listens before its model is loaded (and
+    answers 503 meanwhile)."""
+    import httpx
+
+    t0 = time.time()
+    while time.time() - t0 < 300 and proc.poll() is None:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    sys.exit(f"serve: the server at {base} never became ready")
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -129,6 +146,7 @@ def main() -> None:
                                  "-c", str(a.ctx * n), "-t", str(a.threads), "-tb", str(a.threads), "-cb",
                                  "--alias", "m"], r"listening on http")
                 base = f"http://127.0.0.1:{port}"
+            wait_ready(base, proc)
             try:
                 results[name][n] = asyncio.run(load(base, "m", n, a.requests, a.max_tokens, seed=n))
             finally:

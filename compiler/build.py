@@ -24,13 +24,19 @@ from .frontend import import_graph
 from .targets import Target
 
 N_INPUTS_BEFORE_CACHE = 3   # input_ids, attention_mask, position_ids
+# The most new tokens a prefill or score call takes (the runtime feeds longer prompts in chunks
+# of at most this). With a bound on the symbolic sizes (this, and decode_batch's B) TVM's
+# memory planner gives every intermediate one buffer of its largest size, reused by every call;
+# unbounded, each distinct size gets buffers of its own that the VM's pool keeps for good (a
+# server seeing 16 batch sizes and 16 chunk lengths grew by 530 MB on the 0.5B shape).
+MAX_TOKENS_PER_CALL = 256
 
 
 def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
              score_model: onnx.ModelProto | None = None, tuned: dict | None = None,
-             batched_decode: bool = False) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
+             max_batch: int = 1) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
     """The module, the param names in call order, and the param values. `model` gives prefill
-    and decode (and, with `batched_decode`, decode_batch); `score_model` (the same graph with
+    and decode (and, with `max_batch` >= 2, decode_batch for up to that many sequences); `score_model` (the same graph with
     every position's logits and the same initializers) gives `score`."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
     n_inputs = N_INPUTS_BEFORE_CACHE + n_cache
@@ -39,8 +45,10 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
     entries = [("prefill", None, model, False), ("decode", 1, model, False)]
     if score_model is not None:
         entries.append(("score", None, score_model, False))
-    if batched_decode:
+    if max_batch > 1:
         entries.append(("decode_batch", 1, model, True))
+    bounds = {"prefill": {"seq": MAX_TOKENS_PER_CALL}, "score": {"seq": MAX_TOKENS_PER_CALL},
+              "decode_batch": {"batch": max_batch}}
     for name, seq, graph, batched in entries:
         mod = import_graph(graph, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned,
                            batched=batched)
@@ -51,6 +59,8 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
                 if params is not None and got != list(params):
                     raise ValueError(f"entry point {name} takes different parameters than prefill")
                 fn = fn.with_attr("global_symbol", name).with_attr("num_input", n_inputs)
+                if name in bounds:
+                    fn = fn.with_attr("tir_var_upper_bound", bounds[name])
                 funcs[tvm.ir.GlobalVar(name)] = fn
                 if params is None:
                     names = [p.name for p in fn.params[n_inputs:]]

@@ -49,7 +49,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     check_destination(out, folder=True, foreign=foreign_files)
     config = load_for_graph(src)   # cheap checks first: TVM takes seconds to import
     from .artifact import write_artifact
-    from .build import build, to_relax
+    from .build import MAX_TOKENS_PER_CALL, build, to_relax
     from .kernels.attention import KEY_TILE, supports
 
     if act_bits is None:
@@ -82,7 +82,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     t0 = time.perf_counter()
     with progress.stage("importing into TVM Relax"):
         mod, names, params = to_relax(model, act_bits=act_bits, features=target.features,
-                                      score_model=full, tuned=tuned, batched_decode=max_batch > 1)
+                                      score_model=full, tuned=tuned, max_batch=max_batch)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):
@@ -96,6 +96,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
                          **({"decode_batch": "one new token of each of B sequences, B <= max_batch, "
                                              "cache rows [B, ...]"} if max_batch > 1 else {})},
         "max_batch": max_batch,
+        "max_tokens_per_call": MAX_TOKENS_PER_CALL,   # prefill and score; the runtime chunks longer input
         "inputs": ["input_ids", "attention_mask", "position_ids"],
         "cache": cache,
         "cache_shape": ["1", config.num_key_value_heads, "ctx", config.head_dim],

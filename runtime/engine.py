@@ -42,9 +42,9 @@ class Pool:
 
     def __init__(self, arrays: list, inputs: tuple, capacity: int, to_tensor):
         self.arrays, self.capacity, self._to_tensor = arrays, capacity, to_tensor
-        self.ids, self.positions, self.mask = inputs    # [slots, 1], [slots, 1], flat [slots * rows]
-        self.seqs = [Sequence([to_tensor(a[r:r + 1]) for a in arrays], capacity, self, r)
-                     for r in range(arrays[0].shape[0])]
+        self.ids, self.positions, self.mask = inputs    # [slots, 1], [slots, 1], flat: slots * (ctx + 1)
+        self.seqs = tuple(Sequence([to_tensor(a[r:r + 1]) for a in arrays], capacity, self, r)
+                          for r in range(arrays[0].shape[0]))
         self._views: dict[int, list] = {}
 
     def cache(self, rows: int) -> list:
@@ -152,6 +152,8 @@ class Engine:
         self._decode_batch = self.vm["decode_batch"] if "decode_batch" in entries else None
         # sequences one decode_batch step takes (`qwc compile --max-batch`); 1: no such step
         self.max_batch = int(self.manifest["functions"].get("max_batch", 1)) if self._decode_batch else 1
+        # new tokens a prefill / score call takes at most (the library's memory is planned for it)
+        self._chunk = min(PREFILL_CHUNK, int(self.manifest["functions"].get("max_tokens_per_call", PREFILL_CHUNK)))
         self.params = self._load_params()
         self._kv_heads, self._head_dim = int(self.model["num_key_value_heads"]), int(self.model["head_dim"])
         self._n_cache = 2 * int(self.model["num_hidden_layers"])   # a key and a value per layer
@@ -187,11 +189,12 @@ class Engine:
         return Sequence([self._tvm.runtime.from_dlpack(arena.take(shape, np.float32)) for _ in range(self._n_cache)],
                         capacity=ctx)
 
-    def pool(self, slots: int, ctx: int | None = None) -> Pool:
+    def pool(self, slots: int, ctx: int | None = None, commit: bool = False) -> Pool:
         """`slots` empty sequences of `ctx` positions each (default: the engine's) whose caches
         are rows of shared buffers, for decode_many. Each buffer keeps one position past the
         capacity, where a row that is not decoding in a batched step gets its placeholder token
-        written (its real positions are never touched)."""
+        written (its real positions are never touched). `commit`: write every page now, so the
+        memory is taken at once rather than as the sequences grow."""
         ctx = self.ctx if ctx is None else ctx
         if not 1 <= ctx <= self.ctx:
             raise QwcError(f"a sequence of {ctx} positions does not fit the engine's context of {self.ctx}")
@@ -202,6 +205,9 @@ class Engine:
         inputs = [((slots, 1), np.int64)] * 2 + [((slots * (ctx + 1),), np.int64)]
         arena = memory.arena_for([(shape, np.float32)] * self._n_cache + inputs)
         arrays = [arena.take(shape, np.float32) for _ in range(self._n_cache)]
+        if commit:
+            for a in arrays:
+                a.fill(0)
         ins = tuple(arena.take(s, d) for s, d in inputs)
         return Pool(arrays, ins, ctx, self._tvm.runtime.from_dlpack)
 
@@ -274,8 +280,8 @@ class Engine:
             raise QwcError(f"prompt of {tokens.shape[1]} tokens (after {seq.pos} cached) does not fit "
                            f"the context of {seq.capacity}")
         logits = None
-        for i in range(0, tokens.shape[1], PREFILL_CHUNK):
-            chunk = tokens[:, i:i + PREFILL_CHUNK]
+        for i in range(0, tokens.shape[1], self._chunk):
+            chunk = tokens[:, i:i + self._chunk]
             logits = self._run(self._prefill if chunk.shape[1] > 1 else self._decode, chunk, seq)[-1]
         return logits
 
@@ -353,8 +359,8 @@ class Engine:
         tokens = self._token_ids(tokens, "score")
         if self.pos + tokens.shape[1] > self.ctx:
             raise QwcError(f"{tokens.shape[1]} tokens (after {self.pos} cached) do not fit the context of {self.ctx}")
-        return np.concatenate([self._run(self._score, tokens[:, i:i + PREFILL_CHUNK], self.seq)
-                               for i in range(0, tokens.shape[1], PREFILL_CHUNK)])
+        return np.concatenate([self._run(self._score, tokens[:, i:i + self._chunk], self.seq)
+                               for i in range(0, tokens.shape[1], self._chunk)])
 
     # -- text ----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -75,7 +75,7 @@ class Scheduler:
             raise QwcError("max_running and prefill_chunk must be at least 1, max_queue at least 0")
         self.engine = engine
         self.max_running, self.max_queue, self.prefill_chunk = max_running, max_queue, prefill_chunk
-        self._free: list = list(engine.pool(max_running).seqs)   # idle slots
+        self._free: list = self._allocate()   # idle slots
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[_Running] = []
         self._cv = threading.Condition()
@@ -84,6 +84,18 @@ class Scheduler:
         self.steps = 0                   # decode steps run, and sequences in them (for metrics)
         self.last_batch = 0
         self.on_step: Callable[[int], None] | None = None
+
+    def _allocate(self) -> list:
+        """The slots, with every byte a step needs taken now, as llama-server takes its KV cache
+        at start: the pool's pages, and the logits buffers the library keeps per batch size
+        (one batched step of each size, on empty rows). A server that started then does not
+        grow while it runs (bench/soak.py) and cannot run out of memory for its caches later."""
+        seqs = self.engine.pool(self.max_running, commit=True).seqs
+        for b in range(2, min(self.max_running, self.engine.max_batch) + 1):
+            self.engine.decode_many([0] * b, seqs[:b])
+            for s in seqs[:b]:
+                self.engine.reset(s)
+        return list(seqs)   # a copy: the pool's own list stays whole
 
     # -- the caller's side -------------------------------------------------------------
     def start(self) -> None:

@@ -1,0 +1,140 @@
+"""Soak test of `qwc serve`: many streaming clients for minutes, with random prompt lengths,
+budgets and cancellations; no request may be lost or fail, and the server's memory must not
+grow once warm:
+
+    .venv/bin/python bench/soak.py [--minutes 10] [--clients 16] [--cancel 0.2]
+
+Each client loops until time is up: a completion of 16-400 random prompt tokens (seeded) and
+8-128 new tokens, streamed; with probability --cancel it hangs up after a few tokens. A request
+that was not cancelled must end with a finish_reason and [DONE]; anything else (an HTTP error,
+a broken stream, a missing finish) counts as failed. The server's RSS is read from /proc every
+2 s; the table compares the peak after the first minute with the RSS at one minute. At the end
+/metrics must show no request in flight and no sequence running (no slot leaked). Uses the
+artifact bench/serve.py uses (~/.cache/qwc/bench, compiled with --max-batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def client(http, url: str, rng: random.Random, deadline: float, cancel: float, tally: dict) -> None:
+    while time.monotonic() < deadline:
+        prompt = [rng.randrange(100, 4000) for _ in range(rng.randint(16, 400))]
+        body = {"model": "m", "prompt": prompt, "max_tokens": rng.randint(8, 128), "temperature": 0.7,
+                "stream": True}
+        hang_up = rng.random() < cancel and rng.randint(1, 6)
+        pieces, finish, done = 0, None, False
+        try:
+            async with http.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    tally["failed"] += 1
+                    tally["errors"].append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                    continue
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        choice = json.loads(line[6:])["choices"][0]
+                        finish = choice.get("finish_reason") or finish
+                        pieces += 1
+                        if hang_up and pieces >= hang_up:
+                            break
+        except Exception as e:   # a refused or broken connection
+            tally["failed"] += 1
+            tally["errors"].append(f"{type(e).__name__}: {e}")
+            continue
+        if hang_up and pieces >= hang_up and not done:
+            tally["cancelled"] += 1
+        elif done and finish:
+            tally["completed"] += 1
+        else:
+            tally["failed"] += 1
+            tally["errors"].append(f"stream ended without finish ({pieces} pieces, done={done})")
+
+
+async def watch(pid: int, deadline: float, samples: list) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() < deadline:
+        samples.append((time.monotonic() - t0, rss_mib(pid)))
+        await asyncio.sleep(2)
+
+
+async def soak(base: str, pid: int, a) -> dict:
+    import httpx
+
+    tally = {"completed": 0, "cancelled": 0, "failed": 0, "errors": []}
+    samples: list = []
+    deadline = time.monotonic() + a.minutes * 60
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=a.clients + 4)) as http:
+        await asyncio.gather(watch(pid, deadline, samples),
+                             *(client(http, base + "/v1/completions", random.Random(i), deadline, a.cancel, tally)
+                               for i in range(a.clients)))
+        await asyncio.sleep(1.5)   # the server notices the last hang-ups at its next step
+        metrics = (await http.get(base + "/metrics")).text
+    gauge = (lambda name: float(re.search(rf"^{name} (\S+)$", metrics, re.M)[1]))
+    warm = [r for t, r in samples if t >= 60] or [samples[-1][1]]
+    at_minute = warm[0]
+    return {**tally, "rss_at_1min_mib": at_minute, "rss_peak_after_mib": max(warm),
+            "rss_growth": max(warm) / at_minute - 1, "in_flight": gauge("qwc_requests_in_flight"),
+            "running": gauge("qwc_running_sequences")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=10)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--cancel", type=float, default=0.2, help="share of requests hung up mid-stream")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "bench")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    from peers import prepare
+    from serve import start, stop, wait_ready
+
+    paths = prepare(a.workdir, max_batch=a.clients)
+    proc, line = start([sys.executable, "-m", "qwc", "serve", str(paths["qwc"]), "--port", "0",
+                        "--max-batch", str(a.clients), "--ctx", str(a.ctx), "--threads", str(a.threads),
+                        "--model-name", "m"], r"serving .* at http://")
+    base = re.search(r"(http://[^ ]+)/v1", line)[1]
+    wait_ready(base, proc)
+    try:
+        r = asyncio.run(soak(base, proc.pid, a))
+    finally:
+        stop(proc)
+    print(f"\nqwc serve soak: {a.minutes:g} min, {a.clients} clients, {a.cancel:.0%} hung up mid-stream, "
+          f"Qwen2.5-0.5B shape, {a.threads} threads\n")
+    print("| completed | cancelled by the client | failed | RSS at 1 min | peak RSS after | growth | "
+          "in flight at the end | running at the end |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {r['completed']} | {r['cancelled']} | {r['failed']} | {r['rss_at_1min_mib']:.0f} MiB | "
+          f"{r['rss_peak_after_mib']:.0f} MiB | {r['rss_growth']:+.1%} | {r['in_flight']:.0f} | {r['running']:.0f} |")
+    for e in r["errors"][:10]:
+        print("failed:", e)
+    if a.json:
+        a.json.write_text(json.dumps(r, indent=1))
+    ok = r["failed"] == 0 and r["rss_growth"] <= 0.05 and r["in_flight"] == 0 and r["running"] == 0
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
