@@ -260,14 +260,17 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
         shape = _Shape(rid, settings.model_id, chat)
         metrics.request_started()
 
-        async def next_event():
-            # wake up now and then to notice a client that went away
-            while True:
-                try:
-                    return await asyncio.wait_for(events.get(), 0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        req.cancel()
+        async def watch():
+            # notice a client that went away (a task of its own: a timeout on every token's wait
+            # cost the event loop a task per token, CPU the decode threads want)
+            while req.finish_reason is None:
+                await asyncio.sleep(0.5)
+                if await request.is_disconnected():
+                    req.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        next_event = events.get
 
         if opts["stream"]:
             async def sse():
@@ -291,6 +294,7 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
                         metrics.request_done(value, 200, req)
                         return
                 finally:
+                    watcher.cancel()
                     if not done:          # the client went away mid-stream
                         req.cancel()
                         metrics.request_done("cancelled", 499, req)
@@ -307,6 +311,7 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
                     continue
                 break
         finally:
+            watcher.cancel()
             if req.finish_reason is None:
                 req.cancel()
         if value.startswith("error"):
