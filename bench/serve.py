@@ -88,12 +88,37 @@ async def client(http, url: str, model: str, prompts: list[list[int]], max_token
             out.append({"ok": False})
 
 
+def plans_for(clients: int, requests: int, seed: int) -> list[list[list[int]]]:
+    """Each client's prompts: 16-256 random token ids each."""
+    rng = np.random.default_rng(seed)
+    return [[[int(t) for t in rng.integers(100, 4000, int(rng.integers(16, 257)))] for _ in range(requests)]
+            for _ in range(clients)]
+
+
+def alone(artifact: Path, prompts: list[list[int]], max_tokens: int, ctx: int, threads: int) -> float:
+    """Mean time a token (ms) of the same requests through the Engine with no server, from each
+    request's first token to its last as the clients measure it: the one-client ITL's baseline
+    (the same prompts, so the same context lengths)."""
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    from qwc.runtime.engine import Engine
+
+    eng = Engine(artifact, ctx=ctx, threads=threads)
+    itl = []
+    for prompt in prompts:
+        eng.reset()
+        logits, times = eng.prefill(prompt), []
+        for _ in range(max_tokens):
+            tok = int(logits.argmax())
+            times.append(time.perf_counter())
+            logits = eng.decode(tok)
+        itl.append((times[-1] - times[0]) / (max_tokens - 1))
+    return float(np.median(itl)) * 1000
+
+
 async def load(base: str, model: str, clients: int, requests: int, max_tokens: int, seed: int) -> dict:
     import httpx
 
-    rng = np.random.default_rng(seed)
-    plans = [[[int(t) for t in rng.integers(100, 4000, int(rng.integers(16, 257)))] for _ in range(requests)]
-             for _ in range(clients)]
+    plans = plans_for(clients, requests, seed)
     out: list = []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as http:
         t0 = time.perf_counter()
@@ -165,12 +190,15 @@ def main() -> None:
     for n in counts:
         q = results["qwc"][n]["tok_s"]
         print(f"| {n} | {q / results['llama-server'][n]['tok_s']:.2f} | {q / one if one else float('nan'):.2f} |")
+    base_ms = None
     if 1 in results["qwc"]:
         itl = results["qwc"][1]["itl_p50"]
-        print(f"\n`qwc bench -n {a.max_tokens}` on the same artifact: {tg:.1f} tok/s ({1000 / tg:.2f} ms a token); "
-              f"`qwc serve` with one client: ITL p50 {itl:.2f} ms, {itl * tg / 1000:.3f}x")
+        base_ms = alone(paths["qwc"], plans_for(1, a.requests, 1)[0], a.max_tokens, a.ctx, a.threads)
+        print(f"\n`qwc bench -n {a.max_tokens}` on the same artifact: {tg:.1f} tok/s ({1000 / tg:.2f} ms a token, from "
+              f"an empty cache); the one client's requests through the Engine with no server: {base_ms:.2f} ms a token; "
+              f"`qwc serve` with one client: ITL p50 {itl:.2f} ms, {itl / base_ms:.3f}x the Engine's")
     if a.json:
-        a.json.write_text(json.dumps({"qwc_bench_tg": tg, **results}, indent=1))
+        a.json.write_text(json.dumps({"qwc_bench_tg": tg, "qwc_alone_ms": base_ms, **results}, indent=1))
     if a.png:
         import matplotlib
         matplotlib.use("Agg")

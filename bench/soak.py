@@ -92,9 +92,11 @@ async def soak(base: str, pid: int, a) -> dict:
     gauge = (lambda name: float(re.search(rf"^{name} (\S+)$", metrics, re.M)[1]))
     warm = [r for t, r in samples if t >= 60] or [samples[-1][1]]
     at_minute = warm[0]
-    return {**tally, "rss_at_1min_mib": at_minute, "rss_peak_after_mib": max(warm),
+    at = (lambda m: next((r for t, r in samples if t >= m * 60), samples[-1][1]))
+    return {**tally, "rss_at_1min_mib": at_minute, "rss_at_half_mib": at(a.minutes / 2),
+            "rss_at_end_mib": samples[-1][1], "rss_peak_after_mib": max(warm),
             "rss_growth": max(warm) / at_minute - 1, "in_flight": gauge("qwc_requests_in_flight"),
-            "running": gauge("qwc_running_sequences")}
+            "running": gauge("qwc_running_sequences"), "rss_samples": samples}
 
 
 def main() -> None:
@@ -123,11 +125,12 @@ def main() -> None:
         stop(proc)
     print(f"\nqwc serve soak: {a.minutes:g} min, {a.clients} clients, {a.cancel:.0%} hung up mid-stream, "
           f"Qwen2.5-0.5B shape, {a.threads} threads\n")
-    print("| completed | cancelled by the client | failed | RSS at 1 min | peak RSS after | growth | "
-          "in flight at the end | running at the end |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| completed | cancelled by the client | failed | RSS at 1 min | halfway | at the end | peak after 1 min | "
+          "growth | in flight at the end | running at the end |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     print(f"| {r['completed']} | {r['cancelled']} | {r['failed']} | {r['rss_at_1min_mib']:.0f} MiB | "
-          f"{r['rss_peak_after_mib']:.0f} MiB | {r['rss_growth']:+.1%} | {r['in_flight']:.0f} | {r['running']:.0f} |")
+          f"{r['rss_at_half_mib']:.0f} MiB | {r['rss_at_end_mib']:.0f} MiB | {r['rss_peak_after_mib']:.0f} MiB | "
+          f"{r['rss_growth']:+.1%} | {r['in_flight']:.0f} | {r['running']:.0f} |")
     for e in r["errors"][:10]:
         print("failed:", e)
     if a.json:
