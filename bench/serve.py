@@ -95,10 +95,13 @@ def plans_for(clients: int, requests: int, seed: int) -> list[list[list[int]]]:
             for _ in range(clients)]
 
 
-def alone(artifact: Path, prompts: list[list[int]], max_tokens: int, ctx: int, threads: int) -> float:
-    """Mean time a token (ms) of the same requests through the Engine with no server, from each
-    request's first token to its last as the clients measure it: the one-client ITL's baseline
-    (the same prompts, so the same context lengths)."""
+def engine_baselines(artifact: Path, prompts: list[list[int]], max_tokens: int, ctx: int, threads: int,
+                     counts: list[int]) -> tuple[float, dict]:
+    """Through the Engine with no server: (1) the mean time a token (ms) of the one client's
+    requests, from each request's first token to its last as the clients measure it (the same
+    prompts, so the same context lengths): the one-client ITL's baseline; (2) one decode step
+    of B sequences (decode_many on pool rows after a 64-token prompt each; B = 1: `decode`),
+    the median of 10, per client count: what batching gives before prompts and HTTP."""
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     from qwc.runtime.engine import Engine
 
@@ -112,7 +115,19 @@ def alone(artifact: Path, prompts: list[list[int]], max_tokens: int, ctx: int, t
             times.append(time.perf_counter())
             logits = eng.decode(tok)
         itl.append((times[-1] - times[0]) / (max_tokens - 1))
-    return float(np.median(itl)) * 1000
+    seqs = eng.pool(max(counts)).seqs
+    steps = {}
+    for b in counts:
+        for s in seqs[:b]:
+            eng.reset(s)
+            eng.prefill(list(range(100, 164)), s)
+        ts = []
+        for _ in range(11):
+            t0 = time.perf_counter()
+            eng.decode_many([5] * b, seqs[:b])
+            ts.append(time.perf_counter() - t0)
+        steps[b] = float(np.median(ts[1:])) * 1000
+    return float(np.median(itl)) * 1000, steps
 
 
 async def load(base: str, model: str, clients: int, requests: int, max_tokens: int, seed: int) -> dict:
@@ -190,15 +205,20 @@ def main() -> None:
     for n in counts:
         q = results["qwc"][n]["tok_s"]
         print(f"| {n} | {q / results['llama-server'][n]['tok_s']:.2f} | {q / one if one else float('nan'):.2f} |")
-    base_ms = None
+    base_ms, steps = engine_baselines(paths["qwc"], plans_for(1, a.requests, 1)[0], a.max_tokens, a.ctx, a.threads,
+                                      counts)
+    print("\n| sequences | decode step ms (Engine, no server) | tok/s | x one sequence |\n| ---: | ---: | ---: | ---: |")
+    for b, ms in steps.items():
+        print(f"| {b} | {ms:.2f} | {1000 * b / ms:.1f} | {b * steps[min(steps)] / ms / min(steps):.2f} |")
     if 1 in results["qwc"]:
         itl = results["qwc"][1]["itl_p50"]
-        base_ms = alone(paths["qwc"], plans_for(1, a.requests, 1)[0], a.max_tokens, a.ctx, a.threads)
         print(f"\n`qwc bench -n {a.max_tokens}` on the same artifact: {tg:.1f} tok/s ({1000 / tg:.2f} ms a token, from "
               f"an empty cache); the one client's requests through the Engine with no server: {base_ms:.2f} ms a token; "
-              f"`qwc serve` with one client: ITL p50 {itl:.2f} ms, {itl / base_ms:.3f}x the Engine's")
+              f"`qwc serve` with one client: ITL p50 {itl:.2f} ms, {itl * tg / 1000:.3f}x qwc bench's, "
+              f"{itl / base_ms:.3f}x the Engine's")
     if a.json:
-        a.json.write_text(json.dumps({"qwc_bench_tg": tg, "qwc_alone_ms": base_ms, **results}, indent=1))
+        a.json.write_text(json.dumps({"qwc_bench_tg": tg, "qwc_alone_ms": base_ms, "decode_step_ms": steps, **results},
+                                     indent=1))
     if a.png:
         import matplotlib
         matplotlib.use("Agg")
