@@ -36,8 +36,9 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
              score_model: onnx.ModelProto | None = None, tuned: dict | None = None,
              max_batch: int = 1) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
     """The module, the param names in call order, and the param values. `model` gives prefill
-    and decode (and, with `max_batch` >= 2, decode_batch for up to that many sequences); `score_model` (the same graph with
-    every position's logits and the same initializers) gives `score`."""
+    and decode (and, with `max_batch` >= 2, decode_batch for up to that many sequences);
+    `score_model` (the same graph with every position's logits and the same initializers)
+    gives `score`."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
     n_inputs = N_INPUTS_BEFORE_CACHE + n_cache
     funcs = {}

@@ -95,7 +95,7 @@ class Scheduler:
             self.engine.decode_many([0] * b, seqs[:b])
             for s in seqs[:b]:
                 self.engine.reset(s)
-        return list(seqs)   # a copy: the pool's own list stays whole
+        return list(seqs)   # the free list; the pool keeps its own
 
     # -- the caller's side -------------------------------------------------------------
     def start(self) -> None:
