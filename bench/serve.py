@@ -2,10 +2,14 @@
 same model shape and format (Qwen2.5-0.5B, random weights, Q4_0 with a 4-bit tied embedding),
 same threads, one run:
 
-    .venv/bin/python bench/serve.py [--clients 1,4,8,16] [--requests 2] [--max-tokens 64] [--png serve.png]
+    .venv/bin/python bench/serve.py [--clients 1,4,8,16] [--requests 2] [--max-tokens 64] [--shared-prefix 0]
+                                    [--png serve.png]
 
 Each client sends `--requests` completions one after another (prompts of 16-256 random tokens,
-seeded; `ignore_eos`, so every request generates exactly `--max-tokens`), streaming. Reported per
+seeded, after `--shared-prefix` tokens that every prompt begins with: a system prompt; `ignore_eos`,
+so every request generates exactly `--max-tokens`), streaming. With a shared prefix both servers
+reuse it from their slots' caches (llama-server's `cache_prompt` is on by default) and qwc also
+runs with `--reuse-prefix 0` (the row "qwc, no reuse") to show what reuse is worth. Reported per
 server and client count: aggregate generated tok/s (all tokens / wall time), time to first token
 p50/p99, inter-token latency p50/p99 (each request's mean over its tokens), failed requests. Both servers get as many slots as clients
 (`--max-batch N` / `-np N`, llama-server's continuous batching on). The servers run one at a
@@ -88,10 +92,12 @@ async def client(http, url: str, model: str, prompts: list[list[int]], max_token
             out.append({"ok": False})
 
 
-def plans_for(clients: int, requests: int, seed: int) -> list[list[list[int]]]:
-    """Each client's prompts: 16-256 random token ids each."""
+def plans_for(clients: int, requests: int, seed: int, shared: int = 0) -> list[list[list[int]]]:
+    """Each client's prompts: `shared` token ids every prompt begins with (the same for every
+    seed), then 16-256 random ones."""
+    prefix = [int(t) for t in np.random.default_rng(12345).integers(100, 4000, shared)]
     rng = np.random.default_rng(seed)
-    return [[[int(t) for t in rng.integers(100, 4000, int(rng.integers(16, 257)))] for _ in range(requests)]
+    return [[prefix + [int(t) for t in rng.integers(100, 4000, int(rng.integers(16, 257)))] for _ in range(requests)]
             for _ in range(clients)]
 
 
@@ -130,10 +136,10 @@ def engine_baselines(artifact: Path, prompts: list[list[int]], max_tokens: int, 
     return float(np.median(itl)) * 1000, steps
 
 
-async def load(base: str, model: str, clients: int, requests: int, max_tokens: int, seed: int) -> dict:
+async def load(base: str, model: str, clients: int, requests: int, max_tokens: int, seed: int, shared: int) -> dict:
     import httpx
 
-    plans = plans_for(clients, requests, seed)
+    plans = plans_for(clients, requests, seed, shared)
     out: list = []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as http:
         t0 = time.perf_counter()
@@ -157,28 +163,31 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "bench")
-    ap.add_argument("--ctx", type=int, default=512, help="context per sequence")
+    ap.add_argument("--ctx", type=int, help="context per sequence (default: 512, or what the longest request needs)")
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt begins with")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
     a = ap.parse_args()
+    a.ctx = a.ctx or max(512, a.shared_prefix + 256 + a.max_tokens)
     counts = [int(c) for c in a.clients.split(",")]
     sys.path.insert(0, str(HERE))
     from peers import llamacpp_tools, prepare
 
     paths = prepare(a.workdir, max_batch=max(max(counts), 2))
     server = llamacpp_tools("x86") / "llama-server-0.3.36"
-    results: dict = {"qwc": {}, "llama-server": {}}
+    results: dict = {"qwc": {}, "llama-server": {}, **({"qwc, no reuse": {}} if a.shared_prefix else {})}
     r = subprocess.run([sys.executable, "-m", "qwc", "bench", str(paths["qwc"]), "-p", "0", "-n", str(a.max_tokens),
                         "--threads", str(a.threads), "--json"], capture_output=True, text=True, check=True)
     tg = json.loads(r.stdout)["results"][0]["tps"]
     for n in counts:
-        for name in ("qwc", "llama-server"):
+        for name in results:
             print(f"[serve] {name}, {n} clients ...", file=sys.stderr, flush=True)
-            if name == "qwc":
+            if name.startswith("qwc"):
                 env = dict(os.environ, TVM_NUM_THREADS=str(a.threads))
                 proc, line = start([sys.executable, "-m", "qwc", "serve", str(paths["qwc"]), "--port", "0",
                                     "--max-batch", str(n), "--ctx", str(a.ctx), "--threads", str(a.threads),
-                                    "--model-name", "m"], r"serving .* at http://", env)
+                                    "--model-name", "m", *(["--reuse-prefix", "0"] if "no reuse" in name else [])],
+                                   r"serving .* at http://", env)
                 base = re.search(r"(http://[^ ]+)/v1", line)[1]
             else:
                 port = 18000 + n
@@ -188,12 +197,13 @@ def main() -> None:
                 base = f"http://127.0.0.1:{port}"
             wait_ready(base, proc)
             try:
-                results[name][n] = asyncio.run(load(base, "m", n, a.requests, a.max_tokens, seed=n))
+                results[name][n] = asyncio.run(load(base, "m", n, a.requests, a.max_tokens, n, a.shared_prefix))
             finally:
                 stop(proc)
 
     print(f"\nQwen2.5-0.5B shape, random weights, Q4_0 (4-bit output), {a.threads} threads; each client "
-          f"{a.requests} streaming requests of 16-256 prompt tokens and {a.max_tokens} generated\n")
+          f"{a.requests} streaming requests of {a.shared_prefix} shared + 16-256 random prompt tokens and "
+          f"{a.max_tokens} generated\n")
     print("| server | clients | gen tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | failed |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, rows in results.items():
@@ -205,7 +215,7 @@ def main() -> None:
     for n in counts:
         q = results["qwc"][n]["tok_s"]
         print(f"| {n} | {q / results['llama-server'][n]['tok_s']:.2f} | {q / one if one else float('nan'):.2f} |")
-    base_ms, steps = engine_baselines(paths["qwc"], plans_for(1, a.requests, 1)[0], a.max_tokens, a.ctx, a.threads,
+    base_ms, steps = engine_baselines(paths["qwc"], plans_for(1, a.requests, 1, a.shared_prefix)[0], a.max_tokens, a.ctx, a.threads,
                                       counts)
     print("\n| sequences | decode step ms (Engine, no server) | tok/s | x one sequence |\n| ---: | ---: | ---: | ---: |")
     for b, ms in steps.items():

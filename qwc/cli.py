@@ -307,7 +307,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     except OSError as e:
         raise QwcError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
-    sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue)
+    sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None)
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
     app = create_app(eng, sched, Settings(model_id=name, api_key=args.api_key))
     host, port = sock.getsockname()[:2]
@@ -497,6 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=_count, default=64, help="requests waiting beyond those (default 64; "
                                                                   "more get 503)")
     sv.add_argument("--ctx", type=_positive, default=2048, help="context per sequence in tokens (default 2048)")
+    sv.add_argument("--reuse-prefix", type=_count, default=16, metavar="N",
+                    help="a request takes the free slot whose cache shares the longest prefix with its prompt "
+                         "(a system prompt, earlier turns), if at least N tokens, and prefills only the rest "
+                         "(default 16; 0: never)")
     sv.add_argument("--threads", type=_threads, default=None)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     sv.add_argument("--model-name", help="the model id clients name (default: the artifact folder's name without .qwc)")

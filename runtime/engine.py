@@ -47,6 +47,16 @@ class Pool:
                           for r in range(arrays[0].shape[0]))
         self._views: dict[int, list] = {}
 
+    def copy_row(self, src: int, dst: int, n: int) -> None:
+        """Positions [0, n) of row `src`'s caches into row `dst`."""
+        for a in self.arrays:
+            a[dst, :, :n] = a[src, :, :n]
+
+    def swap_rows(self, r: int, s: int, n: int) -> None:
+        """Exchange positions [0, n) of two rows' caches."""
+        for a in self.arrays:
+            a[[r, s], :, :n] = a[[s, r], :, :n]
+
     def cache(self, rows: int) -> list:
         """The first `rows` rows of every cache buffer, as tensors (made once per row count)."""
         if rows not in self._views:

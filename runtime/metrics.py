@@ -1,6 +1,7 @@
 """Prometheus metrics of `qwc serve` (prometheus-client, from the `serve` extra), in a registry
-of the server's own: requests by outcome, prompt and generated tokens, queue depth, running
-sequences, sequences per decode step, time to first token and inter-token latency."""
+of the server's own: requests by outcome, prompt tokens (and those found cached), generated
+tokens, queue depth, running sequences, sequences per decode step, time to first token and
+inter-token latency."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ class Metrics:
         self.requests = Counter("qwc_requests", "finished requests by outcome", ["outcome", "status"], registry=r)
         self.in_flight = Gauge("qwc_requests_in_flight", "requests accepted and not yet finished", registry=r)
         self.prompt_tokens = Counter("qwc_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("qwc_prompt_tokens_cached", "prompt tokens of finished requests found in a "
+                                     "slot's cache, not prefilled", registry=r)
         self.generated = Counter("qwc_generated_tokens", "tokens generated", registry=r)
         Gauge("qwc_queue_depth", "requests waiting for a slot", registry=r).set_function(lambda: scheduler.queued)
         Gauge("qwc_running_sequences", "sequences in slots", registry=r).set_function(lambda: scheduler.running)
@@ -31,6 +34,7 @@ class Metrics:
         if req is not None:
             self.in_flight.dec()
             self.prompt_tokens.inc(len(req.prompt))
+            self.cached_tokens.inc(req.cached_tokens)
             self.generated.inc(len(req.generated))
             if req.t_first is not None:
                 self.ttft.observe(req.t_first - req.t_submit)

@@ -10,6 +10,15 @@ where the artifact has it, else one decode per sequence. A request leaves at its
 stop string, its token budget, the context's end, or when it is cancelled (a client that went
 away); its slot is free for the next step.
 
+Prefix reuse (llama-server's prompt cache): a free slot keeps the cache of the request it
+last ran. A new request gets the cache that shares the longest prefix with its prompt, if that
+prefix is at least `min_reuse` tokens (a shared system prompt, an earlier turn of the same
+chat), and prefills only the rest. It runs in the lowest free row all the same (the cache is
+swapped down into it: a few MB copied against milliseconds a prompt token), and a cache about
+to be overwritten moves to the free row holding the least recently used one, so caches live
+as long as idle rows can keep them. The reused positions are what a prefill of the same tokens
+writes, so this changes speed, not output (to rounding, where decode steps wrote them).
+
 Each request's tokens depend only on its own prompt, cache and sampler: the batched kernels
 compute each row on its own, so greedy output does not change with what else runs beside it.
 
@@ -51,6 +60,7 @@ class Request:
     t_submit: float = 0.0
     t_first: float | None = None      # first generated token
     token_times: list[float] = field(default_factory=list)
+    cached_tokens: int = 0            # prompt tokens found in a slot's cache (prefix reuse)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -70,12 +80,17 @@ class _Running:
 
 
 class Scheduler:
-    def __init__(self, engine, max_running: int = 8, max_queue: int = 64, prefill_chunk: int = 128):
-        if max_running < 1 or max_queue < 0 or prefill_chunk < 1:
-            raise QwcError("max_running and prefill_chunk must be at least 1, max_queue at least 0")
+    def __init__(self, engine, max_running: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
+                 min_reuse: int | None = 16):
+        if max_running < 1 or max_queue < 0 or prefill_chunk < 1 or (min_reuse is not None and min_reuse < 1):
+            raise QwcError("max_running, prefill_chunk and min_reuse must be at least 1, max_queue at least 0")
         self.engine = engine
         self.max_running, self.max_queue, self.prefill_chunk = max_running, max_queue, prefill_chunk
+        self.min_reuse = min_reuse        # None: no prefix reuse
         self._free: list = self._allocate()   # idle slots
+        self._cached: dict[int, list[int]] = {}   # row -> the tokens its cache holds, for idle slots
+        self._used: dict[int, int] = {}           # row -> when it last finished a request (a count)
+        self._finished = 0
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[_Running] = []
         self._cv = threading.Condition()
@@ -130,16 +145,54 @@ class Scheduler:
         return len(self._running)
 
     # -- the scheduler's thread -----------------------------------------------------------
-    def _slot(self):
+    def _slot(self, req: Request):
+        """The lowest free slot (running rows stay packed: a batched step computes every row up
+        to the highest running one), holding the longest prefix of `req`'s prompt that any free
+        slot's cache holds; and how many prompt tokens that is."""
         seq = min(self._free, key=lambda s: s.row)
         self._free.remove(seq)
+        keep = 0
+        if self.min_reuse is not None:
+            src = max([seq, *self._free], key=lambda s: _common(self._cached.get(s.row, ()), req.prompt))
+            # at least one prompt token is prefilled: its logits give the first new token
+            n = min(_common(self._cached.get(src.row, ()), req.prompt), len(req.prompt) - 1)
+            if n >= self.min_reuse:
+                keep = n
+                if src is not seq:   # the prefix comes down to this slot, what it held goes up
+                    self._swap(seq, src)
+        if not keep:
+            self._keep_elsewhere(seq)
+        self._cached.pop(seq.row, None)
         self.engine.reset(seq)
-        return seq
+        seq.pos = keep
+        return seq, keep
+
+    def _swap(self, a, b) -> None:
+        ta, tb = self._cached.get(a.row, []), self._cached.get(b.row, [])
+        a.pool.swap_rows(a.row, b.row, max(len(ta), len(tb)))
+        self._cached[a.row], self._cached[b.row] = tb, ta
+        self._used[a.row], self._used[b.row] = self._used.get(b.row, -1), self._used.get(a.row, -1)
+        a.pos, b.pos = len(tb), len(ta)   # a free row's placeholder token goes past what it holds
+
+    def _keep_elsewhere(self, seq) -> None:
+        """Before `seq`'s cache is overwritten, move what it holds to the free slot that holds
+        the oldest (or nothing), if that is older: the eviction is least recently used."""
+        mine = self._cached.get(seq.row)
+        if not mine or not self._free:
+            return
+        other = min(self._free, key=lambda s: self._used.get(s.row, -1))
+        if self._used.get(other.row, -1) < self._used[seq.row]:
+            seq.pool.copy_row(seq.row, other.row, len(mine))
+            self._cached[other.row], self._used[other.row], other.pos = mine, self._used[seq.row], len(mine)
 
     def _finish(self, run: _Running, reason: str) -> None:
         run.req.finish_reason = reason
         self._running.remove(run)
         self._free.append(run.seq)
+        if not reason.startswith("error"):   # after a failed step the cache's contents are unknown
+            self._cached[run.seq.row] = (run.req.prompt + run.req.generated)[:run.seq.pos]
+            self._finished += 1
+            self._used[run.seq.row] = self._finished
         run.req.emit("done", reason)
 
     def _loop(self) -> None:
@@ -155,7 +208,10 @@ class Scheduler:
                     return
                 while self._waiting and len(self._running) < self.max_running:
                     req = self._waiting.popleft()
-                    self._running.append(_Running(req, self._slot(), set() if req.ignore_eos else self.engine.eos))
+                    seq, req.cached_tokens = self._slot(req)
+                    run = _Running(req, seq, set() if req.ignore_eos else self.engine.eos)
+                    run.fed = req.cached_tokens
+                    self._running.append(run)
             try:
                 self._step()
             except Exception as e:   # a failing step ends its requests with the reason, not the server
@@ -221,6 +277,15 @@ class Scheduler:
             self._finish(run, reason)
             return None
         return tok
+
+
+def _common(a, b) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    neq = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(neq[0]) if neq.size else n
 
 
 def _safe_end(text: str, stops: tuple[str, ...]) -> int:

@@ -354,7 +354,8 @@ class _Shape:
     @staticmethod
     def usage(req: Request) -> dict:
         n, m = len(req.prompt), len(req.generated)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m,
+                "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}   # OpenAI's prompt-cache field
 
     def usage_chunk(self, req: Request) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],

@@ -1,9 +1,11 @@
 """Batched decode (`qwc compile --max-batch`, Engine.pool / decode_many): every sequence's
 tokens are those it gets alone, its row's logits do not depend on what else is in the batch,
-and rows that are not decoding (mid-prefill, idle) are left as they were."""
+and rows that are not decoding (mid-prefill, idle) are left as they were. The scheduler's
+prefix reuse prefills only what a free slot's cache does not hold, with the same tokens."""
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,8 @@ import pytest
 from qwc.compiler.compile import compile_file
 from qwc.errors import QwcError
 from qwc.runtime.engine import Engine
+from qwc.runtime.sampling import SamplingParams
+from qwc.runtime.scheduler import Request, Scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "arm64"))
 from run_engine import greedy_alone_and_batched  # noqa: E402  (also run under qemu by test_arm.py)
@@ -81,3 +85,43 @@ def test_max_batch_is_checked(tiny_q4, tmp_path):
     r = subprocess.run([sys.executable, "-m", "qwc", "compile", str(tiny_q4), "--max-batch", "999",
                         "-o", str(tmp_path / "b.qwc")], capture_output=True, text=True)
     assert r.returncode == 2 and "999 is more than 256" in r.stderr and not (tmp_path / "b.qwc").exists()
+
+
+def _serve(sched, prompt, n=6):
+    """One greedy request through the scheduler: its tokens and how many prompt tokens it reused."""
+    done = threading.Event()
+    req = Request(list(prompt), n, SamplingParams(), lambda kind, _: kind == "done" and done.set(), ignore_eos=True)
+    sched.submit(req)
+    assert done.wait(60) and req.finish_reason == "length"
+    return req.generated, req.cached_tokens
+
+
+def _alone(engine, prompt, n=6):
+    seq = engine.sequence()
+    logits, out = engine.prefill(prompt, seq), []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = engine.decode(out[-1], seq)
+    return out
+
+
+def test_prefix_reuse_prefills_only_the_new_tokens(engine):
+    system = list(range(200, 230))                         # a shared 30-token "system prompt"
+    a, b, c = system + [7, 8, 9], system + [40, 41], list(range(250, 270))
+    sched = Scheduler(engine, max_running=2, min_reuse=16)
+    sched.start()
+    try:
+        assert _serve(sched, a) == (_alone(engine, a), 0)
+        assert _serve(sched, b) == (_alone(engine, b), 30)        # the system prompt came from a's slot
+        assert _serve(sched, c) == (_alone(engine, c), 0)         # nothing in common
+        assert _serve(sched, b) == (_alone(engine, b), len(b) - 1)   # all but the token that gives logits
+        # the slot that held c was the other one: a request sharing 16+ tokens with b's still finds it
+        assert _serve(sched, b[:20] + [1, 2]) == (_alone(engine, b[:20] + [1, 2]), 20)
+    finally:
+        sched.stop()
+    off = Scheduler(engine, max_running=2, min_reuse=None)
+    off.start()
+    try:
+        assert _serve(off, a)[1] == _serve(off, a)[1] == 0
+    finally:
+        off.stop()

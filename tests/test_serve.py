@@ -133,6 +133,17 @@ def test_stop_strings_cut_the_text(server, artifact):
     assert _safe_end("abc</s", ("</stop>",)) == 3 and _safe_end("abc", ("xyz",)) == 3
 
 
+def test_a_repeated_prompt_reuses_its_cache(server, artifact):
+    prompt = "A system prompt that every request of this test shares. " * 3
+    before = server.metric("qwc_prompt_tokens_cached_total")
+    first, again = (server.post("/v1/completions", {"model": "tiny", "prompt": prompt + tail, "max_tokens": 8,
+                                                    "temperature": 0}).json() for tail in ("One", "Two"))
+    n = again["usage"]["prompt_tokens"]
+    assert n > 20 and again["usage"]["prompt_tokens_details"]["cached_tokens"] >= n - 3
+    assert again["choices"][0]["text"] == _reference(artifact, [prompt + "Two"], 8)[0]
+    assert server.metric("qwc_prompt_tokens_cached_total") - before >= n - 3
+
+
 def test_cancelled_stream_frees_its_slot(server):
     before = server.metric('qwc_requests_total{outcome="cancelled"')
     with httpx.stream("POST", server.base + "/v1/completions", timeout=60,
