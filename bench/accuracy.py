@@ -16,8 +16,8 @@ Rows (every one through `qwc` commands or llama.cpp's own tools, so the table is
                  what fine-tuning on Austen gains by itself; ft+ptq the same, then PTQ
   qat            `qwc qat --quantize-embedding`, then `qwc optimize` (lossless), onnxruntime
   qat-kd         the same with `--teacher` (distillation from the float model)
-  sleb6          `qwc prune --remove 6` (SLEB, calibrated on Emma), scored in float;
-                 sleb6+ptq-emb8 the same through PTQ; sleb6+qat-kd recovered by QAT with distillation
+  slebN          `qwc prune --remove N` (SLEB, calibrated on Emma; N = 2, 4, 6), scored in float;
+                 slebN+ptq-emb8 the same through PTQ; slebN+qat-kd recovered by QAT with distillation
 and, for the quantized rows, the compiled host artifact (`--act-bits 8`, the fast path) beside it.
 Training text: Emma and Mansfield Park. Perplexity: Pride and Prejudice, llama.cpp's protocol
 (first `--chunks` x 512 tokens). Multiple choice: `--items` next-sentence items from Persuasion,
@@ -99,8 +99,10 @@ def llamacpp_quantized(tools: Path, src: Path, out: Path, *opt: str) -> Path:
     return out
 
 
+PRUNED = (2, 4, 6)   # blocks removed of SmolLM2's 30
 ROWS = ("float", "llamacpp-float", "llamacpp-q4_0", "llamacpp-q4_0-q4out", "ptq", "ptq-emb8", "fold",
-        "fold-emb8", "awq", "awq-emb8", "ft", "ft+ptq", "qat", "qat-kd", "sleb6", "sleb6+ptq-emb8", "sleb6+qat-kd")
+        "fold-emb8", "awq", "awq-emb8", "ft", "ft+ptq", "qat", "qat-kd",
+        *(f"sleb{n}{how}" for n in PRUNED for how in ("", "+ptq-emb8", "+qat-kd")))
 DEFAULT_ROWS = tuple(r for r in ROWS if not r.startswith("fold"))   # the fold is the old default, measured once
 
 
@@ -149,7 +151,7 @@ def main() -> None:
     tools = llamacpp_tools() if any(r.startswith("llamacpp") for r in wanted) else None
     q4out = ("--output-tensor-type", "q4_0", "--token-embedding-type", "q4_0")
     floats = {"float": lambda: "smollm2", "ft": lambda: trained("ft", "--fake-quant-after", str(a.qat_steps)),
-              "sleb6": lambda: pruned(6)}
+              **{f"sleb{n}": (lambda n=n: pruned(n)) for n in PRUNED}}
     llamacpp = {"llamacpp-float": lambda: smollm2_path(),
                 "llamacpp-q4_0": lambda: llamacpp_quantized(tools, smollm2_path(), w / "llamacpp-q4_0.gguf"),
                 "llamacpp-q4_0-q4out": lambda: llamacpp_quantized(tools, smollm2_path(), w / "llamacpp-q4_0-q4out.gguf",
@@ -162,10 +164,11 @@ def main() -> None:
                "ft+ptq": lambda: (trained("ft", "--fake-quant-after", str(a.qat_steps)), ()),
                "qat": lambda: (trained("qat", "--quantize-embedding"), ()),
                "qat-kd": lambda: (trained("qat-kd", *kd), ()),
-               "sleb6+ptq-emb8": lambda: (pruned(6), emb8),
+               **{f"sleb{n}+ptq-emb8": (lambda n=n: (pruned(n), emb8)) for n in PRUNED},
                # the teacher is the unpruned float model: it knows what the removed blocks did
-               "sleb6+qat-kd": lambda: (trained("sleb6-qat-kd", "--quantize-embedding", "--teacher",
-                                                str(smollm2_path()), source=pruned(6)), ())}
+               **{f"sleb{n}+qat-kd": (lambda n=n: (trained(f"sleb{n}-qat-kd", "--quantize-embedding", "--teacher",
+                                                             str(smollm2_path()), source=pruned(n)), ()))
+                  for n in PRUNED}}
     rows = {}
     for name in (r for r in ROWS if r in wanted):
         if name in floats:

@@ -180,8 +180,9 @@ class Scheduler:
         mine = self._cached.get(seq.row)
         if not mine or not self._free:
             return
-        other = min(self._free, key=lambda s: self._used.get(s.row, -1))
-        if self._used.get(other.row, -1) < self._used[seq.row]:
+        age = (lambda s: self._used[s.row] if self._cached.get(s.row) else -1)   # an empty row is oldest
+        other = min(self._free, key=age)
+        if age(other) < self._used[seq.row]:
             seq.pool.copy_row(seq.row, other.row, len(mine))
             self._cached[other.row], self._used[other.row], other.pos = mine, self._used[seq.row], len(mine)
 
