@@ -210,11 +210,14 @@ def main() -> None:
         for n, r in rows.items():
             print(f"| {name} | {n} | {r['tok_s']:.1f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | "
                   f"{r['itl_p50']:.1f} | {r['itl_p99']:.1f} | {r['failed']} |")
-    print("\n| clients | qwc / llama-server (gen tok/s) | qwc / qwc at 1 client |\n| ---: | ---: | ---: |")
+    reuse = "qwc, no reuse" in results
+    print("\n| clients | qwc / llama-server (gen tok/s) | qwc / qwc at 1 client |" + (" qwc / qwc, no reuse |" if reuse else ""))
+    print("| ---: | ---: | ---: |" + (" ---: |" if reuse else ""))
     one = results["qwc"].get(1, {}).get("tok_s")
     for n in counts:
         q = results["qwc"][n]["tok_s"]
-        print(f"| {n} | {q / results['llama-server'][n]['tok_s']:.2f} | {q / one if one else float('nan'):.2f} |")
+        print(f"| {n} | {q / results['llama-server'][n]['tok_s']:.2f} | {q / one if one else float('nan'):.2f} |"
+              + (f" {q / results['qwc, no reuse'][n]['tok_s']:.2f} |" if reuse else ""))
     base_ms, steps = engine_baselines(paths["qwc"], plans_for(1, a.requests, 1, a.shared_prefix)[0], a.max_tokens, a.ctx, a.threads,
                                       counts)
     print("\n| sequences | decode step ms (Engine, no server) | tok/s | x one sequence |\n| ---: | ---: | ---: | ---: |")
