@@ -596,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except QwcError as e:
+        if interrupts.seen():   # a failure the Ctrl-C caused (and stderr is silenced)
+            return _interrupted(argv)
         print(f"qwc: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
@@ -625,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupted(argv) -> int:
+    interrupts.restore_stderr()
     print("qwc: interrupted", file=sys.stderr)
     if argv is None and "tvm" in sys.modules:
         # As a program: end now. TVM's objects left mid-pass log warnings from their C++
