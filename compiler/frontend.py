@@ -123,7 +123,8 @@ class MatMulNBits(F.OnnxOpConverter):
         # GEMM reads token pairs interleaved (act_quant.fused_quantizer).
         layout = w4a8.decode_layout if one_token else w4a8.prefill_layout
         if not one_token:
-            kernel = bb.add_func(w4a8_gemm(impl, n, nb, sdt, tokens), _kname(f"q4_gemm_{impl}_{n}x{nb}_{sdt}"))
+            kernel = bb.add_func(w4a8_gemm(impl, n, nb, sdt, tokens, batched_decode=_ctx().batched),
+                                 _kname(f"q4_gemm_{impl}_{n}x{nb}_{sdt}"))
         elif impl == "sdot":
             from .kernels.arm import dotprod
 

@@ -93,6 +93,41 @@ def test_w4a8_kernels(variant, k, n, m):
     assert np.abs(got - exact).max() < 0.05 * np.abs(exact).max()   # and int8 activations are close
 
 
+def test_w4a8_batched_decode_gemm_takes_every_token_count():
+    """decode_batch's x86 GEMM (8-token tiles, leftovers in tiles of 4, 2 and 1, prefetch) for
+    every batch size up to 17, so each leftover pattern runs: the prefill form's values bit for
+    bit (the same per-token arithmetic), and llama.cpp's W4A8 reference."""
+    import tvm
+
+    from qwc.compiler.frontend import _CONTEXT, ImportContext
+
+    if "avx512_vnni" not in get_target("host").features:
+        pytest.fail("this test expects an AVX-512 VNNI host (the project's CI machine has one)")
+    k, n = 100, 40
+    wp, d, deq = _weights(k, n, 7)
+    m = tvm.tirx.Var("m", "int64")
+    outs = {}
+    for batched in (False, True):
+        token = _CONTEXT.set(ImportContext(act_bits=8, features=get_target("host").features, batched=batched))
+        try:
+            bb = relax.BlockBuilder()
+            wr, dr = _emit(bb, "main", "vnni", k, n, m, wp, d)
+            mod = bb.get()
+        finally:
+            _CONTEXT.reset(token)
+        # the form asked for is the one built: only the batched one prefetches
+        assert ("llvm.prefetch" in mod.script()) == batched
+        vm = relax.VirtualMachine(build(mod, get_target("host")), tvm.cpu())
+        for rows in range(1, 18):
+            a = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+            outs[batched, rows] = (a, vm["main"](*(tvm.runtime.tensor(x) for x in (a, wr, dr))).numpy())
+    for rows in range(1, 18):
+        a, got = outs[True, rows]
+        np.testing.assert_array_equal(got, outs[False, rows][1])
+        ref = _a8_reference(a, deq, d, k)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * np.abs(ref).max())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["arm-yitian", "arm-neon"])
 def test_w4a8_arm_kernels_under_qemu(target, tmp_path):

@@ -5,12 +5,14 @@ kernels share (signature, zero point, tile defaults) is in w4a8.py.
 """
 
 
-def w4a8_gemm(impl: str, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None):
+def w4a8_gemm(impl: str, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
+              batched_decode: bool = False):
     """The W4A8 prefill GEMM `impl` ("vnni", "sdot", "smmla") for N rows, nb blocks of K;
-    `tokens`: its tile width (None: the kernel's default); `m`: a fixed token count."""
+    `tokens`: its tile width (None: the kernel's default); `m`: a fixed token count;
+    `batched_decode`: the form for one token of each of B sequences, where it has one (vnni)."""
     if impl == "vnni":
         from .x86 import vnni
-        return vnni.q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m)
+        return vnni.q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode)
     if impl == "sdot":
         from .arm import dotprod
         return dotprod.q4_dot(n, nb, False, scale_dtype, tokens=tokens, m=m)

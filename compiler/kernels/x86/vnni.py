@@ -65,21 +65,34 @@ def _scales(T, ws, g, b, scale_dtype):
     return ws.vload([g, b, 0], "float32x16")
 
 
+# The batched decode step (one token of each of B <= 16 sequences) reads every weight from
+# DRAM, as decode does, for a few tokens: its GEMM takes 8-token tiles that prefetch as
+# decode_gemv does (PREFETCH; past a group's last block into the next group's first) and the
+# leftover tokens in tiles of 4, 2 and 1 without prefetch (at B = 4 the prefetch cost 4%).
+# 0.5B shape, 2 threads, Zen 5, step ms at B = 1/2/4/6/8/12/16: the prefill form (4-token tiles,
+# leftovers one at a time) 6.54/7.55/7.81/9.78/11.64/18.43/21.83, this form
+# 6.34/6.62/7.65/9.46/9.96/15.08/18.71 (docs/results.md).
+BATCHED_DECODE_TOKENS = 8   # q4_matmul's leftover tiles (4, 2, 1) assume 8
+
+
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
-def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None):
+def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None,
+              batched_decode: bool = False):
     """Prefill: y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the
     -8 x sum offsets) and the packed weights, in tiles of `tokens` tokens per row group and
-    leftovers one at a time. M is any number of tokens, or `m` (tuning measures at fixed M)."""
+    leftovers one at a time. M is any number of tokens, or `m` (tuning measures at fixed M).
+    `batched_decode`: the form for decode_batch (BATCHED_DECODE_TOKENS above; `tokens` unused)."""
     from tvm.script import tirx as T
 
     ng = groups(n)
-    tm = tokens or DEFAULT_TOKENS["vnni"]
+    tm = BATCHED_DECODE_TOKENS if batched_decode else tokens or DEFAULT_TOKENS["vnni"]
     rows_in = token_count(m)
+    ahead, locality = PREFETCH[0]
 
     @T.macro
-    def tile(w, aq, off, ws, ad, y, g, first, count):
-        """Rows 16g .. 16g+15 of tokens first .. first+count-1 (the group's weights are in
-        cache after the first tile: no prefetch)."""
+    def tile(w, aq, off, ws, ad, y, g, first, count, prefetch):
+        """Rows 16g .. 16g+15 of tokens first .. first+count-1 (in prefill the group's weights
+        are in cache after the first tile: no prefetch)."""
         # "global", not "local": TVM places small constant-size global allocations on the stack
         # (LLVM then keeps them in registers) but serves every "local" one with a
         # TVMBackendAllocWorkspace call, here once per 16-row group.
@@ -87,6 +100,10 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         for t in T.unroll(count):
             acc[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
         for b in range(nb):
+            if prefetch:   # decided when the kernel is built
+                for i in T.unroll(4):
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + ahead, i, 0]),
+                                                  T.int32(0), T.int32(locality), T.int32(1)))
             for t in T.unroll(count):
                 acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + T.Cast(
                     "float32x16", _block_dot(T, w, aq, off, g, b, first + t)) * (
@@ -98,10 +115,18 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
     def body(w, aq, off, ws, ad, y):
         for g in T.parallel(ng):
             for it in range(rows_in // tm):
-                tile(w, aq, off, ws, ad, y, g, it * tm, tm)
-            if tm > 1:  # decided when the kernel is built
+                tile(w, aq, off, ws, ad, y, g, it * tm, tm, batched_decode)
+            if batched_decode:  # decided when the kernel is built
+                # the r = M mod 8 leftover tokens: one tile per set bit of r, largest first
+                if (rows_in % tm) // 4 % 2 == 1:
+                    tile(w, aq, off, ws, ad, y, g, rows_in // tm * tm, 4, False)
+                if (rows_in % tm) // 2 % 2 == 1:
+                    tile(w, aq, off, ws, ad, y, g, rows_in // tm * tm + (rows_in % tm) // 4 * 4, 2, False)
+                if (rows_in % tm) % 2 == 1:
+                    tile(w, aq, off, ws, ad, y, g, rows_in // tm * tm + (rows_in % tm) // 2 * 2, 1, False)
+            elif tm > 1:
                 for i in range(rows_in // tm * tm, rows_in):
-                    tile(w, aq, off, ws, ad, y, g, i, 1)
+                    tile(w, aq, off, ws, ad, y, g, i, 1, False)
 
     return gemm_kernel(n, nb, scale_dtype, rows_in, body)
 
