@@ -2,11 +2,11 @@
 same model shape and format (Qwen2.5-0.5B, random weights, Q4_0 with a 4-bit tied embedding),
 same threads, one run:
 
-    .venv/bin/python bench/serve.py [--clients 1,4,8,16] [--requests 2] [--max-tokens 64] [--shared-prefix 0]
-                                    [--png serve.png]
+    .venv/bin/python bench/serve.py [--clients 1,4,8,16] [--requests 2] [--max-tokens 64] [--prompt-tokens 16,256]
+                                    [--shared-prefix 0] [--png serve.png]
 
-Each client sends `--requests` completions one after another (prompts of 16-256 random tokens,
-seeded, after `--shared-prefix` tokens that every prompt begins with: a system prompt; `ignore_eos`,
+Each client sends `--requests` completions one after another (prompts of 16-256 random tokens by
+default (`--prompt-tokens LO,HI`), seeded, after `--shared-prefix` tokens that every prompt begins with: a system prompt; `ignore_eos`,
 so every request generates exactly `--max-tokens`), streaming. With a shared prefix both servers
 reuse it from their slots' caches (llama-server's `cache_prompt` is on by default) and qwc also
 runs with `--reuse-prefix 0` (the row "qwc, no reuse") to show what reuse is worth. Reported per
@@ -92,26 +92,21 @@ async def client(http, url: str, model: str, prompts: list[list[int]], max_token
             out.append({"ok": False})
 
 
-def plans_for(clients: int, requests: int, seed: int, shared: int = 0) -> list[list[list[int]]]:
+def plans_for(clients: int, requests: int, seed: int, shared: int = 0,
+              lengths: tuple[int, int] = (16, 256)) -> list[list[list[int]]]:
     """Each client's prompts: `shared` token ids every prompt begins with (the same for every
-    seed), then 16-256 random ones."""
+    seed), then lengths[0]..lengths[1] random ones."""
     prefix = [int(t) for t in np.random.default_rng(12345).integers(100, 4000, shared)]
     rng = np.random.default_rng(seed)
-    return [[prefix + [int(t) for t in rng.integers(100, 4000, int(rng.integers(16, 257)))] for _ in range(requests)]
+    lo, hi = lengths
+    return [[prefix + [int(t) for t in rng.integers(100, 4000, int(rng.integers(lo, hi + 1)))] for _ in range(requests)]
             for _ in range(clients)]
 
 
-def engine_baselines(artifact: Path, prompts: list[list[int]], max_tokens: int, ctx: int, threads: int,
-                     counts: list[int]) -> tuple[float, dict]:
-    """Through the Engine with no server: (1) the mean time a token (ms) of the one client's
-    requests, from each request's first token to its last as the clients measure it (the same
-    prompts, so the same context lengths): the one-client ITL's baseline; (2) one decode step
-    of B sequences (decode_many on pool rows after a 64-token prompt each; B = 1: `decode`),
-    the median of 10, per client count: what batching gives before prompts and HTTP."""
-    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
-    from qwc.runtime.engine import Engine
-
-    eng = Engine(artifact, ctx=ctx, threads=threads)
+def engine_itl(eng, prompts: list[list[int]], max_tokens: int) -> float:
+    """The one client's requests through the Engine with no server: the median time a token
+    (ms), from each request's first token to its last as the clients measure it (the same
+    prompts, so the same context lengths): the one-client ITL's baseline."""
     itl = []
     for prompt in prompts:
         eng.reset()
@@ -121,6 +116,12 @@ def engine_baselines(artifact: Path, prompts: list[list[int]], max_tokens: int, 
             times.append(time.perf_counter())
             logits = eng.decode(tok)
         itl.append((times[-1] - times[0]) / (max_tokens - 1))
+    return float(np.median(itl)) * 1000
+
+
+def decode_steps(eng, counts: list[int]) -> dict:
+    """One decode step of B sequences (decode_many on pool rows after a 64-token prompt each),
+    the median of 10, per client count: what batching gives before prompts and HTTP."""
     seqs = eng.pool(max(counts)).seqs
     steps = {}
     for b in counts:
@@ -133,13 +134,14 @@ def engine_baselines(artifact: Path, prompts: list[list[int]], max_tokens: int, 
             eng.decode_many([5] * b, seqs[:b])
             ts.append(time.perf_counter() - t0)
         steps[b] = float(np.median(ts[1:])) * 1000
-    return float(np.median(itl)) * 1000, steps
+    return steps
 
 
-async def load(base: str, model: str, clients: int, requests: int, max_tokens: int, seed: int, shared: int) -> dict:
+async def load(base: str, model: str, clients: int, requests: int, max_tokens: int, seed: int, shared: int,
+               lengths: tuple[int, int]) -> dict:
     import httpx
 
-    plans = plans_for(clients, requests, seed, shared)
+    plans = plans_for(clients, requests, seed, shared, lengths)
     out: list = []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as http:
         t0 = time.perf_counter()
@@ -164,11 +166,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "bench")
     ap.add_argument("--ctx", type=int, help="context per sequence (default: 512, or what the longest request needs)")
+    ap.add_argument("--prompt-tokens", default="16,256", help="LO,HI: each prompt's random tokens (default 16,256)")
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt begins with")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
     a = ap.parse_args()
-    a.ctx = a.ctx or max(512, a.shared_prefix + 256 + a.max_tokens)
+    try:
+        lengths = tuple(int(x) for x in a.prompt_tokens.split(","))
+        if len(lengths) != 2 or not 1 <= lengths[0] <= lengths[1]:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--prompt-tokens {a.prompt_tokens!r}: expected LO,HI with 1 <= LO <= HI")
+    a.ctx = a.ctx or max(512, a.shared_prefix + lengths[1] + a.max_tokens)
     counts = [int(c) for c in a.clients.split(",")]
     sys.path.insert(0, str(HERE))
     from peers import llamacpp_tools, prepare
@@ -179,9 +188,20 @@ def main() -> None:
     r = subprocess.run([sys.executable, "-m", "qwc", "bench", str(paths["qwc"]), "-p", "0", "-n", str(a.max_tokens),
                         "--threads", str(a.threads), "--json"], capture_output=True, text=True, check=True)
     tg = json.loads(r.stdout)["results"][0]["tps"]
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    from qwc.runtime.engine import Engine
+
+    # In this process, idle while the servers run. The machine's speed moves by 10-30% from
+    # one minute to the next, so the one client's baseline is taken just before and just after
+    # its server run.
+    eng = Engine(paths["qwc"], ctx=a.ctx, threads=a.threads)
+    one_prompts = plans_for(1, a.requests, 1, a.shared_prefix, lengths)[0]
+    around = []
     for n in counts:
         for name in results:
             print(f"[serve] {name}, {n} clients ...", file=sys.stderr, flush=True)
+            if name == "qwc" and n == 1:
+                around.append(engine_itl(eng, one_prompts, a.max_tokens))
             if name.startswith("qwc"):
                 env = dict(os.environ, TVM_NUM_THREADS=str(a.threads))
                 proc, line = start([sys.executable, "-m", "qwc", "serve", str(paths["qwc"]), "--port", "0",
@@ -197,12 +217,14 @@ def main() -> None:
                 base = f"http://127.0.0.1:{port}"
             wait_ready(base, proc)
             try:
-                results[name][n] = asyncio.run(load(base, "m", n, a.requests, a.max_tokens, n, a.shared_prefix))
+                results[name][n] = asyncio.run(load(base, "m", n, a.requests, a.max_tokens, n, a.shared_prefix, lengths))
             finally:
                 stop(proc)
+            if name == "qwc" and n == 1:
+                around.append(engine_itl(eng, one_prompts, a.max_tokens))
 
     print(f"\nQwen2.5-0.5B shape, random weights, Q4_0 (4-bit output), {a.threads} threads; each client "
-          f"{a.requests} streaming requests of {a.shared_prefix} shared + 16-256 random prompt tokens and "
+          f"{a.requests} streaming requests of {a.shared_prefix} shared + {lengths[0]}-{lengths[1]} random prompt tokens and "
           f"{a.max_tokens} generated\n")
     print("| server | clients | gen tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | failed |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -211,26 +233,29 @@ def main() -> None:
             print(f"| {name} | {n} | {r['tok_s']:.1f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | "
                   f"{r['itl_p50']:.1f} | {r['itl_p99']:.1f} | {r['failed']} |")
     reuse = "qwc, no reuse" in results
-    print("\n| clients | qwc / llama-server (gen tok/s) | qwc / qwc at 1 client |" + (" qwc / qwc, no reuse |" if reuse else ""))
-    print("| ---: | ---: | ---: |" + (" ---: |" if reuse else ""))
+    # qwc at 1 client pays for its prompts as the others do; `qwc bench`'s tg is decode alone
+    print("\n| clients | qwc / llama-server (gen tok/s) | qwc / qwc at 1 client | qwc / qwc bench tg (one stream's decode) |"
+          + (" qwc / qwc, no reuse |" if reuse else ""))
+    print("| ---: | ---: | ---: | ---: |" + (" ---: |" if reuse else ""))
     one = results["qwc"].get(1, {}).get("tok_s")
     for n in counts:
         q = results["qwc"][n]["tok_s"]
-        print(f"| {n} | {q / results['llama-server'][n]['tok_s']:.2f} | {q / one if one else float('nan'):.2f} |"
+        print(f"| {n} | {q / results['llama-server'][n]['tok_s']:.2f} | {q / one if one else float('nan'):.2f} | {q / tg:.2f} |"
               + (f" {q / results['qwc, no reuse'][n]['tok_s']:.2f} |" if reuse else ""))
-    base_ms, steps = engine_baselines(paths["qwc"], plans_for(1, a.requests, 1, a.shared_prefix)[0], a.max_tokens, a.ctx, a.threads,
-                                      counts)
+    steps = decode_steps(eng, counts)
     print("\n| sequences | decode step ms (Engine, no server) | tok/s | x one sequence |\n| ---: | ---: | ---: | ---: |")
     for b, ms in steps.items():
         print(f"| {b} | {ms:.2f} | {1000 * b / ms:.1f} | {b * steps[min(steps)] / ms / min(steps):.2f} |")
+    base_ms = float(np.mean(around)) if around else float("nan")
     if 1 in results["qwc"]:
         itl = results["qwc"][1]["itl_p50"]
         print(f"\n`qwc bench -n {a.max_tokens}` on the same artifact: {tg:.1f} tok/s ({1000 / tg:.2f} ms a token, from "
-              f"an empty cache); the one client's requests through the Engine with no server: {base_ms:.2f} ms a token; "
-              f"`qwc serve` with one client: ITL p50 {itl:.2f} ms, {itl * tg / 1000:.3f}x qwc bench's, "
-              f"{itl / base_ms:.3f}x the Engine's")
+              f"an empty cache); the one client's requests through the Engine with no server, just before and just "
+              f"after its server run: {around[0]:.2f} and {around[1]:.2f} ms a token; `qwc serve` with one client: "
+              f"ITL p50 {itl:.2f} ms, {itl * tg / 1000:.3f}x qwc bench's, {itl / base_ms:.3f}x the Engine's (mean)")
     if a.json:
-        a.json.write_text(json.dumps({"qwc_bench_tg": tg, "qwc_alone_ms": base_ms, "decode_step_ms": steps, **results},
+        a.json.write_text(json.dumps({"qwc_bench_tg": tg, "qwc_alone_ms": base_ms, "qwc_alone_around_ms": around,
+                                      "decode_step_ms": steps, **results},
                                      indent=1))
     if a.png:
         import matplotlib

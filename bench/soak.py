@@ -2,10 +2,13 @@
 budgets and cancellations; no request may be lost or fail, and the server's memory must not
 grow once warm:
 
-    .venv/bin/python bench/soak.py [--minutes 10] [--clients 16] [--cancel 0.2]
+    .venv/bin/python bench/soak.py [--minutes 10] [--clients 16] [--cancel 0.2] [--shared 0.5]
 
 Each client loops until time is up: a completion of 16-400 random prompt tokens (seeded) and
-8-128 new tokens, streamed; with probability --cancel it hangs up after a few tokens. A request
+8-128 new tokens, streamed; with probability --cancel it hangs up after a few tokens. With
+probability --shared the prompt begins with one of three fixed "system prompts" (32, 96 and
+200 tokens), so the server's prefix reuse (cache hits, slots swapped down, partial matches)
+runs all along; the prompt tokens it served from cache are reported. A request
 that was not cancelled must end with a finish_reason and [DONE]; anything else (an HTTP error,
 a broken stream, a missing finish) counts as failed. The server's RSS is read from /proc every
 2 s; the table compares the peak after the first minute with the RSS at one minute. At the end
@@ -35,9 +38,15 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-async def client(http, url: str, rng: random.Random, deadline: float, cancel: float, tally: dict) -> None:
+SYSTEM_PROMPTS = [[random.Random(1000 + n).randrange(100, 4000) for _ in range(n)] for n in (32, 96, 200)]
+
+
+async def client(http, url: str, rng: random.Random, deadline: float, cancel: float, shared: float,
+                 tally: dict) -> None:
     while time.monotonic() < deadline:
         prompt = [rng.randrange(100, 4000) for _ in range(rng.randint(16, 400))]
+        if rng.random() < shared:
+            prompt = rng.choice(SYSTEM_PROMPTS) + prompt[:200]
         body = {"model": "m", "prompt": prompt, "max_tokens": rng.randint(8, 128), "temperature": 0.7,
                 "stream": True}
         hang_up = rng.random() < cancel and rng.randint(1, 6)
@@ -85,7 +94,8 @@ async def soak(base: str, pid: int, a) -> dict:
     deadline = time.monotonic() + a.minutes * 60
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=a.clients + 4)) as http:
         await asyncio.gather(watch(pid, deadline, samples),
-                             *(client(http, base + "/v1/completions", random.Random(i), deadline, a.cancel, tally)
+                             *(client(http, base + "/v1/completions", random.Random(i), deadline, a.cancel, a.shared,
+                                      tally)
                                for i in range(a.clients)))
         await asyncio.sleep(1.5)   # the server notices the last hang-ups at its next step
         metrics = (await http.get(base + "/metrics")).text
@@ -96,7 +106,8 @@ async def soak(base: str, pid: int, a) -> dict:
     return {**tally, "rss_at_1min_mib": at_minute, "rss_at_half_mib": at(a.minutes / 2),
             "rss_at_end_mib": samples[-1][1], "rss_peak_after_mib": max(warm),
             "rss_growth": max(warm) / at_minute - 1, "in_flight": gauge("qwc_requests_in_flight"),
-            "running": gauge("qwc_running_sequences"), "rss_samples": samples}
+            "running": gauge("qwc_running_sequences"), "prompt_tokens": gauge("qwc_prompt_tokens_total"),
+            "prompt_tokens_cached": gauge("qwc_prompt_tokens_cached_total"), "rss_samples": samples}
 
 
 def main() -> None:
@@ -104,6 +115,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--cancel", type=float, default=0.2, help="share of requests hung up mid-stream")
+    ap.add_argument("--shared", type=float, default=0.5, help="share of prompts that begin with a system prompt")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "bench")
@@ -124,11 +136,12 @@ def main() -> None:
     finally:
         stop(proc)
     print(f"\nqwc serve soak: {a.minutes:g} min, {a.clients} clients, {a.cancel:.0%} hung up mid-stream, "
-          f"Qwen2.5-0.5B shape, {a.threads} threads\n")
-    print("| completed | cancelled by the client | failed | RSS at 1 min | halfway | at the end | peak after 1 min | "
-          "growth | in flight at the end | running at the end |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {r['completed']} | {r['cancelled']} | {r['failed']} | {r['rss_at_1min_mib']:.0f} MiB | "
+          f"{a.shared:.0%} with a system prompt, Qwen2.5-0.5B shape, {a.threads} threads\n")
+    print("| completed | cancelled by the client | failed | prompt tokens from cache | RSS at 1 min | halfway | "
+          "at the end | peak after 1 min | growth | in flight at the end | running at the end |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {r['completed']} | {r['cancelled']} | {r['failed']} | "
+          f"{r['prompt_tokens_cached']:.0f} of {r['prompt_tokens']:.0f} | {r['rss_at_1min_mib']:.0f} MiB | "
           f"{r['rss_at_half_mib']:.0f} MiB | {r['rss_at_end_mib']:.0f} MiB | {r['rss_peak_after_mib']:.0f} MiB | "
           f"{r['rss_growth']:+.1%} | {r['in_flight']:.0f} | {r['running']:.0f} |")
     for e in r["errors"][:10]:
