@@ -4,7 +4,7 @@ error type, so the CLI asks here whether the user interrupted rather than trusti
 After a Ctrl-C the process has one thing left to say ("qwc: interrupted"), but native code
 unwinding from it may log first (TVM's BlockBuilder warns from its C++ destructor when a pass
 is cut mid-function, before Python's handler runs). So the first Ctrl-C points fd 2 at
-/dev/null and keeps the real stderr for `stderr()`, the CLI's last line."""
+/dev/null, and `restore_stderr()` gives it back for the CLI's last line."""
 
 from __future__ import annotations
 

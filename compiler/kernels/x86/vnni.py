@@ -87,7 +87,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
     ng = groups(n)
     tm = BATCHED_DECODE_TOKENS if batched_decode else tokens or DEFAULT_TOKENS["vnni"]
     rows_in = token_count(m)
-    ahead, locality = PREFETCH[0]
+    ahead, locality = PREFETCH[0]   # batched decode: the GEMV's (one) prefetch distance
 
     @T.macro
     def tile(w, aq, off, ws, ad, y, g, first, count, prefetch):
