@@ -227,7 +227,13 @@ def train(lm: LoadedModel, source: str, data_paths: list[Path], settings: QatSet
     model = lm.model
     teacher = None if settings.teacher is None else load_teacher(lm, source, settings.teacher)
     model.config._attn_implementation = "sdpa"  # training speed; export uses eager again
-    fold_norm_gains(model)
+    # --fake-quant-after equal to --steps: fake quantization never runs and this is a float
+    # fine-tune (bench/accuracy.py's control), kept as such: the gains stay in the norms and the
+    # weights off the grid (folding and snapping would make it a post-training quantization,
+    # with the fold's cost).
+    quantizing = settings.fq_start < settings.steps
+    if quantizing:
+        fold_norm_gains(model)
     fq = FakeQuant(quantized_modules(model, settings.quantize_embedding), settings.group_size)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
@@ -290,7 +296,8 @@ def train(lm: LoadedModel, source: str, data_paths: list[Path], settings: QatSet
     bar.close()
     elapsed = time.perf_counter() - t0
 
-    fq.snap()
+    if quantizing:
+        fq.snap()
     model.eval()
     model.config._attn_implementation = "eager"
     _save_hf(lm, out_dir, {"source": str(source), "data": [str(p) for p in data_paths], "settings": asdict(settings),

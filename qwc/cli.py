@@ -545,7 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--quantize-embedding", action="store_true",
                    help="fake-quantize the embedding (and the tied lm_head) too")
     q.add_argument("--fake-quant-after", type=int, default=None,
-                   help="float warm-up steps before fake quantization starts (default: 10%% of --steps)")
+                   help="float warm-up steps before fake quantization starts (default: 10%% of --steps; "
+                        "equal to --steps: a float fine-tune, written in float)")
     q.add_argument("--teacher", nargs="?", const=_SELF, metavar="SOURCE",
                    help="distil from this model's logits (alone: the float SOURCE being trained)")
     q.add_argument("--kd-weight", type=float, default=None,

@@ -104,6 +104,26 @@ def test_qat_leaves_weights_on_the_grid(qat_dir):
     assert not (qat_dir.parent / "tiny-qat.ckpt").exists()
 
 
+def test_fake_quant_after_all_steps_is_a_float_fine_tune(corpus, tmp_path):
+    """--fake-quant-after = --steps (bench/accuracy.py's float control): trained, but neither
+    snapped to the grid nor with its norm gains folded, so it scores as a float model. The
+    tiny preset's gains are random (std ~0.3): folding would scale the linears' columns by
+    0.5-1.5, where 4 Adam steps at lr 1e-3 move any parameter by at most ~4e-3."""
+    out = tmp_path / "ft"
+    assert main(["-q", "qat", "tiny", "--data", str(corpus), "--steps", "4", "--seq-len", "32", "--batch", "2",
+                 "--lr", "1e-3", "--fake-quant-after", "4", "-o", str(out)]) == 0
+    state = load_hf_dir(out).model.state_dict()
+    base = load_preset("tiny").model.state_dict()
+    linears = [k for k in state if k.endswith("proj.weight")]
+    assert len(linears) == 2 * 7
+    for k in linears:
+        w = state[k].numpy()
+        assert not np.array_equal(fake_quantize_q4_0(w), w), k        # off the grid
+        assert 0 < (state[k] - base[k]).abs().max() < 0.01, k         # trained, not folded
+    for k in (k for k in state if k.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))):
+        assert (state[k] - base[k]).abs().max() < 0.01, k              # the gains stay in the norms
+
+
 def test_optimize_after_qat_matches_the_torch_model(qat_dir, tmp_path):
     lm = load_hf_dir(qat_dir)
     src = export_onnx(lm, tmp_path / "m.onnx")
