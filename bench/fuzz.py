@@ -114,6 +114,13 @@ def prepare(base: Path, onnx_src: Path | None = None) -> dict:
 
 # -- running one case ------------------------------------------------------------------------
 
+def default_sigint() -> None:
+    """preexec_fn: the case's process gets Ctrl-C as from a shell's foreground command, whatever
+    the harness's process does with SIGINT (an ignored signal stays ignored across exec, and
+    Python then installs no handler: the Ctrl-C cases would test nothing)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(case: Case, cwd: Path, env: dict, argv: list[str]):
     if case.api is not None:
         code = _API_PRELUDE + "def _case():\n" + case.api + "\n_main()\nprint('OK')\n"
@@ -122,12 +129,12 @@ def _start(case: Case, cwd: Path, env: dict, argv: list[str]):
         cmd = qwc_cmd() + ([] if case.signal_at else ["-q"]) + argv
     if case.pipe_head is not None:
         p1 = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
+                              stderr=subprocess.PIPE, preexec_fn=default_sigint)
         head = subprocess.Popen(["head", "-c", str(case.pipe_head)], stdin=p1.stdout, stdout=subprocess.PIPE)
         p1.stdout.close()
         return p1, head
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE), None
+                            stderr=subprocess.PIPE, preexec_fn=default_sigint), None
 
 
 _API_PRELUDE = """

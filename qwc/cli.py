@@ -216,7 +216,23 @@ def _cmd_optimize(args: argparse.Namespace) -> None:
     progress.info(f"[qwc] wrote {args.output} in {time.perf_counter() - t0:.1f}s")
 
 
+def _whole_tvm(command: str) -> None:
+    """The compiler needs TVM's whole library. The runtime commands set TVM_USE_RUNTIME_LIB for
+    themselves (TVM then loads its runtime alone); inherited by a compile, it made TVM fail
+    deep inside with a traceback, so it goes, and a process that already loaded the runtime
+    alone gets one line."""
+    if "tvm" not in sys.modules:
+        os.environ.pop("TVM_USE_RUNTIME_LIB", None)
+        return
+    import tvm
+
+    if tvm.get_global_func("target.llvm_get_system_cpu", allow_missing=True) is None:
+        raise QwcError(f"qwc {command} needs TVM's compiler, but this process loaded TVM's runtime alone "
+                       "(TVM_USE_RUNTIME_LIB); run it in a new process")
+
+
 def _cmd_compile(args: argparse.Namespace) -> None:
+    _whole_tvm("compile")
     from qwc.compiler.compile import compile_file
 
     t0 = time.perf_counter()
@@ -228,6 +244,7 @@ def _cmd_compile(args: argparse.Namespace) -> None:
 
 
 def _cmd_tune(args: argparse.Namespace) -> None:
+    _whole_tvm("tune")
     from qwc.compiler.targets import get_target
     from qwc.compiler.tuning import run
 

@@ -300,3 +300,19 @@ def test_compile_replaces_its_own_artifact_but_not_a_file_kept_in_it(tiny_q4, ti
     empty.mkdir()
     assert main(["-q", "compile", str(tiny_q4), "-o", str(empty)]) == 0   # nothing in it to lose
     assert (empty / "manifest.json").is_file()
+
+
+def test_compile_with_the_runtime_lib_variable_inherited(tiny_q4, tmp_path):
+    """`qwc run` / `bench` / `serve` set TVM_USE_RUNTIME_LIB for themselves (TVM's runtime
+    alone); a compile that inherits it (a script, or a process that ran qwc in-process first)
+    must still get TVM's compiler, not a traceback from deep inside TVM."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
+    out = tmp_path / "m.qwc"
+    r = subprocess.run([sys.executable, "-m", "qwc", "-q", "compile", str(tiny_q4), "-o", str(out)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert (out / "manifest.json").is_file()

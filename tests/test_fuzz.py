@@ -96,7 +96,7 @@ def test_ctrl_c_inside_a_relax_pass_says_one_line(model, tmp_path):
     import subprocess
 
     r = subprocess.run([sys.executable, "-c", _CTRL_C_IN_A_RELAX_PASS, str(model["base"] / "tiny.q4.onnx")],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, preexec_fn=fuzz.default_sigint)
     assert r.returncode == 130, r.stderr
     assert r.stderr.strip().splitlines() == ["qwc: interrupted"], r.stderr
     assert list(tmp_path.iterdir()) == []
