@@ -27,8 +27,7 @@ def _silence_fd2() -> None:
     global _saved_stderr
     if _saved_stderr is not None:
         return
-    try:
-        sys.stderr.flush()
+    try:   # no flush here: inside a stderr write, the handler would re-enter the writer
         _saved_stderr = os.dup(2)
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, 2)

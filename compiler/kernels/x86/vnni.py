@@ -71,7 +71,7 @@ def _scales(T, ws, g, b, scale_dtype):
 # leftover tokens in tiles of 4, 2 and 1 without prefetch (at B = 4 the prefetch cost 4%).
 # 0.5B shape, 2 threads, Zen 5, step ms at B = 1/2/4/6/8/12/16: the prefill form (4-token tiles,
 # leftovers one at a time) 6.54/7.55/7.81/9.78/11.64/18.43/21.83, this form
-# 6.34/6.62/7.65/9.46/9.96/15.08/18.71 (docs/results.md).
+# 6.34/6.62/7.65/9.46/9.96/15.08/18.71 (bench/decode_step.py; docs/results.md).
 BATCHED_DECODE_TOKENS = 8   # q4_matmul's leftover tiles (4, 2, 1) assume 8
 
 
