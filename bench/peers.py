@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qwc import cpu
+
 SYSTEMS = ["qwc", "ort_int4", "ort_int4_acc0", "ort_fp32", "torch_fp32", "llamacpp_q4_0", "llamacpp_q4_0_gcc"]
 LLAMACPP_BUILDS = {"llamacpp_q4_0": "x86", "llamacpp_q4_0_gcc": "x86-gcc"}
 PRESET = "qwen2.5-0.5b"
@@ -171,10 +173,6 @@ class TorchRunner(Runner):
         return self._run([token])
 
 
-def cpu_has(flag: str) -> bool:
-    return any(line.startswith("flags") and f" {flag} " in f"{line} " for line in Path("/proc/cpuinfo").read_text().splitlines())
-
-
 def llamacpp_tools(build: str) -> Path:
     r = subprocess.run(["bash", str(Path(__file__).parent / "llamacpp.sh"), build], text=True, stdout=subprocess.PIPE)
     if r.returncode != 0:
@@ -200,7 +198,7 @@ def measure_llama_bench(build: str, paths, threads: int, reps=3) -> dict:
     # the worker's waited-for children are the llama-bench runs: their peak RSS
     out["rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     out["amx"] = "AMX" in log
-    if cpu_has("amx_int8") and build == "x86" and not out["amx"]:
+    if cpu.has("amx_int8") and build == "x86" and not out["amx"]:
         raise SystemExit("the clang build did not use AMX on this AMX CPU (no AMX buffer in llama-bench's log)")
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qwc.errors import QwcError
-from qwc.manifest import machine_arch as host_arch   # the one map of machine names
+from qwc import cpu
 
 
 @dataclass(frozen=True)
@@ -32,36 +32,57 @@ class Target:
         return tvm.target.Target(spec)
 
     def runs_here(self) -> bool:
-        return self.arch == host_arch()
+        return self.arch == cpu.machine_arch()
 
 
-def _x86_host() -> Target:
-    import tvm
+# The host features a target records: what the kernels and LLVM's -mattr use.
+_X86_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")
+_ARM_MATTR = {"neon": "+neon", "sve2": "+sve2", "dotprod": "+dotprod", "i8mm": "+i8mm", "bf16": "+bf16"}
 
-    cpu = tvm.get_global_func("target.llvm_get_system_cpu")()  # "native" is rejected by TVM 0.27
-    feats = set()
+
+def _system_cpu(default: str) -> str:
+    """LLVM's name for this CPU ("native" is rejected by TVM 0.27); `default` where only TVM's
+    runtime is loaded (`qwc targets` on a runtime-only install)."""
     try:
-        flags = open("/proc/cpuinfo").read()
-        for f in ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"):
-            if f" {f}" in flags:
-                feats.add(f)
-    except OSError:
-        pass
-    return Target("host", "x86_64", "x86_64-linux-gnu", cpu, features=frozenset(feats),
-                  description=f"this machine ({cpu})")
+        import tvm
+
+        return tvm.get_global_func("target.llvm_get_system_cpu")()
+    except Exception:  # runtime-only TVM has no such function
+        return default
 
 
-def _arm_host() -> Target:
-    import tvm
-
-    cpu = tvm.get_global_func("target.llvm_get_system_cpu")()
-    return Target("host", "aarch64", "aarch64-linux-gnu", cpu, features=frozenset({"neon"}),
-                  description=f"this machine ({cpu})")
+def host_target() -> Target:
+    """This machine as a target: its architecture and the ISA features qwc/cpu.py reads, so
+    `--target host` selects the kernels of the named target with the same features (a
+    Neoverse-N2 those of arm-yitian, a dotprod-only core those of arm-neon)."""
+    have = cpu.features() or frozenset()
+    if cpu.machine_arch() == "x86_64":
+        cpu_name = _system_cpu("x86-64")
+        return Target("host", "x86_64", "x86_64-linux-gnu", cpu_name,
+                      features=frozenset(f for f in _X86_FEATURES if f in have),
+                      description=f"this machine ({cpu_name})")
+    if cpu.machine_arch() == "aarch64":
+        feats = {f for f in _ARM_MATTR if f in have}
+        # SVE2 code is written for 128-bit vectors (the kernels' and LLVM's fixed-length
+        # assumption); another length gets the NEON code, as arm-neon.
+        if not {"sve2", "sve128"} <= have:
+            feats.discard("sve2")
+        else:
+            feats.add("sve128")
+        cpu_name = _system_cpu("generic")
+        return Target("host", "aarch64", "aarch64-linux-gnu", cpu_name,
+                      mattr=tuple(m for f, m in _ARM_MATTR.items() if f in feats),
+                      features=frozenset(feats), description=f"this machine ({cpu_name})")
+    raise QwcError(f"--target host: qwc has no kernels for this machine's architecture ({cpu.machine_arch()})")
 
 
 _TABLE = {
     "x86-avx2": Target("x86-avx2", "x86_64", "x86_64-linux-gnu", "haswell",
                        features=frozenset({"avx2", "fma"}), description="x86-64 with AVX2 and FMA"),
+    # The VNNI kernels from any x86 machine (the host gets them only where its CPU has VNNI).
+    "x86-avx512": Target("x86-avx512", "x86_64", "x86_64-linux-gnu", "x86-64-v4", mattr=("+avx512vnni",),
+                         features=frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+                         description="x86-64 with AVX-512 and VNNI (Ice Lake and later Xeons, AMD Zen 4 and later)"),
     "arm-yitian": Target(
         "arm-yitian", "aarch64", "aarch64-linux-gnu", "neoverse-n2",
         mattr=("+neon", "+sve2", "+dotprod", "+i8mm", "+bf16"),
@@ -81,7 +102,7 @@ TARGET_NAMES = ("host", *_TABLE)
 
 def get_target(name: str) -> Target:
     if name == "host":
-        return _x86_host() if host_arch() == "x86_64" else _arm_host()
+        return host_target()
     if name not in _TABLE:
         raise QwcError(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
     return _TABLE[name]
@@ -148,3 +169,16 @@ def default_act_bits(features) -> int:
     +0.4% perplexity on real weights, docs/design.md), else 32: the float kernel is faster
     than the generic integer one."""
     return 8 if kernels_for(features).w4a8 else 32
+
+
+def kernel_summary(target: Target) -> dict[str, str]:
+    """What the kernel table picks for a target, by name (`qwc targets`, the tests)."""
+    k = kernels_for(target.features)
+    w = k.w4a8
+    return {"decode": f"w4a8-{w.decode}" if w else "w4a32", "prefill": f"w4a8-{w.prefill}" if w else "w4a32",
+            "attention": k.decode_attention}
+
+
+def describe_targets() -> list[tuple[Target, dict[str, str]]]:
+    """Every target with its kernels, the host first."""
+    return [(t, kernel_summary(t)) for t in (host_target(), *_TABLE.values())]

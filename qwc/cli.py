@@ -273,6 +273,17 @@ def _cmd_tune(args: argparse.Namespace) -> None:
     progress.info(f"[qwc] tuned {len(results)} kernels into {args.db} in {time.perf_counter() - t0:.0f}s")
 
 
+def _cmd_targets(args: argparse.Namespace) -> None:
+    from qwc.compiler.targets import describe_targets
+
+    rows = [(t.name, t.arch, ",".join(sorted(t.features)) or "-", k["decode"], k["prefill"], k["attention"],
+             t.description) for t, k in describe_targets()]
+    head = ("target", "arch", "features", "decode", "prefill", "attention", "")
+    widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
+    for r in (head, *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
 def _cmd_run(args: argparse.Namespace) -> None:
     import os
 
@@ -423,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export a model to ONNX with a KV cache",
                        description="Export a Qwen2 model (a preset, a Hugging Face directory or a "
                                    ".gguf file) to ONNX with KV-cache inputs and outputs.")
-    e.add_argument("source", help="preset name (tiny, qwen2.5-0.5b), HF model directory, or .gguf file")
+    e.add_argument("source", help="preset name (tiny, qwen2.5-0.5b, qwen2.5-7b-4layers), HF model directory, or .gguf file")
     e.add_argument("-o", "--output", required=True, help="output .onnx path")
     e.add_argument("--legacy-exporter", action="store_true",
                    help="use torch's TorchScript exporter (dynamo=False), as older toolchains did")
@@ -459,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "plain export) through TVM and write the artifact.")
     c.add_argument("model", help=".onnx graph (exported or canonical) with its .config.json beside it")
     c.add_argument("--target", default="host",
-                   help="host, x86-avx2, arm-yitian or arm-neon (default: host)")
+                   help="host, x86-avx2, x86-avx512, arm-yitian or arm-neon (default: host; `qwc targets` lists them)")
     c.add_argument("-o", "--output", required=True, help="output artifact folder (model.qwc)")
     c.add_argument("--act-bits", type=int, choices=(8, 32),
                    help="8: W4A8 integer dot products with activations quantized per 32-block, as "
@@ -489,6 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tune the kernels of an artifact with these activation bits (default: the "
                         "target's, as for compile)")
     t.set_defaults(func=_cmd_tune)
+
+    tg = sub.add_parser("targets", help="the compilation targets and the kernels each selects, this machine first",
+                        description="One line per target (`host` first: this machine's CPU features as "
+                                    "`qwc compile --target host` reads them): architecture, ISA features and "
+                                    "the decode, prefill and decode-attention kernels the kernel table picks.")
+    tg.set_defaults(func=_cmd_targets)
 
     r = sub.add_parser("run", help="generate text with a compiled artifact")
     r.add_argument("model", help="model.qwc artifact folder")

@@ -9,7 +9,6 @@ not as a shape error inside the library or as reads outside params.bin.
 from __future__ import annotations
 
 import json
-import platform
 import re
 from pathlib import Path
 
@@ -25,12 +24,6 @@ DTYPES = {"float32", "float16", "int8", "uint8", "int32", "int64"}
 REQUIRED_FILES = ("lib.so", "params.bin")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def machine_arch() -> str:
-    """This machine's architecture as a manifest's target.arch names it."""
-    m = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
 def read_manifest(path: Path) -> dict:

@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+from qwc import cpu
 from qwc.checksum import sha256
 from qwc.errors import QwcError
 from qwc.limits import is_int, max_threads
 
 from . import memory
-from qwc.manifest import check_library, machine_arch, read_manifest
+from qwc.manifest import check_library, read_manifest
 from .sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 256
+OVERSUBSCRIBED_THREADS = 1024   # Engine(oversubscribe=True): emulated many-core runs
 
 
 class Sequence:
@@ -80,50 +83,46 @@ def _import_tvm():
     return tvm
 
 
-def _cpu_features() -> set[str] | None:
-    """The artifact feature names this CPU has, or None if they cannot be read."""
-    if machine_arch() == "aarch64":
-        # The kernel's hwcaps (also what qemu-user reports for the CPU it emulates).
-        import ctypes
-
-        try:
-            getauxval = ctypes.CDLL(None).getauxval
-            getauxval.restype = ctypes.c_ulong
-            hw, hw2 = getauxval(16), getauxval(26)  # AT_HWCAP, AT_HWCAP2
-        except (OSError, AttributeError):
-            return None
-        bits = {"neon": (hw, 1), "dotprod": (hw, 20), "sve": (hw, 22), "sve2": (hw2, 1),
-                "i8mm": (hw2, 13), "bf16": (hw2, 14)}
-        return {name for name, (word, bit) in bits.items() if word >> bit & 1}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-    return flags
-
-
 def check_runs_here(manifest: dict) -> None:
     t = manifest["target"]
-    here = machine_arch()
+    here = cpu.machine_arch()
     if t["arch"] != here:
         raise QwcError(f"artifact was compiled for {t['name']} ({t['arch']}); this machine is {here}")
-    have = _cpu_features()
-    # "sve128" is a vector-length promise the kernels rely on; hwcaps cannot show it.
-    missing = sorted(f for f in t.get("features", []) if f != "sve128" and have is not None and f not in have)
+    have = cpu.features()
+    missing = sorted(f for f in t.get("features", []) if have is not None and f not in have)
     if missing:
         raise QwcError(f"artifact for {t['name']} needs CPU features this machine lacks: {', '.join(missing)}")
 
 
+def _fast_small_allocations() -> None:
+    """Let glibc serve allocations of up to 160 bytes from its fast bins (M_MXFAST; the
+    default stops at 128). A step's small allocations (TVM's VM and FFI objects) are freed
+    together at its end, more of a size than the 7 glibc's per-thread cache keeps: the rest
+    took malloc's slow path, 1.1-1.9M of a 0.5B decode step's 3.4M serial instructions under
+    qemu, varying with the heap's history (bench/arm_threads.py; 0.84M serial after)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(1, 160)   # M_MXFAST; not glibc (musl): no such symbol
+    except (OSError, AttributeError):
+        pass
+
+
 class Engine:
-    def __init__(self, path, ctx: int = 512, threads: int | None = None, verify_hashes: bool = True):
+    def __init__(self, path, ctx: int = 512, threads: int | None = None, verify_hashes: bool = True,
+                 oversubscribe: bool = False):
+        """`oversubscribe` lifts the bound on threads (4 per usable CPU) to OVERSUBSCRIBED_THREADS,
+        for emulation, where the guest's threads are many more than the host's cores and are
+        counted, not timed (bench/arm_threads.py); waiting threads then sleep instead of spin."""
         self.path = Path(path)
-        if threads is not None and (not is_int(threads) or not 1 <= threads <= max_threads()):
-            raise QwcError(f"threads {threads!r}: must be an integer from 1 to {max_threads()} "
-                           "(4 per usable CPU, at least 8)")
+        cap = OVERSUBSCRIBED_THREADS if oversubscribe else max_threads()
+        what = "threads"
+        if threads is None and os.environ.get("TVM_NUM_THREADS"):
+            what, threads = "TVM_NUM_THREADS", os.environ["TVM_NUM_THREADS"]
+            threads = int(threads) if threads.strip().isdigit() else threads
+        if threads is not None and (not is_int(threads) or not 1 <= threads <= cap):
+            raise QwcError(f"{what} {threads!r}: must be an integer from 1 to {cap}"
+                           + ("" if oversubscribe else " (4 per usable CPU, at least 8)"))
         if not is_int(ctx) or ctx < 1:
             raise QwcError(f"ctx {ctx!r}: must be a positive integer")
         self.manifest = read_manifest(self.path)
@@ -135,15 +134,20 @@ class Engine:
                     raise QwcError(f"{self.path}: {name} is missing")
                 if sha256(f) != digest:
                     raise QwcError(f"{self.path}: {name} does not match its hash in the manifest (corrupt artifact)")
-        # TVM sizes its thread pool from TVM_NUM_THREADS when the pool first starts, else from
-        # half the logical CPUs (one worker on a 2-vCPU VM). Default to every usable core.
+        # TVM creates a thread's pool with TVM_NUM_THREADS workers (else half the logical CPUs:
+        # one on a 2-vCPU VM) but uses no more of them than the cores it detects; _size_pool
+        # then sets the number used. Default: every usable core.
         self.threads = int(threads or len(os.sched_getaffinity(0)))
-        if threads or "TVM_NUM_THREADS" not in os.environ:
-            os.environ["TVM_NUM_THREADS"] = str(self.threads)
+        os.environ["TVM_NUM_THREADS"] = str(self.threads)
+        if oversubscribe:   # read once, when the first pool starts
+            os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+        self._pool_sized: set[int] = set()   # the threads whose TVM pool _size_pool has set
+        _fast_small_allocations()
         tvm = _import_tvm()
         from tvm.runtime.vm import VirtualMachine  # runtime-only: works with TVM_USE_RUNTIME_LIB=1
 
         self._tvm = tvm
+        self._config_pool = tvm.get_global_func("runtime.config_threadpool")
         self.model = self.manifest["model"]
         max_ctx = int(self.model["max_position_embeddings"])
         if ctx > max_ctx:
@@ -266,8 +270,25 @@ class Engine:
         """Empty the cache (its memory is reused; stale slots are never read)."""
         (seq or self.seq).pos = 0
 
+    def _size_pool(self) -> None:
+        """Size the calling thread's TVM pool (TVM keeps one per thread) to the engine's threads.
+        Left to itself the pool uses at most the cores it detects: under qemu on a 2-core host,
+        2 guest threads whatever was asked; on a board, its default affinity. Mode 1 (TVM's
+        "big cores") pins worker i to a core as TVM orders them; TVM_BIND_THREADS=0 turns
+        pinning off."""
+        me = threading.get_ident()
+        if me not in self._pool_sized:
+            self._config_pool(1, self.threads)
+            self._pool_sized.add(me)
+
+    def threads_in_use(self) -> int:
+        """The workers the calling thread's TVM pool runs a parallel kernel on."""
+        self._size_pool()
+        return int(self._tvm.get_global_func("runtime.NumThreads")())
+
     def _run(self, fn, tokens: np.ndarray, seq: Sequence) -> np.ndarray:
         tvm = self._tvm
+        self._size_pool()
         s, pos = tokens.shape[1], seq.pos
         if pos + s > seq.capacity:
             raise QwcError(f"{pos + s} tokens do not fit the context of {seq.capacity} (use a larger --ctx)")
@@ -322,6 +343,7 @@ class Engine:
             if s.pos + 1 > s.capacity:
                 raise QwcError(f"{s.pos + 1} tokens do not fit the context of {s.capacity} (use a larger --ctx)")
         tvm = self._tvm
+        self._size_pool()
         ids, positions = pool.ids[:rows], pool.positions[:rows]
         ids[:] = 0
         lens = np.array([pool.seqs[r].pos for r in range(rows)], np.int64)

@@ -36,7 +36,10 @@ def _run_arm(env, artifact, tmp_path, threads: int | None = None) -> np.ndarray:
         env = dict(env, TVM_NUM_THREADS=str(threads))
     r = subprocess.run(emulation.engine_command(env, artifact, out, json.dumps(STEPS)), env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split()[0] == "aarch64"
+    machine, _, used = r.stdout.split()
+    assert machine == "aarch64"
+    if threads is not None:   # TVM's pool really ran the kernels on that many guest threads
+        assert int(used) == threads
     return np.load(out)
 
 
@@ -90,9 +93,43 @@ def _disassemble(artifact) -> str:
 
 @pytest.mark.parametrize("target", ["arm-yitian", "arm-neon"])
 def test_arm_logits_do_not_depend_on_threads(arm64_env, builds, tmp_path, target):
-    """Every kernel's task owns its output rows: 1, 3 and 8 threads give the same bits."""
-    runs = [_run_arm(arm64_env, builds[target, 8], tmp_path, threads) for threads in (1, 3, 8)]
+    """Every kernel's task owns its output rows: 1, 3, 8 and 64 threads (guest threads, many
+    more than the host's cores: the engine sizes TVM's pool itself) give the same bits."""
+    runs = [_run_arm(arm64_env, builds[target, 8], tmp_path, threads) for threads in (1, 3, 8, 64)]
     assert all(np.array_equal(r, runs[0]) for r in runs[1:])
+
+
+def _targets_under(env, qemu_cpu: str) -> dict[str, list[str]]:
+    """`qwc targets` as an aarch64 machine with this CPU runs it: {target: its columns}."""
+    r = subprocess.run(emulation.cli_command(env, "targets"), env=dict(env, QEMU_CPU=qemu_cpu),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:6] == ["target", "arch", "features", "decode", "prefill", "attention"]
+    assert lines[1].startswith("host ")
+    return {line.split()[0]: line.split()[1:6] for line in lines[1:]}
+
+
+@pytest.mark.parametrize("qemu_cpu, named", [("max,sve128=on", "arm-yitian"),   # N2: SVE2-128, i8mm
+                                             ("neoverse-n1", "arm-neon"),       # dotprod, no i8mm
+                                             ("cortex-a72", None)])             # neither
+def test_host_target_on_an_arm_cpu_picks_the_kernels_of_its_named_target(arm64_env, qemu_cpu, named):
+    rows = _targets_under(arm64_env, qemu_cpu)
+    host = rows["host"]
+    assert host[0] == "aarch64"
+    if named:
+        assert host == rows[named]    # the same features, so the same decode, prefill, attention
+    else:
+        assert host[1] == "neon" and host[2:4] == ["w4a32", "w4a32"]
+
+
+@pytest.mark.parametrize("qemu_cpu, lacking", [("neoverse-n1", "bf16, i8mm, sve128, sve2"),
+                                               ("max", "sve128")])   # SVE at 512 bits, not N2's 128
+def test_yitian_artifact_refused_on_a_cpu_without_its_features(arm64_env, builds, qemu_cpu, lacking):
+    cmd = emulation.cli_command(arm64_env, "-q", "run", builds["arm-yitian", 8], "--prompt", "a")
+    r = subprocess.run(cmd, env=dict(arm64_env, QEMU_CPU=qemu_cpu), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"qwc: error: artifact for arm-yitian needs CPU features this machine lacks: {lacking}"
 
 
 @pytest.mark.parametrize("threads", [2, 8])
@@ -129,3 +166,50 @@ def test_arm_artifact_refused_on_this_machine(builds, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert "compiled for arm-yitian (aarch64); this machine is x86_64" in err[0]
+
+
+def test_board_bench_tables_qwc_bench_beside_llama_bench(arm64_env, builds, tmp_path):
+    """scripts/arm64/board_bench.py as a board runs it, under qemu: the real `qwc bench` of an
+    arm-yitian artifact at 1 and 2 threads. llama.cpp's side is the JSON of a real aarch64
+    llama-bench run (tests/data; no llama.cpp is built in CI, ~20 minutes)."""
+    import shlex
+
+    recorded = REPO / "tests" / "data" / "llama-bench-arm64.json"
+    fake_llama = shlex.join([sys.executable, "-c", f"print(open({str(recorded)!r}).read())"])
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "arm64" / "board_bench.py"), str(builds["arm-yitian", 8]),
+           "model.gguf", "--threads", "1,2", "-p", "8", "-n", "4", "-r", "1",
+           "--qwc", shlex.join(emulation.cli_command(arm64_env)), "--llama-bench", fake_llama, "--json", str(out)]
+    r = subprocess.run(cmd, env=arm64_env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("| threads | qwc pp8 | llama.cpp pp8 |") and len(lines) == 4
+    rows = json.loads(out.read_text())
+    assert [row["threads"] for row in rows] == [1, 2]
+    for row, line in zip(rows, lines[2:]):
+        assert row["qwc"]["pp"] > 0 and row["qwc"]["tg"] > 0
+        assert row["llama.cpp"] == {"pp": 1.032415, "tg": 0.521639}
+        assert line.split("|")[4].strip() == f"{row['qwc']['pp'] / 1.032415:.2f}x"
+
+
+def test_board_bench_refuses_a_failing_command(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "arm64" / "board_bench.py"), "m.qwc", "m.gguf",
+                        "--threads", "1", "--qwc", "false", "--llama-bench", "false"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith("board_bench: qwc bench --threads 1 failed (1)")
+
+
+@pytest.mark.parametrize("qemu_cpu, gemm, instruction", [("max,sve128=on", "smmla", "smmla"),
+                                                         ("neoverse-n1", "sdot", "sdot")])
+def test_host_target_compiles_its_integer_gemm_on_an_arm_python(arm64_env, qemu_cpu, gemm, instruction):
+    """`--target host` on an aarch64 machine, with the aarch64 TVM wheel's own compiler under
+    qemu: the prefill GEMM the table picks for the emulated CPU, built for the host target's
+    LLVM target, holds that CPU's matrix instruction. (A whole `qwc compile` there would take
+    the tiny model tens of minutes under emulation.)"""
+    env = {k: v for k, v in arm64_env.items() if k != "TVM_USE_RUNTIME_LIB"}   # the compiler too
+    r = subprocess.run(emulation.python_command(env, REPO / "tests" / "data" / "host_gemm_under_qemu.py", REPO),
+                       env=dict(env, QEMU_CPU=qemu_cpu), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    features, picked, found = r.stdout.split()
+    assert picked == gemm and instruction in found.split(",")

@@ -157,7 +157,7 @@ def test_artifact_for_another_architecture(tiny_host_artifact, tmp_path, capsys)
 
 def test_unknown_target(tiny_q4, tmp_path, capsys):
     code = main(["-q", "compile", str(tiny_q4), "--target", "riscv", "-o", str(tmp_path / "x.qwc")])
-    _one_line(capsys, code, "unknown target 'riscv' (known: host, x86-avx2, arm-yitian, arm-neon)")
+    _one_line(capsys, code, "unknown target 'riscv' (known: host, x86-avx2, x86-avx512, arm-yitian, arm-neon)")
     assert not (tmp_path / "x.qwc").exists()
 
 
@@ -218,14 +218,13 @@ def test_engine_loads_tvm_without_torch_and_torch_still_imports_after(tiny_host_
 
 
 def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
-    """host (AVX-512 VNNI here) and x86-avx2 (no VNNI: the generic TE kernel) implement the
-    same integer arithmetic; the VNNI library really uses vpdpbusd."""
-    import subprocess
+    """host (AVX-512 VNNI) and x86-avx2 (no VNNI: the generic TE kernel) implement the same
+    integer arithmetic."""
+    from qwc import cpu
 
-    from qwc.compiler.targets import get_target
-
-    if "avx512_vnni" not in get_target("host").features:
-        pytest.fail("this test expects an AVX-512 VNNI host (the project's CI machine has one)")
+    if not cpu.has("avx512_vnni"):
+        pytest.skip("runs AVX-512 VNNI code; this CPU has no AVX-512 VNNI (the library's code: "
+                    "test_vnni_library_from_any_x86_host)")
     vnni, generic = tmp_path / "vnni.qwc", tmp_path / "generic.qwc"
     compile_file(tiny_q4, "host", vnni, act_bits=8)
     compile_file(tiny_q4, "x86-avx2", generic, act_bits=8)
@@ -238,6 +237,18 @@ def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
         b.append(eg.decode(tok))
     for x, y in zip(a, b):
         assert np.abs(x - y).max() <= 1e-5 * np.abs(y).max()
+
+
+def test_vnni_library_from_any_x86_host(tiny_q4, tmp_path, capsys):
+    """--target x86-avx512 builds the VNNI library wherever qwc runs; it really uses vpdpbusd,
+    and a machine without VNNI refuses to load it in one line."""
+    import subprocess
+
+    from qwc import cpu
+    from qwc.cli import main
+
+    vnni = tmp_path / "vnni.qwc"
+    compile_file(tiny_q4, "x86-avx512", vnni, act_bits=8)
     asm = subprocess.run(["objdump", "-d", str(vnni / "lib.so")], capture_output=True, text=True).stdout
     assert "vpdpbusd" in asm
     # ...and SiLU·mul cost no kernel of its own: prefill's down-projection quantizer computed
@@ -257,6 +268,12 @@ def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
     # ...and the residual reaches the o and down GEMVs through one reshape (a view), not two
     # (a copy kernel once fused: relax_match.BindingRewriter.unreshaped)
     assert not re.search(r"fused_reshape\d*_reshape", syms)
+    if not cpu.has("avx512_vnni"):
+        code = main(["-q", "run", str(vnni), "--prompt", "a"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1
+        assert err[0].startswith("qwc: error: artifact for x86-avx512 needs CPU features this machine lacks: ")
+        assert "avx512_vnni" in err[0]
 
 
 def test_bench_prints_pp_and_tg_rows(tiny_host_artifact, capsys):

@@ -13,6 +13,7 @@ from qwc.compiler.targets import GEMM_LAYOUT, GEMM_TILES, default_act_bits, get_
     ("arm-yitian", "arm", "sdot", "smmla", ("arm", "arm_pairs"), "online"),
     ("arm-neon", "arm", "sdot", "sdot", ("arm", "arm"), "online"),
     ("x86-avx2", None, None, None, None, "three_pass"),
+    ("x86-avx512", "x86", "vnni", "vnni", ("plain", "plain"), "three_pass"),
 ])
 def test_each_target_selects_its_kernels(name, isa, decode, prefill, layouts, attention):
     k = kernels_for(get_target(name).features)
@@ -52,3 +53,37 @@ def test_tuning_tasks_take_the_tables_gemm(tiny_q4):
     for name, impl in (("arm-yitian", "smmla"), ("arm-neon", "sdot")):
         tasks = extract_tasks(model, 8, get_target(name).features)
         assert tasks and {t.impl for t in tasks} == {impl}
+
+
+@pytest.mark.parametrize("arch, have, named", [
+    # hwcaps as qwc/cpu.py reads them: N2 (SVE2 at 128 bits), N1, a core with 256-bit SVE2
+    ("aarch64", {"neon", "dotprod", "sve", "sve2", "i8mm", "bf16", "sve128"}, "arm-yitian"),
+    ("aarch64", {"neon", "dotprod"}, "arm-neon"),
+    ("aarch64", {"neon", "dotprod", "sve", "sve2", "i8mm", "bf16"}, None),
+    ("x86_64", {"avx2", "fma", "sse4_2", "aes"}, "x86-avx2"),
+])
+def test_host_target_has_the_features_of_the_named_target_with_them(monkeypatch, arch, have, named):
+    from qwc import cpu
+
+    monkeypatch.setattr(cpu, "machine_arch", lambda: arch)
+    monkeypatch.setattr(cpu, "features", lambda: frozenset(have))
+    host = targets.host_target()
+    assert host.arch == arch
+    if named:
+        assert host.features == get_target(named).features
+        assert set(host.mattr) == set(get_target(named).mattr) - {"+v8.2a"}
+    else:   # SVE2 at another length: the NEON code and its i8mm GEMM, no SVE in the build
+        assert host.features == {"neon", "dotprod", "i8mm", "bf16"}
+        assert "+sve2" not in host.mattr and kernels_for(host.features).w4a8.prefill == "smmla"
+
+
+def test_cpu_features_of_this_machine_match_proc_cpuinfo():
+    from pathlib import Path
+
+    from qwc import cpu
+
+    if cpu.machine_arch() != "x86_64":
+        pytest.skip("the x86 reader; the aarch64 one is tested under qemu (tests/test_arm.py)")
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    assert cpu.features() == frozenset(flags.split(":", 1)[1].split())
+    assert cpu.has("sse2") and not cpu.has("no-such-flag")

@@ -1,5 +1,5 @@
 """Runs under the emulated arm64 python (qemu-aarch64): qwc's CLI as an ARM machine runs it,
-for the commands that need only the runtime (`run`, `bench`). The qwc packages are loaded from
+for the commands that need only the runtime (`run`, `bench`, `targets`). The qwc packages are loaded from
 the checkout, as in run_engine.py.
 
     run_cli.py REPO bench model.qwc --threads 4 ...
@@ -15,6 +15,7 @@ def main() -> int:
     repo = Path(sys.argv[1])
     _load_package("qwc", repo / "qwc")
     _load_package("qwc.runtime", repo / "runtime")
+    _load_package("qwc.compiler", repo / "compiler")   # its target table only (`qwc targets`)
     from qwc.cli import main as cli
 
     return cli(sys.argv[2:])

@@ -1,0 +1,86 @@
+"""What this machine's CPU is: its architecture and ISA features, read in one place for the
+host target (compiler/targets.py), the runtime's load check (runtime/engine.py) and the
+benches. Needs only the standard library, so it runs wherever the runtime does.
+
+Feature names are the targets' (compiler/targets.py): on x86 the kernel's /proc/cpuinfo flags
+(`avx512_vnni`, `amx_int8`, ...); on AArch64 the kernel's hwcaps through getauxval, as
+`neon`, `dotprod`, `sve`, `sve2`, `i8mm`, `bf16`, plus `sve128` where SVE's vector length is
+128 bits (the Neoverse-N2 / Yitian 710 length the arm-yitian kernels are written for).
+qemu-user reports the hwcaps and the SVE length of the CPU it emulates, which is how the
+aarch64 paths are tested here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import platform
+from pathlib import Path
+
+# getauxval keys and the AArch64 hwcap bits (linux/arch/arm64/include/uapi/asm/hwcap.h)
+_AT_HWCAP, _AT_HWCAP2 = 16, 26
+_ARM_BITS = {"neon": (_AT_HWCAP, 1), "dotprod": (_AT_HWCAP, 20), "sve": (_AT_HWCAP, 22),
+             "sve2": (_AT_HWCAP2, 1), "i8mm": (_AT_HWCAP2, 13), "bf16": (_AT_HWCAP2, 14)}
+_PR_SVE_GET_VL = 51            # prctl: this thread's SVE vector length in bytes (low 16 bits)
+
+
+def machine_arch() -> str:
+    """This machine's architecture as a manifest's target.arch names it."""
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def sve_vector_bytes() -> int | None:
+    """SVE's vector length in bytes, or None without SVE (or where it cannot be read)."""
+    try:
+        prctl = _libc().prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.restype = ctypes.c_int
+    vl = prctl(_PR_SVE_GET_VL, 0, 0, 0, 0)
+    return vl & 0xFFFF if vl > 0 else None
+
+
+def _arm_features() -> frozenset[str] | None:
+    try:
+        getauxval = _libc().getauxval
+    except (OSError, AttributeError):
+        return None
+    getauxval.restype = ctypes.c_ulong
+    getauxval.argtypes = [ctypes.c_ulong]
+    words = {key: getauxval(key) for key in (_AT_HWCAP, _AT_HWCAP2)}
+    have = {name for name, (key, bit) in _ARM_BITS.items() if words[key] >> bit & 1}
+    if "sve" in have and sve_vector_bytes() == 16:
+        have.add("sve128")
+    return frozenset(have)
+
+
+def _x86_features() -> frozenset[str] | None:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return None
+
+
+@functools.cache
+def features() -> frozenset[str] | None:
+    """The ISA features of this CPU, or None where they cannot be read (another architecture,
+    no /proc)."""
+    arch = machine_arch()
+    if arch == "aarch64":
+        return _arm_features()
+    if arch == "x86_64":
+        return _x86_features()
+    return None
+
+
+def has(feature: str) -> bool:
+    return feature in (features() or ())
