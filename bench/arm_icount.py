@@ -54,9 +54,11 @@ MATRIX_RE = re.compile(r"(q4_gemv|q4_gemm|ggml_gemv_|ggml_gemm_|vec_dot_q8_0|vec
 
 # --- running under the plugin -------------------------------------------------------------
 
-def plugin() -> str:
-    return subprocess.run(["bash", str(REPO / "bench" / "icount" / "build.sh")], check=True,
-                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
+def plugin(name: str = "icount") -> str:
+    """The path of bench/icount's plugin `name` (icount, phases), built once."""
+    out = subprocess.run(["bash", str(REPO / "bench" / "icount" / "build.sh")], check=True,
+                         capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return f"{out}/libqwc_{name}.so"
 
 
 def run_qwc(env, plug, artifact, steps, out: Path) -> int:

@@ -40,6 +40,22 @@ _PRESETS: dict[str, tuple[dict, float]] = {
         max_position_embeddings=32768,
         tie_word_embeddings=True,
     ), 0.02),
+    # Qwen2.5-7B's layer and vocabulary shapes with 4 of its 28 layers: its per-layer work
+    # and parallel behaviour at a size that exports, compiles and runs under emulation
+    # (bench/arm_threads.py scales per-layer figures to 28 layers).
+    "qwen2.5-7b-4layers": (dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=4,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ), 0.02),
 }
 
 PRESET_NAMES = tuple(_PRESETS)

@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# Build bench/icount/icount.c as a QEMU plugin against the plugin header of the installed
-# qemu-user's Debian source (the header is not packaged on its own).  build.sh [OUTDIR]
+# Build the QEMU plugins in bench/icount (icount.c: instructions per block; phases.c: per
+# thread and epoch) against the plugin header of the installed qemu-user's Debian source (the
+# header is not packaged on its own).  build.sh [OUTDIR]; prints OUTDIR.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/qwc/icount}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-if [[ ! -f $OUT/libqwc_icount.so || $HERE/icount.c -nt $OUT/libqwc_icount.so ]]; then
-  if [[ ! -f $OUT/qemu-plugin.h ]]; then
-    src=$OUT/src && rm -rf "$src" && mkdir -p "$src/lists/partial" "$src/sources" && chmod 777 "$src"
-    for f in /etc/apt/sources.list.d/*.sources; do
-      sed 's/^Types: deb$/Types: deb-src/' "$f" >"$src/sources/${f##*/}"
-    done
-    opts=(-o Dir::Etc::SourceList=/dev/null -o Dir::Etc::SourceParts="$src/sources"
-          -o Dir::State::Lists="$src/lists" -o Debug::NoLocking=1)
-    apt-get "${opts[@]}" update -qq
-    version=$(dpkg-query -W -f='${source:Version}' qemu-user)
-    (cd "$src" && apt-get "${opts[@]}" source --download-only -qq "qemu=$version" >/dev/null)
-    tar -C "$src" -xf "$src"/qemu_*.orig.tar.xz --wildcards '*/include/qemu/qemu-plugin.h'
-    cp "$src"/qemu-*/include/qemu/qemu-plugin.h "$OUT/"
-    rm -rf "$src"
-  fi
-  gcc -O2 -fPIC -shared -I"$OUT" "$HERE/icount.c" -o "$OUT/libqwc_icount.so" -lpthread
+if [[ ! -f $OUT/qemu-plugin.h ]]; then
+  src=$OUT/src && rm -rf "$src" && mkdir -p "$src/lists/partial" "$src/sources" && chmod 777 "$src"
+  for f in /etc/apt/sources.list.d/*.sources; do
+    sed 's/^Types: deb$/Types: deb-src/' "$f" >"$src/sources/${f##*/}"
+  done
+  opts=(-o Dir::Etc::SourceList=/dev/null -o Dir::Etc::SourceParts="$src/sources"
+        -o Dir::State::Lists="$src/lists" -o Debug::NoLocking=1)
+  apt-get "${opts[@]}" update -qq
+  version=$(dpkg-query -W -f='${source:Version}' qemu-user)
+  (cd "$src" && apt-get "${opts[@]}" source --download-only -qq "qemu=$version" >/dev/null)
+  tar -C "$src" -xf "$src"/qemu_*.orig.tar.xz --wildcards '*/include/qemu/qemu-plugin.h'
+  cp "$src"/qemu-*/include/qemu/qemu-plugin.h "$OUT/"
+  rm -rf "$src"
 fi
-echo "$OUT/libqwc_icount.so"
+for name in icount phases; do
+  if [[ ! -f $OUT/libqwc_$name.so || $HERE/$name.c -nt $OUT/libqwc_$name.so ]]; then
+    gcc -O2 -fPIC -shared -I"$OUT" "$HERE/$name.c" -o "$OUT/libqwc_$name.so" -lpthread
+  fi
+done
+echo "$OUT"

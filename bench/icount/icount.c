@@ -2,7 +2,7 @@
  * same work under emulation (deterministic where wall time is not). Each translated block
  * bumps its own execution counter when it runs; at exit the plugin prints the total as
  * "qwc-icount: N" and, given out=FILE, writes "start_address instructions" for every block
- * start that ran, which bench/arm_attribution.py attributes to functions. Single-threaded
+ * start that ran, which bench/arm_icount.py attributes to functions. Single-threaded
  * guests only (the inline add is not atomic). */
 #include <inttypes.h>
 #include <pthread.h>
