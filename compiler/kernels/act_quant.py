@@ -22,6 +22,7 @@ BLOCK = 32
 HALF = BLOCK // 2
 LANES = 16   # fp32 lanes of the squares (rms_eps)
 LAYOUTS = ("plain", "arm", "arm_pairs")   # see fused_quantizer
+PARALLEL_BLOCKS = 64   # fused_quantizer: one row's blocks run in parallel from this many on (ARM)
 # The attribute that marks fused_quantizer's kernels, with what built them ("kind": "plain",
 # "silu_mul" or "rms"; "layout"; "zero_point"), for the import-time fusion passes
 QUANTIZER = "qwc.act_quantizer"
@@ -102,7 +103,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     With `silu_mul` the kernel takes (gate, up) [M, K] and quantizes silu(gate) * up; with
     `rms_eps` it takes (x [M, K], gamma [K]) and quantizes RMSNorm(x) * gamma itself (a first
     pass over the row for its sum of squares; the normalized row is never stored).
-    `one_row` (decode) runs serially. The block sum is what a dot of raw nibbles q with a
+    `one_row` (decode) runs serially, or by blocks in parallel (split_blocks). The block sum is what a dot of raw nibbles q with a
     overcounts against (q - 8) (vpdpbusd); sdot, which takes q - 8 signed, ignores it.
     `layout`: "plain" (x86: the offsets as float32), "arm" (int32 offsets, which the sdot and
     smmla kernels start their accumulators from), "arm_pairs" (int32 offsets; everything
@@ -117,6 +118,11 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         raise ValueError(f"unknown activation layout {layout!r}")
     nb = (k + BLOCK - 1) // BLOCK
     full = k // BLOCK
+    # One row over the threads by blocks, on the ARM targets (64-128-core servers), where a
+    # serial kernel keeps every other thread waiting: worth a launch from PARALLEL_BLOCKS
+    # blocks on (the MLP's silu(gate) * up; a 7B's hidden size). The RMSNorm quantizer needs
+    # its row's sum of squares first and stays serial.
+    split_blocks = one_row and layout != "plain" and rms_eps is None and full >= PARALLEL_BLOCKS
     rows = T.int64()
     off_dtype = "float32" if layout == "plain" else "int32"
     copies = 2 if layout == "arm_pairs" else 1
@@ -206,6 +212,13 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             block_tail(a, g, u, aq, ad, off, i, b)
 
     @T.macro
+    def blocks_parallel(a, g, u, aq, ad, off, i):
+        for b in T.parallel(full):
+            block_vec(a, g, u, aq, ad, off, i, b)
+        for b in range(full, nb):
+            block_tail(a, g, u, aq, ad, off, i, b)
+
+    @T.macro
     def quantize_rows(a, g, u, var_aq, var_ad, var_off):
         """The kernels' body from their inputs and their three output handles."""
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
@@ -222,6 +235,8 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
                     inv = T.decl_buffer((LANES + k,), "float32", scope="global")   # 1 / rms, the squares
                     inv_rms(a, inv, i)
                     blocks(a, g, inv, aq, ad, off, i)
+                elif split_blocks:
+                    blocks_parallel(a, g, u, aq, ad, off, i)
                 else:
                     blocks(a, g, u, aq, ad, off, i)
 
