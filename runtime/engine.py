@@ -94,20 +94,6 @@ def check_runs_here(manifest: dict) -> None:
         raise QwcError(f"artifact for {t['name']} needs CPU features this machine lacks: {', '.join(missing)}")
 
 
-def _fast_small_allocations() -> None:
-    """Let glibc serve allocations of up to 160 bytes from its fast bins (M_MXFAST; the
-    default stops at 128). A step's small allocations (TVM's VM and FFI objects) are freed
-    together at its end, more of a size than the 7 glibc's per-thread cache keeps: the rest
-    took malloc's slow path, 1.1-1.9M of a 0.5B decode step's 3.4M serial instructions under
-    qemu, varying with the heap's history (bench/arm_threads.py; 0.84M serial after)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).mallopt(1, 160)   # M_MXFAST; not glibc (musl): no such symbol
-    except (OSError, AttributeError):
-        pass
-
-
 class Engine:
     def __init__(self, path, ctx: int = 512, threads: int | None = None, verify_hashes: bool = True,
                  oversubscribe: bool = False):
@@ -142,7 +128,6 @@ class Engine:
         if oversubscribe:   # read once, when the first pool starts
             os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
         self._pool_sized: set[int] = set()   # the threads whose TVM pool _size_pool has set
-        _fast_small_allocations()
         tvm = _import_tvm()
         from tvm.runtime.vm import VirtualMachine  # runtime-only: works with TVM_USE_RUNTIME_LIB=1
 
