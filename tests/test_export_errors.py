@@ -31,7 +31,7 @@ def _assert_clean_failure(code, err, out_dir, expect):
 def test_unknown_preset(tmp_path, capsys):
     out = tmp_path / "out"
     code, err = _run(["export", "tiniest", "-o", str(out / "m.onnx")], capsys)
-    _assert_clean_failure(code, err, out, "'tiniest' is neither a preset (tiny, qwen2.5-0.5b)")
+    _assert_clean_failure(code, err, out, "'tiniest' is neither a preset (tiny, qwen2.5-0.5b, qwen2.5-7b-4layers)")
 
 
 def test_missing_gguf(tmp_path, capsys):
@@ -145,4 +145,4 @@ def test_cli_process_exit_code_and_no_traceback(tmp_path):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
-        "qwc: error: 'nope' is neither a preset (tiny, qwen2.5-0.5b) nor an existing path"]
+        "qwc: error: 'nope' is neither a preset (tiny, qwen2.5-0.5b, qwen2.5-7b-4layers) nor an existing path"]
