@@ -225,6 +225,18 @@ def qwc_kernel_macs(name: str, shapes, head_macs: tuple[int, int, int], decode: 
 
 # --- main -----------------------------------------------------------------------------------
 
+def arm_manifest(art: Path, tool: str) -> dict:
+    """The manifest of an aarch64 artifact, or the tool's one-line exit."""
+    try:
+        manifest = json.loads((art / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        sys.exit(f"{tool}: {art} is not a qwc artifact ({getattr(e, 'strerror', None) or e})")
+    target = manifest.get("target", {})
+    if target.get("arch") != "aarch64":
+        sys.exit(f"{tool}: {art} is built for {target.get('name')!r}, not an aarch64 target")
+    return manifest
+
+
 def measure(label, run):
     """{metric: instructions per token} and the per-function splits, for one engine; the
     splits also keep, under "blocks", each metric's block counts (its hot loops)."""
@@ -250,13 +262,7 @@ def main():
     args = p.parse_args()
 
     art = Path(args.artifact)
-    try:
-        manifest = json.loads((art / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
-        sys.exit(f"arm_icount: {art} is not a qwc artifact ({getattr(e, 'strerror', None) or e})")
-    target = manifest.get("target", {})
-    if target.get("arch") != "aarch64":
-        sys.exit(f"arm_icount: {art} is built for {target.get('name')!r}, not an aarch64 target")
+    manifest = arm_manifest(art, "arm_icount")
     plug = plugin()
     env = emulation.arm64_env(single_thread=True)
     env["PYTHONHASHSEED"] = "0"   # hash randomisation moved the count by up to 5% a token between runs

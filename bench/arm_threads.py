@@ -62,7 +62,7 @@ sys.path.insert(0, str(REPO / "scripts" / "arm64"))
 sys.path.insert(0, str(REPO / "bench"))
 import emulation  # noqa: E402  (scripts/arm64/emulation.py)
 import n2_model  # noqa: E402
-from arm_icount import CACHE, MATRIX_RE, Attributor, _segments, _symbols, plugin  # noqa: E402
+from arm_icount import CACHE, MATRIX_RE, Attributor, _segments, _symbols, arm_manifest, plugin  # noqa: E402
 
 THREADS = (1, 8, 32, 64, 128)
 DECODE = (4, 2, 6)          # prompt, steps a, steps b
@@ -263,12 +263,7 @@ def main():
     args = p.parse_args()
 
     art = Path(args.artifact)
-    try:
-        manifest = json.loads((art / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
-        sys.exit(f"arm_threads: {art} is not a qwc artifact ({getattr(e, 'strerror', None) or e})")
-    if manifest.get("target", {}).get("arch") != "aarch64":
-        sys.exit(f"arm_threads: {art} is built for {manifest.get('target', {}).get('name')!r}, not an aarch64 target")
+    manifest = arm_manifest(art, "arm_threads")
     try:
         threads = [int(t) for t in args.threads.split(",")]
     except ValueError:
