@@ -18,7 +18,7 @@ checked against it.
 
 --attribution splits each engine's decode and prefill tokens over functions (the plugin's
 per-block counts mapped to ELF symbols), with instructions per multiply-add for the matrix
-kernels. --mca adds llvm-mca's Neoverse-N2 estimate (Debian's llvm-19) of cycles per
+kernels. --mca adds llvm-mca's Neoverse-N2 estimate (Debian's llvm-19, 5-wide dispatch: bench/n2_model.py) of cycles per
 iteration of each matrix kernel's hottest loop, and per multiply-add (the loop's sdot x 16 +
 smmla x 32): a throughput proxy the counts do not see (both engines' loops are bound by N2's
 two vector pipes, where instructions are not all one cycle).
@@ -46,7 +46,6 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwc" /
 PRESET = "qwen2.5-0.5b"
 DECODE = (4, 2, 6)                     # prompt, steps a, steps b
 PREFILL = {"prefill": (4, 12), "prefill_steady": (24, 48)}
-MCA = "/usr/lib/llvm-19/bin/llvm-mca"
 # llama.cpp's matrix kernels on this build (4x8 repack: dotprod GEMV, i8mm GEMM) and the
 # quantizer of its activations; the Q8_0 output runs through the generic vec-dot
 MATRIX_RE = re.compile(r"(q4_gemv|q4_gemm|ggml_gemv_|ggml_gemm_|vec_dot_q8_0|vec_dot_q4_0)")
@@ -186,17 +185,14 @@ class Attributor:
 
 
 def mca(loop: list[str]) -> tuple[float, int, int] | None:
-    """(cycles, instructions, multiply-adds) per iteration of a loop body on Neoverse-N2; the
-    multiply-adds from its dot instructions (sdot 16, smmla 32)."""
-    if not Path(MCA).is_file():
-        return None
-    body = [re.sub(r"\s+\S+$", " .Lloop", t) if re.match(r"(b\.\w+|b|cbn?z|tbn?z)\s", t) else t for t in loop]
-    src = ".Lloop:\n" + "\n".join(body) + "\n"
-    r = subprocess.run([MCA, "-mtriple=aarch64", "-mcpu=neoverse-n2", "-iterations=100"], input=src,
-                       capture_output=True, text=True)
-    m = re.search(r"Total Cycles:\s+(\d+)", r.stdout)
+    """(cycles, instructions, multiply-adds) per iteration of a loop body on Neoverse-N2
+    (bench/n2_model.py's llvm-mca call); the multiply-adds from its dot instructions (sdot 16,
+    smmla 32)."""
+    from n2_model import mca_cycles
+
+    cycles = mca_cycles(loop)
     macs = sum(16 if t.startswith("sdot") else 32 if t.startswith("smmla") else 0 for t in loop)
-    return (int(m.group(1)) / 100, len(loop), macs) if m else None
+    return (cycles, len(loop), macs) if cycles is not None else None
 
 
 # --- model shapes -----------------------------------------------------------------------------

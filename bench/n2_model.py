@@ -33,15 +33,21 @@ GHZ = 2.75
 BARRIER_US = (1.0, 2.0, 5.0)
 
 
-def mca_cpi(loop: list[str]) -> float | None:
-    """N2 cycles per instruction of a loop body (llvm-mca, 5-wide dispatch)."""
+def mca_cycles(loop: list[str]) -> float | None:
+    """N2 cycles per iteration of a loop body (llvm-mca, 5-wide dispatch); None without llvm-19."""
     if not loop or not Path(MCA).is_file():
         return None
     body = [re.sub(r"\s+\S+$", " .Lloop", t) if re.match(r"(b\.\w+|b|cbn?z|tbn?z)\s", t) else t for t in loop]
     r = subprocess.run([MCA, "-mtriple=aarch64", "-mcpu=neoverse-n2", "-dispatch=5", "-iterations=100"],
                        input=".Lloop:\n" + "\n".join(body) + "\n", capture_output=True, text=True)
     m = re.search(r"Total Cycles:\s+(\d+)", r.stdout)
-    return int(m.group(1)) / 100 / len(loop) if m else None
+    return int(m.group(1)) / 100 if m else None
+
+
+def mca_cpi(loop: list[str]) -> float | None:
+    """N2 cycles per instruction of a loop body."""
+    cycles = mca_cycles(loop)
+    return cycles / len(loop) if cycles is not None else None
 
 
 def seconds_per_token(critical: float, launches: float, cpi: float, barrier_us: float, bytes_per_token: float,
