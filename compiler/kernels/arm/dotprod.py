@@ -111,15 +111,17 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
 
     @T.macro
     def body(w, aq, off, ws, ad, y):
-        for g in T.parallel(ng):
-            if tm == 1:
+        if tm == 1:
+            for g in T.parallel(ng):
                 for t in range(rows_in):
                     group(w, aq, off, ws, ad, y, g, t)
-            else:
-                for q in range(SLICES):
-                    for it in range(rows_in // tm):
-                        tile(w, aq, off, ws, ad, y, g, q, it * tm, tm)
-                    for i in range(rows_in // tm * tm, rows_in):
-                        tile(w, aq, off, ws, ad, y, g, q, i, 1)
+        else:
+            # a task per slice, as the smmla GEMM's (arm/i8mm.py): few groups still fill T threads
+            # (g, q) written out at each use: let-bound, they cost LLVM two registers and spills
+            for gq in T.parallel(ng * SLICES):
+                for it in range(rows_in // tm):
+                    tile(w, aq, off, ws, ad, y, gq // SLICES, gq % SLICES, it * tm, tm)
+                for i in range(rows_in // tm * tm, rows_in):
+                    tile(w, aq, off, ws, ad, y, gq // SLICES, gq % SLICES, i, 1)
 
     return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32")

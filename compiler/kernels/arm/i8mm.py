@@ -39,6 +39,7 @@ from ..w4a8 import DEFAULT_TOKENS, gemm_kernel, token_count
 from .dotprod import halved_float
 
 LANES = 4          # rows per 128-bit slice of a chunk
+SLICES = ROWS // LANES
 MERGE_INTO = 5     # tile pairs after which a lone leftover pair merges into a 6-pair tile
 SMMLA = "llvm.aarch64.neon.smmla.v4i32.v16i8"
 
@@ -171,25 +172,28 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         merge = merge_last(rows_in)
         whole = rows_in // (2 * tile_pairs) - T.Cast("int64", merge)
         left = rows_in // 2 % tile_pairs - T.Cast("int64", merge)
-        for g in T.parallel(ng):
-            for q in range(ROWS // LANES):
-                for it in range(whole):
-                    tile(w, aqf, adf, offf, ws, y, g, q, it * 2 * tile_pairs, tile_pairs)
-                if tile_pairs == MERGE_INTO:
-                    if merge:   # a lone leftover pair rides with the last whole tile
-                        tile(w, aqf, adf, offf, ws, y, g, q, 2 * whole * tile_pairs, tile_pairs + 1)
-                # the pairs left over (fewer than a tile's): tiles of 4, 2 and 1 pairs
-                p4 = rows_in // 2 - left
-                if tile_pairs > 4:
-                    if left >= 4:
-                        tile(w, aqf, adf, offf, ws, y, g, q, 2 * p4, 4)
-                p2 = p4 + left // 4 * 4
-                if tile_pairs > 2:
-                    if left % 4 >= 2:
-                        tile(w, aqf, adf, offf, ws, y, g, q, 2 * p2, 2)
-                if left % 2 == 1:
-                    tile(w, aqf, adf, offf, ws, y, g, q, 2 * (p2 + left % 4 // 2 * 2), 1)
-                if rows_in % 2 == 1:
-                    last_tile(w, aqf, adf, offf, ws, y, g, q, rows_in - 1)
+        # One task per 4-row slice, not per 16-row group: a projection of few groups (k and v:
+        # 8 on the 0.5B) then still fills 32-128 threads; TVM hands each thread a contiguous
+        # run of slices, so below that a thread still takes whole groups. (g, q) are written
+        # out at each use: let-bound, they cost LLVM two registers and spills in the tile loop.
+        for gq in T.parallel(ng * SLICES):
+            for it in range(whole):
+                tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs)
+            if tile_pairs == MERGE_INTO:
+                if merge:   # a lone leftover pair rides with the last whole tile
+                    tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs, tile_pairs + 1)
+            # the pairs left over (fewer than a tile's): tiles of 4, 2 and 1 pairs
+            p4 = rows_in // 2 - left
+            if tile_pairs > 4:
+                if left >= 4:
+                    tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, 2 * p4, 4)
+            p2 = p4 + left // 4 * 4
+            if tile_pairs > 2:
+                if left % 4 >= 2:
+                    tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, 2 * p2, 2)
+            if left % 2 == 1:
+                tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, 2 * (p2 + left % 4 // 2 * 2), 1)
+            if rows_in % 2 == 1:
+                last_tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, rows_in - 1)
 
     return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32", pair_scales=True)
