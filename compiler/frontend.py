@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import onnx
-from tvm import relax
+from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend as F
 
 from qwc.errors import QwcError
@@ -183,7 +183,15 @@ class RotaryEmbedding(F.OnnxOpConverter):
         if attr.get("interleaved", 0):
             raise QwcError("RotaryEmbedding: interleaved rotary is not supported")
         heads = int(attr["num_heads"])
-        out = bb.emit_te(generic.rotary, x, pos, cos, sin, heads=heads, primfunc_name_hint=_kname("rotary"))
+        x, pos = (v if isinstance(v, relax.Var) else bb.emit(v) for v in (x, pos))
+        x_ty = x.ty
+        kernel = (generic.rotary_halves(int(x_ty.shape[2]), heads, str(pos.ty.dtype))
+                  if x_ty.ndim == 3 and isinstance(x_ty.shape[2], tirx.IntImm) and x_ty.dtype == "float32" else None)
+        if kernel is not None:   # the vector form; the TE one for head sizes it does not take
+            out = bb.emit(relax.call_tir(bb.add_func(kernel, _kname("rotary")), [x, pos, cos, sin],
+                                         relax.TensorType(shape=x_ty.shape, dtype="float32")))
+        else:
+            out = bb.emit_te(generic.rotary, x, pos, cos, sin, heads=heads, primfunc_name_hint=_kname("rotary"))
         _ctx().rotary_kernels[bb.lookup_binding(out).args[0].name_hint] = heads   # fuse_decode_attention.py
         return out
 

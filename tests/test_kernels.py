@@ -245,8 +245,8 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s):
 
 
 def _rotary(x, pos, cos, sin, heads):
-    """The rotary kernel a graph's RotaryEmbedding compiles to (generic.rotary, scheduled as
-    the build schedules it) on x [1, 1, heads*hd] at position pos."""
+    """The TE rotary (generic.rotary, scheduled as the build schedules it; what RotaryEmbedding
+    compiles to where the vector form does not apply) on x [b, s, heads*hd] at positions pos."""
     import tvm
     from tvm import te
 
@@ -257,6 +257,29 @@ def _rotary(x, pos, cos, sin, heads):
     out = tvm.runtime.tensor(np.zeros_like(x))
     _host_kernel(func)(*(tvm.runtime.tensor(a) for a in (x, pos, cos, sin)), out)
     return out.numpy()
+
+
+@pytest.mark.parametrize("b, s, heads, hd, pos_dtype", [
+    (1, 1, 14, 64, "int64"), (1, 37, 2, 64, "int64"), (3, 1, 4, 128, "int32"), (1, 300, 14, 64, "int64")])
+def test_vector_rotary_gives_the_te_rotarys_bits(b, s, heads, hd, pos_dtype):
+    """The rotary kernel RotaryEmbedding compiles to (generic.rotary_halves: vector halves, on
+    the calling thread for a decode step, over threads for a 300-token prompt) against the TE
+    rotary it replaces, bit for bit, and numpy's rotate-half within float rounding."""
+    import tvm
+
+    rng = np.random.default_rng(b * 7 + s)
+    x = rng.standard_normal((b, s, heads * hd), dtype=np.float32)
+    pos = rng.integers(0, 50, (b, s)).astype(pos_dtype)
+    cos, sin = (rng.standard_normal((64, hd // 2), dtype=np.float32) for _ in range(2))
+    out = tvm.runtime.tensor(np.zeros_like(x))
+    _host_kernel(generic.rotary_halves(heads * hd, heads, pos_dtype))(
+        *(tvm.runtime.tensor(a) for a in (x, pos, cos, sin)), out)
+    assert np.array_equal(out.numpy(), _rotary(x, pos, cos, sin, heads))
+    xh = x.reshape(b, s, heads, 2, hd // 2)
+    c, sn = cos[pos][:, :, None], sin[pos][:, :, None]
+    ref = np.concatenate([xh[..., 0, :] * c - xh[..., 1, :] * sn, xh[..., 1, :] * c + xh[..., 0, :] * sn], -1)
+    np.testing.assert_allclose(out.numpy(), ref.reshape(x.shape), rtol=0, atol=1e-5)
+    assert generic.rotary_halves(3 * 6, 3, "int64") is None   # halves of 3: the TE kernel's
 
 
 @pytest.mark.parametrize("heads, kvh, hd", [(14, 2, 64), (4, 2, 32)])

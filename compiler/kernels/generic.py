@@ -7,6 +7,8 @@ gather, rotary embedding, and attention over the KV-cache buffer.
 
 from __future__ import annotations
 
+import functools
+
 from tvm import te, tirx
 
 
@@ -161,3 +163,62 @@ def matmul_nbits_a8(a, w, s, *, k: int, n: int, block: int, bits: int):
         (*lead, n),
         lambda *i: te.sum(acc[(*i, b)].astype("float32") * s[i[-1], b] * dscale[(*i[:-1], b)], axis=b),
         name="matmul_nbits_a8")
+
+
+ROTARY_LANES = 4   # fp32 lanes of the narrowest vector (NEON); wider targets widen in LLVM
+
+
+@functools.cache   # the same kernel per layer; TVMScript parsing is slow
+def rotary_halves(width: int, heads: int, pos_dtype: str):
+    """`rotary` as TIR over the two halves of each head: one vector load of the low half, the
+    high half and cos / sin each, two vector FMAs, two stores. The TE form indexes every
+    element through `c % head_dim` and a select, which TVM scalarises (~12 instructions an
+    element on aarch64; this takes ~1.5). Same expressions as `rotary`, so the same bits:
+    lo * cos + (-hi) * sin and hi * cos + lo * sin. None where a half is not whole vectors.
+
+    x, y [b, s, width], pos [b, s], cos / sin [P, head_dim / 2]. Rows run on the calling
+    thread below schedule.MIN_PARALLEL elements (a decode step), in parallel above."""
+    from tvm.script import tirx as T
+
+    from ..schedule import MIN_PARALLEL
+
+    d = width // heads
+    half = d // 2
+    if width % heads or d % 2 or half % ROTARY_LANES:
+        return None
+    vecs = half // ROTARY_LANES
+    L = ROTARY_LANES
+
+    @T.macro
+    def row(x, pos, cos, sin, y, r, s):
+        bi = r // s
+        si = r % s
+        p = pos[bi, si]
+        for h in range(heads):
+            for c in range(vecs):
+                lo = T.bind(x[bi, si, T.ramp(h * d + c * L, 1, L)])
+                hi = T.bind(x[bi, si, T.ramp(h * d + half + c * L, 1, L)])
+                cs = T.bind(cos[p, T.ramp(c * L, 1, L)])
+                sn = T.bind(sin[p, T.ramp(c * L, 1, L)])
+                y[bi, si, T.ramp(h * d + c * L, 1, L)] = lo * cs + (-hi) * sn
+                y[bi, si, T.ramp(h * d + half + c * L, 1, L)] = hi * cs + lo * sn
+
+    @T.prim_func(private=True)
+    def kernel(var_x: T.handle, var_pos: T.handle, var_cos: T.handle, var_sin: T.handle, var_y: T.handle):
+        T.func_attr({"tir.noalias": True})
+        b = T.int64()
+        s_ = T.int64()
+        npos = T.int64()
+        x = T.match_buffer(var_x, (b, s_, width), "float32")
+        pos = T.match_buffer(var_pos, (b, s_), pos_dtype)
+        cos = T.match_buffer(var_cos, (npos, half), "float32")
+        sin = T.match_buffer(var_sin, (npos, half), "float32")
+        y = T.match_buffer(var_y, (b, s_, width), "float32")
+        if b * s_ * width >= MIN_PARALLEL:
+            for r in T.parallel(b * s_):
+                row(x, pos, cos, sin, y, r, s_)
+        else:
+            for r in range(b * s_):
+                row(x, pos, cos, sin, y, r, s_)
+
+    return kernel
