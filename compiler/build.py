@@ -16,6 +16,8 @@ cache is written in place), so the runtime never copies the cache.
 
 from __future__ import annotations
 
+import contextlib
+
 import onnx
 import tvm
 from tvm import relax
@@ -34,11 +36,12 @@ MAX_TOKENS_PER_CALL = 256
 
 def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
              score_model: onnx.ModelProto | None = None, tuned: dict | None = None,
-             max_batch: int = 1) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
+             max_batch: int = 1, prefill_nodes: list | None = None) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
     """The module, the param names in call order, and the param values. `model` gives prefill
     and decode (and, with `max_batch` >= 2, decode_batch for up to that many sequences);
     `score_model` (the same graph with every position's logits and the same initializers)
-    gives `score`."""
+    gives `score`; `prefill_nodes`, where given, replace model's nodes for prefill
+    (passes/last_position.py: prefill_nodes)."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
     n_inputs = N_INPUTS_BEFORE_CACHE + n_cache
     funcs = {}
@@ -51,8 +54,9 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
     bounds = {"prefill": {"seq": MAX_TOKENS_PER_CALL}, "score": {"seq": MAX_TOKENS_PER_CALL},
               "decode_batch": {"batch": max_batch}}
     for name, seq, graph, batched in entries:
-        mod = import_graph(graph, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned,
-                           batched=batched)
+        with _nodes_swapped(graph, prefill_nodes if name == "prefill" else None):
+            mod = import_graph(graph, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned,
+                               batched=batched)
         mod, detached = relax.frontend.detach_params(mod)
         for gv, fn in mod.functions_items():
             if gv.name_hint == "main":
@@ -70,6 +74,23 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
                 funcs[gv] = fn  # kernels keep their GlobalVar: the functions refer to it
     out = tvm.IRModule(funcs)
     return out, list(params), params
+
+
+@contextlib.contextmanager
+def _nodes_swapped(model: onnx.ModelProto, nodes):
+    """model with `nodes` as its graph's nodes for the duration (None: as it is)."""
+    if nodes is None:
+        yield
+        return
+    saved = onnx.GraphProto()
+    saved.node.extend(model.graph.node)   # copies
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    try:
+        yield
+    finally:
+        del model.graph.node[:]
+        model.graph.node.extend(saved.node)
 
 
 def build(mod: tvm.IRModule, target: Target):

@@ -16,7 +16,7 @@ from qwc.config import load_for_graph, tokenizer_for_graph
 from qwc.errors import QwcError
 from qwc.limits import MAX_BATCH
 
-from qwc.passes.last_position import last_position_logits
+from qwc.passes.last_position import last_position_logits, prefill_nodes
 from qwc.passes.pipeline import load_canonical
 
 from .artifact import foreign_files
@@ -76,13 +76,14 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
         quant["tuned_kernels"] = tuned
     full = onnx.ModelProto()
     full.CopyFrom(model)
+    prefill = prefill_nodes(model)
     model = last_position_logits(model)
     # `score` must take the same parameters as prefill: give it the slice's constants, unused.
     full.graph.initializer.extend(i for i in model.graph.initializer if i.name.startswith("qwc_"))
     t0 = time.perf_counter()
     with progress.stage("importing into TVM Relax"):
         mod, names, params = to_relax(model, act_bits=act_bits, features=target.features,
-                                      score_model=full, tuned=tuned, max_batch=max_batch)
+                                      score_model=full, prefill_nodes=prefill, tuned=tuned, max_batch=max_batch)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):

@@ -1,5 +1,9 @@
 """The lm_head for the last position only: the rewrite `qwc compile` applies to the prefill
-and decode graphs (the `score` entry point keeps every position)."""
+and decode graphs (the `score` entry point keeps every position). For prefill it goes
+further back, as llama.cpp does (its graph keeps only the output rows from the last layer's
+MLP on): the last layer's o projection, MLP and final norm work on the last position only,
+since each is position-wise; only the keys and values every position writes to the cache,
+and the attention, need them all. On a 28-layer model that is a 28th of a prompt's MLP."""
 
 from __future__ import annotations
 
@@ -9,23 +13,99 @@ from onnx import helper, numpy_helper
 
 from qwc.errors import QwcError
 
+SKIP_NORM = "SkipSimplifiedLayerNormalization"
+
+
+def _add_constants(g):
+    if any(i.name == "qwc_last_start" for i in g.initializer):
+        return
+    g.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), "qwc_last_start"),
+                          numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "qwc_last_end"),
+                          numpy_helper.from_array(np.array([1], np.int64), "qwc_seq_axis")])
+
+
+def _slice_before(g, node, i: int, name: str):
+    """node's input i becomes its last position (a Slice inserted just before node)."""
+    x = node.input[i]
+    sliced = f"{x}_last"
+    s = helper.make_node("Slice", [x, "qwc_last_start", "qwc_last_end", "qwc_seq_axis"], [sliced], name=name)
+    g.node.insert(list(g.node).index(node), s)
+    node.input[i] = sliced
+
 
 def last_position_logits(model: onnx.ModelProto) -> onnx.ModelProto:
     """Compute the lm_head for the last position only: generation needs nothing else, and a
     512-token prompt would otherwise produce 512 x vocab logits (311 MB for Qwen2.5)."""
     g = model.graph
-    prod = {o: n for n in g.node for o in n.output}
-    head = prod.get("logits")
+    head = next((n for n in g.node if "logits" in n.output), None)
     if head is None:
         raise QwcError("graph has no 'logits' output")
-    x = head.input[0]
-    sliced = x + "_last"
-    g.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), "qwc_last_start"),
-                          numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "qwc_last_end"),
-                          numpy_helper.from_array(np.array([1], np.int64), "qwc_seq_axis")])
-    node = helper.make_node("Slice", [x, "qwc_last_start", "qwc_last_end", "qwc_seq_axis"], [sliced],
-                            name="qwc_last_position")
-    idx = list(g.node).index(head)
-    g.node.insert(idx, node)
-    head.input[0] = sliced
+    _add_constants(g)
+    _slice_before(g, head, 0, "qwc_last_position")
     return model
+
+
+def prefill_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto] | None:
+    """The graph's nodes with the last layer's o projection, MLP, final norm and head on the
+    last position only (for the prefill entry point; the initializers last_position_logits
+    adds), or None where the graph does not have the shape qwc's passes give it. Nodes only:
+    a copy of the whole model would copy its weights."""
+    g = onnx.GraphProto()
+    g.node.extend(model.graph.node)
+    g.output.extend(model.graph.output)
+    prod = {o: n for n in g.node for o in n.output}
+    head = prod.get("logits")
+    start = _last_layer_start(g, prod, head, {i.name for i in model.graph.initializer}) if head else None
+    if start is None:
+        return None
+    o_proj, norm, residual = start
+    _slice_before(g, o_proj, 0, "qwc_last_position")
+    _slice_before(g, norm, residual, "qwc_last_position_residual")
+    return list(g.node)
+
+
+def _last_layer_start(g, prod, head, inits: set[str]):
+    """(o projection, post-attention norm, index of the norm's residual input) of the last
+    layer when everything from them to the head is position-wise and reads nothing else of
+    full length: o_proj -> SkipNorm(residual, o) -> MLP -> SkipNorm(its sum, down) -> head."""
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    outputs = {o.name for o in g.output}
+    final = prod.get(head.input[0])
+    if final is None or final.op_type != SKIP_NORM or final.output[0] != head.input[0]:
+        return None
+    norm = prod.get(final.input[0])
+    if norm is None or norm.op_type != SKIP_NORM or len(norm.output) < 4 or norm.output[3] != final.input[0]:
+        return None
+    branch = [i for i in (0, 1) if (p := prod.get(norm.input[i])) is not None and p.op_type == "MatMulNBits"
+              and len(readers.get(norm.input[i], [])) == 1]
+    if len(branch) != 1:
+        return None
+    o_proj = prod[norm.input[branch[0]]]
+    attn = o_proj.input[0]
+    if len(readers.get(attn, [])) != 1 or attn in outputs:
+        return None
+    # the nodes between the norm and the head: position-wise ops reading only each other,
+    # constants and the norm's outputs, none of them a graph output
+    between, frontier = {id(norm)}, [o for o in norm.output if o]
+    allowed = {"MatMulNBits", "Sigmoid", "Mul", "Add", SKIP_NORM}
+    made = set(frontier)
+    while frontier:
+        x = frontier.pop()
+        for n in readers.get(x, []):
+            if id(n) in between or n is head:
+                continue
+            if n.op_type not in allowed or any(o in outputs for o in n.output if o):
+                return None
+            between.add(id(n))
+            made.update(o for o in n.output if o)
+            frontier.extend(o for o in n.output if o)
+    if id(final) not in between:
+        return None
+    for n in g.node:
+        if id(n) in between and n is not norm:
+            if any(x and x not in made and x not in inits for x in n.input):
+                return None
+    return o_proj, norm, 1 - branch[0]

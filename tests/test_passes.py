@@ -147,3 +147,39 @@ def test_keep_float_leaves_matching_linears(tiny_onnx, tiny_lm):
     m = optimize(onnx.load(str(tiny_onnx)), PassOptions(config=tiny_lm.config, keep_float=["*.down_proj"]))
     ops = _ops(m)
     assert ops["MatMul"] == 2 and ops["MatMulNBits"] == 13
+
+
+def test_prefill_takes_the_last_layers_o_projection_and_mlp_at_the_last_position_only(tiny_q4, tiny_lm):
+    """prefill_nodes (the prefill entry point's graph): the last layer's o projection and its
+    residual are sliced to the last position, so its MLP, the final norm and the head run on
+    one row (as llama.cpp's graph), and onnxruntime gives the same last logits (1e-5
+    relative) and the same cache as the graph that slices only before the head. A graph
+    that also outputs the MLP's result keeps the plain form."""
+    from qwc.passes.last_position import last_position_logits, prefill_nodes
+
+    schemas.register()
+    base = last_position_logits(onnx.load(str(tiny_q4)))
+    nodes = prefill_nodes(onnx.load(str(tiny_q4)))
+    assert nodes is not None
+    readers = {x: n for n in nodes for x in n.input}
+    sliced = {n.output[0]: readers[n.output[0]] for n in nodes if n.op_type == "Slice"}
+    assert sorted(r.op_type for r in sliced.values()) == ["MatMulNBits", "SkipSimplifiedLayerNormalization"]
+    assert any("o_proj" in r.name for r in sliced.values())
+    pre = copy.deepcopy(base)
+    del pre.graph.node[:]
+    pre.graph.node.extend(nodes)
+    cfg = tiny_lm.config
+    steps = random_steps(cfg, batch=1, prompt=7, decode=2)
+    caps = [{}, {}]
+    a = run_steps(session(base), cfg, steps, capture=caps[0])
+    b = run_steps(session(pre), cfg, steps, capture=caps[1])
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(y, x, rtol=0, atol=1e-5 * np.abs(x).max())
+    for name in caps[0]:
+        if name.startswith("present"):
+            np.testing.assert_array_equal(caps[1][name], caps[0][name])
+
+    other = onnx.load(str(tiny_q4))
+    down = next(n for n in reversed(other.graph.node) if "down_proj" in n.name)
+    other.graph.output.append(onnx.helper.make_tensor_value_info(down.output[0], onnx.TensorProto.FLOAT, None))
+    assert prefill_nodes(other) is None
