@@ -625,6 +625,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:   # the `qwc` command itself (not a caller's main([...])): qwc/allocator.py
+        from .allocator import restart_with_tunable
+
+        restart_with_tunable(sys.argv[1:])
     args = build_parser().parse_args(argv)
     progress.set_quiet(args.quiet)
     interrupts.install()

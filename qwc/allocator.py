@@ -1,0 +1,44 @@
+"""glibc's per-thread cache of small freed blocks, sized for a decode step.
+
+A step's TVM objects (a tensor header per kernel output, call frames) are allocated and
+freed a few hundred at a time, many of one size. glibc's per-thread cache keeps 7 per size
+by default; the rest go through its bins, whose slow path (sorting, coalescing) then cost a
+0.5B decode step 0.7-2.5M instructions on the calling thread under qemu, varying with the
+heap's history: at 64-128 threads more than the step's matrix work per thread
+(bench/arm_threads.py, docs/design.md). The cache's size can only be set before the process
+starts (`GLIBC_TUNABLES`), so the commands that run an artifact start themselves once more
+with it. A program that embeds `runtime.Engine` sets it itself (`TUNABLE`)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+TUNABLE = "glibc.malloc.tcache_count=65535"   # glibc's maximum since 2.30
+RUNS_ARTIFACTS = frozenset({"run", "serve", "bench", "eval"})
+
+
+def with_tunable(env: dict) -> dict:
+    """env with TUNABLE added to GLIBC_TUNABLES (kept as the user set it if already there)."""
+    have = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.tcache_count=" in have:
+        return env
+    return dict(env, GLIBC_TUNABLES=f"{have}:{TUNABLE}" if have else TUNABLE)
+
+
+def restart_with_tunable(argv: list[str]) -> None:
+    """Replace this process by `python -m qwc argv` with TUNABLE set, where the command runs
+    an artifact on glibc and the variable does not say it yet; otherwise return."""
+    command = next((a for a in argv if not a.startswith("-")), None)   # after -q / --quiet
+    if command not in RUNS_ARTIFACTS or platform.system() != "Linux":
+        return
+    if platform.libc_ver()[0] != "glibc" or os.environ.get("QWC_NO_RESTART"):
+        return
+    env = with_tunable(dict(os.environ))
+    if env.get("GLIBC_TUNABLES") == os.environ.get("GLIBC_TUNABLES"):
+        return
+    env["QWC_NO_RESTART"] = "1"   # never twice, whatever glibc made of the variable
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "qwc", *argv], env)
