@@ -158,8 +158,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tracker(tmp_path_factory):
-    """A TVM RPC tracker and two servers on 127.0.0.1: this host (key `host`) and the emulated
-    arm64 Python of scripts/arm64 (key `arm64`, through scripts/arm64/rpc_server.py)."""
+    """A TVM RPC tracker and a server on 127.0.0.1: the emulated arm64 Python of scripts/arm64
+    (key `arm64`, through scripts/arm64/rpc_server.py)."""
     arm64 = Path(__file__).resolve().parent.parent / "scripts" / "arm64"
     sys.path.insert(0, str(arm64))
     import emulation  # noqa: E402
@@ -176,9 +176,6 @@ def tracker(tmp_path_factory):
     start([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
            "--port-end", str(port + 1)], "tracker")
     time.sleep(2)
-    p = _free_port()
-    start([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}", "--host", "127.0.0.1",
-           "--port", str(p), "--port-end", str(p + 10), "--key", "host"], "host")
     env = emulation.arm64_env(single_thread=True)
     env.pop("TVM_USE_RUNTIME_LIB")  # the RPC server needs the full Python package
     p = _free_port()
@@ -190,7 +187,7 @@ def tracker(tmp_path_factory):
             assert proc.poll() is None, log.read_text()[-2000:]
         q = subprocess.run([sys.executable, "-m", "tvm.exec.query_rpc_tracker", "--host", "127.0.0.1",
                             "--port", str(port)], capture_output=True, text=True)
-        if "host " in q.stdout and "arm64 " in q.stdout:
+        if "arm64 " in q.stdout:
             break
         assert time.monotonic() < deadline, q.stdout + q.stderr
         time.sleep(2)
@@ -200,10 +197,12 @@ def tracker(tmp_path_factory):
         proc.wait()
 
 
-@pytest.mark.parametrize("target, key, act, n_tasks", [("host", "host", 32, 10), ("arm-yitian", "arm64", 32, 10),
-                                                       ("arm-yitian", "arm64", 8, 5)])
+@pytest.mark.parametrize("target, key, act, n_tasks", [("arm-yitian", "arm64", 8, 5)])
 def test_rpc_tuning_against_local_servers(tiny_q4, tmp_path, tracker, target, key, act, n_tasks):
-    """W4A32 kernels (10 tasks) and, on arm-yitian, the W4A8 smmla prefill GEMMs (5 tasks)."""
+    """arm-yitian's default kernels, the W4A8 smmla prefill GEMMs (5 tasks), measured on the
+    emulated arm64 server. (The W4A32 tasks over RPC, host and arm64, took 12 of CI's 45
+    minutes; the W4A32 tuning itself runs in test_session_is_killed_then_resumes_and_compiles,
+    and the RPC path is the same for every kind of task.)"""
     db = tmp_path / "db"
     r = subprocess.run([*QWC, "tune", str(tiny_q4), "--target", target, "--act-bits", str(act), "--trials", "1",
                         "--db", str(db), "--rpc-tracker", tracker, "--rpc-key", key],
@@ -217,5 +216,4 @@ def test_rpc_tuning_against_local_servers(tiny_q4, tmp_path, tracker, target, ke
     # records measured remotely, with their traces: the knob decisions
     recs = [json.loads(x) for x in (db / "database_tuning_record.json").read_text().splitlines()]
     assert len(recs) == n_tasks
-    if target != "host":   # emulated: orders of magnitude slower than this machine's own run
-        assert max(t["hand_s"] for t in tasks.values()) > 1e-4
+    assert max(t["hand_s"] for t in tasks.values()) > 1e-4   # emulated: far slower than this machine
