@@ -47,9 +47,10 @@ def last_position_logits(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def prefill_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto] | None:
     """The graph's nodes with the last layer's o projection, MLP, final norm and head on the
-    last position only (for the prefill entry point; the initializers last_position_logits
-    adds), or None where the graph does not have the shape qwc's passes give it. Nodes only:
-    a copy of the whole model would copy its weights."""
+    last position only (for the prefill entry point; the slices' constants are added to
+    model's initializers, as last_position_logits adds them), or None where the graph does not
+    have the shape qwc's passes give it. Nodes only: a copy of the whole model would copy its
+    weights."""
     g = onnx.GraphProto()
     g.node.extend(model.graph.node)
     g.output.extend(model.graph.output)
@@ -58,6 +59,7 @@ def prefill_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto] | None:
     start = _last_layer_start(g, prod, head, {i.name for i in model.graph.initializer}) if head else None
     if start is None:
         return None
+    _add_constants(model.graph)
     o_proj, norm, residual = start
     _slice_before(g, o_proj, 0, "qwc_last_position")
     _slice_before(g, norm, residual, "qwc_last_position_residual")
