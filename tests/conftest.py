@@ -16,6 +16,18 @@ from qwc.models.presets import load_preset
 from qwc import progress
 
 
+# The slowest files, slowest first (measured: `pytest --durations=0`, summed by file). pytest
+# runs on two workers a whole file each (pyproject.toml: --dist loadfile) in collection order:
+# a long file collected last would run alone at the end. The rest keep their order.
+SLOW_FILES = ["test_fuzz.py", "test_tune.py", "test_realdata.py", "test_arm.py", "test_kernels.py",
+              "test_arm_threads.py", "test_compile.py", "test_serve.py", "test_stream_export.py", "test_load.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(SLOW_FILES)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _quiet():
     progress.set_quiet(True)
