@@ -17,6 +17,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
 
 from qwc import __version__
 from qwc.atomic import replace_dir, staging_dir, temp_files_in
@@ -32,7 +34,10 @@ def write_params(path: Path, names: list[str], values: dict) -> list[dict]:
     index, offset = [], 0
     with open(path, "wb") as f:
         for name in names:
-            a = np.ascontiguousarray(values[name].numpy() if hasattr(values[name], "numpy") else values[name])
+            v = values[name]
+            if isinstance(v, onnx.TensorProto):   # a weight passed by reference (compiler/build.py)
+                v = numpy_helper.to_array(v)
+            a = np.ascontiguousarray(v.numpy() if hasattr(v, "numpy") else v)
             pad = -offset % ALIGN
             f.write(b"\0" * pad)
             offset += pad

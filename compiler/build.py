@@ -34,46 +34,83 @@ N_INPUTS_BEFORE_CACHE = 3   # input_ids, attention_mask, position_ids
 MAX_TOKENS_PER_CALL = 256
 
 
+# Initializers of at least this size enter the import as typed inputs without their data:
+# TVM's importer copies every initializer into a tensor of its own, for each entry point (four
+# copies of a 7B's 4 GB). Their values are read once, as params.bin is written.
+BY_REFERENCE_BYTES = 1 << 16
+
+
 def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
-             score_model: onnx.ModelProto | None = None, tuned: dict | None = None,
-             max_batch: int = 1, prefill_nodes: list | None = None) -> tuple[tvm.IRModule, list[str], dict[str, "tvm.runtime.Tensor"]]:
-    """The module, the param names in call order, and the param values. `model` gives prefill
-    and decode (and, with `max_batch` >= 2, decode_batch for up to that many sequences);
-    `score_model` (the same graph with every position's logits and the same initializers)
-    gives `score`; `prefill_nodes`, where given, replace model's nodes for prefill
+             score_nodes: list | None = None, tuned: dict | None = None,
+             max_batch: int = 1, prefill_nodes: list | None = None) -> tuple[tvm.IRModule, list[str], dict]:
+    """The module, the param names in call order, and the param values (numpy arrays or, for
+    the large ones, the model's TensorProtos: compiler/artifact.py reads each as it writes it).
+    `model` gives prefill and decode (and, with `max_batch` >= 2, decode_batch for up to that
+    many sequences); `score_nodes`, where given, are the nodes of `score` (every position's
+    logits); `prefill_nodes`, where given, replace model's nodes for prefill
     (passes/last_position.py: prefill_nodes)."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
     n_inputs = N_INPUTS_BEFORE_CACHE + n_cache
+    skeleton, by_ref = _by_reference(model)
     funcs = {}
-    params = None
-    entries = [("prefill", None, model, False), ("decode", 1, model, False)]
-    if score_model is not None:
-        entries.append(("score", None, score_model, False))
+    names = params = signature = None
+    entries = [("prefill", None, prefill_nodes, False), ("decode", 1, None, False)]
+    if score_nodes is not None:
+        entries.append(("score", None, score_nodes, False))
     if max_batch > 1:
-        entries.append(("decode_batch", 1, model, True))
+        entries.append(("decode_batch", 1, None, True))
     bounds = {"prefill": {"seq": MAX_TOKENS_PER_CALL}, "score": {"seq": MAX_TOKENS_PER_CALL},
               "decode_batch": {"batch": max_batch}}
-    for name, seq, graph, batched in entries:
-        with _nodes_swapped(graph, prefill_nodes if name == "prefill" else None):
-            mod = import_graph(graph, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned,
+    for name, seq, nodes, batched in entries:
+        with _nodes_swapped(skeleton, nodes):
+            mod = import_graph(skeleton, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned,
                                batched=batched)
         mod, detached = relax.frontend.detach_params(mod)
         for gv, fn in mod.functions_items():
             if gv.name_hint == "main":
                 got = [p.name for p in fn.params[n_inputs:]]
-                if params is not None and got != list(params):
+                if signature is not None and got != signature:
                     raise ValueError(f"entry point {name} takes different parameters than prefill")
                 fn = fn.with_attr("global_symbol", name).with_attr("num_input", n_inputs)
                 if name in bounds:
                     fn = fn.with_attr("tir_var_upper_bound", bounds[name])
                 funcs[tvm.ir.GlobalVar(name)] = fn
-                if params is None:
-                    names = [p.name for p in fn.params[n_inputs:]]
-                    params = dict(zip(names, detached["main"]))
+                if signature is None:
+                    # The by-reference weights come first (graph inputs, in _by_reference's
+                    # order), then the importer's own params.
+                    # (Names as the library's signature has them: the importer sanitizes
+                    # input names, and the runtime checks the manifest against the library.)
+                    signature = names = got
+                    params = dict(zip(got, by_ref))
+                    params.update(zip(got[len(by_ref):], detached.get("main", [])))
             else:
                 funcs[gv] = fn  # kernels keep their GlobalVar: the functions refer to it
     out = tvm.IRModule(funcs)
-    return out, list(params), params
+    return out, names, params
+
+
+def _by_reference(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
+    """The model to import: its nodes and small initializers, with each large initializer as a
+    graph input of its type and shape (after the real inputs), and those initializers."""
+    from qwc.passes.graph import tensor_bytes
+
+    m = onnx.ModelProto()
+    m.ir_version = model.ir_version
+    m.opset_import.extend(model.opset_import)
+    g = m.graph
+    g.name = model.graph.name
+    g.node.extend(model.graph.node)
+    g.input.extend(model.graph.input)
+    g.output.extend(model.graph.output)
+    g.value_info.extend(model.graph.value_info)
+    big = []
+    for t in model.graph.initializer:
+        if tensor_bytes(t) >= BY_REFERENCE_BYTES:
+            big.append(t)
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        else:
+            g.initializer.append(t)
+    return m, big
 
 
 @contextlib.contextmanager

@@ -37,8 +37,17 @@ def quant_summary(model: onnx.ModelProto) -> dict:
             "embedding_bits": emb_bits}
 
 
+def compile_memory(model: onnx.ModelProto) -> int:
+    """Estimated peak bytes of compiling the canonical `model`: the graph's weights (held once,
+    passed to TVM by reference), repacked one matmul at a time, and TVM's import and LLVM's
+    build (measured ~1.4 GB at 1.5B: docs/results.md, "Model sizes")."""
+    from qwc.passes.pipeline import param_bytes
+
+    return param_bytes(model) * 5 // 4 + 3 * 2**29
+
+
 def compile_file(src, target_name: str, out, options=None, act_bits: int | None = None, tuning_db=None,
-                 max_batch: int = 1) -> dict:
+                 max_batch: int = 1, memory_check: bool = True) -> dict:
     """`act_bits` None: the target's default (targets.default_act_bits). `max_batch` >= 2 adds
     the decode_batch entry point (compiler/build.py) for up to that many sequences."""
     target = get_target(target_name)
@@ -63,8 +72,11 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
                       f"(--act-bits {act_bits}) tuned faster than the hand schedule")
     times = {}
     t0 = time.perf_counter()
-    model = load_canonical(src, config, options)
+    model = load_canonical(src, config, options, memory_check=memory_check)
     times["passes"] = time.perf_counter() - t0
+    from qwc import memory_check as mc
+    mc.check(f"compiling {Path(src).name}", compile_memory(model), "free some memory", skip=not memory_check,
+             held=sum(len(t.raw_data) for t in model.graph.initializer))
     quant = quant_summary(model)
     quant["activation_bits"] = act_bits
     from .repack import repack_weights
@@ -74,16 +86,17 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
         quant["weight_layout"] = {"row_groups_16": repacked}
     if tuned:
         quant["tuned_kernels"] = tuned
-    full = onnx.ModelProto()
-    full.CopyFrom(model)
+    # `score` keeps every position's logits: the nodes as they are (copies: the rewrites below
+    # edit nodes in place). Nodes only; every entry point shares the one model's weights.
+    full = onnx.GraphProto()
+    full.node.extend(model.graph.node)
     prefill = prefill_nodes(model)
     model = last_position_logits(model)
-    # `score` must take the same parameters as prefill: give it the slice's constants, unused.
-    full.graph.initializer.extend(i for i in model.graph.initializer if i.name.startswith("qwc_"))
     t0 = time.perf_counter()
     with progress.stage("importing into TVM Relax"):
         mod, names, params = to_relax(model, act_bits=act_bits, features=target.features,
-                                      score_model=full, prefill_nodes=prefill, tuned=tuned, max_batch=max_batch)
+                                      score_nodes=list(full.node), prefill_nodes=prefill, tuned=tuned,
+                                      max_batch=max_batch)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):

@@ -11,15 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from qwc import progress
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
 
-from .qwen2 import LoadedModel, build_model, load_state
+from .checkpoint import Checkpoint
+from .qwen2 import LoadedModel, from_checkpoint
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
@@ -132,36 +131,41 @@ def _tokenizer(path: Path):
     return tokenizer
 
 
-def load_gguf(path: Path) -> LoadedModel:
+def open_gguf(path: Path) -> Checkpoint:
+    """The file's config and tokenizer, with its tensors (memory-mapped by GGUFReader)
+    dequantized one at a time on request."""
     path = Path(path)
     reader = _open(path)
     cfg, arch = config_from_gguf(reader, path)
     tokenizer = _tokenizer(path)
-
-    state: dict[str, torch.Tensor] = {}
-    for t in progress.bar(reader.tensors, desc="dequantizing GGUF", unit="tensor"):
+    tensors, shapes = {}, {}
+    for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             if t.name in ("rope_freqs.weight",):
                 raise QwcError(f"{path}: rope frequency scaling ({t.name}) is not supported")
             continue  # e.g. llama.cpp's precomputed rope tables
+        # GGUF lists dimensions fastest-first; numpy wants them slowest-first.
+        tensors[name], shapes[name] = t, tuple(int(d) for d in reversed(t.shape))
+
+    def read(name: str) -> np.ndarray:
+        t = tensors[name]
         try:
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         except (NotImplementedError, ValueError) as e:
             raise QwcError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}: {e})") from None
-        # GGUF lists dimensions fastest-first; numpy wants them slowest-first.
-        w = w.reshape([int(d) for d in reversed(t.shape)])
+        w = w.reshape(shapes[name])
         if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rotary_rows(w, cfg.num_attention_heads)
         elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rotary_rows(w, cfg.num_key_value_heads)
-        state[name] = torch.from_numpy(w.copy())
+        return np.require(w, np.float32, ["C", "W", "O"])   # F32 tensors come back as views of the map
 
-    model = build_model(cfg)
-    if arch == "llama":
-        # Llama has no q/k/v biases: Qwen2's are zero.
-        for k, v in model.state_dict().items():
-            if k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
-                state.setdefault(k, torch.zeros_like(v))
-    load_state(model, state, str(path))
-    return LoadedModel(model, cfg, tokenizer)
+    # Llama has no q/k/v biases: Qwen2's are zero.
+    ckpt = Checkpoint(cfg, tokenizer, str(path), shapes, read, zero_biases=arch == "llama")
+    ckpt.check()
+    return ckpt
+
+
+def load_gguf(path: Path) -> LoadedModel:
+    return from_checkpoint(open_gguf(path), desc="dequantizing GGUF")

@@ -5,18 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+import numpy as np
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 from transformers import Qwen2Config
 
-from qwc import progress
 from qwc.atomic import replace_dir, staging_dir
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
 
-from .qwen2 import LoadedModel, build_model, load_state, model_config_from_hf
+from .checkpoint import Checkpoint
+from .qwen2 import LoadedModel, from_checkpoint, model_config_from_hf
 
 
 def _read_json(path: Path) -> dict:
@@ -29,7 +28,9 @@ def _read_json(path: Path) -> dict:
     return d
 
 
-def load_hf_dir(path: Path) -> LoadedModel:
+def open_hf_dir(path: Path) -> Checkpoint:
+    """The directory's config and tokenizer, and its safetensors shards opened memory-mapped:
+    no weight is read until asked for."""
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
@@ -54,16 +55,35 @@ def load_hf_dir(path: Path) -> LoadedModel:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise QwcError(f"{path}: no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in progress.bar(files, desc="reading safetensors", unit="file"):
+    where, shapes = {}, {}
+    for f in files:
         try:
-            state.update(load_file(f))
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    where[k], shapes[k] = f, tuple(h.get_slice(k).get_shape())
         except (SafetensorError, OSError, ValueError) as e:
             raise QwcError(f"{f}: corrupt safetensors file ({str(e).splitlines()[0]})") from None
-    state = {k: v.float() for k, v in state.items()}
-    model = build_model(cfg)
-    load_state(model, state, str(path))
-    return LoadedModel(model, cfg, tokenizer)
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)   # some tied checkpoints store the copy anyway
+
+    def read(name: str) -> np.ndarray:
+        f = where[name]
+        try:
+            # Opened per tensor: the file is memory-mapped while open, and every page read
+            # would stay in this process's RSS (15 GB for a 7B) until the map is closed.
+            with safe_open(str(f), framework="pt") as h:
+                t = h.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise QwcError(f"{f}: cannot read {name} ({str(e).splitlines()[0]})") from None
+        return t.float().numpy()
+
+    ckpt = Checkpoint(cfg, tokenizer, str(path), shapes, read)
+    ckpt.check()
+    return ckpt
+
+
+def load_hf_dir(path: Path) -> LoadedModel:
+    return from_checkpoint(open_hf_dir(path), desc="reading safetensors")
 
 
 def _load_tokenizer(path: Path) -> tuple[Tokenizer, str | None]:

@@ -70,3 +70,17 @@ def load_state(model: Qwen2ForCausalLM, state: dict[str, torch.Tensor], source: 
     model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=False)
     if model.config.tie_word_embeddings:
         model.tie_weights()
+
+
+def from_checkpoint(ckpt, desc: str = "reading weights") -> LoadedModel:
+    """A float32 torch model of a lazily opened checkpoint (models/checkpoint.py): the torch
+    exporter's, QAT's and eval's input."""
+    from qwc import progress
+
+    from .checkpoint import expected_tensors
+
+    model = build_model(ckpt.config)
+    names = list(expected_tensors(ckpt.config))
+    state = {k: torch.from_numpy(ckpt.tensor(k)) for k in progress.bar(names, desc=desc, unit="tensor")}
+    load_state(model, state, ckpt.source)
+    return LoadedModel(model, ckpt.config, ckpt.tokenizer)

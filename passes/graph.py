@@ -19,6 +19,50 @@ from qwc.errors import QwcError
 MS_DOMAIN = "com.microsoft"
 
 
+def tensor_array(t: onnx.TensorProto) -> np.ndarray:
+    """An initializer's value, read from its external file now if it has one (see
+    passes/pipeline.py: load_graph(lazy=True), which makes the file paths absolute)."""
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(t)
+    info = {e.key: e.value for e in t.external_data}
+    dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+    count = int(np.prod(t.dims, dtype=np.int64))
+    with open(info["location"], "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        a = np.fromfile(f, dtype=dtype, count=count)
+    if a.size != count:
+        raise QwcError(f"initializer {t.name}: its external data file {info['location']} is truncated")
+    return a.reshape(tuple(t.dims))
+
+
+def tensor_view(t: onnx.TensorProto) -> np.ndarray:
+    """An initializer's value without reading it all: a read-only memory map of its external
+    data (pages are read as they are touched), or the in-memory array."""
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(t)
+    info = {e.key: e.value for e in t.external_data}
+    return np.memmap(info["location"], dtype=helper.tensor_dtype_to_np_dtype(t.data_type), mode="r",
+                     offset=int(info.get("offset", 0)), shape=tuple(t.dims))
+
+
+def tensor_bytes(t: onnx.TensorProto) -> int:
+    """An initializer's payload size, without reading external data."""
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        return int(np.prod(t.dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return len(t.raw_data) if t.raw_data else numpy_helper.to_array(t).nbytes
+
+
+def materialize(model: onnx.ModelProto) -> None:
+    """Read every still-external initializer into the graph (the few float tensors the passes
+    left: norm gains, biases, rotary tables), so the model saves and checks like any other."""
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            a = tensor_array(t)
+            t.raw_data = a.tobytes()
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+
+
 class Graph:
     def __init__(self, model: onnx.ModelProto):
         self.model = model
@@ -50,7 +94,7 @@ class Graph:
     def const(self, name: str) -> np.ndarray | None:
         """The value of an initializer or Constant-node output, else None."""
         if name in self.inits:
-            return numpy_helper.to_array(self.inits[name])
+            return tensor_array(self.inits[name])
         n = self.producer.get(name)
         if n is not None and n.op_type == "Constant" and n.domain in ("", "ai.onnx"):
             for a in n.attribute:

@@ -13,7 +13,7 @@ from qwc.errors import QwcError
 
 from . import (awq, canonicalize, fold_norm_scales, fuse_attention, fuse_rmsnorm, fuse_rotary,
                quantize_embedding, quantize_linears, schemas)
-from .graph import node_label
+from .graph import materialize, node_label, tensor_bytes
 from .options import PassOptions
 
 PASSES = [
@@ -27,6 +27,10 @@ PASSES = [
     ("quantize linears", quantize_linears.run),
     ("clean up", canonicalize.run),
 ]
+
+# models/stream_export.py marks its graphs so: they hold the fused ops already but are float,
+# and still need the quantizing passes.
+STREAM_EXPORT_KEY = "qwc.stream_export"
 
 CANONICAL_OPS = {
     ("", "SimplifiedLayerNormalization"), ("com.microsoft", "SkipSimplifiedLayerNormalization"),
@@ -54,17 +58,24 @@ def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
     schemas.register()
     check_ops_known(model)
     check_float32(model)
+    # Weights held in the message (not lazily on disk) that the passes replace stay allocated
+    # until the message is re-parsed; a lazily loaded graph has none worth the copy.
+    held = sum(len(t.raw_data) for t in model.graph.initializer)
     for name, fn in PASSES:
         t0 = time.perf_counter()
         model = fn(model, options)
         progress.info(f"[qwc]   {name}: {len(model.graph.node)} nodes ({time.perf_counter() - t0:.1f}s)")
     check_canonical(model)
-    if model.ByteSize() < 2**31 - 2**26:
+    materialize(model)    # the float tensors a lazily loaded graph still has on disk
+    kept = [p for p in model.metadata_props if p.key != STREAM_EXPORT_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    if held > 2**26 and model.ByteSize() < 2**31 - 2**26:
         # A fresh copy releases the memory of every weight the passes replaced: protobuf
         # frees removed messages only with the message that owned them.
         model = onnx.load_from_string(model.SerializeToString())
     try:
-        onnx.checker.check_model(model if model.ByteSize() < 2**31 - 2**26 else _structure(model))
+        onnx.checker.check_model(_structure(model))   # the checker serializes what it is given
     except onnx.checker.ValidationError as e:
         raise QwcError(f"the rewritten graph is not valid ONNX ({str(e).strip().splitlines()[0]}); "
                        "is the input an exported Qwen2 graph?") from None
@@ -72,11 +83,17 @@ def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
 
 
 def _structure(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model without initializer payloads (for the checker on >2 GB models)."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    for t in m.graph.initializer:
-        t.ClearField("raw_data")
+    """The model without initializer payloads, for the checker: it copies what it is given
+    (2 GB at most), and the payloads are numpy's own, with nothing in them to check."""
+    m = onnx.ModelProto()     # built field by field: a CopyFrom would copy a 7B's payloads too
+    m.ir_version, m.producer_name = model.ir_version, model.producer_name
+    m.opset_import.extend(model.opset_import)
+    g, sg = model.graph, m.graph
+    sg.name = g.name
+    for field in ("node", "input", "output", "value_info"):
+        getattr(sg, field).extend(getattr(g, field))
+    for t in g.initializer:   # as typed inputs: the checker wants an initializer's payload whole
+        sg.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     return m
 
 
@@ -132,13 +149,7 @@ def op_counts(model: onnx.ModelProto) -> Counter:
 
 
 def param_bytes(model: onnx.ModelProto) -> int:
-    total = 0
-    for t in model.graph.initializer:
-        if t.raw_data:
-            total += len(t.raw_data)
-        else:
-            total += onnx.numpy_helper.to_array(t).nbytes
-    return total
+    return sum(tensor_bytes(t) for t in model.graph.initializer)
 
 
 # --- files -------------------------------------------------------------------------------
@@ -146,7 +157,10 @@ def param_bytes(model: onnx.ModelProto) -> int:
 EXTERNAL_DATA_THRESHOLD = 1_900_000_000
 
 
-def load_graph(path) -> onnx.ModelProto:
+def load_graph(path, lazy: bool = False) -> onnx.ModelProto:
+    """The graph in `path`. `lazy`: external-data initializers stay on disk (their paths made
+    absolute) and the passes read each when they need it, so a 7B float graph (30 GB) is never
+    in memory at once."""
     from pathlib import Path
 
     from google.protobuf.message import DecodeError
@@ -155,14 +169,38 @@ def load_graph(path) -> onnx.ModelProto:
     if not path.is_file():
         raise QwcError(f"{path}: no such file")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=not lazy)
     except DecodeError:
         raise QwcError(f"{path}: not a valid ONNX model (protobuf decode failed)") from None
     except (OSError, ValueError, onnx.checker.ValidationError) as e:
         raise QwcError(f"{path}: cannot load ONNX model ({str(e).splitlines()[0]})") from None
     if not model.graph.node:
         raise QwcError(f"{path}: the graph has no nodes (an empty or non-ONNX file?)")
+    if lazy:
+        _resolve_external(model, path)
     return model
+
+
+def _resolve_external(model: onnx.ModelProto, path) -> None:
+    """Point each external initializer at its file by absolute path, checking it is there and
+    long enough, so a missing or short data file is one line now, not a failure mid-pass."""
+    sizes: dict[str, int] = {}
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e for e in t.external_data}
+        if "location" not in info:
+            raise QwcError(f"{path}: initializer {t.name} has external data without a location")
+        f = (path.parent / info["location"].value).resolve()
+        if str(f) not in sizes:
+            if not f.is_file():
+                raise QwcError(f"{path}: its external data file {info['location'].value} is missing")
+            sizes[str(f)] = f.stat().st_size
+        end = int(info["offset"].value if "offset" in info else 0) + tensor_bytes(t)
+        if end > sizes[str(f)]:
+            raise QwcError(f"{path}: initializer {t.name} lies past the end of {info['location'].value} "
+                           "(a truncated data file?)")
+        info["location"].value = str(f)
 
 
 def save_graph(model: onnx.ModelProto, out, config, tokenizer_src) -> None:
@@ -190,7 +228,27 @@ def save_graph(model: onnx.ModelProto, out, config, tokenizer_src) -> None:
         publish(moves + [(staged, out)], foreign=foreign_graph_files)
 
 
-def optimize_file(src, out, options: PassOptions, verify: bool = False) -> dict:
+def passes_memory(model: onnx.ModelProto) -> int:
+    """Estimated peak bytes of `optimize` on `model` as loaded: the weights held in the message
+    (twice: the passes' replacements live until the re-parse), the Q4_0 result (4.5 bits for
+    every 32 of float), and a few copies of the largest tensor (it is read, and quantized in
+    row chunks); plus the interpreter and onnx."""
+    sizes = [tensor_bytes(t) for t in model.graph.initializer] or [0]
+    held = sum(len(t.raw_data) for t in model.graph.initializer)
+    return 2 * held + sum(sizes) * 9 // 64 + 3 * max(sizes) + 2**29
+
+
+def check_passes_memory(model: onnx.ModelProto, memory_check: bool) -> None:
+    from qwc import memory_check as mc
+
+    lazy = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    mc.check("running the passes", passes_memory(model),
+             "free some memory" if lazy else
+             "export with `qwc export --exporter stream`, whose graph keeps its weights on disk until a pass reads them",
+             skip=not memory_check, held=sum(len(t.raw_data) for t in model.graph.initializer))
+
+
+def optimize_file(src, out, options: PassOptions, verify: bool = False, memory_check: bool = True) -> dict:
     """`qwc optimize`: load, run the pipeline, optionally verify against the input with
     onnxruntime, write. Returns the numbers the CLI prints."""
     from qwc.atomic import check_destination
@@ -202,7 +260,8 @@ def optimize_file(src, out, options: PassOptions, verify: bool = False) -> dict:
     config = load_for_graph(src)
     options.config = config
     with progress.stage(f"loading {src}"):
-        model = load_graph(src)
+        model = load_graph(src, lazy=True)
+    check_passes_memory(model, memory_check)
     before_ops, before_bytes = op_counts(model), param_bytes(model)
     with progress.stage("running passes"):
         model = optimize(model, options)
@@ -217,15 +276,18 @@ def optimize_file(src, out, options: PassOptions, verify: bool = False) -> dict:
             "after_bytes": param_bytes(model), "report": report}
 
 
-def load_canonical(src, config, options=None) -> onnx.ModelProto:
+def load_canonical(src, config, options=None, memory_check: bool = True) -> onnx.ModelProto:
     """The canonical graph of `src`: checked as it is, or made by running the passes."""
     with progress.stage(f"loading {src}"):
-        model = load_graph(src)
+        model = load_graph(src, lazy=True)
     check_ops_known(model)
     check_float32(model)
-    if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
+    streamed = any(p.key == STREAM_EXPORT_KEY for p in model.metadata_props)
+    if any(n.op_type == "GroupQueryAttention" for n in model.graph.node) and not streamed:
         check_canonical(model)
+        materialize(model)    # the compiler reads initializers in memory
         return model
+    check_passes_memory(model, memory_check)
     with progress.stage("running passes (the graph is not canonical yet)"):
         options = options or PassOptions()
         options.config = config

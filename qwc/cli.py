@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from . import __version__, interrupts, progress
+from . import __version__, interrupts, memory_check, progress
 from .atomic import check_destination
 from .errors import QwcError
 from .limits import MAX_BATCH, max_threads
@@ -70,6 +70,8 @@ def _seed(text: str) -> int:
 _count = _int_at_least(0)
 _positive = _int_at_least(1)
 _SELF = "\0self"   # `qwc qat --teacher` with no value: the source model itself
+_NO_MEMORY_CHECK = ("run even when the stage's estimated peak memory exceeds what is available "
+                    "(by default qwc refuses up front rather than be killed by the OOM killer)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,19 +82,46 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
-    from qwc.models.export import export_onnx
-    from qwc.models.load import load_source
-
     from qwc.config import foreign_graph_files
     from qwc.eval.data import resolve_model
+    from qwc.models.load import STREAM_FROM_PARAMS, open_checkpoint
+    from qwc.models.presets import PRESET_NAMES
+    from qwc.vocab import mismatch, token_span
 
     check_destination(args.output, foreign=foreign_graph_files)
+    if args.legacy_exporter and args.exporter == "stream":
+        raise QwcError("--legacy-exporter is torch's older exporter; it does not go with --exporter stream")
     t0 = time.perf_counter()
-    lm = load_source(resolve_model(args.source))
-    out = export_onnx(lm, args.output, dynamo=not args.legacy_exporter)
-    c = lm.config
+    source = resolve_model(args.source)
+    if source in PRESET_NAMES:
+        if args.exporter == "stream":
+            raise QwcError(f"{source} is a preset built in torch; --exporter stream reads checkpoints "
+                           "(a HF directory or a .gguf file)")
+        from qwc.models.export import export_onnx
+        from qwc.models.presets import load_preset
+        lm = load_preset(source)
+        out, c, how = export_onnx(lm, args.output, dynamo=not args.legacy_exporter), lm.config, "torch"
+    else:
+        ckpt = open_checkpoint(source)
+        c = ckpt.config
+        warning = mismatch(c.vocab_size, token_span(ckpt.tokenizer))
+        if warning:
+            print(f"qwc: warning: {args.source}: {warning}", file=sys.stderr, flush=True)
+        stream = args.exporter == "stream" or (
+            args.exporter == "auto" and not args.legacy_exporter and ckpt.n_params() >= STREAM_FROM_PARAMS)
+        if stream:
+            from qwc.models.stream_export import export_streaming, stream_memory
+            memory_check.check("the streaming export", stream_memory(ckpt), "free some memory",
+                               skip=args.no_memory_check)
+            out, how = export_streaming(ckpt, args.output), "streamed"
+        else:
+            from qwc.models.export import export_onnx, torch_export_memory
+            from qwc.models.qwen2 import from_checkpoint
+            memory_check.check("the torch export", torch_export_memory(ckpt.n_params()),
+                               "--exporter stream writes the graph in bounded memory", skip=args.no_memory_check)
+            out, how = export_onnx(from_checkpoint(ckpt), args.output, dynamo=not args.legacy_exporter), "torch"
     progress.info(f"[qwc] exported {c.name}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-                  f"vocab {c.vocab_size} -> {out} in {time.perf_counter() - t0:.1f}s")
+                  f"vocab {c.vocab_size} -> {out} ({how}) in {time.perf_counter() - t0:.1f}s")
 
 
 def _cmd_data(args: argparse.Namespace) -> None:
@@ -203,7 +232,7 @@ def _cmd_optimize(args: argparse.Namespace) -> None:
 
         opts.awq_calibration = calibration_ids(args.calib, tokenizer_for_graph(args.model), args.calib_tokens)
     t0 = time.perf_counter()
-    r = optimize_file(args.model, args.output, opts, verify=args.verify)
+    r = optimize_file(args.model, args.output, opts, verify=args.verify, memory_check=not args.no_memory_check)
     print(f"{'op':34s} {'before':>7s} {'after':>7s}")
     for op in sorted(set(r["before_ops"]) | set(r["after_ops"]),
                      key=lambda o: (-r["after_ops"].get(o, 0), -r["before_ops"].get(o, 0), o)):
@@ -237,7 +266,7 @@ def _cmd_compile(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     times = compile_file(args.model, args.target, args.output, act_bits=args.act_bits, tuning_db=args.tuning_db,
-                         max_batch=args.max_batch)
+                         max_batch=args.max_batch, memory_check=not args.no_memory_check)
     parts = ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
     progress.info(f"[qwc] compiled {args.model} for {args.target} -> {args.output} in "
                   f"{time.perf_counter() - t0:.1f}s ({parts})")
@@ -292,7 +321,10 @@ def _cmd_run(args: argparse.Namespace) -> None:
     from qwc.runtime.engine import Engine
     from qwc.runtime.sampling import SamplingParams
 
+    t0 = time.perf_counter()
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
+    weights = sum(p["nbytes"] for p in eng.manifest["params"])
+    progress.info(f"[qwc] loaded {args.model} ({weights / 2**30:.2f} GiB of weights) in {time.perf_counter() - t0:.1f}s")
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         repetition_penalty=args.repetition_penalty,
                         seed=None if args.seed == -1 else args.seed)   # -1: random, as llama.cpp
@@ -438,6 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-o", "--output", required=True, help="output .onnx path")
     e.add_argument("--legacy-exporter", action="store_true",
                    help="use torch's TorchScript exporter (dynamo=False), as older toolchains did")
+    e.add_argument("--exporter", choices=("auto", "torch", "stream"), default="auto",
+                   help="torch: trace the float32 model with torch.export (the generic graph; ~8 bytes "
+                        "a parameter of memory). stream: write the fused float graph straight from the "
+                        "checkpoint a tensor at a time (bounded memory; HF directories and .gguf files). "
+                        "auto (default): stream checkpoints of 1B parameters and more")
+    e.add_argument("--no-memory-check", action="store_true", help=_NO_MEMORY_CHECK)
     e.set_defaults(func=_cmd_export)
 
     o = sub.add_parser("optimize", help="raise an exported graph to qwc's canonical int4 graph",
@@ -463,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --fold-norm-gains: give the lm_head its own weight so the final norm's gain folds into it")
     o.add_argument("--verify", action="store_true",
                    help="run the input and output graphs in onnxruntime and report their difference")
+    o.add_argument("--no-memory-check", action="store_true", help=_NO_MEMORY_CHECK)
     o.set_defaults(func=_cmd_optimize)
 
     c = sub.add_parser("compile", help="compile a graph for a target into a model.qwc artifact",
@@ -483,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N >= 2 adds a batched decode entry point (one token of each of up to N sequences "
                         "a step, reading the weights once) for `qwc serve`; costs compile time "
                         "(default 1: none)")
+    c.add_argument("--no-memory-check", action="store_true", help=_NO_MEMORY_CHECK)
     c.set_defaults(func=_cmd_compile)
 
     t = sub.add_parser("tune", help="autotune the model's kernels with TVM MetaSchedule (resumable)",

@@ -147,6 +147,11 @@ class ModelConfig:
 def load_for_graph(onnx_path: Path) -> ModelConfig:
     """The config of a graph: qwc's `<stem>.config.json`, else a Hugging Face `config.json`
     beside it (as optimum and onnxruntime-genai write)."""
+    p = Path(onnx_path)
+    if p.is_dir() or p.suffix.lower() == ".gguf":
+        # A checkpoint where a graph belongs: say what to run, not which sidecar is missing.
+        raise QwcError(f"{p} is a checkpoint ({'a directory' if p.is_dir() else 'GGUF'}), not an ONNX graph: "
+                       f"run `qwc export {p} -o model.onnx` first")
     own, _ = sidecar_paths(onnx_path)
     if own.is_file():
         return ModelConfig.load(own)

@@ -29,9 +29,31 @@ def _blocks(w: np.ndarray, block: int) -> np.ndarray:
     return w.reshape(n, -1, block)
 
 
+# Rows are quantized in chunks of about this many elements: the arithmetic's float32
+# temporaries are ~4x the chunk, not ~4x the weight (a 7B's embedding is 545M elements).
+CHUNK_ELEMENTS = 1 << 24
+
+
+def row_chunks(w: np.ndarray):
+    rows = max(1, CHUNK_ELEMENTS // max(1, w.shape[1]))
+    for r in range(0, w.shape[0], rows):
+        yield slice(r, min(r + rows, w.shape[0]))
+
+
 def quantize_q4_0(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """Quantize rows of `w` [N, K]. Returns q uint8 [N, nb, block] in 0..15 and the
     fp16-representable scales d float32 [N, nb]."""
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
+    nb = -(-w.shape[1] // block)
+    q, d = np.empty((w.shape[0], nb, block), np.uint8), np.empty((w.shape[0], nb), np.float32)
+    for rows in row_chunks(w):
+        q[rows], d[rows] = _q4_0_rows(w[rows], block)
+    return q, d
+
+
+def _q4_0_rows(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     x = _blocks(w, block)
     idx = np.argmax(np.abs(x), axis=2)[..., None]
     m = np.take_along_axis(x, idx, axis=2)[..., 0]
@@ -56,6 +78,17 @@ def fake_quantize_q4_0(w: np.ndarray, block: int = 32) -> np.ndarray:
 
 def quantize_q8_0(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """Returns q int8 [N, nb, block] and fp16-representable scales d float32 [N, nb]."""
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
+    nb = -(-w.shape[1] // block)
+    q, d = np.empty((w.shape[0], nb, block), np.int8), np.empty((w.shape[0], nb), np.float32)
+    for rows in row_chunks(w):
+        q[rows], d[rows] = _q8_0_rows(w[rows], block)
+    return q, d
+
+
+def _q8_0_rows(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     x = _blocks(w, block)
     amax = np.max(np.abs(x), axis=2)
     d = (amax / np.float32(127.0)).astype(np.float32)

@@ -19,6 +19,7 @@ from qwc import cpu
 from qwc.checksum import sha256
 from qwc.errors import QwcError
 from qwc.limits import is_int, max_threads
+from qwc.vocab import mismatch, token_span
 
 from . import memory
 from qwc.manifest import check_library, read_manifest
@@ -174,6 +175,15 @@ class Engine:
         self.vocab_size = int(self.model["vocab_size"])
         self.eos = set(self.model.get("eos_token_ids") or [])
         self._probe()
+        # Ids the tokenizer has: the only ones sampled (qwc/vocab.py). After the probe: a
+        # corrupt artifact gets its one error line, not a warning first.
+        self.sample_limit = self.vocab_size
+        if self.tokenizer is not None:
+            span = token_span(self.tokenizer)
+            self.sample_limit = max(1, min(self.vocab_size, span))
+            warning = mismatch(self.vocab_size, span)
+            if warning:
+                print(f"qwc: warning: {self.path.name}: {warning}", file=sys.stderr, flush=True)
 
     def sequence(self, ctx: int | None = None) -> Sequence:
         """A new, empty KV cache for `ctx` positions (default: the engine's), in huge pages as
@@ -399,7 +409,7 @@ class Engine:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise QwcError("sampling must be a SamplingParams")
         ids = self.encode(prompt) if isinstance(prompt, str) else self._token_ids(prompt, "generate")[0].tolist()
-        sampler = Sampler(sampling or SamplingParams())
+        sampler = Sampler(sampling or SamplingParams(), self.sample_limit)
         stop = self.eos if stop is None else stop
         t0 = time.perf_counter()
         logits = self.prefill(ids)

@@ -35,12 +35,16 @@ class SamplingParams:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    """`limit`: only ids below it are sampled (the tokenizer's span, qwc/vocab.py: a padded
+    vocabulary's extra rows are untrained and decode to nothing)."""
+
+    def __init__(self, params: SamplingParams, limit: int | None = None):
         self.p = params
+        self.limit = limit
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray, history: list[int]) -> int:
-        x = logits.astype(np.float64).copy()
+        x = logits[: self.limit].astype(np.float64)
         if self.p.repetition_penalty != 1.0 and history:
             seen = np.unique(np.asarray(history, np.int64))
             seen = seen[seen < x.size]

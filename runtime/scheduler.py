@@ -70,11 +70,11 @@ class Request:
 class _Running:
     """A request in a slot: how much of its prompt is in the cache, what it has said."""
 
-    def __init__(self, req: Request, seq, eos: set[int]):
+    def __init__(self, req: Request, seq, eos: set[int], limit: int | None = None):
         self.req, self.seq, self.eos = req, seq, eos
         self.fed = 0                     # prompt tokens in the cache
         self.logits: np.ndarray | None = None
-        self.sampler = Sampler(req.sampling)
+        self.sampler = Sampler(req.sampling, limit)
         self.history = list(req.prompt)
         self.shown = ""                  # text already emitted
 
@@ -210,7 +210,7 @@ class Scheduler:
                 while self._waiting and len(self._running) < self.max_running:
                     req = self._waiting.popleft()
                     seq, req.cached_tokens = self._slot(req)
-                    run = _Running(req, seq, set() if req.ignore_eos else self.engine.eos)
+                    run = _Running(req, seq, set() if req.ignore_eos else self.engine.eos, self.engine.sample_limit)
                     run.fed = req.cached_tokens
                     self._running.append(run)
             try:

@@ -109,7 +109,7 @@ def _alone(engine, prompt, n=6):
     seq = engine.sequence()
     logits, out = engine.prefill(prompt, seq), []
     for _ in range(n):
-        out.append(int(np.argmax(logits)))
+        out.append(int(np.argmax(logits[: engine.sample_limit])))   # greedy over the tokenizer's ids
         logits = engine.decode(out[-1], seq)
     return out
 

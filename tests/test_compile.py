@@ -333,3 +333,22 @@ def test_compile_with_the_runtime_lib_variable_inherited(tiny_q4, tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert (out / "manifest.json").is_file()
+
+
+def test_ids_past_the_tokenizer_are_never_sampled(tiny_host_artifact):
+    """tiny pads its 259 tokens to 288 rows, as Qwen2.5 pads 151,665 to 151,936: the padding
+    rows' logits are noise and decode to nothing, so the sampler never picks them."""
+    from qwc.runtime.sampling import Sampler, SamplingParams
+    from qwc.vocab import mismatch, token_span
+
+    eng = Engine(tiny_host_artifact, ctx=64)
+    span = token_span(eng.tokenizer)
+    assert eng.sample_limit == span < eng.vocab_size
+    logits = np.zeros(eng.vocab_size, np.float32)
+    logits[span:] = 100.0                       # unmasked, a padding row would win every time
+    assert Sampler(SamplingParams(), eng.sample_limit)(logits, []) < span
+    hot = Sampler(SamplingParams(temperature=5.0, top_p=0.99, seed=1), eng.sample_limit)
+    assert all(hot(logits, [span - 1]) < span for _ in range(200))
+    assert mismatch(151936, 151665) is None and mismatch(152064, 151665) is None   # Qwen2.5's own padding
+    assert "covers 259 of the model's 151936" in mismatch(151936, 259)
+    assert "past the model's vocabulary" in mismatch(100, 259)

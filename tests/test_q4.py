@@ -7,6 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
+import qwc.q4 as q4mod
 from qwc.q4 import (dequantize_q4_0, fake_quantize_q4_0, pack_nibbles, quantize_q4_0, quantize_q8_0,
                     unpack_nibbles)
 
@@ -121,3 +122,17 @@ def test_nibble_packing_is_onnxruntime_order():
     assert np.array_equal(unpack_nibbles(b), q)
     qq, d = quantize_q4_0(np.random.default_rng(5).standard_normal((3, 64)))
     assert np.array_equal(dequantize_q4_0(unpack_nibbles(pack_nibbles(qq)), d), dequantize_q4_0(qq, d))
+
+
+def test_chunked_rows_give_the_same_bits(monkeypatch):
+    """Large weights are quantized a few rows at a time (bounded temporaries): the chunking
+    must not change a bit, including a last chunk shorter than the others."""
+    w = (np.random.default_rng(5).standard_normal((37, 96)) * 0.05).astype(np.float32)
+    q4, d4 = quantize_q4_0(w, 32)
+    q8, d8 = quantize_q8_0(w, 32)
+    monkeypatch.setattr(q4mod, "CHUNK_ELEMENTS", 5 * 96)   # 5 rows a chunk: 8 chunks, the last of 2
+    assert len(list(q4mod.row_chunks(w))) == 8
+    q4c, d4c = quantize_q4_0(w, 32)
+    q8c, d8c = quantize_q8_0(w, 32)
+    assert np.array_equal(q4, q4c) and np.array_equal(d4, d4c)
+    assert np.array_equal(q8, q8c) and np.array_equal(d8, d8c)

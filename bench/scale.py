@@ -1,0 +1,116 @@
+"""The model-size table: for each Qwen2.5 size, every stage's wall time and peak RSS, the
+artifact's size, and what running it costs, on random weights of the exact shapes.
+
+    .venv/bin/python bench/scale.py [--sizes 1.5b,3b,7b] [--targets host,arm-yitian]
+        [--workdir build/scale] [--bench] [--json F] [--keep]
+
+Per size: bench/make_checkpoint.py writes a hub-style bf16 checkpoint (once, kept in
+--workdir), then `qwc export` (streamed), `qwc optimize`, `qwc compile` for each target and,
+on the host artifact, `qwc run` (peak RSS of answering a prompt) and with --bench `qwc bench`
+(pp512 / tg128). Each stage is its own process; its peak RSS is that process's, read with
+wait4. Intermediate files are deleted after each size unless --keep (a 7B's float graph is
+30 GB). Disk: a 7B needs ~55 GB free while it runs (checkpoint 15 GB, float graph 30 GB, the
+Q4_0 graph and two artifacts 12 GB); the checkpoints stay in --workdir for the next run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+QWC = [sys.executable, "-m", "qwc"]
+
+
+def run(cmd: list[str], log: Path) -> tuple[float, float]:
+    """Wall seconds and peak RSS (GiB) of one process; its output goes to `log`."""
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode:
+        raise SystemExit(f"scale: {' '.join(cmd[:4])} ... failed ({p.returncode}); see {log}")
+    return time.perf_counter() - t0, ru.ru_maxrss / 2**20
+
+
+def size_of(path: Path) -> float:
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files) / 2**30
+
+
+def one_size(size: str, targets: list[str], work: Path, bench: bool, keep: bool) -> dict:
+    log = work / f"{size}.log"
+    ckpt = work / f"qwen2.5-{size}"
+    if not (ckpt / "config.json").exists():
+        subprocess.run([sys.executable, str(HERE / "make_checkpoint.py"), size, "-o", str(ckpt)], check=True)
+    r = {"size": size, "checkpoint_gib": size_of(ckpt), "stages": {}}
+    onnx_, q4 = work / f"{size}.onnx", work / f"{size}.q4.onnx"
+    r["stages"]["export"] = run(QWC + ["export", str(ckpt), "-o", str(onnx_)], log)
+    r["float_graph_gib"] = size_of(onnx_) + size_of(onnx_.with_name(onnx_.name + ".data"))
+    r["stages"]["optimize"] = run(QWC + ["optimize", str(onnx_), "-o", str(q4)], log)
+    if not keep:
+        for p in work.glob(f"{size}.onnx*"):
+            p.unlink()
+    for t in targets:
+        art = work / f"{size}-{t}.qwc"
+        shutil.rmtree(art, ignore_errors=True)
+        r["stages"][f"compile {t}"] = run(QWC + ["compile", str(q4), "--target", t, "-o", str(art)], log)
+        r[f"artifact_gib {t}"] = size_of(art)
+    if "host" in targets:
+        art = work / f"{size}-host.qwc"
+        r["stages"]["run"] = run(QWC + ["run", str(art), "--prompt", "The capital of France is",
+                                        "--max-new-tokens", "16", "--ctx", "512"], log)
+        if bench:
+            out = subprocess.run(QWC + ["bench", str(art), "-p", "512", "-n", "128", "-r", "2", "--json"],
+                                 check=True, capture_output=True, text=True).stdout
+            r["bench"] = json.loads(out)
+    if not keep:
+        for p in list(work.glob(f"{size}.q4.onnx*")) + list(work.glob(f"{size}.q4.*.json")):
+            p.unlink()
+    return r
+
+
+def table(results: list[dict]) -> str:
+    stages = [s for s in results[0]["stages"]]
+    rows = ["| size | checkpoint | float graph | " + " | ".join(stages) + " |",
+            "| --- | ---: | ---: | " + " | ".join("---:" for _ in stages) + " |"]
+    for r in results:
+        cells = [f"{r['stages'][s][0]:.0f} s, {r['stages'][s][1]:.2f} GiB" if s in r["stages"] else "-" for s in stages]
+        rows.append(f"| {r['size']} | {r['checkpoint_gib']:.2f} GiB | {r['float_graph_gib']:.2f} GiB | " + " | ".join(cells) + " |")
+    arts = [(r["size"], k.split(" ", 1)[1], v) for r in results for k, v in r.items() if k.startswith("artifact_gib")]
+    rows.append("")
+    rows.append("artifacts: " + ", ".join(f"{s} {t} {v:.2f} GiB" for s, t, v in arts))
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1.5b,3b,7b")
+    p.add_argument("--targets", default="host,arm-yitian")
+    p.add_argument("--workdir", type=Path, default=Path("build/scale"))
+    p.add_argument("--bench", action="store_true", help="also qwc bench -p 512 -n 128 on the host artifact")
+    p.add_argument("--keep", action="store_true", help="keep the float and canonical graphs")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for size in a.sizes.split(","):
+        results.append(one_size(size, a.targets.split(","), a.workdir, a.bench, a.keep))
+        print(f"scale: {size} done: {json.dumps(results[-1]['stages'])}", file=sys.stderr, flush=True)
+        if a.json:
+            a.json.write_text(json.dumps(results, indent=1))
+    print("stage cells: wall time, peak RSS of the process (one process per stage)")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""A checkpoint read a tensor at a time: its config, its tokenizer, and each weight on demand.
+
+Loaders open a checkpoint (HF safetensors shards, memory-mapped; a GGUF file, memory-mapped)
+without reading its weights. `tensor(name)` returns one float32 array in Hugging Face naming
+("model.layers.0.self_attn.q_proj.weight", [out, in]), converted from whatever the file holds
+(bf16, f16, a GGUF quant type). The streaming exporter (models/stream_export.py) reads one
+tensor, writes it and lets it go, so no full float32 copy of the model exists; the torch path
+builds its model from the same tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from qwc.config import ModelConfig
+from qwc.errors import QwcError
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Qwen2 model of `cfg` needs, with its shape (HF naming; a tied lm_head is
+    the embedding, so it is not listed)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        out.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
+            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        })
+    return out
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tokenizer: Tokenizer
+    source: str
+    shapes: dict[str, tuple[int, ...]]            # what the file holds, HF naming
+    read: Callable[[str], np.ndarray]            # name -> float32 array, read now
+    zero_biases: bool = False                    # Llama files: q/k/v biases are zero
+
+    def check(self) -> None:
+        """Every tensor the config implies is there with its shape, before anything is written."""
+        want = expected_tensors(self.config)
+        missing = [k for k in want if k not in self.shapes
+                   and not (self.zero_biases and k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")))]
+        if missing:
+            raise QwcError(f"{self.source}: checkpoint lacks {missing[0]}"
+                           + (f" and {len(missing) - 1} more tensors" if len(missing) > 1 else ""))
+        for k, shape in want.items():
+            if k in self.shapes and tuple(self.shapes[k]) != shape:
+                raise QwcError(f"{self.source}: tensor {k} has shape {tuple(self.shapes[k])}, "
+                               f"the config implies {shape}")
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name not in self.shapes and self.zero_biases and name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+            return np.zeros(expected_tensors(self.config)[name], np.float32)
+        return self.read(name)
+
+    def n_params(self) -> int:
+        return sum(int(np.prod(s)) for s in expected_tensors(self.config).values())

@@ -1,0 +1,222 @@
+"""Export in bounded memory: the float ONNX graph written straight from a checkpoint, one
+tensor at a time.
+
+torch's exporter needs the whole model in float32 and its constant folding adds a transposed
+copy of every linear: about 8 bytes a parameter, 60 GB for a 7B. This writer builds the graph
+the passes' fusions make of the exporter's graph (SimplifiedLayerNormalization, RotaryEmbedding,
+GroupQueryAttention, MatMul [+ bias Add] per linear, SiLU as Sigmoid·Mul, the tied lm_head as
+MatMul(x, Transpose(embedding))), so `qwc optimize` takes it as it takes a fused export, and
+writes each weight to the external data file as it is read, transposed to the exporter's [in,
+out]. Peak memory is about the largest tensor in float32 plus its source copy (the 152k x 3584
+embedding of a 7B: ~3.3 GB).
+
+Node names follow the module paths ("/model/layers/0/self_attn/q_proj/MatMul"), which is how
+passes/naming.py names linears, so options like `--keep-float` and the quantized weights'
+names are the same as for a torch export.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from qwc import progress
+from qwc.atomic import publish, staging_dir
+from qwc.config import foreign_graph_files, sidecar_paths
+from qwc.errors import QwcError
+
+from .checkpoint import Checkpoint, expected_tensors
+
+OPSET = 20
+MS_DOMAIN = "com.microsoft"
+ALIGN = 4096           # external tensors start on a page: they can be memory-mapped as they are
+INLINE_BYTES = 1024    # smaller tensors (the two int64 constants) stay in the graph
+
+
+def rotary_caches(head_dim: int, theta: float, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    # The same arithmetic as passes/fuse_rotary.py (which the torch path runs), so both paths
+    # give the same bits; models/ may not import passes/, hence the copy (tested equal).
+    inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+                ).astype(np.float32)
+    freqs = np.arange(max_pos, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+class _Writer:
+    """Initializers appended to one external data file as they come, page-aligned."""
+
+    def __init__(self, data_path: Path, location: str):
+        self.f = open(data_path, "wb")
+        self.location = location
+        self.inits: list[TensorProto] = []
+        self.bytes = 0
+
+    def add(self, name: str, a: np.ndarray) -> str:
+        """`a` may be a transposed view: it is written in row chunks, never copied whole (a
+        7B's lm_head is 2.2 GB in float32)."""
+        if a.nbytes <= INLINE_BYTES:
+            self.inits.append(onnx.numpy_helper.from_array(np.ascontiguousarray(a), name))
+            return name
+        pad = -self.f.tell() % ALIGN
+        if pad:
+            self.f.write(b"\0" * pad)
+        offset = self.f.tell()
+        rows = max(1, (1 << 26) // max(1, a[0].nbytes)) if a.ndim > 1 else len(a)   # ~64 MB a chunk
+        for r in range(0, len(a), rows):
+            self.f.write(np.ascontiguousarray(a[r:r + rows]).data)   # little-endian on every host qwc runs on
+        t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(a.dtype), dims=a.shape)
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(a.nbytes))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        self.inits.append(t)
+        self.bytes += a.nbytes
+        return name
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def build(ckpt: Checkpoint, w: _Writer) -> onnx.ModelProto:
+    cfg = ckpt.config
+    n_layers, kv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    nodes: list[onnx.NodeProto] = []
+
+    def node(op, inputs, outputs, name, domain="", **attrs):
+        nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+        return outputs[0]
+
+    names = list(expected_tensors(cfg))
+    bar = progress.bar(total=len(names), desc="writing weights", unit="tensor")
+
+    def weight(hf: str, transpose: bool = False) -> str:
+        a = ckpt.tensor(hf)
+        if transpose:
+            a = a.T           # nn.Linear's [out, in] -> MatMul's [in, out], as the exporter folds it
+        out = w.add(hf if not transpose else hf + ".T", a)
+        del a
+        bar.update(1)
+        return out
+
+    def linear(x: str, module: str, bias: bool = False) -> str:
+        path = "/" + module.replace(".", "/")
+        y = node("MatMul", [x, weight(module + ".weight", transpose=True)], [module + ".out"], path + "/MatMul")
+        if bias:
+            y = node("Add", [y, weight(module + ".bias")], [module + ".biased"], path + "/Add")
+        return y
+
+    embed = weight("model.embed_tokens.weight")
+    hidden = node("Gather", [embed, "input_ids"], ["embedding"], "/model/embed_tokens/Gather", axis=0)
+    cos, sin = rotary_caches(hd, cfg.rope_theta, cfg.max_position_embeddings)
+    cos, sin = w.add("rotary_cos_cache", cos), w.add("rotary_sin_cache", sin)
+    # GroupQueryAttention's lengths: seqlens_k = sum(mask) - 1, total = mask's width (int32).
+    one = w.add("one", np.array([1], np.int64))
+    msum = node("ReduceSum", ["attention_mask", one], ["mask_sum"], "/lengths/ReduceSum", keepdims=0)
+    seqlens = node("Cast", [node("Sub", [msum, one], ["seqlens_k_i64"], "/lengths/Sub")], ["seqlens_k"],
+                   "/lengths/Cast", to=TensorProto.INT32)
+    total = node("Cast", [node("Shape", ["attention_mask"], ["total_seq_len_i64"], "/lengths/Shape", start=1, end=2)],
+                 ["total_seq_len"], "/lengths/Cast_1", to=TensorProto.INT32)
+
+    eps = float(cfg.rms_norm_eps)
+    residual = None   # the running sum; None before the first layer
+    branch = None     # the last sublayer's output, added to it by the next norm
+    for i in range(n_layers):
+        p = f"model.layers.{i}"
+        gain = weight(f"{p}.input_layernorm.weight")
+        if residual is None:
+            x = node("SimplifiedLayerNormalization", [hidden, gain], [f"{p}.in_norm"],
+                     f"/{p.replace('.', '/')}/input_layernorm", axis=-1, epsilon=eps, stash_type=1)
+            residual = hidden
+        else:
+            x, residual = _skip_norm(node, residual, branch, gain, p, "input_layernorm", eps)
+        q = linear(x, f"{p}.self_attn.q_proj", bias=True)
+        k = linear(x, f"{p}.self_attn.k_proj", bias=True)
+        v = linear(x, f"{p}.self_attn.v_proj", bias=True)
+        pp = "/" + p.replace(".", "/") + "/self_attn"
+        k = node("RotaryEmbedding", [k, "position_ids", cos, sin], [f"{p}.k_rot"], pp + "/k_rotary",
+                 domain=MS_DOMAIN, interleaved=0, num_heads=kv)
+        q = node("RotaryEmbedding", [q, "position_ids", cos, sin], [f"{p}.q_rot"], pp + "/q_rotary",
+                 domain=MS_DOMAIN, interleaved=0, num_heads=cfg.num_attention_heads)
+        attn = node("GroupQueryAttention",
+                    [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total],
+                    [f"{p}.attn", f"present.{i}.key", f"present.{i}.value"], pp + "/GroupQueryAttention",
+                    domain=MS_DOMAIN, kv_num_heads=kv, num_heads=cfg.num_attention_heads)
+        o = linear(attn, f"{p}.self_attn.o_proj")
+        x, residual = _skip_norm(node, residual, o, weight(f"{p}.post_attention_layernorm.weight"),
+                                 p, "post_attention_layernorm", eps)
+        gate = linear(x, f"{p}.mlp.gate_proj")
+        silu = node("Mul", [gate, node("Sigmoid", [gate], [f"{p}.gate_sigmoid"], f"/{p.replace('.', '/')}/mlp/Sigmoid")],
+                    [f"{p}.silu"], f"/{p.replace('.', '/')}/mlp/Mul")
+        up = linear(x, f"{p}.mlp.up_proj")
+        act = node("Mul", [silu, up], [f"{p}.act"], f"/{p.replace('.', '/')}/mlp/Mul_1")
+        branch = linear(act, f"{p}.mlp.down_proj")
+    x, _ = _skip_norm(node, residual, branch, weight("model.norm.weight"), "model", "norm", eps)
+    if cfg.tie_word_embeddings:
+        head = node("Transpose", [embed], ["lm_head.weight.T"], "/lm_head/Transpose", perm=[1, 0])
+        node("MatMul", [x, head], ["logits"], "/lm_head/MatMul")
+    else:
+        node("MatMul", [x, weight("lm_head.weight", transpose=True)], ["logits"], "/lm_head/MatMul")
+    bar.close()
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
+              helper.make_tensor_value_info("attention_mask", i64, ["batch", "total"]),
+              helper.make_tensor_value_info("position_ids", i64, ["batch", "seq"])]
+    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "seq", cfg.vocab_size])]
+    for i in range(n_layers):
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, ["batch", kv, "cache_len", hd]))
+            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, ["batch", kv, "present_len", hd]))
+    graph = helper.make_graph(nodes, "qwen2", inputs, outputs, initializer=w.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+                              producer_name="qwc", ir_version=10)
+    # passes/pipeline.py: STREAM_EXPORT_KEY (models/ does not import passes/)
+    helper.set_model_props(model, {"qwc.stream_export": "1"})
+    return model
+
+
+def _skip_norm(node, residual: str, branch: str, gain: str, prefix: str, which: str, eps: float):
+    """SkipSimplifiedLayerNormalization: (normalized residual + branch, the sum)."""
+    y, s = f"{prefix}.{which}.out", f"{prefix}.{which}.sum"
+    node("SkipSimplifiedLayerNormalization", [residual, branch, gain], [y, "", "", s],
+         f"/{prefix.replace('.', '/')}/{which}", domain=MS_DOMAIN, epsilon=eps)
+    return y, s
+
+
+def stream_memory(ckpt: Checkpoint) -> int:
+    """Estimated peak bytes of export_streaming: the largest tensor as read (bf16, 2 bytes an
+    element, at most) and in float32 (transposed tensors are written in chunks, not copied);
+    torch, the graph and the interpreter."""
+    largest = max(int(np.prod(s)) for s in expected_tensors(ckpt.config).values())
+    return 6 * largest + 2**30
+
+
+def export_streaming(ckpt: Checkpoint, out: Path) -> Path:
+    """Write `out`, `out.data`, `<stem>.config.json`, `<stem>.tokenizer.json` (atomically, as
+    models/export.py does), reading the checkpoint one tensor at a time."""
+    out = Path(out)
+    if out.suffix != ".onnx":
+        raise QwcError(f"output {out} must end in .onnx")
+    ckpt.check()
+    cfg_path, tok_path = sidecar_paths(out)
+    data_name = out.name + ".data"
+    with staging_dir(out, foreign=foreign_graph_files) as tmp:
+        w = _Writer(tmp / data_name, data_name)
+        try:
+            model = build(ckpt, w)
+        finally:
+            w.close()
+        staged = tmp / out.name
+        with progress.stage(f"writing {out.name} ({w.bytes / 2**20:.0f} MiB of weights in {data_name})"):
+            onnx.save(model, str(staged))
+        (tmp / cfg_path.name).write_text(ckpt.config.to_json() + "\n")
+        ckpt.tokenizer.save(str(tmp / tok_path.name))
+        publish([(tmp / cfg_path.name, cfg_path), (tmp / tok_path.name, tok_path),
+                 (tmp / data_name, out.with_name(data_name)), (staged, out)], foreign=foreign_graph_files)
+    return out

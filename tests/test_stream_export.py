@@ -1,0 +1,215 @@
+"""Export in bounded memory (models/stream_export.py) and the lazily read optimize: the
+streamed graph against torch's export and transformers, on the exact layer structures of the
+Qwen2.5 families, and the same Q4_0 bytes whichever way the graph was made."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qwc.cli import main
+from qwc.config import ModelConfig, sidecar_paths
+from qwc.models import load as load_mod
+from qwc.models.checkpoint import expected_tensors
+from qwc.models.hf import open_hf_dir
+from qwc.models.qwen2 import from_checkpoint
+from qwc.models.stream_export import rotary_caches
+from qwc.models.tokenizer import byte_level_tokenizer, special_ids
+from qwc.passes import fuse_rotary
+from qwc.passes.graph import tensor_array
+from qwc.passes.options import PassOptions
+from qwc.passes.pipeline import STREAM_EXPORT_KEY, load_canonical, load_graph, optimize
+
+from conftest import ort_kv_logits, torch_kv_logits
+
+
+def _steps(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, cfg.vocab_size, (1, 8)), [rng.integers(0, cfg.vocab_size, (1, 1)) for _ in range(4)]
+
+
+def _q4_tensors(path) -> dict[str, np.ndarray]:
+    m = onnx.load(str(path))
+    return {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer
+            if t.name.endswith(("qweight", "scales")) or ".qweight_" in t.name or ".scales_" in t.name}
+
+
+def test_stream_export_equals_torch_export_and_quantizes_to_the_same_bytes(tiny_lm, tmp_path):
+    src = tmp_path / "hf"
+    tiny_lm.model.save_pretrained(src)
+    tiny_lm.tokenizer.save(str(src / "tokenizer.json"))
+    for how in ("torch", "stream"):
+        assert main(["-q", "export", str(src), "-o", str(tmp_path / f"{how}.onnx"), "--exporter", how]) == 0
+        assert main(["-q", "optimize", str(tmp_path / f"{how}.onnx"), "-o", str(tmp_path / f"{how}.q4.onnx")]) == 0
+    streamed = onnx.load(str(tmp_path / "stream.onnx"), load_external_data=False)
+    assert any(p.key == STREAM_EXPORT_KEY for p in streamed.metadata_props)
+    assert (tmp_path / "stream.onnx.data").stat().st_size > 1_000_000   # the weights are external
+    cfg = ModelConfig.load(sidecar_paths(tmp_path / "stream.onnx")[0])
+    prompt, steps = _steps(cfg)
+    a = ort_kv_logits(tmp_path / "stream.onnx", cfg, prompt, steps)
+    b = ort_kv_logits(tmp_path / "torch.onnx", cfg, prompt, steps)
+    for x, y in zip(a, b):
+        assert np.abs(x - y).max() <= 1e-5 * max(1.0, np.abs(y).max())
+    # The passes give the same Q4_0 bytes and scales, under the same names, and the same logits.
+    qa, qb = _q4_tensors(tmp_path / "stream.q4.onnx"), _q4_tensors(tmp_path / "torch.q4.onnx")
+    assert set(qa) == set(qb) and len(qa) == 2 * (7 * 2 + 1)   # 7 linears a layer + the embedding
+    assert all(np.array_equal(qa[k], qb[k]) for k in qa)
+    assert not any(p.key == STREAM_EXPORT_KEY for p in onnx.load(str(tmp_path / "stream.q4.onnx")).metadata_props)
+    a = ort_kv_logits(tmp_path / "stream.q4.onnx", cfg, prompt, steps)
+    b = ort_kv_logits(tmp_path / "torch.q4.onnx", cfg, prompt, steps)
+    for x, y in zip(a, b):
+        assert np.array_equal(x, y)
+    # `qwc compile` of the streamed float graph runs the passes (it has the fused ops already,
+    # but its marker says it is not the canonical int4 graph).
+    direct = load_canonical(tmp_path / "stream.onnx", cfg)
+    assert sum(n.op_type == "MatMulNBits" for n in direct.graph.node) == 7 * 2 + 1
+
+
+# The layer structures of the Qwen2.5 sizes, small: (hidden, intermediate, heads, kv heads,
+# head_dim, tied). 0.5B: head_dim 64, tied; 1.5B/3B: head_dim 128, 2 KV heads, tied;
+# 7B: head_dim 128, 4 KV heads (7 query heads each there; 2 here), its own lm_head.
+# Intermediate sizes are whole 32-blocks but not multiples of 128, as 4864 / 8960 / 18944 are not all.
+FAMILIES = {
+    "0.5b": (256, 352, 4, 2, 64, True),
+    "1.5b": (512, 864, 4, 2, 128, True),
+    "7b": (1024, 1376, 8, 4, 128, False),
+}
+
+
+def _hub_dir(path, family: str):
+    """A hub-style directory: bf16 weights in two safetensors shards with an index."""
+    h, inter, heads, kv, hd, tied = FAMILIES[family]
+    tok = byte_level_tokenizer()
+    bos, eos = special_ids(tok)
+    cfg = ModelConfig(name=family, vocab_size=320, hidden_size=h, intermediate_size=inter,
+                      num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=512,
+                      tie_word_embeddings=tied, bos_token_id=bos, eos_token_ids=eos)
+    gen = torch.Generator().manual_seed(1)
+    names = list(expected_tensors(cfg).items())
+    path.mkdir()
+    weight_map = {}
+    for k, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        fname = f"model-{k + 1:05d}-of-00002.safetensors"
+        state = {n: ((1 + 0.1 * torch.randn(s, generator=gen)) if n.endswith("norm.weight")
+                     else 0.05 * torch.randn(s, generator=gen)).to(torch.bfloat16) for n, s in part}
+        save_file(state, str(path / fname))
+        weight_map.update({n: fname for n in state})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "torch_dtype": "bfloat16", "vocab_size": cfg.vocab_size, "hidden_size": h,
+        "intermediate_size": inter, "num_hidden_layers": 2, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": hd, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": 512, "tie_word_embeddings": tied, "bos_token_id": bos, "eos_token_id": eos[0]}))
+    tok.save(str(path / "tokenizer.json"))
+    return cfg
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_stream_export_of_each_family_matches_transformers(tmp_path, family):
+    """bf16 shards -> streamed float graph: onnxruntime against transformers on the same
+    (bf16-rounded) weights, prefill and decode steps through the KV cache."""
+    cfg = _hub_dir(tmp_path / "hf", family)
+    out = tmp_path / "m.onnx"
+    assert main(["-q", "export", str(tmp_path / "hf"), "-o", str(out), "--exporter", "stream"]) == 0
+    got_cfg = ModelConfig.load(sidecar_paths(out)[0])
+    assert (got_cfg.head_dim, got_cfg.tie_word_embeddings) == (cfg.head_dim, cfg.tie_word_embeddings)
+    ref = from_checkpoint(open_hf_dir(tmp_path / "hf")).model
+    prompt, steps = _steps(cfg, seed=2)
+    for r, g in zip(torch_kv_logits(ref, prompt, steps), ort_kv_logits(out, got_cfg, prompt, steps)):
+        assert np.abs(r - g).max() < 1e-4
+
+
+def test_optimize_reads_a_streamed_graph_lazily(tmp_path):
+    """`qwc optimize` keeps external weights on disk until a pass needs one: after loading,
+    no large initializer is in memory, and the result is the eagerly loaded graph's."""
+    _hub_dir(tmp_path / "hf", "7b")
+    out = tmp_path / "m.onnx"
+    assert main(["-q", "export", str(tmp_path / "hf"), "-o", str(out), "--exporter", "stream"]) == 0
+    lazy = load_graph(out, lazy=True)
+    big = [t for t in lazy.graph.initializer if np.prod(t.dims) * 4 > 4096]
+    assert big and all(t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data for t in big)
+    eager = load_graph(out)
+    for t in big[:3]:
+        e = next(x for x in eager.graph.initializer if x.name == t.name)
+        assert np.array_equal(tensor_array(t), onnx.numpy_helper.to_array(e))
+    assert main(["-q", "optimize", str(out), "-o", str(tmp_path / "m.q4.onnx")]) == 0
+    ref = optimize(eager, PassOptions(config=ModelConfig.load(sidecar_paths(out)[0])))
+    want = {t.name: onnx.numpy_helper.to_array(t) for t in ref.graph.initializer}
+    got = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "m.q4.onnx")).graph.initializer}
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in got)
+
+
+def test_streamed_rotary_tables_are_the_passes_tables():
+    for hd, theta, n in ((64, 1e6, 300), (128, 10000.0, 77)):
+        for a, b in zip(rotary_caches(hd, theta, n), fuse_rotary.rotary_caches(hd, theta, n)):
+            assert np.array_equal(a, b)
+
+
+def test_auto_streams_large_checkpoints(tiny_lm, tmp_path, monkeypatch):
+    src = tmp_path / "hf"
+    tiny_lm.model.save_pretrained(src)
+    tiny_lm.tokenizer.save(str(src / "tokenizer.json"))
+    monkeypatch.setattr(load_mod, "STREAM_FROM_PARAMS", 1000)   # tiny counts as large
+    assert main(["-q", "export", str(src), "-o", str(tmp_path / "a.onnx")]) == 0
+    m = onnx.load(str(tmp_path / "a.onnx"), load_external_data=False)
+    assert any(p.key == STREAM_EXPORT_KEY for p in m.metadata_props)
+
+
+def _fails(argv, capsys, *needles):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(n in err for n in needles), err
+
+
+def test_bad_input_to_the_streaming_path(tiny_lm, tmp_path, capsys):
+    _fails(["-q", "export", "tiny", "-o", str(tmp_path / "t.onnx"), "--exporter", "stream"], capsys,
+           "preset", "--exporter stream")
+    src = tmp_path / "hf"
+    tiny_lm.model.save_pretrained(src)
+    tiny_lm.tokenizer.save(str(src / "tokenizer.json"))
+    capsys.readouterr()   # transformers' shard-writing bar
+    _fails(["-q", "compile", str(src), "-o", str(tmp_path / "x.qwc")], capsys, "checkpoint", "qwc export")
+    out = tmp_path / "m.onnx"
+    assert main(["-q", "export", str(src), "-o", str(out), "--exporter", "stream"]) == 0
+    data = tmp_path / "m.onnx.data"
+    keep = data.read_bytes()
+    data.write_bytes(keep[: len(keep) // 2])
+    _fails(["-q", "optimize", str(out), "-o", str(tmp_path / "q.onnx")], capsys, "past the end", "m.onnx.data")
+    data.unlink()
+    _fails(["-q", "optimize", str(out), "-o", str(tmp_path / "q.onnx")], capsys, "m.onnx.data", "missing")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_stages_refuse_up_front_when_memory_is_short(tiny_lm, tiny_q4, tmp_path, capsys, monkeypatch):
+    """Each stage estimates its peak and refuses in one line, naming the figures and what
+    lowers the need, rather than being killed; --no-memory-check runs anyway."""
+    from qwc import memory_check
+
+    with pytest.raises(Exception, match=r"needs about 2\.0 GiB of memory and 1\.5 GiB is available; try X"):
+        memory_check.check("it", 2 * 2**30, "try X", available=2**30, held=2**29)
+    memory_check.check("it", 2 * 2**30, "try X", available=2**30, held=2**30)        # held counts
+    memory_check.check("it", 2 * 2**30, "try X", available=2**30, skip=True)
+    assert memory_check.available_bytes() > 0                                      # /proc/meminfo here
+
+    src = tmp_path / "hf"
+    tiny_lm.model.save_pretrained(src)
+    tiny_lm.tokenizer.save(str(src / "tokenizer.json"))
+    capsys.readouterr()
+    monkeypatch.setattr(memory_check, "available_bytes", lambda: 2**20)   # 1 MiB left
+    out = tmp_path / "out"
+    out.mkdir()
+    _fails(["-q", "export", str(src), "-o", str(out / "m.onnx"), "--exporter", "torch"], capsys,
+           "the torch export needs about", "--exporter stream", "--no-memory-check")
+    _fails(["-q", "export", str(src), "-o", str(out / "m.onnx"), "--exporter", "stream"], capsys,
+           "the streaming export needs about")
+    _fails(["-q", "optimize", str(tiny_q4.with_name("tiny.q4.onnx")), "-o", str(out / "q.onnx")], capsys,
+           "running the passes needs about")
+    _fails(["-q", "compile", str(tiny_q4), "-o", str(out / "m.qwc")], capsys, "compiling tiny.q4.onnx needs about")
+    assert not any(out.iterdir())                                              # nothing half-written
+    assert main(["-q", "export", str(src), "-o", str(out / "m.onnx"), "--no-memory-check"]) == 0
