@@ -28,6 +28,7 @@ from qwc import progress
 from qwc.atomic import publish, staging_dir
 from qwc.config import foreign_graph_files, sidecar_paths
 from qwc.errors import QwcError
+from qwc.rotary import rotary_caches
 
 from .checkpoint import Checkpoint, expected_tensors
 
@@ -35,15 +36,6 @@ OPSET = 20
 MS_DOMAIN = "com.microsoft"
 ALIGN = 4096           # external tensors start on a page: they can be memory-mapped as they are
 INLINE_BYTES = 1024    # smaller tensors (the two int64 constants) stay in the graph
-
-
-def rotary_caches(head_dim: int, theta: float, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    # The same arithmetic as passes/fuse_rotary.py (which the torch path runs), so both paths
-    # give the same bits; models/ may not import passes/, hence the copy (tested equal).
-    inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
-                ).astype(np.float32)
-    freqs = np.arange(max_pos, dtype=np.float32)[:, None] * inv_freq[None, :]
-    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
 
 class _Writer:

@@ -12,20 +12,13 @@ the model config's rope_theta in float32, the way transformers computes them.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 
 from qwc.errors import QwcError
+from qwc.rotary import rotary_caches
 
 from .graph import MS_DOMAIN, Graph, ensure_ms_opset
 from .options import PassOptions
-
-
-def rotary_caches(head_dim: int, theta: float, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
-                ).astype(np.float32)
-    freqs = np.arange(max_pos, dtype=np.float32)[:, None] * inv_freq[None, :]
-    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
 
 def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:

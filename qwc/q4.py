@@ -40,17 +40,22 @@ def row_chunks(w: np.ndarray):
         yield slice(r, min(r + rows, w.shape[0]))
 
 
-def quantize_q4_0(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize rows of `w` [N, K]. Returns q uint8 [N, nb, block] in 0..15 and the
-    fp16-representable scales d float32 [N, nb]."""
+def _by_row_chunks(w, block: int, qtype, rows_fn) -> tuple[np.ndarray, np.ndarray]:
+    """`rows_fn` (one chunk of rows -> its q and d) over `w` [N, K] a chunk at a time."""
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
     nb = -(-w.shape[1] // block)
-    q, d = np.empty((w.shape[0], nb, block), np.uint8), np.empty((w.shape[0], nb), np.float32)
+    q, d = np.empty((w.shape[0], nb, block), qtype), np.empty((w.shape[0], nb), np.float32)
     for rows in row_chunks(w):
-        q[rows], d[rows] = _q4_0_rows(w[rows], block)
+        q[rows], d[rows] = rows_fn(w[rows], block)
     return q, d
+
+
+def quantize_q4_0(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize rows of `w` [N, K]. Returns q uint8 [N, nb, block] in 0..15 and the
+    fp16-representable scales d float32 [N, nb]."""
+    return _by_row_chunks(w, block, np.uint8, _q4_0_rows)
 
 
 def _q4_0_rows(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,14 +83,7 @@ def fake_quantize_q4_0(w: np.ndarray, block: int = 32) -> np.ndarray:
 
 def quantize_q8_0(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """Returns q int8 [N, nb, block] and fp16-representable scales d float32 [N, nb]."""
-    w = np.asarray(w)
-    if w.ndim != 2:
-        raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
-    nb = -(-w.shape[1] // block)
-    q, d = np.empty((w.shape[0], nb, block), np.int8), np.empty((w.shape[0], nb), np.float32)
-    for rows in row_chunks(w):
-        q[rows], d[rows] = _q8_0_rows(w[rows], block)
-    return q, d
+    return _by_row_chunks(w, block, np.int8, _q8_0_rows)
 
 
 def _q8_0_rows(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
