@@ -14,7 +14,9 @@ Per token = difference of two runs divided by the difference in tokens, so start
 written from the same random weights as the artifact's preset (every linear Q4_0; the tied
 embedding/output Q4_0, as qwc's default, and Q8_0, as llama.cpp's own quantizer keeps it).
 The artifact must be compiled from that preset (`qwc export qwen2.5-0.5b`); its shapes are
-checked against it.
+checked against it. With --checkpoint DIR (a checkpoint bench/make_checkpoint.py wrote, as
+bench/scale.py keeps them: the 1.5B or 7B shapes) the peer reads that checkpoint's weights
+instead, every matrix Q4_0, and the artifact must be compiled from it.
 
 --attribution splits each engine's decode and prefill tokens over functions (the plugin's
 per-block counts mapped to ELF symbols), with instructions per multiply-add for the matrix
@@ -255,6 +257,7 @@ def main():
     p.add_argument("--attribution", action="store_true", help="per-function tables")
     p.add_argument("--mca", action="store_true", help="llvm-mca Neoverse-N2 cycles of each matrix kernel's hottest loop")
     p.add_argument("--json", help="write every figure here")
+    p.add_argument("--checkpoint", type=Path, help="the HF checkpoint the artifact was compiled from (not the preset)")
     args = p.parse_args()
 
     art = Path(args.artifact)
@@ -281,7 +284,7 @@ def main():
         tools = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "arm64"], check=True,
                                stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
         bench = str(Path(tools) / "llama-bench-0.3.36")
-        ggufs = peer_ggufs(manifest)
+        ggufs = checkpoint_gguf(manifest, args.checkpoint) if args.checkpoint else peer_ggufs(manifest)
         l_attr = Attributor(bench, static=True)
         for head, gguf in ggufs.items():
             name = f"llama.cpp ({head} output)"
@@ -326,6 +329,23 @@ def peer_ggufs(manifest) -> dict[str, Path]:
             write_gguf_q4_0(lm, tmp, head_bits=4 if head == "Q4_0" else 8)
             tmp.rename(path)
     return out
+
+
+def checkpoint_gguf(manifest, ckpt: Path) -> dict[str, Path]:
+    """The checkpoint's weights as a Q4_0 GGUF (Q4_0 output, qwc's default), written once."""
+    from gguf_q4_0 import write_gguf_q4_0_checkpoint
+
+    from qwc.models.hf import open_hf_dir
+
+    c = open_hf_dir(ckpt)
+    cfg = manifest.get("model", {})
+    if (cfg.get("hidden_size"), cfg.get("num_hidden_layers")) != (c.config.hidden_size, c.config.num_hidden_layers):
+        sys.exit(f"arm_icount: the artifact is not {ckpt}'s shape; --peer compares the same weights")
+    path = ckpt.parent / f"{ckpt.name}.q4_0.gguf"   # the name bench/scale.py gives it
+    if not path.is_file():
+        write_gguf_q4_0_checkpoint(c, path.with_suffix(".partial"))
+        path.with_suffix(".partial").rename(path)
+    return {"Q4_0": path}
 
 
 def print_main(rows):

@@ -11,9 +11,20 @@ from pathlib import Path
 from gguf import GGMLQuantizationType, TokenType
 from gguf.quants import quantize
 
-from qwc.models.gguf_writer import write_gguf
+import numpy as np
+
+from qwc.models.gguf_writer import Planned, write_gguf
+from qwc.q4 import row_chunks
 
 MOSTLY_Q4_0 = 2
+
+
+def _vocab(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    pad = vocab_size - len(vocab)
+    tokens = [t for t, _ in vocab] + [f"[PAD{i}]" for i in range(pad)]
+    types = [TokenType.CONTROL if t.startswith("<|") else TokenType.NORMAL for t, _ in vocab]
+    return tokens, types + [TokenType.UNUSED] * pad
 
 
 def write_gguf_q4_0(lm, path: Path, head_bits: int = 4) -> Path:
@@ -21,11 +32,7 @@ def write_gguf_q4_0(lm, path: Path, head_bits: int = 4) -> Path:
     llama.cpp's own quantizer keeps for a tied output by default)."""
     cfg = lm.config
     head = GGMLQuantizationType.Q4_0 if head_bits == 4 else GGMLQuantizationType.Q8_0
-    vocab = sorted(lm.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    pad = cfg.vocab_size - len(vocab)
-    tokens = [t for t, _ in vocab] + [f"[PAD{i}]" for i in range(pad)]
-    types = [TokenType.CONTROL if t.startswith("<|") else TokenType.NORMAL for t, _ in vocab]
-    types += [TokenType.UNUSED] * pad
+    tokens, types = _vocab(lm.tokenizer, cfg.vocab_size)
     tensors = {}
     for name, t in lm.model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -34,4 +41,32 @@ def write_gguf_q4_0(lm, path: Path, head_bits: int = 4) -> Path:
         kind = head if name in ("model.embed_tokens.weight", "lm_head.weight") else GGMLQuantizationType.Q4_0
         tensors[name] = (quantize(a, kind), kind) if a.ndim == 2 else (a, None)
     # llama.cpp refuses a BPE vocabulary without merges, even when ids are fed directly.
+    return write_gguf(path, "qwen2", cfg, tokens, types, tensors, merges=["\u0120 \u0120"], file_type=MOSTLY_Q4_0)
+
+
+def _q4_0_by_rows(a: np.ndarray) -> np.ndarray:
+    """gguf-py's Q4_0 (llama.cpp's reference) a chunk of rows at a time: its temporaries are
+    several times the input, and a 7B's embedding is 2.2 GB in float32."""
+    out = np.empty((a.shape[0], a.shape[1] // 32 * 18), np.uint8)
+    for rows in row_chunks(a):
+        out[rows] = quantize(a[rows], GGMLQuantizationType.Q4_0)
+    return out
+
+
+def write_gguf_q4_0_checkpoint(ckpt, path: Path) -> Path:
+    """The same from a checkpoint read a tensor at a time (models/checkpoint.py), every matrix
+    Q4_0 (the untied head too), each quantized as it is written: what qwc's passes make of the
+    same float weights (qwc.q4 is llama.cpp's Q4_0 bit for bit), for a 7B in a few GB."""
+    cfg = ckpt.config
+    tokens, types = _vocab(ckpt.tokenizer, cfg.vocab_size)
+    q4 = GGMLQuantizationType.Q4_0
+    tensors = {}
+    for name, shape in ckpt.shapes.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if len(shape) == 2:
+            tensors[name] = Planned((shape[0], shape[1] // 32 * 18), np.dtype(np.uint8), q4,
+                                    lambda name=name: _q4_0_by_rows(ckpt.tensor(name)))
+        else:
+            tensors[name] = Planned(tuple(shape), np.dtype(np.float32), None, lambda name=name: ckpt.tensor(name))
     return write_gguf(path, "qwen2", cfg, tokens, types, tensors, merges=["\u0120 \u0120"], file_type=MOSTLY_Q4_0)

@@ -2,12 +2,14 @@
 artifact's size, and what running it costs, on random weights of the exact shapes.
 
     .venv/bin/python bench/scale.py [--sizes 1.5b,3b,7b] [--targets host,arm-yitian]
-        [--workdir build/scale] [--bench] [--json F] [--keep]
+        [--workdir build/scale] [--bench [--threads 2] [--rounds 2]] [--only-bench] [--json F] [--keep]
 
 Per size: bench/make_checkpoint.py writes a hub-style bf16 checkpoint (once, kept in
 --workdir), then `qwc export` (streamed), `qwc optimize`, `qwc compile` for each target and,
-on the host artifact, `qwc run` (peak RSS of answering a prompt) and with --bench `qwc bench`
-(pp512 / tg128). Each stage is its own process; its peak RSS is that process's, read with
+on the host artifact, `qwc run` (peak RSS of answering a prompt). With --bench, pp512 / tg128
+of `qwc bench` against llama.cpp's llama-bench on a Q4_0 GGUF of the same checkpoint
+(bench/gguf_q4_0.py), in alternating rounds; --only-bench does only that, on the artifacts an
+earlier run left in --workdir. Each stage is its own process; its peak RSS is that process's, read with
 wait4. Intermediate files are deleted after each size unless --keep (a 7B's float graph is
 30 GB). Disk: a 7B needs ~55 GB free while it runs (checkpoint 15 GB, float graph 30 GB, the
 Q4_0 graph and two artifacts 12 GB); the checkpoints stay in --workdir for the next run.
@@ -47,7 +49,8 @@ def size_of(path: Path) -> float:
     return sum(p.stat().st_size for p in files) / 2**30
 
 
-def one_size(size: str, targets: list[str], work: Path, bench: bool, keep: bool) -> dict:
+def one_size(size: str, targets: list[str], work: Path, bench: bool, keep: bool, threads: int = 2,
+             rounds: int = 2) -> dict:
     log = work / f"{size}.log"
     ckpt = work / f"qwen2.5-{size}"
     if not (ckpt / "config.json").exists():
@@ -70,13 +73,54 @@ def one_size(size: str, targets: list[str], work: Path, bench: bool, keep: bool)
         r["stages"]["run"] = run(QWC + ["run", str(art), "--prompt", "The capital of France is",
                                         "--max-new-tokens", "16", "--ctx", "512"], log)
         if bench:
-            out = subprocess.run(QWC + ["bench", str(art), "-p", "512", "-n", "128", "-r", "2", "--json"],
-                                 check=True, capture_output=True, text=True).stdout
-            r["bench"] = json.loads(out)
+            r["speed"] = speed(ckpt, art, work, threads, rounds)
     if not keep:
         for p in list(work.glob(f"{size}.q4.onnx*")) + list(work.glob(f"{size}.q4.*.json")):
             p.unlink()
     return r
+
+
+def speed(ckpt: Path, art: Path, work: Path, threads: int, rounds: int) -> dict:
+    """pp512 and tg128 (from an empty cache, llama-bench's definition) of the host artifact and
+    of llama.cpp (its strongest build here, bench/llamacpp.sh x86) on a Q4_0 GGUF of the same
+    weights, in alternating rounds (qwc, llama.cpp, qwc, ...): the machine is shared."""
+    sys.path.insert(0, str(HERE))
+    from gguf_q4_0 import write_gguf_q4_0_checkpoint
+    from peers import llamacpp_tools
+
+    from qwc.models.hf import open_hf_dir
+
+    gguf = work / f"{ckpt.name}.q4_0.gguf"
+    if not gguf.exists():
+        write_gguf_q4_0_checkpoint(open_hf_dir(ckpt), gguf.with_suffix(".partial"))
+        gguf.with_suffix(".partial").rename(gguf)
+    llama_bench = llamacpp_tools("x86") / "llama-bench-0.3.36"
+    env = dict(os.environ, TVM_NUM_THREADS=str(threads))
+    got: dict[str, dict[str, list[float]]] = {"qwc": {}, "llama.cpp": {}}
+    for _ in range(rounds):
+        out = subprocess.run(QWC + ["bench", str(art), "-p", "512", "-n", "128", "-r", "1", "--threads", str(threads),
+                                    "--json"], check=True, capture_output=True, text=True, env=env).stdout
+        for row in json.loads(out)["results"]:
+            got["qwc"].setdefault(row["test"], []).append(row["tps"])
+        out = subprocess.run([str(llama_bench), "-m", str(gguf), "-t", str(threads), "-p", "512", "-n", "128",
+                              "-r", "1", "-o", "json"], check=True, capture_output=True, text=True).stdout
+        for row in json.loads(out):
+            test = f"tg{row['n_gen']}" if row["n_gen"] else f"pp{row['n_prompt']}"
+            got["llama.cpp"].setdefault(test, []).append(row["avg_ts"])
+    return {sys_: {t: sorted(v)[len(v) // 2] for t, v in tests.items()} | {"runs": tests}
+            for sys_, tests in got.items()}
+
+
+def speed_table(results: list[dict]) -> str:
+    rows = ["| size | qwc pp512 | llama.cpp pp512 | ratio | qwc tg128 | llama.cpp tg128 | ratio |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        if "speed" not in r:
+            continue
+        q, l = r["speed"]["qwc"], r["speed"]["llama.cpp"]
+        rows.append(f"| {r['size']} | {q['pp512']:.1f} | {l['pp512']:.1f} | {q['pp512'] / l['pp512']:.2f}x"
+                    f" | {q['tg128']:.2f} | {l['tg128']:.2f} | {q['tg128'] / l['tg128']:.2f}x |")
+    return "\n".join(rows)
 
 
 def table(results: list[dict]) -> str:
@@ -97,19 +141,33 @@ def main() -> None:
     p.add_argument("--sizes", default="1.5b,3b,7b")
     p.add_argument("--targets", default="host,arm-yitian")
     p.add_argument("--workdir", type=Path, default=Path("build/scale"))
-    p.add_argument("--bench", action="store_true", help="also qwc bench -p 512 -n 128 on the host artifact")
+    p.add_argument("--bench", action="store_true",
+                   help="also pp512 / tg128 of the host artifact against llama.cpp on the same weights")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of the speed comparison")
+    p.add_argument("--only-bench", action="store_true",
+                   help="only the speed comparison, on the host artifacts an earlier run left")
     p.add_argument("--keep", action="store_true", help="keep the float and canonical graphs")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     results = []
     for size in a.sizes.split(","):
-        results.append(one_size(size, a.targets.split(","), a.workdir, a.bench, a.keep))
-        print(f"scale: {size} done: {json.dumps(results[-1]['stages'])}", file=sys.stderr, flush=True)
+        if a.only_bench:
+            ckpt, art = a.workdir / f"qwen2.5-{size}", a.workdir / f"{size}-host.qwc"
+            results.append({"size": size, "speed": speed(ckpt, art, a.workdir, a.threads, a.rounds)})
+        else:
+            results.append(one_size(size, a.targets.split(","), a.workdir, a.bench, a.keep, a.threads, a.rounds))
+        print(f"scale: {size} done: {json.dumps(results[-1].get('stages', results[-1].get('speed')))}",
+              file=sys.stderr, flush=True)
         if a.json:
             a.json.write_text(json.dumps(results, indent=1))
-    print("stage cells: wall time, peak RSS of the process (one process per stage)")
-    print(table(results))
+    if not a.only_bench:
+        print("stage cells: wall time, peak RSS of the process (one process per stage)")
+        print(table(results))
+    if any("speed" in r for r in results):
+        print(f"\nspeed, {a.threads} threads, tok/s (median of {a.rounds} alternating rounds); ratio = qwc / llama.cpp")
+        print(speed_table(results))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from qwc import __version__
 from qwc.atomic import replace_dir, staging_dir, temp_files_in
@@ -26,6 +25,7 @@ from qwc.checksum import sha256
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
 from qwc.manifest import ALIGN, FORMAT_VERSION, check_manifest
+from qwc.passes.graph import tensor_array
 
 LIB_SPACE = 64 << 20   # lib.so and its object files: ~1-6 MiB for the presets
 
@@ -36,7 +36,7 @@ def write_params(path: Path, names: list[str], values: dict) -> list[dict]:
         for name in names:
             v = values[name]
             if isinstance(v, onnx.TensorProto):   # a weight passed by reference (compiler/build.py)
-                v = numpy_helper.to_array(v)
+                v = tensor_array(v)
             a = np.ascontiguousarray(v.numpy() if hasattr(v, "numpy") else v)
             pad = -offset % ALIGN
             f.write(b"\0" * pad)

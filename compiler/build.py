@@ -22,6 +22,8 @@ import onnx
 import tvm
 from tvm import relax
 
+from qwc.passes.graph import LARGE_TENSOR_BYTES
+
 from .frontend import import_graph
 from .targets import Target
 
@@ -36,8 +38,9 @@ MAX_TOKENS_PER_CALL = 256
 
 # Initializers of at least this size enter the import as typed inputs without their data:
 # TVM's importer copies every initializer into a tensor of its own, for each entry point (four
-# copies of a 7B's 4 GB). Their values are read once, as params.bin is written.
-BY_REFERENCE_BYTES = 1 << 16
+# copies of a 7B's 4 GB). Their values are read once, as params.bin is written (from the graph's
+# data file, where the passes and the repacking leave them: passes/graph.py, WeightFile).
+BY_REFERENCE_BYTES = LARGE_TENSOR_BYTES
 
 
 def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),

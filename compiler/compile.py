@@ -38,12 +38,14 @@ def quant_summary(model: onnx.ModelProto) -> dict:
 
 
 def compile_memory(model: onnx.ModelProto) -> int:
-    """Estimated peak bytes of compiling the canonical `model`: the graph's weights (held once,
-    passed to TVM by reference), repacked one matmul at a time, and TVM's import and LLVM's
-    build (measured ~1.4 GB at 1.5B: docs/results.md, "Model sizes")."""
-    from qwc.passes.pipeline import param_bytes
+    """Estimated peak bytes of compiling the canonical `model`: the weights the graph holds in
+    memory (passed to TVM by reference), the largest one on disk read and repacked (two copies),
+    and TVM's import and LLVM's build (measured ~1.4 GB at 1.5B: docs/results.md, "Model sizes")."""
+    from qwc.passes.graph import tensor_bytes
 
-    return param_bytes(model) * 5 // 4 + 3 * 2**29
+    held = sum(len(t.raw_data) for t in model.graph.initializer)
+    largest = max((tensor_bytes(t) for t in model.graph.initializer), default=0)
+    return held * 5 // 4 + 2 * largest + 3 * 2**29
 
 
 def compile_file(src, target_name: str, out, options=None, act_bits: int | None = None, tuning_db=None,
@@ -57,6 +59,16 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
         raise QwcError(f"--max-batch {max_batch!r}: must be an integer from 1 to {MAX_BATCH}")
     check_destination(out, folder=True, foreign=foreign_files)
     config = load_for_graph(src)   # cheap checks first: TVM takes seconds to import
+    from qwc.atomic import staging_dir
+    from qwc.passes.graph import weights_to
+
+    # The weights the passes and the repacking make go to a scratch file beside the output,
+    # written as they are made and read back one at a time for params.bin.
+    with staging_dir(Path(out), folder=True, foreign=foreign_files) as scratch, weights_to(scratch / "weights.bin"):
+        return _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check)
+
+
+def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check) -> dict:
     from .artifact import write_artifact
     from .build import MAX_TOKENS_PER_CALL, build, to_relax
     from .kernels.attention import KEY_TILE, supports
@@ -72,7 +84,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
                       f"(--act-bits {act_bits}) tuned faster than the hand schedule")
     times = {}
     t0 = time.perf_counter()
-    model = load_canonical(src, config, options, memory_check=memory_check)
+    model = load_canonical(src, config, options, memory_check=memory_check, by_reference=True)
     times["passes"] = time.perf_counter() - t0
     from qwc import memory_check as mc
     mc.check(f"compiling {Path(src).name}", compile_memory(model), "free some memory", skip=not memory_check,

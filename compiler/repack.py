@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from qwc.passes.graph import Graph, matmul_nbits_dims
+from qwc.passes.graph import Graph, matmul_nbits_dims, new_tensor, tensor_array
 
 from .targets import q4_0_path
 
@@ -40,7 +40,7 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
             node.input[1], node.input[2] = done[wname, sname]
             count += 1
             continue
-        wp, s = numpy_helper.to_array(inits[wname]), numpy_helper.to_array(inits[sname])
+        wp, s = tensor_array(inits[wname]), tensor_array(inits[sname])
         pw, ps = row_groups.pack(wp, s)
         gathers = _tied_gathers(consumers.get(wname, []), sname, s, producer, inits)
         plain_readers = [c for c in consumers.get(wname, []) if c.op_type != "MatMulNBits" and c not in (gathers or [])]
@@ -50,11 +50,11 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
         if gathers is None or plain_readers:
             # Something else reads the plain layout: give the matmuls a repacked copy.
             new = (wname + ".qwc_packed", sname + ".qwc_packed")
-            g.initializer.extend([numpy_helper.from_array(pw, new[0]), numpy_helper.from_array(ps, new[1])])
+            g.initializer.extend([new_tensor(pw, new[0]), new_tensor(ps, new[1])])
         else:
             new = (wname, sname)
-            inits[wname].CopyFrom(numpy_helper.from_array(pw, wname))
-            inits[sname].CopyFrom(numpy_helper.from_array(ps, sname))
+            inits[wname].CopyFrom(new_tensor(pw, wname))   # into the compile's weight file
+            inits[sname].CopyFrom(new_tensor(ps, sname))
             for gq in gathers:
                 own = gq.input[2]
                 gq.input[2] = sname   # the repacked scales directly; an Unsqueeze is left unread
@@ -81,7 +81,7 @@ def _tied_gathers(nodes, sname: str, scales, producer, inits) -> list | None:
         if src is not None:
             if src.op_type != "Unsqueeze" or src.input[0] != sname:
                 return None
-        elif c.input[2] not in inits or not np.array_equal(numpy_helper.to_array(inits[c.input[2]]), scales[..., None]):
+        elif c.input[2] not in inits or not np.array_equal(tensor_array(inits[c.input[2]]), scales[..., None]):
             return None
         out.append(c)
     return out

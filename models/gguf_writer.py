@@ -4,7 +4,9 @@ named the way `gguf_loader` maps them back. Used to hand llama.cpp the same weig
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
@@ -24,10 +26,21 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{i}.{_HF_LAYER[rest]}"
 
 
+@dataclass
+class Planned:
+    """A tensor made when its turn to be written comes, so a large model is never whole in
+    memory: its stored shape (bytes per row for a quantized type) and dtype up front."""
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    qtype: GGMLQuantizationType | None
+    make: Callable[[], np.ndarray]
+
+
 def write_gguf(path: Path, arch: str, cfg: ModelConfig, tokens: list[str], token_types: list[int],
-               tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]],
+               tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None] | Planned],
                merges: list[str] | None = None, file_type: int | None = None) -> Path:
-    """`tensors`: HF name -> (array, quantization type of its raw bytes, None for float)."""
+    """`tensors`: HF name -> (array, quantization type of its raw bytes, None for float), or a
+    Planned tensor."""
     w = GGUFWriter(str(path), arch)
     w.add_name(cfg.name)
     w.add_context_length(cfg.max_position_embeddings)
@@ -52,13 +65,22 @@ def write_gguf(path: Path, arch: str, cfg: ModelConfig, tokens: list[str], token
         w.add_eos_token_id(cfg.eos_token_ids[0])
     if cfg.chat_template:
         w.add_chat_template(cfg.chat_template)
-    for name, (data, qtype) in tensors.items():
-        if qtype is None:
-            w.add_tensor(gguf_name(name), np.ascontiguousarray(data))
-        else:
-            w.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
+    plan = {}
+    for name, t in tensors.items():
+        if not isinstance(t, Planned):
+            data, qtype = t
+            data = np.ascontiguousarray(data)
+            t = Planned(data.shape, data.dtype, qtype, lambda data=data: data)
+        plan[name] = t
+        nbytes = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+        w.add_tensor_info(gguf_name(name), t.shape, np.dtype(t.dtype), nbytes, raw_dtype=t.qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for name, t in plan.items():   # in the order of the tensor infos
+        data = np.ascontiguousarray(t.make())
+        if data.shape != tuple(t.shape) or data.dtype != t.dtype:
+            raise ValueError(f"{name}: made {data.dtype}{list(data.shape)}, planned {np.dtype(t.dtype)}{list(t.shape)}")
+        w.write_tensor_data(data)
     w.close()
     return Path(path)

@@ -7,8 +7,11 @@ nodes topologically, so a pass may append replacement nodes anywhere.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -52,15 +55,119 @@ def tensor_bytes(t: onnx.TensorProto) -> int:
     return len(t.raw_data) if t.raw_data else numpy_helper.to_array(t).nbytes
 
 
-def materialize(model: onnx.ModelProto) -> None:
-    """Read every still-external initializer into the graph (the few float tensors the passes
-    left: norm gains, biases, rotary tables), so the model saves and checks like any other."""
+# Initializers at least this big are weights: the passes write them to the active weight file
+# (below) instead of into the message, and the compiler passes them to TVM by reference.
+LARGE_TENSOR_BYTES = 1 << 16
+_PAGE = 4096
+_COPY_CHUNK = 1 << 24
+
+
+def external_location(t: onnx.TensorProto) -> str | None:
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    return next((e.value for e in t.external_data if e.key == "location"), None)
+
+
+class WeightFile:
+    """An append-only file of tensor payloads, each page-aligned, that initializers refer to as
+    external data by absolute path. Why: protobuf frees a message's bytes only with the whole
+    message, so a weight put into the graph stays in memory until the end (a 7B's 4.3 GB of
+    Q4_0); written here as it is made, it costs memory only while it is being made."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path).resolve()
+        self._f = open(self.path, "wb")
+        self.size = 0
+        self.written: set[int] = set()   # offsets, to tell whether dropped tensors left garbage
+
+    def _start(self) -> int:
+        pad = -self.size % _PAGE
+        self._f.write(b"\0" * pad)
+        self.size += pad
+        return self.size
+
+    def _tensor(self, name: str, data_type: int, dims, offset: int, nbytes: int) -> onnx.TensorProto:
+        self.size = offset + nbytes
+        self.written.add(offset)
+        self._f.flush()   # readable at once: a later pass may read what an earlier one wrote
+        t = onnx.TensorProto(name=name, data_type=data_type, dims=list(dims),
+                             data_location=onnx.TensorProto.EXTERNAL)
+        for k, v in (("location", str(self.path)), ("offset", str(offset)), ("length", str(nbytes))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        return t
+
+    def add(self, array: np.ndarray, name: str) -> onnx.TensorProto:
+        a = np.ascontiguousarray(array)
+        offset = self._start()
+        self._f.write(a.data if a.ndim else a.tobytes())
+        return self._tensor(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape, offset, a.nbytes)
+
+    def copy_in(self, t: onnx.TensorProto) -> onnx.TensorProto:
+        """A copy of the external tensor `t` (in another file) in this one, by chunks of the file."""
+        info = {e.key: e.value for e in t.external_data}
+        nbytes, offset = tensor_bytes(t), self._start()
+        with open(info["location"], "rb") as src:
+            src.seek(int(info.get("offset", 0)))
+            left = nbytes
+            while left:
+                chunk = src.read(min(left, _COPY_CHUNK))
+                if not chunk:
+                    raise QwcError(f"initializer {t.name}: its external data file {info['location']} is truncated")
+                self._f.write(chunk)
+                left -= len(chunk)
+        return self._tensor(t.name, t.data_type, t.dims, offset, nbytes)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+_weights: contextvars.ContextVar[WeightFile | None] = contextvars.ContextVar("qwc_weight_file", default=None)
+
+
+@contextlib.contextmanager
+def weights_to(path: Path):
+    """While active, new large initializers (`new_tensor`) go to a WeightFile at `path`."""
+    wf = WeightFile(path)
+    token = _weights.set(wf)
+    try:
+        yield wf
+    finally:
+        _weights.reset(token)
+        wf.close()
+
+
+def active_weight_file() -> WeightFile | None:
+    return _weights.get()
+
+
+def new_tensor(array: np.ndarray, name: str) -> onnx.TensorProto:
+    """An initializer holding `array`: in the active weight file if large, else in the message."""
+    wf = _weights.get()
+    if wf is not None and array.nbytes >= LARGE_TENSOR_BYTES:
+        return wf.add(array, name)
+    return numpy_helper.from_array(np.ascontiguousarray(array), name)
+
+
+def materialize(model: onnx.ModelProto, max_bytes: int | None = None) -> None:
+    """Read still-external initializers into the graph (the few float tensors the passes left:
+    norm gains, biases, rotary tables), so the model saves and checks like any other.
+    `max_bytes`: only those smaller than that (the compiler reads the rest by reference).
+    With a weight file active, large ones from other files are copied into it instead."""
+    wf = _weights.get()
     for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            a = tensor_array(t)
-            t.raw_data = a.tobytes()
-            t.data_location = onnx.TensorProto.DEFAULT
-            del t.external_data[:]
+        loc = external_location(t)
+        if loc is None or (wf is not None and loc == str(wf.path)):
+            continue
+        if max_bytes is not None and tensor_bytes(t) >= max_bytes:
+            continue
+        if wf is not None and tensor_bytes(t) >= LARGE_TENSOR_BYTES:
+            t.CopyFrom(wf.copy_in(t))
+            continue
+        a = tensor_array(t)
+        t.raw_data = a.tobytes()
+        t.data_location = onnx.TensorProto.DEFAULT
+        del t.external_data[:]
 
 
 class Graph:
@@ -135,8 +242,8 @@ class Graph:
 
     def add_init(self, array: np.ndarray, base: str) -> str:
         name = self.fresh(base)
-        t = numpy_helper.from_array(np.ascontiguousarray(array), name)
-        self.g.initializer.append(t)
+        self.g.initializer.append(new_tensor(np.asarray(array), name))
+        t = self.g.initializer[-1]
         self.inits[name] = t
         return name
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from pathlib import Path
 
 import onnx
 
@@ -13,7 +14,7 @@ from qwc.errors import QwcError
 
 from . import (awq, canonicalize, fold_norm_scales, fuse_attention, fuse_rmsnorm, fuse_rotary,
                quantize_embedding, quantize_linears, schemas)
-from .graph import materialize, node_label, tensor_bytes
+from .graph import WeightFile, external_location, materialize, node_label, tensor_bytes, weights_to
 from .options import PassOptions
 
 PASSES = [
@@ -66,7 +67,9 @@ def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
         model = fn(model, options)
         progress.info(f"[qwc]   {name}: {len(model.graph.node)} nodes ({time.perf_counter() - t0:.1f}s)")
     check_canonical(model)
-    materialize(model)    # the float tensors a lazily loaded graph still has on disk
+    # The float tensors a lazily loaded graph still has on disk: read in, or with a weight file
+    # active, the large ones copied into it (the output needs no file but its own).
+    materialize(model)
     kept = [p for p in model.metadata_props if p.key != STREAM_EXPORT_KEY]
     del model.metadata_props[:]
     model.metadata_props.extend(kept)
@@ -161,8 +164,6 @@ def load_graph(path, lazy: bool = False) -> onnx.ModelProto:
     """The graph in `path`. `lazy`: external-data initializers stay on disk (their paths made
     absolute) and the passes read each when they need it, so a 7B float graph (30 GB) is never
     in memory at once."""
-    from pathlib import Path
-
     from google.protobuf.message import DecodeError
 
     path = Path(path)
@@ -205,79 +206,151 @@ def _resolve_external(model: onnx.ModelProto, path) -> None:
 
 def save_graph(model: onnx.ModelProto, out, config, tokenizer_src) -> None:
     """Write `out` (+ external data when large) and its config / tokenizer sidecars atomically."""
-    import shutil
-    from pathlib import Path
-
     from qwc.atomic import publish, staging_dir
-    from qwc.config import foreign_graph_files, sidecar_paths
+    from qwc.config import foreign_graph_files
+
+    with staging_dir(Path(out), foreign=foreign_graph_files) as tmp:
+        publish(stage_graph(model, Path(out), tmp, config, tokenizer_src), foreign=foreign_graph_files)
+
+
+def data_file_name(out) -> str:
+    return Path(out).name + ".data"
+
+
+def stage_graph(model: onnx.ModelProto, out, tmp, config, tokenizer_src, weights=None) -> list:
+    """Write the graph for `out` into the staging folder `tmp`; returns the (staged, final) moves
+    for qwc.atomic.publish. `weights`: the WeightFile (at tmp / data_file_name(out)) the passes wrote
+    the large initializers to; they are saved as external data pointing at it."""
+    import shutil
+
+    from qwc.config import sidecar_paths
 
     out = Path(out)
     cfg_path, tok_path = sidecar_paths(out)
-    external = param_bytes(model) > EXTERNAL_DATA_THRESHOLD
-    with staging_dir(out, foreign=foreign_graph_files) as tmp:
-        staged = tmp / out.name
+    staged, data = tmp / out.name, tmp / data_file_name(out)
+    elsewhere = {loc for t in model.graph.initializer if (loc := external_location(t))} - (
+        {str(weights.path)} if weights is not None else set())
+    if elsewhere:
+        raise QwcError(f"internal: initializers still refer to {sorted(elsewhere)[0]}")
+    if weights is not None:
+        if weights.path != data.resolve():
+            raise QwcError("internal: the weight file is not the output's data file")
+        _compact(model, weights, tmp)
+        for t in model.graph.initializer:
+            for e in t.external_data:
+                if e.key == "location":
+                    e.value = data.name   # relative to the graph, as ONNX wants
+        onnx.save(model, str(staged))
+        external = any(external_location(t) for t in model.graph.initializer)
+    else:
+        external = param_bytes(model) > EXTERNAL_DATA_THRESHOLD
         onnx.save(model, str(staged), save_as_external_data=external,
-                  location=out.name + ".data" if external else None)
-        config.save(tmp / cfg_path.name)
-        moves = [(tmp / cfg_path.name, cfg_path)]
-        if tokenizer_src is not None:
-            shutil.copyfile(tokenizer_src, tmp / tok_path.name)
-            moves.append((tmp / tok_path.name, tok_path))
-        if external:
-            moves.append((tmp / (out.name + ".data"), out.with_name(out.name + ".data")))
-        publish(moves + [(staged, out)], foreign=foreign_graph_files)
+                  location=data.name if external else None)
+    config.save(tmp / cfg_path.name)
+    moves = [(tmp / cfg_path.name, cfg_path)]
+    if tokenizer_src is not None:
+        shutil.copyfile(tokenizer_src, tmp / tok_path.name)
+        moves.append((tmp / tok_path.name, tok_path))
+    if external:
+        moves.append((data, out.with_name(data.name)))
+    elif data.exists():
+        data.unlink()    # nothing was large enough to go there
+    return moves + [(staged, out)]
 
 
-def passes_memory(model: onnx.ModelProto) -> int:
+def _compact(model: onnx.ModelProto, weights, tmp) -> None:
+    """Rewrite the weight file without the tensors the passes wrote and later dropped (AWQ's
+    scaled float copies, say), so the output's data file holds only what its graph reads."""
+    import os
+
+    live = [t for t in model.graph.initializer if external_location(t) == str(weights.path)]
+    offsets = {int(next(e.value for e in t.external_data if e.key == "offset")) for t in live}
+    if offsets == weights.written:
+        return
+    progress.info(f"[qwc]   dropping {len(weights.written) - len(offsets)} unused tensors from the data file")
+    fresh = WeightFile(tmp / (weights.path.name + ".compact"))
+    for t in live:
+        t.CopyFrom(fresh.copy_in(t))
+    fresh.close()
+    os.replace(fresh.path, weights.path)
+    for t in live:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = str(weights.path)
+    weights.written = {int(next(e.value for e in t.external_data if e.key == "offset")) for t in live}
+
+
+def passes_memory(model: onnx.ModelProto, weight_file: bool = False) -> int:
     """Estimated peak bytes of `optimize` on `model` as loaded: the weights held in the message
     (twice: the passes' replacements live until the re-parse), the Q4_0 result (4.5 bits for
-    every 32 of float), and a few copies of the largest tensor (it is read, and quantized in
-    row chunks); plus the interpreter and onnx."""
+    every 32 of float) unless a weight file takes it as it is made, and the largest tensor read
+    whole with its quantized row chunks; plus the interpreter and onnx."""
     sizes = [tensor_bytes(t) for t in model.graph.initializer] or [0]
     held = sum(len(t.raw_data) for t in model.graph.initializer)
-    return 2 * held + sum(sizes) * 9 // 64 + 3 * max(sizes) + 2**29
+    result = 0 if weight_file else sum(sizes) * 9 // 64
+    return 2 * held + result + 3 * max(sizes) // 2 + 2**29
 
 
-def check_passes_memory(model: onnx.ModelProto, memory_check: bool) -> None:
+def _lazy(model: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def check_passes_memory(model: onnx.ModelProto, memory_check: bool, weight_file: bool = False) -> None:
     from qwc import memory_check as mc
 
-    lazy = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
-    mc.check("running the passes", passes_memory(model),
-             "free some memory" if lazy else
+    mc.check("running the passes", passes_memory(model, weight_file),
+             "free some memory" if _lazy(model) else
              "export with `qwc export --exporter stream`, whose graph keeps its weights on disk until a pass reads them",
              skip=not memory_check, held=sum(len(t.raw_data) for t in model.graph.initializer))
 
 
 def optimize_file(src, out, options: PassOptions, verify: bool = False, memory_check: bool = True) -> dict:
-    """`qwc optimize`: load, run the pipeline, optionally verify against the input with
-    onnxruntime, write. Returns the numbers the CLI prints."""
-    from qwc.atomic import check_destination
+    """`qwc optimize`: load, run the pipeline, write, optionally verify the written graph against
+    the input with onnxruntime, publish. Returns the numbers the CLI prints.
+
+    A graph whose weights are on disk (external data: any large one) is optimized into the
+    output's own data file, each quantized weight written as it is made (passes/graph.py:
+    WeightFile), so no stage holds the whole model."""
+    import contextlib
+
+    from qwc.atomic import check_destination, publish, staging_dir
     from qwc.config import foreign_graph_files, load_for_graph, tokenizer_for_graph
 
     from .verify import compare, random_steps
 
+    out = Path(out)
     check_destination(out, foreign=foreign_graph_files)
     config = load_for_graph(src)
     options.config = config
     with progress.stage(f"loading {src}"):
         model = load_graph(src, lazy=True)
-    check_passes_memory(model, memory_check)
+    lazy = _lazy(model)
+    check_passes_memory(model, memory_check, weight_file=lazy)
     before_ops, before_bytes = op_counts(model), param_bytes(model)
-    with progress.stage("running passes"):
-        model = optimize(model, options)
-    report = None
-    if verify:
-        with progress.stage("verifying against the input graph with onnxruntime"):
-            # The input is read back from its file: no second in-memory copy of a large model.
-            report = compare(src, model, config, random_steps(config, batch=1, prompt=8, decode=8))
-    with progress.stage(f"writing {out}"):
-        save_graph(model, out, config, tokenizer_for_graph(src))
+    with staging_dir(out, foreign=foreign_graph_files) as tmp:
+        with weights_to(tmp / data_file_name(out)) if lazy else contextlib.nullcontext() as wf:
+            with progress.stage("running passes"):
+                model = optimize(model, options)
+            with progress.stage(f"writing {out}"):
+                moves = stage_graph(model, out, tmp, config, tokenizer_for_graph(src), weights=wf)
+        report = None
+        if verify:
+            with progress.stage("verifying against the input graph with onnxruntime"):
+                # Both read from their files: no second in-memory copy of a large model.
+                report = compare(src, tmp / out.name, config, random_steps(config, batch=1, prompt=8, decode=8))
+        publish(moves, foreign=foreign_graph_files)
     return {"before_ops": before_ops, "after_ops": op_counts(model), "before_bytes": before_bytes,
             "after_bytes": param_bytes(model), "report": report}
 
 
-def load_canonical(src, config, options=None, memory_check: bool = True) -> onnx.ModelProto:
-    """The canonical graph of `src`: checked as it is, or made by running the passes."""
+def load_canonical(src, config, options=None, memory_check: bool = True,
+                   by_reference: bool = False) -> onnx.ModelProto:
+    """The canonical graph of `src`: checked as it is, or made by running the passes.
+    `by_reference`: large initializers may stay in their data files (the compiler reads them
+    one at a time as it writes params.bin); the passes then write theirs to the active weight
+    file (compiler/compile.py opens one)."""
+    from .graph import LARGE_TENSOR_BYTES, active_weight_file
+
     with progress.stage(f"loading {src}"):
         model = load_graph(src, lazy=True)
     check_ops_known(model)
@@ -285,9 +358,9 @@ def load_canonical(src, config, options=None, memory_check: bool = True) -> onnx
     streamed = any(p.key == STREAM_EXPORT_KEY for p in model.metadata_props)
     if any(n.op_type == "GroupQueryAttention" for n in model.graph.node) and not streamed:
         check_canonical(model)
-        materialize(model)    # the compiler reads initializers in memory
+        materialize(model, max_bytes=LARGE_TENSOR_BYTES if by_reference else None)
         return model
-    check_passes_memory(model, memory_check)
+    check_passes_memory(model, memory_check, weight_file=active_weight_file() is not None)
     with progress.stage("running passes (the graph is not canonical yet)"):
         options = options or PassOptions()
         options.config = config

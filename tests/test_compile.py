@@ -70,6 +70,7 @@ def test_cli_compile_and_run(tiny_onnx, tmp_path, capsys):
     out = tmp_path / "m.qwc"
     assert main(["-q", "compile", str(tiny_onnx), "-o", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["lib.so", "manifest.json", "params.bin", "tokenizer.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # the scratch weight file is gone
     capsys.readouterr()
     assert main(["-q", "run", str(out), "--prompt", "Hello", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("Hello")

@@ -21,7 +21,7 @@ from qwc.models.qwen2 import from_checkpoint
 from qwc.models.stream_export import rotary_caches
 from qwc.models.tokenizer import byte_level_tokenizer, special_ids
 from qwc.passes import fuse_rotary
-from qwc.passes.graph import tensor_array
+from qwc.passes.graph import LARGE_TENSOR_BYTES, new_tensor, tensor_array, tensor_bytes, weights_to
 from qwc.passes.options import PassOptions
 from qwc.passes.pipeline import STREAM_EXPORT_KEY, load_canonical, load_graph, optimize
 
@@ -143,6 +143,46 @@ def test_optimize_reads_a_streamed_graph_lazily(tmp_path):
     want = {t.name: onnx.numpy_helper.to_array(t) for t in ref.graph.initializer}
     got = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "m.q4.onnx")).graph.initializer}
     assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in got)
+    # Each quantized weight went to the output's own data file as it was made: the graph names
+    # it relative to itself, and the file holds those tensors and nothing else.
+    q4 = onnx.load(str(tmp_path / "m.q4.onnx"), load_external_data=False)
+    ext = [t for t in q4.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert {t.name for t in ext} == {t.name for t in ref.graph.initializer if tensor_bytes(t) >= LARGE_TENSOR_BYTES}
+    assert {e.value for t in ext for e in t.external_data if e.key == "location"} == {"m.q4.onnx.data"}
+    data = (tmp_path / "m.q4.onnx.data").stat().st_size
+    assert sum(tensor_bytes(t) for t in ext) <= data < sum(tensor_bytes(t) for t in ext) + 4096 * len(ext)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("m.q4")) == [
+        "m.q4.config.json", "m.q4.onnx", "m.q4.onnx.data", "m.q4.tokenizer.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no staging left
+
+
+def test_weight_file_keeps_only_what_the_graph_reads(tmp_path):
+    """A weight a pass wrote and a later pass dropped is not carried into the output's data file;
+    small tensors stay in the message."""
+    from onnx import helper
+
+    from qwc.atomic import publish
+    from qwc.passes.pipeline import stage_graph
+
+    cfg = _hub_dir(tmp_path / "hf", "0.5b")
+    rng = np.random.default_rng(0)
+    kept, dropped = rng.standard_normal((64, 512)).astype(np.float32), rng.standard_normal((512, 64)).astype(np.float32)
+    out = tmp_path / "g.onnx"
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    with weights_to(stage / "g.onnx.data") as wf:
+        g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 512])])
+        wf.add(dropped, "gone")
+        g.initializer.extend([new_tensor(kept, "w"), new_tensor(np.ones(3, np.float32), "small")])
+        assert g.initializer[0].data_location == onnx.TensorProto.EXTERNAL and g.initializer[1].raw_data
+        model = helper.make_model(g)
+        moves = stage_graph(model, out, stage, cfg, None, weights=wf)
+    publish(moves)
+    assert (tmp_path / "g.onnx.data").stat().st_size == kept.nbytes
+    back = onnx.load(str(out))
+    assert np.array_equal(onnx.numpy_helper.to_array(back.graph.initializer[0]), kept)
 
 
 def test_streamed_rotary_tables_are_the_passes_tables():
