@@ -446,6 +446,35 @@ def edit_config(fn, name: str = "tiny.onnx"):
     return setup
 
 
+def _hf_dir_layers(config_layers: int, weight_layers: int, layer_types: bool):
+    """hf/: a Qwen2 directory whose config.json says `config_layers` layers while its weights
+    hold `weight_layers` (`layer_types`: the per-layer list transformers writes, as long as the
+    weights)."""
+    def setup(cwd: Path):
+        import numpy as np
+        from safetensors.numpy import save_file
+
+        from qwc.config import ModelConfig
+        from qwc.models.checkpoint import expected_tensors
+        from qwc.models.tokenizer import byte_level_tokenizer
+
+        hf = {"model_type": "qwen2", "vocab_size": 288, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": weight_layers, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": True}
+        cfg = ModelConfig.from_hf_dict(hf, name="hf", source="fuzz")
+        (cwd / "hf").mkdir()
+        rng = np.random.default_rng(0)
+        save_file({n: (0.02 * rng.standard_normal(shape)).astype(np.float32)
+                   for n, shape in expected_tensors(cfg).items()}, str(cwd / "hf" / "model.safetensors"))
+        hf["num_hidden_layers"] = config_layers
+        if layer_types:
+            hf["layer_types"] = ["full_attention"] * weight_layers
+        (cwd / "hf" / "config.json").write_text(json.dumps(hf))
+        byte_level_tokenizer().save(str(cwd / "hf" / "tokenizer.json"))
+    return setup
+
+
 # -- the cases -------------------------------------------------------------------------------
 
 def _set(d, path, value):
@@ -495,6 +524,10 @@ def named_cases() -> list[Case]:
     def rename_output(m):
         m.graph.output[0].name = "not_logits"
 
+    def float_input_ids(m):
+        import onnx
+        next(i for i in m.graph.input if i.name == "input_ids").type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+
     def foreign_graph(cwd: Path):
         import onnx
         from onnx import TensorProto, helper
@@ -524,6 +557,7 @@ def named_cases() -> list[Case]:
             Case("onnx", f"{cmd}-custom-op", A, setup=edit_graph(rename_op("MatMul", "FusedThing", "com.example")),
                  output=out),
             Case("onnx", f"{cmd}-no-logits-output", A, setup=edit_graph(rename_output), output=out),
+            Case("onnx", f"{cmd}-float-input-ids", A, setup=edit_graph(float_input_ids), output=out),
             Case("onnx", f"{cmd}-missing-external-data", A, setup=external_missing, output=out),
             Case("onnx", f"{cmd}-missing-input", A, setup=lambda cwd: None, output=out),
             Case("onnx", f"{cmd}-no-config", A, setup=both(copy_graph(), lambda c: (c / "m.config.json").unlink()),
@@ -831,6 +865,10 @@ def named_cases() -> list[Case]:
                  {"model_type": "qwen2", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 8,
                   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}).encode()),
                  user_file("hf/model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")), output="o.onnx"),
+        Case("inputs", "export-hf-config-more-layers-than-weights", ["export", "hf", "-o", "o.onnx"],
+             setup=_hf_dir_layers(config_layers=2, weight_layers=1, layer_types=True), output="o.onnx"),
+        Case("inputs", "export-hf-weights-lack-a-layer", ["export", "hf", "-o", "o.onnx"],
+             setup=_hf_dir_layers(config_layers=2, weight_layers=1, layer_types=False), output="o.onnx"),
         Case("inputs", "data-unknown-action", ["data", "frobnicate"]),
         Case("inputs", "data-choices-binary-text", ["data", "choices", "--text", "b.txt", "-o", "c.jsonl"],
              setup=user_file("b.txt", bytes(range(256)) * 4), output="c.jsonl"),
@@ -963,6 +1001,7 @@ def _flag_expectation(flag: str, value: str) -> tuple[str, ...]:
     except ValueError:
         return ("error",)
     import math
+
     from qwc.limits import max_threads
     ok = {"--temperature": lambda: math.isfinite(v) and 0 <= v <= 1e4,
           "--top-p": lambda: math.isfinite(v) and 0 < v <= 1,

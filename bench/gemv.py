@@ -93,9 +93,8 @@ def qwc_gemv(model, act_bits):
 
     from qwc.compiler.build import build
     from qwc.compiler.frontend import import_graph
-    from qwc.compiler.targets import get_target
-
     from qwc.compiler.repack import repack_weights
+    from qwc.compiler.targets import get_target
 
     target = get_target("host")
     model = onnx.ModelProto.FromString(model.SerializeToString())
@@ -116,10 +115,9 @@ def qwc_stream(n: int, k: int, total: float = 290e6, rounds: int = 4) -> float |
     nothing but the call itself sits between them. None where the host has no VNNI kernel."""
     import tvm
 
-    from qwc.compiler.targets import q4_0_path
     from qwc.compiler.kernels.row_groups import groups
     from qwc.compiler.kernels.x86 import vnni
-    from qwc.compiler.targets import get_target
+    from qwc.compiler.targets import get_target, q4_0_path
 
     target = get_target("host")
     if q4_0_path(32, 4, 8, target.features) != "x86":

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from gguf import GGMLQuantizationType, TokenType
 from gguf.quants import quantize
-
-import numpy as np
 
 from qwc.models.gguf_writer import Planned, write_gguf
 from qwc.q4 import row_chunks

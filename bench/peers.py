@@ -62,6 +62,7 @@ def prepare(workdir: Path, max_batch: int = 1) -> dict[str, Path]:
     if not paths["gguf"].exists():
         sys.path.insert(0, str(Path(__file__).parent))
         from gguf_q4_0 import write_gguf_q4_0
+
         from qwc.models.presets import load_preset
 
         write_gguf_q4_0(load_preset(PRESET), paths["gguf"])

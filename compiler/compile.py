@@ -15,7 +15,6 @@ from qwc.atomic import check_destination
 from qwc.config import load_for_graph, tokenizer_for_graph
 from qwc.errors import QwcError
 from qwc.limits import MAX_BATCH
-
 from qwc.passes.last_position import last_position_logits, prefill_nodes
 from qwc.passes.pipeline import load_canonical
 

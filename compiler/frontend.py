@@ -31,6 +31,7 @@ from .kernels import generic, w4a8_gemm
 from .kernels.w4a8 import ZERO_POINT
 from .targets import kernels_for, q4_0_path
 
+
 @dataclass
 class ImportContext:
     """What one import_graph call hands its converters (TVM calls them with the block builder,

@@ -9,9 +9,13 @@ kernels (GEMV/GEMM, attention) with hand-scheduled ones; this keeps everything e
 
 from __future__ import annotations
 
+import sys
+
 import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
+
+from .kernels import SCHEDULED, hand_scheduled
 
 VECTOR_LANES = 8  # fp32 lanes of a 256-bit vector; LLVM splits or widens for the target
 # Below this many output elements an elementwise kernel costs less than a parallel launch (a
@@ -19,20 +23,27 @@ VECTOR_LANES = 8  # fp32 lanes of a 256-bit vector; LLVM splits or widens for th
 MIN_PARALLEL = 1 << 14
 
 
-def schedule_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
+def schedule_func(func: tirx.PrimFunc, name: str = "kernel") -> tirx.PrimFunc:
     sch = s_tir.Schedule(func)
     try:
         infos = normalize_prim_func(sch)
     except Exception:
         infos = None
     if not infos:
+        _unscheduled(name, "its loops are not in a form the generic rule reads")
         return func
     for info in reversed(infos):
         try:
             _schedule_block(sch, info)
-        except (s_tir.ScheduleError, tvm.error.TVMError):
-            continue  # a block the generic rule cannot handle stays as it was
+        except (s_tir.ScheduleError, tvm.error.TVMError) as e:
+            _unscheduled(name, f"a block refused the generic rule ({str(e).strip().splitlines()[0][:120]})")
     return sch.mod["main"]
+
+
+def _unscheduled(name: str, why: str) -> None:
+    """Loud, not silent: an unscheduled kernel runs single-threaded scalar loops (seconds a token
+    if it is a hot one)."""
+    print(f"qwc: warning: kernel {name} left unscheduled (serial, scalar): {why}", file=sys.stderr, flush=True)
 
 
 def _schedule_block(sch, info) -> None:
@@ -62,8 +73,8 @@ def _schedule_block(sch, info) -> None:
 def generic_cpu_schedule(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     updates = {}
     for gv, fn in mod.functions_items():
-        if isinstance(fn, tirx.PrimFunc) and not (fn.attrs and "qwc.scheduled" in fn.attrs):
-            updates[gv] = schedule_func(fn).with_attr("qwc.scheduled", True)
+        if isinstance(fn, tirx.PrimFunc) and not (fn.attrs and SCHEDULED in fn.attrs):
+            updates[gv] = hand_scheduled(schedule_func(fn, gv.name_hint))
     for gv, fn in updates.items():
         mod[gv] = fn
     return mod

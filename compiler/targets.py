@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qwc.errors import QwcError
 from qwc import cpu
+from qwc.errors import QwcError
 
 
 @dataclass(frozen=True)

@@ -335,7 +335,6 @@ def run(src, target: Target, trials: int, db: Path, rpc: tuple[str, int, str] | 
     """Tune the kernels an artifact with `act_bits` activations (None: the target's default,
     as `qwc compile` picks it) would use."""
     from qwc.config import load_for_graph
-
     from qwc.passes.pipeline import load_canonical
 
     if trials < 1:

@@ -71,9 +71,7 @@ def build_items(text: str, n: int = 200, options: int = 4, context_sentences: in
 
 
 def write_items(items: list[dict], path: Path) -> None:
-    from qwc.atomic import staging_dir
-
-    from qwc.atomic import check_replaceable
+    from qwc.atomic import check_replaceable, staging_dir
 
     path = Path(path)
     with staging_dir(path, foreign=foreign_items) as tmp:

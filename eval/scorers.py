@@ -91,8 +91,8 @@ class QwcScorer(Scorer):
 
     def __init__(self, path: str, threads: int | None = None, ctx: int = 2048):
         super().__init__(path)
-        from qwc.runtime.engine import Engine
         from qwc.manifest import read_manifest
+        from qwc.runtime.engine import Engine
 
         max_ctx = int(read_manifest(Path(path))["model"]["max_position_embeddings"])
         self.engine = Engine(path, ctx=min(ctx, max_ctx), threads=threads)

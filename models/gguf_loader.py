@@ -117,8 +117,7 @@ def config_from_gguf(reader: GGUFReader, path: Path) -> tuple[ModelConfig, str]:
 def _tokenizer(path: Path):
     # transformers' GGUF tokenizer builder rebuilds the exact fast tokenizer (vocab, merges,
     # pre-tokenizer split regex, special tokens) from llama.cpp's metadata keys.
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        convert_gguf_tokenizer, get_gguf_tokenizer)
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
     try:
         arch, tok_dict, _ = get_gguf_tokenizer(str(path))
         if "tokens" not in tok_dict:

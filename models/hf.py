@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 from transformers import Qwen2Config
@@ -42,8 +43,10 @@ def open_hf_dir(path: Path) -> Checkpoint:
     ModelConfig.from_hf_dict(raw, name=path.name, source=str(cfg_path))   # types and ranges first
     try:
         hf = Qwen2Config.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise QwcError(f"{cfg_path}: transformers rejects it ({str(e).splitlines()[0]})") from None
+    except (TypeError, ValueError, StrictDataclassError) as e:
+        # huggingface_hub's validation errors say what is wrong on their last line
+        why = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise QwcError(f"{cfg_path}: transformers rejects it ({why[-1] if why else type(e).__name__})") from None
     gen_path = path / "generation_config.json"
     if gen_path.is_file():
         gen_eos = _read_json(gen_path).get("eos_token_id")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from qwc import progress
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
-from qwc import progress
 
 from .qwen2 import LoadedModel, build_model
 from .tokenizer import CHATML_TEMPLATE, byte_level_tokenizer, special_ids

@@ -12,8 +12,17 @@ import onnx
 from qwc import progress
 from qwc.errors import QwcError
 
-from . import (awq, canonicalize, fold_norm_scales, fuse_attention, fuse_rmsnorm, fuse_rotary,
-               quantize_embedding, quantize_linears, schemas)
+from . import (
+    awq,
+    canonicalize,
+    fold_norm_scales,
+    fuse_attention,
+    fuse_rmsnorm,
+    fuse_rotary,
+    quantize_embedding,
+    quantize_linears,
+    schemas,
+)
 from .graph import WeightFile, external_location, materialize, node_label, tensor_bytes, weights_to
 from .options import PassOptions
 
@@ -59,6 +68,7 @@ def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
     schemas.register()
     check_ops_known(model)
     check_float32(model)
+    check_input_types(model)
     # Weights held in the message (not lazily on disk) that the passes replace stay allocated
     # until the message is re-parsed; a lazily loaded graph has none worth the copy.
     held = sum(len(t.raw_data) for t in model.graph.initializer)
@@ -136,6 +146,19 @@ def check_float32(model: onnx.ModelProto) -> None:
         if dtype in _FLOAT_KINDS:
             raise QwcError(f"{kind} {name} is {_FLOAT_KINDS[dtype]}: qwc takes float32 graphs "
                            "(export the model in float32)")
+
+
+_INT64_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def check_input_types(model: onnx.ModelProto) -> None:
+    """The runtime feeds token ids, the attention mask and positions as int64: a graph that
+    declares another type would be compiled for inputs it never gets."""
+    for i in model.graph.input:
+        t = i.type.tensor_type.elem_type
+        if i.name in _INT64_INPUTS and t != onnx.TensorProto.INT64:
+            kind = onnx.TensorProto.DataType.Name(t).lower() if t else "untyped"
+            raise QwcError(f"input {i.name} is {kind}: qwc feeds it as int64 (is this an exported Qwen2 graph?)")
 
 
 def check_canonical(model: onnx.ModelProto) -> None:
@@ -355,6 +378,7 @@ def load_canonical(src, config, options=None, memory_check: bool = True,
         model = load_graph(src, lazy=True)
     check_ops_known(model)
     check_float32(model)
+    check_input_types(model)
     streamed = any(p.key == STREAM_EXPORT_KEY for p in model.metadata_props)
     if any(n.op_type == "GroupQueryAttention" for n in model.graph.node) and not streamed:
         check_canonical(model)

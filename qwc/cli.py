@@ -15,7 +15,6 @@ from .atomic import check_destination
 from .errors import QwcError
 from .limits import MAX_BATCH, max_threads
 
-
 # -- option types: a bad value is one line `qwc: error: argument --x: ...`, exit 2 ----------
 
 def _int_at_least(lo: int, what: str = ""):

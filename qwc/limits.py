@@ -5,7 +5,6 @@ from __future__ import annotations
 import numbers
 import os
 
-
 MAX_BATCH = 256   # `qwc compile --max-batch`: sequences one batched decode step may carry
 
 

@@ -19,10 +19,10 @@ from qwc import cpu
 from qwc.checksum import sha256
 from qwc.errors import QwcError
 from qwc.limits import is_int, max_threads
+from qwc.manifest import check_library, read_manifest
 from qwc.vocab import mismatch, token_span
 
 from . import memory
-from qwc.manifest import check_library, read_manifest
 from .sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 256

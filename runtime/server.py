@@ -213,7 +213,8 @@ class Api:
 def create_app(engine, scheduler: Scheduler, settings: Settings):
     """The FastAPI application (needs the `serve` extra)."""
     try:
-        from fastapi import FastAPI, Request as HttpRequest
+        from fastapi import FastAPI
+        from fastapi import Request as HttpRequest
         from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     except ImportError:
         raise QwcError("qwc serve needs the serve extra: pip install 'qwc[serve]'") from None

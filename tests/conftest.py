@@ -7,14 +7,12 @@ import onnx
 import pytest
 import torch
 
+from qwc import progress
 from qwc.config import sidecar_paths
-from qwc.passes.options import PassOptions
-from qwc.passes.pipeline import optimize, save_graph
-
 from qwc.models.export import export_onnx
 from qwc.models.presets import load_preset
-from qwc import progress
-
+from qwc.passes.options import PassOptions
+from qwc.passes.pipeline import optimize, save_graph
 
 # The slowest files, slowest first (measured: `pytest --durations=0`, summed by file). pytest
 # runs on two workers a whole file each (pyproject.toml: --dist loadfile) in collection order:

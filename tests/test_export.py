@@ -7,10 +7,10 @@ import json
 import numpy as np
 import onnx
 import pytest
+from tokenizers import Tokenizer
 
 from qwc.cli import main
 from qwc.config import ModelConfig, sidecar_paths
-from tokenizers import Tokenizer
 
 from conftest import ort_kv_logits, torch_kv_logits
 

@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from test_load import _make_gguf
 
 from qwc.cli import main
-
-from test_load import _make_gguf
 
 
 def _run(args, capsys):
@@ -102,8 +101,8 @@ def test_unsupported_hf_architecture(tiny_lm, tmp_path, capsys):
 
 
 def test_unsupported_gguf_architecture(tmp_path, capsys):
-    from gguf import GGUFWriter
     import numpy as np
+    from gguf import GGUFWriter
 
     path = tmp_path / "falcon.gguf"
     w = GGUFWriter(str(path), "falcon")

@@ -9,8 +9,7 @@ from tvm import relax
 
 from qwc.compiler.build import build
 from qwc.compiler.frontend import MatMulNBits
-from qwc.compiler.kernels import generic
-from qwc.compiler.kernels import row_groups, w4a8
+from qwc.compiler.kernels import generic, row_groups, w4a8
 from qwc.compiler.targets import get_target
 from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 
@@ -452,3 +451,24 @@ def test_quantizing_decode_gemv_refuses_streams_that_split_a_block(monkeypatch):
     monkeypatch.setattr(vnni, "STREAMS", 6)
     with pytest.raises(ValueError, match="STREAMS"):
         vnni.decode_gemv.__wrapped__(((64, False), (64, False)), 2, "float16", silu_mul=True, quantize=w4a8.ZERO_POINT)
+
+
+def test_a_kernel_the_generic_schedule_cannot_read_is_named_not_skipped(capsys):
+    """compiler/schedule.py: a kernel that is neither scheduled by its writer nor readable by the
+    generic rule would run serial scalar loops; the build says which, and hand-scheduled kernels
+    (the attribute kernels.SCHEDULED) are left alone without a word."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from qwc.compiler import schedule
+    from qwc.compiler.kernels import hand_scheduled
+
+    @T.prim_func(private=True)
+    def loops(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
+        for i in range(64):   # no block: nothing the generic rule can read
+            b[i] = a[i] * T.float32(2)
+
+    mod = tvm.IRModule({"scale_twice": loops, "mine": hand_scheduled(loops)})
+    schedule.generic_cpu_schedule(mod)
+    err = capsys.readouterr().err
+    assert "kernel scale_twice left unscheduled" in err and "mine" not in err

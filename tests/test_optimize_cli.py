@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import helper, numpy_helper
-import numpy as np
 
 from qwc.cli import main
 from qwc.config import ModelConfig, sidecar_paths

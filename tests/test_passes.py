@@ -12,8 +12,7 @@ import onnx
 import pytest
 import torch
 
-from qwc.passes import (canonicalize, fold_norm_scales, fuse_attention, fuse_rmsnorm, fuse_rotary,
-                        schemas)
+from qwc.passes import canonicalize, fold_norm_scales, fuse_attention, fuse_rmsnorm, fuse_rotary, schemas
 from qwc.passes.options import PassOptions
 from qwc.passes.pipeline import CANONICAL_OPS, optimize
 from qwc.passes.verify import compare, random_steps, run_steps, session

@@ -8,8 +8,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
 import qwc.q4 as q4mod
-from qwc.q4 import (dequantize_q4_0, fake_quantize_q4_0, pack_nibbles, quantize_q4_0, quantize_q8_0,
-                    unpack_nibbles)
+from qwc.q4 import dequantize_q4_0, fake_quantize_q4_0, pack_nibbles, quantize_q4_0, quantize_q8_0, unpack_nibbles
 
 
 def llama_quantize_row_q4_0_ref(x: np.ndarray):

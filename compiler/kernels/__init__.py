@@ -4,6 +4,15 @@ The W4A8 builders by the names compiler/targets.py's KERNEL_RULES give them; wha
 kernels share (signature, zero point, tile defaults) is in w4a8.py.
 """
 
+# A kernel carrying this attribute was scheduled by its writer (explicit parallel, vector or
+# deliberately serial loops); compiler/schedule.py's generic rule leaves it as it is and warns
+# about any other kernel it cannot schedule.
+SCHEDULED = "qwc.scheduled"
+
+
+def hand_scheduled(func):
+    return func.with_attr(SCHEDULED, True)
+
 
 def w4a8_gemm(impl: str, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
               batched_decode: bool = False):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 
-from . import vector_math
+from . import hand_scheduled, vector_math
 
 KEY_TILE = 16    # keys per tile of the K layout and per online-softmax step
 LANES = 16       # fp32 lanes of the value accumulator's vectors
@@ -84,7 +84,7 @@ def kv_cache_write(key_tiles: bool, batched: bool = False):
             seqlens = T.match_buffer(var_seqlens, (bsz,), "int32")
             for b in T.serial(bsz):
                 put(cache, new, b, seqlens[b], kvh, hd, s)
-        return write_batch
+        return hand_scheduled(write_batch)
 
     @T.prim_func(private=True)
     def write(var_cache: T.handle, var_new: T.handle, seqlens: T.Buffer((1,), "int32")):
@@ -94,7 +94,7 @@ def kv_cache_write(key_tiles: bool, batched: bool = False):
         new = T.match_buffer(var_new, (T.int64(1), s, kvh * hd), "float32")
         put(cache, new, T.int64(0), seqlens[0], kvh, hd, s)
 
-    return write
+    return hand_scheduled(write)
 
 
 def _tree_sum(xs):
@@ -190,7 +190,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
             for bt in T.parallel(bsz * heads * s):
                 attend(q, kc, vc, out, bt // (heads * s), bt % (heads * s), s, seqlens[bt // (heads * s)])
-        return kernel_batch.with_attr(ONLINE_SCALE, float(scale))
+        return hand_scheduled(kernel_batch.with_attr(ONLINE_SCALE, float(scale)))
 
     @T.prim_func(private=True)
     def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, seqlens: T.Buffer((1,), "int32"),
@@ -205,7 +205,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         for task in T.parallel(heads * s):
             attend(q, kc, vc, out, T.int64(0), task, s, seqlens[0])
 
-    return kernel.with_attr(ONLINE_SCALE, float(scale))
+    return hand_scheduled(kernel.with_attr(ONLINE_SCALE, float(scale)))
 
 
 def fuses_decode_prologue(head_dim: int) -> bool:
@@ -433,11 +433,11 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                    var_sin: T.handle, var_out: T.handle, aq: T.Buffer((1, nb, BLOCK), "int8"),
                    ad: T.Buffer((1, nb), "float32"), off: T.Buffer((1, nb), "float32")):
             kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off)
-        return kernel
+        return hand_scheduled(kernel)
 
     @T.prim_func(private=True, check_well_formed=False)
     def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
                seqlens: T.Buffer((1,), "int32"), pos: T.Buffer((1, 1), pos_dtype), var_cos: T.handle,
                var_sin: T.handle, var_out: T.handle):
         kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, None, None, None)
-    return kernel
+    return hand_scheduled(kernel)

@@ -11,6 +11,8 @@ import functools
 
 from tvm import te, tirx
 
+from . import hand_scheduled
+
 
 def _q4(byte, k):
     """q - 8 of element k from the packed byte holding it (even k: low nibble, odd: high)."""
@@ -221,4 +223,4 @@ def rotary_halves(width: int, heads: int, pos_dtype: str):
             for r in range(b * s_):
                 row(x, pos, cos, sin, y, r, s_)
 
-    return kernel
+    return hand_scheduled(kernel)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from tvm import s_tir, te, tirx
 
+from . import hand_scheduled
+
 BLOCK = 32
 HALF = BLOCK // 2
 
@@ -103,4 +105,4 @@ def kernel(k: int, n: int, nb: int, one_token: bool, knobs: dict | None = None,
     kn = {**DEFAULTS, **(knobs or {})}
     sch = s_tir.Schedule(prim_func(k, n, nb, one_token, m))
     apply_schedule(sch, n, one_token, kn["rows"], kn["tokens"])
-    return sch.mod["main"].with_attr("qwc.scheduled", True).with_attr("op_pattern", 8)
+    return hand_scheduled(sch.mod["main"]).with_attr("op_pattern", 8)

@@ -33,6 +33,7 @@ def main() -> None:
     _load_package("qwc", repo / "qwc")
     _load_package("qwc.runtime", repo / "runtime")
     import numpy as np
+
     from qwc.runtime.engine import Engine
 
     # Emulated guest threads (TVM_NUM_THREADS) may be many more than the host's cores.
