@@ -134,8 +134,8 @@ class MatMulNBits(F.OnnxOpConverter):
             from .kernels.x86 import vnni
 
             fused_bias = bias is not None   # the decode GEMV adds it in its epilogue
-            kernel = bb.add_func(vnni.decode_gemv(((n, fused_bias),), nb, sdt),
-                                 _kname(f"q4_gemv_vnni_{n}x{nb}_{sdt}{'_bias' if fused_bias else ''}"))
+            kernel = bb.add_func(vnni.decode_gemv(((n, fused_bias),), nb, sdt, dot=impl),
+                                 _kname(f"q4_gemv_{impl}_{n}x{nb}_{sdt}{'_bias' if fused_bias else ''}"))
         scales = [m, nb, 2] if layout == "arm_pairs" else [m, nb]   # act_quant.fused_quantizer
         q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
               relax.TensorType(shape=scales, dtype="float32"),

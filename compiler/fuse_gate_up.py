@@ -23,14 +23,17 @@ from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
 def gate_up_arguments(mod, defs: Bindings, gate, up):
-    """[aq, ad, off, w_gate, s_gate, w_up, s_up] when gate and up are bias-free x86 decode
-    GEMV outputs of the same activations, else None."""
-    calls = []
+    """([aq, ad, off, w_gate, s_gate, w_up, s_up], the GEMVs' `dot`) when gate and up are
+    bias-free x86 decode GEMV outputs of the same activations, else None."""
+    calls, dots = [], set()
     for x in (gate, up):
         gemv = single_decode_gemv(mod, defs, x)
         if gemv is None:
             return None
         calls.append(gemv[1])
+        dots.add(vnni.gemv_dot(mod[gemv[0]]))
+    if len(dots) != 1:
+        return None
 
     def source(aq):   # the tensor the quantizer of `aq` read, reshapes looked through
         parts = defs.value(defs.value(aq).tuple_value)
@@ -39,7 +42,7 @@ def gate_up_arguments(mod, defs: Bindings, gate, up):
 
     if not source(calls[0][0]).same_as(source(calls[1][0])):
         return None
-    return calls[0] + calls[1][3:]
+    return calls[0] + calls[1][3:], dots.pop()
 
 
 def fuse_gate_up(kname):
@@ -54,13 +57,14 @@ def fuse_gate_up(kname):
             k = int(gate.ty.shape[1])
             if getattr(gate.ty.shape[0], "value", None) != 1 or k % act_quant.BLOCK:
                 return None
-            args = gate_up_arguments(mod, defs, gate, up)
-            if args is None:
+            found = gate_up_arguments(mod, defs, gate, up)
+            if found is None:
                 return None
+            args, dot = found
             nb = int(args[3].ty.shape[1])
             kernel = vnni.decode_gemv(((k, False), (k, False)), nb, str(args[4].ty.dtype), silu_mul=True,
-                                      quantize=int(mark["zero_point"]))
-            gv = rw.builder_.add_func(kernel, kname(f"q4_gemv_vnni_silu_mul_q8_{k}x{nb}"))
+                                      quantize=int(mark["zero_point"]), dot=dot)
+            gv = rw.builder_.add_func(kernel, kname(f"q4_gemv_{dot}_silu_mul_q8_{k}x{nb}"))
             return rw.emit(relax.call_tir(gv, [rw.var(a) for a in args], list(binding.var.ty.fields)))
         return rewrite
 

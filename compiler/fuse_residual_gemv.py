@@ -46,7 +46,8 @@ def _rewrite(mod, defs: Bindings):
             return None
         gv, args = gemv
         n, nb, sdt = int(y.ty.shape[-1]), int(args[3].ty.shape[1]), str(args[4].ty.dtype)
-        kernel = rw.builder_.add_func(vnni.decode_gemv(((n, True),), nb, sdt), gv.name_hint + "_bias")
+        kernel = rw.builder_.add_func(vnni.decode_gemv(((n, True),), nb, sdt, dot=vnni.gemv_dot(mod[gv])),
+                                      gv.name_hint + "_bias")
         bias = rw.emit(relax.op.reshape(rw.unreshaped(r), [n]))
         out = rw.emit(relax.call_tir(kernel, [rw.var(a) for a in args] + [bias],
                                      relax.TensorType(shape=[1, n], dtype="float32")))

@@ -53,9 +53,10 @@ class _Merger(relax.PyExprMutator):
                 args += [self.visit_expr(a) for a in margs[3:]]
                 out_types.append(relax.TensorType([1, n], "float32"))
             nb, sdt = int(w.ty.shape[1]), str(s.ty.dtype)
-            kernel = vnni.decode_gemv(tuple(outputs), nb, sdt)
+            dot = vnni.gemv_dot(self.mod_[first])
+            kernel = vnni.decode_gemv(tuple(outputs), nb, sdt, dot=dot)
             prefix = first.name_hint.split("q4_gemv")[0]   # "decode_"
-            name = f"{prefix}q4_gemv_vnni_" + "_".join(str(n) for n, _ in outputs) + f"x{nb}_{sdt}"
+            name = f"{prefix}q4_gemv_{dot}_" + "_".join(str(n) for n, _ in outputs) + f"x{nb}_{sdt}"
             gv = self.builder_.add_func(kernel, name)
             tup = self.builder_.emit(relax.call_tir(gv, args, out_types))
             for i, b in enumerate(members):

@@ -118,8 +118,8 @@ def get_target(name: str) -> Target:
 class W4A8:
     """A target's W4A8 kernels: Q4_0 weights, activations quantized per 32-block to int8."""
     isa: str                          # "x86" | "arm": the weight layout (kernels/row_groups.py)
-    decode: str                       # the decode GEMV: "vnni" | "sdot"
-    prefill: str                      # the prefill GEMM: "vnni" | "sdot" | "smmla"
+    decode: str                       # the decode GEMV: "vnni" | "avx2" | "sdot"
+    prefill: str                      # the prefill GEMM: "vnni" | "avx2" | "sdot" | "smmla"
     decode_layout: str                # act_quant.fused_quantizer's layout for decode ...
     prefill_layout: str               # ... and for prefill: "plain" | "arm" | "arm_pairs"
     prefill_tokens: tuple[int, ...]   # the GEMM tile widths `qwc tune` searches
@@ -132,6 +132,9 @@ class Kernels:
 
 
 _VNNI = W4A8("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8))
+# The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
+# (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
+_AVX2 = W4A8("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8))
 _SDOT = W4A8("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8))
 _SMMLA = W4A8("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12))
 
@@ -142,6 +145,7 @@ KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     (frozenset({"dotprod"}), Kernels(_SDOT, "online")),
     (frozenset({"neon"}), Kernels(None, "online")),
     (frozenset({"avx512_vnni", "avx512bw", "avx512f"}), Kernels(_VNNI, "three_pass")),
+    (frozenset({"avx2", "fma"}), Kernels(_AVX2, "three_pass")),
     (frozenset(), Kernels(None, "three_pass")),
 )
 GEMM_TILES = {w.prefill: w.prefill_tokens for _, k in KERNEL_RULES if (w := k.w4a8)}

@@ -54,7 +54,7 @@ class Task:
     n: int
     k: int
     uses: int = 0      # matmuls of the model with this shape (the task's weight in the search)
-    impl: str = ""     # q4_a8: "vnni" | "sdot" | "smmla"
+    impl: str = ""     # q4_a8: "vnni" | "avx2" | "sdot" | "smmla"
 
     @property
     def key(self) -> str:

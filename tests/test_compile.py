@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+from unittest import mock
 
 import numpy as np
 import onnx
 import pytest
 
 from qwc.cli import main
+from qwc.compiler import targets
 from qwc.compiler.compile import compile_file
 from qwc.config import sidecar_paths
 from qwc.passes.verify import run_steps, session
@@ -218,19 +221,24 @@ def test_engine_loads_tvm_without_torch_and_torch_still_imports_after(tiny_host_
     assert r.returncode == 0, r.stderr
 
 
-def test_w4a8_vnni_kernel_equals_the_generic_w4a8_kernel(tiny_q4, tmp_path):
-    """host (AVX-512 VNNI) and x86-avx2 (no VNNI: the generic TE kernel) implement the same
-    integer arithmetic."""
+@pytest.mark.parametrize("dot, target", [("vnni", "x86-avx512"), ("avx2", "x86-avx2")])
+def test_x86_w4a8_kernels_equal_the_generic_w4a8_kernel(tiny_q4, tmp_path, dot, target):
+    """The x86 W4A8 kernels (AVX-512 VNNI; AVX2) and the generic TE kernel (a target without
+    an integer dot rule) implement the same integer arithmetic, prefill and decode."""
     from qwc import cpu
 
-    if not cpu.has("avx512_vnni"):
-        pytest.skip("runs AVX-512 VNNI code; this CPU has no AVX-512 VNNI (the library's code: "
+    need = {"vnni": "avx512_vnni", "avx2": "avx2"}[dot]
+    if not cpu.has(need):
+        pytest.skip(f"runs {need} code; this CPU has none (the VNNI library's code: "
                     "test_vnni_library_from_any_x86_host)")
-    vnni, generic = tmp_path / "vnni.qwc", tmp_path / "generic.qwc"
-    compile_file(tiny_q4, "host", vnni, act_bits=8)
-    compile_file(tiny_q4, "x86-avx2", generic, act_bits=8)
+    fast, generic = tmp_path / "fast.qwc", tmp_path / "generic.qwc"
+    compile_file(tiny_q4, target, fast, act_bits=8)
+    syms = subprocess.run(["nm", "-D", str(fast / "lib.so")], capture_output=True, text=True).stdout
+    assert f"q4_gemm_{dot}_" in syms and f"q4_gemv_{dot}_" in syms   # the kernels under test ran
+    with mock.patch.object(targets, "KERNEL_RULES", ((frozenset(), targets.Kernels(None, "three_pass")),)):
+        compile_file(tiny_q4, target, generic, act_bits=8)
     ids = list(np.random.default_rng(5).integers(0, 259, 12))
-    ev, eg = Engine(vnni, ctx=64), Engine(generic, ctx=64)
+    ev, eg = Engine(fast, ctx=64), Engine(generic, ctx=64)
     a, b = [ev.prefill(ids)], [eg.prefill(ids)]
     for _ in range(4):
         tok = int(a[-1].argmax())

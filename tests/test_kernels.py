@@ -20,15 +20,21 @@ ARM_M = (1, 3, 4, 7, 9, 10, 12, 17, 23, 27)
 
 
 
-def _run_needs_vnni():
-    """Running an x86 W4A8 kernel needs AVX-512 VNNI, which no emulator here has (QEMU's TCG
-    stops at AVX2): on a CPU without it (an AMD EPYC Zen 3) the test cannot run; what can be
-    checked without running, the kernels' code, is test_compile's
-    test_vnni_library_from_any_x86_host."""
+# The x86 W4A8 kernels by their dot product, and the target whose features select each.
+X86_DOTS = {"vnni": "x86-avx512", "avx2": "x86-avx2"}
+
+
+def _run_needs(dot: str):
+    """Running an x86 W4A8 kernel needs its instructions: AVX-512 VNNI, which no emulator here
+    has (QEMU's TCG stops at AVX2), or AVX2. On a CPU without VNNI (an AMD EPYC Zen 3) the
+    VNNI cases cannot run; what can be checked without running, the kernels' code, is
+    test_compile's test_vnni_library_from_any_x86_host. The AVX2 kernels run on both."""
     from qwc import cpu
 
-    if not cpu.has("avx512_vnni"):
-        pytest.skip("runs AVX-512 VNNI code; this CPU has no AVX-512 VNNI")
+    need = {"vnni": "avx512_vnni", "avx2": "avx2"}[dot]
+    if not cpu.has(need):
+        pytest.skip(f"runs {need} code; this CPU has no {need}")
+
 
 def _weights(k, n, seed):
     rng = np.random.default_rng(seed)
@@ -42,16 +48,17 @@ def _emit(bb, name, variant, k, n, m, wp, d, features=None):
     """Function `name`(a, w, s) through one kernel variant for a target's `features` (the
     host's by default); returns the weights in the layout it reads (compile-time repacking
     gives the W4A8 kernels row groups)."""
-    if variant in ("vnni", "arm"):
+    if variant in ("vnni", "avx2", "arm"):
         wp, d = row_groups.pack(wp, d)
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
     wv = relax.Var("w", relax.TensorType(list(wp.shape), "uint8"))
     sv = relax.Var("s", relax.TensorType(list(d.shape), str(d.dtype)))
     with bb.function(name, [av, wv, sv]):
         with bb.dataflow():
-            if variant in ("f32", "vnni", "arm"):
-                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, {"vnni": "x86"}.get(variant, variant),
-                                              features if features is not None else get_target("host").features)
+            if variant in ("f32", "vnni", "avx2", "arm"):
+                if features is None:   # an x86 dot: the features of the target that selects it
+                    features = get_target(X86_DOTS[variant] if variant in X86_DOTS else "host").features
+                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, "x86" if variant in X86_DOTS else variant, features)
             else:
                 kern = generic.matmul_nbits if variant == "generic32" else generic.matmul_nbits_a8
                 out = bb.emit_te(kern, av, wv, sv, k=k, n=n, block=32, bits=4, primfunc_name_hint="mm")
@@ -89,10 +96,10 @@ def test_w4a32_kernels(variant, k, n, m):
 
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("k, n", SHAPES)
-@pytest.mark.parametrize("variant", ["vnni", "generic8"])
+@pytest.mark.parametrize("variant", ["vnni", "avx2", "generic8"])
 def test_w4a8_kernels(variant, k, n, m):
-    if variant == "vnni":
-        _run_needs_vnni()
+    if variant in X86_DOTS:
+        _run_needs(variant)
     wp, d, deq = _weights(k, n, k + n)
     a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     got = _run(variant, k, n, m, a, wp, d)
@@ -103,7 +110,28 @@ def test_w4a8_kernels(variant, k, n, m):
     assert np.abs(got - exact).max() < 0.05 * np.abs(exact).max()   # and int8 activations are close
 
 
-def test_w4a8_batched_decode_gemm_takes_every_token_count():
+@pytest.mark.parametrize("dot", sorted(X86_DOTS))
+def test_x86_w4a8_kernels_at_the_extremes(dot):
+    """The largest sums the dots can meet: 31 of 32 nibbles at 15 and every activation byte at
+    +-127 (the AVX2 form adds a block's products in int16 lanes: at most 8 x 2 x 15 x 127), and
+    the smallest: all activations of opposite sign."""
+    _run_needs(dot)
+    k, n, m = 64, 32, 2
+    w = np.full((n, k), 7.0 / 8.0, np.float32)
+    w[:, ::32] = -1.0          # each block's extreme: d = 1/8, so q = 0 there and 15 elsewhere
+    w[n // 2:] *= -1
+    q, d = quantize_q4_0(w)
+    assert (q[:, :, 1:] == 15).all() and (q[:, :, 0] == 0).all()
+    deq = ((q.astype(np.float32) - 8) * d[..., None]).reshape(n, -1)
+    a = np.stack([np.ones(k, np.float32), -np.ones(k, np.float32)])
+    got = _run(dot, k, n, m, a, pack_nibbles(q), d)
+    # qwc keeps the activation scale (1/127) in float32, llama.cpp's Q8_0 rounds it to fp16:
+    # against the float product the integer sums are exact here (+-1 quantizes to +-127)
+    np.testing.assert_allclose(got, a @ deq.T, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dot", sorted(X86_DOTS))
+def test_w4a8_batched_decode_gemm_takes_every_token_count(dot):
     """decode_batch's x86 GEMM (8-token tiles, leftovers in tiles of 4, 2 and 1, prefetch) for
     every batch size up to 17, so each leftover pattern runs: the prefill form's values bit for
     bit (the same per-token arithmetic), and llama.cpp's W4A8 reference."""
@@ -111,16 +139,16 @@ def test_w4a8_batched_decode_gemm_takes_every_token_count():
 
     from qwc.compiler.frontend import _CONTEXT, ImportContext
 
-    _run_needs_vnni()
+    _run_needs(dot)
     k, n = 100, 40
     wp, d, deq = _weights(k, n, 7)
     m = tvm.tirx.Var("m", "int64")
     outs = {}
     for batched in (False, True):
-        token = _CONTEXT.set(ImportContext(act_bits=8, features=get_target("host").features, batched=batched))
+        token = _CONTEXT.set(ImportContext(act_bits=8, features=get_target(X86_DOTS[dot]).features, batched=batched))
         try:
             bb = relax.BlockBuilder()
-            wr, dr = _emit(bb, "main", "vnni", k, n, m, wp, d)
+            wr, dr = _emit(bb, "main", dot, k, n, m, wp, d)
             mod = bb.get()
         finally:
             _CONTEXT.reset(token)
@@ -368,8 +396,9 @@ def test_activation_quantizer_against_q8_0(k, mode, m):
     np.testing.assert_array_equal(off, -8 * aq.astype(np.float32).sum(-1))
 
 
+@pytest.mark.parametrize("dot", sorted(X86_DOTS))
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul):
+def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul, dot):
     """The x86 decode GEMV that runs several weights of the same activations in one launch
     (compiler/sibling_gemvs.py): ragged outputs with and without a bias (N = 136, 24, 40:
     the multi-stream path and leftover groups), and gate/up written as silu(gate) * up."""
@@ -378,7 +407,7 @@ def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul):
     from qwc.compiler.kernels import act_quant
     from qwc.compiler.kernels.x86 import vnni
 
-    _run_needs_vnni()
+    _run_needs(dot)
     k, nb = 96, 3
     outputs = ((200, False), (200, False)) if silu_mul else ((136, True), (24, False), (40, True))
     rng = np.random.default_rng(7)
@@ -403,13 +432,14 @@ def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul):
         g, u = refs
         refs = [g / (1 + np.exp(-g)) * u]
     outs = [tvm.runtime.tensor(np.zeros(r.shape, np.float32)) for r in refs]
-    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", silu_mul))(*args, *outs)
+    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", silu_mul, dot=dot))(*args, *outs)
     for o, r in zip(outs, refs):
         np.testing.assert_allclose(o.numpy(), r, rtol=0, atol=1e-5 * np.abs(r).max())
 
 
+@pytest.mark.parametrize("dot", sorted(X86_DOTS))
 @pytest.mark.parametrize("n", [224, 4864])
-def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n):
+def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n, dot):
     """The gate/up decode GEMV that writes the down projection's Q8_0 input itself (`quantize`:
     adjacent row groups, a block a task) gives the very bits of the silu_mul GEMV followed by
     the quantizer kernel (N = 224: an odd number of 32-blocks)."""
@@ -418,7 +448,7 @@ def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n):
     from qwc.compiler.kernels import act_quant
     from qwc.compiler.kernels.x86 import vnni
 
-    _run_needs_vnni()
+    _run_needs(dot)
     k, nb, nq = 96, 3, n // 32
     rng = np.random.default_rng(11)
 
@@ -432,11 +462,11 @@ def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n):
     weights = [tvm.runtime.tensor(x) for i in range(2) for x in row_groups.pack(*_weights(k, n, 200 + i)[:2])]
     outputs = ((n, False), (n, False))
     hidden = tvm.runtime.tensor(np.zeros((1, n), np.float32))
-    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True))(*act, *weights, hidden)
+    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True, dot=dot))(*act, *weights, hidden)
     ref = q8(nq)
     _host_kernel(act_quant.fused_quantizer(n, w4a8.ZERO_POINT, True))(hidden, *ref)
     got = q8(nq)
-    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True, quantize=w4a8.ZERO_POINT))(*act, *weights, *got)
+    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True, quantize=w4a8.ZERO_POINT, dot=dot))(*act, *weights, *got)
     assert np.abs(ref[1].numpy()).min() > 0   # every block quantized, none left at zero
     for g, r in zip(got, ref):
         np.testing.assert_array_equal(g.numpy(), r.numpy())

@@ -35,10 +35,15 @@ def test_tied_embedding_shares_the_repacked_weight(tiny_q4):
     assert gather.input[0] == head.input[1] and gather.input[2] == head.input[2]
 
 
-def test_float_activations_and_avx2_keep_the_plain_layout(tiny_q4):
-    for act, feats in ((32, X86), (8, frozenset({"avx2", "fma"}))):
+def test_float_activations_and_no_integer_dot_keep_the_plain_layout(tiny_q4):
+    for act, feats in ((32, X86), (32, frozenset({"avx2", "fma"})), (8, frozenset({"sse4_2"}))):
         m = onnx.load(str(tiny_q4))
         assert repack_weights(m, act, feats) == 0
+    # AVX2 without VNNI has W4A8 kernels of its own, on the same row groups as VNNI's
+    avx2, vnni = onnx.load(str(tiny_q4)), onnx.load(str(tiny_q4))
+    assert repack_weights(avx2, 8, frozenset({"avx2", "fma"})) == repack_weights(vnni, 8, X86) > 0
+    assert _inits(avx2).keys() == _inits(vnni).keys()
+    assert all(np.array_equal(a, _inits(vnni)[k]) for k, a in _inits(avx2).items())
 
 
 def test_a_weight_read_elsewhere_gets_a_packed_copy():

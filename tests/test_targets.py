@@ -12,7 +12,7 @@ from qwc.compiler.targets import GEMM_LAYOUT, GEMM_TILES, default_act_bits, get_
 @pytest.mark.parametrize("name, isa, decode, prefill, layouts, attention", [
     ("arm-yitian", "arm", "sdot", "smmla", ("arm", "arm_pairs"), "online"),
     ("arm-neon", "arm", "sdot", "sdot", ("arm", "arm"), "online"),
-    ("x86-avx2", None, None, None, None, "three_pass"),
+    ("x86-avx2", "x86", "avx2", "avx2", ("plain", "plain"), "three_pass"),
     ("x86-avx512", "x86", "vnni", "vnni", ("plain", "plain"), "three_pass"),
 ])
 def test_each_target_selects_its_kernels(name, isa, decode, prefill, layouts, attention):
@@ -31,15 +31,17 @@ def test_each_target_selects_its_kernels(name, isa, decode, prefill, layouts, at
 
 
 def test_vnni_needs_all_three_avx512_features():
-    full = {"avx512_vnni", "avx512bw", "avx512f", "avx2"}
+    full = {"avx512_vnni", "avx512bw", "avx512f", "avx2", "fma"}
     assert kernels_for(full).w4a8.prefill == "vnni"
-    assert kernels_for(full - {"avx512bw"}).w4a8 is None
+    assert kernels_for(full - {"avx512bw"}).w4a8.prefill == "avx2"   # the AVX2 form of the same dots
+    assert kernels_for({"avx512_vnni", "avx512bw", "avx512f"}).w4a8.prefill == "vnni"
+    assert kernels_for({"sse4_2"}).w4a8 is None and default_act_bits({"sse4_2"}) == 32
 
 
 def test_rules_end_with_a_catch_all_and_tiles_are_per_gemm():
     assert targets.KERNEL_RULES[-1][0] == frozenset()
     assert kernels_for(set()).w4a8 is None
-    assert set(GEMM_TILES) == set(GEMM_LAYOUT) == {"vnni", "sdot", "smmla"}
+    assert set(GEMM_TILES) == set(GEMM_LAYOUT) == {"vnni", "avx2", "sdot", "smmla"}
     assert GEMM_LAYOUT["smmla"] == "arm_pairs" and all(t % 2 == 0 for t in GEMM_TILES["smmla"])
 
 

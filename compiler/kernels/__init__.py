@@ -16,12 +16,12 @@ def hand_scheduled(func):
 
 def w4a8_gemm(impl: str, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
               batched_decode: bool = False):
-    """The W4A8 prefill GEMM `impl` ("vnni", "sdot", "smmla") for N rows, nb blocks of K;
+    """The W4A8 prefill GEMM `impl` ("vnni", "avx2", "sdot", "smmla") for N rows, nb blocks of K;
     `tokens`: its tile width (None: the kernel's default); `m`: a fixed token count;
     `batched_decode`: the form for one token of each of B sequences, where it has one (vnni)."""
-    if impl == "vnni":
+    if impl in ("vnni", "avx2"):
         from .x86 import vnni
-        return vnni.q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode)
+        return vnni.q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode, dot=impl)
     if impl == "sdot":
         from .arm import dotprod
         return dotprod.q4_dot(n, nb, False, scale_dtype, tokens=tokens, m=m)

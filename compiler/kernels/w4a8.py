@@ -22,8 +22,8 @@ from .row_groups import ROWS, groups
 
 ZERO_POINT = -8
 # Tokens per prefill tile, the hand value (`qwc tune` searches targets.W4A8.prefill_tokens):
-# vnni and sdot: x86/vnni.py's docstring; smmla: 5 token pairs, arm/i8mm.py's docstring.
-DEFAULT_TOKENS = {"vnni": 4, "sdot": 4, "smmla": 10}
+# vnni, avx2 and sdot: x86/vnni.py's docstring; smmla: 5 token pairs, arm/i8mm.py's docstring.
+DEFAULT_TOKENS = {"vnni": 4, "avx2": 4, "sdot": 4, "smmla": 10}
 
 
 def token_count(m: int | None):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 
+from .. import SCHEDULED
 from ..row_groups import ROWS, groups
 from ..w4a8 import DEFAULT_TOKENS, gemm_kernel, store_rows, token_count
 
@@ -38,13 +39,22 @@ PREFETCH = ((4, 3),)   # (blocks ahead, LLVM locality: 3 = L1, 2 = L2)
 # distinct weights: 4864x896 28 -> 31, 896x4864 27 -> 30, lm_head 32 -> 35; 8 streams were
 # slower (docs/design.md). A plain read of memory gains the same way (bench/gemv.py).
 STREAMS = 4
-DECODE_GEMV = "qwc.decode_gemv"   # the attribute that marks decode_gemv kernels
+DECODE_GEMV = "qwc.decode_gemv"   # the attribute that marks decode_gemv kernels; its value: their `dot`
 
 
-def _block_dot(T, w, aq, off, g, b, t):
+def gemv_dot(func) -> str:
+    """The `dot` ("vnni" | "avx2") a decode_gemv kernel was built with: the fusions that rebuild
+    one (sibling_gemvs, fuse_gate_up, fuse_residual_gemv) build theirs with the same."""
+    return str(func.attrs[DECODE_GEMV])
+
+
+def _block_dot(T, w, aq, off, g, b, t, dot: str = "vnni"):
     """int32x16: the 16 rows' dot(q - 8, a) for block b and token t, as one expression (named
     temporaries would become per-thread allocations inside the parallel loop). Two chains
-    (low and high nibbles) halve the dependent vpdpbusd latency."""
+    (low and high nibbles) halve the dependent vpdpbusd latency. `dot` "avx2": the same sums
+    from AVX2's vpmaddubsw + vpmaddwd on each 256-bit half (rows 0-7, 8-15)."""
+    if dot == "avx2":
+        return _block_dot_avx2(T, w, aq, off, g, b, t)
     dp = "llvm.x86.avx512.vpdpbusd.512"
 
     def act(j):   # activation bytes 4j..4j+3 in every lane
@@ -56,6 +66,31 @@ def _block_dot(T, w, aq, off, g, b, t):
         lo = T.call_llvm_pure_intrin("int32x16", dp, lo, w.vload([g, b, i, 0], "uint8x64") & T.broadcast(T.uint8(15), 64), act(i))
         hi = T.call_llvm_pure_intrin("int32x16", dp, hi, w.vload([g, b, i, 0], "uint8x64") >> T.broadcast(T.uint8(4), 64), act(4 + i))
     return lo + hi
+
+
+def _block_dot_avx2(T, w, aq, off, g, b, t):
+    """vpdpbusd without VNNI: vpmaddubsw multiplies the unsigned nibbles by the signed
+    activation bytes and adds adjacent pairs into int16 lanes (at most 2 x 15 x 128 = 3840), so
+    the block's 8 products of a row half fit one int16 sum (at most 30720 < 32767: vpaddw
+    without widening); one vpmaddwd by ones then adds each row's two int16 lanes into its
+    int32 lane. A 512-bit chunk of the row-group layout is two 256-bit halves of 8 rows each;
+    the halves' int32x8 sums are joined into the int32x16 the callers take."""
+    ubsw, wd = "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"
+
+    def act(j):   # activation bytes 4j..4j+3 in every lane of a half
+        return T.reinterpret("int8x32", T.broadcast(T.reinterpret("int32", aq.vload([t, b, 4 * j], "int8x4")), 8))
+
+    halves = []
+    for h in range(2):
+        s16 = None
+        for i in range(4):
+            chunk = w.vload([g, b, i, 32 * h], "uint8x32")
+            for q, j in ((chunk & T.broadcast(T.uint8(15), 32), i), (chunk >> T.broadcast(T.uint8(4), 32), 4 + i)):
+                p = T.call_llvm_pure_intrin("int16x16", ubsw, q, act(j))
+                s16 = p if s16 is None else s16 + p
+        halves.append(T.call_llvm_pure_intrin("int32x8", wd, s16, T.broadcast(T.int16(1), 16))
+                      + T.broadcast(T.Cast("int32", off[t, b]), 8))
+    return T.Shuffle(halves, list(range(16)))
 
 
 def _scales(T, ws, g, b, scale_dtype):
@@ -77,15 +112,16 @@ BATCHED_DECODE_TOKENS = 8   # q4_matmul's leftover tiles (4, 2, 1) assume 8
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None,
-              batched_decode: bool = False):
+              batched_decode: bool = False, dot: str = "vnni"):
     """Prefill: y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the
     -8 x sum offsets) and the packed weights, in tiles of `tokens` tokens per row group and
     leftovers one at a time. M is any number of tokens, or `m` (tuning measures at fixed M).
-    `batched_decode`: the form for decode_batch (BATCHED_DECODE_TOKENS above; `tokens` unused)."""
+    `batched_decode`: the form for decode_batch (BATCHED_DECODE_TOKENS above; `tokens` unused).
+    `dot`: "vnni" (AVX-512 VNNI) or "avx2" (_block_dot)."""
     from tvm.script import tirx as T
 
     ng = groups(n)
-    tm = BATCHED_DECODE_TOKENS if batched_decode else tokens or DEFAULT_TOKENS["vnni"]
+    tm = BATCHED_DECODE_TOKENS if batched_decode else tokens or DEFAULT_TOKENS[dot]
     rows_in = token_count(m)
     ahead, locality = PREFETCH[0]   # batched decode: the GEMV's (one) prefetch distance
 
@@ -106,7 +142,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                                                   T.int32(0), T.int32(locality), T.int32(1)))
             for t in T.unroll(count):
                 acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + T.Cast(
-                    "float32x16", _block_dot(T, w, aq, off, g, b, first + t)) * (
+                    "float32x16", _block_dot(T, w, aq, off, g, b, first + t, dot)) * (
                     _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None)
@@ -133,7 +169,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
 
 @functools.cache
 def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16", silu_mul: bool = False,
-                quantize: int | None = None):
+                quantize: int | None = None, dot: str = "vnni"):
     """Decode: one token through several weights that read the same activations (q, k and v;
     gate and up) in one parallel launch: outputs = ((N, with bias), ...). Arguments: aq, ad,
     off [1, ...] as for q4_matmul, then per output its packed weights, scales and bias [N] if
@@ -185,7 +221,7 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
             for w, _, g in streams:
                 prefetch(w, g, b)
             for h, (w, ws, g) in enumerate(streams):
-                T.buffer_store(acc, acc[T.ramp(h * ROWS, 1, ROWS)] + T.Cast("float32x16", _block_dot(T, w, aq, off, g, b, 0))
+                T.buffer_store(acc, acc[T.ramp(h * ROWS, 1, ROWS)] + T.Cast("float32x16", _block_dot(T, w, aq, off, g, b, 0, dot))
                                * (_scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[0, b], ROWS)),
                                [T.ramp(h * ROWS, 1, ROWS)])
         return acc
@@ -233,7 +269,7 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
     with IRBuilder() as ib:
         with T.prim_func(private=True):
             # opaque: FuseOps leaves it whole; DECODE_GEMV marks it for compiler/sibling_gemvs.py
-            T.func_attr({"tir.noalias": True, "op_pattern": 8, **({} if silu_mul else {DECODE_GEMV: True})})
+            T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True, **({} if silu_mul else {DECODE_GEMV: dot})})
             aq = T.arg("aq", T.buffer((1, nb, 32), "int8"))
             ad = T.arg("ad", T.buffer((1, nb), "float32"))
             off = T.arg("off", T.buffer((1, nb), "float32"))
