@@ -17,7 +17,6 @@ names are the same as for a torch export.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -29,21 +28,22 @@ from qwc.atomic import publish, staging_dir
 from qwc.config import foreign_graph_files, sidecar_paths
 from qwc.errors import QwcError
 from qwc.rotary import rotary_caches
+from qwc.weight_file import WeightFile
 
 from .checkpoint import Checkpoint, expected_tensors
 
 OPSET = 20
 MS_DOMAIN = "com.microsoft"
-ALIGN = 4096           # external tensors start on a page: they can be memory-mapped as they are
 INLINE_BYTES = 1024    # smaller tensors (the two int64 constants) stay in the graph
 
 
 class _Writer:
-    """Initializers appended to one external data file as they come, page-aligned."""
+    """The graph's initializers: each weight appended to its data file as it comes
+    (qwc/weight_file.py, recorded by the file's name beside the graph), the two int64
+    constants inline."""
 
     def __init__(self, data_path: Path, location: str):
-        self.f = open(data_path, "wb")
-        self.location = location
+        self.file = WeightFile(data_path, location=location)
         self.inits: list[TensorProto] = []
         self.bytes = 0
 
@@ -53,26 +53,12 @@ class _Writer:
         if a.nbytes <= INLINE_BYTES:
             self.inits.append(onnx.numpy_helper.from_array(np.ascontiguousarray(a), name))
             return name
-        pad = -self.f.tell() % ALIGN
-        if pad:
-            self.f.write(b"\0" * pad)
-        offset = self.f.tell()
-        rows = max(1, (1 << 26) // max(1, a[0].nbytes)) if a.ndim > 1 else len(a)   # ~64 MB a chunk
-        for r in range(0, len(a), rows):
-            self.f.write(np.ascontiguousarray(a[r:r + rows]).data)   # little-endian on every host qwc runs on
-        t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(a.dtype), dims=a.shape)
-        t.data_location = TensorProto.EXTERNAL
-        for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(a.nbytes))):
-            e = t.external_data.add()
-            e.key, e.value = k, v
-        self.inits.append(t)
+        self.inits.append(self.file.add(a, name))
         self.bytes += a.nbytes
         return name
 
     def close(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
+        self.file.close(sync=True)
 
 
 def build(ckpt: Checkpoint, w: _Writer) -> onnx.ModelProto:

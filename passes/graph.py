@@ -18,6 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qwc.errors import QwcError
+from qwc.weight_file import WeightFile, external_location
 
 MS_DOMAIN = "com.microsoft"
 
@@ -58,70 +59,6 @@ def tensor_bytes(t: onnx.TensorProto) -> int:
 # Initializers at least this big are weights: the passes write them to the active weight file
 # (below) instead of into the message, and the compiler passes them to TVM by reference.
 LARGE_TENSOR_BYTES = 1 << 16
-_PAGE = 4096
-_COPY_CHUNK = 1 << 24
-
-
-def external_location(t: onnx.TensorProto) -> str | None:
-    if t.data_location != onnx.TensorProto.EXTERNAL:
-        return None
-    return next((e.value for e in t.external_data if e.key == "location"), None)
-
-
-class WeightFile:
-    """An append-only file of tensor payloads, each page-aligned, that initializers refer to as
-    external data by absolute path. Why: protobuf frees a message's bytes only with the whole
-    message, so a weight put into the graph stays in memory until the end (a 7B's 4.3 GB of
-    Q4_0); written here as it is made, it costs memory only while it is being made."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path).resolve()
-        self._f = open(self.path, "wb")
-        self.size = 0
-        self.written: set[int] = set()   # offsets, to tell whether dropped tensors left garbage
-
-    def _start(self) -> int:
-        pad = -self.size % _PAGE
-        self._f.write(b"\0" * pad)
-        self.size += pad
-        return self.size
-
-    def _tensor(self, name: str, data_type: int, dims, offset: int, nbytes: int) -> onnx.TensorProto:
-        self.size = offset + nbytes
-        self.written.add(offset)
-        self._f.flush()   # readable at once: a later pass may read what an earlier one wrote
-        t = onnx.TensorProto(name=name, data_type=data_type, dims=list(dims),
-                             data_location=onnx.TensorProto.EXTERNAL)
-        for k, v in (("location", str(self.path)), ("offset", str(offset)), ("length", str(nbytes))):
-            e = t.external_data.add()
-            e.key, e.value = k, v
-        return t
-
-    def add(self, array: np.ndarray, name: str) -> onnx.TensorProto:
-        a = np.ascontiguousarray(array)
-        offset = self._start()
-        self._f.write(a.data if a.ndim else a.tobytes())
-        return self._tensor(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape, offset, a.nbytes)
-
-    def copy_in(self, t: onnx.TensorProto) -> onnx.TensorProto:
-        """A copy of the external tensor `t` (in another file) in this one, by chunks of the file."""
-        info = {e.key: e.value for e in t.external_data}
-        nbytes, offset = tensor_bytes(t), self._start()
-        with open(info["location"], "rb") as src:
-            src.seek(int(info.get("offset", 0)))
-            left = nbytes
-            while left:
-                chunk = src.read(min(left, _COPY_CHUNK))
-                if not chunk:
-                    raise QwcError(f"initializer {t.name}: its external data file {info['location']} is truncated")
-                self._f.write(chunk)
-                left -= len(chunk)
-        return self._tensor(t.name, t.data_type, t.dims, offset, nbytes)
-
-    def close(self) -> None:
-        self._f.close()
-
-
 _weights: contextvars.ContextVar[WeightFile | None] = contextvars.ContextVar("qwc_weight_file", default=None)
 
 
