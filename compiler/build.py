@@ -39,7 +39,7 @@ MAX_TOKENS_PER_CALL = 256
 # Initializers of at least this size enter the import as typed inputs without their data:
 # TVM's importer copies every initializer into a tensor of its own, for each entry point (four
 # copies of a 7B's 4 GB). Their values are read once, as params.bin is written (from the graph's
-# data file, where the passes and the repacking leave them: passes/graph.py, WeightFile).
+# data file, where the passes and the repacking leave them: qwc/weight_file.py).
 BY_REFERENCE_BYTES = LARGE_TENSOR_BYTES
 
 
