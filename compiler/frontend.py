@@ -108,7 +108,7 @@ class MatMulNBits(F.OnnxOpConverter):
         reading the row-group layout compile-time repacking wrote (kernels/row_groups.py), after
         the activation quantizer (the fusion passes give it the RMSNorm or SiLU·mul before it:
         fuse_quantizer_inputs.py). Returns y and the bias still to add (None when the kernel
-        added it: the x86 decode GEMV)."""
+        added it: the decode GEMVs)."""
         from .kernels import act_quant
 
         if len(w.ty.shape) != 4:
@@ -126,15 +126,11 @@ class MatMulNBits(F.OnnxOpConverter):
         if not one_token:
             kernel = bb.add_func(w4a8_gemm(impl, n, nb, sdt, tokens, batched_decode=_ctx().batched),
                                  _kname(f"q4_gemm_{impl}_{n}x{nb}_{sdt}"))
-        elif impl == "sdot":
-            from .kernels.arm import dotprod
-
-            kernel = bb.add_func(dotprod.q4_dot(n, nb, True, sdt), _kname(f"q4_gemv_sdot_{n}x{nb}_{sdt}"))
         else:   # several of these may become one launch (compiler/sibling_gemvs.py)
-            from .kernels.x86 import vnni
+            from .kernels import decode_gemv
 
             fused_bias = bias is not None   # the decode GEMV adds it in its epilogue
-            kernel = bb.add_func(vnni.decode_gemv(((n, fused_bias),), nb, sdt, dot=impl),
+            kernel = bb.add_func(decode_gemv(((n, fused_bias),), nb, sdt, dot=impl),
                                  _kname(f"q4_gemv_{impl}_{n}x{nb}_{sdt}{'_bias' if fused_bias else ''}"))
         scales = [m, nb, 2] if layout == "arm_pairs" else [m, nb]   # act_quant.fused_quantizer
         q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),

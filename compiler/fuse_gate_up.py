@@ -17,22 +17,22 @@ from __future__ import annotations
 from tvm import relax
 
 from .fuse_residual_gemv import single_decode_gemv
-from .kernels import act_quant
-from .kernels.x86 import vnni
+from .kernels import act_quant, decode_gemv, gemv_dot
 from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
 def gate_up_arguments(mod, defs: Bindings, gate, up):
     """([aq, ad, off, w_gate, s_gate, w_up, s_up], the GEMVs' `dot`) when gate and up are
-    bias-free x86 decode GEMV outputs of the same activations, else None."""
+    bias-free x86 decode GEMV outputs of the same activations, else None (on ARM, gate and up
+    become one two-output launch in sibling_gemvs, and the quantizer stays its own)."""
     calls, dots = [], set()
     for x in (gate, up):
         gemv = single_decode_gemv(mod, defs, x)
         if gemv is None:
             return None
         calls.append(gemv[1])
-        dots.add(vnni.gemv_dot(mod[gemv[0]]))
-    if len(dots) != 1:
+        dots.add(gemv_dot(mod[gemv[0]]))
+    if len(dots) != 1 or dots == {"sdot"}:   # the ARM GEMV has no silu_mul / Q8_0 epilogue
         return None
 
     def source(aq):   # the tensor the quantizer of `aq` read, reshapes looked through
@@ -62,8 +62,8 @@ def fuse_gate_up(kname):
                 return None
             args, dot = found
             nb = int(args[3].ty.shape[1])
-            kernel = vnni.decode_gemv(((k, False), (k, False)), nb, str(args[4].ty.dtype), silu_mul=True,
-                                      quantize=int(mark["zero_point"]), dot=dot)
+            kernel = decode_gemv(((k, False), (k, False)), nb, str(args[4].ty.dtype), silu_mul=True,
+                                 quantize=int(mark["zero_point"]), dot=dot)
             gv = rw.builder_.add_func(kernel, kname(f"q4_gemv_{dot}_silu_mul_q8_{k}x{nb}"))
             return rw.emit(relax.call_tir(gv, [rw.var(a) for a in args], list(binding.var.ty.fields)))
         return rewrite

@@ -1,10 +1,10 @@
 """The residual add into the decode GEMV that produces its other operand.
 
 A decode step's o and down projections are the skip input of the residual add (ONNX's
-SkipSimplifiedLayerNormalization). When such a projection is an x86 decode GEMV without a
-bias (kernels/x86/vnni.py: decode_gemv), this pass replaces `r + y` by the same GEMV with r
-as its bias, added in the epilogue: one kernel launch and one [1, N] round trip fewer a
-projection. The GEMV without the add is left to dead-code elimination.
+SkipSimplifiedLayerNormalization). When such a projection is a decode GEMV without a bias
+(kernels.decode_gemv: x86/vnni.py, arm/dotprod.py), this pass replaces `r + y` by the same
+GEMV with r as its bias, added in the epilogue: one kernel launch and one [1, N] round trip
+fewer a projection. The GEMV without the add is left to dead-code elimination.
 
 Where it runs: first of the import-time fusions (frontend.import_graph), before
 fuse_quantizer_inputs, so the next RMSNorm's quantizer reads the GEMV's output directly (it
@@ -17,17 +17,17 @@ from __future__ import annotations
 from tvm import relax
 from tvm_ffi import structural_equal
 
-from .kernels.x86 import vnni
+from .kernels import DECODE_GEMV, decode_gemv, gemv_dot
 from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
 def single_decode_gemv(mod, defs: Bindings, x):
-    """(kernel GlobalVar, args) when x is (a reshape of) the output of one x86 decode GEMV
+    """(kernel GlobalVar, args) when x is (a reshape of) the output of one decode GEMV
     without a bias, else None."""
     e = defs.value(x)
     if call_of(e, "relax.reshape"):
         e = defs.value(e.args[0])
-    if not call_of(e, "relax.call_tir") or not kernel_attr(mod, e, vnni.DECODE_GEMV):
+    if not call_of(e, "relax.call_tir") or not kernel_attr(mod, e, DECODE_GEMV):
         return None
     args = call_args(e)
     return (e.args[0], args) if len(args) == 5 else None
@@ -46,7 +46,7 @@ def _rewrite(mod, defs: Bindings):
             return None
         gv, args = gemv
         n, nb, sdt = int(y.ty.shape[-1]), int(args[3].ty.shape[1]), str(args[4].ty.dtype)
-        kernel = rw.builder_.add_func(vnni.decode_gemv(((n, True),), nb, sdt, dot=vnni.gemv_dot(mod[gv])),
+        kernel = rw.builder_.add_func(decode_gemv(((n, True),), nb, sdt, dot=gemv_dot(mod[gv])),
                                       gv.name_hint + "_bias")
         bias = rw.emit(relax.op.reshape(rw.unreshaped(r), [n]))
         out = rw.emit(relax.call_tir(kernel, [rw.var(a) for a in args] + [bias],

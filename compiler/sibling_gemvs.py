@@ -4,9 +4,10 @@ After common-subexpression elimination, q, k and v share one activation quantize
 GEMVs are still separate launches, each paying a fork/join and a cold start of its memory
 streams, and k and v (64 KiB of weights each) are too small to reach the memory's speed on
 their own. This pass replaces each such set, within a dataflow block, by one call of an
-n-output kernel (kernels/x86/vnni.py: decode_gemv) at the place of the first, the others
-reading their output from its tuple. (Gate and up, which the same would merge, already are
-one GEMV that writes silu(gate) * up: fuse_gate_up.py, run at import.)
+n-output kernel (kernels.decode_gemv: x86/vnni.py, arm/dotprod.py) at the place of the
+first, the others reading their output from its tuple. (On x86, gate and up already are one
+GEMV that writes silu(gate) * up: fuse_gate_up.py, run at import; on ARM they are merged
+here, as q, k and v.)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .kernels.x86 import vnni
+from .kernels import DECODE_GEMV, decode_gemv, gemv_dot
 
 
 def _gemv_call(mod, value):
@@ -23,7 +24,7 @@ def _gemv_call(mod, value):
         return None
     callee = value.args[0]
     func = mod[callee] if isinstance(callee, tvm.ir.GlobalVar) and callee in mod.functions else None
-    if not isinstance(func, tvm.tirx.PrimFunc) or not (func.attrs and func.attrs.get(vnni.DECODE_GEMV)):
+    if not isinstance(func, tvm.tirx.PrimFunc) or not (func.attrs and func.attrs.get(DECODE_GEMV)):
         return None
     if not isinstance(value.ty, relax.TensorType):   # already an n-output call
         return None
@@ -53,8 +54,8 @@ class _Merger(relax.PyExprMutator):
                 args += [self.visit_expr(a) for a in margs[3:]]
                 out_types.append(relax.TensorType([1, n], "float32"))
             nb, sdt = int(w.ty.shape[1]), str(s.ty.dtype)
-            dot = vnni.gemv_dot(self.mod_[first])
-            kernel = vnni.decode_gemv(tuple(outputs), nb, sdt, dot=dot)
+            dot = gemv_dot(self.mod_[first])
+            kernel = decode_gemv(tuple(outputs), nb, sdt, dot=dot)
             prefix = first.name_hint.split("q4_gemv")[0]   # "decode_"
             name = f"{prefix}q4_gemv_{dot}_" + "_".join(str(n) for n, _ in outputs) + f"x{nb}_{sdt}"
             gv = self.builder_.add_func(kernel, name)

@@ -82,13 +82,31 @@ def test_without_the_passes_the_converters_emit_each_op_alone(graph):
     assert _has(fused, r"decode_attention_3pass_q8") == 2 and _has(fused, r".*silu_mul_q8.*") == 2
 
 
+def _adds(mod) -> int:
+    mod = relax.transform.DeadCodeElimination(["main"])(mod)
+    ops = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: ops.append(e.op.name) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) else None)
+    return ops.count("relax.add")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["arm-yitian", "arm-neon"])
-def test_arm_fuses_norm_and_silu_into_quantizers_only(graph, target):
+def test_arm_fuses_norm_and_silu_into_quantizers_and_adds_into_decode_gemvs(graph, target):
     features = get_target(target).features
     for seq, prefix in ((1, "decode"), (None, "prefill")):
-        names = _kernels(import_graph(graph(features), seq=seq, prefix=prefix, act_bits=8, features=features))
+        mod = import_graph(graph(features), seq=seq, prefix=prefix, act_bits=8, features=features)
+        names = _kernels(mod)
         assert _has(names, rf"{prefix}_act_q8_rms_128_{int(seq == 1)}_sum8_arm(_pairs)?") >= 2
         assert _has(names, rf"{prefix}_act_q8_silu_320_{int(seq == 1)}_sum8_arm(_pairs)?") == 2
-        # ARM keeps the online attention and separate GEMVs (targets.KERNEL_RULES)
+        # ARM keeps the online attention (targets.KERNEL_RULES)
         assert _has(names, rf"{prefix}_attention_online") == 2
         assert not _has(names, r".*(3pass|vnni).*")
+    # decode: q, k and v add their biases, o and down the residual, as they store (ARM's
+    # decode GEMV epilogue); gate and up have none. No add kernel is left.
+    layers = 2
+    mod = import_graph(graph(features), seq=1, prefix="decode", act_bits=8, features=features)
+    names = _kernels(mod)
+    assert _has(names, r"decode_q4_gemv_sdot_\d+x\d+_float16_bias") == 5 * layers
+    assert _has(names, r"decode_q4_gemv_sdot_320x4_float16") == 2 * layers
+    assert _adds(mod) == 0

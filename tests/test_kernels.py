@@ -166,6 +166,7 @@ def test_w4a8_batched_decode_gemm_takes_every_token_count(dot):
 
 
 @pytest.mark.slow
+@pytest.mark.arm
 @pytest.mark.parametrize("target", ["arm-yitian", "arm-neon"])
 def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     """The ARM kernels (sdot for M = 1; for M > 1 smmla on arm-yitian, sdot on arm-neon),
@@ -177,13 +178,9 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     17 = 5 + 2 + 1 + odd, 23 = 5 + 6 + odd, 27 = 5 + 5 + 2 + 1 + odd."""
     import re
     import subprocess
-    import sys
-    from pathlib import Path
 
-    import tvm
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "arm64"))
     import emulation
+    import tvm
 
     env = emulation.arm64_env()
     t = get_target(target)
@@ -196,6 +193,8 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
             for i, x in enumerate((a, *_emit(bb, name, "arm", k, n, m, wp, d, t.features))):
                 inputs[f"{name}/{i}"] = x
             refs[name] = _a8_reference(a, deq, d, k)
+    name, inputs_, refs[name] = _arm_decode_gemv_case(bb)
+    inputs.update({f"{name}/{i}": x for i, x in enumerate(inputs_)})
     lib = tmp_path / "kernels.so"
     build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
     asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(lib)], capture_output=True, text=True).stdout
@@ -213,6 +212,43 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
         np.testing.assert_allclose(outs[0][name], ref, rtol=0, atol=2e-3 * np.abs(ref).max(), err_msg=name)
         for other in outs[1:]:
             assert np.array_equal(other[name], outs[0][name]), name
+
+
+def _arm_decode_gemv_case(bb, k: int = 160):
+    """A function of the ARM multi-output decode GEMV (kernels.decode_gemv, dot "sdot") as the
+    decode fusions build it: three outputs of one quantized activation row (a ragged one of 40
+    rows; biases on two: a projection's bias or the residual), their rows concatenated.
+    Returns its name, inputs and numpy reference."""
+    from qwc.compiler.kernels import act_quant, decode_gemv
+
+    outputs = ((64, True), (40, False), (136, True))
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((1, k)).astype(np.float32)
+    av = relax.Var("a", relax.TensorType([1, k], "float32"))
+    params, inputs, refs = [av], [a], []
+    for i, (n, has_bias) in enumerate(outputs):
+        wp, d, deq = _weights(k, n, 100 + i)
+        pw, ps = row_groups.pack(wp, d)
+        bias = rng.standard_normal(n).astype(np.float32) if has_bias else None
+        for x, nm in ((pw, f"w{i}"), (ps, f"s{i}"), (bias, f"b{i}")):
+            if x is not None:
+                params.append(relax.Var(nm, relax.TensorType(list(x.shape), str(x.dtype))))
+                inputs.append(x)
+        refs.append(_a8_reference(a, deq, d, k)[0] + (0 if bias is None else bias))
+    nb = (k + 31) // 32
+    with bb.function("decode_gemv3", params):
+        with bb.dataflow():
+            quant = bb.add_func(act_quant.fused_quantizer(k, w4a8.ZERO_POINT, True, layout="arm"), "quant")
+            parts = bb.emit(relax.call_tir(quant, [av], [relax.TensorType([1, nb, 32], "int8"),
+                                                         relax.TensorType([1, nb], "float32"),
+                                                         relax.TensorType([1, nb], "int32")]))
+            act = [bb.emit(relax.TupleGetItem(parts, j)) for j in range(3)]
+            gemv = bb.add_func(decode_gemv(outputs, nb, "float16", dot="sdot"), "gemv3")
+            ys = bb.emit(relax.call_tir(gemv, act + params[1:], [relax.TensorType([1, n], "float32") for n, _ in outputs]))
+            out = bb.emit(relax.op.concat([bb.emit(relax.TupleGetItem(ys, j)) for j in range(3)], axis=1))
+            gv = bb.emit_output(out)
+        bb.emit_func_output(gv)
+    return "decode_gemv3", inputs, np.concatenate(refs)[None]
 
 
 def _host_kernel(func):

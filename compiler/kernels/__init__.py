@@ -8,6 +8,10 @@ kernels share (signature, zero point, tile defaults) is in w4a8.py.
 # deliberately serial loops); compiler/schedule.py's generic rule leaves it as it is and warns
 # about any other kernel it cannot schedule.
 SCHEDULED = "qwc.scheduled"
+# Marks a decode GEMV that the decode fusions (compiler/fuse_residual_gemv.py, fuse_gate_up.py,
+# sibling_gemvs.py) may merge or extend; its value is the kernel's `dot`, which the fused
+# kernel is built with (decode_gemv).
+DECODE_GEMV = "qwc.decode_gemv"
 
 
 def hand_scheduled(func):
@@ -29,3 +33,21 @@ def w4a8_gemm(impl: str, n: int, nb: int, scale_dtype: str, tokens: int | None =
         from .arm import i8mm
         return i8mm.q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m)
     raise ValueError(f"unknown W4A8 GEMM {impl!r}")
+
+
+def gemv_dot(func) -> str:
+    """The `dot` a decode GEMV kernel was built with (its DECODE_GEMV attribute)."""
+    return str(func.attrs[DECODE_GEMV])
+
+
+def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16",
+                silu_mul: bool = False, quantize: int | None = None, dot: str = "vnni"):
+    """The multi-output decode GEMV of `dot` ("vnni", "avx2": x86/vnni.py, with the fused
+    silu(gate) * up and Q8_0 epilogues; "sdot": arm/dotprod.py, outputs with biases only)."""
+    if dot == "sdot":
+        if silu_mul or quantize is not None:
+            raise ValueError("the ARM decode GEMV has no silu_mul / quantize epilogue")
+        from .arm import dotprod
+        return dotprod.decode_gemv(tuple(outputs), nb, scale_dtype)
+    from .x86 import vnni
+    return vnni.decode_gemv(tuple(outputs), nb, scale_dtype, silu_mul=silu_mul, quantize=quantize, dot=dot)

@@ -14,9 +14,10 @@ scales, no horizontal sums.
 The nibbles q (0..15) are valid signed bytes, so the dot is taken with q itself and the
 quantizer's -8 x sum(a) per block starts the accumulation: no per-vector subtraction.
 
-Decode (one token) takes all four slices of a group per block, so one load of the block's
-activations, scales and offset serves 16 rows; the prefill form takes one slice at a time
-over a tile of tokens, whose accumulators would not fit the 32 vector registers otherwise.
+Decode (one token: decode_gemv, and q4_dot at one token a tile) takes all four slices of a
+group per block, so one load of the block's activations, scales and offset serves 16 rows; the
+prefill form takes one slice at a time over a tile of tokens, whose accumulators would not fit
+the 32 vector registers otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import functools
 
 from tvm import tirx
 
+from .. import DECODE_GEMV, SCHEDULED
 from ..row_groups import ROWS, groups
 from ..w4a8 import DEFAULT_TOKENS, gemm_kernel, store_rows, token_count
 
@@ -125,3 +127,72 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
                     tile(w, aq, off, ws, ad, y, gq // SLICES, gq % SLICES, i, 1)
 
     return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32")
+
+
+@functools.cache
+def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16"):
+    """Decode: one token through several weights that read the same activations, in one
+    parallel launch: outputs = ((N, with bias), ...). Arguments: aq [1, NB, 32], ad [1, NB],
+    off [1, NB] int32 (act_quant layout "arm"), then per output its packed weights, scales and
+    bias [N] if it has one, then the outputs y [1, N] in order. The bias is added as the rows
+    are stored: a projection's bias, or the residual stream (compiler/fuse_residual_gemv.py),
+    with no kernel of its own, and q, k and v are one launch (compiler/sibling_gemvs.py).
+
+    A task is one row group of one output (its four slices share each block's activation
+    loads, as q4_dot's decode form): the tasks of all outputs together fill the threads, where
+    k and v alone (8 groups each at 0.5B) would leave most idle. Built with TVM's IR builder:
+    TVMScript signatures cannot vary in length."""
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    def group(w, ws, bias, y, n, aq, ad, off, g):
+        acc = T.decl_buffer((SLICES * LANES,), "float32", scope="global")   # a stack slot: see q4_dot
+        for q in range(SLICES):
+            T.buffer_store(acc, T.broadcast(T.float32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
+        with T.serial(0, nb) as b:
+            for q in range(SLICES):
+                T.buffer_store(acc, acc[T.ramp(q * LANES, 1, LANES)] + halved_float(
+                    T, _slice_dot(T, w, aq, off, g, b, q, 0)) * (
+                    _scales(T, ws, g, b, q) * T.broadcast(ad[0, b], LANES)), [T.ramp(q * LANES, 1, LANES)])
+        for q in range(SLICES):   # doubled: halved_float
+            row = g * ROWS + q * LANES
+
+            def value(i, lanes, q=q, row=row):
+                a = acc[T.ramp(q * LANES, 1, LANES) if lanes > 1 else q * LANES + i] * (
+                    T.broadcast(T.float32(2), lanes) if lanes > 1 else T.float32(2))
+                return a if bias is None else a + bias[T.ramp(row, 1, lanes) if lanes > 1 else row + i]
+            if n % ROWS == 0:
+                T.buffer_store(y, value(0, LANES), [0, T.ramp(row, 1, LANES)])
+            else:   # the ragged last group: the rows below N, one at a time
+                with T.If(row + LANES <= n):
+                    with T.Then():
+                        T.buffer_store(y, value(0, LANES), [0, T.ramp(row, 1, LANES)])
+                    with T.Else():
+                        for i in range(LANES):
+                            with T.If(row + i < n):
+                                with T.Then():
+                                    T.buffer_store(y, value(i, 1), [0, row + i])
+
+    with IRBuilder() as ib:
+        with T.prim_func(private=True):
+            # opaque: FuseOps leaves it whole; DECODE_GEMV marks it for the decode fusions
+            T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True, DECODE_GEMV: "sdot"})
+            aq = T.arg("aq", T.buffer((1, nb, 32), "int8"))
+            ad = T.arg("ad", T.buffer((1, nb), "float32"))
+            off = T.arg("off", T.buffer((1, nb), "int32"))
+            weights = []
+            for i, (n, has_bias) in enumerate(outputs):
+                w = T.arg(f"w{i}", T.buffer((groups(n), nb, 4, 4 * ROWS), "uint8"))
+                ws = T.arg(f"s{i}", T.buffer((groups(n), nb, ROWS), scale_dtype))
+                bias = T.arg(f"bias{i}", T.buffer((n,), "float32")) if has_bias else None
+                weights.append((w, ws, bias, n))
+            ys = [T.arg(f"y{i}", T.buffer((1, n), "float32")) for i, (n, _) in enumerate(outputs)]
+            total = sum(groups(n) for n, _ in outputs)
+            with T.parallel(0, total) as task:
+                first = 0
+                for (w, ws, bias, n), y in zip(weights, ys):
+                    with T.If(T.And(task >= first, task < first + groups(n))):
+                        with T.Then():
+                            group(w, ws, bias, y, n, aq, ad, off, task - first)
+                    first += groups(n)
+    return ib.get()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import SCHEDULED
+from .. import DECODE_GEMV, SCHEDULED
 from ..row_groups import ROWS, groups
 from ..w4a8 import DEFAULT_TOKENS, gemm_kernel, store_rows, token_count
 
@@ -39,15 +39,6 @@ PREFETCH = ((4, 3),)   # (blocks ahead, LLVM locality: 3 = L1, 2 = L2)
 # distinct weights: 4864x896 28 -> 31, 896x4864 27 -> 30, lm_head 32 -> 35; 8 streams were
 # slower (docs/design.md). A plain read of memory gains the same way (bench/gemv.py).
 STREAMS = 4
-DECODE_GEMV = "qwc.decode_gemv"   # the attribute that marks decode_gemv kernels; its value: their `dot`
-
-
-def gemv_dot(func) -> str:
-    """The `dot` ("vnni" | "avx2") a decode_gemv kernel was built with: the fusions that rebuild
-    one (sibling_gemvs, fuse_gate_up, fuse_residual_gemv) build theirs with the same."""
-    return str(func.attrs[DECODE_GEMV])
-
-
 def _block_dot(T, w, aq, off, g, b, t, dot: str = "vnni"):
     """int32x16: the 16 rows' dot(q - 8, a) for block b and token t, as one expression (named
     temporaries would become per-thread allocations inside the parallel loop). Two chains
