@@ -90,9 +90,10 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
              held=sum(len(t.raw_data) for t in model.graph.initializer))
     quant = quant_summary(model)
     quant["activation_bits"] = act_bits
-    from .repack import repack_weights
+    from .repack import half_gather_scales, repack_weights
     with progress.stage("repacking weights for the target's kernels"):
         repacked = repack_weights(model, act_bits, target.features)
+        half_gather_scales(model)
     if repacked:
         quant["weight_layout"] = {"row_groups_16": repacked}
     if tuned:

@@ -16,7 +16,7 @@ import numpy as np
 
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
-from qwc.limits import is_int
+from qwc.limits import MAX_BATCH, is_int
 
 FORMAT_VERSION = 1
 ALIGN = 64                       # every parameter's offset in params.bin
@@ -89,6 +89,15 @@ def check_manifest(m, where: str = "manifest.json") -> None:
     mult = f.get("cache_capacity_multiple", 1)
     if not is_int(mult, 1) or mult > 4096:
         bad(f"functions.cache_capacity_multiple {mult!r} must be an integer in [1, 4096]")
+    # the runtime sizes its batch rows and prefill chunks by these: a library built for fewer
+    # would be handed inputs past the bounds its memory plan was made for
+    batch = f.get("max_batch", 1)
+    if not is_int(batch, 1) or batch > MAX_BATCH or (batch > 1) != ("decode_batch" in entries):
+        bad(f"functions.max_batch {batch!r} must be an integer in [1, {MAX_BATCH}], above 1 exactly when "
+            f"there is a decode_batch entry point")
+    chunk = f.get("max_tokens_per_call")
+    if chunk is not None and (not is_int(chunk, 1) or chunk > 65536):
+        bad(f"functions.max_tokens_per_call {chunk!r} must be an integer in [1, 65536]")
 
     end, names = 0, set()
     for i, p in enumerate(m["params"]):

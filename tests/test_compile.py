@@ -69,6 +69,7 @@ def test_generate_streams_text_and_stops(tiny_host_artifact):
     assert list(eng.generate([72, 105], max_new_tokens=5)) == first   # greedy is deterministic
 
 
+@pytest.mark.slow
 def test_cli_compile_and_run(tiny_onnx, tmp_path, capsys):
     out = tmp_path / "m.qwc"
     assert main(["-q", "compile", str(tiny_onnx), "-o", str(out)]) == 0
@@ -114,6 +115,19 @@ def test_corrupt_manifest(tiny_host_artifact, tmp_path, capsys):
     art = _copy(tiny_host_artifact, tmp_path)
     (art / "manifest.json").write_text("{ not json")
     _one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), "corrupt manifest")
+
+
+@pytest.mark.parametrize("field, value, expect", [
+    ("max_batch", "4", "functions.max_batch '4' must be an integer"),
+    ("max_batch", 8, "above 1 exactly when there is a decode_batch"),     # this library has none
+    ("max_batch", 0, "functions.max_batch 0 must be"),
+    ("max_tokens_per_call", -3, "functions.max_tokens_per_call -3 must be"),
+    ("max_tokens_per_call", 2.5, "functions.max_tokens_per_call 2.5 must be"),
+])
+def test_manifest_limits_are_checked(tiny_host_artifact, tmp_path, capsys, field, value, expect):
+    art = _copy(tiny_host_artifact, tmp_path)
+    _edit_manifest(art, lambda m: m["functions"].update({field: value}))
+    _one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), expect)
 
 
 def test_edited_hash_or_truncated_params(tiny_host_artifact, tmp_path, capsys):
@@ -221,6 +235,7 @@ def test_engine_loads_tvm_without_torch_and_torch_still_imports_after(tiny_host_
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dot, target", [("vnni", "x86-avx512"), ("avx2", "x86-avx2")])
 def test_x86_w4a8_kernels_equal_the_generic_w4a8_kernel(tiny_q4, tmp_path, dot, target):
     """The x86 W4A8 kernels (AVX-512 VNNI; AVX2) and the generic TE kernel (a target without
@@ -248,6 +263,7 @@ def test_x86_w4a8_kernels_equal_the_generic_w4a8_kernel(tiny_q4, tmp_path, dot, 
         assert np.abs(x - y).max() <= 1e-5 * np.abs(y).max()
 
 
+@pytest.mark.slow
 def test_vnni_library_from_any_x86_host(tiny_q4, tmp_path, capsys):
     """--target x86-avx512 builds the VNNI library wherever qwc runs; it really uses vpdpbusd,
     and a machine without VNNI refuses to load it in one line."""
@@ -313,6 +329,7 @@ def test_compile_never_replaces_a_folder_it_did_not_write(tiny_q4, tmp_path, cap
     assert not list(tmp_path.glob(".somedir.*"))   # no staging left behind
 
 
+@pytest.mark.slow
 def test_compile_replaces_its_own_artifact_but_not_a_file_kept_in_it(tiny_q4, tiny_host_artifact, tmp_path, capsys):
     art = _copy(tiny_host_artifact, tmp_path)
     (art / "my-notes.txt").write_text("mine")
@@ -328,6 +345,7 @@ def test_compile_replaces_its_own_artifact_but_not_a_file_kept_in_it(tiny_q4, ti
     assert (empty / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_compile_with_the_runtime_lib_variable_inherited(tiny_q4, tmp_path):
     """`qwc run` / `bench` / `serve` set TVM_USE_RUNTIME_LIB for themselves (TVM's runtime
     alone); a compile that inherits it (a script, or a process that ran qwc in-process first)
@@ -361,3 +379,35 @@ def test_ids_past_the_tokenizer_are_never_sampled(tiny_host_artifact):
     assert mismatch(151936, 151665) is None and mismatch(152064, 151665) is None   # Qwen2.5's own padding
     assert "covers 259 of the model's 151936" in mismatch(151936, 259)
     assert "past the model's vocabulary" in mismatch(100, 259)
+
+
+@pytest.mark.slow
+def test_untied_embedding_reads_fp16_scales_and_matches_onnxruntime(tiny_onnx, tiny_lm, tmp_path):
+    """An untied embedding (Qwen2.5-7B's case) keeps its own Q4_0 table; its scales are stored
+    as fp16 (exact for Q4_0: a 152k x 3584 table's are 65 MB in float32, as a GGUF's are not)
+    and the logits still agree with onnxruntime on the canonical graph."""
+    from qwc.passes.options import PassOptions
+    from qwc.passes.pipeline import optimize, save_graph
+
+    cfg = tiny_lm.config
+    q4 = tmp_path / "untied.q4.onnx"
+    m = optimize(onnx.load(str(tiny_onnx)), PassOptions(config=cfg, fold_norm_gains=True, untie_lm_head=True))
+    gather = next(n for n in m.graph.node if n.op_type == "GatherBlockQuantized")
+    assert not any(n.op_type == "MatMulNBits" and n.input[1] == gather.input[0] for n in m.graph.node)
+    save_graph(m, q4, cfg, sidecar_paths(tiny_onnx)[1])
+    art = tmp_path / "untied.qwc"
+    compile_file(q4, "host", art, act_bits=32)
+    params = json.loads((art / "manifest.json").read_text())["params"]
+    embed = [p for p in params if "embed_tokens" in p["name"] and "scales" in p["name"]]
+    assert [p["dtype"] for p in embed] == ["float16"]
+    prompt = np.random.default_rng(5).integers(0, 259, (1, 7))
+    eng = Engine(art, ctx=32)
+    logits = [eng.prefill(prompt[0])]
+    steps = [prompt]
+    for _ in range(4):
+        tok = int(logits[-1].argmax())
+        steps.append(np.array([[tok]]))
+        logits.append(eng.decode(tok))
+    ref = [r[0, -1] for r in run_steps(session(str(q4)), cfg, steps, ctx=32)]
+    for r, g in zip(ref, logits):
+        assert np.abs(r - g).max() / np.abs(r).max() < 1e-3

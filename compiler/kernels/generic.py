@@ -27,7 +27,7 @@ def _dequant(w, s, n, k, block: int, bits: int, scale_3d: bool = False):
         q = _q4(w[n, b, (k % block) // 2], k)
     else:
         q = w[n, b, k % block].astype("float32") - tirx.const(128.0, "float32")
-    return q * (s[n, b, 0] if scale_3d else s[n, b])
+    return q * (s[n, b, 0] if scale_3d else s[n, b]).astype("float32")   # fp16 scales: repack.half_gather_scales
 
 
 def matmul_nbits(a, w, s, *, k: int, n: int, block: int, bits: int):
