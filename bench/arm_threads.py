@@ -294,7 +294,7 @@ def main():
             return qwc_figures(rec, lib, maps, t), lambda: hot_loop_cpi(attr, elf_blocks(rec, lib, maps))
 
         runners["qwc"] = qwc_run
-        inputs["qwc"] = {"cpi": {}, "bytes": (art / "params.bin").stat().st_size}
+        inputs["qwc"] = {"cpi": {}, "bytes": n2_model.qwc_decode_bytes(art)}
     if "llama.cpp" in engines:
         tools = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "arm64"], check=True,
                                stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
@@ -309,7 +309,7 @@ def main():
             return llama_figures(rec, classes, t), lambda: hot_loop_cpi(lattr, elf_blocks(rec, bench, None))
 
         runners["llama.cpp"] = llama_run
-        inputs["llama.cpp"] = {"cpi": {}, "bytes": gguf.stat().st_size}
+        inputs["llama.cpp"] = {"cpi": {}, "bytes": n2_model.gguf_decode_bytes(gguf)}
 
     rows: dict = {}
     for engine, run in runners.items():

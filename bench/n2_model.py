@@ -12,7 +12,8 @@ time per token = max(compute, memory), compute = critical-path instructions x CP
 - barrier cost per launch: a parameter, shown at 1, 2 and 5 us (a fork-join across 64-128
   cores costs microseconds; not measurable here);
 - memory (decode): the bytes a token reads (the weights: the artifact's params.bin / the
-  GGUF, plus the KV cache, small at these lengths) over min(T x per-core bandwidth, the
+  GGUF, less the tables a step reads one row of: an untied embedding and qwc's rotary
+  tables; plus the KV cache, small at these lengths) over min(T x per-core bandwidth, the
   socket's). Socket: 8 channels of DDR5-4400 (Alibaba's public Yitian 710 figures) x 8 bytes
   = 281.6 GB/s peak. Per core: a parameter (default 20 GB/s, an assumption: one N2 core's
   share of a stream, not a published figure). Prefill reads each weight once per call for
@@ -35,7 +36,12 @@ BARRIER_US = (1.0, 2.0, 5.0)
 
 def mca_cycles(loop: list[str]) -> float | None:
     """N2 cycles per iteration of a loop body (llvm-mca, 5-wide dispatch); None without llvm-19."""
-    if not loop or not Path(MCA).is_file():
+    if not Path(MCA).is_file():
+        import sys
+        print(f"n2_model: {MCA} is missing (bench/setup.sh installs Debian's llvm-19): no CPI, no "
+              "predicted table", file=sys.stderr)
+        return None
+    if not loop:
         return None
     body = [re.sub(r"\s+\S+$", " .Lloop", t) if re.match(r"(b\.\w+|b|cbn?z|tbn?z)\s", t) else t for t in loop]
     r = subprocess.run([MCA, "-mtriple=aarch64", "-mcpu=neoverse-n2", "-dispatch=5", "-iterations=100"],
@@ -48,6 +54,37 @@ def mca_cpi(loop: list[str]) -> float | None:
     """N2 cycles per instruction of a loop body."""
     cycles = mca_cycles(loop)
     return cycles / len(loop) if cycles is not None else None
+
+
+def qwc_decode_bytes(artifact: Path) -> int:
+    """Bytes of params.bin a decode step reads: all but the tables it reads one row of (the
+    rotary cos/sin tables, and the embedding where the head has weights of its own)."""
+    import json
+
+    import numpy as np
+
+    manifest = json.loads((Path(artifact) / "manifest.json").read_text())
+    tied = manifest["model"].get("tie_word_embeddings", True)
+    total = (Path(artifact) / "params.bin").stat().st_size
+    for p in manifest["params"]:
+        name = p["name"]
+        if name.startswith("rotary_") or (not tied and "embed_tokens" in name):
+            nbytes = int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize
+            total -= nbytes - nbytes // p["shape"][0]
+    return total
+
+
+def gguf_decode_bytes(path: Path) -> int:
+    """Bytes of a GGUF a decode step reads: all but token_embd where output.weight exists."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    sizes = {t.name: (int(t.n_bytes), int(t.shape[-1])) for t in reader.tensors}   # shape: ne0 first
+    total = Path(path).stat().st_size
+    if "output.weight" in sizes and "token_embd.weight" in sizes:
+        nbytes, rows = sizes["token_embd.weight"]
+        total -= nbytes - nbytes // rows
+    return total
 
 
 def seconds_per_token(critical: float, launches: float, cpi: float, barrier_us: float, bytes_per_token: float,
