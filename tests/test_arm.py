@@ -10,17 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import emulation  # scripts/arm64/emulation.py (pyproject.toml: pytest's pythonpath)
 import numpy as np
 import pytest
 
 from qwc.compiler.compile import compile_file
 from qwc.runtime.engine import Engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.arm]
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts" / "arm64"))
-import emulation  # noqa: E402  (scripts/arm64/emulation.py)
 
 STEPS = [[72, 101, 108, 108, 111, 44, 32, 119], 5, 6, 7, 8]
 

@@ -4,15 +4,9 @@ TVM's pool at the asked thread count)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import arm_threads  # bench/arm_threads.py (pyproject.toml: pytest's pythonpath)
 import numpy as np
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-import arm_threads  # noqa: E402  (bench/arm_threads.py)
 
 LIB = (0x10000, 0x20000)   # where the "lib.so" of the hand-made records is mapped
 
@@ -73,6 +67,7 @@ def test_per_token_is_the_difference_of_two_runs():
 
 
 @pytest.mark.slow
+@pytest.mark.arm
 def test_tiny_decode_under_qemu_splits_the_same_work_over_four_threads(tiny_q4, tmp_path):
     """Both the phases plugin and the launch marks on a real artifact: the work a token is the
     same at 1 and 4 threads, every launch is seen at both, and 4 threads shorten the path

@@ -6,19 +6,16 @@ prefix reuse prefills only what a free slot's cache does not hold, with the same
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
+from run_engine import greedy_alone_and_batched  # scripts/arm64 (also run under qemu by test_arm.py)
 
 from qwc.compiler.compile import compile_file
 from qwc.errors import QwcError
 from qwc.runtime.engine import Engine
 from qwc.runtime.sampling import SamplingParams
 from qwc.runtime.scheduler import Request, Scheduler
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "arm64"))
-from run_engine import greedy_alone_and_batched  # noqa: E402  (also run under qemu by test_arm.py)
 
 PROMPTS = [[72, 101, 108, 108, 111], list(range(3, 40)), [7], list(range(100, 117))]
 
@@ -30,6 +27,7 @@ def engine(tiny_q4, tmp_path_factory):
     return Engine(out, ctx=64)
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_each_sequence_alone(engine):
     assert engine.max_batch == 9
     alone, batched = greedy_alone_and_batched(engine, PROMPTS, 8)

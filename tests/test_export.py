@@ -60,6 +60,7 @@ def test_sidecars_let_later_stages_work_without_torch(tiny_onnx, tiny_lm):
     assert "<|im_start|>" in cfg.chat_template
 
 
+@pytest.mark.slow
 def test_cli_export_writes_all_files(tmp_path, capsys):
     out = tmp_path / "sub" / "m.onnx"
     assert main(["export", "tiny", "-o", str(out)]) == 0

@@ -129,6 +129,7 @@ def test_output_is_a_directory(tmp_path, capsys):
     assert list((tmp_path / "m.onnx").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_failed_export_keeps_the_previous_output(tmp_path, capsys):
     out = tmp_path / "m.onnx"
     assert main(["-q", "export", "tiny", "-o", str(out)]) == 0

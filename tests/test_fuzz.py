@@ -5,16 +5,10 @@ correct result, with nothing half-written or left behind and no user file touche
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
+import fuzz  # bench/fuzz.py (pyproject.toml: pytest's pythonpath)
 import pytest
-
-_spec = importlib.util.spec_from_file_location("qwc_fuzz", Path(__file__).parents[1] / "bench" / "fuzz.py")
-fuzz = importlib.util.module_from_spec(_spec)
-sys.modules["qwc_fuzz"] = fuzz
-_spec.loader.exec_module(fuzz)
 
 RANDOM_SEED = 20261123
 RANDOM_CASES = 40
@@ -43,6 +37,7 @@ def test_random_case(case, model, tmp_path):
     _check(case, model, tmp_path)
 
 
+@pytest.mark.slow
 def test_the_harness_sees_each_bad_outcome(model, tmp_path):
     """The classifier is what the campaign's zeros rest on: a traceback, an exit 0 on an invalid
     value, a half-written output and a touched user file must each be reported as such."""
@@ -89,6 +84,7 @@ sys.exit(main())
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_inside_a_relax_pass_says_one_line(model, tmp_path):
     """A Ctrl-C that lands inside a fusion pass unwinds through TVM's C++, whose BlockBuilder
     logs a warning from its destructor before Python's handler runs (CI saw it at random):

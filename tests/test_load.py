@@ -29,6 +29,7 @@ def _compare_export(onnx_path, ref_model, cfg, seed=0):
         assert np.abs(r - g).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_hf_directory_round_trip(tiny_lm, tmp_path):
     src = tmp_path / "hf"
     tiny_lm.model.save_pretrained(src)  # config.json + model.safetensors
@@ -107,6 +108,7 @@ def _make_gguf(tmp_path, arch: str):
     return path, cfg, ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_round_trip(tmp_path, arch):
     path, cfg, ref = _make_gguf(tmp_path, arch)

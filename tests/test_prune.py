@@ -65,6 +65,7 @@ def test_shortgpt_removes_the_least_influential_blocks(tiny_lm):
     assert sorted(removed) == sorted(np.argsort(influence)[:2].tolist())
 
 
+@pytest.mark.slow
 def test_cli_prune_then_export_compile_run(tiny_lm, tmp_path, capsys):
     text = tmp_path / "calib.txt"
     text.write_text("She was the youngest of the two daughters of a most affectionate, indulgent father. " * 30)

@@ -124,6 +124,7 @@ def test_fake_quant_after_all_steps_is_a_float_fine_tune(corpus, tmp_path):
         assert (state[k] - base[k]).abs().max() < 0.01, k              # the gains stay in the norms
 
 
+@pytest.mark.slow
 def test_optimize_after_qat_matches_the_torch_model(qat_dir, tmp_path):
     lm = load_hf_dir(qat_dir)
     src = export_onnx(lm, tmp_path / "m.onnx")

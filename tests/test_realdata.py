@@ -49,6 +49,7 @@ def smol_lm(smollm2):
     return load_gguf(smollm2)
 
 
+@pytest.mark.slow
 def test_smollm2_loads_as_qwen2_and_matches_transformers_llama(smol_lm, smollm2):
     from transformers import LlamaForCausalLM
 

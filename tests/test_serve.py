@@ -78,6 +78,7 @@ def _reference(artifact, prompts, n):
     return out
 
 
+@pytest.mark.slow
 def test_concurrent_greedy_equals_single_stream(server, artifact):
     prompts = ["Hello there", "The cat sat on", "A long time ago in a galaxy", "x", "Numbers: 1 2 3", "Why?"]
     client = openai.OpenAI(base_url=server.url, api_key="unused")

@@ -39,6 +39,7 @@ def _q4_tensors(path) -> dict[str, np.ndarray]:
             if t.name.endswith(("qweight", "scales")) or ".qweight_" in t.name or ".scales_" in t.name}
 
 
+@pytest.mark.slow
 def test_stream_export_equals_torch_export_and_quantizes_to_the_same_bytes(tiny_lm, tmp_path):
     src = tmp_path / "hf"
     tiny_lm.model.save_pretrained(src)
@@ -226,6 +227,7 @@ def test_bad_input_to_the_streaming_path(tiny_lm, tmp_path, capsys):
     assert not (tmp_path / "q.onnx").exists()
 
 
+@pytest.mark.slow
 def test_stages_refuse_up_front_when_memory_is_short(tiny_lm, tiny_q4, tmp_path, capsys, monkeypatch):
     """Each stage estimates its peak and refuses in one line, naming the figures and what
     lowers the need, rather than being killed; --no-memory-check runs anyway."""

@@ -163,9 +163,7 @@ def _free_port() -> int:
 def tracker(tmp_path_factory):
     """A TVM RPC tracker and a server on 127.0.0.1: the emulated arm64 Python of scripts/arm64
     (key `arm64`, through scripts/arm64/rpc_server.py)."""
-    arm64 = Path(__file__).resolve().parent.parent / "scripts" / "arm64"
-    sys.path.insert(0, str(arm64))
-    import emulation  # noqa: E402
+    import emulation
 
     logs = tmp_path_factory.mktemp("rpc")
     port = _free_port()
@@ -182,7 +180,7 @@ def tracker(tmp_path_factory):
     env = emulation.arm64_env(single_thread=True)
     env.pop("TVM_USE_RUNTIME_LIB")  # the RPC server needs the full Python package
     p = _free_port()
-    start([*env["QWC_ARM64_PY"].split(), str(arm64 / "rpc_server.py"), "--tracker", f"127.0.0.1:{port}",
+    start([*env["QWC_ARM64_PY"].split(), str(emulation.HERE / "rpc_server.py"), "--tracker", f"127.0.0.1:{port}",
            "--port", str(p), "--port-end", str(p + 10), "--key", "arm64"], "arm64", env)
     deadline = time.monotonic() + 300
     while True:   # both servers registered?
@@ -200,6 +198,7 @@ def tracker(tmp_path_factory):
         proc.wait()
 
 
+@pytest.mark.arm
 @pytest.mark.parametrize("target, key, act, n_tasks", [("arm-yitian", "arm64", 8, 5)])
 def test_rpc_tuning_against_local_servers(tiny_q4, tmp_path, tracker, target, key, act, n_tasks):
     """arm-yitian's default kernels, the W4A8 smmla prefill GEMMs (5 tasks), measured on the
