@@ -109,21 +109,22 @@ def qwc_gemv(model, act_bits):
 
 
 def qwc_stream(n: int, k: int, total: float = 290e6, rounds: int = 4) -> float | None:
-    """GB/s of qwc's x86 decode GEMV kernel alone (kernels/x86/vnni.py: decode_gemv, fp16
+    """GB/s of qwc's x86 decode GEMV kernel alone (kernels.decode_gemv: VNNI or AVX2, fp16
     scales as in an artifact: 18 bytes a block) called on distinct weights that add up to a
     decode step's ~290 MB, one after another: every call reads DRAM, as in a real step, and
-    nothing but the call itself sits between them. None where the host has no VNNI kernel."""
+    nothing but the call itself sits between them. None where the host has no x86 W4A8 kernel."""
     import tvm
 
+    from qwc.compiler.kernels import decode_gemv
     from qwc.compiler.kernels.row_groups import groups
-    from qwc.compiler.kernels.x86 import vnni
-    from qwc.compiler.targets import get_target, q4_0_path
+    from qwc.compiler.targets import get_target, kernels_for, q4_0_path
 
     target = get_target("host")
     if q4_0_path(32, 4, 8, target.features) != "x86":
         return None
     nb = (k + 31) // 32
-    f = tvm.compile(tvm.IRModule({"main": vnni.decode_gemv(((n, False),), nb).with_attr("global_symbol", "main")}),
+    gemv = decode_gemv(((n, False),), nb, dot=kernels_for(target.features).w4a8.decode)
+    f = tvm.compile(tvm.IRModule({"main": gemv.with_attr("global_symbol", "main")}),
                     target=target.tvm_target())["main"]
     rng = np.random.default_rng(2)
     act = [tvm.runtime.tensor(rng.integers(-127, 128, (1, nb, 32), dtype=np.int8)),

@@ -17,14 +17,15 @@ from __future__ import annotations
 from tvm import relax
 
 from .fuse_residual_gemv import single_decode_gemv
-from .kernels import act_quant, decode_gemv, gemv_dot
+from .kernels import act_quant, decode_epilogues, decode_gemv, gemv_dot
 from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
 def gate_up_arguments(mod, defs: Bindings, gate, up):
     """([aq, ad, off, w_gate, s_gate, w_up, s_up], the GEMVs' `dot`) when gate and up are
-    bias-free x86 decode GEMV outputs of the same activations, else None (on ARM, gate and up
-    become one two-output launch in sibling_gemvs, and the quantizer stays its own)."""
+    bias-free decode GEMV outputs of the same activations whose kernel has the silu_mul and
+    quantize epilogues (x86), else None (on ARM, gate and up become one two-output launch in
+    sibling_gemvs, and the quantizer stays its own)."""
     calls, dots = [], set()
     for x in (gate, up):
         gemv = single_decode_gemv(mod, defs, x)
@@ -32,8 +33,8 @@ def gate_up_arguments(mod, defs: Bindings, gate, up):
             return None
         calls.append(gemv[1])
         dots.add(gemv_dot(mod[gemv[0]]))
-    if len(dots) != 1 or dots == {"sdot"}:   # the ARM GEMV has no silu_mul / Q8_0 epilogue
-        return None
+    if len(dots) != 1 or not {"silu_mul", "quantize"} <= decode_epilogues(next(iter(dots))):
+        return None   # (the ARM GEMV has no such epilogue)
 
     def source(aq):   # the tensor the quantizer of `aq` read, reshapes looked through
         parts = defs.value(defs.value(aq).tuple_value)

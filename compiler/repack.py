@@ -33,8 +33,8 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
         if node.op_type != "MatMulNBits" or len(node.input) < 3:
             continue
         _, _, block, bits = matmul_nbits_dims(node)
-        if q4_0_path(block, bits, act_bits, features) not in ("x86", "arm"):
-            continue
+        if q4_0_path(block, bits, act_bits, features) in (None, "f32"):
+            continue   # not a W4A8 integer-dot kernel: the plain layout
         wname, sname = node.input[1], node.input[2]
         if wname not in inits or sname not in inits:
             continue  # computed weights are not ours to repack (the importer will say so)

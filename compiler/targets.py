@@ -138,6 +138,10 @@ _AVX2 = W4A8("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8))
 _SDOT = W4A8("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8))
 _SMMLA = W4A8("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12))
 
+# The module under compiler/kernels that builds each W4A8 kernel the rules name (the interface
+# it exports: kernels/w4a8.py). A new ISA kernel is that module, an entry here and a rule.
+KERNEL_MODULES = {"vnni": "x86.vnni", "avx2": "x86.vnni", "sdot": "arm.dotprod", "smmla": "arm.i8mm"}
+
 KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     # Decode attention: three passes on x86, 1.5x the online kernel at 512 cached tokens; ARM
     # keeps the online kernel, 4% fewer instructions per decoded token under qemu (results.md).

@@ -134,7 +134,7 @@ def extract_tasks(model: onnx.ModelProto, act_bits: int = 32, features=frozenset
         path = q4_0_path(block, bits, act_bits, features)
         if path == "f32":
             new = [Task(kind, n, k) for kind in ("q4_f32_gemv", "q4_f32_gemm")]
-        elif path in ("x86", "arm"):
+        elif path is not None:   # a W4A8 integer-dot kernel
             new = [Task("q4_a8_gemm", n, k, impl=kernels_for(features).w4a8.prefill)]
         else:
             continue  # the generic kernels, which have no knobs

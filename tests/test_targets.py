@@ -45,6 +45,28 @@ def test_rules_end_with_a_catch_all_and_tiles_are_per_gemm():
     assert GEMM_LAYOUT["smmla"] == "arm_pairs" and all(t % 2 == 0 for t in GEMM_TILES["smmla"])
 
 
+def test_every_kernel_a_rule_names_has_a_module_with_the_interface():
+    """The registry (design.md, "Adding an ISA kernel"): each name a rule gives resolves to a
+    module exporting kernels/w4a8.py's interface, with a tile default for it; the decode
+    kernels build a GEMV carrying their dot, and asking one for an epilogue it lacks fails."""
+    from qwc.compiler.kernels import DECODE_GEMV, decode_epilogues, decode_gemv, kernel_module
+
+    for _, k in targets.KERNEL_RULES:
+        if k.w4a8 is None:
+            continue
+        for impl in (k.w4a8.decode, k.w4a8.prefill):
+            mod = kernel_module(impl)
+            assert callable(mod.prefill_gemm) and impl in mod.DEFAULT_TOKENS
+        assert "bias" in decode_epilogues(k.w4a8.decode)
+        gemv = decode_gemv(((32, True), (48, False)), 2, dot=k.w4a8.decode)
+        assert str(gemv.attrs[DECODE_GEMV]) == k.w4a8.decode
+    assert decode_epilogues("vnni") >= {"silu_mul", "quantize"}
+    with pytest.raises(ValueError, match="sdot decode GEMV has no quantize, silu_mul epilogue"):
+        decode_gemv(((64, False), (64, False)), 2, silu_mul=True, quantize=-8, dot="sdot")
+    with pytest.raises(ValueError, match="unknown W4A8 kernel 'svdot'"):
+        kernel_module("svdot")
+
+
 def test_tuning_tasks_take_the_tables_gemm(tiny_q4):
     """`qwc tune` extracts W4A8 tasks for the GEMM the table names for the target."""
     import onnx

@@ -1,7 +1,8 @@
 """TIR kernels per ISA family. `generic` is correct everywhere; ISA folders specialise.
 
-The W4A8 builders by the names compiler/targets.py's KERNEL_RULES give them; what the W4A8
-kernels share (signature, zero point, tile defaults) is in w4a8.py.
+The W4A8 builders by the names compiler/targets.py's KERNEL_RULES give them, found through
+its KERNEL_MODULES (kernel_module); what the W4A8 kernels share (signature, zero point, the
+interface every ISA module exports) is in w4a8.py.
 """
 
 # A kernel carrying this attribute was scheduled by its writer (explicit parallel, vector or
@@ -18,21 +19,25 @@ def hand_scheduled(func):
     return func.with_attr(SCHEDULED, True)
 
 
+def kernel_module(impl: str):
+    """The ISA module that builds the W4A8 kernel `impl` ("vnni", "avx2", "sdot", "smmla"):
+    compiler/targets.py's KERNEL_MODULES names it; its interface is kernels/w4a8.py's."""
+    import importlib
+
+    from ..targets import KERNEL_MODULES
+
+    if impl not in KERNEL_MODULES:
+        raise ValueError(f"unknown W4A8 kernel {impl!r} (known: {', '.join(KERNEL_MODULES)})")
+    return importlib.import_module(f"{__name__}.{KERNEL_MODULES[impl]}")
+
+
 def w4a8_gemm(impl: str, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
               batched_decode: bool = False):
-    """The W4A8 prefill GEMM `impl` ("vnni", "avx2", "sdot", "smmla") for N rows, nb blocks of K;
-    `tokens`: its tile width (None: the kernel's default); `m`: a fixed token count;
-    `batched_decode`: the form for one token of each of B sequences, where it has one (vnni)."""
-    if impl in ("vnni", "avx2"):
-        from .x86 import vnni
-        return vnni.q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode, dot=impl)
-    if impl == "sdot":
-        from .arm import dotprod
-        return dotprod.q4_dot(n, nb, False, scale_dtype, tokens=tokens, m=m)
-    if impl == "smmla":
-        from .arm import i8mm
-        return i8mm.q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m)
-    raise ValueError(f"unknown W4A8 GEMM {impl!r}")
+    """The W4A8 prefill GEMM `impl` for N rows, nb blocks of K; `tokens`: its tile width (None:
+    the module's DEFAULT_TOKENS); `m`: a fixed token count; `batched_decode`: the form for one
+    token of each of B sequences, where it has one (vnni, avx2)."""
+    return kernel_module(impl).prefill_gemm(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode,
+                                            dot=impl)
 
 
 def gemv_dot(func) -> str:
@@ -40,14 +45,19 @@ def gemv_dot(func) -> str:
     return str(func.attrs[DECODE_GEMV])
 
 
+def decode_epilogues(dot: str) -> frozenset[str]:
+    """What the decode GEMV of `dot` can do as it stores: "bias" (a bias or the residual),
+    "silu_mul" (gate and up as silu(gate) * up), "quantize" (that as Q8_0 blocks)."""
+    return kernel_module(dot).DECODE_EPILOGUES
+
+
 def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16",
                 silu_mul: bool = False, quantize: int | None = None, dot: str = "vnni"):
-    """The multi-output decode GEMV of `dot` ("vnni", "avx2": x86/vnni.py, with the fused
-    silu(gate) * up and Q8_0 epilogues; "sdot": arm/dotprod.py, outputs with biases only)."""
-    if dot == "sdot":
-        if silu_mul or quantize is not None:
-            raise ValueError("the ARM decode GEMV has no silu_mul / quantize epilogue")
-        from .arm import dotprod
-        return dotprod.decode_gemv(tuple(outputs), nb, scale_dtype)
-    from .x86 import vnni
-    return vnni.decode_gemv(tuple(outputs), nb, scale_dtype, silu_mul=silu_mul, quantize=quantize, dot=dot)
+    """The multi-output decode GEMV of `dot` (outputs = ((N, with bias), ...))."""
+    want = {"bias"} if any(b for _, b in outputs) else set()
+    want |= {"silu_mul"} if silu_mul else set()
+    want |= {"quantize"} if quantize is not None else set()
+    if not want <= decode_epilogues(dot):
+        raise ValueError(f"the {dot} decode GEMV has no {', '.join(sorted(want - decode_epilogues(dot)))} epilogue")
+    return kernel_module(dot).decode_gemv(tuple(outputs), nb, scale_dtype, silu_mul=silu_mul, quantize=quantize,
+                                          dot=dot)

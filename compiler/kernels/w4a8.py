@@ -10,7 +10,11 @@ arm/i8mm.py) holds only its dot product and its tiling.
   dot(q - 8, a) costs no subtraction;
 - the store of a vector of rows with the ragged last row group (N not a multiple of 16) row
   by row;
-- the default prefill tile width per kernel (each ISA file says why).
+
+Each ISA module (x86/vnni.py, arm/dotprod.py, arm/i8mm.py) exports the same interface, which
+kernels/__init__.py calls by the name compiler/targets.py's KERNEL_MODULES gives it:
+`prefill_gemm`, `decode_gemv` where it has a decode form, `DEFAULT_TOKENS` (the hand tile
+width per dot) and `DECODE_EPILOGUES` (what its decode GEMV can add as it stores).
 """
 
 from __future__ import annotations
@@ -21,9 +25,6 @@ from tvm.script import tirx as T
 from .row_groups import ROWS, groups
 
 ZERO_POINT = -8
-# Tokens per prefill tile, the hand value (`qwc tune` searches targets.W4A8.prefill_tokens):
-# vnni, avx2 and sdot: x86/vnni.py's docstring; smmla: 5 token pairs, arm/i8mm.py's docstring.
-DEFAULT_TOKENS = {"vnni": 4, "avx2": 4, "sdot": 4, "smmla": 10}
 
 
 def token_count(m: int | None):

@@ -28,11 +28,13 @@ from tvm import tirx
 
 from .. import DECODE_GEMV, SCHEDULED
 from ..row_groups import ROWS, groups
-from ..w4a8 import DEFAULT_TOKENS, gemm_kernel, store_rows, token_count
+from ..w4a8 import gemm_kernel, store_rows, token_count
 
 LANES = 4          # int32 lanes of a 128-bit vector: rows per slice
 SLICES = ROWS // LANES
 SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
+DEFAULT_TOKENS = {"sdot": 4}                  # prefill tile width (arm-neon), as x86/vnni.py's
+DECODE_EPILOGUES = frozenset({"bias"})        # decode_gemv's: a task holds 16 rows, a Q8_0 block 32
 
 
 def halved_float(T, v):
@@ -129,8 +131,22 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
     return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32")
 
 
+def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
+                 batched_decode: bool = False, dot: str = "sdot"):
+    """The registry's prefill GEMM (kernels/w4a8.py): q4_dot over tiles of tokens."""
+    return q4_dot(n, nb, False, scale_dtype, tokens=tokens, m=m)
+
+
+def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16",
+                silu_mul: bool = False, quantize: int | None = None, dot: str = "sdot"):
+    """The registry's decode GEMV (kernels/w4a8.py): outputs with biases only."""
+    if silu_mul or quantize is not None:
+        raise ValueError("the ARM decode GEMV has no silu_mul / quantize epilogue")
+    return _decode_gemv(tuple(outputs), nb, scale_dtype)
+
+
 @functools.cache
-def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16"):
+def _decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str):
     """Decode: one token through several weights that read the same activations, in one
     parallel launch: outputs = ((N, with bias), ...). Arguments: aq [1, NB, 32], ad [1, NB],
     off [1, NB] int32 (act_quant layout "arm"), then per output its packed weights, scales and

@@ -35,13 +35,15 @@ import functools
 from tvm import tirx
 
 from ..row_groups import ROWS, groups
-from ..w4a8 import DEFAULT_TOKENS, gemm_kernel, token_count
+from ..w4a8 import gemm_kernel, token_count
 from .dotprod import halved_float
 
 LANES = 4          # rows per 128-bit slice of a chunk
 SLICES = ROWS // LANES
 MERGE_INTO = 5     # tile pairs after which a lone leftover pair merges into a 6-pair tile
 SMMLA = "llvm.aarch64.neon.smmla.v4i32.v16i8"
+DEFAULT_TOKENS = {"smmla": 10}     # 5 token pairs a prefill tile: see this module's docstring
+DECODE_EPILOGUES = frozenset()     # prefill only: decode runs arm/dotprod.py's GEMV
 
 
 def _rows(T, w, g, b, q, k, rp):
@@ -95,6 +97,12 @@ def _row_scales(T, ws, g, b, q, rp):
     if ws.dtype == "float16":   # duplicated while fp16: one zip of 4 halves, then one convert
         return T.Cast("float32x4", tirx.Shuffle([ws.vload([g, b, LANES * q], "float16x4")], idx))
     return tirx.Shuffle([ws.vload([g, b, LANES * q], "float32x4")], idx)
+
+
+def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
+                 batched_decode: bool = False, dot: str = "smmla"):
+    """The registry's prefill GEMM (kernels/w4a8.py): q4_gemm."""
+    return q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m)
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow

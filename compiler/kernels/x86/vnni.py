@@ -22,7 +22,12 @@ import functools
 
 from .. import DECODE_GEMV, SCHEDULED
 from ..row_groups import ROWS, groups
-from ..w4a8 import DEFAULT_TOKENS, gemm_kernel, store_rows, token_count
+from ..w4a8 import gemm_kernel, store_rows, token_count
+
+# Tokens per prefill tile, the hand value (`qwc tune` searches targets.W4A8.prefill_tokens):
+# see this module's docstring.
+DEFAULT_TOKENS = {"vnni": 4, "avx2": 4}
+DECODE_EPILOGUES = frozenset({"bias", "silu_mul", "quantize"})   # decode_gemv's
 
 # Decode prefetches the weights 4 blocks (1 KiB) ahead into L1, in each of its STREAMS
 # streams. A GEMV's weights always come from DRAM, and the hardware streamer stops at every
@@ -156,6 +161,12 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                     tile(w, aq, off, ws, ad, y, g, i, 1, False)
 
     return gemm_kernel(n, nb, scale_dtype, rows_in, body)
+
+
+def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
+                 batched_decode: bool = False, dot: str = "vnni"):
+    """The registry's prefill GEMM (kernels/w4a8.py): q4_matmul."""
+    return q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode, dot=dot)
 
 
 @functools.cache
