@@ -28,21 +28,27 @@ def tiny_host_artifact(tiny_q4, tmp_path_factory):
     return out
 
 
-def test_host_matches_onnxruntime_prefill_and_16_decode_steps(tiny_q4, tiny_host_artifact, tiny_lm):
-    """Greedy generation on the compiled module; onnxruntime on the canonical graph is fed the
-    same tokens, and every step's logits agree within 1e-3 of their range."""
-    cfg = tiny_lm.config
-    prompt = np.random.default_rng(11).integers(0, 259, (1, 9))
-    eng = Engine(tiny_host_artifact, ctx=64)
+def _greedy_against_onnxruntime(art, q4, cfg, prompt, n_steps: int, ctx: int):
+    """Greedy generation on the compiled module; onnxruntime on the canonical graph `q4` is fed
+    the same tokens, and every step's logits agree within 1e-3 of their range. Returns the
+    engine, the references and the compiled module's logits."""
+    eng = Engine(art, ctx=ctx)
     logits = [eng.prefill(prompt[0])]
     steps = [prompt]
-    for _ in range(16):
+    for _ in range(n_steps):
         tok = int(logits[-1].argmax())
         steps.append(np.array([[tok]]))
         logits.append(eng.decode(tok))
-    ref = [r[0, -1] for r in run_steps(session(str(tiny_q4)), cfg, steps, ctx=64)]
+    ref = [r[0, -1] for r in run_steps(session(str(q4)), cfg, steps, ctx=ctx)]
     for r, g in zip(ref, logits):
         assert np.abs(r - g).max() / np.abs(r).max() < 1e-3
+    return eng, ref, logits
+
+
+def test_host_matches_onnxruntime_prefill_and_16_decode_steps(tiny_q4, tiny_host_artifact, tiny_lm):
+    """Greedy generation on the compiled module against onnxruntime on the canonical graph."""
+    prompt = np.random.default_rng(11).integers(0, 259, (1, 9))
+    eng, ref, logits = _greedy_against_onnxruntime(tiny_host_artifact, tiny_q4, tiny_lm.config, prompt, 16, 64)
     assert [int(r.argmax()) for r in ref] == [int(g.argmax()) for g in logits]
     eng.reset()
     assert np.array_equal(eng.prefill(prompt[0]), logits[0])
@@ -401,13 +407,4 @@ def test_untied_embedding_reads_fp16_scales_and_matches_onnxruntime(tiny_onnx, t
     embed = [p for p in params if "embed_tokens" in p["name"] and "scales" in p["name"]]
     assert [p["dtype"] for p in embed] == ["float16"]
     prompt = np.random.default_rng(5).integers(0, 259, (1, 7))
-    eng = Engine(art, ctx=32)
-    logits = [eng.prefill(prompt[0])]
-    steps = [prompt]
-    for _ in range(4):
-        tok = int(logits[-1].argmax())
-        steps.append(np.array([[tok]]))
-        logits.append(eng.decode(tok))
-    ref = [r[0, -1] for r in run_steps(session(str(q4)), cfg, steps, ctx=32)]
-    for r, g in zip(ref, logits):
-        assert np.abs(r - g).max() / np.abs(r).max() < 1e-3
+    _greedy_against_onnxruntime(art, q4, cfg, prompt, 4, 32)
