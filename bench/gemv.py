@@ -240,7 +240,7 @@ def decode_step(artifact, threads, past=512, steps=64, windows=3):
             eng.decode(1)
         rates.append(steps / (time.perf_counter() - t0))
     weights = (Path(artifact) / "params.bin").stat().st_size
-    kv = 2 * int(cfg["num_hidden_layers"]) * int(cfg["num_key_value_heads"]) * (past + steps // 2) * int(cfg["head_dim"]) * 4
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (past + steps // 2) * cfg.head_dim * 4
     return rates, weights, kv
 
 

@@ -24,7 +24,7 @@ from qwc.atomic import replace_dir, staging_dir, temp_files_in
 from qwc.checksum import sha256
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
-from qwc.manifest import ALIGN, FORMAT_VERSION, check_manifest
+from qwc.manifest import ALIGN, FORMAT_VERSION, Manifest
 from qwc.passes.graph import tensor_array
 
 LIB_SPACE = 64 << 20   # lib.so and its object files: ~1-6 MiB for the presets
@@ -83,8 +83,9 @@ def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_
             "params": index,
             "files": {f: sha256(art / f) for f in files},
         }
-        check_manifest(manifest, where=f"the manifest qwc wrote for {out}")   # the reader's schema
-        (art / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        # through the reader's schema: what is written is what the runtime will accept
+        manifest = Manifest.from_dict(manifest, where=f"the manifest qwc wrote for {out}")
+        (art / "manifest.json").write_text(json.dumps(manifest.to_dict(), indent=1) + "\n")
         replace_dir(art, out, foreign_files)
 
 

@@ -137,4 +137,4 @@ def build(mod: tvm.IRModule, target: Target):
     from .schedule import cpu_pipeline
 
     t = target.tvm_target()
-    return tvm.compile(mod, target=t, relax_pipeline=cpu_pipeline(t))
+    return relax.build(mod, target=t, relax_pipeline=cpu_pipeline(t), exec_mode=target.vm_exec_mode)

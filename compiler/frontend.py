@@ -292,11 +292,12 @@ def fusion_passes(ctx: ImportContext):
     from .fuse_residual_gemv import fuse_residual_gemv
 
     passes = [fuse_residual_gemv, fuse_quantizer_inputs(ctx.kname), fuse_gate_up(ctx.kname)]
-    if kernels_for(ctx.features).decode_attention == "three_pass":
-        # with W4A8 decode GEMVs that read the plain activation layout (x86), the attention
-        # also writes the o projection's Q8_0 (in that layout)
-        w4a8 = kernels_for(ctx.features).w4a8
+    kernels = kernels_for(ctx.features)
+    if kernels.decode_attention != "online":
+        # with W4A8 decode GEMVs the attention also writes the o projection's Q8_0, in the
+        # layout they read
         w4a8_path = q4_0_path(32, 4, ctx.act_bits, ctx.features) not in (None, "f32")
-        zp = ZERO_POINT if w4a8_path and w4a8.decode_layout == "plain" else None
-        passes.append(fuse_decode_attention(ctx.kname, dict(ctx.rotary_kernels), zp))
+        passes.append(fuse_decode_attention(
+            ctx.kname, dict(ctx.rotary_kernels), ZERO_POINT if w4a8_path else None,
+            kernels.w4a8.decode_layout if w4a8_path else "plain", kernels.decode_attention == "three_pass_heads"))
     return tvm.transform.Sequential(passes)

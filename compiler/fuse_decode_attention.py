@@ -4,9 +4,10 @@ projection's quantizer into it.
 As imported, one token's attention is five kernels: rotary of q and of k, the K and V cache
 writes, and the online attention (kernels/attention.py: attention). Where the target's rule
 picks three-pass decode attention (compiler/targets.py: KERNEL_RULES), this pass replaces
-them by decode_attention, which rotates q and k, writes the cache and attends in one launch.
-With `zero_point` (the x86 W4A8 decode GEMVs) that kernel also writes its output's Q8_0
-blocks, and the o projection's quantizer that read the output is replaced by them.
+them by decode_attention, which rotates q and k, writes the cache and attends in one launch
+(a task per kv head, or per query head on ARM). With `zero_point` (the W4A8 decode GEMVs)
+that kernel also writes its output's Q8_0 blocks in the layout the GEMV reads, and the o
+projection's quantizer that read the output is replaced by them.
 
 Where it runs: last of the import-time fusions (frontend.import_graph), after
 fuse_quantizer_inputs (the o projection's quantizer is then the plain one this pass looks
@@ -35,7 +36,7 @@ def _rotary_operands(defs: Bindings, rotary_kernels: dict, x, heads: int, head_d
     return args
 
 
-def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point):
+def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str):
     """{attention output var: what its fused call needs} for every fusable decode attention,
     and {o projection quantizer var: that attention output var} where zero_point is given."""
     fused, quantizers = {}, {}
@@ -64,7 +65,7 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point):
     if zero_point is not None:
         for var, e in defs.values.items():
             mark = kernel_attr(mod, e, act_quant.QUANTIZER)
-            if (mark is None or mark["kind"] != "plain" or mark["layout"] != "plain"
+            if (mark is None or mark["kind"] != "plain" or mark["layout"] != layout
                     or int(mark["zero_point"]) != zero_point):
                 continue
             src = defs.unreshaped(call_args(e)[0])
@@ -76,13 +77,15 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point):
     return fused, quantizers
 
 
-def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None):
+def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, layout: str = "plain",
+                          per_head: bool = False):
     """The pass; `kname` names a kernel in this entry point, `rotary_kernels` maps the rotary
     kernels the import emitted to their head count (frontend.ImportContext), `zero_point`:
-    also write the output's Q8_0 with this zero point (None: do not)."""
+    also write the output's Q8_0 with this zero point (None: do not), in the activation
+    `layout` the o projection's GEMV reads; `per_head`: a task per query head, not per kv head."""
 
     def make(mod, defs: Bindings):
-        fused, quantizers = _plan(mod, defs, rotary_kernels, zero_point)
+        fused, quantizers = _plan(mod, defs, rotary_kernels, zero_point, layout)
         by_write = {f["kc"]: out for out, f in fused.items()}
         by_v_write = {f["vc"]: out for out, f in fused.items()}
         made = {}   # attention output var -> the fused call's (out, K cache, V cache) vars and call
@@ -94,12 +97,14 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None):
                 quantize = zero_point is not None and by_write[var] in quantizers.values()
                 pos = f["inputs"][6]
                 kernel = fast.decode_attention(f["heads"], f["kv_heads"], f["head_dim"], f["scale"],
-                                               str(pos.ty.dtype), zero_point if quantize else None)
-                gv = rw.builder_.add_func(kernel, kname("attention_3pass" + ("_q8" if quantize else "")))
+                                               str(pos.ty.dtype), zero_point if quantize else None, layout,
+                                               1 if per_head else None)
+                name = "attention_3pass" + ("_heads" if per_head else "") + ("_q8" if quantize else "")
+                gv = rw.builder_.add_func(kernel, kname(name + ("" if layout == "plain" or not quantize else f"_{layout}")))
                 nb = f["heads"] * f["head_dim"] // act_quant.BLOCK
                 q8 = [] if not quantize else [relax.TensorType(shape=[1, nb, act_quant.BLOCK], dtype="int8"),
                                               relax.TensorType(shape=[1, nb], dtype="float32"),
-                                              relax.TensorType(shape=[1, nb], dtype="float32")]
+                                              relax.TensorType(shape=[1, nb], dtype="float32" if layout == "plain" else "int32")]
                 # outputs: out (new), the two caches (in place), the Q8_0 blocks (new)
                 call = rw.emit(relax.call_tir_inplace(
                     gv, [rw.var(x) for x in f["inputs"]], [-1, 3, 4] + [-1] * len(q8),

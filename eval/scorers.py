@@ -94,7 +94,7 @@ class QwcScorer(Scorer):
         from qwc.manifest import read_manifest
         from qwc.runtime.engine import Engine
 
-        max_ctx = int(read_manifest(Path(path))["model"]["max_position_embeddings"])
+        max_ctx = read_manifest(Path(path)).model.max_position_embeddings
         self.engine = Engine(path, ctx=min(ctx, max_ctx), threads=threads)
         if self.engine.tokenizer is None:
             raise QwcError(f"{path}: artifact has no tokenizer")

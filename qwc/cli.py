@@ -322,7 +322,7 @@ def _cmd_run(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
-    weights = sum(p["nbytes"] for p in eng.manifest["params"])
+    weights = eng.manifest.weight_bytes
     progress.info(f"[qwc] loaded {args.model} ({weights / 2**30:.2f} GiB of weights) in {time.perf_counter() - t0:.1f}s")
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         repetition_penalty=args.repetition_penalty,
@@ -396,17 +396,17 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     ctx = max(args.ctx, args.n_prompt, args.n_gen, 16)
     eng = Engine(args.model, ctx=ctx, threads=args.threads)
     rows = run_bench(eng, args.n_prompt, args.n_gen, reps=args.repetitions)
-    m, t = eng.manifest["model"], eng.manifest["target"]
-    size = sum(p["nbytes"] for p in eng.manifest["params"])
-    quant = eng.manifest.get("quantization", {})
+    m, t = eng.manifest.model, eng.manifest.target
+    size = eng.manifest.weight_bytes
+    quant = eng.manifest.quantization
     if args.json:
-        print(json.dumps({"model": m["name"], "target": t["name"], "threads": eng.threads,
+        print(json.dumps({"model": m.name, "target": t.name, "threads": eng.threads,
                           "params_bytes": size, "quantization": quant, "results": rows}, indent=1))
         return
     print(f"| {'model':14s} | {'size':>10s} | {'target':10s} | {'act':>4s} | {'threads':>7s} | {'test':>6s} | {'t/s':>16s} |")
     print(f"| {'-' * 14} | {'-' * 10}: | {'-' * 10} | {'-' * 4}: | {'-' * 7}: | {'-' * 6}: | {'-' * 16}: |")
     for r in rows:
-        print(f"| {m['name'][:14]:14s} | {size / 2**20:6.1f} MiB | {t['name']:10s} | {quant.get('activation_bits', 32):4d}"
+        print(f"| {m.name[:14]:14s} | {size / 2**20:6.1f} MiB | {t.name:10s} | {quant.get('activation_bits', 32):4d}"
               f" | {eng.threads:7d} | {r['test']:>6s} | {r['tps']:9.2f} ± {r['std']:5.2f} |")
 
 
@@ -421,9 +421,9 @@ def _check_utf8(text: str, what: str) -> None:
 def _chat(eng, sp, max_new_tokens: int) -> None:
     from qwc.runtime.chat import ChatTemplate
 
-    if not eng.model.get("chat_template"):
+    if not eng.model.chat_template:
         raise QwcError("this model has no chat template; use --prompt")
-    template = ChatTemplate(eng.model["chat_template"])
+    template = ChatTemplate(eng.model.chat_template)
     messages = []
     while True:
         try:

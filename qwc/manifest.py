@@ -1,6 +1,6 @@
-"""The artifact's `manifest.json`: its format version and schema, shared by the writer
-(compiler/artifact.py checks what it writes) and the runtime (checks what it reads, before
-anything is loaded).
+"""The artifact's `manifest.json`: its format version, schema and typed form (`Manifest`),
+shared by the writer (compiler/artifact.py builds a Manifest and writes its to_dict) and the
+runtime (reads it back through the same checks, before anything is loaded).
 
 The manifest is not covered by its own hashes: a hand-edited one must fail here in one line,
 not as a shape error inside the library or as reads outside params.bin.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,94 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
-def read_manifest(path: Path) -> dict:
+@dataclass(frozen=True)
+class ArtifactTarget:
+    """What the library was built for: the runtime refuses a machine without `features`."""
+    name: str
+    arch: str
+    triple: str
+    mcpu: str
+    features: tuple[str, ...] = ()
+    mattr: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter's place in params.bin (64-byte aligned, in the library's argument order)."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Functions:
+    """The library's entry points and what the runtime must hand them."""
+    entry_points: dict                   # name -> what it does ("prefill", "decode", ...)
+    inputs: tuple[str, ...]              # input_ids, attention_mask, position_ids
+    cache: tuple[str, ...]               # a key and a value per layer, in argument order
+    cache_shape: tuple                   # ("1", kv_heads, "ctx", head_dim)
+    cache_capacity_multiple: int = 1     # the K layout's key tile: capacities round up to it
+    max_batch: int = 1                   # sequences a decode_batch step takes (1: no such step)
+    max_tokens_per_call: int | None = None   # prefill / score; the runtime chunks longer input
+    extra: dict = field(default_factory=dict)   # descriptive fields (outputs, cache layout)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json, checked and typed: built by compiler/artifact.py, read by the runtime."""
+    target: ArtifactTarget
+    model: ModelConfig
+    functions: Functions
+    params: tuple[Param, ...]
+    files: dict                          # file name -> sha256 hex digest
+    quantization: dict                   # descriptive: scheme, bits, layouts (qwc info)
+    qwc_version: str | None = None
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params)
+
+    @classmethod
+    def from_dict(cls, m, where: str = "manifest.json") -> Manifest:
+        """The manifest of the JSON object `m`, or one QwcError line naming what is wrong."""
+        check_manifest(m, where)
+        t, f = m["target"], m["functions"]
+        known = {"entry_points", "inputs", "cache", "cache_shape", "cache_capacity_multiple", "max_batch",
+                 "max_tokens_per_call"}
+        return cls(
+            target=ArtifactTarget(t["name"], t["arch"], t["triple"], t["mcpu"], tuple(t.get("features", [])),
+                                  tuple(t.get("mattr", []))),
+            model=ModelConfig.from_dict(m["model"]),
+            functions=Functions(dict(f["entry_points"]), tuple(f["inputs"]), tuple(f["cache"]),
+                                tuple(f["cache_shape"]), f.get("cache_capacity_multiple", 1), f.get("max_batch", 1),
+                                f.get("max_tokens_per_call"), {k: v for k, v in f.items() if k not in known}),
+            params=tuple(Param(p["name"], p["dtype"], tuple(p["shape"]), p["offset"], p["nbytes"]) for p in m["params"]),
+            files=dict(m["files"]), quantization=dict(m["quantization"]), qwc_version=m.get("qwc_version"),
+            format_version=m["format_version"])
+
+    def to_dict(self) -> dict:
+        """The JSON object manifest.json holds (from_dict's input)."""
+        f = self.functions
+        functions = {"entry_points": f.entry_points, "inputs": list(f.inputs), "cache": list(f.cache),
+                     "cache_shape": list(f.cache_shape), "cache_capacity_multiple": f.cache_capacity_multiple,
+                     "max_batch": f.max_batch, **f.extra}
+        if f.max_tokens_per_call is not None:
+            functions["max_tokens_per_call"] = f.max_tokens_per_call
+        t = self.target
+        return {"format_version": self.format_version, "qwc_version": self.qwc_version,
+                "target": {"name": t.name, "arch": t.arch, "triple": t.triple, "mcpu": t.mcpu,
+                           "mattr": list(t.mattr), "features": list(t.features)},
+                "model": json.loads(self.model.to_json()), "quantization": self.quantization,
+                "functions": functions,
+                "params": [{"name": p.name, "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset,
+                            "nbytes": p.nbytes} for p in self.params],
+                "files": self.files}
+
+
+def read_manifest(path: Path) -> Manifest:
     """The checked manifest of the artifact folder `path`."""
     path = Path(path)
     if not path.is_dir():
@@ -40,8 +128,7 @@ def read_manifest(path: Path) -> dict:
         raise QwcError(f"{mf}: corrupt manifest ({e})") from None
     except OSError as e:
         raise QwcError(f"{mf}: cannot read ({e.strerror})") from None
-    check_manifest(manifest, where=str(mf))
-    return manifest
+    return Manifest.from_dict(manifest, where=str(mf))
 
 
 def _is_str_list(v) -> bool:
@@ -49,6 +136,7 @@ def _is_str_list(v) -> bool:
 
 
 def check_manifest(m, where: str = "manifest.json") -> None:
+    """The schema of manifest.json's JSON object (Manifest.from_dict's checks)."""
     def bad(what: str):
         raise QwcError(f"{where}: {what} (corrupt artifact; recompile it)")
 
@@ -131,13 +219,13 @@ def check_manifest(m, where: str = "manifest.json") -> None:
             bad(f"the hash of {name} is not a sha256 hex digest")
 
 
-def check_library(vm_arity, vm_param_name, manifest: dict, where: str) -> None:
+def check_library(vm_arity, vm_param_name, manifest: Manifest, where: str) -> None:
     """The library's own signature (the parameter names its entry points were compiled with)
     must be the manifest's inputs, cache and parameters, in order."""
-    f = manifest["functions"]
-    want = f["inputs"] + [c.replace(".", "_") for c in f["cache"]] + [p["name"] for p in manifest["params"]]
+    f = manifest.functions
+    want = list(f.inputs) + [c.replace(".", "_") for c in f.cache] + [p.name for p in manifest.params]
     for fn in ("prefill", "decode", "score", "decode_batch"):
-        if fn not in f["entry_points"]:
+        if fn not in f.entry_points:
             continue
         try:
             n = vm_arity(fn)

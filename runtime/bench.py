@@ -17,7 +17,7 @@ def _rate(tokens: int, seconds: list[float]) -> tuple[float, float]:
 
 def run_bench(eng: Engine, prompt: int, gen: int, reps: int = 3, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
-    vocab = min(int(eng.model["vocab_size"]), 4096)
+    vocab = min(eng.model.vocab_size, 4096)
     rows = []
     eng.reset()
     eng.prefill(rng.integers(0, vocab, min(16, eng.ctx)).tolist())   # warm-up: first calls initialise

@@ -19,7 +19,7 @@ from qwc import cpu
 from qwc.checksum import sha256
 from qwc.errors import QwcError
 from qwc.limits import is_int, max_threads
-from qwc.manifest import check_library, read_manifest
+from qwc.manifest import Manifest, check_library, read_manifest
 from qwc.vocab import mismatch, token_span
 
 from . import memory
@@ -84,15 +84,15 @@ def _import_tvm():
     return tvm
 
 
-def check_runs_here(manifest: dict) -> None:
-    t = manifest["target"]
+def check_runs_here(manifest: Manifest) -> None:
+    t = manifest.target
     here = cpu.machine_arch()
-    if t["arch"] != here:
-        raise QwcError(f"artifact was compiled for {t['name']} ({t['arch']}); this machine is {here}")
+    if t.arch != here:
+        raise QwcError(f"artifact was compiled for {t.name} ({t.arch}); this machine is {here}")
     have = cpu.features()
-    missing = sorted(f for f in t.get("features", []) if have is not None and f not in have)
+    missing = sorted(f for f in t.features if have is not None and f not in have)
     if missing:
-        raise QwcError(f"artifact for {t['name']} needs CPU features this machine lacks: {', '.join(missing)}")
+        raise QwcError(f"artifact for {t.name} needs CPU features this machine lacks: {', '.join(missing)}")
 
 
 class Engine:
@@ -115,7 +115,7 @@ class Engine:
         self.manifest = read_manifest(self.path)
         check_runs_here(self.manifest)
         if verify_hashes:
-            for name, digest in self.manifest["files"].items():
+            for name, digest in self.manifest.files.items():
                 f = self.path / name
                 if not f.is_file():
                     raise QwcError(f"{self.path}: {name} is missing")
@@ -134,8 +134,8 @@ class Engine:
 
         self._tvm = tvm
         self._config_pool = tvm.get_global_func("runtime.config_threadpool")
-        self.model = self.manifest["model"]
-        max_ctx = int(self.model["max_position_embeddings"])
+        self.model = self.manifest.model   # config.ModelConfig
+        max_ctx = self.model.max_position_embeddings
         if ctx > max_ctx:
             raise QwcError(f"ctx {ctx} exceeds the model's {max_ctx} positions")
         self.ctx = int(ctx)
@@ -147,16 +147,17 @@ class Engine:
             raise QwcError(f"{self.path}: lib.so cannot be loaded ({str(e).strip().splitlines()[-1]})") from None
         check_library(self.vm._get_function_arity, self.vm._get_function_param_name, self.manifest, str(self.path))
         self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
-        entries = self.manifest["functions"]["entry_points"]
+        functions = self.manifest.functions
+        entries = functions.entry_points
         self._score = self.vm["score"] if "score" in entries else None
         self._decode_batch = self.vm["decode_batch"] if "decode_batch" in entries else None
         # sequences one decode_batch step takes (`qwc compile --max-batch`); 1: no such step
-        self.max_batch = int(self.manifest["functions"].get("max_batch", 1)) if self._decode_batch else 1
+        self.max_batch = functions.max_batch if self._decode_batch else 1
         # new tokens a prefill / score call takes at most (the library's memory is planned for it)
-        self._chunk = min(PREFILL_CHUNK, int(self.manifest["functions"].get("max_tokens_per_call", PREFILL_CHUNK)))
+        self._chunk = min(PREFILL_CHUNK, functions.max_tokens_per_call or PREFILL_CHUNK)
         self.params = self._load_params()
-        self._kv_heads, self._head_dim = int(self.model["num_key_value_heads"]), int(self.model["head_dim"])
-        self._n_cache = 2 * int(self.model["num_hidden_layers"])   # a key and a value per layer
+        self._kv_heads, self._head_dim = self.model.num_key_value_heads, self.model.head_dim
+        self._n_cache = 2 * self.model.num_hidden_layers   # a key and a value per layer
         # The inputs' memory, reused: a step builds its inputs as views (~1 us) where fresh
         # tensors cost ~50 us, 0.5% of a 0.5B decode step.
         arena = memory.arena_for([((1, self.ctx), np.int64)] * 3)
@@ -172,8 +173,8 @@ class Engine:
                 self.tokenizer = Tokenizer.from_file(str(tok))
             except Exception as e:  # tokenizers raises a bare Exception on bad files
                 raise QwcError(f"{self.path}: tokenizer.json cannot be read ({str(e).splitlines()[0]})") from None
-        self.vocab_size = int(self.model["vocab_size"])
-        self.eos = set(self.model.get("eos_token_ids") or [])
+        self.vocab_size = self.model.vocab_size
+        self.eos = set(self.model.eos_token_ids or [])
         self._probe()
         # Ids the tokenizer has: the only ones sampled (qwc/vocab.py). After the probe: a
         # corrupt artifact gets its one error line, not a warning first.
@@ -192,7 +193,7 @@ class Engine:
         ctx = self.ctx if ctx is None else ctx
         if not 1 <= ctx <= self.ctx:
             raise QwcError(f"a sequence of {ctx} positions does not fit the engine's context of {self.ctx}")
-        mult = int(self.manifest["functions"].get("cache_capacity_multiple", 1))
+        mult = self.manifest.functions.cache_capacity_multiple
         shape = (1, self._kv_heads, -(-ctx // mult) * mult, self._head_dim)
         arena = memory.arena_for([(shape, np.float32)] * self._n_cache)   # TVM takes 64-byte aligned data
         return Sequence([self._tvm.runtime.from_dlpack(arena.take(shape, np.float32)) for _ in range(self._n_cache)],
@@ -209,7 +210,7 @@ class Engine:
             raise QwcError(f"a sequence of {ctx} positions does not fit the engine's context of {self.ctx}")
         if not is_int(slots, lo=1):
             raise QwcError(f"a pool takes at least one slot, not {slots!r}")
-        mult = int(self.manifest["functions"].get("cache_capacity_multiple", 1))
+        mult = self.manifest.functions.cache_capacity_multiple
         shape = (slots, self._kv_heads, -(-(ctx + 1) // mult) * mult, self._head_dim)
         inputs = [((slots, 1), np.int64)] * 2 + [((slots * (ctx + 1),), np.int64)]
         arena = memory.arena_for([(shape, np.float32)] * self._n_cache + inputs)
@@ -241,22 +242,22 @@ class Engine:
         once."""
         path = self.path / "params.bin"
         size = path.stat().st_size
-        specs = self.manifest["params"]
-        arena = memory.arena_for((p["shape"], p["dtype"]) for p in specs)
+        specs = self.manifest.params
+        arena = memory.arena_for((p.shape, p.dtype) for p in specs)
         out = []
         with open(path, "rb") as f:
             for p in specs:
-                end = p["offset"] + p["nbytes"]
+                end = p.offset + p.nbytes
                 if end > size:
-                    raise QwcError(f"{self.path}: params.bin is truncated ({p['name']} ends at byte {end}, "
+                    raise QwcError(f"{self.path}: params.bin is truncated ({p.name} ends at byte {end}, "
                                    f"file has {size})")
-                a = arena.take(p["shape"], p["dtype"])
-                f.seek(p["offset"])
-                if a.nbytes != p["nbytes"]:
-                    raise QwcError(f"{self.path}: {p['name']} is {p['nbytes']} bytes in the manifest, "
+                a = arena.take(p.shape, p.dtype)
+                f.seek(p.offset)
+                if a.nbytes != p.nbytes:
+                    raise QwcError(f"{self.path}: {p.name} is {p.nbytes} bytes in the manifest, "
                                    f"not the {a.nbytes} of its shape and dtype (corrupt artifact)")
                 if f.readinto(memoryview(a.reshape(-1)).cast("B")) != a.nbytes:
-                    raise QwcError(f"{self.path}: params.bin ended while reading {p['name']}")
+                    raise QwcError(f"{self.path}: params.bin ended while reading {p.name}")
                 out.append(self._tvm.runtime.from_dlpack(a))
         return out
 

@@ -182,7 +182,7 @@ class Api:
             from .chat import ChatTemplate
 
             try:
-                self._chat = ChatTemplate(self.engine.model.get("chat_template"))
+                self._chat = ChatTemplate(self.engine.model.chat_template)
             except QwcError as e:
                 raise ApiError(400, f"{e}; use /v1/completions", "messages") from None
         try:

@@ -148,7 +148,11 @@ def test_yitian_library_uses_sdot_smmla_and_sve(arm64_env, builds):
     assert len(re.findall(r"\ssdot\s", asm)) > 0              # decode GEMV
     assert len(re.findall(r"\ssmmla\s", asm)) > 0             # prefill GEMM (i8mm)
     assert len(re.findall(r"\bz\d+\.[bhsd]\b", asm)) > 0        # SVE vector registers
-    assert "<decode_attention_online" in asm and "attention_3pass" not in asm   # fewer ARM instructions
+    # decode attention a task per query head, rotary, cache writes and the o projection's
+    # quantizer in it; the VM's entry points native code (targets.Target.vm_exec_mode)
+    assert "<decode_attention_3pass_heads_q8_arm" in asm and "<decode_attention_online" not in asm
+    assert "<decode_rotary" not in asm and "<decode_k_cache_write" not in asm
+    assert "<__vmtir__decode" in asm and "<__vmtir__prefill" in asm
 
 
 def test_neon_library_uses_sdot_and_no_sve(arm64_env, builds):

@@ -136,6 +136,23 @@ def test_manifest_limits_are_checked(tiny_host_artifact, tmp_path, capsys, field
     _one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), expect)
 
 
+def test_the_manifest_is_typed_and_round_trips(tiny_host_artifact):
+    """qwc.manifest.Manifest: the file is what to_dict writes, from_dict(to_dict) is the same
+    manifest, and the runtime reads typed fields (no string keys, no defaults at the reader)."""
+    from qwc.config import ModelConfig
+    from qwc.manifest import Manifest, read_manifest
+
+    raw = json.loads((tiny_host_artifact / "manifest.json").read_text())
+    m = read_manifest(tiny_host_artifact)
+    assert m.to_dict() == raw and Manifest.from_dict(m.to_dict()) == m
+    assert isinstance(m.model, ModelConfig) and m.functions.max_batch == 1
+    assert m.functions.cache_capacity_multiple == 16 and m.functions.extra["k_cache_layout"] == "key_tiles_16"
+    assert [p.name for p in m.params] == [p["name"] for p in raw["params"]]
+    assert m.weight_bytes == sum(p["nbytes"] for p in raw["params"]) and isinstance(m.params[0].shape, tuple)
+    eng = Engine(tiny_host_artifact, ctx=16)
+    assert eng.manifest == m and eng.model.vocab_size == raw["model"]["vocab_size"]
+
+
 def test_edited_hash_or_truncated_params(tiny_host_artifact, tmp_path, capsys):
     art = _copy(tiny_host_artifact, tmp_path)
     p = art / "params.bin"

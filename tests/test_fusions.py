@@ -99,9 +99,15 @@ def test_arm_fuses_norm_and_silu_into_quantizers_and_adds_into_decode_gemvs(grap
         names = _kernels(mod)
         assert _has(names, rf"{prefix}_act_q8_rms_128_{int(seq == 1)}_sum8_arm(_pairs)?") >= 2
         assert _has(names, rf"{prefix}_act_q8_silu_320_{int(seq == 1)}_sum8_arm(_pairs)?") == 2
-        # ARM keeps the online attention (targets.KERNEL_RULES)
-        assert _has(names, rf"{prefix}_attention_online") == 2
-        assert not _has(names, r".*(3pass|vnni).*")
+        assert not _has(names, r".*vnni.*")
+        if seq is None:   # prefill: the online attention
+            assert _has(names, r"prefill_attention_online") == 2 and not _has(names, r".*3pass.*")
+            continue
+        # decode: rotary, cache writes, attention and the o projection's quantizer (the sdot
+        # GEMV's int32-offset layout) in one launch a layer, a task per query head
+        assert _has(names, r"decode_attention_3pass_heads_q8_arm") == 2
+        assert not _has(names, r"decode_(rotary\d*|k_cache_write_tiles|kv_cache_write|attention_online)")
+        assert not _has(names, r"decode_act_q8_128_1_sum8_arm")
     # decode: q, k and v add their biases, o and down the residual, as they store (ARM's
     # decode GEMV epilogue); gate and up have none. No add kernel is left.
     layers = 2

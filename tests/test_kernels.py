@@ -347,12 +347,14 @@ def test_vector_rotary_gives_the_te_rotarys_bits(b, s, heads, hd, pos_dtype):
 
 @pytest.mark.parametrize("heads, kvh, hd", [(14, 2, 64), (4, 2, 32)])
 @pytest.mark.parametrize("past", [0, 5, 15, 16, 40])
-def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd, past):
+@pytest.mark.parametrize("layout, per_task", [("plain", None), ("arm", 1)])
+def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd, past, layout, per_task):
     """The three-pass decode attention given one token's q, k, v before rotary: the cache it
     leaves equals, bit for bit, what the rotary kernel then the cache writers leave (K tiles, V
     rows; slot `past`, at position past + 3 to tell the two apart), its output equals numpy's
     attention over it, and its Q8_0 blocks equal the quantizer kernel's of that output, bit
-    for bit."""
+    for bit: as x86 builds it (a task per kv head, the plain layout) and as ARM does (a task
+    per query head, every task of a kv head writing its new key and value; int32 offsets)."""
     import tvm
 
     from qwc.compiler.kernels import act_quant, attention
@@ -368,9 +370,11 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
     want_k, want_v = (x.numpy() for x in _filled_caches(keys, v, ((0, past), (past, past + 1)), kvh, hd, cap))
     kc, vc = _filled_caches(k, v, ((0, past),), kvh, hd, cap)
     nb = heads * hd // 32
+    off_dtype = np.float32 if layout == "plain" else np.int32
     out, aq, ad, off = (tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in (
-        (q.shape, np.float32), ((1, nb, 32), np.int8), ((1, nb), np.float32), ((1, nb), np.float32)))
-    kernel = _host_kernel(attention.decode_attention(heads, kvh, hd, float(scale), "int64", w4a8.ZERO_POINT))
+        (q.shape, np.float32), ((1, nb, 32), np.int8), ((1, nb), np.float32), ((1, nb), off_dtype)))
+    kernel = _host_kernel(attention.decode_attention(heads, kvh, hd, float(scale), "int64", w4a8.ZERO_POINT,
+                                                     layout, per_task))
     kernel(*(tvm.runtime.tensor(x) for x in (q, k[None, past:], v[None, past:])), kc, vc,
            tvm.runtime.tensor(np.array([past], np.int32)), *(tvm.runtime.tensor(x) for x in (pos, cos, sin)),
            out, aq, ad, off)
@@ -378,7 +382,7 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
     np.testing.assert_array_equal(vc.numpy(), want_v)
     ref = _attention_reference(_rotary(q, pos, cos, sin, heads), keys, v, past, 1, heads, kvh, hd, scale)
     np.testing.assert_allclose(out.numpy(), ref, rtol=0, atol=2e-6)
-    quantizer = _host_kernel(act_quant.fused_quantizer(heads * hd, w4a8.ZERO_POINT, True))
+    quantizer = _host_kernel(act_quant.fused_quantizer(heads * hd, w4a8.ZERO_POINT, True, layout=layout))
     want = [tvm.runtime.tensor(np.zeros(x.shape, x.dtype)) for x in (aq, ad, off)]
     quantizer(tvm.runtime.tensor(out.numpy().reshape(1, -1)), *want)
     for got, exp in zip((aq, ad, off), want):

@@ -10,8 +10,8 @@ from qwc.compiler.targets import GEMM_LAYOUT, GEMM_TILES, default_act_bits, get_
 
 
 @pytest.mark.parametrize("name, isa, decode, prefill, layouts, attention", [
-    ("arm-yitian", "arm", "sdot", "smmla", ("arm", "arm_pairs"), "online"),
-    ("arm-neon", "arm", "sdot", "sdot", ("arm", "arm"), "online"),
+    ("arm-yitian", "arm", "sdot", "smmla", ("arm", "arm_pairs"), "three_pass_heads"),
+    ("arm-neon", "arm", "sdot", "sdot", ("arm", "arm"), "three_pass_heads"),
     ("x86-avx2", "x86", "avx2", "avx2", ("plain", "plain"), "three_pass"),
     ("x86-avx512", "x86", "vnni", "vnni", ("plain", "plain"), "three_pass"),
 ])

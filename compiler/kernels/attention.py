@@ -216,7 +216,7 @@ def fuses_decode_prologue(head_dim: int) -> bool:
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos_dtype: str,
-                     zero_point: int | None = None):
+                     zero_point: int | None = None, layout: str = "plain", heads_per_task: int | None = None):
     """Attention of one new token (decode), one parallel task per kv head running its whole
     group of query heads, in three passes over the cached keys instead of the online update:
 
@@ -242,23 +242,35 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     zero_point x block sums) for the o projection's W4A8 GEMV: the quantizer kernel that
     read the output is gone too. Needs `fuses_decode_prologue(head_dim)`.
 
+    `layout`: the o projection's activation layout (act_quant.LAYOUTS: "plain", float32
+    offsets, x86; "arm", int32 offsets, the sdot GEMV). `heads_per_task` (a divisor of the
+    group; default the whole group): fewer query heads a task and more tasks, for many-core
+    machines (ARM: one head a task, 14 tasks on a 0.5B where a task per kv head gives 2).
+    Every task of a kv head then writes the same new key and value into the cache before it
+    reads them, so whichever task's store a reader sees, the bytes are the ones it wrote.
+
     Arguments: q [1, 1, heads*head_dim] and k, v [1, 1, kv_heads*head_dim] before rotary, the
     K and V caches (written in place), seqlens [1], position_ids, cos, sin, then the outputs:
-    out (q's shape) and, with `zero_point`, aq [1, NB, 32], ad and off [1, NB]."""
+    out (q's shape) and, with `zero_point`, aq [1, NB, 32], ad and off [1, NB] (off int32 in
+    the "arm" layout)."""
     from tvm.script import tirx as T
 
     from .act_quant import BLOCK, quantize_block
 
     group = heads // kv_heads
+    g = heads_per_task or group   # query heads a task; a kv head's heads are `subs` tasks
+    if group % g or layout not in ("plain", "arm"):
+        raise ValueError(f"decode_attention: {g} heads a task in groups of {group}, layout {layout!r}")
+    subs = group // g
     chunks = head_dim // LANES
     hc = chunks // 2     # 16-lane chunks in half a head: rotate-half pairs chunk c with c +- hc
     kt = KEY_TILE
     quantize = zero_point is not None
     assert fuses_decode_prologue(head_dim)
     nb = heads * head_dim // BLOCK
-    nt = SCORE_STREAMS if SCORE_STREAMS * group * kt * 4 < STACK_BYTES else 1   # K tiles scored at once
-    sweeps = -(-group // max(1, (STACK_BYTES - 1) // (head_dim * 4)))          # value sweeps
-    sweep = -(-group // sweeps)                                                # heads a sweep
+    nt = SCORE_STREAMS if SCORE_STREAMS * g * kt * 4 < STACK_BYTES else 1   # K tiles scored at once
+    sweeps = -(-g // max(1, (STACK_BYTES - 1) // (head_dim * 4)))          # value sweeps
+    sweep = -(-g // sweeps)                                                # heads a sweep
 
     @T.macro
     def rotate(dst, at, x, base, cos, sin, p):
@@ -287,10 +299,10 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             kc[T.int64(0), kvh, row, col] = kr[d]
 
     @T.macro
-    def rotate_queries(q, qr, mx, cos, sin, pos, kvh):
-        """The group's queries, rotated, into qr; the running max lanes to -inf."""
-        for hh in range(group):
-            rotate(qr, hh * head_dim, q, (kvh * group + hh) * head_dim, cos, sin, pos[0, 0])
+    def rotate_queries(q, qr, mx, cos, sin, pos, h0):
+        """The task's queries (heads h0 ..), rotated, into qr; the running max lanes to -inf."""
+        for hh in range(g):
+            rotate(qr, hh * head_dim, q, (h0 + hh) * head_dim, cos, sin, pos[0, 0])
             mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(NEG_INF), kt)
 
     @T.macro
@@ -308,24 +320,24 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                         k_row_col(first, d + K_PREFETCH_LINES, head_dim)[1]]), T.int32(0), T.int32(3), T.int32(1)))
                 for i in T.unroll(nt):
                     first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))
-                    for hh in T.unroll(group):
-                        sacc[T.ramp((i * group + hh) * kt, 1, kt)] = sacc[T.ramp((i * group + hh) * kt, 1, kt)] + (
+                    for hh in T.unroll(g):
+                        sacc[T.ramp((i * g + hh) * kt, 1, kt)] = sacc[T.ramp((i * g + hh) * kt, 1, kt)] + (
                             T.broadcast(qr[hh * head_dim + d], kt) * kc[
                                 T.int64(0), kvh, k_row_col(first, d, head_dim)[0],
                                 T.ramp(k_row_col(first, d, head_dim)[1], 1, kt)])
             for i in T.unroll(nt):       # past the last key: -inf
-                for hh in T.unroll(group):
+                for hh in T.unroll(g):
                     t = T.bind(T.min(i * per + r, tiles - T.int64(1)))
-                    s = T.bind(T.Select(_in_tile(T, t, keys), sacc[T.ramp((i * group + hh) * kt, 1, kt)]
+                    s = T.bind(T.Select(_in_tile(T, t, keys), sacc[T.ramp((i * g + hh) * kt, 1, kt)]
                                         * T.broadcast(T.float32(scale), kt), T.broadcast(T.float32(NEG_INF), kt)))
                     sc[hh, T.ramp(t * kt, 1, kt)] = s
                     mx[T.ramp(hh * kt, 1, kt)] = T.max(mx[T.ramp(hh * kt, 1, kt)], s)
-                    sacc[T.ramp((i * group + hh) * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
+                    sacc[T.ramp((i * g + hh) * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
 
     @T.macro
     def weigh(sc, mx, tot, keys, tiles):
         """2: weights exp(s - max) in place of the scores (past the last key: 0), their sums in tot."""
-        for hh in range(group):
+        for hh in range(g):
             m = T.bind(vector_math.reduce_max(T, mx[T.ramp(hh * kt, 1, kt)], kt))
             mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(0), kt)    # now the sum's lanes
             for t in range(tiles):
@@ -337,7 +349,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             tot[hh] = vector_math.reduce_sum(T, mx[T.ramp(hh * kt, 1, kt)], kt)
 
     @T.macro
-    def values(vc, sc, tot, acc, out, kvh, keys):
+    def values(vc, sc, tot, acc, out, kvh, h0, keys):
         """3: out = weighted sum of the values, `sweep` heads at a time (the first sweep reads V
         from DRAM, the others from L2), V_STREAMS quarters of the keys in lockstep; heads past
         the group redo the last one (not stored)."""
@@ -354,33 +366,34 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                         for c in T.unroll(chunks):
                             acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
                                 vc[T.int64(0), kvh, i * quarter + r, T.ramp(c * LANES, 1, LANES)]
-                                * T.broadcast(sc[T.min(w * sweep + hh, group - 1), i * quarter + r], LANES))
+                                * T.broadcast(sc[T.min(w * sweep + hh, g - 1), i * quarter + r], LANES))
             for j in range(quarter * T.int64(V_STREAMS), keys):
                 for hh in T.unroll(sweep):
                     for c in T.unroll(chunks):
                         acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
                             vc[T.int64(0), kvh, j, T.ramp(c * LANES, 1, LANES)]
-                            * T.broadcast(sc[T.min(w * sweep + hh, group - 1), j], LANES))
+                            * T.broadcast(sc[T.min(w * sweep + hh, g - 1), j], LANES))
             for hh in T.unroll(sweep):
-                if w * sweep + hh < group:
+                if w * sweep + hh < g:
                     for c in T.unroll(chunks):
-                        out[T.int64(0), T.int64(0), T.ramp((kvh * group + w * sweep + hh) * head_dim + c * LANES,
+                        out[T.int64(0), T.int64(0), T.ramp((h0 + w * sweep + hh) * head_dim + c * LANES,
                                                            1, LANES)] = (
                             acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] / T.broadcast(tot[w * sweep + hh], LANES))
                 for c in T.unroll(chunks):
                     acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
 
     @T.macro
-    def quantize_output(out, aq, ad, off, kvh):
-        """4 (with zero_point): the group's output as Q8_0 blocks, from the stored output: the
+    def quantize_output(out, aq, ad, off, h0):
+        """4 (with zero_point): the task's heads' output as Q8_0 blocks, from the stored output: the
         same bits as the quantizer kernel reading it."""
-        for hh in range(group):
+        for hh in range(g):
             if quantize:
                 for b in range(head_dim // BLOCK):
-                    col = T.bind((kvh * group + hh) * head_dim + b * BLOCK)
+                    col = T.bind((h0 + hh) * head_dim + b * BLOCK)
                     quantize_block(T, out[T.int64(0), T.int64(0), T.ramp(col, 1, LANES)],
                                    out[T.int64(0), T.int64(0), T.ramp(col + LANES, 1, LANES)],
-                                   aq, ad, off, T.int64(0), col // BLOCK, zero_point)
+                                   aq, ad, off, T.int64(0), col // BLOCK, zero_point,
+                                   None if layout == "plain" else ((lambda e: col + e), (col // BLOCK,)))
 
     @T.macro
     def attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off):
@@ -388,27 +401,29 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         slot = T.bind(T.Cast("int64", seqlens[0]))         # the new token's cache slot
         keys = T.bind(slot + T.int64(1))                   # it attends to slots 0 .. seqlens[0]
         tiles = T.bind((keys + T.int64(kt - 1)) // T.int64(kt))
-        for kvh in T.parallel(kv_heads):
-            sc = T.alloc_buffer((group, cap), "float32")        # scores, then weights, per head
-            mx = T.decl_buffer((group * kt,), "float32", scope="global")   # running max lanes
-            tot = T.decl_buffer((group,), "float32", scope="global")       # sum of the weights
-            qr = T.decl_buffer((group * head_dim,), "float32", scope="global")   # the group's queries
+        for task in T.parallel(kv_heads * subs):
+            kvh = T.bind(task // subs)
+            h0 = T.bind(kvh * group + task % subs * g)             # the task's first query head
+            sc = T.alloc_buffer((g, cap), "float32")        # scores, then weights, per head
+            mx = T.decl_buffer((g * kt,), "float32", scope="global")   # running max lanes
+            tot = T.decl_buffer((g,), "float32", scope="global")       # sum of the weights
+            qr = T.decl_buffer((g * head_dim,), "float32", scope="global")   # the task's queries
             kr = T.decl_buffer((head_dim,), "float32", scope="global")           # the new key
             # the accumulators (under STACK_BYTES each), zeroed here so that they live through
             # the whole task: TVM's storage planner would otherwise give them qr's memory,
             # which is in the workspace pool
-            sacc = T.decl_buffer((nt * group * kt,), "float32", scope="global")   # scores of nt tiles
+            sacc = T.decl_buffer((nt * g * kt,), "float32", scope="global")   # scores of nt tiles
             acc = T.decl_buffer((sweep * head_dim,), "float32", scope="global")   # values of `sweep` heads
-            for i in T.unroll(nt * group):
+            for i in T.unroll(nt * g):
                 sacc[T.ramp(i * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
             for i in T.unroll(sweep * chunks):
                 acc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
             write_new_token(k, v, kc, vc, kr, cos, sin, pos, kvh, slot)
-            rotate_queries(q, qr, mx, cos, sin, pos, kvh)
+            rotate_queries(q, qr, mx, cos, sin, pos, h0)
             score(kc, qr, sc, mx, sacc, kvh, keys, tiles)
             weigh(sc, mx, tot, keys, tiles)
-            values(vc, sc, tot, acc, out, kvh, keys)
-            quantize_output(out, aq, ad, off, kvh)
+            values(vc, sc, tot, acc, out, kvh, h0, keys)
+            quantize_output(out, aq, ad, off, h0)
 
     @T.macro
     def kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off):
@@ -424,14 +439,21 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         sin = T.match_buffer(var_sin, (positions, head_dim // 2), "float32")
         out = T.match_buffer(var_out, (T.int64(1), T.int64(1), heads * head_dim), "float32")
         assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
-        attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off)
+        if quantize and layout == "arm":   # quantize_block addresses the blocks flat
+            attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out,
+                   T.decl_buffer((nb * BLOCK,), "int8", data=aq.data), T.decl_buffer((nb,), "float32", data=ad.data),
+                   T.decl_buffer((nb,), "int32", data=off.data))
+        else:
+            attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off)
 
     if quantize:
+        off_dtype = "float32" if layout == "plain" else "int32"
+
         @T.prim_func(private=True, check_well_formed=False)
         def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
                    seqlens: T.Buffer((1,), "int32"), pos: T.Buffer((1, 1), pos_dtype), var_cos: T.handle,
                    var_sin: T.handle, var_out: T.handle, aq: T.Buffer((1, nb, BLOCK), "int8"),
-                   ad: T.Buffer((1, nb), "float32"), off: T.Buffer((1, nb), "float32")):
+                   ad: T.Buffer((1, nb), "float32"), off: T.Buffer((1, nb), off_dtype)):
             kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off)
         return hand_scheduled(kernel)
 
