@@ -19,7 +19,7 @@ inputs (bad eval/export inputs).
 
     python bench/fuzz.py --cases 320 --seed 0 [--jobs 2] [--keep DIR] [--json out.json]
 
-tests/test_fuzz.py runs every named case and a seeded sample of the random ones.
+tests/fuzz/test_fuzz.py runs every named case and a seeded sample of the random ones.
 """
 
 from __future__ import annotations

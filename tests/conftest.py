@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import onnx
 import pytest
@@ -18,7 +21,8 @@ from qwc.passes.pipeline import optimize, save_graph
 # runs on two workers a whole file each (pyproject.toml: --dist loadfile) in collection order:
 # a long file collected last would run alone at the end. The rest keep their order.
 SLOW_FILES = ["test_fuzz.py", "test_tune.py", "test_realdata.py", "test_arm.py", "test_kernels.py",
-              "test_arm_threads.py", "test_compile.py", "test_serve.py", "test_stream_export.py", "test_load.py"]
+              "test_arm_threads.py", "test_compile.py", "test_engine.py", "test_serve.py", "test_stream_export.py",
+              "test_load.py"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -81,3 +85,52 @@ def ort_kv_logits(onnx_path, cfg, prompt: np.ndarray, steps: list[np.ndarray]) -
     from qwc.passes.verify import run_steps, session
 
     return run_steps(session(onnx_path), cfg, [prompt] + list(steps))
+
+
+# --- a host artifact of the tiny model, and what tests of artifacts share --------------------
+
+@pytest.fixture(scope="session")
+def tiny_host_artifact(tiny_q4, tmp_path_factory):
+    from qwc.compiler.compile import compile_file
+
+    out = tmp_path_factory.mktemp("art") / "tiny.qwc"
+    compile_file(tiny_q4, "host", out, act_bits=32)   # float activations: onnxruntime's arithmetic
+    return out
+
+
+def greedy_against_onnxruntime(art, q4, cfg, prompt, n_steps: int, ctx: int):
+    """Greedy generation on the compiled module; onnxruntime on the canonical graph `q4` is fed
+    the same tokens, and every step's logits agree within 1e-3 of their range. Returns the
+    engine, the references and the compiled module's logits."""
+    from qwc.passes.verify import run_steps, session
+    from qwc.runtime.engine import Engine
+
+    eng = Engine(art, ctx=ctx)
+    logits = [eng.prefill(prompt[0])]
+    steps = [prompt]
+    for _ in range(n_steps):
+        tok = int(logits[-1].argmax())
+        steps.append(np.array([[tok]]))
+        logits.append(eng.decode(tok))
+    ref = [r[0, -1] for r in run_steps(session(str(q4)), cfg, steps, ctx=ctx)]
+    for r, g in zip(ref, logits):
+        assert np.abs(r - g).max() / np.abs(r).max() < 1e-3
+    return eng, ref, logits
+
+
+def one_line(capsys, code, expect):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and expect in err[0], err
+
+
+def copy_artifact(art, tmp_path):
+    dst = tmp_path / "copy.qwc"
+    shutil.copytree(art, dst)
+    return dst
+
+
+def edit_manifest(art, fn):
+    mf = art / "manifest.json"
+    m = json.loads(mf.read_text())
+    fn(m)
+    mf.write_text(json.dumps(m))

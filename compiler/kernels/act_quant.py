@@ -70,8 +70,13 @@ def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int, flat=None):
         T.buffer_store(ad, d, list(at))
     # x / d as the generic kernel computes it (two vector divisions a block), so the two agree
     dv = _let(T, "dv", T.broadcast(T.Select(d > T.float32(0), d, T.float32(1)), HALF))
-    qe = _let(T, "qe", T.Cast(f"int32x{HALF}", _round(T, ev / dv, HALF)))
-    qo = _let(T, "qo", T.Cast(f"int32x{HALF}", _round(T, od / dv, HALF)))
+    # ARM (the flat layouts): llvm.round is roundf itself, one `frinta` a vector where the
+    # select of floor and ceil takes six instructions (it differs only where x + 0.5 itself
+    # rounds up, as for the largest float below 0.5: roundf gives 0, it gave 1)
+    rnd = ((lambda v: _round(T, v, HALF)) if flat is None else
+           (lambda v: T.call_llvm_pure_intrin(f"float32x{HALF}", f"llvm.round.v{HALF}f32", v)))
+    qe = _let(T, "qe", T.Cast(f"int32x{HALF}", rnd(ev / dv)))
+    qo = _let(T, "qo", T.Cast(f"int32x{HALF}", rnd(od / dv)))
     total = T.call_llvm_pure_intrin("int32", f"llvm.vector.reduce.add.v{HALF}i32", qe + qo)
     if flat is None:
         T.buffer_store(aq, T.Cast(f"int8x{HALF}", qe), [i, b, T.ramp(0, 1, HALF)])

@@ -384,8 +384,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
 
     @T.macro
     def quantize_output(out, aq, ad, off, h0):
-        """4 (with zero_point): the task's heads' output as Q8_0 blocks, from the stored output: the
-        same bits as the quantizer kernel reading it."""
+        """4 (with zero_point): the task's heads' output as Q8_0 blocks, from the stored output:
+        the same bits as the quantizer kernel reading it."""
         for hh in range(g):
             if quantize:
                 for b in range(head_dim // BLOCK):

@@ -1,4 +1,4 @@
-"""The environment for running qwc's runtime under qemu-aarch64, shared by tests/test_arm.py
+"""The environment for running qwc's runtime under qemu-aarch64, shared by tests/arm/test_arm.py
 and bench/arm_icount.py: prepares it with setup.sh if missing, and reads its env.sh."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Runs under the emulated arm64 python (qemu-aarch64): every function of a compiled Relax
-library on the inputs of an .npz, outputs saved to another .npz (tests/test_kernels.py runs
+library on the inputs of an .npz, outputs saved to another .npz (tests/compiler/test_kernels.py runs
 the ARM kernels this way).
 
     run_module.py LIB.so IN.npz OUT.npz      (IN holds "<function>/<i>" arrays, i = arg index)

@@ -19,7 +19,7 @@ from qwc.runtime.engine import Engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.arm]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 STEPS = [[72, 101, 108, 108, 111, 44, 32, 119], 5, 6, 7, 8]
 
@@ -44,7 +44,7 @@ def _run_arm(env, artifact, tmp_path, threads: int | None = None) -> np.ndarray:
 
 def test_yitian_batched_decode_equals_each_sequence_alone(arm64_env, tiny_q4, tmp_path):
     """decode_batch on arm-yitian (the smmla GEMMs at M = batch) under qemu: the greedy tokens
-    each sequence gets alone (tests/test_batch.py on the host)."""
+    each sequence gets alone (tests/runtime/test_batch.py on the host)."""
     art = tmp_path / "yitian-batch.qwc"
     compile_file(tiny_q4, "arm-yitian", art, max_batch=3)
     out = tmp_path / "batch.npy"

@@ -107,7 +107,7 @@ def test_cpu_features_of_this_machine_match_proc_cpuinfo():
     from qwc import cpu
 
     if cpu.machine_arch() != "x86_64":
-        pytest.skip("the x86 reader; the aarch64 one is tested under qemu (tests/test_arm.py)")
+        pytest.skip("the x86 reader; the aarch64 one is tested under qemu (tests/arm/test_arm.py)")
     flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     assert cpu.features() == frozenset(flags.split(":", 1)[1].split())
     assert cpu.has("sse2") and not cpu.has("no-such-flag")

@@ -1,0 +1,198 @@
+"""`qwc compile` on the host: the compiled module against onnxruntime on the same canonical
+graph, the x86 integer kernels against the generic ones, and what compile refuses or keeps."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from unittest import mock
+
+import numpy as np
+import onnx
+import pytest
+
+from qwc.cli import main
+from qwc.compiler import targets
+from qwc.compiler.compile import compile_file
+from qwc.config import sidecar_paths
+from qwc.runtime.engine import Engine
+
+from conftest import copy_artifact, greedy_against_onnxruntime, one_line
+
+
+def test_host_matches_onnxruntime_prefill_and_16_decode_steps(tiny_q4, tiny_host_artifact, tiny_lm):
+    """Greedy generation on the compiled module against onnxruntime on the canonical graph."""
+    prompt = np.random.default_rng(11).integers(0, 259, (1, 9))
+    eng, ref, logits = greedy_against_onnxruntime(tiny_host_artifact, tiny_q4, tiny_lm.config, prompt, 16, 64)
+    assert [int(r.argmax()) for r in ref] == [int(g.argmax()) for g in logits]
+    eng.reset()
+    assert np.array_equal(eng.prefill(prompt[0]), logits[0])
+
+
+@pytest.mark.slow
+def test_cli_compile_and_run(tiny_onnx, tmp_path, capsys):
+    out = tmp_path / "m.qwc"
+    assert main(["-q", "compile", str(tiny_onnx), "-o", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["lib.so", "manifest.json", "params.bin", "tokenizer.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # the scratch weight file is gone
+    capsys.readouterr()
+    assert main(["-q", "run", str(out), "--prompt", "Hello", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("Hello")
+
+
+def test_unknown_target(tiny_q4, tmp_path, capsys):
+    code = main(["-q", "compile", str(tiny_q4), "--target", "riscv", "-o", str(tmp_path / "x.qwc")])
+    one_line(capsys, code, "unknown target 'riscv' (known: host, x86-avx2, x86-avx512, arm-yitian, arm-neon)")
+    assert not (tmp_path / "x.qwc").exists()
+
+
+def test_unsupported_op_names_node(tiny_q4, tmp_path, capsys):
+    m = onnx.load(str(tiny_q4))
+    sig = next(n for n in m.graph.node if n.op_type == "Sigmoid")
+    sig.op_type, sig.name = "HardSigmoid", "odd_activation"
+    bad = tmp_path / "bad.onnx"
+    onnx.save(m, str(bad))
+    for a, b in zip(sidecar_paths(tiny_q4), sidecar_paths(bad)):
+        b.write_bytes(a.read_bytes())
+    code = main(["-q", "compile", str(bad), "-o", str(tmp_path / "bad.qwc")])
+    one_line(capsys, code, "node odd_activation (HardSigmoid)")
+    assert not (tmp_path / "bad.qwc").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dot, target", [("vnni", "x86-avx512"), ("avx2", "x86-avx2")])
+def test_x86_w4a8_kernels_equal_the_generic_w4a8_kernel(tiny_q4, tmp_path, dot, target):
+    """The x86 W4A8 kernels (AVX-512 VNNI; AVX2) and the generic TE kernel (a target without
+    an integer dot rule) implement the same integer arithmetic, prefill and decode."""
+    from qwc import cpu
+
+    need = {"vnni": "avx512_vnni", "avx2": "avx2"}[dot]
+    if not cpu.has(need):
+        pytest.skip(f"runs {need} code; this CPU has none (the VNNI library's code: "
+                    "test_vnni_library_from_any_x86_host)")
+    fast, generic = tmp_path / "fast.qwc", tmp_path / "generic.qwc"
+    compile_file(tiny_q4, target, fast, act_bits=8)
+    syms = subprocess.run(["nm", "-D", str(fast / "lib.so")], capture_output=True, text=True).stdout
+    assert f"q4_gemm_{dot}_" in syms and f"q4_gemv_{dot}_" in syms   # the kernels under test ran
+    with mock.patch.object(targets, "KERNEL_RULES", ((frozenset(), targets.Kernels(None, "three_pass")),)):
+        compile_file(tiny_q4, target, generic, act_bits=8)
+    ids = list(np.random.default_rng(5).integers(0, 259, 12))
+    ev, eg = Engine(fast, ctx=64), Engine(generic, ctx=64)
+    a, b = [ev.prefill(ids)], [eg.prefill(ids)]
+    for _ in range(4):
+        tok = int(a[-1].argmax())
+        a.append(ev.decode(tok))
+        b.append(eg.decode(tok))
+    for x, y in zip(a, b):
+        assert np.abs(x - y).max() <= 1e-5 * np.abs(y).max()
+
+
+@pytest.mark.slow
+def test_vnni_library_from_any_x86_host(tiny_q4, tmp_path, capsys):
+    """--target x86-avx512 builds the VNNI library wherever qwc runs; it really uses vpdpbusd,
+    and a machine without VNNI refuses to load it in one line."""
+    import subprocess
+
+    from qwc import cpu
+    from qwc.cli import main
+
+    vnni = tmp_path / "vnni.qwc"
+    compile_file(tiny_q4, "x86-avx512", vnni, act_bits=8)
+    asm = subprocess.run(["objdump", "-d", str(vnni / "lib.so")], capture_output=True, text=True).stdout
+    assert "vpdpbusd" in asm
+    # ...and SiLU·mul cost no kernel of its own: prefill's down-projection quantizer computed
+    # it, decode's gate/up GEMV, which also quantized it (no decode quantizer of the MLP's 320
+    # hidden units); q, k and v decode in one launch (compiler/sibling_gemvs.py)
+    syms = subprocess.run(["nm", "-D", str(vnni / "lib.so")], capture_output=True, text=True).stdout
+    assert "prefill_act_q8_silu_" in syms and "decode_q4_gemv_vnni_silu_mul_q8_320x" in syms and "sigmoid" not in syms
+    assert "decode_act_q8_silu_" not in syms and "decode_act_q8_320_" not in syms
+    assert re.search(r"decode_q4_gemv_vnni_\d+_\d+_\d+x", syms)   # three outputs
+    # ...and decode attends in three passes (targets.KERNEL_RULES), prefill online
+    assert "decode_attention_3pass" in syms and "decode_attention_online" not in syms
+    assert "prefill_attention_online" in syms
+    # ...which rotates q and k, writes the cache and quantizes its output for the o projection
+    # itself (kernels/attention.py: decode_attention): decode has no rotary or cache writer
+    assert "decode_attention_3pass_q8" in syms
+    assert not re.search(r"decode_(rotary|k_cache_write|kv_cache_write)", syms) and "prefill_rotary" in syms
+    # ...and the residual reaches the o and down GEMVs through one reshape (a view), not two
+    # (a copy kernel once fused: relax_match.BindingRewriter.unreshaped)
+    assert not re.search(r"fused_reshape\d*_reshape", syms)
+    if not cpu.has("avx512_vnni"):
+        code = main(["-q", "run", str(vnni), "--prompt", "a"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1
+        assert err[0].startswith("qwc: error: artifact for x86-avx512 needs CPU features this machine lacks: ")
+        assert "avx512_vnni" in err[0]
+
+
+def _refused(capsys, code, path):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"cannot write {path}" in err[0] and "qwc replaces only what it wrote" in err[0]
+
+
+def test_compile_never_replaces_a_folder_it_did_not_write(tiny_q4, tmp_path, capsys):
+    """-o naming a user's folder is refused before any work, and the user's file stays."""
+    mine = tmp_path / "somedir"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    _refused(capsys, main(["-q", "compile", str(tiny_q4), "-o", str(mine)]), mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+    assert not list(tmp_path.glob(".somedir.*"))   # no staging left behind
+
+
+@pytest.mark.slow
+def test_compile_replaces_its_own_artifact_but_not_a_file_kept_in_it(tiny_q4, tiny_host_artifact, tmp_path, capsys):
+    art = copy_artifact(tiny_host_artifact, tmp_path)
+    (art / "my-notes.txt").write_text("mine")
+    _refused(capsys, main(["-q", "compile", str(tiny_q4), "-o", str(art)]), art)
+    assert (art / "my-notes.txt").read_text() == "mine"
+    (art / "my-notes.txt").unlink()
+    stamp = (art / "manifest.json").stat().st_mtime_ns
+    assert main(["-q", "compile", str(tiny_q4), "-o", str(art)]) == 0   # an artifact qwc wrote: replaced
+    assert (art / "manifest.json").stat().st_mtime_ns != stamp and not list(tmp_path.glob(".copy.qwc.*"))
+    empty = tmp_path / "empty.qwc"
+    empty.mkdir()
+    assert main(["-q", "compile", str(tiny_q4), "-o", str(empty)]) == 0   # nothing in it to lose
+    assert (empty / "manifest.json").is_file()
+
+
+@pytest.mark.slow
+def test_compile_with_the_runtime_lib_variable_inherited(tiny_q4, tmp_path):
+    """`qwc run` / `bench` / `serve` set TVM_USE_RUNTIME_LIB for themselves (TVM's runtime
+    alone); a compile that inherits it (a script, or a process that ran qwc in-process first)
+    must still get TVM's compiler, not a traceback from deep inside TVM."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
+    out = tmp_path / "m.qwc"
+    r = subprocess.run([sys.executable, "-m", "qwc", "-q", "compile", str(tiny_q4), "-o", str(out)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert (out / "manifest.json").is_file()
+
+
+@pytest.mark.slow
+def test_untied_embedding_reads_fp16_scales_and_matches_onnxruntime(tiny_onnx, tiny_lm, tmp_path):
+    """An untied embedding (Qwen2.5-7B's case) keeps its own Q4_0 table; its scales are stored
+    as fp16 (exact for Q4_0: a 152k x 3584 table's are 65 MB in float32, as a GGUF's are not)
+    and the logits still agree with onnxruntime on the canonical graph."""
+    from qwc.passes.options import PassOptions
+    from qwc.passes.pipeline import optimize, save_graph
+
+    cfg = tiny_lm.config
+    q4 = tmp_path / "untied.q4.onnx"
+    m = optimize(onnx.load(str(tiny_onnx)), PassOptions(config=cfg, fold_norm_gains=True, untie_lm_head=True))
+    gather = next(n for n in m.graph.node if n.op_type == "GatherBlockQuantized")
+    assert not any(n.op_type == "MatMulNBits" and n.input[1] == gather.input[0] for n in m.graph.node)
+    save_graph(m, q4, cfg, sidecar_paths(tiny_onnx)[1])
+    art = tmp_path / "untied.qwc"
+    compile_file(q4, "host", art, act_bits=32)
+    params = json.loads((art / "manifest.json").read_text())["params"]
+    embed = [p for p in params if "embed_tokens" in p["name"] and "scales" in p["name"]]
+    assert [p["dtype"] for p in embed] == ["float16"]
+    prompt = np.random.default_rng(5).integers(0, 259, (1, 7))
+    greedy_against_onnxruntime(art, q4, cfg, prompt, 4, 32)

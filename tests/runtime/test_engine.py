@@ -1,0 +1,199 @@
+"""The runtime on a host artifact: the Engine (chunked prefill, generation, memory, views), the
+artifact's self-checks (the typed manifest, hashes, architecture) and `qwc run` / `qwc bench`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from qwc.cli import main
+from qwc.runtime.engine import Engine
+
+from conftest import copy_artifact, edit_manifest, one_line
+
+
+def test_chunked_prefill_equals_one_shot(tiny_host_artifact, monkeypatch):
+    import qwc.runtime.engine as E
+
+    ids = list(np.random.default_rng(3).integers(0, 259, 40))
+    a = Engine(tiny_host_artifact, ctx=64).prefill(ids)
+    monkeypatch.setattr(E, "PREFILL_CHUNK", 16)
+    b = Engine(tiny_host_artifact, ctx=64).prefill(ids)
+    assert np.abs(a - b).max() < 1e-4
+
+
+def test_generate_streams_text_and_stops(tiny_host_artifact):
+    eng = Engine(tiny_host_artifact, ctx=64)
+    pieces = list(eng.generate("Hi", max_new_tokens=8))
+    assert eng.pos <= 2 + 8
+    assert all(isinstance(p, str) for p in pieces)
+    eng.reset()
+    first = list(eng.generate([72, 105], max_new_tokens=5))
+    eng.reset()
+    assert list(eng.generate([72, 105], max_new_tokens=5)) == first   # greedy is deterministic
+
+
+def test_prompt_longer_than_ctx(tiny_host_artifact, capsys):
+    code = main(["-q", "run", str(tiny_host_artifact), "--prompt", "x" * 40, "--ctx", "16"])
+    one_line(capsys, code, "does not fit the context of 16")
+
+
+def test_wrong_format_version(tiny_host_artifact, tmp_path, capsys):
+    art = copy_artifact(tiny_host_artifact, tmp_path)
+    edit_manifest(art, lambda m: m.update(format_version=99))
+    one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), "format version 99 is not supported")
+
+
+def test_corrupt_manifest(tiny_host_artifact, tmp_path, capsys):
+    art = copy_artifact(tiny_host_artifact, tmp_path)
+    (art / "manifest.json").write_text("{ not json")
+    one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), "corrupt manifest")
+
+
+@pytest.mark.parametrize("field, value, expect", [
+    ("max_batch", "4", "functions.max_batch '4' must be an integer"),
+    ("max_batch", 8, "above 1 exactly when there is a decode_batch"),     # this library has none
+    ("max_batch", 0, "functions.max_batch 0 must be"),
+    ("max_tokens_per_call", -3, "functions.max_tokens_per_call -3 must be"),
+    ("max_tokens_per_call", 2.5, "functions.max_tokens_per_call 2.5 must be"),
+])
+def test_manifest_limits_are_checked(tiny_host_artifact, tmp_path, capsys, field, value, expect):
+    art = copy_artifact(tiny_host_artifact, tmp_path)
+    edit_manifest(art, lambda m: m["functions"].update({field: value}))
+    one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), expect)
+
+
+def test_the_manifest_is_typed_and_round_trips(tiny_host_artifact):
+    """qwc.manifest.Manifest: the file is what to_dict writes, from_dict(to_dict) is the same
+    manifest, and the runtime reads typed fields (no string keys, no defaults at the reader)."""
+    from qwc.config import ModelConfig
+    from qwc.manifest import Manifest, read_manifest
+
+    raw = json.loads((tiny_host_artifact / "manifest.json").read_text())
+    m = read_manifest(tiny_host_artifact)
+    assert m.to_dict() == raw and Manifest.from_dict(m.to_dict()) == m
+    assert isinstance(m.model, ModelConfig) and m.functions.max_batch == 1
+    assert m.functions.cache_capacity_multiple == 16 and m.functions.extra["k_cache_layout"] == "key_tiles_16"
+    assert [p.name for p in m.params] == [p["name"] for p in raw["params"]]
+    assert m.weight_bytes == sum(p["nbytes"] for p in raw["params"]) and isinstance(m.params[0].shape, tuple)
+    eng = Engine(tiny_host_artifact, ctx=16)
+    assert eng.manifest == m and eng.model.vocab_size == raw["model"]["vocab_size"]
+
+
+def test_edited_hash_or_truncated_params(tiny_host_artifact, tmp_path, capsys):
+    art = copy_artifact(tiny_host_artifact, tmp_path)
+    p = art / "params.bin"
+    p.write_bytes(p.read_bytes()[:1000])
+    one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), "params.bin does not match its hash")
+    with pytest.raises(Exception, match="params.bin is truncated"):
+        Engine(art, verify_hashes=False)
+
+
+def test_params_and_cache_are_aligned_slices_of_zeroed_arenas(tiny_host_artifact):
+    """runtime/memory.py: the parameters are params.bin's bytes, in place in one mapping
+    (64-byte aligned, in manifest order, no gaps beyond alignment); the cache starts zeroed."""
+    from qwc.runtime.memory import ALIGN, Arena
+
+    eng = Engine(tiny_host_artifact, ctx=40)
+    manifest = json.loads((tiny_host_artifact / "manifest.json").read_text())
+    raw = (tiny_host_artifact / "params.bin").read_bytes()
+    ptrs = [t.data_ptr() for t in eng.params]
+    assert all(p % ALIGN == 0 for p in ptrs)
+    for spec, t, p, nxt in zip(manifest["params"], eng.params, ptrs, ptrs[1:] + [None]):
+        got = t.numpy()
+        assert got.tobytes() == raw[spec["offset"]:spec["offset"] + spec["nbytes"]]
+        if nxt is not None:
+            assert p + spec["nbytes"] <= nxt < p + spec["nbytes"] + ALIGN
+    assert eng.seq.cache[0].shape[2] == 48   # ctx rounded up to the attention's multiple of 16
+    assert eng.seq.capacity == 40
+    assert all(not c.numpy().any() for c in eng.seq.cache)
+    other = eng.sequence()                    # a second stream: its own cache, the same shape
+    assert other.cache[0].data_ptr() != eng.seq.cache[0].data_ptr() and other.cache[0].shape[2] == 48
+
+    arena = Arena(200)
+    a, b = arena.take((3,), "float16"), arena.take((5,), "int32")
+    assert b.ctypes.data - a.ctypes.data == ALIGN and not b.any()
+    with pytest.raises(ValueError, match="cannot hold"):
+        arena.take((40,), "float32")
+
+
+def test_artifact_for_another_architecture(tiny_host_artifact, tmp_path, capsys):
+    art = copy_artifact(tiny_host_artifact, tmp_path)
+    edit_manifest(art, lambda m: m["target"].update(name="arm-yitian", arch="aarch64"))
+    one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), "compiled for arm-yitian (aarch64)")
+
+
+def test_chat_loop_reads_turns_until_eof(tiny_host_artifact):
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "qwc", "-q", "run", str(tiny_host_artifact), "--chat",
+                        "--max-new-tokens", "4", "--ctx", "128"],
+                       input="hello\nsecond turn\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("> ") == 3          # two turns answered, then EOF at the third prompt
+    assert "Traceback" not in r.stderr
+
+
+def test_decode_builds_each_planned_view_once(tiny_host_artifact):
+    """compiler/view_reuse.py: no two alloc_tensor instructions of the decode function build the
+    same view, and the only tuple it builds is the one it returns (the logits agreeing with
+    onnxruntime is the test above)."""
+    import tvm
+    from tvm import relax
+
+    text = relax.VMExecutable(tvm.runtime.load_module(str(tiny_host_artifact / "lib.so"))).as_text()
+    decode = text.split("@decode:")[1].split("\n@")[0]
+    views = re.findall(r"call\s+vm\.builtin\.alloc_tensor in: (.*) dst:", decode)
+    kernels = re.findall(r"call\s+(?!vm\.)(\S+) in:", decode)
+    assert views and len(views) == len(set(views)), views
+    assert len(views) < len(kernels)
+    assert len(re.findall(r"vm\.builtin\.make_tuple", decode)) == 1
+
+
+def test_engine_loads_tvm_without_torch_and_torch_still_imports_after(tiny_host_artifact):
+    """TVM's FFI imports torch when installed (~200 MiB of RSS); the engine hides it while TVM
+    first loads. torch must stay importable and the engine must keep working alongside it."""
+    import sys
+
+    code = ("import sys; from qwc.runtime.engine import Engine\n"
+            f"e = Engine({str(tiny_host_artifact)!r}, ctx=32); a = e.prefill([1, 2, 3])\n"
+            "assert 'torch' not in sys.modules, 'torch was loaded'\n"
+            "import torch; e.reset(); b = e.prefill([1, 2, 3])\n"
+            "assert torch.ones(2).sum().item() == 2 and (a == b).all()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_bench_prints_pp_and_tg_rows(tiny_host_artifact, capsys):
+    import json
+
+    assert main(["-q", "bench", str(tiny_host_artifact), "-p", "32", "-n", "8", "-r", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["test"] for r in out["results"]] == ["pp32", "tg8"]
+    assert all(r["tps"] > 0 and r["reps"] == 2 for r in out["results"])
+    assert main(["-q", "bench", str(tiny_host_artifact), "-p", "16", "-n", "0", "-r", "1"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 3 and "pp16" in table[2]
+
+
+def test_ids_past_the_tokenizer_are_never_sampled(tiny_host_artifact):
+    """tiny pads its 259 tokens to 288 rows, as Qwen2.5 pads 151,665 to 151,936: the padding
+    rows' logits are noise and decode to nothing, so the sampler never picks them."""
+    from qwc.runtime.sampling import Sampler, SamplingParams
+    from qwc.vocab import mismatch, token_span
+
+    eng = Engine(tiny_host_artifact, ctx=64)
+    span = token_span(eng.tokenizer)
+    assert eng.sample_limit == span < eng.vocab_size
+    logits = np.zeros(eng.vocab_size, np.float32)
+    logits[span:] = 100.0                       # unmasked, a padding row would win every time
+    assert Sampler(SamplingParams(), eng.sample_limit)(logits, []) < span
+    hot = Sampler(SamplingParams(temperature=5.0, top_p=0.99, seed=1), eng.sample_limit)
+    assert all(hot(logits, [span - 1]) < span for _ in range(200))
+    assert mismatch(151936, 151665) is None and mismatch(152064, 151665) is None   # Qwen2.5's own padding
+    assert "covers 259 of the model's 151936" in mismatch(151936, 259)
+    assert "past the model's vocabulary" in mismatch(100, 259)
