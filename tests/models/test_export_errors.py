@@ -39,36 +39,36 @@ def test_missing_gguf(tmp_path, capsys):
     _assert_clean_failure(code, err, out, "no such file")
 
 
-def test_hf_dir_without_weights(tiny_lm, tmp_path, capsys):
+def _hf_dir(tiny_lm, tmp_path, weights: bool = True, **config):
+    """The tiny model as a Hugging Face directory (config only without `weights`), its
+    config.json's fields overridden by `config`."""
     src = tmp_path / "hf"
-    tiny_lm.model.config.save_pretrained(src)
+    (tiny_lm.model if weights else tiny_lm.model.config).save_pretrained(src)
     tiny_lm.tokenizer.save(str(src / "tokenizer.json"))
+    if config:
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, **config}))
+    return src
+
+
+def _export_fails(src, tmp_path, capsys, expect):
     out = tmp_path / "out"
     code, err = _run(["export", str(src), "-o", str(out / "m.onnx")], capsys)
-    _assert_clean_failure(code, err, out, "no *.safetensors weights")
+    _assert_clean_failure(code, err, out, expect)
+
+
+def test_hf_dir_without_weights(tiny_lm, tmp_path, capsys):
+    _export_fails(_hf_dir(tiny_lm, tmp_path, weights=False), tmp_path, capsys, "no *.safetensors weights")
 
 
 def test_truncated_safetensors(tiny_lm, tmp_path, capsys):
-    src = tmp_path / "hf"
-    tiny_lm.model.save_pretrained(src)
-    tiny_lm.tokenizer.save(str(src / "tokenizer.json"))
-    f = src / "model.safetensors"
+    f = _hf_dir(tiny_lm, tmp_path) / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    out = tmp_path / "out"
-    code, err = _run(["export", str(src), "-o", str(out / "m.onnx")], capsys)
-    _assert_clean_failure(code, err, out, "corrupt safetensors file")
+    _export_fails(f.parent, tmp_path, capsys, "corrupt safetensors file")
 
 
 def test_hf_checkpoint_with_wrong_shapes(tiny_lm, tmp_path, capsys):
-    src = tmp_path / "hf"
-    tiny_lm.model.save_pretrained(src)
-    tiny_lm.tokenizer.save(str(src / "tokenizer.json"))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["intermediate_size"] = 64
-    (src / "config.json").write_text(json.dumps(cfg))
-    out = tmp_path / "out"
-    code, err = _run(["export", str(src), "-o", str(out / "m.onnx")], capsys)
-    _assert_clean_failure(code, err, out, "the config implies")
+    _export_fails(_hf_dir(tiny_lm, tmp_path, intermediate_size=64), tmp_path, capsys, "the config implies")
 
 
 @pytest.mark.parametrize("keep", [0.3, 0.9])
@@ -90,14 +90,7 @@ def test_not_a_gguf(tmp_path, capsys):
 
 
 def test_unsupported_hf_architecture(tiny_lm, tmp_path, capsys):
-    src = tmp_path / "hf"
-    tiny_lm.model.save_pretrained(src)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["model_type"] = "gpt2"
-    (src / "config.json").write_text(json.dumps(cfg))
-    out = tmp_path / "out"
-    code, err = _run(["export", str(src), "-o", str(out / "m.onnx")], capsys)
-    _assert_clean_failure(code, err, out, "unsupported architecture 'gpt2'")
+    _export_fails(_hf_dir(tiny_lm, tmp_path, model_type="gpt2"), tmp_path, capsys, "unsupported architecture 'gpt2'")
 
 
 def test_unsupported_gguf_architecture(tmp_path, capsys):
