@@ -39,9 +39,9 @@ class Target:
         """How the Relax VM runs the entry points between kernels. ARM: "compiled", native code
         instead of the bytecode interpreter. It runs on the calling thread while the others wait,
         which on a 64-128-core server is a large part of a decode step: 0.5B, 0.39M -> 0.16M
-        serial instructions a step under qemu (results.md), for a longer build (~2 min at
-        24 layers). x86 keeps the bytecode: a faster compile, and at its 2-16 threads the VM
-        is ~1% of a step."""
+        serial instructions a step under qemu (results.md), for a longer compile (0.5B, 24
+        layers: 53 -> 190 s, LLVM compiling each entry point as one function). x86 keeps the
+        bytecode: a faster compile, and at its 2-16 threads the VM is ~1% of a step."""
         return "compiled" if self.arch == "aarch64" else "bytecode"
 
 
