@@ -99,8 +99,9 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, l
                 kernel = fast.decode_attention(f["heads"], f["kv_heads"], f["head_dim"], f["scale"],
                                                str(pos.ty.dtype), zero_point if quantize else None, layout,
                                                1 if per_head else None)
-                name = "attention_3pass" + ("_heads" if per_head else "") + ("_q8" if quantize else "")
-                gv = rw.builder_.add_func(kernel, kname(name + ("" if layout == "plain" or not quantize else f"_{layout}")))
+                suffix = ("_heads" if per_head else "") + ("" if not quantize else "_q8" if layout == "plain"
+                                                           else f"_q8_{layout}")
+                gv = rw.builder_.add_func(kernel, kname("attention_3pass" + suffix))
                 nb = f["heads"] * f["head_dim"] // act_quant.BLOCK
                 q8 = [] if not quantize else [relax.TensorType(shape=[1, nb, act_quant.BLOCK], dtype="int8"),
                                               relax.TensorType(shape=[1, nb], dtype="float32"),

@@ -80,14 +80,14 @@ class Manifest:
     @classmethod
     def from_dict(cls, m, where: str = "manifest.json") -> Manifest:
         """The manifest of the JSON object `m`, or one QwcError line naming what is wrong."""
-        check_manifest(m, where)
+        config = check_manifest(m, where)
         t, f = m["target"], m["functions"]
         known = {"entry_points", "inputs", "cache", "cache_shape", "cache_capacity_multiple", "max_batch",
                  "max_tokens_per_call"}
         return cls(
             target=ArtifactTarget(t["name"], t["arch"], t["triple"], t["mcpu"], tuple(t.get("features", [])),
                                   tuple(t.get("mattr", []))),
-            model=ModelConfig.from_dict(m["model"]),
+            model=config,
             functions=Functions(dict(f["entry_points"]), tuple(f["inputs"]), tuple(f["cache"]),
                                 tuple(f["cache_shape"]), f.get("cache_capacity_multiple", 1), f.get("max_batch", 1),
                                 f.get("max_tokens_per_call"), {k: v for k, v in f.items() if k not in known}),
@@ -135,8 +135,9 @@ def _is_str_list(v) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
-def check_manifest(m, where: str = "manifest.json") -> None:
-    """The schema of manifest.json's JSON object (Manifest.from_dict's checks)."""
+def check_manifest(m, where: str = "manifest.json") -> ModelConfig:
+    """The schema of manifest.json's JSON object (Manifest.from_dict's checks); returns the
+    model config it parsed on the way."""
     def bad(what: str):
         raise QwcError(f"{where}: {what} (corrupt artifact; recompile it)")
 
@@ -217,6 +218,7 @@ def check_manifest(m, where: str = "manifest.json") -> None:
             bad(f"file name {name!r} is not a plain file name")
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             bad(f"the hash of {name} is not a sha256 hex digest")
+    return cfg
 
 
 def check_library(vm_arity, vm_param_name, manifest: Manifest, where: str) -> None:
