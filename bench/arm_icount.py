@@ -7,7 +7,8 @@ emulated wall time means nothing.
 Per token = difference of two runs divided by the difference in tokens, so start-up cancels:
 - decode: a 4-token prompt with 2 and with 6 decode steps;
 - prefill: prompts of 4 and 12 tokens (the protocol the project's ARM issue states), and of 24
-  and 48 (steady state: longer prompts amortise per-call costs in both engines).
+  and 48 (steady state: longer prompts amortise per-call costs in both engines); with
+  --long N also of N / 2 and N (a long prompt, where attention over the earlier tokens counts).
 
 --peer adds llama.cpp's rows: llama-bench cross-built for the Yitian's ISA
 (bench/llamacpp.sh arm64: static, armv9-a+sve2+i8mm+dotprod, Q4_0 repack on), run on GGUFs
@@ -235,12 +236,12 @@ def arm_manifest(art: Path, tool: str) -> dict:
     return manifest
 
 
-def measure(label, run):
+def measure(label, run, prefill=PREFILL):
     """{metric: instructions per token} and the per-function splits, for one engine; the
     splits also keep, under "blocks", each metric's block counts (its hot loops)."""
     res, splits = {}, {"blocks": {}}
     p, a, b = DECODE
-    for metric, (x, y, steps) in {"decode": (a, b, True), **{m: (*v, False) for m, v in PREFILL.items()}}.items():
+    for metric, (x, y, steps) in {"decode": (a, b, True), **{m: (*v, False) for m, v in prefill.items()}}.items():
         cx = run(f"{metric}_a", p if steps else x, x if steps else 0)
         cy = run(f"{metric}_b", p if steps else y, y if steps else 0)
         res[metric] = (cy[0] - cx[0]) / (y - x)
@@ -258,7 +259,12 @@ def main():
     p.add_argument("--mca", action="store_true", help="llvm-mca Neoverse-N2 cycles of each matrix kernel's hottest loop")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--checkpoint", type=Path, help="the HF checkpoint the artifact was compiled from (not the preset)")
+    p.add_argument("--long", type=int, default=0,
+                   help="also prefill_N: prompts of N / 2 and N tokens (a long prompt's attention; N = 2048: minutes)")
     args = p.parse_args()
+    if args.long and args.long < 2:
+        p.error("--long must be at least 2")
+    prefill = {**PREFILL, **({f"prefill_{args.long}": (args.long // 2, args.long)} if args.long else {})}
 
     art = Path(args.artifact)
     manifest = arm_manifest(art, "arm_icount")
@@ -278,7 +284,7 @@ def main():
         return (n, *qwc_attr.functions(out.with_suffix(".counts")))
 
     print("counting qwc ...", file=sys.stderr)
-    rows["qwc"], splits["qwc"] = measure("qwc", qwc_run)
+    rows["qwc"], splits["qwc"] = measure("qwc", qwc_run, prefill)
 
     if args.peer:
         tools = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "arm64"], check=True,
@@ -297,7 +303,7 @@ def main():
                 return (n, *l_attr.functions(out.with_suffix(".counts")))
 
             print(f"counting {name} ...", file=sys.stderr)
-            rows[name], splits[name] = measure(name, l_run)
+            rows[name], splits[name] = measure(name, l_run, prefill)
             continue
 
     report = {"artifact": str(art), "per_token": rows}
@@ -350,7 +356,7 @@ def checkpoint_gguf(manifest, ckpt: Path) -> dict[str, Path]:
 
 def print_main(rows):
     q = rows["qwc"]
-    metrics = ["decode", *PREFILL]
+    metrics = list(q)
     print("\n| engine | " + " | ".join(f"{m}, instructions/token" for m in metrics) + " |")
     print("| --- |" + " ---: |" * len(metrics))
     for name, r in rows.items():

@@ -46,7 +46,7 @@ class TorchScorer(Scorer):
         lm = load_source(path)
         self._torch = torch
         self.model, self.tokenizer = lm.model.eval(), lm.tokenizer
-        self.max_ctx = lm.config.max_position_embeddings
+        self.max_ctx = lm.config.context_length
 
     def logits(self, ids):
         with self._torch.inference_mode():
@@ -77,7 +77,7 @@ class OrtScorer(Scorer):
             self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types
             raise QwcError(f"{path}: onnxruntime cannot load the graph ({str(e).splitlines()[0]})") from None
-        self.max_ctx = self.config.max_position_embeddings
+        self.max_ctx = self.config.context_length
 
     def logits(self, ids):
         from qwc.passes.verify import run_steps
@@ -94,7 +94,7 @@ class QwcScorer(Scorer):
         from qwc.manifest import read_manifest
         from qwc.runtime.engine import Engine
 
-        max_ctx = read_manifest(Path(path)).model.max_position_embeddings
+        max_ctx = read_manifest(Path(path)).model.context_length
         self.engine = Engine(path, ctx=min(ctx, max_ctx), threads=threads)
         if self.engine.tokenizer is None:
             raise QwcError(f"{path}: artifact has no tokenizer")

@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from qwc.config import ModelConfig
+from qwc.config import ModelConfig, yarn_parameters
 from qwc.errors import QwcError
 
 from .checkpoint import Checkpoint
@@ -77,6 +77,23 @@ def _field(reader: GGUFReader, key: str, default=None, required: bool = True):
     return f.contents()
 
 
+def _rope_scaling(reader: GGUFReader, arch: str, path: Path) -> dict | None:
+    """llama.cpp's rope scaling keys as ModelConfig's YaRN dict (None: none); another kind is
+    refused, as the HF config's is."""
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none", required=False)
+    if kind == "none":
+        return None
+    if kind != "yarn":
+        raise QwcError(f"{path}: unsupported rope scaling {kind!r} (qwc takes YaRN, Qwen2.5's)")
+    rope = {"rope_type": "yarn", "factor": _field(reader, f"{arch}.rope.scaling.factor"),
+            "original_max_position_embeddings": _field(reader, f"{arch}.rope.scaling.original_context_length")}
+    for key, field in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        v = _field(reader, f"{arch}.rope.scaling.{field}", required=False)
+        if v is not None:
+            rope[key] = v
+    return yarn_parameters(rope, str(path))
+
+
 def config_from_gguf(reader: GGUFReader, path: Path) -> tuple[ModelConfig, str]:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -108,6 +125,7 @@ def config_from_gguf(reader: GGUFReader, path: Path) -> tuple[ModelConfig, str]:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         chat_template=_field(reader, "tokenizer.chat_template", required=False),
+        rope_scaling=_rope_scaling(reader, arch, path),
         source=str(path),
     )
     cfg.validate()

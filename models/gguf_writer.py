@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 
 from qwc.config import ModelConfig
 
@@ -50,6 +50,10 @@ def write_gguf(path: Path, arch: str, cfg: ModelConfig, tokens: list[str], token
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_theta)
+    if cfg.rope_scaling is not None:   # YaRN, as llama.cpp's converter writes Qwen2.5's
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_scaling["original_max_position_embeddings"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if file_type is not None:
         w.add_file_type(file_type)

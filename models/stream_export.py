@@ -27,7 +27,7 @@ from qwc import progress
 from qwc.atomic import publish, staging_dir
 from qwc.config import foreign_graph_files, sidecar_paths
 from qwc.errors import QwcError
-from qwc.rotary import rotary_caches
+from qwc.rotary import model_rotary_caches
 from qwc.weight_file import WeightFile
 
 from .checkpoint import Checkpoint, expected_tensors
@@ -91,7 +91,7 @@ def build(ckpt: Checkpoint, w: _Writer) -> onnx.ModelProto:
 
     embed = weight("model.embed_tokens.weight")
     hidden = node("Gather", [embed, "input_ids"], ["embedding"], "/model/embed_tokens/Gather", axis=0)
-    cos, sin = rotary_caches(hd, cfg.rope_theta, cfg.max_position_embeddings)
+    cos, sin = model_rotary_caches(cfg)
     cos, sin = w.add("rotary_cos_cache", cos), w.add("rotary_sin_cache", sin)
     # GroupQueryAttention's lengths: seqlens_k = sum(mask) - 1, total = mask's width (int32).
     one = w.add("one", np.array([1], np.int64))

@@ -6,8 +6,8 @@ Rewritten to Transpose(Reshape(RotaryEmbedding(lin, position_ids, cos_cache, sin
 reusing the original Reshape's shape, so the attention pass sees the rotated projection in
 [batch, seq, heads * head_dim] form.
 
-The cos/sin caches are initializers of [max_position_embeddings, head_dim / 2] computed from
-the model config's rope_theta in float32, the way transformers computes them.
+The cos/sin caches are initializers of [positions, head_dim / 2] computed from the model
+config (rope_theta, YaRN) in float32, the way transformers computes them (qwc/rotary.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import onnx
 
 from qwc.errors import QwcError
-from qwc.rotary import rotary_caches
+from qwc.rotary import model_rotary_caches
 
 from .graph import MS_DOMAIN, Graph, ensure_ms_opset
 from .options import PassOptions
@@ -35,7 +35,7 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
             continue
         x_t, lin, shape, heads = m
         if caches is None:
-            cos, sin = rotary_caches(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+            cos, sin = model_rotary_caches(cfg)
             caches = (g.add_init(cos, "rotary_cos_cache"), g.add_init(sin, "rotary_sin_cache"))
         rot = g.fresh(lin + "_rotary")
         g.node("RotaryEmbedding", [lin, "position_ids", *caches], [rot], domain=MS_DOMAIN,

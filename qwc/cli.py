@@ -119,8 +119,9 @@ def _cmd_export(args: argparse.Namespace) -> None:
             memory_check.check("the torch export", torch_export_memory(ckpt.n_params()),
                                "--exporter stream writes the graph in bounded memory", skip=args.no_memory_check)
             out, how = export_onnx(from_checkpoint(ckpt), args.output, dynamo=not args.legacy_exporter), "torch"
+    yarn = (f", YaRN x{c.rope_scaling['factor']:g}: {c.context_length} positions" if c.rope_scaling else "")
     progress.info(f"[qwc] exported {c.name}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-                  f"vocab {c.vocab_size} -> {out} ({how}) in {time.perf_counter() - t0:.1f}s")
+                  f"vocab {c.vocab_size}{yarn} -> {out} ({how}) in {time.perf_counter() - t0:.1f}s")
 
 
 def _cmd_data(args: argparse.Namespace) -> None:
@@ -393,9 +394,12 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
     if not args.n_prompt and not args.n_gen:
         raise QwcError("nothing to measure: -p and -n are both 0")
-    ctx = max(args.ctx, args.n_prompt, args.n_gen, 16)
-    eng = Engine(args.model, ctx=ctx, threads=args.threads)
-    rows = run_bench(eng, args.n_prompt, args.n_gen, reps=args.repetitions)
+    need = args.n_depth + max(args.n_prompt, args.n_gen)
+    if args.ctx and args.ctx < need:
+        raise QwcError(f"--ctx {args.ctx} is less than the {need} tokens the tests need (depth + the longest test)")
+    eng = Engine(args.model, ctx=max(args.ctx, need, 16), threads=args.threads)
+    rows = run_bench(eng, args.n_prompt, args.n_gen, reps=args.repetitions, depth=args.n_depth,
+                     progress=lambda line: progress.info(f"[qwc] {line}"))
     m, t = eng.manifest.model, eng.manifest.target
     size = eng.manifest.weight_bytes
     quant = eng.manifest.quantization
@@ -403,11 +407,12 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         print(json.dumps({"model": m.name, "target": t.name, "threads": eng.threads,
                           "params_bytes": size, "quantization": quant, "results": rows}, indent=1))
         return
-    print(f"| {'model':14s} | {'size':>10s} | {'target':10s} | {'act':>4s} | {'threads':>7s} | {'test':>6s} | {'t/s':>16s} |")
-    print(f"| {'-' * 14} | {'-' * 10}: | {'-' * 10} | {'-' * 4}: | {'-' * 7}: | {'-' * 6}: | {'-' * 16}: |")
+    w = max(6, *(len(r["test"]) for r in rows))
+    print(f"| {'model':14s} | {'size':>10s} | {'target':10s} | {'act':>4s} | {'threads':>7s} | {'test':>{w}s} | {'t/s':>16s} |")
+    print(f"| {'-' * 14} | {'-' * 10}: | {'-' * 10} | {'-' * 4}: | {'-' * 7}: | {'-' * w}: | {'-' * 16}: |")
     for r in rows:
         print(f"| {m.name[:14]:14s} | {size / 2**20:6.1f} MiB | {t.name:10s} | {quant.get('activation_bits', 32):4d}"
-              f" | {eng.threads:7d} | {r['test']:>6s} | {r['tps']:9.2f} ± {r['std']:5.2f} |")
+              f" | {eng.threads:7d} | {r['test']:>{w}s} | {r['tps']:9.2f} ± {r['std']:5.2f} |")
 
 
 def _check_utf8(text: str, what: str) -> None:
@@ -584,6 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-p", "--n-prompt", type=_count, default=512, help="prompt tokens for the pp test (0: skip)")
     b.add_argument("-n", "--n-gen", type=_count, default=128, help="generated tokens for the tg test (0: skip)")
     b.add_argument("-r", "--repetitions", type=_positive, default=3)
+    b.add_argument("-d", "--n-depth", type=_count, default=0,
+                   help="tokens in the cache before each test, their prefill not timed (llama-bench's -d; default 0)")
     b.add_argument("--ctx", type=_count, default=0, help="KV-cache size (default: what the tests need)")
     b.add_argument("--threads", type=_threads, default=None)
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -16,6 +16,39 @@ from .errors import QwcError
 CONFIG_FORMAT = 1
 
 
+YARN_KEYS = {"rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "attention_factor", "mscale", "mscale_all_dim", "truncate", "rope_theta"}
+
+
+def yarn_parameters(rope: dict, source: str) -> dict:
+    """The YaRN parameters of a rope dict (HF's spelling, transformers 4 or 5), checked and
+    normalised to {"rope_type": "yarn", "factor", "original_max_position_embeddings", ...}."""
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "yarn":
+        raise QwcError(f"{source}: rope scaling {rope!r} is not YaRN")
+    unknown = sorted(set(rope) - YARN_KEYS)
+    if unknown:
+        raise QwcError(f"{source}: unsupported YaRN parameters {', '.join(unknown)}")
+    out = {"rope_type": "yarn"}
+    for key, kind in (("factor", float), ("original_max_position_embeddings", int), ("beta_fast", float),
+                      ("beta_slow", float), ("attention_factor", float), ("mscale", float), ("mscale_all_dim", float)):
+        v = rope.get(key)
+        if v is None:
+            if key in ("factor", "original_max_position_embeddings"):
+                raise QwcError(f"{source}: YaRN rope scaling lacks {key}")
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") or (
+                kind is int and v != int(v)):
+            raise QwcError(f"{source}: YaRN {key} {v!r} must be a positive {'integer' if kind is int else 'number'}")
+        out[key] = kind(v)
+    if out["factor"] < 1:
+        raise QwcError(f"{source}: YaRN factor {out['factor']} must be at least 1")
+    if "truncate" in rope:
+        if not isinstance(rope["truncate"], bool):
+            raise QwcError(f"{source}: YaRN truncate {rope['truncate']!r} must be true or false")
+        out["truncate"] = rope["truncate"]
+    return out
+
+
 @dataclass
 class ModelConfig:
     name: str
@@ -34,6 +67,19 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     chat_template: str | None = None
     source: str = ""
+    # YaRN (Qwen2.5's long-context setting), as transformers reads it: {"rope_type": "yarn",
+    # "factor", "original_max_position_embeddings"[, "beta_fast", "beta_slow",
+    # "attention_factor", "mscale", "mscale_all_dim", "truncate"]}; None: plain rotary
+    rope_scaling: dict | None = None
+
+    @property
+    def context_length(self) -> int:
+        """Positions the model serves: max_position_embeddings, or with YaRN the original
+        positions times the factor (Qwen2.5: 32768 x 4) where that is more."""
+        if self.rope_scaling is None:
+            return self.max_position_embeddings
+        r = self.rope_scaling
+        return max(self.max_position_embeddings, int(r["factor"] * r["original_max_position_embeddings"]))
 
     def validate(self) -> None:
         """Types and ranges, so an impossible config (a hand-edited config.json or manifest) is
@@ -68,6 +114,9 @@ class ModelConfig:
             raise QwcError(f"{self.name}: tie_word_embeddings {self.tie_word_embeddings!r} must be true or false")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise QwcError(f"{self.name}: chat_template must be a string")
+        if self.rope_scaling is not None:
+            self.rope_scaling = yarn_parameters(self.rope_scaling, self.name)
+
 
     def to_json(self) -> str:
         return json.dumps({"qwc_config_format": CONFIG_FORMAT, **dataclasses.asdict(self)}, indent=2)
@@ -100,8 +149,10 @@ class ModelConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if not isinstance(rope, dict):
             raise QwcError(f"{source}: rope parameters {rope!r} are not a JSON object")
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise QwcError(f"{source}: unsupported rope scaling {rope.get('rope_type', rope.get('type'))!r}")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "yarn"):
+            raise QwcError(f"{source}: unsupported rope scaling {kind!r} (qwc takes YaRN, Qwen2.5's)")
+        scaling = yarn_parameters(rope, source) if kind == "yarn" else None
         if d.get("use_sliding_window"):
             raise QwcError(f"{source}: sliding-window attention is not supported")
         eos = d.get("eos_token_id")
@@ -123,6 +174,7 @@ class ModelConfig:
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
                 source=source,
+                rope_scaling=scaling,
             )
         except KeyError as e:
             raise QwcError(f"{source}: config lacks {e.args[0]}") from None

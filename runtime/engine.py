@@ -135,7 +135,7 @@ class Engine:
         self._tvm = tvm
         self._config_pool = tvm.get_global_func("runtime.config_threadpool")
         self.model = self.manifest.model   # config.ModelConfig
-        max_ctx = self.model.max_position_embeddings
+        max_ctx = self.model.context_length   # YaRN: the original positions x its factor
         if ctx > max_ctx:
             raise QwcError(f"ctx {ctx} exceeds the model's {max_ctx} positions")
         self.ctx = int(ctx)

@@ -8,12 +8,14 @@ keys' element d, so a tile's 16 scores are head_dim broadcast FMAs with no horiz
 key (the row layout needed one per key: ~2.5x slower). V keeps the row layout: the value
 update is a broadcast FMA per key. cap must be a multiple of 16 (the runtime allocates so).
 
-Prefill (`attention`): one parallel task per (head, query). Query i of a chunk of s new
-tokens sits at position past + i (past = seqlens[0] + 1 - s) and attends to cache slots
-0 .. past + i: the key loop is bounded by that, not by the buffer's capacity. Running max /
-sum / weighted-value accumulator (flash-attention style) updated once per tile, so no score
-row is stored; exp is the vector polynomial of kernels/vector_math.py. Decode
-(`decode_attention`): one task per kv head, three passes (scores, weights, values).
+Prefill (`attention`): one parallel task per block of a head's queries (query_block). Query i
+of a chunk of s new tokens sits at position past + i (past = seqlens[0] + 1 - s) and attends
+to cache slots 0 .. past + i: the key loop is bounded by that, not by the buffer's capacity.
+Running max / sum / weighted-value accumulator (flash-attention style) updated once per span
+of 64 keys (per tile in a query's last, partial span), so no score row is stored; the
+block's queries take the keys span by span, so a span is read from memory once a block; exp
+is the vector polynomial of kernels/vector_math.py. Decode (`decode_attention`): a task per
+kv head (x86) or per query head (ARM), three passes (scores, weights, values).
 """
 
 from __future__ import annotations
@@ -40,7 +42,14 @@ V_PREFETCH_ROWS = 4      # 1 KiB ahead in each V stream
 # buffers, so every update of it is stored (the values pass was bound by those stores).
 STACK_BYTES = 1024
 NEG_INF = -3.0e38  # the running max's start and masked lanes' score (finite: no inf - inf)
-ACCS = 2         # value accumulators (even and odd keys): halves the update's dependency chain
+# Prefill: a task takes up to QUERY_BLOCK queries of one head, and they take the keys in spans
+# of SPAN in turn: a span's K and V (32 KiB at head_dim 64) are read from DRAM or L3 once and
+# from L1 or L2 for the other queries (a task per query read every key once per query: 2 MiB
+# a query at 4k cached tokens). A span is also the online softmax's step: one rescale and one
+# exp of the running max per 64 keys, and 4 tiles' scores computed side by side.
+QUERY_BLOCK = 16
+SPAN_TILES = 4
+SPAN = SPAN_TILES * KEY_TILE
 WRITES_Q8 = "qwc.decode_attention_q8"   # marks a decode attention that also writes its output's Q8_0
 ONLINE_SCALE = "qwc.attention_scale"    # marks `attention` with its score scale (compiler/fuse_decode_attention.py)
 
@@ -97,9 +106,22 @@ def kv_cache_write(key_tiles: bool, batched: bool = False):
     return hand_scheduled(write)
 
 
+def query_block(T, s):
+    """Queries a prefill task takes for a chunk of s: QUERY_BLOCK in long chunks, fewer in
+    short ones (s // 16, at least 1), so a 48-token chunk still makes 16 tasks a head for
+    64-128 threads."""
+    return T.max(T.min(s // 16, T.int64(QUERY_BLOCK)), T.int64(1))
+
+
 def _tree_sum(xs):
     while len(xs) > 1:
         xs = [xs[i] + xs[i + 1] if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
+    return xs[0]
+
+
+def _tree_max(T, xs):
+    while len(xs) > 1:
+        xs = [T.max(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
     return xs[0]
 
 
@@ -135,46 +157,125 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     chunks = head_dim // LANES
     kt = KEY_TILE
 
+    def ramp(at, lanes=LANES):
+        return T.ramp(at, 1, lanes)
+
+    def span_tiles(p):
+        """The span's SPAN_TILES 16-lane pieces of p."""
+        return [p[ramp(u * kt, kt)] for u in range(SPAN_TILES)]
+
+    def tile_scores(q, kc, b, qi, h, keys, t, masked):
+        """Tile t's 16 scaled scores of query qi of head h; `masked`: -inf past `keys`."""
+        sc = _tile_scores(T, lambda d: q[b, qi, h * head_dim + d], kc, h // group, t, head_dim, b) * T.broadcast(
+            T.float32(scale), kt)
+        return T.Select(_in_tile(T, t, keys), sc, T.broadcast(T.float32(NEG_INF), kt)) if masked else sc
+
     @T.macro
-    def tile(q, kc, vc, acc, stat, p, b, task, s, keys, t, masked):
-        """Keys 16t .. 16t+15 of cache row b into the running state; `masked`: only those below `keys`."""
-        sc = _tile_scores(T, lambda d: q[b, task % s, task // s * head_dim + d],   # query task % s, head task // s
-                          kc, task // s // group, t, head_dim, b) * T.broadcast(T.float32(scale), kt)
-        if masked:
-            sc = T.Select(_in_tile(T, t, keys), sc, T.broadcast(T.float32(NEG_INF), kt))
-        scv = T.bind(sc)
-        m = T.bind(T.max(stat[0], vector_math.reduce_max(T, scv, kt)))
+    def tile(q, kc, vc, acc, stat, p, b, qi, h, keys, t, masked):
+        """Keys 16t .. 16t+15 of cache row b into the running state of query qi of head h;
+        `masked`: only those below `keys`."""
+        # the scores go to p as one expression: a name assigned twice in a macro becomes a
+        # buffer, which TVM allocates from its workspace per task
+        p[ramp(0, kt)] = tile_scores(q, kc, b, qi, h, keys, t, masked)
+        m = T.bind(T.max(stat[0], vector_math.reduce_max(T, p[ramp(0, kt)], kt)))
         r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
-        p[T.ramp(0, 1, kt)] = vector_math.exp(T, scv - T.broadcast(m, kt), kt)   # masked keys: ~1e-38
+        p[ramp(0, kt)] = vector_math.exp(T, p[ramp(0, kt)] - T.broadcast(m, kt), kt)   # masked keys: ~1e-38
         stat[0] = m
-        stat[1] = stat[1] * r + vector_math.reduce_sum(T, p[T.ramp(0, 1, kt)], kt)
-        for c in range(ACCS * chunks):
-            acc[T.ramp(c * LANES, 1, LANES)] = acc[T.ramp(c * LANES, 1, LANES)] * T.broadcast(r, LANES)
+        stat[1] = stat[1] * r + vector_math.reduce_sum(T, p[ramp(0, kt)], kt)
+        for c in range(chunks):
+            acc[ramp(c * LANES)] = acc[ramp(c * LANES)] * T.broadcast(r, LANES)
         for j in T.unroll(kt):
             if not masked or t * kt + j < keys:
                 for c in T.unroll(chunks):
-                    acc[T.ramp((j % ACCS * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((j % ACCS * chunks + c) * LANES, 1, LANES)] + vc[
-                        b, (task // s) // group, t * kt + j, T.ramp(c * LANES, 1, LANES)] * T.broadcast(p[j], LANES)
+                    acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + vc[
+                        b, h // group, t * kt + j, ramp(c * LANES)] * T.broadcast(p[j], LANES)
 
     @T.macro
-    def attend(q, kc, vc, out, b, task, s, seqlen):
-        """Query task % s of head task // s of row b, over that row's keys."""
-        acc = T.decl_buffer((ACCS * head_dim,), "float32", scope="global")
-        stat = T.decl_buffer((2,), "float32", scope="global")   # running max, running sum
-        p = T.decl_buffer((kt,), "float32", scope="global")    # the tile's weights
-        for c in range(ACCS * chunks):
-            acc[T.ramp(c * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
-        stat[0] = T.float32(NEG_INF)
-        stat[1] = T.float32(0)
-        keys = T.bind(T.Cast("int64", seqlen) + T.int64(1) - s + task % s + T.int64(1))
-        for t in range(keys // kt):
-            tile(q, kc, vc, acc, stat, p, b, task, s, keys, t, False)
-        if keys % kt != 0:
-            tile(q, kc, vc, acc, stat, p, b, task, s, keys, keys // kt, True)
-        for c in range(chunks):
-            out[b, task % s, T.ramp((task // s) * head_dim + c * LANES, 1, LANES)] = (
-                _tree_sum([acc[T.ramp((a * chunks + c) * LANES, 1, LANES)] for a in range(ACCS)])
-                / T.broadcast(stat[1], LANES))
+    def span(q, kc, vc, out, acc, stat, p, qr, b, qi, h, t0):
+        """Keys 16 t0 .. 16 t0 + SPAN - 1 (all below the query's count) into its running state
+        with one rescale: the tiles' scores first (a broadcast of q[d] serves SPAN_TILES tiles;
+        SPAN_TILES x 16 lanes of independent FMA chains), then their weights, then the values.
+        Per key that is ~25 instructions on AVX2, 17 of them FMAs, where a tile at a time took
+        ~38 with spills."""
+        # The span's keys and values through pointers to their first element: every access is
+        # that plus a constant, which the loads' addressing takes. Indexed from the caches,
+        # LLVM computed ~1000 addresses of a span ahead of the task's loop and spilled them
+        # (~2K instructions a task on ARM).
+        ks = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
+        vs = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        for c in T.unroll(chunks):   # the scaled query, where its broadcasts load it from
+            qr[ramp(c * LANES)] = q[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(T.float32(scale), LANES)
+        for u in T.unroll(SPAN_TILES):
+            p[ramp(u * kt, kt)] = T.broadcast(T.float32(0), kt)
+        for d in T.unroll(head_dim):
+            for u in T.unroll(SPAN_TILES):   # key tile u, element d: 16 keys (the K layout)
+                p[ramp(u * kt, kt)] = p[ramp(u * kt, kt)] + T.broadcast(qr[d], kt) * ks[
+                    ramp(u * kt * head_dim + d * kt, kt)]
+        m = T.bind(T.max(stat[0], vector_math.reduce_max(T, _tree_max(T, span_tiles(p)), kt)))
+        r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
+        for u in T.unroll(SPAN_TILES):
+            p[ramp(u * kt, kt)] = vector_math.exp(T, p[ramp(u * kt, kt)] - T.broadcast(m, kt), kt)
+        stat[0] = m
+        stat[1] = stat[1] * r + vector_math.reduce_sum(T, _tree_sum(span_tiles(p)), kt)
+        # The query's accumulators (its output row) are read only now, after the scores: held
+        # through them, they and the scores' 16 vectors overflowed NEON's 32 registers. They
+        # are updated in `acc`, a local buffer LLVM keeps in registers (updated in place in
+        # the output, every FMA was followed by a store: the parallel task's pointers do not
+        # carry the arguments' noalias).
+        for c in T.unroll(chunks):
+            acc[ramp(c * LANES)] = out[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(r, LANES)
+        for j in T.unroll(SPAN):
+            for c in T.unroll(chunks):
+                acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + vs[ramp(j * head_dim + c * LANES)] * T.broadcast(
+                    p[j], LANES)
+        for c in T.unroll(chunks):
+            out[b, qi, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
+
+    @T.macro
+    def attend(q, kc, vc, out, b, h, q0, nq, s, seqlen):
+        """Queries q0 .. q0 + nq - 1 (nq <= QUERY_BLOCK) of head h of row b, over that row's keys
+        in spans of SPAN: every query of the block takes a span in turn, so the span's K and V
+        come from DRAM once and from L1 or L2 for the others. A query's keys are whole spans,
+        then tiles (the last one masked)."""
+        # The block's accumulators are its output rows (normalised at the end): every buffer
+        # of a task then fits TVM's 1 KiB stack limit, where a larger one is a workspace
+        # allocation per task (~2.5K instructions a task on ARM).
+        stats = T.decl_buffer((QUERY_BLOCK * 2,), "float32", scope="global")   # running max, sum
+        acc = T.decl_buffer((head_dim,), "float32", scope="global")   # the query in turn: registers
+        stat = T.decl_buffer((2,), "float32", scope="global")
+        p = T.decl_buffer((SPAN,), "float32", scope="global")    # scores, then weights
+        qr = T.decl_buffer((head_dim,), "float32", scope="global")
+        for r in T.unroll(QUERY_BLOCK):   # all of them: TVM sizes the buffer by what is written
+            stats[2 * r] = T.float32(NEG_INF)
+            stats[2 * r + 1] = T.float32(0)
+        for r in range(nq):
+            for c in range(chunks):
+                out[b, q0 + r, ramp(h * head_dim + c * LANES)] = T.broadcast(T.float32(0), LANES)
+        past = T.bind(T.Cast("int64", seqlen) + T.int64(1) - s)   # the chunk's first position
+        last = T.bind(past + q0 + nq)   # keys the block's last query attends to
+        for sp in range((last + SPAN - 1) // SPAN):
+            for r in range(nq):
+                keys = T.bind(past + q0 + r + T.int64(1))
+                if sp * SPAN < keys:
+                    stat[0] = stats[2 * r]
+                    stat[1] = stats[2 * r + 1]
+                    if (sp + 1) * SPAN <= keys:
+                        span(q, kc, vc, out, acc, stat, p, qr, b, q0 + r, h, sp * SPAN_TILES)
+                    else:   # the query's last span: whole tiles, then a masked one
+                        for c in T.unroll(chunks):
+                            acc[ramp(c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)]
+                        for t in range(sp * SPAN_TILES, keys // kt):
+                            tile(q, kc, vc, acc, stat, p, b, q0 + r, h, keys, t, False)
+                        if keys % kt != 0:
+                            tile(q, kc, vc, acc, stat, p, b, q0 + r, h, keys, keys // kt, True)
+                        for c in T.unroll(chunks):
+                            out[b, q0 + r, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
+                    stats[2 * r] = stat[0]
+                    stats[2 * r + 1] = stat[1]
+        for r in range(nq):
+            for c in range(chunks):
+                out[b, q0 + r, ramp(h * head_dim + c * LANES)] = (
+                    out[b, q0 + r, ramp(h * head_dim + c * LANES)] / T.broadcast(stats[2 * r + 1], LANES))
 
     if batched:
         @T.prim_func(private=True)
@@ -188,8 +289,9 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             seqlens = T.match_buffer(var_seqlens, (bsz,), "int32")
             out = T.match_buffer(var_out, (bsz, s, heads * head_dim), "float32")
             assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
-            for bt in T.parallel(bsz * heads * s):
-                attend(q, kc, vc, out, bt // (heads * s), bt % (heads * s), s, seqlens[bt // (heads * s)])
+            for bt in T.parallel(bsz * heads * s):   # a task per query: a decode step's s is 1
+                attend(q, kc, vc, out, bt // (heads * s), bt % (heads * s) // s, bt % s, T.int64(1), s,
+                       seqlens[bt // (heads * s)])
         return hand_scheduled(kernel_batch.with_attr(ONLINE_SCALE, float(scale)))
 
     @T.prim_func(private=True)
@@ -202,8 +304,12 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, head_dim), "float32")
         out = T.match_buffer(var_out, (T.int64(1), s, heads * head_dim), "float32")
         assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
-        for task in T.parallel(heads * s):
-            attend(q, kc, vc, out, T.int64(0), task, s, seqlens[0])
+        qb = T.bind(query_block(T, s))
+        blocks = T.bind((s + qb - 1) // qb)
+        # a task per block of a head's queries, head-major: a thread's run of tasks shares K and V
+        for task in T.parallel(heads * blocks):
+            attend(q, kc, vc, out, T.int64(0), task // blocks, task % blocks * qb,
+                   T.min(qb, s - task % blocks * qb), s, seqlens[0])
 
     return hand_scheduled(kernel.with_attr(ONLINE_SCALE, float(scale)))
 

@@ -287,15 +287,18 @@ def _filled_caches(k, v, chunks, kvh, hd, cap):
     return kc, vc
 
 
-@pytest.mark.parametrize("past, s", [(0, 1), (0, 17), (5, 1), (15, 3), (16, 1), (37, 17), (40, 1)])
+@pytest.mark.parametrize("past, s", [(0, 1), (0, 17), (5, 1), (15, 3), (16, 1), (37, 17), (40, 1),
+                                     (100, 40), (0, 257), (131, 255)])
 def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s):
     """The cache writers (K in key tiles of 16, V in rows) then the online-softmax attention,
-    against numpy's causal attention: histories and chunks that do and do not fill tiles."""
+    against numpy's causal attention: histories and chunks that do and do not fill tiles, one
+    query a task (s < 32), blocks of 2 and of 16 queries with a ragged last block, keys in one
+    span and in several."""
     import tvm
 
     from qwc.compiler.kernels import attention
 
-    heads, kvh, hd, cap = 14, 2, 64, 64
+    heads, kvh, hd, cap = 14, 2, 64, max(64, -(-(past + s) // 16) * 16)
     rng = np.random.default_rng(past * 31 + s)
     k, v = (rng.standard_normal((past + s, kvh * hd), dtype=np.float32) for _ in range(2))
     q = rng.standard_normal((1, s, heads * hd), dtype=np.float32)

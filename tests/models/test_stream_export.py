@@ -18,9 +18,7 @@ from qwc.models import load as load_mod
 from qwc.models.checkpoint import expected_tensors
 from qwc.models.hf import open_hf_dir
 from qwc.models.qwen2 import from_checkpoint
-from qwc.models.stream_export import rotary_caches
 from qwc.models.tokenizer import byte_level_tokenizer, special_ids
-from qwc.passes import fuse_rotary
 from qwc.passes.graph import LARGE_TENSOR_BYTES, new_tensor, tensor_array, tensor_bytes, weights_to
 from qwc.passes.options import PassOptions
 from qwc.passes.pipeline import STREAM_EXPORT_KEY, load_canonical, load_graph, optimize
@@ -184,12 +182,6 @@ def test_weight_file_keeps_only_what_the_graph_reads(tmp_path):
     assert (tmp_path / "g.onnx.data").stat().st_size == kept.nbytes
     back = onnx.load(str(out))
     assert np.array_equal(onnx.numpy_helper.to_array(back.graph.initializer[0]), kept)
-
-
-def test_streamed_rotary_tables_are_the_passes_tables():
-    for hd, theta, n in ((64, 1e6, 300), (128, 10000.0, 77)):
-        for a, b in zip(rotary_caches(hd, theta, n), fuse_rotary.rotary_caches(hd, theta, n)):
-            assert np.array_equal(a, b)
 
 
 def test_auto_streams_large_checkpoints(tiny_lm, tmp_path, monkeypatch):

@@ -180,6 +180,27 @@ def test_bench_prints_pp_and_tg_rows(tiny_host_artifact, capsys):
     assert len(table) == 3 and "pp16" in table[2]
 
 
+def test_bench_runs_its_tests_after_the_depth_it_is_given(tiny_host_artifact, capsys):
+    """`qwc bench -d N` (llama-bench's -d): every repetition first fills N tokens of context,
+    untimed, then runs the test from there; a --ctx that cannot hold depth + test is refused."""
+    import json
+
+    from qwc.runtime.bench import run_bench
+
+    assert main(["-q", "bench", str(tiny_host_artifact), "-p", "16", "-n", "4", "-d", "40", "-r", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["test"], r["depth"]) for r in out["results"]] == [("pp16 @ d40", 40), ("tg4 @ d40", 40)]
+    assert all(r["tps"] > 0 for r in out["results"])
+    eng = Engine(tiny_host_artifact, ctx=64)
+    heard = []
+    run_bench(eng, 0, 3, reps=2, depth=50, progress=heard.append)
+    assert eng.pos == 53 and len(heard) == 2 and "filling 50 tokens" in heard[0]   # the cache was filled
+    with pytest.raises(ValueError, match="exceed the engine's context of 64"):
+        run_bench(eng, 16, 0, depth=60)
+    assert main(["bench", str(tiny_host_artifact), "-p", "16", "-n", "0", "-d", "40", "--ctx", "50"]) == 2
+    assert "--ctx 50 is less than the 56 tokens" in capsys.readouterr().err
+
+
 def test_ids_past_the_tokenizer_are_never_sampled(tiny_host_artifact):
     """tiny pads its 259 tokens to 288 rows, as Qwen2.5 pads 151,665 to 151,936: the padding
     rows' logits are noise and decode to nothing, so the sampler never picks them."""

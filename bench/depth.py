@@ -1,0 +1,114 @@
+"""Prefill and decode with a long context in the cache: qwc against llama.cpp's strongest build
+on this machine, the Qwen2.5-0.5B shape (the artifact and GGUF of bench/peers.py), one run:
+
+    .venv/bin/python bench/depth.py [--depths 0,4096] [--prompt 512] [--gen 32] [--long 4096]
+                                    [--threads 1,2] [--rounds 2] [--json out.json]
+
+Per thread count and depth D, llama-bench's tests (`-d D`: D tokens prefilled, not timed):
+pp{prompt} @ dD and tg{gen} @ dD, qwc through `qwc bench -d D`, llama.cpp through its
+`llama-bench -d D` (flash attention auto, its default f16 KV cache; qwc's cache is float32).
+With --long N, also one N-token prompt from an empty cache (pp{N}): what a user pasting a long
+document waits for. The two engines alternate, round after round (this machine is shared), and
+the table gives each engine's best round and the ratio qwc / llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peers import llamacpp_tools, prepare  # noqa: E402  (bench/peers.py)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integers") from None
+    if not vals or min(vals) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integers >= 0")
+    return vals
+
+
+def qwc_bench(art: Path, threads: int, depth: int, prompt: int, gen: int, reps: int) -> dict[str, float]:
+    """{test: tok/s} from `qwc bench --json` (its mean over `reps`)."""
+    cmd = [sys.executable, "-m", "qwc", "-q", "bench", str(art), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
+           "-r", str(reps), "--threads", str(threads), "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"qwc bench failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    return {row["test"]: row["tps"] for row in json.loads(r.stdout)["results"]}
+
+
+def llama_bench(tool: Path, gguf: Path, threads: int, depth: int, prompt: int, gen: int, reps: int) -> dict[str, float]:
+    """{test: tok/s} from llama-bench's JSON (its mean over `reps`), named as qwc bench names them."""
+    cmd = [str(tool), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
+           "-r", str(reps), "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"llama-bench failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    out = {}
+    for t in json.loads(r.stdout):
+        kind, n = ("tg", t["n_gen"]) if t["n_gen"] else ("pp", t["n_prompt"])
+        out[f"{kind}{n}" + (f" @ d{t['n_depth']}" if t.get("n_depth") else "")] = t["avg_ts"]
+    return out
+
+
+def run(args) -> list[dict]:
+    paths = prepare(Path(args.workdir))
+    tool = llamacpp_tools("x86") / "llama-bench-0.3.36"
+    plans = [(d, args.prompt, args.gen) for d in args.depths] + ([(0, args.long, 0)] if args.long else [])
+    rows = []
+    for threads in args.threads:
+        for depth, prompt, gen in plans:
+            best: dict[str, dict[str, float]] = {"qwc": {}, "llama.cpp": {}}
+            for rnd in range(args.rounds):
+                print(f"[depth] {threads} threads, d{depth}, pp{prompt} tg{gen}: round {rnd + 1}/{args.rounds}",
+                      file=sys.stderr, flush=True)
+                got = {"qwc": qwc_bench(paths["qwc"], threads, depth, prompt, gen, args.reps),
+                       "llama.cpp": llama_bench(tool, paths["gguf"], threads, depth, prompt, gen, args.reps)}
+                for engine, tests in got.items():
+                    for test, tps in tests.items():
+                        best[engine][test] = max(best[engine].get(test, 0.0), tps)
+            for test in best["qwc"]:
+                q, ll = best["qwc"][test], best["llama.cpp"].get(test)
+                rows.append({"threads": threads, "test": test, "qwc": q, "llamacpp": ll,
+                             "ratio": q / ll if ll else None})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| threads | test | qwc tok/s (f32 KV) | llama.cpp tok/s (f16 KV) | qwc / llama.cpp |",
+             "| ---: | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        ll = f"{r['llamacpp']:,.1f}" if r["llamacpp"] else "-"
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        lines.append(f"| {r['threads']} | {r['test']} | {r['qwc']:,.1f} | {ll} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depths", type=_ints, default=[0, 4096], help="cached tokens before each test (default 0,4096)")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens of the pp test at each depth (default 512)")
+    p.add_argument("--gen", type=int, default=32, help="tokens of the tg test at each depth (default 32)")
+    p.add_argument("--long", type=int, default=0, help="also one prompt of this many tokens from empty (0: none)")
+    p.add_argument("--threads", type=_ints, default=[len(os.sched_getaffinity(0))], help="thread counts (default: all)")
+    p.add_argument("--rounds", type=int, default=2, help="alternated rounds; the best of each engine is kept")
+    p.add_argument("--reps", type=int, default=1, help="repetitions inside each round (default 1)")
+    p.add_argument("--workdir", default=str(Path.home() / ".cache" / "qwc" / "bench"))
+    p.add_argument("--json", help="write the rows as JSON")
+    args = p.parse_args()
+    rows = run(args)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
