@@ -177,9 +177,11 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         # One leftover pair after whole tiles of 5 is taken with the last of them as a tile
         # of 6 (0.092 instructions a multiply-add, where a 1-pair tile costs 0.19; llvm-mca
         # puts the two ways within 4% in N2 cycles, the tile of 6 ahead); other leftovers below.
-        merge = merge_last(rows_in)
-        whole = rows_in // (2 * tile_pairs) - T.Cast("int64", merge)
-        left = rows_in // 2 % tile_pairs - T.Cast("int64", merge)
+        # T.bind: a name assigned plainly in a macro becomes a one-element buffer, which TVM
+        # gives a workspace allocation (a call, per task for those inside the loop)
+        merge = T.bind(merge_last(rows_in))
+        whole = T.bind(rows_in // (2 * tile_pairs) - T.Cast("int64", merge))
+        left = T.bind(rows_in // 2 % tile_pairs - T.Cast("int64", merge))
         # One task per 4-row slice, not per 16-row group: a projection of few groups (k and v:
         # 8 on the 0.5B) then still fills 32-128 threads; TVM hands each thread a contiguous
         # run of slices, so below that a thread still takes whole groups. (g, q) are written
@@ -191,11 +193,11 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                 if merge:   # a lone leftover pair rides with the last whole tile
                     tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs, tile_pairs + 1)
             # the pairs left over (fewer than a tile's): tiles of 4, 2 and 1 pairs
-            p4 = rows_in // 2 - left
+            p4 = T.bind(rows_in // 2 - left)
             if tile_pairs > 4:
                 if left >= 4:
                     tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, 2 * p4, 4)
-            p2 = p4 + left // 4 * 4
+            p2 = T.bind(p4 + left // 4 * 4)
             if tile_pairs > 2:
                 if left % 4 >= 2:
                     tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, 2 * p2, 2)
