@@ -10,6 +10,11 @@ import math
 import numpy as np
 
 
+def _pos_freqs(head_dim: int, theta: float) -> np.ndarray:
+    """theta^(2i / head_dim) in float32, as transformers computes it: 1 / the rotary frequencies."""
+    return theta ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim)
+
+
 def yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> tuple[np.ndarray, float]:
     """YaRN's inverse frequencies and the factor on cos and sin (transformers'
     `_compute_yarn_parameters`): dimensions that turn fewer than beta_slow times over the
@@ -37,7 +42,7 @@ def yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> tuple[np.ndarra
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001   # no zero-width ramp
-    pos_freqs = theta ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim)
+    pos_freqs = _pos_freqs(head_dim, theta)
     ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
     keep = (1 - ramp).astype(np.float32)   # the extrapolated (unscaled) share of each dimension
     inv = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
@@ -46,9 +51,7 @@ def yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> tuple[np.ndarra
 
 def rotary_caches(head_dim: int, theta: float, max_pos: int, scaling: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     if scaling is None:
-        inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
-                    ).astype(np.float32)
-        attention = 1.0
+        inv_freq, attention = (1.0 / _pos_freqs(head_dim, theta)).astype(np.float32), 1.0
     else:
         inv_freq, attention = yarn_inv_freq(head_dim, theta, scaling)
     freqs = np.arange(max_pos, dtype=np.float32)[:, None] * inv_freq[None, :]
