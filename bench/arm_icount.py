@@ -5,7 +5,9 @@ emulated wall time means nothing.
     .venv/bin/python bench/arm_icount.py model.qwc [--peer] [--attribution] [--mca] [--json F]
 
 Per token = difference of two runs divided by the difference in tokens, so start-up cancels:
-- decode: a 4-token prompt with 2 and with 6 decode steps;
+- decode: a 4-token prompt with 2 and with 6 decode steps; with --depth N also after an
+  N-token prompt (decode_dN: attention over N cached tokens, in the artifact's cache type
+  against llama.cpp's default f16 cache);
 - prefill: prompts of 4 and 12 tokens (the protocol the project's ARM issue states), and of 24
   and 48 (steady state: longer prompts amortise per-call costs in both engines); with
   --long N also of N / 2 and N (a long prompt, where attention over the earlier tokens counts).
@@ -236,12 +238,14 @@ def arm_manifest(art: Path, tool: str) -> dict:
     return manifest
 
 
-def measure(label, run, prefill=PREFILL):
+def measure(label, run, prefill=PREFILL, decode=None):
     """{metric: instructions per token} and the per-function splits, for one engine; the
-    splits also keep, under "blocks", each metric's block counts (its hot loops)."""
+    splits also keep, under "blocks", each metric's block counts (its hot loops). `decode`:
+    {metric: (prompt, steps a, steps b)} (default: "decode", DECODE)."""
     res, splits = {}, {"blocks": {}}
-    p, a, b = DECODE
-    for metric, (x, y, steps) in {"decode": (a, b, True), **{m: (*v, False) for m, v in prefill.items()}}.items():
+    plans = {m: (p, a, b, True) for m, (p, a, b) in (decode or {"decode": DECODE}).items()}
+    plans.update({m: (0, x, y, False) for m, (x, y) in prefill.items()})
+    for metric, (p, x, y, steps) in plans.items():
         cx = run(f"{metric}_a", p if steps else x, x if steps else 0)
         cy = run(f"{metric}_b", p if steps else y, y if steps else 0)
         res[metric] = (cy[0] - cx[0]) / (y - x)
@@ -261,10 +265,18 @@ def main():
     p.add_argument("--checkpoint", type=Path, help="the HF checkpoint the artifact was compiled from (not the preset)")
     p.add_argument("--long", type=int, default=0,
                    help="also prefill_N: prompts of N / 2 and N tokens (a long prompt's attention; N = 2048: minutes)")
+    p.add_argument("--depth", type=int, default=0,
+                   help="also decode_dN: decode steps after an N-token prompt (attention over N cached tokens; "
+                        "N = 4096: tens of minutes an engine)")
+    p.add_argument("--only-q4-output", action="store_true",
+                   help="llama.cpp with the Q4_0 output only (qwc's default), not also the Q8_0 one")
     args = p.parse_args()
     if args.long and args.long < 2:
         p.error("--long must be at least 2")
+    if args.depth < 0:
+        p.error("--depth must be at least 0")
     prefill = {**PREFILL, **({f"prefill_{args.long}": (args.long // 2, args.long)} if args.long else {})}
+    decode = {"decode": DECODE, **({f"decode_d{args.depth}": (args.depth, *DECODE[1:])} if args.depth else {})}
 
     art = Path(args.artifact)
     manifest = arm_manifest(art, "arm_icount")
@@ -284,7 +296,7 @@ def main():
         return (n, *qwc_attr.functions(out.with_suffix(".counts")))
 
     print("counting qwc ...", file=sys.stderr)
-    rows["qwc"], splits["qwc"] = measure("qwc", qwc_run, prefill)
+    rows["qwc"], splits["qwc"] = measure("qwc", qwc_run, prefill, decode)
 
     if args.peer:
         tools = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "arm64"], check=True,
@@ -293,6 +305,8 @@ def main():
         ggufs = checkpoint_gguf(manifest, args.checkpoint) if args.checkpoint else peer_ggufs(manifest)
         l_attr = Attributor(bench, static=True)
         for head, gguf in ggufs.items():
+            if args.only_q4_output and head != "Q4_0":
+                continue
             name = f"llama.cpp ({head} output)"
             attributors[name] = l_attr
 
@@ -303,7 +317,7 @@ def main():
                 return (n, *l_attr.functions(out.with_suffix(".counts")))
 
             print(f"counting {name} ...", file=sys.stderr)
-            rows[name], splits[name] = measure(name, l_run, prefill)
+            rows[name], splits[name] = measure(name, l_run, prefill, decode)
             continue
 
     report = {"artifact": str(art), "per_token": rows}

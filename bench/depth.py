@@ -2,11 +2,13 @@
 on this machine, the Qwen2.5-0.5B shape (the artifact and GGUF of bench/peers.py), one run:
 
     .venv/bin/python bench/depth.py [--depths 0,4096] [--prompt 512] [--gen 32] [--long 4096]
-                                    [--threads 1,2] [--rounds 2] [--json out.json]
+                                    [--threads 1,2] [--kv f16,f32] [--rounds 2] [--json out.json]
 
-Per thread count and depth D, llama-bench's tests (`-d D`: D tokens prefilled, not timed):
-pp{prompt} @ dD and tg{gen} @ dD, qwc through `qwc bench -d D`, llama.cpp through its
-`llama-bench -d D` (flash attention auto, its default f16 KV cache; qwc's cache is float32).
+Per KV cache type, thread count and depth D, llama-bench's tests (`-d D`: D tokens prefilled,
+not timed): pp{prompt} @ dD and tg{gen} @ dD, qwc through `qwc bench -d D` on an artifact
+compiled with `--kv-dtype T`, llama.cpp through its `llama-bench -d D -ctk T -ctv T` (flash
+attention auto): both engines at the same cache type. llama-bench has no f32 cache: qwc's f32
+rows are against its f16, its default and fastest.
 With --long N, also one N-token prompt from an empty cache (pp{N}): what a user pasting a long
 document waits for. The two engines alternate, round after round (this machine is shared), and
 the table gives each engine's best round and the ratio qwc / llama.cpp.
@@ -35,6 +37,13 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
+def _kv_types(text: str) -> list[str]:
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    if not vals or any(v not in ("f16", "f32") for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of f16, f32")
+    return vals
+
+
 def qwc_bench(art: Path, threads: int, depth: int, prompt: int, gen: int, reps: int) -> dict[str, float]:
     """{test: tok/s} from `qwc bench --json` (its mean over `reps`)."""
     cmd = [sys.executable, "-m", "qwc", "-q", "bench", str(art), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
@@ -45,10 +54,11 @@ def qwc_bench(art: Path, threads: int, depth: int, prompt: int, gen: int, reps: 
     return {row["test"]: row["tps"] for row in json.loads(r.stdout)["results"]}
 
 
-def llama_bench(tool: Path, gguf: Path, threads: int, depth: int, prompt: int, gen: int, reps: int) -> dict[str, float]:
+def llama_bench(tool: Path, gguf: Path, threads: int, depth: int, prompt: int, gen: int, reps: int,
+                kv: str = "f16") -> dict[str, float]:
     """{test: tok/s} from llama-bench's JSON (its mean over `reps`), named as qwc bench names them."""
     cmd = [str(tool), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
-           "-r", str(reps), "-o", "json"]
+           "-r", str(reps), "-ctk", kv, "-ctv", kv, "-o", "json"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"llama-bench failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
@@ -60,35 +70,37 @@ def llama_bench(tool: Path, gguf: Path, threads: int, depth: int, prompt: int, g
 
 
 def run(args) -> list[dict]:
-    paths = prepare(Path(args.workdir))
     tool = llamacpp_tools("x86") / "llama-bench-0.3.36"
     plans = [(d, args.prompt, args.gen) for d in args.depths] + ([(0, args.long, 0)] if args.long else [])
+    arts = {kv: prepare(Path(args.workdir), kv_dtype=kv) for kv in args.kv}
     rows = []
-    for threads in args.threads:
-        for depth, prompt, gen in plans:
-            best: dict[str, dict[str, float]] = {"qwc": {}, "llama.cpp": {}}
-            for rnd in range(args.rounds):
-                print(f"[depth] {threads} threads, d{depth}, pp{prompt} tg{gen}: round {rnd + 1}/{args.rounds}",
-                      file=sys.stderr, flush=True)
-                got = {"qwc": qwc_bench(paths["qwc"], threads, depth, prompt, gen, args.reps),
-                       "llama.cpp": llama_bench(tool, paths["gguf"], threads, depth, prompt, gen, args.reps)}
-                for engine, tests in got.items():
-                    for test, tps in tests.items():
-                        best[engine][test] = max(best[engine].get(test, 0.0), tps)
-            for test in best["qwc"]:
-                q, ll = best["qwc"][test], best["llama.cpp"].get(test)
-                rows.append({"threads": threads, "test": test, "qwc": q, "llamacpp": ll,
-                             "ratio": q / ll if ll else None})
+    for kv, paths in arts.items():
+        for threads in args.threads:
+            for depth, prompt, gen in plans:
+                best: dict[str, dict[str, float]] = {"qwc": {}, "llama.cpp": {}}
+                for rnd in range(args.rounds):
+                    print(f"[depth] {kv} KV, {threads} threads, d{depth}, pp{prompt} tg{gen}: "
+                          f"round {rnd + 1}/{args.rounds}", file=sys.stderr, flush=True)
+                    got = {"qwc": qwc_bench(paths["qwc"], threads, depth, prompt, gen, args.reps),
+                           "llama.cpp": llama_bench(tool, paths["gguf"], threads, depth, prompt, gen, args.reps,
+                                                    "f16" if kv == "f32" else kv)}
+                    for engine, tests in got.items():
+                        for test, tps in tests.items():
+                            best[engine][test] = max(best[engine].get(test, 0.0), tps)
+                for test in best["qwc"]:
+                    q, ll = best["qwc"][test], best["llama.cpp"].get(test)
+                    rows.append({"kv": kv, "llamacpp_kv": "f16" if kv == "f32" else kv, "threads": threads, "test": test, "qwc": q, "llamacpp": ll,
+                                 "ratio": q / ll if ll else None})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| threads | test | qwc tok/s (f32 KV) | llama.cpp tok/s (f16 KV) | qwc / llama.cpp |",
-             "| ---: | --- | ---: | ---: | ---: |"]
+    lines = ["| KV qwc / llama.cpp | threads | test | qwc tok/s | llama.cpp tok/s | qwc / llama.cpp |",
+             "| --- | ---: | --- | ---: | ---: | ---: |"]
     for r in rows:
         ll = f"{r['llamacpp']:,.1f}" if r["llamacpp"] else "-"
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
-        lines.append(f"| {r['threads']} | {r['test']} | {r['qwc']:,.1f} | {ll} | {ratio} |")
+        lines.append(f"| {r['kv']} / {r['llamacpp_kv']} | {r['threads']} | {r['test']} | {r['qwc']:,.1f} | {ll} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -99,6 +111,8 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=32, help="tokens of the tg test at each depth (default 32)")
     p.add_argument("--long", type=int, default=0, help="also one prompt of this many tokens from empty (0: none)")
     p.add_argument("--threads", type=_ints, default=[len(os.sched_getaffinity(0))], help="thread counts (default: all)")
+    p.add_argument("--kv", type=_kv_types, default=["f16"],
+                   help="KV cache types, both engines at each (f16, f32; default f16: both defaults)")
     p.add_argument("--rounds", type=int, default=2, help="alternated rounds; the best of each engine is kept")
     p.add_argument("--reps", type=int, default=1, help="repetitions inside each round (default 1)")
     p.add_argument("--workdir", default=str(Path.home() / ".cache" / "qwc" / "bench"))

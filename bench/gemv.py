@@ -228,7 +228,6 @@ def decode_step(artifact, threads, past=512, steps=64, windows=3):
     from qwc.runtime.engine import Engine
 
     eng = Engine(artifact, ctx=past + steps + 8, threads=threads)
-    cfg = eng.model
     prompt = list(np.random.default_rng(0).integers(0, 1000, past))
     rates = []
     for _ in range(windows):
@@ -240,7 +239,7 @@ def decode_step(artifact, threads, past=512, steps=64, windows=3):
             eng.decode(1)
         rates.append(steps / (time.perf_counter() - t0))
     weights = (Path(artifact) / "params.bin").stat().st_size
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (past + steps // 2) * cfg.head_dim * 4
+    kv = eng.kv_bytes_per_token * (past + steps // 2)   # the artifact's cache type
     return rates, weights, kv
 
 

@@ -45,11 +45,13 @@ def _tokens(n: int, seed: int = 0) -> list[int]:
 
 # --- preparing the models ----------------------------------------------------------------
 
-def prepare(workdir: Path, max_batch: int = 1) -> dict[str, Path]:
-    """The model's files; the artifact with decode_batch for `max_batch` sequences if >= 2."""
+def prepare(workdir: Path, max_batch: int = 1, kv_dtype: str | None = None) -> dict[str, Path]:
+    """The model's files; the artifact with decode_batch for `max_batch` sequences if >= 2, its
+    KV cache of `kv_dtype` ("f32" / "f16"; None: qwc's default)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    name = "q" + (f"-b{max_batch}" if max_batch > 1 else "") + (f"-kv{kv_dtype}" if kv_dtype else "")
     paths = {"onnx": workdir / "q.onnx", "q4": workdir / "q.q4.onnx",
-             "qwc": workdir / ("q.qwc" if max_batch == 1 else f"q-b{max_batch}.qwc"), "gguf": workdir / "q.q4_0.gguf"}
+             "qwc": workdir / f"{name}.qwc", "gguf": workdir / "q.q4_0.gguf"}
     qwc = [sys.executable, "-m", "qwc"]
     if not paths["onnx"].exists():
         subprocess.run(qwc + ["export", PRESET, "-o", str(paths["onnx"])], check=True)
@@ -58,7 +60,8 @@ def prepare(workdir: Path, max_batch: int = 1) -> dict[str, Path]:
     # The artifact is what is measured: always rebuilt, so it has this checkout's kernels.
     shutil.rmtree(paths["qwc"], ignore_errors=True)
     subprocess.run(qwc + ["compile", str(paths["q4"]), "--target", "host", "--act-bits", "8",
-                          "--max-batch", str(max_batch), "-o", str(paths["qwc"])], check=True)
+                          "--max-batch", str(max_batch), "-o", str(paths["qwc"])]
+                   + (["--kv-dtype", kv_dtype] if kv_dtype else []), check=True)
     if not paths["gguf"].exists():
         sys.path.insert(0, str(Path(__file__).parent))
         from gguf_q4_0 import write_gguf_q4_0

@@ -45,13 +45,14 @@ BY_REFERENCE_BYTES = LARGE_TENSOR_BYTES
 
 def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
              score_nodes: list | None = None, tuned: dict | None = None,
-             max_batch: int = 1, prefill_nodes: list | None = None) -> tuple[tvm.IRModule, list[str], dict]:
+             max_batch: int = 1, prefill_nodes: list | None = None,
+             kv_dtype: str = "float32") -> tuple[tvm.IRModule, list[str], dict]:
     """The module, the param names in call order, and the param values (numpy arrays or, for
     the large ones, the model's TensorProtos: compiler/artifact.py reads each as it writes it).
     `model` gives prefill and decode (and, with `max_batch` >= 2, decode_batch for up to that
     many sequences); `score_nodes`, where given, are the nodes of `score` (every position's
     logits); `prefill_nodes`, where given, replace model's nodes for prefill
-    (passes/last_position.py: prefill_nodes)."""
+    (passes/last_position.py: prefill_nodes); `kv_dtype` the cache buffers' element type."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
     n_inputs = N_INPUTS_BEFORE_CACHE + n_cache
     skeleton, by_ref = _by_reference(model)
@@ -67,7 +68,7 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
     for name, seq, nodes, batched in entries:
         with _nodes_swapped(skeleton, nodes):
             mod = import_graph(skeleton, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned,
-                               batched=batched)
+                               batched=batched, kv_dtype=kv_dtype)
         mod, detached = relax.frontend.detach_params(mod)
         for gv, fn in mod.functions_items():
             if gv.name_hint == "main":

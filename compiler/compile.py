@@ -19,7 +19,7 @@ from qwc.passes.last_position import last_position_logits, prefill_nodes
 from qwc.passes.pipeline import load_canonical
 
 from .artifact import foreign_files
-from .targets import default_act_bits, get_target
+from .targets import default_act_bits, default_kv_dtype, get_target
 
 
 def quant_summary(model: onnx.ModelProto) -> dict:
@@ -47,13 +47,20 @@ def compile_memory(model: onnx.ModelProto) -> int:
     return held * 5 // 4 + 2 * largest + 3 * 2**29
 
 
+# `qwc compile --kv-dtype` (llama.cpp's -ctk / -ctv names) -> the cache buffers' element type
+KV_TYPES = {"f32": "float32", "f16": "float16"}
+
+
 def compile_file(src, target_name: str, out, options=None, act_bits: int | None = None, tuning_db=None,
-                 max_batch: int = 1, memory_check: bool = True) -> dict:
+                 max_batch: int = 1, memory_check: bool = True, kv_type: str | None = None) -> dict:
     """`act_bits` None: the target's default (targets.default_act_bits). `max_batch` >= 2 adds
-    the decode_batch entry point (compiler/build.py) for up to that many sequences."""
+    the decode_batch entry point (compiler/build.py) for up to that many sequences. `kv_type`:
+    the KV cache's element type by its KV_TYPES name (None: targets.default_kv_dtype)."""
     target = get_target(target_name)
     if act_bits not in (None, 8, 32):
         raise QwcError(f"--act-bits {act_bits} is not supported (8 or 32)")
+    if kv_type is not None and kv_type not in KV_TYPES:
+        raise QwcError(f"--kv-dtype {kv_type!r} is not supported ({' or '.join(KV_TYPES)})")
     if not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
         raise QwcError(f"--max-batch {max_batch!r}: must be an integer from 1 to {MAX_BATCH}")
     check_destination(out, folder=True, foreign=foreign_files)
@@ -64,10 +71,11 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     # The weights the passes and the repacking make go to a scratch file beside the output,
     # written as they are made and read back one at a time for params.bin.
     with staging_dir(Path(out), folder=True, foreign=foreign_files) as scratch, weights_to(scratch / "weights.bin"):
-        return _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check)
+        return _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check,
+                        KV_TYPES[kv_type] if kv_type else default_kv_dtype(target))
 
 
-def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check) -> dict:
+def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check, kv_dtype) -> dict:
     from .artifact import write_artifact
     from .build import MAX_TOKENS_PER_CALL, build, to_relax
     from .kernels.attention import KEY_TILE, supports
@@ -108,7 +116,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     with progress.stage("importing into TVM Relax"):
         mod, names, params = to_relax(model, act_bits=act_bits, features=target.features,
                                       score_nodes=list(full.node), prefill_nodes=prefill, tuned=tuned,
-                                      max_batch=max_batch)
+                                      max_batch=max_batch, kv_dtype=kv_dtype)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):
@@ -126,6 +134,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
         "inputs": ["input_ids", "attention_mask", "position_ids"],
         "cache": cache,
         "cache_shape": ["1", config.num_key_value_heads, "ctx", config.head_dim],
+        "cache_dtype": kv_dtype,
         # The fast attention reads K in key tiles of 16 (kernels/attention.py): the runtime
         # rounds the buffers' capacity up to a multiple of this.
         "cache_capacity_multiple": KEY_TILE if key_tiles else 1,

@@ -209,12 +209,16 @@ class GroupQueryAttention(F.OnnxOpConverter):
         tiled, batched = fast.supports(head_dim), _ctx().batched
         if batched and not tiled:
             raise QwcError(f"batched decode needs a head_dim that is a multiple of {fast.LANES} (got {head_dim})")
-        write_k = bb.add_func(fast.kv_cache_write(tiled, batched), _kname("k_cache_write_tiles" if tiled else "kv_cache_write"))
-        write_v = bb.add_func(fast.kv_cache_write(False, batched), _kname("kv_cache_write"))
+        kv_dtype = str(past_k.ty.dtype)   # import_graph's kv_dtype
+        suffix = "" if kv_dtype == "float32" else f"_{kv_dtype}"
+        write_k = bb.add_func(fast.kv_cache_write(tiled, batched, kv_dtype),
+                              _kname(("k_cache_write_tiles" if tiled else "kv_cache_write") + suffix))
+        write_v = bb.add_func(fast.kv_cache_write(False, batched, kv_dtype), _kname("kv_cache_write" + suffix))
         kc = bb.emit(relax.call_tir_inplace(write_k, [past_k, k, seqlens], 0, past_k.ty))
         vc = bb.emit(relax.call_tir_inplace(write_v, [past_v, v, seqlens], 0, past_v.ty))
         if tiled:
-            kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale, batched), _kname("attention_online"))
+            kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale, batched, kv_dtype),
+                                 _kname("attention_online" + suffix))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
         else:
             out = bb.emit_te(generic.attention, q, kc, vc, seqlens, heads=heads, kv_heads=kv_heads,
@@ -251,13 +255,14 @@ def qwc_converters():
 
 def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "", act_bits: int = 32,
                  features: frozenset = frozenset(), tuned: dict | None = None, fuse: bool = True,
-                 batched: bool = False):
+                 batched: bool = False, kv_dtype: str = "float32"):
     """Import the canonical graph for batch 1 and `seq` new tokens (None: any number) as
     `main`; `prefix` names its kernels; `act_bits` 8 selects the W4A8 matmuls; `tuned` maps
     tuning task keys (compiler/tuning.py) to schedule knobs; `fuse` False skips the fusion
     passes (tests, measurements of what a fusion gains). `batched`: any number B of sequences
     instead of one, each with its own row of the cache buffers [B, ...] and its own length
-    (its attention_mask row: ones, then zeros)."""
+    (its attention_mask row: ones, then zeros). `kv_dtype`: the cache buffers' element type
+    (kernels/attention.py: KV_DTYPES), whatever the ONNX graph's cache inputs say."""
     from tvm import tirx
 
     seq_dim = tirx.Var("seq", "int64") if seq is None else seq
@@ -266,16 +271,19 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
     present = {i.name for i in model.graph.input}
     shapes = {k: v for k, v in {"input_ids": [batch, seq_dim], "position_ids": [batch, seq_dim],
                                 "attention_mask": [batch, total]}.items() if k in present}
+    dtypes = {}
     for i in model.graph.input:
         if i.name.startswith("past_key_values."):
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
             shapes[i.name] = [batch, dims[1], cache, dims[3]]
+            dtypes[i.name] = kv_dtype
     ctx = ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {}), batched=batched)
     token = _CONTEXT.set(ctx)
     try:
         with qwc_converters(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # input renaming, the checker's view of com.microsoft ops
-            mod = F.from_onnx(model, shape_dict=shapes, keep_params_in_input=True, sanitize_input_names=True)
+            mod = F.from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=True,
+                              sanitize_input_names=True)
     finally:
         _CONTEXT.reset(token)
     return fusion_passes(ctx)(mod) if fuse else mod

@@ -96,11 +96,13 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, l
                 f = fused[by_write[var]]
                 quantize = zero_point is not None and by_write[var] in quantizers.values()
                 pos = f["inputs"][6]
+                kv_dtype = str(f["past_k"].ty.dtype)
                 kernel = fast.decode_attention(f["heads"], f["kv_heads"], f["head_dim"], f["scale"],
                                                str(pos.ty.dtype), zero_point if quantize else None, layout,
-                                               1 if per_head else None)
+                                               1 if per_head else None, kv_dtype)
                 suffix = ("_heads" if per_head else "") + ("" if not quantize else "_q8" if layout == "plain"
-                                                           else f"_q8_{layout}")
+                                                           else f"_q8_{layout}") + (
+                    "" if kv_dtype == "float32" else f"_{kv_dtype}")
                 gv = rw.builder_.add_func(kernel, kname("attention_3pass" + suffix))
                 nb = f["heads"] * f["head_dim"] // act_quant.BLOCK
                 q8 = [] if not quantize else [relax.TensorType(shape=[1, nb, act_quant.BLOCK], dtype="int8"),

@@ -186,6 +186,14 @@ def q4_0_path(block: int, bits: int, act_bits: int, features) -> str | None:
     return w.isa if w else None
 
 
+def default_kv_dtype(target: Target) -> str:
+    """The KV cache's element type where `qwc compile --kv-dtype` is not given: float16 where
+    the target widens it in one instruction as it loads (x86 F16C, on every AVX2 CPU; every
+    aarch64), else float32. At depth a decode step reads the cache, so half the bytes is the
+    faster step (docs/results.md, "Long context")."""
+    return "float16" if target.arch == "aarch64" or "avx2" in target.features else "float32"
+
+
 def default_act_bits(features) -> int:
     """8 where the target has an integer dot-product kernel (W4A8, as llama.cpp computes Q4_0;
     +0.4% perplexity on real weights, docs/design.md), else 32: the float kernel is faster

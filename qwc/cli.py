@@ -266,7 +266,7 @@ def _cmd_compile(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     times = compile_file(args.model, args.target, args.output, act_bits=args.act_bits, tuning_db=args.tuning_db,
-                         max_batch=args.max_batch, memory_check=not args.no_memory_check)
+                         max_batch=args.max_batch, memory_check=not args.no_memory_check, kv_type=args.kv_dtype)
     parts = ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
     progress.info(f"[qwc] compiled {args.model} for {args.target} -> {args.output} in "
                   f"{time.perf_counter() - t0:.1f}s ({parts})")
@@ -324,7 +324,8 @@ def _cmd_run(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
     weights = eng.manifest.weight_bytes
-    progress.info(f"[qwc] loaded {args.model} ({weights / 2**30:.2f} GiB of weights) in {time.perf_counter() - t0:.1f}s")
+    progress.info(f"[qwc] loaded {args.model} ({weights / 2**30:.2f} GiB of weights) in {time.perf_counter() - t0:.1f}s; "
+                  f"{eng.kv_summary()}")
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         repetition_penalty=args.repetition_penalty,
                         seed=None if args.seed == -1 else args.seed)   # -1: random, as llama.cpp
@@ -376,7 +377,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         progress.info(f"[qwc] note: {args.model} has {has}; steps with more decode one sequence after another "
                       f"(compile it with --max-batch {args.max_batch})")
     progress.info(f"[qwc] serving {name!r} at http://{host}:{port}/v1 ({args.max_batch} sequences of up to "
-                  f"{eng.ctx} tokens, {eng.threads} threads{', API key required' if args.api_key else ''})")
+                  f"{eng.ctx} tokens, {eng.threads} threads{', API key required' if args.api_key else ''}; "
+                  f"{eng.kv_summary()})")
     sched.start()
     try:
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
@@ -526,6 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N >= 2 adds a batched decode entry point (one token of each of up to N sequences "
                         "a step, reading the weights once) for `qwc serve`; costs compile time "
                         "(default 1: none)")
+    c.add_argument("--kv-dtype", choices=("f32", "f16"),
+                   help="the KV cache's element type: f16 halves its memory and the bytes a decode step reads "
+                        "at depth (llama.cpp's default); f32 for comparisons at full precision. Default: f16 "
+                        "where the target converts it as it loads (every AVX2 x86, every aarch64), else f32")
     c.add_argument("--no-memory-check", action="store_true", help=_NO_MEMORY_CHECK)
     c.set_defaults(func=_cmd_compile)
 

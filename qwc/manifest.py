@@ -22,6 +22,7 @@ from qwc.limits import MAX_BATCH, is_int
 FORMAT_VERSION = 1
 ALIGN = 64                       # every parameter's offset in params.bin
 DTYPES = {"float32", "float16", "int8", "uint8", "int32", "int64"}
+CACHE_DTYPES = ("float32", "float16")   # the KV cache buffers' element type (`qwc compile --kv-dtype`)
 REQUIRED_FILES = ("lib.so", "params.bin")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -56,6 +57,7 @@ class Functions:
     cache: tuple[str, ...]               # a key and a value per layer, in argument order
     cache_shape: tuple                   # ("1", kv_heads, "ctx", head_dim)
     cache_capacity_multiple: int = 1     # the K layout's key tile: capacities round up to it
+    cache_dtype: str = "float32"         # the cache buffers' element type (CACHE_DTYPES)
     max_batch: int = 1                   # sequences a decode_batch step takes (1: no such step)
     max_tokens_per_call: int | None = None   # prefill / score; the runtime chunks longer input
     extra: dict = field(default_factory=dict)   # descriptive fields (outputs, cache layout)
@@ -82,14 +84,15 @@ class Manifest:
         """The manifest of the JSON object `m`, or one QwcError line naming what is wrong."""
         config = check_manifest(m, where)
         t, f = m["target"], m["functions"]
-        known = {"entry_points", "inputs", "cache", "cache_shape", "cache_capacity_multiple", "max_batch",
-                 "max_tokens_per_call"}
+        known = {"entry_points", "inputs", "cache", "cache_shape", "cache_capacity_multiple", "cache_dtype",
+                 "max_batch", "max_tokens_per_call"}
         return cls(
             target=ArtifactTarget(t["name"], t["arch"], t["triple"], t["mcpu"], tuple(t.get("features", [])),
                                   tuple(t.get("mattr", []))),
             model=config,
             functions=Functions(dict(f["entry_points"]), tuple(f["inputs"]), tuple(f["cache"]),
-                                tuple(f["cache_shape"]), f.get("cache_capacity_multiple", 1), f.get("max_batch", 1),
+                                tuple(f["cache_shape"]), f.get("cache_capacity_multiple", 1),
+                                f.get("cache_dtype", "float32"), f.get("max_batch", 1),
                                 f.get("max_tokens_per_call"), {k: v for k, v in f.items() if k not in known}),
             params=tuple(Param(p["name"], p["dtype"], tuple(p["shape"]), p["offset"], p["nbytes"]) for p in m["params"]),
             files=dict(m["files"]), quantization=dict(m["quantization"]), qwc_version=m.get("qwc_version"),
@@ -100,7 +103,7 @@ class Manifest:
         f = self.functions
         functions = {"entry_points": f.entry_points, "inputs": list(f.inputs), "cache": list(f.cache),
                      "cache_shape": list(f.cache_shape), "cache_capacity_multiple": f.cache_capacity_multiple,
-                     "max_batch": f.max_batch, **f.extra}
+                     "cache_dtype": f.cache_dtype, "max_batch": f.max_batch, **f.extra}
         if f.max_tokens_per_call is not None:
             functions["max_tokens_per_call"] = f.max_tokens_per_call
         t = self.target
@@ -178,6 +181,8 @@ def check_manifest(m, where: str = "manifest.json") -> ModelConfig:
     mult = f.get("cache_capacity_multiple", 1)
     if not is_int(mult, 1) or mult > 4096:
         bad(f"functions.cache_capacity_multiple {mult!r} must be an integer in [1, 4096]")
+    if f.get("cache_dtype", "float32") not in CACHE_DTYPES:   # absent: an artifact from before float16 caches
+        bad(f"functions.cache_dtype {f.get('cache_dtype')!r} must be one of {', '.join(CACHE_DTYPES)}")
     # the runtime sizes its batch rows and prefill chunks by these: a library built for fewer
     # would be handed inputs past the bounds its memory plan was made for
     batch = f.get("max_batch", 1)

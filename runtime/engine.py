@@ -158,6 +158,7 @@ class Engine:
         self.params = self._load_params()
         self._kv_heads, self._head_dim = self.model.num_key_value_heads, self.model.head_dim
         self._n_cache = 2 * self.model.num_hidden_layers   # a key and a value per layer
+        self._kv_dtype = np.dtype(functions.cache_dtype)   # `qwc compile --kv-dtype`
         # The inputs' memory, reused: a step builds its inputs as views (~1 us) where fresh
         # tensors cost ~50 us, 0.5% of a 0.5B decode step.
         arena = memory.arena_for([((1, self.ctx), np.int64)] * 3)
@@ -195,9 +196,9 @@ class Engine:
             raise QwcError(f"a sequence of {ctx} positions does not fit the engine's context of {self.ctx}")
         mult = self.manifest.functions.cache_capacity_multiple
         shape = (1, self._kv_heads, -(-ctx // mult) * mult, self._head_dim)
-        arena = memory.arena_for([(shape, np.float32)] * self._n_cache)   # TVM takes 64-byte aligned data
-        return Sequence([self._tvm.runtime.from_dlpack(arena.take(shape, np.float32)) for _ in range(self._n_cache)],
-                        capacity=ctx)
+        arena = memory.arena_for([(shape, self._kv_dtype)] * self._n_cache)   # TVM takes 64-byte aligned data
+        return Sequence([self._tvm.runtime.from_dlpack(arena.take(shape, self._kv_dtype))
+                         for _ in range(self._n_cache)], capacity=ctx)
 
     def pool(self, slots: int, ctx: int | None = None, commit: bool = False) -> Pool:
         """`slots` empty sequences of `ctx` positions each (default: the engine's) whose caches
@@ -213,13 +214,26 @@ class Engine:
         mult = self.manifest.functions.cache_capacity_multiple
         shape = (slots, self._kv_heads, -(-(ctx + 1) // mult) * mult, self._head_dim)
         inputs = [((slots, 1), np.int64)] * 2 + [((slots * (ctx + 1),), np.int64)]
-        arena = memory.arena_for([(shape, np.float32)] * self._n_cache + inputs)
-        arrays = [arena.take(shape, np.float32) for _ in range(self._n_cache)]
+        arena = memory.arena_for([(shape, self._kv_dtype)] * self._n_cache + inputs)
+        arrays = [arena.take(shape, self._kv_dtype) for _ in range(self._n_cache)]
         if commit:
             for a in arrays:
                 a.fill(0)
         ins = tuple(arena.take(s, d) for s, d in inputs)
         return Pool(arrays, ins, ctx, self._tvm.runtime.from_dlpack)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one position takes: a key and a value per layer in the cache's dtype."""
+        return self._n_cache * self._kv_heads * self._head_dim * self._kv_dtype.itemsize
+
+    def kv_summary(self, ctx: int | None = None) -> str:
+        """The cache's format and memory per sequence of `ctx` positions (default: the engine's),
+        for `qwc run -v` and `qwc serve` at start."""
+        ctx = self.ctx if ctx is None else ctx
+        name = {"float32": "f32", "float16": "f16"}.get(self._kv_dtype.name, self._kv_dtype.name)
+        return (f"KV cache {name}, {self.kv_bytes_per_token / 1024:g} KiB a token, "
+                f"{self.kv_bytes_per_token * ctx / 2**20:.1f} MiB a sequence of {ctx}")
 
     @property
     def pos(self) -> int:

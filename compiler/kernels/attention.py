@@ -58,6 +58,31 @@ def supports(head_dim: int) -> bool:
     return head_dim % LANES == 0
 
 
+# The cache's element types: float32, or float16 (half the memory and the bytes a step reads at
+# depth). The kernels compute in float32 either way: a float16 element is widened as it is
+# loaded (F16C's vcvtph2ps, NEON's fcvtl) and rounded to nearest as it is stored.
+KV_DTYPES = ("float32", "float16")
+
+
+def widen(T, x, dtype: str, lanes: int = 1):
+    """x, `lanes` elements of the cache's `dtype`, as float32."""
+    if dtype == "float32":
+        return x
+    return T.Cast("float32" if lanes == 1 else f"float32x{lanes}", x)
+
+
+def narrow(T, x, dtype: str, lanes: int = 1):
+    """x, `lanes` float32 elements, as the cache's `dtype`."""
+    if dtype == "float32":
+        return x
+    return T.Cast(dtype if lanes == 1 else f"{dtype}x{lanes}", x)
+
+
+def _check_dtype(dtype: str):
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"KV cache dtype {dtype!r} (known: {', '.join(KV_DTYPES)})")
+
+
 def k_row_col(pos, d, head_dim):
     """(row, column) in the K buffer's [cap, head_dim] view of key `pos`, element d."""
     o = d * KEY_TILE + pos % KEY_TILE
@@ -65,12 +90,14 @@ def k_row_col(pos, d, head_dim):
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
-def kv_cache_write(key_tiles: bool, batched: bool = False):
+def kv_cache_write(key_tiles: bool, batched: bool = False, dtype: str = "float32"):
     """In-place write of new K (or V) [1, s, kv_heads*head_dim] into the cache buffer
-    [1, kv_heads, C, head_dim] at slots past .. past + s - 1, past = seqlens[0] + 1 - s: in
-    rows, or (`key_tiles`, K for the fast kernel) in the key-tile layout. `batched`: B
+    [1, kv_heads, C, head_dim] of `dtype` at slots past .. past + s - 1, past = seqlens[0] + 1
+    - s: in rows, or (`key_tiles`, K for the fast kernel) in the key-tile layout. `batched`: B
     sequences, new [B, s, ...] into cache rows [B, ...] at each row's own seqlens[b]."""
     from tvm.script import tirx as T
+
+    _check_dtype(dtype)
 
     @T.macro
     def put(cache, new, b, seqlen, kvh, hd, s):
@@ -79,16 +106,16 @@ def kv_cache_write(key_tiles: bool, batched: bool = False):
             for i, d in T.grid(s, hd):
                 if key_tiles:
                     row, col = k_row_col(past + i, d, hd)
-                    cache[b, h, row, col] = new[b, i, h * hd + d]
+                    cache[b, h, row, col] = narrow(T, new[b, i, h * hd + d], dtype)
                 else:
-                    cache[b, h, past + i, d] = new[b, i, h * hd + d]
+                    cache[b, h, past + i, d] = narrow(T, new[b, i, h * hd + d], dtype)
 
     if batched:
         @T.prim_func(private=True)
         def write_batch(var_cache: T.handle, var_new: T.handle, var_seqlens: T.handle):
             T.func_attr({"tir.noalias": True, "op_pattern": 8})
             bsz, kvh, cap, hd, s = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-            cache = T.match_buffer(var_cache, (bsz, kvh, cap, hd), "float32")
+            cache = T.match_buffer(var_cache, (bsz, kvh, cap, hd), dtype)
             new = T.match_buffer(var_new, (bsz, s, kvh * hd), "float32")
             seqlens = T.match_buffer(var_seqlens, (bsz,), "int32")
             for b in T.serial(bsz):
@@ -99,7 +126,7 @@ def kv_cache_write(key_tiles: bool, batched: bool = False):
     def write(var_cache: T.handle, var_new: T.handle, seqlens: T.Buffer((1,), "int32")):
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         kvh, cap, hd, s = T.int64(), T.int64(), T.int64(), T.int64()
-        cache = T.match_buffer(var_cache, (T.int64(1), kvh, cap, hd), "float32")
+        cache = T.match_buffer(var_cache, (T.int64(1), kvh, cap, hd), dtype)
         new = T.match_buffer(var_new, (T.int64(1), s, kvh * hd), "float32")
         put(cache, new, T.int64(0), seqlens[0], kvh, hd, s)
 
@@ -125,16 +152,16 @@ def _tree_max(T, xs):
     return xs[0]
 
 
-def _tile_scores(T, q_at, kc, kvh, t, head_dim, b=None):
+def _tile_scores(T, q_at, kc, kvh, t, head_dim, dtype, b=None):
     """Tile t's 16 unscaled scores of one query (element d: q_at(d)) against kv head kvh of
-    cache row b (default 0): sum over d of q[d] * (16 keys' element d), in CHAINS independent
-    FMA chains."""
+    cache row b (default 0, of `dtype`): sum over d of q[d] * (16 keys' element d), in CHAINS
+    independent FMA chains."""
     def part(c):
         terms = []
         for d in range(c, head_dim, CHAINS):
             row, col = k_row_col(t * KEY_TILE, d, head_dim)   # t * KEY_TILE: the tile's first key
-            terms.append(T.broadcast(q_at(d), KEY_TILE) * kc[T.int64(0) if b is None else b, kvh, row,
-                                                                 T.ramp(col, 1, KEY_TILE)])
+            terms.append(T.broadcast(q_at(d), KEY_TILE) * widen(T, kc[T.int64(0) if b is None else b, kvh, row,
+                                                                       T.ramp(col, 1, KEY_TILE)], dtype, KEY_TILE))
         acc = terms[0]
         for x in terms[1:]:
             acc = acc + x
@@ -148,10 +175,14 @@ def _in_tile(T, t, keys):
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
-def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: bool = False):
+def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: bool = False,
+              kv_dtype: str = "float32"):
     """`batched`: B sequences (q, out [B, s, ...], caches [B, ...], seqlens [B]), each row
-    attending to its own cache row up to its own seqlens[b]; one task per (row, head, query)."""
+    attending to its own cache row up to its own seqlens[b]; one task per (row, head, query).
+    `kv_dtype`: the caches' element type (KV_DTYPES)."""
     from tvm.script import tirx as T
+
+    _check_dtype(kv_dtype)
 
     group = heads // kv_heads
     chunks = head_dim // LANES
@@ -166,7 +197,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
 
     def tile_scores(q, kc, b, qi, h, keys, t, masked):
         """Tile t's 16 scaled scores of query qi of head h; `masked`: -inf past `keys`."""
-        sc = _tile_scores(T, lambda d: q[b, qi, h * head_dim + d], kc, h // group, t, head_dim, b) * T.broadcast(
+        sc = _tile_scores(T, lambda d: q[b, qi, h * head_dim + d], kc, h // group, t, head_dim, kv_dtype, b) * T.broadcast(
             T.float32(scale), kt)
         return T.Select(_in_tile(T, t, keys), sc, T.broadcast(T.float32(NEG_INF), kt)) if masked else sc
 
@@ -187,8 +218,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         for j in T.unroll(kt):
             if not masked or t * kt + j < keys:
                 for c in T.unroll(chunks):
-                    acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + vc[
-                        b, h // group, t * kt + j, ramp(c * LANES)] * T.broadcast(p[j], LANES)
+                    acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + widen(T, vc[
+                        b, h // group, t * kt + j, ramp(c * LANES)], kv_dtype, LANES) * T.broadcast(p[j], LANES)
 
     @T.macro
     def span(q, kc, vc, out, acc, stat, p, qr, b, qi, h, t0):
@@ -201,16 +232,16 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         # that plus a constant, which the loads' addressing takes. Indexed from the caches,
         # LLVM computed ~1000 addresses of a span ahead of the task's loop and spilled them
         # (~2K instructions a task on ARM).
-        ks = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
-        vs = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        ks = T.decl_buffer((SPAN * head_dim,), kv_dtype, data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
+        vs = T.decl_buffer((SPAN * head_dim,), kv_dtype, data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
         for c in T.unroll(chunks):   # the scaled query, where its broadcasts load it from
             qr[ramp(c * LANES)] = q[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(T.float32(scale), LANES)
         for u in T.unroll(SPAN_TILES):
             p[ramp(u * kt, kt)] = T.broadcast(T.float32(0), kt)
         for d in T.unroll(head_dim):
             for u in T.unroll(SPAN_TILES):   # key tile u, element d: 16 keys (the K layout)
-                p[ramp(u * kt, kt)] = p[ramp(u * kt, kt)] + T.broadcast(qr[d], kt) * ks[
-                    ramp(u * kt * head_dim + d * kt, kt)]
+                p[ramp(u * kt, kt)] = p[ramp(u * kt, kt)] + T.broadcast(qr[d], kt) * widen(T, ks[
+                    ramp(u * kt * head_dim + d * kt, kt)], kv_dtype, kt)
         m = T.bind(T.max(stat[0], vector_math.reduce_max(T, _tree_max(T, span_tiles(p)), kt)))
         r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
         for u in T.unroll(SPAN_TILES):
@@ -226,8 +257,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             acc[ramp(c * LANES)] = out[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(r, LANES)
         for j in T.unroll(SPAN):
             for c in T.unroll(chunks):
-                acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + vs[ramp(j * head_dim + c * LANES)] * T.broadcast(
-                    p[j], LANES)
+                acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + widen(T, vs[ramp(j * head_dim + c * LANES)], kv_dtype,
+                                                                    LANES) * T.broadcast(p[j], LANES)
         for c in T.unroll(chunks):
             out[b, qi, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
 
@@ -284,8 +315,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             T.func_attr({"tir.noalias": True, "op_pattern": 8})
             bsz, s, cap = T.int64(), T.int64(), T.int64()
             q = T.match_buffer(var_q, (bsz, s, heads * head_dim), "float32")
-            kc = T.match_buffer(var_k, (bsz, kv_heads, cap, head_dim), "float32")
-            vc = T.match_buffer(var_v, (bsz, kv_heads, cap, head_dim), "float32")
+            kc = T.match_buffer(var_k, (bsz, kv_heads, cap, head_dim), kv_dtype)
+            vc = T.match_buffer(var_v, (bsz, kv_heads, cap, head_dim), kv_dtype)
             seqlens = T.match_buffer(var_seqlens, (bsz,), "int32")
             out = T.match_buffer(var_out, (bsz, s, heads * head_dim), "float32")
             assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
@@ -300,8 +331,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         s, cap = T.int64(), T.int64()
         q = T.match_buffer(var_q, (T.int64(1), s, heads * head_dim), "float32")
-        kc = T.match_buffer(var_k, (T.int64(1), kv_heads, cap, head_dim), "float32")
-        vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, head_dim), "float32")
+        kc = T.match_buffer(var_k, (T.int64(1), kv_heads, cap, head_dim), kv_dtype)
+        vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, head_dim), kv_dtype)
         out = T.match_buffer(var_out, (T.int64(1), s, heads * head_dim), "float32")
         assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
         qb = T.bind(query_block(T, s))
@@ -322,7 +353,8 @@ def fuses_decode_prologue(head_dim: int) -> bool:
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos_dtype: str,
-                     zero_point: int | None = None, layout: str = "plain", heads_per_task: int | None = None):
+                     zero_point: int | None = None, layout: str = "plain", heads_per_task: int | None = None,
+                     kv_dtype: str = "float32"):
     """Attention of one new token (decode), one parallel task per kv head running its whole
     group of query heads, in three passes over the cached keys instead of the online update:
 
@@ -356,13 +388,14 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     reads them, so whichever task's store a reader sees, the bytes are the ones it wrote.
 
     Arguments: q [1, 1, heads*head_dim] and k, v [1, 1, kv_heads*head_dim] before rotary, the
-    K and V caches (written in place), seqlens [1], position_ids, cos, sin, then the outputs:
+    K and V caches (of `kv_dtype`, written in place), seqlens [1], position_ids, cos, sin, then the outputs:
     out (q's shape) and, with `zero_point`, aq [1, NB, 32], ad and off [1, NB] (off int32 in
     the "arm" layout)."""
     from tvm.script import tirx as T
 
     from .act_quant import BLOCK, quantize_block
 
+    _check_dtype(kv_dtype)
     group = heads // kv_heads
     g = heads_per_task or group   # query heads a task; a kv head's heads are `subs` tasks
     if group % g or layout not in ("plain", "arm"):
@@ -397,12 +430,12 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         """0: the kv head's new key, rotated (kept in kr), and value into the caches at `slot`."""
         rotate(kr, 0, k, kvh * head_dim, cos, sin, pos[0, 0])
         for c in range(chunks):
-            vc[T.int64(0), kvh, slot, T.ramp(c * LANES, 1, LANES)] = v[
-                T.int64(0), T.int64(0), T.ramp(kvh * head_dim + c * LANES, 1, LANES)]
+            vc[T.int64(0), kvh, slot, T.ramp(c * LANES, 1, LANES)] = narrow(T, v[
+                T.int64(0), T.int64(0), T.ramp(kvh * head_dim + c * LANES, 1, LANES)], kv_dtype, LANES)
         for d in range(head_dim):
             row = T.bind(k_row_col(slot, d, head_dim)[0])
             col = T.bind(k_row_col(slot, d, head_dim)[1])
-            kc[T.int64(0), kvh, row, col] = kr[d]
+            kc[T.int64(0), kvh, row, col] = narrow(T, kr[d], kv_dtype)
 
     @T.macro
     def rotate_queries(q, qr, mx, cos, sin, pos, h0):
@@ -428,9 +461,9 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                     first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))
                     for hh in T.unroll(g):
                         sacc[T.ramp((i * g + hh) * kt, 1, kt)] = sacc[T.ramp((i * g + hh) * kt, 1, kt)] + (
-                            T.broadcast(qr[hh * head_dim + d], kt) * kc[
+                            T.broadcast(qr[hh * head_dim + d], kt) * widen(T, kc[
                                 T.int64(0), kvh, k_row_col(first, d, head_dim)[0],
-                                T.ramp(k_row_col(first, d, head_dim)[1], 1, kt)])
+                                T.ramp(k_row_col(first, d, head_dim)[1], 1, kt)], kv_dtype, kt))
             for i in T.unroll(nt):       # past the last key: -inf
                 for hh in T.unroll(g):
                     t = T.bind(T.min(i * per + r, tiles - T.int64(1)))
@@ -471,13 +504,13 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                     for hh in T.unroll(sweep):
                         for c in T.unroll(chunks):
                             acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
-                                vc[T.int64(0), kvh, i * quarter + r, T.ramp(c * LANES, 1, LANES)]
+                                widen(T, vc[T.int64(0), kvh, i * quarter + r, T.ramp(c * LANES, 1, LANES)], kv_dtype, LANES)
                                 * T.broadcast(sc[T.min(w * sweep + hh, g - 1), i * quarter + r], LANES))
             for j in range(quarter * T.int64(V_STREAMS), keys):
                 for hh in T.unroll(sweep):
                     for c in T.unroll(chunks):
                         acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
-                            vc[T.int64(0), kvh, j, T.ramp(c * LANES, 1, LANES)]
+                            widen(T, vc[T.int64(0), kvh, j, T.ramp(c * LANES, 1, LANES)], kv_dtype, LANES)
                             * T.broadcast(sc[T.min(w * sweep + hh, g - 1), j], LANES))
             for hh in T.unroll(sweep):
                 if w * sweep + hh < g:
@@ -539,8 +572,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         q = T.match_buffer(var_q, (T.int64(1), T.int64(1), heads * head_dim), "float32")
         k = T.match_buffer(var_k, (T.int64(1), T.int64(1), kv_heads * head_dim), "float32")
         v = T.match_buffer(var_v, (T.int64(1), T.int64(1), kv_heads * head_dim), "float32")
-        kc = T.match_buffer(var_kc, (T.int64(1), kv_heads, cap, head_dim), "float32")
-        vc = T.match_buffer(var_vc, (T.int64(1), kv_heads, cap, head_dim), "float32")
+        kc = T.match_buffer(var_kc, (T.int64(1), kv_heads, cap, head_dim), kv_dtype)
+        vc = T.match_buffer(var_vc, (T.int64(1), kv_heads, cap, head_dim), kv_dtype)
         cos = T.match_buffer(var_cos, (positions, head_dim // 2), "float32")
         sin = T.match_buffer(var_sin, (positions, head_dim // 2), "float32")
         out = T.match_buffer(var_out, (T.int64(1), T.int64(1), heads * head_dim), "float32")

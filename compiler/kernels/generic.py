@@ -93,7 +93,7 @@ def rotary(x, pos, cos, sin, *, heads: int):
 def attention(q, kc, vc, seqlens, *, heads: int, kv_heads: int, head_dim: int, scale: float):
     """Causal attention of q [1, s, heads*head_dim] over the cache buffers [1, kv_heads, C,
     head_dim]. Query i sits at position past + i, past = seqlens[0] + 1 - s; it sees cache
-    slots 0 .. past + i."""
+    slots 0 .. past + i. The caches may be float16 (kernels/attention.py: KV_DTYPES)."""
     s = q.shape[1]
     cap = kc.shape[2]
     group = heads // kv_heads
@@ -101,7 +101,7 @@ def attention(q, kc, vc, seqlens, *, heads: int, kv_heads: int, head_dim: int, s
     r = te.reduce_axis((0, head_dim), "d")
     dot = te.compute(
         (heads, s, cap),
-        lambda h, i, j: te.sum(q[0, i, h * head_dim + r] * kc[0, h // group, j, r], axis=r),
+        lambda h, i, j: te.sum(q[0, i, h * head_dim + r] * kc[0, h // group, j, r].astype("float32"), axis=r),
         name="attn_dot")
     score = te.compute(
         (heads, s, cap),
@@ -116,8 +116,8 @@ def attention(q, kc, vc, seqlens, *, heads: int, kv_heads: int, head_dim: int, s
     jv = te.reduce_axis((0, cap), "jv")
     num = te.compute(
         (1, s, heads * head_dim),
-        lambda b, i, c: te.sum(ex[c // head_dim, i, jv] * vc[0, (c // head_dim) // group, jv, c % head_dim],
-                               axis=jv),
+        lambda b, i, c: te.sum(ex[c // head_dim, i, jv]
+                               * vc[0, (c // head_dim) // group, jv, c % head_dim].astype("float32"), axis=jv),
         name="attn_num")
     out = te.compute((1, s, heads * head_dim), lambda b, i, c: num[b, i, c] / den[c // head_dim, i],
                      name="attn_out")

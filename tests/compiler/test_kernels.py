@@ -251,11 +251,16 @@ def _arm_decode_gemv_case(bb, k: int = 160):
     return "decode_gemv3", inputs, np.concatenate(refs)[None]
 
 
+_COMPILED = {}   # id(func) -> (func, its library): the kernel builders return one func per arguments
+
+
 def _host_kernel(func):
     import tvm
 
-    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                       target=get_target("host").tvm_target())
+    if id(func) not in _COMPILED:
+        _COMPILED[id(func)] = func, tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                                                target=get_target("host").tvm_target())
+    return _COMPILED[id(func)][1]
 
 
 def _attention_reference(q, k, v, past, s, heads, kvh, hd, scale):
@@ -270,15 +275,16 @@ def _attention_reference(q, k, v, past, s, heads, kvh, hd, scale):
     return ref
 
 
-def _filled_caches(k, v, chunks, kvh, hd, cap):
-    """K (key tiles) and V (rows) cache buffers, NaN past what the cache writers wrote of k, v
-    [n, kvh*hd] chunk by chunk: a kernel that read an unwritten slot would return NaN."""
+def _filled_caches(k, v, chunks, kvh, hd, cap, dtype="float32"):
+    """K (key tiles) and V (rows) cache buffers of `dtype`, NaN past what the cache writers
+    wrote of k, v [n, kvh*hd] chunk by chunk: a kernel that read an unwritten slot would return
+    NaN."""
     import tvm
 
     from qwc.compiler.kernels import attention
 
-    write_k, write_v = _host_kernel(attention.kv_cache_write(True)), _host_kernel(attention.kv_cache_write(False))
-    kc, vc = (tvm.runtime.tensor(np.full((1, kvh, cap, hd), np.nan, np.float32)) for _ in range(2))
+    write_k, write_v = (_host_kernel(attention.kv_cache_write(tiles, dtype=dtype)) for tiles in (True, False))
+    kc, vc = (tvm.runtime.tensor(np.full((1, kvh, cap, hd), np.nan, dtype)) for _ in range(2))
     for lo, hi in chunks:
         if hi > lo:
             n = tvm.runtime.tensor(np.array([hi - 1], np.int32))
@@ -288,12 +294,15 @@ def _filled_caches(k, v, chunks, kvh, hd, cap):
 
 
 @pytest.mark.parametrize("past, s", [(0, 1), (0, 17), (5, 1), (15, 3), (16, 1), (37, 17), (40, 1),
-                                     (100, 40), (0, 257), (131, 255)])
-def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s):
+                                     (100, 40), (0, 257), (131, 255), (0, 31), (2, 31), (0, 33), (999, 1),
+                                     (744, 256)])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s, dtype):
     """The cache writers (K in key tiles of 16, V in rows) then the online-softmax attention,
-    against numpy's causal attention: histories and chunks that do and do not fill tiles, one
-    query a task (s < 32), blocks of 2 and of 16 queries with a ragged last block, keys in one
-    span and in several."""
+    against numpy's causal attention (over the keys and values rounded to the cache's dtype):
+    histories and chunks that do and do not fill tiles, one query a task (s < 32), blocks of 2
+    and of 16 queries with a ragged last block, keys in one span and in several, 1,000
+    positions."""
     import tvm
 
     from qwc.compiler.kernels import attention
@@ -302,10 +311,11 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s):
     rng = np.random.default_rng(past * 31 + s)
     k, v = (rng.standard_normal((past + s, kvh * hd), dtype=np.float32) for _ in range(2))
     q = rng.standard_normal((1, s, heads * hd), dtype=np.float32)
-    kc, vc = _filled_caches(k, v, ((0, past), (past, past + s)), kvh, hd, cap)  # the history, then the chunk
+    kc, vc = _filled_caches(k, v, ((0, past), (past, past + s)), kvh, hd, cap, dtype)  # the history, then the chunk
     out = tvm.runtime.tensor(np.zeros_like(q))
-    _host_kernel(attention.attention(heads, kvh, hd, 0.125))(
+    _host_kernel(attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype))(
         tvm.runtime.tensor(q), kc, vc, tvm.runtime.tensor(np.array([past + s - 1], np.int32)), out)
+    k, v = (x.astype(dtype).astype(np.float32) for x in (k, v))   # what the cache holds
     np.testing.assert_allclose(out.numpy(), _attention_reference(q, k, v, past, s, heads, kvh, hd, 0.125),
                                rtol=0, atol=2e-6)
 
@@ -351,13 +361,15 @@ def test_vector_rotary_gives_the_te_rotarys_bits(b, s, heads, hd, pos_dtype):
 @pytest.mark.parametrize("heads, kvh, hd", [(14, 2, 64), (4, 2, 32)])
 @pytest.mark.parametrize("past", [0, 5, 15, 16, 40])
 @pytest.mark.parametrize("layout, per_task", [("plain", None), ("arm", 1)])
-def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd, past, layout, per_task):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd, past, layout, per_task, dtype):
     """The three-pass decode attention given one token's q, k, v before rotary: the cache it
     leaves equals, bit for bit, what the rotary kernel then the cache writers leave (K tiles, V
     rows; slot `past`, at position past + 3 to tell the two apart), its output equals numpy's
     attention over it, and its Q8_0 blocks equal the quantizer kernel's of that output, bit
     for bit: as x86 builds it (a task per kv head, the plain layout) and as ARM does (a task
-    per query head, every task of a kv head writing its new key and value; int32 offsets)."""
+    per query head, every task of a kv head writing its new key and value; int32 offsets); at
+    each cache dtype."""
     import tvm
 
     from qwc.compiler.kernels import act_quant, attention
@@ -370,19 +382,20 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
     angles = np.arange(past + 8)[:, None] * 10000.0 ** (-np.arange(hd // 2) / (hd // 2))
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     keys = np.concatenate([k[:past], _rotary(k[None, past:], pos, cos, sin, kvh)[0]])
-    want_k, want_v = (x.numpy() for x in _filled_caches(keys, v, ((0, past), (past, past + 1)), kvh, hd, cap))
-    kc, vc = _filled_caches(k, v, ((0, past),), kvh, hd, cap)
+    want_k, want_v = (x.numpy() for x in _filled_caches(keys, v, ((0, past), (past, past + 1)), kvh, hd, cap, dtype))
+    kc, vc = _filled_caches(k, v, ((0, past),), kvh, hd, cap, dtype)
     nb = heads * hd // 32
     off_dtype = np.float32 if layout == "plain" else np.int32
     out, aq, ad, off = (tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in (
         (q.shape, np.float32), ((1, nb, 32), np.int8), ((1, nb), np.float32), ((1, nb), off_dtype)))
     kernel = _host_kernel(attention.decode_attention(heads, kvh, hd, float(scale), "int64", w4a8.ZERO_POINT,
-                                                     layout, per_task))
+                                                     layout, per_task, dtype))
     kernel(*(tvm.runtime.tensor(x) for x in (q, k[None, past:], v[None, past:])), kc, vc,
            tvm.runtime.tensor(np.array([past], np.int32)), *(tvm.runtime.tensor(x) for x in (pos, cos, sin)),
            out, aq, ad, off)
     np.testing.assert_array_equal(kc.numpy(), want_k)
     np.testing.assert_array_equal(vc.numpy(), want_v)
+    keys, v = (x.astype(dtype).astype(np.float32) for x in (keys, v))   # what the cache holds
     ref = _attention_reference(_rotary(q, pos, cos, sin, heads), keys, v, past, 1, heads, kvh, hd, scale)
     np.testing.assert_allclose(out.numpy(), ref, rtol=0, atol=2e-6)
     quantizer = _host_kernel(act_quant.fused_quantizer(heads * hd, w4a8.ZERO_POINT, True, layout=layout))

@@ -107,7 +107,8 @@ def test_a_yarn_model_exports_compiles_and_runs_past_its_original_context(yarn_h
     for got, ref in zip(streamed, want):
         assert np.abs(got[0, -1] - ref[0, -1]).max() <= 1e-4 * max(1.0, np.abs(ref).max())
     assert main(["-q", "optimize", str(onnx_path), "-o", str(q4)]) == 0
-    assert main(["-q", "compile", str(q4), "--target", "host", "--act-bits", "32", "-o", str(art)]) == 0
+    assert main(["-q", "compile", str(q4), "--target", "host", "--act-bits", "32", "--kv-dtype", "f32",
+                 "-o", str(art)]) == 0
     greedy_against_onnxruntime(art, q4, cfg, prompt, n_steps=3, ctx=128)
     with pytest.raises(QwcError, match="ctx 129 exceeds the model's 128 positions"):
         Engine(art, ctx=129)
