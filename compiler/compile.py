@@ -14,7 +14,7 @@ from qwc import progress
 from qwc.atomic import check_destination
 from qwc.config import load_for_graph, tokenizer_for_graph
 from qwc.errors import QwcError
-from qwc.limits import MAX_BATCH
+from qwc.limits import KV_TYPES, MAX_BATCH
 from qwc.passes.last_position import last_position_logits, prefill_nodes
 from qwc.passes.pipeline import load_canonical
 
@@ -45,10 +45,6 @@ def compile_memory(model: onnx.ModelProto) -> int:
     held = sum(len(t.raw_data) for t in model.graph.initializer)
     largest = max((tensor_bytes(t) for t in model.graph.initializer), default=0)
     return held * 5 // 4 + 2 * largest + 3 * 2**29
-
-
-# `qwc compile --kv-dtype` (llama.cpp's -ctk / -ctv names) -> the cache buffers' element type
-KV_TYPES = {"f32": "float32", "f16": "float16"}
 
 
 def compile_file(src, target_name: str, out, options=None, act_bits: int | None = None, tuning_db=None,

@@ -13,7 +13,7 @@ import time
 from . import __version__, interrupts, memory_check, progress
 from .atomic import check_destination
 from .errors import QwcError
-from .limits import MAX_BATCH, max_threads
+from .limits import KV_TYPES, MAX_BATCH, max_threads
 
 # -- option types: a bad value is one line `qwc: error: argument --x: ...`, exit 2 ----------
 
@@ -528,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N >= 2 adds a batched decode entry point (one token of each of up to N sequences "
                         "a step, reading the weights once) for `qwc serve`; costs compile time "
                         "(default 1: none)")
-    c.add_argument("--kv-dtype", choices=("f32", "f16"),
+    c.add_argument("--kv-dtype", choices=tuple(KV_TYPES),
                    help="the KV cache's element type: f16 halves its memory and the bytes a decode step reads "
                         "at depth (llama.cpp's default); f32 for comparisons at full precision. Default: f16 "
                         "where the target converts it as it loads (every AVX2 x86, every aarch64), else f32")

@@ -6,6 +6,9 @@ import numbers
 import os
 
 MAX_BATCH = 256   # `qwc compile --max-batch`: sequences one batched decode step may carry
+# `qwc compile --kv-dtype` (llama.cpp's -ctk / -ctv names) -> the KV cache's element type, as
+# the manifest records it
+KV_TYPES = {"f32": "float32", "f16": "float16"}
 
 
 def is_int(v, lo: int | None = 0) -> bool:

@@ -17,12 +17,12 @@ import numpy as np
 
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
-from qwc.limits import MAX_BATCH, is_int
+from qwc.limits import KV_TYPES, MAX_BATCH, is_int
 
 FORMAT_VERSION = 1
 ALIGN = 64                       # every parameter's offset in params.bin
 DTYPES = {"float32", "float16", "int8", "uint8", "int32", "int64"}
-CACHE_DTYPES = ("float32", "float16")   # the KV cache buffers' element type (`qwc compile --kv-dtype`)
+CACHE_DTYPES = tuple(KV_TYPES.values())   # the KV cache buffers' element type (`qwc compile --kv-dtype`)
 REQUIRED_FILES = ("lib.so", "params.bin")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")

@@ -18,7 +18,7 @@ import numpy as np
 from qwc import cpu
 from qwc.checksum import sha256
 from qwc.errors import QwcError
-from qwc.limits import is_int, max_threads
+from qwc.limits import KV_TYPES, is_int, max_threads
 from qwc.manifest import Manifest, check_library, read_manifest
 from qwc.vocab import mismatch, token_span
 
@@ -231,7 +231,7 @@ class Engine:
         """The cache's format and memory per sequence of `ctx` positions (default: the engine's),
         for `qwc run -v` and `qwc serve` at start."""
         ctx = self.ctx if ctx is None else ctx
-        name = {"float32": "f32", "float16": "f16"}.get(self._kv_dtype.name, self._kv_dtype.name)
+        name = next(k for k, v in KV_TYPES.items() if v == self._kv_dtype.name)
         return (f"KV cache {name}, {self.kv_bytes_per_token / 1024:g} KiB a token, "
                 f"{self.kv_bytes_per_token * ctx / 2**20:.1f} MiB a sequence of {ctx}")
 
