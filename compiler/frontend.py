@@ -29,7 +29,7 @@ from qwc.errors import QwcError
 from .kernels import attention as fast
 from .kernels import generic, w4a8_gemm
 from .kernels.w4a8 import ZERO_POINT
-from .targets import kernels_for, q4_0_path
+from .targets import kernels_for, q4_0_path, vector_registers
 
 
 @dataclass
@@ -307,5 +307,6 @@ def fusion_passes(ctx: ImportContext):
         w4a8_path = q4_0_path(32, 4, ctx.act_bits, ctx.features) not in (None, "f32")
         passes.append(fuse_decode_attention(
             ctx.kname, dict(ctx.rotary_kernels), ZERO_POINT if w4a8_path else None,
-            kernels.w4a8.decode_layout if w4a8_path else "plain", kernels.decode_attention == "three_pass_heads"))
+            kernels.w4a8.decode_layout if w4a8_path else "plain", kernels.decode_attention == "three_pass_heads",
+            vector_registers(ctx.features)))
     return tvm.transform.Sequential(passes)

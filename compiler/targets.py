@@ -186,6 +186,19 @@ def q4_0_path(block: int, bits: int, act_bits: int, features) -> str | None:
     return w.isa if w else None
 
 
+def vector_registers(features) -> tuple[int, int]:
+    """(count, bytes) of the vector registers a target's kernels compile to: the file a
+    kernel's register tile (accumulators, and the loads and broadcasts feeding them) must
+    fit (kernels/attention.py: decode_attention)."""
+    if "avx512f" in features:
+        return 32, 64
+    if "neon" in features:
+        return 32, 16
+    if "avx2" in features:
+        return 16, 32
+    return 16, 16    # SSE
+
+
 def default_kv_dtype(target: Target) -> str:
     """The KV cache's element type where `qwc compile --kv-dtype` is not given: float16 where
     the target widens it in one instruction as it loads (x86 F16C, on every AVX2 CPU; every

@@ -28,19 +28,20 @@ KEY_TILE = 16    # keys per tile of the K layout and per online-softmax step
 LANES = 16       # fp32 lanes of the value accumulator's vectors
 CHAINS = 8       # independent FMA chains per tile's scores (latency, not throughput, bound)
 # Decode attention reads each K tile and V row once, from DRAM, at what one core can pull
-# (13-16 GB/s): its passes are reads. So a task keeps several streams in flight, each with a
-# software prefetch 1 KiB ahead into L1 (a tile of keys is one 4 KiB page, where the hardware
-# streamer restarts). Cycle stamps per pass in a decode-like stream of kernels, 512 cached
-# tokens: scores 34.5K -> 27.4K cycles, values 31.8K -> 28.4K (docs/design.md); 8 or 32 K
-# lines and 2 or 8 V rows ahead were no faster.
-SCORE_STREAMS = 2        # K tiles scored at once (if their accumulators fit STACK_BYTES)
+# (13-16 GB/s): its passes are reads. So the scores keep several streams in flight, each with
+# a software prefetch 1 KiB ahead into L1 (a tile of keys is one 4 KiB page, where the
+# hardware streamer restarts). Cycle stamps per pass in a decode-like stream of kernels, 512
+# cached tokens: scores 34.5K -> 27.4K cycles (docs/design.md); 8 or 32 K lines ahead were
+# no faster. The values pass reads V a block at a time, the next block prefetched while the
+# first tile of this one runs (two blocks ahead, or none: 5-25% slower, 4k tokens, AVX2).
+SCORE_STREAMS = 2        # K tiles scored at once (if their accumulators fit the registers)
 K_PREFETCH_LINES = 16    # 1 KiB ahead in each K stream
-V_STREAMS = 4            # quarters of the keys whose V rows are read in lockstep
-V_PREFETCH_ROWS = 4      # 1 KiB ahead in each V stream
+V_BLOCK = 64             # keys a block of the values pass (8 KiB of f16 V at head_dim 64: in L1)
 # TVM serves a constant-size buffer under 1 KiB from the stack, where LLVM keeps it in
 # registers; a larger one from its workspace pool, which LLVM cannot tell apart from the other
 # buffers, so every update of it is stored (the values pass was bound by those stores).
 STACK_BYTES = 1024
+_BYTES = {"float32": 4, "float16": 2}
 NEG_INF = -3.0e38  # the running max's start and masked lanes' score (finite: no inf - inf)
 # Prefill: a task takes up to QUERY_BLOCK queries of one head, and they take the keys in spans
 # of SPAN in turn: a span's K and V (32 KiB at head_dim 64) are read from DRAM or L3 once and
@@ -351,20 +352,68 @@ def fuses_decode_prologue(head_dim: int) -> bool:
     return head_dim % (2 * LANES) == 0
 
 
+def _accumulator_bytes(registers: tuple[int, int]) -> int:
+    """What a register tile's accumulators may take of a (count, bytes) vector register file:
+    three quarters (the rest holds the loads and broadcasts feeding them), under STACK_BYTES
+    (a larger buffer is not kept in registers)."""
+    count, width = registers
+    return min(STACK_BYTES - 1, count * width * 3 // 4)
+
+
+def _score_tile(g: int, registers) -> tuple[int, int, int]:
+    """The scores' register tile for a task of g query heads: (K tiles at once, heads a group,
+    groups). Every head in one group if it fits, with SCORE_STREAMS tiles if those fit too;
+    else the heads in groups that each fit (AVX2's 16 registers: 7 heads in 2 groups of 4,
+    where one group of 7 spilled: the scores pass 1.6x slower)."""
+    budget, per_head = _accumulator_bytes(registers), KEY_TILE * 4
+    if SCORE_STREAMS * g * per_head <= budget:
+        return SCORE_STREAMS, g, 1
+    groups = -(-g * per_head // budget)
+    return 1, -(-g // groups), groups
+
+
+def _value_tile(g: int, head_dim: int, registers, kv_dtype: str) -> tuple[int, int, int]:
+    """The values' register tile for a task of g query heads: (heads, dims, head groups), the
+    one with the fewest vector operations a key, counting for each tile a key the larger of
+    its FMAs and its loads (a weight broadcast per head and the V vectors, two operations
+    each where they are widened from float16: a load and a convert), both at two a cycle on
+    the cores qwc targets. AVX2, 7 heads: 4 heads x 16 dims, 1.16x faster than 1 x 64 (which
+    widens each V vector 7 times) and 1.07x than 3 x 32 (kernel harness, 4k cached tokens)."""
+    budget, width = _accumulator_bytes(registers), registers[1]
+    widen_ops = 2 if kv_dtype == "float16" else 1
+    best = None
+    for dv in range(LANES, head_dim + 1, LANES):
+        if head_dim % dv or not budget // (dv * 4):
+            continue
+        groups = -(-g // min(g, budget // (dv * 4)))
+        hv = -(-g // groups)
+        fmas, loads = hv * dv * 4 // width, dv * 4 // width * widen_ops + hv
+        cost = groups * head_dim // dv * max(fmas, loads)
+        if best is None or cost < best[0]:
+            best = cost, hv, dv, groups
+    return best[1:]
+
+
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos_dtype: str,
                      zero_point: int | None = None, layout: str = "plain", heads_per_task: int | None = None,
-                     kv_dtype: str = "float32"):
+                     kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32)):
     """Attention of one new token (decode), one parallel task per kv head running its whole
     group of query heads, in three passes over the cached keys instead of the online update:
 
     1. scores: each K tile comes from memory once and serves every head of the group from
        L1; the scores go to a row per head (past * 4 bytes) and a running vector max. Tiles
-       r and tiles / 2 + r are scored together (SCORE_STREAMS), a K line at a time;
+       r and tiles / 2 + r are scored together (SCORE_STREAMS), a K line at a time, where
+       their accumulators fit the registers; else one tile, the heads in groups that fit;
     2. exp(score - max) in place and their sum;
-    3. values: each V row updates the accumulators of `sweep` heads (3 at head_dim 64: what
-       fits the registers, see STACK_BYTES), the keys' V_STREAMS quarters in lockstep; the
-       first sweep reads V from memory, the others from L2.
+    3. values: in blocks of V_BLOCK keys, each block's V rows read from memory once (its
+       first register tile prefetching the next block) and from L1 for its other tiles of
+       a few heads x a part of the head (_value_tile).
+
+    The register tiles follow the target's vector registers (`registers`, (count, bytes):
+    targets.vector_registers): on AVX2's 16, the tiles sized for AVX-512's 32 spilled their
+    accumulators; sized for 16, the kernel is 1.46x faster at 4k cached tokens, 1.8x at 16k
+    (one thread, float16 cache; docs/results.md).
 
     No pass carries a dependency from tile to tile but a max or a sum, so the tiles overlap in
     the core, where the online form's per-tile rescale chain (max -> exp -> rescale -> update)
@@ -407,9 +456,9 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     quantize = zero_point is not None
     assert fuses_decode_prologue(head_dim)
     nb = heads * head_dim // BLOCK
-    nt = SCORE_STREAMS if SCORE_STREAMS * g * kt * 4 < STACK_BYTES else 1   # K tiles scored at once
-    sweeps = -(-g // max(1, (STACK_BYTES - 1) // (head_dim * 4)))          # value sweeps
-    sweep = -(-g // sweeps)                                                # heads a sweep
+    nt, hg, ng = _score_tile(g, registers)        # K tiles at once, heads a group, groups
+    hv, dv, ngv = _value_tile(g, head_dim, registers, kv_dtype)   # heads x dims a value tile
+    vb = V_BLOCK
 
     @T.macro
     def rotate(dst, at, x, base, cos, sin, p):
@@ -448,30 +497,34 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     def score(kc, qr, sc, mx, sacc, kvh, keys, tiles):
         """1: scores into sc and their running max lanes into mx, nt tiles at once (streams):
         tiles r, per + r, ...; with tiles % nt left over, one more round whose streams past
-        the last tile redo it (same values)."""
+        the last tile redo it (same values). The heads in ng groups of hg, each group reading
+        the tiles' lines again from L1; heads past the group redo the last one (same values)."""
         per = T.bind(tiles // T.int64(nt))
         for r in range(per + T.Cast("int64", tiles % T.int64(nt) > T.int64(0))):
-            for d in range(head_dim):   # line d of a tile: element d of its 16 keys
-                for i in T.unroll(nt):   # each stream's line K_PREFETCH_LINES on (past the tile: the next)
-                    first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))   # the tile's first key
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(kc[
-                        T.int64(0), kvh, k_row_col(first, d + K_PREFETCH_LINES, head_dim)[0],
-                        k_row_col(first, d + K_PREFETCH_LINES, head_dim)[1]]), T.int32(0), T.int32(3), T.int32(1)))
-                for i in T.unroll(nt):
-                    first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))
-                    for hh in T.unroll(g):
-                        sacc[T.ramp((i * g + hh) * kt, 1, kt)] = sacc[T.ramp((i * g + hh) * kt, 1, kt)] + (
-                            T.broadcast(qr[hh * head_dim + d], kt) * widen(T, kc[
-                                T.int64(0), kvh, k_row_col(first, d, head_dim)[0],
-                                T.ramp(k_row_col(first, d, head_dim)[1], 1, kt)], kv_dtype, kt))
-            for i in T.unroll(nt):       # past the last key: -inf
-                for hh in T.unroll(g):
-                    t = T.bind(T.min(i * per + r, tiles - T.int64(1)))
-                    s = T.bind(T.Select(_in_tile(T, t, keys), sacc[T.ramp((i * g + hh) * kt, 1, kt)]
-                                        * T.broadcast(T.float32(scale), kt), T.broadcast(T.float32(NEG_INF), kt)))
-                    sc[hh, T.ramp(t * kt, 1, kt)] = s
-                    mx[T.ramp(hh * kt, 1, kt)] = T.max(mx[T.ramp(hh * kt, 1, kt)], s)
-                    sacc[T.ramp((i * g + hh) * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
+            for gs in T.unroll(ng):
+                for d in range(head_dim):   # line d of a tile: element d of its 16 keys
+                    if gs == 0:   # each stream's line K_PREFETCH_LINES on (past the tile: the next)
+                        for i in T.unroll(nt):
+                            first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))   # the tile's first key
+                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(kc[
+                                T.int64(0), kvh, k_row_col(first, d + K_PREFETCH_LINES, head_dim)[0],
+                                k_row_col(first, d + K_PREFETCH_LINES, head_dim)[1]]), T.int32(0), T.int32(3), T.int32(1)))
+                    for i in T.unroll(nt):
+                        first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))
+                        for hh in T.unroll(hg):
+                            sacc[T.ramp((i * hg + hh) * kt, 1, kt)] = sacc[T.ramp((i * hg + hh) * kt, 1, kt)] + (
+                                T.broadcast(qr[T.min(gs * hg + hh, g - 1) * head_dim + d], kt) * widen(T, kc[
+                                    T.int64(0), kvh, k_row_col(first, d, head_dim)[0],
+                                    T.ramp(k_row_col(first, d, head_dim)[1], 1, kt)], kv_dtype, kt))
+                for i in T.unroll(nt):       # past the last key: -inf
+                    for hh in T.unroll(hg):
+                        h = T.bind(T.min(gs * hg + hh, g - 1))
+                        t = T.bind(T.min(i * per + r, tiles - T.int64(1)))
+                        s = T.bind(T.Select(_in_tile(T, t, keys), sacc[T.ramp((i * hg + hh) * kt, 1, kt)]
+                                            * T.broadcast(T.float32(scale), kt), T.broadcast(T.float32(NEG_INF), kt)))
+                        sc[h, T.ramp(t * kt, 1, kt)] = s
+                        mx[T.ramp(h * kt, 1, kt)] = T.max(mx[T.ramp(h * kt, 1, kt)], s)
+                        sacc[T.ramp((i * hg + hh) * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
 
     @T.macro
     def weigh(sc, mx, tot, keys, tiles):
@@ -488,38 +541,38 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             tot[hh] = vector_math.reduce_sum(T, mx[T.ramp(hh * kt, 1, kt)], kt)
 
     @T.macro
-    def values(vc, sc, tot, acc, out, kvh, h0, keys):
-        """3: out = weighted sum of the values, `sweep` heads at a time (the first sweep reads V
-        from DRAM, the others from L2), V_STREAMS quarters of the keys in lockstep; heads past
-        the group redo the last one (not stored)."""
-        quarter = T.bind(keys // T.int64(V_STREAMS))
-        for w in range(sweeps):
-            for r in range(quarter):
-                for i in T.unroll(V_STREAMS):
-                    for c in T.unroll(chunks):
-                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                            vc[T.int64(0), kvh, i * quarter + r + V_PREFETCH_ROWS, c * LANES]),
-                            T.int32(0), T.int32(3), T.int32(1)))
-                for i in T.unroll(V_STREAMS):
-                    for hh in T.unroll(sweep):
-                        for c in T.unroll(chunks):
-                            acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
-                                widen(T, vc[T.int64(0), kvh, i * quarter + r, T.ramp(c * LANES, 1, LANES)], kv_dtype, LANES)
-                                * T.broadcast(sc[T.min(w * sweep + hh, g - 1), i * quarter + r], LANES))
-            for j in range(quarter * T.int64(V_STREAMS), keys):
-                for hh in T.unroll(sweep):
-                    for c in T.unroll(chunks):
-                        acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] + (
-                            widen(T, vc[T.int64(0), kvh, j, T.ramp(c * LANES, 1, LANES)], kv_dtype, LANES)
-                            * T.broadcast(sc[T.min(w * sweep + hh, g - 1), j], LANES))
-            for hh in T.unroll(sweep):
-                if w * sweep + hh < g:
-                    for c in T.unroll(chunks):
-                        out[T.int64(0), T.int64(0), T.ramp((h0 + w * sweep + hh) * head_dim + c * LANES,
-                                                           1, LANES)] = (
-                            acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] / T.broadcast(tot[w * sweep + hh], LANES))
-                for c in T.unroll(chunks):
-                    acc[T.ramp((hh * chunks + c) * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+    def values(vc, sc, tot, acc, accs, out, kvh, h0, keys):
+        """3: out = weighted sum of the values, in blocks of vb keys: the block's V rows come
+        from DRAM for its first tile of hv heads x dv dims (which prefetches the next block's)
+        and from L1 for the others; a tile accumulates in registers (acc), between blocks in
+        accs. Heads past the group redo the last one (not stored)."""
+        for b in range((keys + T.int64(vb - 1)) // T.int64(vb)):
+            lo = T.bind(b * T.int64(vb))
+            for gv in range(ngv):   # not unrolled: LLVM would keep every tile's accs in registers
+                for dc in range(head_dim // dv):
+                    for e in T.unroll(hv * dv // LANES):
+                        acc[T.ramp(e * LANES, 1, LANES)] = accs[T.ramp(
+                            ((gv * hv + e // (dv // LANES)) * head_dim + dc * dv + e % (dv // LANES) * LANES), 1, LANES)]
+                    for j in range(T.min(T.int64(vb), keys - lo)):
+                        if gv == 0 and dc == 0:
+                            for c in T.unroll(head_dim * _BYTES[kv_dtype] // 64):   # the row vb keys on
+                                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                                    vc[T.int64(0), kvh, lo + j + T.int64(vb), c * 64 // _BYTES[kv_dtype]]),
+                                    T.int32(0), T.int32(3), T.int32(1)))
+                        for hh in T.unroll(hv):
+                            for c in T.unroll(dv // LANES):
+                                acc[T.ramp((hh * (dv // LANES) + c) * LANES, 1, LANES)] = acc[T.ramp(
+                                    (hh * (dv // LANES) + c) * LANES, 1, LANES)] + (
+                                    widen(T, vc[T.int64(0), kvh, lo + j, T.ramp(dc * dv + c * LANES, 1, LANES)],
+                                          kv_dtype, LANES)
+                                    * T.broadcast(sc[T.min(gv * hv + hh, g - 1), lo + j], LANES))
+                    for e in T.unroll(hv * dv // LANES):
+                        accs[T.ramp(((gv * hv + e // (dv // LANES)) * head_dim + dc * dv + e % (dv // LANES) * LANES),
+                                    1, LANES)] = acc[T.ramp(e * LANES, 1, LANES)]
+        for hh in range(g):
+            for c in T.unroll(chunks):
+                out[T.int64(0), T.int64(0), T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
+                    accs[T.ramp(hh * head_dim + c * LANES, 1, LANES)] / T.broadcast(tot[hh], LANES))
 
     @T.macro
     def quantize_output(out, aq, ad, off, h0):
@@ -551,17 +604,20 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             # the accumulators (under STACK_BYTES each), zeroed here so that they live through
             # the whole task: TVM's storage planner would otherwise give them qr's memory,
             # which is in the workspace pool
-            sacc = T.decl_buffer((nt * g * kt,), "float32", scope="global")   # scores of nt tiles
-            acc = T.decl_buffer((sweep * head_dim,), "float32", scope="global")   # values of `sweep` heads
-            for i in T.unroll(nt * g):
+            sacc = T.decl_buffer((nt * hg * kt,), "float32", scope="global")   # scores of nt tiles
+            acc = T.decl_buffer((hv * dv,), "float32", scope="global")   # a value tile
+            accs = T.alloc_buffer((ngv * hv * head_dim,), "float32")   # every head's values
+            for i in T.unroll(nt * hg):
                 sacc[T.ramp(i * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
-            for i in T.unroll(sweep * chunks):
+            for i in T.unroll(hv * dv // LANES):
                 acc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+            for i in range(ngv * hv * chunks):
+                accs[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
             write_new_token(k, v, kc, vc, kr, cos, sin, pos, kvh, slot)
             rotate_queries(q, qr, mx, cos, sin, pos, h0)
             score(kc, qr, sc, mx, sacc, kvh, keys, tiles)
             weigh(sc, mx, tot, keys, tiles)
-            values(vc, sc, tot, acc, out, kvh, h0, keys)
+            values(vc, sc, tot, acc, accs, out, kvh, h0, keys)
             quantize_output(out, aq, ad, off, h0)
 
     @T.macro
