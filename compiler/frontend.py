@@ -308,5 +308,5 @@ def fusion_passes(ctx: ImportContext):
         passes.append(fuse_decode_attention(
             ctx.kname, dict(ctx.rotary_kernels), ZERO_POINT if w4a8_path else None,
             kernels.w4a8.decode_layout if w4a8_path else "plain", kernels.decode_attention == "three_pass_heads",
-            vector_registers(ctx.features)))
+            vector_registers(ctx.features), kernels.decode_split_keys))
     return tvm.transform.Sequential(passes)

@@ -78,12 +78,14 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str):
 
 
 def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, layout: str = "plain",
-                          per_head: bool = False, registers: tuple[int, int] = (16, 32)):
+                          per_head: bool = False, registers: tuple[int, int] = (16, 32),
+                          split_keys: int | None = None):
     """The pass; `kname` names a kernel in this entry point, `rotary_kernels` maps the rotary
     kernels the import emitted to their head count (frontend.ImportContext), `zero_point`:
     also write the output's Q8_0 with this zero point (None: do not), in the activation
     `layout` the o projection's GEMV reads; `per_head`: a task per query head, not per kv head;
-    `registers`: the target's vector registers (targets.vector_registers)."""
+    `registers`: the target's vector registers (targets.vector_registers); `split_keys`: the
+    keys a task takes (targets.Kernels.decode_split_keys)."""
 
     def make(mod, defs: Bindings):
         fused, quantizers = _plan(mod, defs, rotary_kernels, zero_point, layout)
@@ -100,7 +102,7 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, l
                 kv_dtype = str(f["past_k"].ty.dtype)
                 kernel = fast.decode_attention(f["heads"], f["kv_heads"], f["head_dim"], f["scale"],
                                                str(pos.ty.dtype), zero_point if quantize else None, layout,
-                                               1 if per_head else None, kv_dtype, registers)
+                                               1 if per_head else None, kv_dtype, registers, split_keys)
                 suffix = ("_heads" if per_head else "") + ("" if not quantize else "_q8" if layout == "plain"
                                                            else f"_q8_{layout}") + (
                     "" if kv_dtype == "float32" else f"_{kv_dtype}")

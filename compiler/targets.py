@@ -142,6 +142,11 @@ class Kernels:
     # in decode_attention, a task per kv head), "three_pass_heads" (the same, a task per query
     # head: more tasks for many cores), "online" (those kernels apart, the online attention)
     decode_attention: str
+    # decode attention's keys split in spans of this many, a task each, merged after ("split-K"):
+    # at depth every thread of a many-core machine gets work, where a 2-kv-head model had 2
+    # (x86) or 14 (ARM) tasks. None: one task takes all of its heads' keys (x86: the split
+    # costs 3-4% at 1-2 threads, 4k-16k keys, and nothing is gained with 2 kv heads on 2 cores)
+    decode_split_keys: int | None = None
 
 
 _VNNI = W4A8("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8))
@@ -159,9 +164,9 @@ KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     # Decode attention: three passes on x86, 1.5x the online kernel at 512 cached tokens; on
     # ARM a task per query head, so the kernels it absorbs are no serial work between launches
     # on a 64-128-core machine (results.md).
-    (frozenset({"dotprod", "i8mm"}), Kernels(_SMMLA, "three_pass_heads")),
-    (frozenset({"dotprod"}), Kernels(_SDOT, "three_pass_heads")),
-    (frozenset({"neon"}), Kernels(None, "three_pass_heads")),
+    (frozenset({"dotprod", "i8mm"}), Kernels(_SMMLA, "three_pass_heads", 512)),
+    (frozenset({"dotprod"}), Kernels(_SDOT, "three_pass_heads", 512)),
+    (frozenset({"neon"}), Kernels(None, "three_pass_heads", 512)),
     (frozenset({"avx512_vnni", "avx512bw", "avx512f"}), Kernels(_VNNI, "three_pass")),
     (frozenset({"avx2", "fma"}), Kernels(_AVX2, "three_pass")),
     (frozenset(), Kernels(None, "three_pass")),

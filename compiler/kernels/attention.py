@@ -15,7 +15,8 @@ Running max / sum / weighted-value accumulator (flash-attention style) updated o
 of 64 keys (per tile in a query's last, partial span), so no score row is stored; the
 block's queries take the keys span by span, so a span is read from memory once a block; exp
 is the vector polynomial of kernels/vector_math.py. Decode (`decode_attention`): a task per
-kv head (x86) or per query head (ARM), three passes (scores, weights, values).
+kv head (x86) or per query head (ARM), three passes (scores, weights, values); on ARM, at
+depth, the keys split in spans over tasks as well, merged after.
 """
 
 from __future__ import annotations
@@ -363,8 +364,9 @@ def _accumulator_bytes(registers: tuple[int, int]) -> int:
 def _score_tile(g: int, registers) -> tuple[int, int, int]:
     """The scores' register tile for a task of g query heads: (K tiles at once, heads a group,
     groups). Every head in one group if it fits, with SCORE_STREAMS tiles if those fit too;
-    else the heads in groups that each fit (AVX2's 16 registers: 7 heads in 2 groups of 4,
-    where one group of 7 spilled: the scores pass 1.6x slower)."""
+    else one tile, the heads in groups that each fit (AVX2's 16 registers: 7 heads in 2
+    groups of 4; 2 tiles of 7 heads, as AVX-512 takes them, spilled: the passes before the
+    values 1.9x slower, kernel harness, 4k cached tokens)."""
     budget, per_head = _accumulator_bytes(registers), KEY_TILE * 4
     if SCORE_STREAMS * g * per_head <= budget:
         return SCORE_STREAMS, g, 1
@@ -397,7 +399,8 @@ def _value_tile(g: int, head_dim: int, registers, kv_dtype: str) -> tuple[int, i
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos_dtype: str,
                      zero_point: int | None = None, layout: str = "plain", heads_per_task: int | None = None,
-                     kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32)):
+                     kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32),
+                     split_keys: int | None = None):
     """Attention of one new token (decode), one parallel task per kv head running its whole
     group of query heads, in three passes over the cached keys instead of the online update:
 
@@ -418,8 +421,16 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     No pass carries a dependency from tile to tile but a max or a sum, so the tiles overlap in
     the core, where the online form's per-tile rescale chain (max -> exp -> rescale -> update)
     serialised them: 1.5x faster than `attention` at 512 cached tokens, 1.9x at 3000 (kernel
-    harness, cache-cold; docs/design.md). Decode has kv_heads tasks: on many cores, splitting
-    the keys across threads would be the next step.
+    harness, cache-cold; docs/design.md).
+
+    `split_keys` (a multiple of 16; None: no split): the keys in spans of that many, a task
+    each, so that at depth a many-core machine has kv_heads x spans tasks (or heads x spans),
+    not kv_heads. Each span's task runs the three passes over its keys and leaves its max,
+    its weights' sum and its weighted values (unnormalised); a second parallel loop, a task
+    per query-head group, merges the spans (each rescaled by exp(its max - the largest)) and
+    writes the output and its Q8_0. With one span (keys <= split_keys) the task writes the
+    output itself and the second loop is not launched. The task of the last span writes the
+    new token's key and value: no other span reads that slot.
 
     The task also does what took four kernels of their own (a launch each, 96 a step at 24
     layers): it rotates its kv head's new key and its group's queries (rotate-half rotary at
@@ -459,6 +470,20 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     nt, hg, ng = _score_tile(g, registers)        # K tiles at once, heads a group, groups
     hv, dv, ngv = _value_tile(g, head_dim, registers, kv_dtype)   # heads x dims a value tile
     vb = V_BLOCK
+    split = split_keys is not None
+    span_tiles = (split_keys or kt) // kt
+    if split_keys is not None and (split_keys % kt or split_keys < kt):
+        raise ValueError(f"decode_attention: split_keys {split_keys} is not a multiple of {kt}")
+
+    def span_count(T, tiles):
+        """The keys' spans (a task each): of split_keys keys, the last one shorter; or one."""
+        return (tiles + T.int64(span_tiles - 1)) // T.int64(span_tiles) if split else T.int64(1)
+
+    def span_tile_count(T, tiles, t0):
+        return T.min(T.int64(span_tiles), tiles - t0) if split else tiles
+
+    def span_keys(cap):
+        return split_keys if split else cap
 
     @T.macro
     def rotate(dst, at, x, base, cos, sin, p):
@@ -494,23 +519,24 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(NEG_INF), kt)
 
     @T.macro
-    def score(kc, qr, sc, mx, sacc, kvh, keys, tiles):
-        """1: scores into sc and their running max lanes into mx, nt tiles at once (streams):
-        tiles r, per + r, ...; with tiles % nt left over, one more round whose streams past
-        the last tile redo it (same values). The heads in ng groups of hg, each group reading
-        the tiles' lines again from L1; heads past the group redo the last one (same values)."""
+    def score(kc, qr, sc, mx, sacc, kvh, keys, t0, tiles):
+        """1: scores of tiles t0 .. t0 + tiles into sc and their running max lanes into mx, nt
+        tiles at once (streams): tiles r, per + r, ...; with tiles % nt left over, one more
+        round whose streams past the last tile redo it (same values). The heads in ng groups
+        of hg, each group reading the tiles' lines again from L1; heads past the group redo
+        the last one (same values)."""
         per = T.bind(tiles // T.int64(nt))
         for r in range(per + T.Cast("int64", tiles % T.int64(nt) > T.int64(0))):
             for gs in T.unroll(ng):
                 for d in range(head_dim):   # line d of a tile: element d of its 16 keys
                     if gs == 0:   # each stream's line K_PREFETCH_LINES on (past the tile: the next)
                         for i in T.unroll(nt):
-                            first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))   # the tile's first key
+                            first = T.bind((t0 + T.min(i * per + r, tiles - T.int64(1))) * T.int64(kt))
                             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(kc[
                                 T.int64(0), kvh, k_row_col(first, d + K_PREFETCH_LINES, head_dim)[0],
                                 k_row_col(first, d + K_PREFETCH_LINES, head_dim)[1]]), T.int32(0), T.int32(3), T.int32(1)))
                     for i in T.unroll(nt):
-                        first = T.bind(T.min(i * per + r, tiles - T.int64(1)) * T.int64(kt))
+                        first = T.bind((t0 + T.min(i * per + r, tiles - T.int64(1))) * T.int64(kt))   # the tile's first key
                         for hh in T.unroll(hg):
                             sacc[T.ramp((i * hg + hh) * kt, 1, kt)] = sacc[T.ramp((i * hg + hh) * kt, 1, kt)] + (
                                 T.broadcast(qr[T.min(gs * hg + hh, g - 1) * head_dim + d], kt) * widen(T, kc[
@@ -519,41 +545,42 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                 for i in T.unroll(nt):       # past the last key: -inf
                     for hh in T.unroll(hg):
                         h = T.bind(T.min(gs * hg + hh, g - 1))
-                        t = T.bind(T.min(i * per + r, tiles - T.int64(1)))
+                        t = T.bind(t0 + T.min(i * per + r, tiles - T.int64(1)))
                         s = T.bind(T.Select(_in_tile(T, t, keys), sacc[T.ramp((i * hg + hh) * kt, 1, kt)]
                                             * T.broadcast(T.float32(scale), kt), T.broadcast(T.float32(NEG_INF), kt)))
-                        sc[h, T.ramp(t * kt, 1, kt)] = s
+                        sc[h, T.ramp((t - t0) * kt, 1, kt)] = s
                         mx[T.ramp(h * kt, 1, kt)] = T.max(mx[T.ramp(h * kt, 1, kt)], s)
                         sacc[T.ramp((i * hg + hh) * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
 
     @T.macro
-    def weigh(sc, mx, tot, keys, tiles):
-        """2: weights exp(s - max) in place of the scores (past the last key: 0), their sums in tot."""
+    def weigh(sc, mx, top, tot, keys, t0, tiles):
+        """2: weights exp(s - max) in place of the scores (past the last key: 0); per head the
+        max in top, the weights' sum in tot."""
         for hh in range(g):
-            m = T.bind(vector_math.reduce_max(T, mx[T.ramp(hh * kt, 1, kt)], kt))
+            top[hh] = vector_math.reduce_max(T, mx[T.ramp(hh * kt, 1, kt)], kt)
             mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(0), kt)    # now the sum's lanes
-            for t in range(tiles):
+            for t in range(t0, t0 + tiles):
                 e = T.bind(T.Select(_in_tile(T, t, keys),
-                                    vector_math.exp(T, sc[hh, T.ramp(t * kt, 1, kt)] - T.broadcast(m, kt), kt),
+                                    vector_math.exp(T, sc[hh, T.ramp((t - t0) * kt, 1, kt)] - T.broadcast(top[hh], kt), kt),
                                     T.broadcast(T.float32(0), kt)))
-                sc[hh, T.ramp(t * kt, 1, kt)] = e
+                sc[hh, T.ramp((t - t0) * kt, 1, kt)] = e
                 mx[T.ramp(hh * kt, 1, kt)] = mx[T.ramp(hh * kt, 1, kt)] + e
             tot[hh] = vector_math.reduce_sum(T, mx[T.ramp(hh * kt, 1, kt)], kt)
 
     @T.macro
-    def values(vc, sc, tot, acc, accs, out, kvh, h0, keys):
-        """3: out = weighted sum of the values, in blocks of vb keys: the block's V rows come
-        from DRAM for its first tile of hv heads x dv dims (which prefetches the next block's)
-        and from L1 for the others; a tile accumulates in registers (acc), between blocks in
-        accs. Heads past the group redo the last one (not stored)."""
-        for b in range((keys + T.int64(vb - 1)) // T.int64(vb)):
-            lo = T.bind(b * T.int64(vb))
+    def values(vc, sc, acc, accs, kvh, k0, k1):
+        """3: accs = the weighted sum of the values of keys k0 .. k1 per head, in blocks of vb
+        keys: the block's V rows come from DRAM for its first tile of hv heads x dv dims
+        (which prefetches the next block's) and from L1 for the others; a tile accumulates in
+        registers (acc), between blocks in accs. Heads past the group redo the last one."""
+        for b in range((k1 - k0 + T.int64(vb - 1)) // T.int64(vb)):
+            lo = T.bind(k0 + b * T.int64(vb))
             for gv in range(ngv):   # not unrolled: LLVM would keep every tile's accs in registers
                 for dc in range(head_dim // dv):
                     for e in T.unroll(hv * dv // LANES):
                         acc[T.ramp(e * LANES, 1, LANES)] = accs[T.ramp(
                             ((gv * hv + e // (dv // LANES)) * head_dim + dc * dv + e % (dv // LANES) * LANES), 1, LANES)]
-                    for j in range(T.min(T.int64(vb), keys - lo)):
+                    for j in range(T.min(T.int64(vb), k1 - lo)):
                         if gv == 0 and dc == 0:
                             for c in T.unroll(head_dim * _BYTES[kv_dtype] // 64):   # the row vb keys on
                                 T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
@@ -565,14 +592,10 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                                     (hh * (dv // LANES) + c) * LANES, 1, LANES)] + (
                                     widen(T, vc[T.int64(0), kvh, lo + j, T.ramp(dc * dv + c * LANES, 1, LANES)],
                                           kv_dtype, LANES)
-                                    * T.broadcast(sc[T.min(gv * hv + hh, g - 1), lo + j], LANES))
+                                    * T.broadcast(sc[T.min(gv * hv + hh, g - 1), lo + j - k0], LANES))
                     for e in T.unroll(hv * dv // LANES):
                         accs[T.ramp(((gv * hv + e // (dv // LANES)) * head_dim + dc * dv + e % (dv // LANES) * LANES),
                                     1, LANES)] = acc[T.ramp(e * LANES, 1, LANES)]
-        for hh in range(g):
-            for c in T.unroll(chunks):
-                out[T.int64(0), T.int64(0), T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
-                    accs[T.ramp(hh * head_dim + c * LANES, 1, LANES)] / T.broadcast(tot[hh], LANES))
 
     @T.macro
     def quantize_output(out, aq, ad, off, h0):
@@ -588,16 +611,51 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                                    None if layout == "plain" else ((lambda e: col + e), (col // BLOCK,)))
 
     @T.macro
+    def merge(part, out, aq, ad, off, spans, h0, first):
+        """5 (keys in several spans): the task's heads' output from its spans' partial results
+        (part rows first .. first + spans: per head its max, its weights' sum, its weighted
+        values), each span's rescaled by exp(its max - the largest), as the online softmax
+        does; then the Q8_0 blocks."""
+        for hh in range(g):
+            m = T.decl_buffer((1,), "float32", scope="global")
+            m[0] = T.float32(NEG_INF)
+            for sp in range(spans):
+                m[0] = T.max(m[0], part[first + sp, hh, 0])
+            den = T.decl_buffer((1,), "float32", scope="global")
+            num = T.decl_buffer((head_dim,), "float32", scope="global")
+            den[0] = T.float32(0)
+            for c in T.unroll(chunks):
+                num[T.ramp(c * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+            for sp in range(spans):
+                w = T.bind(T.exp(part[first + sp, hh, 0] - m[0]))
+                den[0] = den[0] + part[first + sp, hh, 1] * w
+                for c in T.unroll(chunks):
+                    num[T.ramp(c * LANES, 1, LANES)] = num[T.ramp(c * LANES, 1, LANES)] + part[
+                        first + sp, hh, T.ramp(2 + c * LANES, 1, LANES)] * T.broadcast(w, LANES)
+            for c in T.unroll(chunks):
+                out[T.int64(0), T.int64(0), T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
+                    num[T.ramp(c * LANES, 1, LANES)] / T.broadcast(den[0], LANES))
+        quantize_output(out, aq, ad, off, h0)
+
+    @T.macro
     def attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off):
         # T.bind: a plain assignment here became a workspace allocation per call
         slot = T.bind(T.Cast("int64", seqlens[0]))         # the new token's cache slot
         keys = T.bind(slot + T.int64(1))                   # it attends to slots 0 .. seqlens[0]
         tiles = T.bind((keys + T.int64(kt - 1)) // T.int64(kt))
-        for task in T.parallel(kv_heads * subs):
-            kvh = T.bind(task // subs)
-            h0 = T.bind(kvh * group + task % subs * g)             # the task's first query head
-            sc = T.alloc_buffer((g, cap), "float32")        # scores, then weights, per head
+        spans = T.bind(span_count(T, tiles))
+        # with several spans, each task's partial result: per head max, sum, weighted values
+        # (sized by cap: the spans' count is bound after the allocations TVM hoists to the top)
+        part = T.alloc_buffer((kv_heads * subs * (cap // T.int64(span_keys(cap)) + T.int64(1)), g, head_dim + 2),
+                              "float32")
+        for task in T.parallel(kv_heads * subs * spans):
+            kvh = T.bind(task // (subs * spans))
+            h0 = T.bind(kvh * group + task // spans % subs * g)    # the task's first query head
+            t0 = T.bind(task % spans * T.int64(span_tiles))        # the span's first tile
+            n = T.bind(span_tile_count(T, tiles, t0))              # and its tiles
+            sc = T.alloc_buffer((g, span_keys(cap)), "float32")   # the span's scores, then weights, per head
             mx = T.decl_buffer((g * kt,), "float32", scope="global")   # running max lanes
+            top = T.decl_buffer((g,), "float32", scope="global")       # max of the scores
             tot = T.decl_buffer((g,), "float32", scope="global")       # sum of the weights
             qr = T.decl_buffer((g * head_dim,), "float32", scope="global")   # the task's queries
             kr = T.decl_buffer((head_dim,), "float32", scope="global")           # the new key
@@ -613,12 +671,27 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                 acc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
             for i in range(ngv * hv * chunks):
                 accs[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
-            write_new_token(k, v, kc, vc, kr, cos, sin, pos, kvh, slot)
+            if task % spans == spans - T.int64(1):   # the span that holds the new token's slot
+                write_new_token(k, v, kc, vc, kr, cos, sin, pos, kvh, slot)
             rotate_queries(q, qr, mx, cos, sin, pos, h0)
-            score(kc, qr, sc, mx, sacc, kvh, keys, tiles)
-            weigh(sc, mx, tot, keys, tiles)
-            values(vc, sc, tot, acc, accs, out, kvh, h0, keys)
-            quantize_output(out, aq, ad, off, h0)
+            score(kc, qr, sc, mx, sacc, kvh, keys, t0, n)
+            weigh(sc, mx, top, tot, keys, t0, n)
+            values(vc, sc, acc, accs, kvh, t0 * T.int64(kt), T.min(keys, (t0 + n) * T.int64(kt)))
+            if spans == T.int64(1):
+                for hh in range(g):
+                    for c in T.unroll(chunks):
+                        out[T.int64(0), T.int64(0), T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
+                            accs[T.ramp(hh * head_dim + c * LANES, 1, LANES)] / T.broadcast(tot[hh], LANES))
+                quantize_output(out, aq, ad, off, h0)
+            else:
+                for hh in range(g):
+                    part[task, hh, 0] = top[hh]
+                    part[task, hh, 1] = tot[hh]
+                    for c in T.unroll(chunks):
+                        part[task, hh, T.ramp(2 + c * LANES, 1, LANES)] = accs[T.ramp(hh * head_dim + c * LANES, 1, LANES)]
+        if spans > T.int64(1):
+            for task in T.parallel(kv_heads * subs):
+                merge(part, out, aq, ad, off, spans, task // subs * group + task % subs * g, task * spans)
 
     @T.macro
     def kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off):

@@ -85,6 +85,28 @@ def test_arm_logits_match_host(arm64_env, builds, tmp_path, target, act):
     assert [int(x.argmax()) for x in arm] == [int(x.argmax()) for x in host]
 
 
+def test_arm_decode_at_depth_splits_the_keys_and_matches_host(arm64_env, builds, tmp_path):
+    """At depth the ARM decode attention splits the cached keys in spans of 512, a task each,
+    merged after (targets.Kernels.decode_split_keys); the x86 host's takes them whole. 700
+    cached tokens (two spans), then decode steps, under qemu at 1 and 8 threads: the host's
+    logits, and the same bits at both thread counts (the spans do not depend on them)."""
+    steps = [[int(t) for t in np.random.default_rng(3).integers(0, 259, 700)], 5, 6, 7]
+    out = {}
+    for threads in (1, 8):
+        dest = tmp_path / f"depth-{threads}.npy"
+        env = dict(arm64_env, TVM_NUM_THREADS=str(threads))
+        r = subprocess.run(emulation.engine_command(env, builds["arm-yitian", 8], dest, json.dumps(steps)), env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[threads] = np.load(dest)
+    assert np.array_equal(out[1], out[8])
+    eng = Engine(builds["host", 8], ctx=len(steps[0]) + len(steps))
+    host = np.stack([eng.prefill(steps[0])] + [eng.decode(t) for t in steps[1:]])
+    for a, h in zip(out[1], host):
+        assert np.abs(a - h).max() / np.abs(h).max() < 1e-3
+    assert [int(x.argmax()) for x in out[1]] == [int(x.argmax()) for x in host]
+
+
 def _disassemble(artifact) -> str:
     return subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(Path(artifact) / "lib.so")],
                           capture_output=True, text=True, check=True).stdout

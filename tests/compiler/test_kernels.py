@@ -359,20 +359,21 @@ def test_vector_rotary_gives_the_te_rotarys_bits(b, s, heads, hd, pos_dtype):
 
 
 @pytest.mark.parametrize("heads, kvh, hd", [(14, 2, 64), (4, 2, 32)])
-@pytest.mark.parametrize("past", [0, 5, 15, 16, 40, 130, 999])
+@pytest.mark.parametrize("past", [0, 5, 15, 16, 40, 130, 999, 1600])
 @pytest.mark.parametrize("layout, per_task", [("plain", None), ("arm", 1)])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("registers", [(16, 32), (32, 64)])
+@pytest.mark.parametrize("registers, split", [((16, 32), None), ((32, 64), None), ((32, 16), 512), ((16, 32), 64)])
 def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd, past, layout, per_task, dtype,
-                                                                 registers):
+                                                                 registers, split):
     """The three-pass decode attention given one token's q, k, v before rotary: the cache it
     leaves equals, bit for bit, what the rotary kernel then the cache writers leave (K tiles, V
     rows; slot `past`, at position past + 3 to tell the two apart), its output equals numpy's
     attention over it, and its Q8_0 blocks equal the quantizer kernel's of that output, bit
     for bit: as x86 builds it (a task per kv head, the plain layout) and as ARM does (a task
     per query head, every task of a kv head writing its new key and value; int32 offsets); at
-    each cache dtype; with the register tiles of AVX2's and AVX-512's register files (several
-    score groups, value tiles of a part of a head); across several blocks of values."""
+    each cache dtype; with the register tiles of AVX2's, AVX-512's and NEON's register files
+    (several score groups, value tiles of a part of a head); across several blocks of values;
+    the keys whole, or split in spans of 512 or 64 keys (a task each, then merged)."""
     import tvm
 
     from qwc.compiler.kernels import act_quant, attention
@@ -392,7 +393,7 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
     out, aq, ad, off = (tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in (
         (q.shape, np.float32), ((1, nb, 32), np.int8), ((1, nb), np.float32), ((1, nb), off_dtype)))
     kernel = _host_kernel(attention.decode_attention(heads, kvh, hd, float(scale), "int64", w4a8.ZERO_POINT,
-                                                     layout, per_task, dtype, registers))
+                                                     layout, per_task, dtype, registers, split))
     kernel(*(tvm.runtime.tensor(x) for x in (q, k[None, past:], v[None, past:])), kc, vc,
            tvm.runtime.tensor(np.array([past], np.int32)), *(tvm.runtime.tensor(x) for x in (pos, cos, sin)),
            out, aq, ad, off)

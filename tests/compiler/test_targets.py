@@ -9,15 +9,16 @@ from qwc.compiler import targets
 from qwc.compiler.targets import GEMM_LAYOUT, GEMM_TILES, default_act_bits, get_target, kernels_for, q4_0_path
 
 
-@pytest.mark.parametrize("name, isa, decode, prefill, layouts, attention", [
-    ("arm-yitian", "arm", "sdot", "smmla", ("arm", "arm_pairs"), "three_pass_heads"),
-    ("arm-neon", "arm", "sdot", "sdot", ("arm", "arm"), "three_pass_heads"),
-    ("x86-avx2", "x86", "avx2", "avx2", ("plain", "plain"), "three_pass"),
-    ("x86-avx512", "x86", "vnni", "vnni", ("plain", "plain"), "three_pass"),
+@pytest.mark.parametrize("name, isa, decode, prefill, layouts, attention, split, registers", [
+    ("arm-yitian", "arm", "sdot", "smmla", ("arm", "arm_pairs"), "three_pass_heads", 512, (32, 16)),
+    ("arm-neon", "arm", "sdot", "sdot", ("arm", "arm"), "three_pass_heads", 512, (32, 16)),
+    ("x86-avx2", "x86", "avx2", "avx2", ("plain", "plain"), "three_pass", None, (16, 32)),
+    ("x86-avx512", "x86", "vnni", "vnni", ("plain", "plain"), "three_pass", None, (32, 64)),
 ])
-def test_each_target_selects_its_kernels(name, isa, decode, prefill, layouts, attention):
+def test_each_target_selects_its_kernels(name, isa, decode, prefill, layouts, attention, split, registers):
     k = kernels_for(get_target(name).features)
-    assert k.decode_attention == attention
+    assert (k.decode_attention, k.decode_split_keys) == (attention, split)
+    assert targets.vector_registers(get_target(name).features) == registers
     if isa is None:
         assert k.w4a8 is None and default_act_bits(get_target(name).features) == 32
         assert q4_0_path(32, 4, 8, get_target(name).features) is None
