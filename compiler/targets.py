@@ -145,7 +145,8 @@ class Kernels:
     # decode attention's keys split in spans of this many, a task each, merged after ("split-K"):
     # at depth every thread of a many-core machine gets work, where a 2-kv-head model had 2
     # (x86) or 14 (ARM) tasks. None: one task takes all of its heads' keys (x86: the split
-    # costs 3-4% at 1-2 threads, 4k-16k keys, and nothing is gained with 2 kv heads on 2 cores)
+    # costs 1-9% at 1-2 threads, bench/decode_attention.py: 2 kv heads already fill 2 cores; a
+    # many-core x86 would want it)
     decode_split_keys: int | None = None
 
 
