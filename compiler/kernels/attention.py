@@ -42,7 +42,6 @@ V_BLOCK = 64             # keys a block of the values pass (8 KiB of f16 V at he
 # registers; a larger one from its workspace pool, which LLVM cannot tell apart from the other
 # buffers, so every update of it is stored (the values pass was bound by those stores).
 STACK_BYTES = 1024
-_BYTES = {"float32": 4, "float16": 2}
 NEG_INF = -3.0e38  # the running max's start and masked lanes' score (finite: no inf - inf)
 # Prefill: a task takes up to QUERY_BLOCK queries of one head, and they take the keys in spans
 # of SPAN in turn: a span's K and V (32 KiB at head_dim 64) are read from DRAM or L3 once and
@@ -63,7 +62,7 @@ def supports(head_dim: int) -> bool:
 # The cache's element types: float32, or float16 (half the memory and the bytes a step reads at
 # depth). The kernels compute in float32 either way: a float16 element is widened as it is
 # loaded (F16C's vcvtph2ps, NEON's fcvtl) and rounded to nearest as it is stored.
-KV_DTYPES = ("float32", "float16")
+KV_DTYPES = {"float32": 4, "float16": 2}   # the cache element types, and their bytes
 
 
 def widen(T, x, dtype: str, lanes: int = 1):
@@ -582,9 +581,9 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                             ((gv * hv + e // (dv // LANES)) * head_dim + dc * dv + e % (dv // LANES) * LANES), 1, LANES)]
                     for j in range(T.min(T.int64(vb), k1 - lo)):
                         if gv == 0 and dc == 0:
-                            for c in T.unroll(head_dim * _BYTES[kv_dtype] // 64):   # the row vb keys on
+                            for c in T.unroll(head_dim * KV_DTYPES[kv_dtype] // 64):   # the row vb keys on
                                 T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                                    vc[T.int64(0), kvh, lo + j + T.int64(vb), c * 64 // _BYTES[kv_dtype]]),
+                                    vc[T.int64(0), kvh, lo + j + T.int64(vb), c * 64 // KV_DTYPES[kv_dtype]]),
                                     T.int32(0), T.int32(3), T.int32(1)))
                         for hh in T.unroll(hv):
                             for c in T.unroll(dv // LANES):
