@@ -16,7 +16,8 @@ Per token, at each thread count T (figures of waiting left out, see below):
 Per token = the difference of two runs over their difference in tokens, so start-up cancels:
 decode a 4-token prompt with 2 and 6 steps; prefill a PREFILL-token prompt once and twice (each
 from an empty cache: llama-bench -r 1 and -r 2), so the difference is exactly one prefill
-call, its launches included.
+call, its launches included. qwc's runner keeps only the last logits (run_engine.py's
+"last"), as llama-bench keeps none: stacking every step's logits is the harness's work.
 
 How threads and launches are seen (bench/icount/phases.c):
 - qwc (TVM's pool): a launch begins where the main thread enters TVMBackendParallelLaunch
@@ -288,7 +289,9 @@ def main():
         def qwc_run(kind, n, t, out):
             """decode: n steps after a 4-token prompt; prefill: the prompt n times."""
             ids = list(range(100, 100 + (DECODE[0] if kind == "decode" else PREFILL)))
-            steps = [ids] + [5] * n if kind == "decode" else {"prefill": ids, "repeat": n}
+            # only the last logits kept (run_engine.py: "last"): the harness's copies are not qwc's
+            steps = {"steps": [ids] + [5] * n, "last": True} if kind == "decode" else {"prefill": ids, "repeat": n,
+                                                                                       "last": True}
             rec = run_qwc(env, plug, marks, str(art), steps, t, out)
             maps = out.with_suffix(".maps")
             return qwc_figures(rec, lib, maps, t), lambda: hot_loop_cpi(attr, elf_blocks(rec, lib, maps))

@@ -298,6 +298,7 @@ def fusion_passes(ctx: ImportContext):
     from .fuse_gate_up import fuse_gate_up
     from .fuse_quantizer_inputs import fuse_quantizer_inputs
     from .fuse_residual_gemv import fuse_residual_gemv
+    from .split_residual_gemv import split_residual_gemv
 
     passes = [fuse_residual_gemv, fuse_quantizer_inputs(ctx.kname), fuse_gate_up(ctx.kname)]
     kernels = kernels_for(ctx.features)
@@ -309,4 +310,6 @@ def fusion_passes(ctx: ImportContext):
             ctx.kname, dict(ctx.rotary_kernels), ZERO_POINT if w4a8_path else None,
             kernels.w4a8.decode_layout if w4a8_path else "plain", kernels.decode_attention == "three_pass_heads",
             vector_registers(ctx.features), kernels.decode_split_keys))
+    if kernels.decode_threads and kernels.w4a8 and ctx.act_bits == 8:
+        passes.append(split_residual_gemv(ctx.kname, kernels.decode_threads))
     return tvm.transform.Sequential(passes)

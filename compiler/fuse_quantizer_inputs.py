@@ -21,8 +21,14 @@ from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
 def rms_norm_operands(defs: Bindings, a, k: int):
-    """(x, gamma, eps) when `a` is RMSNorm over its last axis (K) with a [K] gamma, else None."""
+    """(x, gamma, eps) when `a` is RMSNorm over its last axis (K) with a [K] gamma, else None.
+    A slice that keeps a's shape is looked through: the last position's slice in front of
+    the head (passes/last_position.py), which a decode step's one position (and prefill's,
+    whose last layer is already cut to it) makes the identity; else the final norm would
+    stay a kernel of its own, and serial, before a plain quantizer."""
     e = defs.value(a)
+    if call_of(e, "relax.strided_slice") and structural_equal(e.args[0].ty.shape, a.ty.shape):
+        e = defs.value(e.args[0])
     if not call_of(e, "relax.nn.rms_norm"):
         return None
     x, gamma = e.args

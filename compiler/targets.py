@@ -148,6 +148,10 @@ class Kernels:
     # costs 1-9% at 1-2 threads, bench/decode_attention.py: 2 kv heads already fill 2 cores; a
     # many-core x86 would want it)
     decode_split_keys: int | None = None
+    # the threads a decode step's launches are sized for: a residual GEMV of fewer row groups
+    # splits its blocks into parts (compiler/split_residual_gemv.py). ARM: a Yitian 710 has 128
+    # cores. None: no split (x86 at 2-64 threads: 56 groups already fill them)
+    decode_threads: int | None = None
 
 
 _VNNI = W4A8("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8))
@@ -165,8 +169,8 @@ KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     # Decode attention: three passes on x86, 1.5x the online kernel at 512 cached tokens; on
     # ARM a task per query head, so the kernels it absorbs are no serial work between launches
     # on a 64-128-core machine (results.md).
-    (frozenset({"dotprod", "i8mm"}), Kernels(_SMMLA, "three_pass_heads", 512)),
-    (frozenset({"dotprod"}), Kernels(_SDOT, "three_pass_heads", 512)),
+    (frozenset({"dotprod", "i8mm"}), Kernels(_SMMLA, "three_pass_heads", 512, 128)),
+    (frozenset({"dotprod"}), Kernels(_SDOT, "three_pass_heads", 512, 128)),
     (frozenset({"neon"}), Kernels(None, "three_pass_heads", 512)),
     (frozenset({"avx512_vnni", "avx512bw", "avx512f"}), Kernels(_VNNI, "three_pass")),
     (frozenset({"avx2", "fma"}), Kernels(_AVX2, "three_pass")),

@@ -47,17 +47,21 @@ def gemv_dot(func) -> str:
 
 def decode_epilogues(dot: str) -> frozenset[str]:
     """What the decode GEMV of `dot` can do as it stores: "bias" (a bias or the residual),
-    "silu_mul" (gate and up as silu(gate) * up), "quantize" (that as Q8_0 blocks)."""
+    "silu_mul" (gate and up as silu(gate) * up), "quantize" (that as Q8_0 blocks), "split"
+    (one output's blocks in parts, summed by the RMSNorm quantizer that reads them)."""
     return kernel_module(dot).DECODE_EPILOGUES
 
 
 def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16",
-                silu_mul: bool = False, quantize: int | None = None, dot: str = "vnni"):
-    """The multi-output decode GEMV of `dot` (outputs = ((N, with bias), ...))."""
+                silu_mul: bool = False, quantize: int | None = None, dot: str = "vnni", split: int = 1):
+    """The multi-output decode GEMV of `dot` (outputs = ((N, with bias), ...)); `split` > 1:
+    one output's blocks in that many parts, y [split, N] (the "split" epilogue)."""
     want = {"bias"} if any(b for _, b in outputs) else set()
     want |= {"silu_mul"} if silu_mul else set()
     want |= {"quantize"} if quantize is not None else set()
+    want |= {"split"} if split != 1 else set()
     if not want <= decode_epilogues(dot):
         raise ValueError(f"the {dot} decode GEMV has no {', '.join(sorted(want - decode_epilogues(dot)))} epilogue")
+    extra = {"split": split} if split != 1 else {}
     return kernel_module(dot).decode_gemv(tuple(outputs), nb, scale_dtype, silu_mul=silu_mul, quantize=quantize,
-                                          dot=dot)
+                                          dot=dot, **extra)

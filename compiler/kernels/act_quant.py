@@ -23,8 +23,9 @@ HALF = BLOCK // 2
 LANES = 16   # fp32 lanes of the squares (rms_eps)
 LAYOUTS = ("plain", "arm", "arm_pairs")   # see fused_quantizer
 PARALLEL_BLOCKS = 64   # fused_quantizer: one row's blocks run in parallel from this many on (ARM)
+RMS_TASKS = 4          # fused_quantizer: the tasks of one row's RMSNorm quantizer (ARM)
 # The attribute that marks fused_quantizer's kernels, with what built them ("kind": "plain",
-# "silu_mul" or "rms"; "layout"; "zero_point"), for the import-time fusion passes
+# "silu_mul" or "rms"; "layout"; "zero_point"; "eps" of an RMSNorm), for the import-time fusion passes
 QUANTIZER = "qwc.act_quantizer"
 EVENS = [2 * i for i in range(HALF)]
 ODDS = [2 * i + 1 for i in range(HALF)]
@@ -101,15 +102,19 @@ def quantizer_name(k: int, zero_point: int, one_row: bool, kind: str = "plain", 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = False, rms_eps: float | None = None,
-                    layout: str = "plain"):
+                    layout: str = "plain", parts: int = 1):
     """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB],
     zero_point x block sum [M, NB]), in one pass and one kernel: separate stages would cost a
     parallel launch each, which dominates a decode step's activation work (K = 896: 28 blocks).
     With `silu_mul` the kernel takes (gate, up) [M, K] and quantizes silu(gate) * up; with
     `rms_eps` it takes (x [M, K], gamma [K]) and quantizes RMSNorm(x) * gamma itself (a first
     pass over the row for its sum of squares; the normalized row is never stored).
-    `one_row` (decode) runs serially, or by blocks in parallel (split_blocks). The block sum is what a dot of raw nibbles q with a
-    overcounts against (q - 8) (vpdpbusd); sdot, which takes q - 8 signed, ignores it.
+    `one_row` (decode) runs serially, or by blocks in parallel (split_blocks, split_rms). The
+    block sum is what a dot of raw nibbles q with a overcounts against (q - 8) (vpdpbusd);
+    sdot, which takes q - 8 signed, ignores it.
+    `parts` > 1 (an ARM decode RMSNorm): x comes as [parts, K], the parts of a decode GEMV
+    that split its blocks (arm/dotprod.py), and the kernel also writes their sum h [1, K],
+    the residual stream, as a fourth output.
     `layout`: "plain" (x86: the offsets as float32), "arm" (int32 offsets, which the sdot and
     smmla kernels start their accumulators from), "arm_pairs" (int32 offsets; everything
     block-major and rows pair-interleaved for the i8mm GEMM: pair_index; scales and offsets
@@ -121,17 +126,33 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
 
     if layout not in LAYOUTS:
         raise ValueError(f"unknown activation layout {layout!r}")
+    if parts != 1 and (rms_eps is None or not one_row or layout == "plain" or k < 2 * BLOCK):
+        raise ValueError("only an ARM decode RMSNorm quantizer sums parts")
     nb = (k + BLOCK - 1) // BLOCK
     full = k // BLOCK
     # One row over the threads by blocks, on the ARM targets (64-128-core servers), where a
     # serial kernel keeps every other thread waiting: worth a launch from PARALLEL_BLOCKS
     # blocks on (the MLP's silu(gate) * up; a 7B's hidden size). The RMSNorm quantizer needs
-    # its row's sum of squares first and stays serial.
+    # its row's sum of squares before any block: RMS_TASKS tasks each take the sum (in the
+    # same order, so the same bits) and a quarter of the blocks. The sum is serial in TOPI's
+    # order, so more tasks would add more repeated sums than they take blocks off the slowest.
     split_blocks = one_row and layout != "plain" and rms_eps is None and full >= PARALLEL_BLOCKS
+    split_rms = one_row and layout != "plain" and rms_eps is not None and full >= 2
+    chunk = -(-full // RMS_TASKS) if split_rms else 0
+    rms_tasks = -(-full // chunk) if split_rms else 0
     rows = T.int64()
     off_dtype = "float32" if layout == "plain" else "int32"
     copies = 2 if layout == "arm_pairs" else 1
     scale_shape = (rows, nb, 2) if layout == "arm_pairs" else (rows, nb)
+
+    def row(a, i, idx):
+        """Row i of the input at columns idx: the sum of the parts, in order, with `parts`."""
+        if parts == 1:
+            return a[i, idx]
+        total = a[0, idx]
+        for p in range(1, parts):
+            total = total + a[p, idx]
+        return total
 
     def x_at(a, g, u, i, idx, lanes):
         """The quantizer's input at row i, columns idx (a ramp of `lanes`, or a scalar). g, u:
@@ -139,7 +160,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         if silu_mul:
             return vector_math.silu(T, g[i, idx], lanes) * u[i, idx]
         if rms_eps is not None:   # as TOPI's rms_norm: x * (1 / rms) * gamma
-            return a[i, idx] * (T.broadcast(u[0], lanes) if lanes > 1 else u[0]) * g[idx]
+            return row(a, i, idx) * (T.broadcast(u[0], lanes) if lanes > 1 else u[0]) * g[idx]
         return a[i, idx]
 
     def flat(i, b):
@@ -196,18 +217,22 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
                 off[flat(i, b)[1][1]] = T.Cast("int32", st[1]) * T.int32(zero_point)
 
     @T.macro
-    def inv_rms(a, inv, i):
-        """inv[0] = 1 / sqrt(mean(a[i]^2) + eps) in TOPI's rms_norm order (the squares, then
-        their sum one after another), so the fusion changes no bit: a quantized input (the
-        embedding) has exact rounding ties, which a differently rounded 1 / rms would flip."""
+    def inv_rms(a, inv, i, r):
+        """r[0] = 1 / sqrt(mean(a[i]^2) + eps) in TOPI's rms_norm order (the squares, stored
+        from inv[LANES] on, then their sum one after another), so the fusion changes no bit: a
+        quantized input (the embedding) has exact rounding ties, which a differently rounded
+        1 / rms would flip. r is inv, or a stack slot of its own: a running sum stored through
+        a view of a shared buffer was written back at every element (three instructions an
+        element, against one SVE `fadda` for four)."""
         for c in range(k // LANES):
-            inv[T.ramp(LANES + c * LANES, 1, LANES)] = a[i, T.ramp(c * LANES, 1, LANES)] * a[i, T.ramp(c * LANES, 1, LANES)]
+            inv[T.ramp(LANES + c * LANES, 1, LANES)] = row(a, i, T.ramp(c * LANES, 1, LANES)) * row(
+                a, i, T.ramp(c * LANES, 1, LANES))
         for e in range(k // LANES * LANES, k):
-            inv[LANES + e] = a[i, e] * a[i, e]
-        inv[0] = T.float32(0)
+            inv[LANES + e] = row(a, i, e) * row(a, i, e)
+        r[0] = T.float32(0)
         for e in range(k):
-            inv[0] = inv[0] + inv[LANES + e]
-        inv[0] = T.float32(1) / T.sqrt(inv[0] / T.float32(k) + T.float32(rms_eps))
+            r[0] = r[0] + inv[LANES + e]
+        r[0] = T.float32(1) / T.sqrt(r[0] / T.float32(k) + T.float32(rms_eps))
 
     @T.macro
     def blocks(a, g, u, aq, ad, off, i):
@@ -224,7 +249,31 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             block_tail(a, g, u, aq, ad, off, i, b)
 
     @T.macro
-    def quantize_rows(a, g, u, var_aq, var_ad, var_off):
+    def rms_blocks_parallel(a, g, aq, ad, off, i, h):
+        """RMSNorm(a[i]) * g quantized by RMS_TASKS tasks, each with its own copy of the sum
+        of squares in a buffer allocated once (no allocation per task); with `parts`, each
+        writes its blocks' part of the sum h."""
+        inv = T.decl_buffer((rms_tasks * (LANES + k),), "float32", scope="global")
+        for c in T.parallel(rms_tasks):
+            own = T.decl_buffer((LANES + k,), "float32", data=inv.data, elem_offset=c * (LANES + k))
+            r = T.decl_buffer((1,), "float32", scope="global")   # a stack slot: see inv_rms
+            inv_rms(a, own, i, r)
+            if c == 0:
+                inv[0] = r[0]   # for the partial last block
+            for j in range(chunk):
+                if c * chunk + j < full:
+                    block_vec(a, g, r, aq, ad, off, i, c * chunk + j)
+                    if parts > 1:
+                        h[0, T.ramp((c * chunk + j) * BLOCK, 1, BLOCK)] = row(
+                            a, i, T.ramp((c * chunk + j) * BLOCK, 1, BLOCK))
+        for b in range(full, nb):   # a partial last block, with the first task's 1 / rms
+            block_tail(a, g, inv, aq, ad, off, i, b)
+        if parts > 1:
+            for e in range(full * BLOCK, k):
+                h[0, e] = row(a, i, e)
+
+    @T.macro
+    def quantize_rows(a, g, u, var_aq, var_ad, var_off, h=None):
         """The kernels' body from their inputs and their three output handles."""
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         aq3 = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
@@ -236,9 +285,11 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             ad = ad2 if layout == "plain" else T.decl_buffer((rows * nb * copies,), "float32", data=ad2.data)
             off = off2 if layout == "plain" else T.decl_buffer((rows * nb * copies,), "int32", data=off2.data)
             for i in T.serial(rows) if one_row else T.parallel(rows):
-                if rms_eps is not None:
+                if split_rms:
+                    rms_blocks_parallel(a, g, aq, ad, off, i, h)
+                elif rms_eps is not None:
                     inv = T.decl_buffer((LANES + k,), "float32", scope="global")   # 1 / rms, the squares
-                    inv_rms(a, inv, i)
+                    inv_rms(a, inv, i, inv)
                     blocks(a, g, inv, aq, ad, off, i)
                 elif split_blocks:
                     blocks_parallel(a, g, u, aq, ad, off, i)
@@ -246,7 +297,8 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
                     blocks(a, g, u, aq, ad, off, i)
 
     def mark(kernel, kind):
-        return kernel.with_attr(QUANTIZER, {"kind": kind, "layout": layout, "zero_point": zero_point})
+        eps = {} if rms_eps is None else {"eps": rms_eps}
+        return kernel.with_attr(QUANTIZER, {"kind": kind, "layout": layout, "zero_point": zero_point, **eps})
 
     if silu_mul:
         @T.prim_func(private=True, check_well_formed=False)
@@ -255,6 +307,13 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             u = T.match_buffer(var_u, (rows, k), "float32")
             quantize_rows(None, g, u, var_aq, var_ad, var_off)
         return mark(kernel, "silu_mul")
+
+    if parts > 1:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel(x: T.Buffer((parts, k), "float32"), gamma: T.Buffer((k,), "float32"), var_aq: T.handle,
+                   var_ad: T.handle, var_off: T.handle, h: T.Buffer((1, k), "float32")):
+            quantize_rows(x, gamma, None, var_aq, var_ad, var_off, h)
+        return mark(kernel, "rms")
 
     if rms_eps is not None:
         @T.prim_func(private=True, check_well_formed=False)

@@ -5,11 +5,17 @@ prefill then decode steps, logits saved to a .npy file. Only the runtime is impo
     run_engine.py REPO ARTIFACT OUT.npy '[[prompt ids], next_id, next_id, ...]'
     run_engine.py REPO ARTIFACT OUT.npy '{"batch": [[prompt ids], ...], "tokens": N}'
     run_engine.py REPO ARTIFACT OUT.npy '{"prefill": [prompt ids], "repeat": N}'
+    run_engine.py REPO ARTIFACT OUT.npy '{"steps": [[prompt ids], next_id, ...], "last": true}'
 
 Prints the machine, the number of logits rows and the threads TVM's pool ran kernels on.
 The third prefills the prompt N times, each from an empty cache (bench/arm_threads.py: two
 runs that differ by exactly one prefill call). The second form generates N greedy tokens for each prompt alone, then for all of them at once
 through Engine.decode_many (rows of one pool), and saves both: logits [2, prompts, N, vocab].
+With "last" (the first and third forms) only the last call's logits are kept and saved:
+bench/arm_threads.py counts the main thread's instructions, and stacking every step's
+logits at the end copied 600 KB more a step (78K instructions a 0.5B token) that are the
+harness's, not the Engine's, and kept each step's output alive, so the VM's pool could not
+reuse it.
 """
 
 import importlib.util
@@ -36,19 +42,24 @@ def main() -> None:
 
     from qwc.runtime.engine import Engine
 
+    last = isinstance(steps, dict) and steps.get("last", False)
+    keep = (lambda kept, x: [x]) if last else (lambda kept, x: kept + [x])
     # Emulated guest threads (TVM_NUM_THREADS) may be many more than the host's cores.
     if isinstance(steps, dict) and "repeat" in steps:   # the same prefill, from an empty cache each time
         eng = Engine(artifact, ctx=max(64, len(steps["prefill"])), oversubscribe=True)
         logits = []
         for _ in range(steps["repeat"]):
             eng.reset()
-            logits.append(eng.prefill(steps["prefill"]))
-    elif isinstance(steps, dict):
+            logits = keep(logits, eng.prefill(steps["prefill"]))
+    elif isinstance(steps, dict) and "batch" in steps:
         eng = Engine(artifact, ctx=64, oversubscribe=True)
         logits = greedy_alone_and_batched(eng, steps["batch"], steps["tokens"])
     else:
+        steps = steps["steps"] if isinstance(steps, dict) else steps
         eng = Engine(artifact, ctx=max(64, len(steps[0]) + len(steps)), oversubscribe=True)   # room for a long prompt
-        logits = [eng.prefill(steps[0])] + [eng.decode(t) for t in steps[1:]]
+        logits = [eng.prefill(steps[0])]
+        for t in steps[1:]:
+            logits = keep(logits, eng.decode(t))
     np.save(out, np.stack(logits))
     if os.environ.get("QWC_DUMP_MAPS"):   # where each library was mapped, for bench/arm_icount.py's attribution
         Path(os.environ["QWC_DUMP_MAPS"]).write_text(Path("/proc/self/maps").read_text())

@@ -82,12 +82,33 @@ def test_without_the_passes_the_converters_emit_each_op_alone(graph):
     assert _has(fused, r"decode_attention_3pass_q8") == 2 and _has(fused, r".*silu_mul_q8.*") == 2
 
 
-def _adds(mod) -> int:
+@pytest.mark.parametrize("target", ["x86-avx512", "arm-yitian"])
+def test_the_final_norm_behind_the_last_position_slice_is_the_heads_quantizer(graph, target):
+    """compile's last-position slice in front of the head (passes/last_position.py) is the
+    identity at one position: the final norm still goes into the head's quantizer, so no
+    RMSNorm op and no plain quantizer is left (on ARM: fed by the split down projection)."""
+    from qwc.passes.last_position import last_position_logits
+
+    features = get_target(target).features
+    mod = import_graph(last_position_logits(graph(features)), seq=1, prefix="decode", act_bits=8,
+                       features=features)
+    names = _kernels(mod)
+    assert not _has(names, r"decode_act_q8_\d+_.*")
+    assert _ops(mod).count("relax.nn.rms_norm") == 0
+    if target == "arm-yitian":
+        assert _has(names, r"decode_act_q8_rms_128_1_sum8_arm_parts4") == 2   # layer 1's norm and the final one
+
+
+def _ops(mod) -> list[str]:
     mod = relax.transform.DeadCodeElimination(["main"])(mod)
     ops = []
     relax.analysis.post_order_visit(mod["main"], lambda e: ops.append(e.op.name) if isinstance(e, relax.Call)
                                     and isinstance(e.op, tvm.ir.Op) else None)
-    return ops.count("relax.add")
+    return ops
+
+
+def _adds(mod) -> int:
+    return _ops(mod).count("relax.add")
 
 
 @pytest.mark.slow
@@ -109,10 +130,16 @@ def test_arm_fuses_norm_and_silu_into_quantizers_and_adds_into_decode_gemvs(grap
         assert not _has(names, r"decode_(rotary\d*|k_cache_write_tiles|kv_cache_write|attention_online)")
         assert not _has(names, r"decode_act_q8_128_1_sum8_arm")
     # decode: q, k and v add their biases, o and down the residual, as they store (ARM's
-    # decode GEMV epilogue); gate and up have none. No add kernel is left.
+    # decode GEMV epilogue); gate and up have none. No add kernel is left. o and down (8 row
+    # groups each, for 128 threads) split their blocks in parts, which the next RMSNorm's
+    # quantizer sums (compiler/split_residual_gemv.py): 2 of o's 4 blocks, 4 of down's 10.
     layers = 2
     mod = import_graph(graph(features), seq=1, prefix="decode", act_bits=8, features=features)
     names = _kernels(mod)
-    assert _has(names, r"decode_q4_gemv_sdot_\d+x\d+_float16_bias") == 5 * layers
+    assert _has(names, r"decode_q4_gemv_sdot_\d+x\d+_float16_bias") == 3 * layers
+    assert _has(names, r"decode_q4_gemv_sdot_128x4_float16_bias_split2") == layers
+    assert _has(names, r"decode_q4_gemv_sdot_128x10_float16_bias_split4") == layers
+    assert _has(names, r"decode_act_q8_rms_128_1_sum8_arm_parts2") == layers
+    assert _has(names, r"decode_act_q8_rms_128_1_sum8_arm_parts4") == layers
     assert _has(names, r"decode_q4_gemv_sdot_320x4_float16") == 2 * layers
     assert _adds(mod) == 0

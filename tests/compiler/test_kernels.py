@@ -193,8 +193,9 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
             for i, x in enumerate((a, *_emit(bb, name, "arm", k, n, m, wp, d, t.features))):
                 inputs[f"{name}/{i}"] = x
             refs[name] = _a8_reference(a, deq, d, k)
-    name, inputs_, refs[name] = _arm_decode_gemv_case(bb)
-    inputs.update({f"{name}/{i}": x for i, x in enumerate(inputs_)})
+    for case in (_arm_decode_gemv_case, _arm_split_gemv_case):
+        name, inputs_, refs[name] = case(bb)
+        inputs.update({f"{name}/{i}": x for i, x in enumerate(inputs_)})
     lib = tmp_path / "kernels.so"
     build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
     asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(lib)], capture_output=True, text=True).stdout
@@ -249,6 +250,33 @@ def _arm_decode_gemv_case(bb, k: int = 160):
             gv = bb.emit_output(out)
         bb.emit_func_output(gv)
     return "decode_gemv3", inputs, np.concatenate(refs)[None]
+
+
+def _arm_split_gemv_case(bb, k: int = 160, n: int = 136, split: int = 2):
+    """The ARM decode GEMV with its blocks in parts (compiler/split_residual_gemv.py: K = 160
+    is 5 blocks, parts of 2 and 3), ragged N, the bias in part 0; the parts summed after."""
+    from qwc.compiler.kernels import act_quant, decode_gemv
+
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((1, k)).astype(np.float32)
+    wp, d, deq = _weights(k, n, 200)
+    pw, ps = row_groups.pack(wp, d)
+    bias = rng.standard_normal(n).astype(np.float32)
+    params = [relax.Var(nm, relax.TensorType(list(x.shape), str(x.dtype)))
+              for nm, x in (("a", a), ("w", pw), ("s", ps), ("b", bias))]
+    nb = (k + 31) // 32
+    with bb.function("decode_split", params):
+        with bb.dataflow():
+            quant = bb.add_func(act_quant.fused_quantizer(k, w4a8.ZERO_POINT, True, layout="arm"), "quant")
+            parts = bb.emit(relax.call_tir(quant, [params[0]], [relax.TensorType([1, nb, 32], "int8"),
+                                                                relax.TensorType([1, nb], "float32"),
+                                                                relax.TensorType([1, nb], "int32")]))
+            act = [bb.emit(relax.TupleGetItem(parts, j)) for j in range(3)]
+            gemv = bb.add_func(decode_gemv(((n, True),), nb, "float16", dot="sdot", split=split), "gemv_split")
+            ys = bb.emit(relax.call_tir(gemv, act + params[1:], relax.TensorType([split, n], "float32")))
+            gv = bb.emit_output(bb.emit(relax.op.sum(ys, axis=[0], keepdims=True)))
+        bb.emit_func_output(gv)
+    return "decode_split", [a, pw, ps, bias], _a8_reference(a, deq, d, k) + bias
 
 
 _COMPILED = {}   # id(func) -> (func, its library): the kernel builders return one func per arguments
@@ -454,6 +482,45 @@ def test_activation_quantizer_against_q8_0(k, mode, m):
     diff = np.abs(aq.astype(np.int32) - q)
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-3   # a rounding tie may differ by one step
     np.testing.assert_array_equal(off, -8 * aq.astype(np.float32).sum(-1))
+
+
+@pytest.mark.parametrize("k", [100, 896, 3584])
+def test_arm_rms_quantizer_over_tasks_keeps_the_serial_bits(k):
+    """The ARM decode RMSNorm quantizer runs one row as RMS_TASKS parallel tasks, each taking
+    the row's sum of squares itself: its output must be the bits of the same kernel over rows
+    (a row a task, the sum once), and Q8_0 of numpy's RMSNorm. With parts (a decode GEMV's
+    blocks split in two) it takes their sum first, writes it, and quantizes it to the same
+    bits. K = 100: a partial last block."""
+    import tvm
+
+    from qwc.compiler.kernels import act_quant
+
+    nb, eps = (k + 31) // 32, 1e-6
+    rng = np.random.default_rng(k)
+    parts = rng.standard_normal((2, k), dtype=np.float32) * 3
+    x = parts[:1] + parts[1:]
+    gamma = rng.random(k, dtype=np.float32) + 0.5
+
+    def run(one_row, a, n=1):
+        outs = [tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in
+                (((1, nb, 32), np.int8), ((1, nb), np.float32), ((1, nb), np.int32), ((1, k), np.float32))]
+        kernel = act_quant.fused_quantizer(k, -8, one_row, rms_eps=eps, layout="arm", parts=n)
+        _host_kernel(kernel)(tvm.runtime.tensor(a), tvm.runtime.tensor(gamma), *outs[:3 + (n > 1)])
+        return [o.numpy() for o in outs]
+
+    tasks, rows, summed = run(True, x), run(False, x), run(True, parts, 2)
+    for a, b, c in zip(tasks[:3], rows[:3], summed[:3]):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    np.testing.assert_array_equal(summed[3], x)
+    ref = (x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * gamma).astype(np.float32)
+    q, _ = quantize_q8_0(ref)
+    q = np.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
+    diff = np.abs(tasks[0].astype(np.int32) - q)
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-2
+    np.testing.assert_array_equal(tasks[2], -8 * tasks[0].astype(np.int32).sum(-1))
+    with pytest.raises(ValueError, match="sums parts"):
+        act_quant.fused_quantizer(k, -8, False, rms_eps=eps, layout="arm", parts=2)
 
 
 @pytest.mark.parametrize("dot", sorted(X86_DOTS))

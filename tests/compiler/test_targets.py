@@ -18,6 +18,7 @@ from qwc.compiler.targets import GEMM_LAYOUT, GEMM_TILES, default_act_bits, get_
 def test_each_target_selects_its_kernels(name, isa, decode, prefill, layouts, attention, split, registers):
     k = kernels_for(get_target(name).features)
     assert (k.decode_attention, k.decode_split_keys) == (attention, split)
+    assert k.decode_threads == (128 if isa == "arm" else None)
     assert targets.vector_registers(get_target(name).features) == registers
     if isa is None:
         assert k.w4a8 is None and default_act_bits(get_target(name).features) == 32
@@ -112,3 +113,18 @@ def test_cpu_features_of_this_machine_match_proc_cpuinfo():
     flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     assert cpu.features() == frozenset(flags.split(":", 1)[1].split())
     assert cpu.has("sse2") and not cpu.has("no-such-flag")
+
+
+@pytest.mark.parametrize("n, nb, threads, split", [
+    (896, 152, 128, 2),    # a 0.5B's down projection: 56 row groups -> 112 tasks
+    (896, 28, 128, 2),     # its o projection
+    (896, 152, 64, 1),     # 56 groups already fill 64 threads but for 8
+    (3584, 592, 128, 1),   # a 7B's: 224 groups
+    (128, 10, 128, 4),     # 8 groups, parts of 2 and 3 blocks
+    (128, 4, 128, 2),      # parts of at least 2 blocks
+    (128, 3, 128, 1),
+])
+def test_a_decode_gemv_of_few_row_groups_splits_its_blocks(n, nb, threads, split):
+    from qwc.compiler.kernels.arm.dotprod import block_split
+
+    assert block_split(n, nb, threads) == split

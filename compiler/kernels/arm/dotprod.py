@@ -34,7 +34,8 @@ LANES = 4          # int32 lanes of a 128-bit vector: rows per slice
 SLICES = ROWS // LANES
 SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
 DEFAULT_TOKENS = {"sdot": 4}                  # prefill tile width (arm-neon), as x86/vnni.py's
-DECODE_EPILOGUES = frozenset({"bias"})        # decode_gemv's: a task holds 16 rows, a Q8_0 block 32
+# decode_gemv's: a task holds 16 rows, a Q8_0 block 32 (no quantize); "split": parts of the blocks
+DECODE_EPILOGUES = frozenset({"bias", "split"})
 
 
 def halved_float(T, v):
@@ -138,15 +139,31 @@ def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m
 
 
 def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16",
-                silu_mul: bool = False, quantize: int | None = None, dot: str = "sdot"):
+                silu_mul: bool = False, quantize: int | None = None, dot: str = "sdot", split: int = 1):
     """The registry's decode GEMV (kernels/w4a8.py): outputs with biases only."""
     if silu_mul or quantize is not None:
         raise ValueError("the ARM decode GEMV has no silu_mul / quantize epilogue")
-    return _decode_gemv(tuple(outputs), nb, scale_dtype)
+    if split != 1 and (len(outputs) != 1 or not 1 <= split <= nb):
+        raise ValueError(f"a decode GEMV splits the blocks of one output, not {len(outputs)} into {split}")
+    return _decode_gemv(tuple(outputs), nb, scale_dtype, split)
+
+
+def block_split(n: int, nb: int, threads: int) -> int:
+    """How many parts a decode GEMV of N rows and nb blocks splits its blocks into, so that
+    `threads` threads have a task each: a projection of fewer row groups than threads (a
+    0.5B's o and down: 56 groups) leaves the others idle for a whole task. 1 when the groups
+    fill the threads (more parts would shorten no thread's work under TVM's static chunks).
+    A part is at least 2 blocks: a task's fixed cost (its accumulators' start and store) is
+    ~30 instructions against ~100 a block."""
+    g = groups(n)
+    split = 1
+    while g * split * 2 <= threads and nb // (split * 2) >= 2:
+        split *= 2
+    return split
 
 
 @functools.cache
-def _decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str):
+def _decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str, split: int = 1):
     """Decode: one token through several weights that read the same activations, in one
     parallel launch: outputs = ((N, with bias), ...). Arguments: aq [1, NB, 32], ad [1, NB],
     off [1, NB] int32 (act_quant layout "arm"), then per output its packed weights, scales and
@@ -157,15 +174,19 @@ def _decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: st
     A task is one row group of one output (its four slices share each block's activation
     loads, as q4_dot's decode form): the tasks of all outputs together fill the threads, where
     k and v alone (8 groups each at 0.5B) would leave most idle. Built with TVM's IR builder:
-    TVMScript signatures cannot vary in length."""
+    TVMScript signatures cannot vary in length.
+
+    With `split` > 1 (one output): y is [split, N], a task one row group over one part of
+    the blocks (block_split), the bias added to part 0; the RMSNorm quantizer that reads y sums
+    the parts (act_quant.fused_quantizer's `parts`; compiler/split_residual_gemv.py)."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    def group(w, ws, bias, y, n, aq, ad, off, g):
+    def group(w, ws, bias, y, n, aq, ad, off, g, part=0, b0=0, b1=nb):
         acc = T.decl_buffer((SLICES * LANES,), "float32", scope="global")   # a stack slot: see q4_dot
         for q in range(SLICES):
             T.buffer_store(acc, T.broadcast(T.float32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
-        with T.serial(0, nb) as b:
+        with T.serial(b0, b1) as b:
             for q in range(SLICES):
                 T.buffer_store(acc, acc[T.ramp(q * LANES, 1, LANES)] + halved_float(
                     T, _slice_dot(T, w, aq, off, g, b, q, 0)) * (
@@ -178,16 +199,16 @@ def _decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: st
                     T.broadcast(T.float32(2), lanes) if lanes > 1 else T.float32(2))
                 return a if bias is None else a + bias[T.ramp(row, 1, lanes) if lanes > 1 else row + i]
             if n % ROWS == 0:
-                T.buffer_store(y, value(0, LANES), [0, T.ramp(row, 1, LANES)])
+                T.buffer_store(y, value(0, LANES), [part, T.ramp(row, 1, LANES)])
             else:   # the ragged last group: the rows below N, one at a time
                 with T.If(row + LANES <= n):
                     with T.Then():
-                        T.buffer_store(y, value(0, LANES), [0, T.ramp(row, 1, LANES)])
+                        T.buffer_store(y, value(0, LANES), [part, T.ramp(row, 1, LANES)])
                     with T.Else():
                         for i in range(LANES):
                             with T.If(row + i < n):
                                 with T.Then():
-                                    T.buffer_store(y, value(i, 1), [0, row + i])
+                                    T.buffer_store(y, value(i, 1), [part, row + i])
 
     with IRBuilder() as ib:
         with T.prim_func(private=True):
@@ -202,13 +223,23 @@ def _decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: st
                 ws = T.arg(f"s{i}", T.buffer((groups(n), nb, ROWS), scale_dtype))
                 bias = T.arg(f"bias{i}", T.buffer((n,), "float32")) if has_bias else None
                 weights.append((w, ws, bias, n))
-            ys = [T.arg(f"y{i}", T.buffer((1, n), "float32")) for i, (n, _) in enumerate(outputs)]
-            total = sum(groups(n) for n, _ in outputs)
-            with T.parallel(0, total) as task:
-                first = 0
-                for (w, ws, bias, n), y in zip(weights, ys):
-                    with T.If(T.And(task >= first, task < first + groups(n))):
-                        with T.Then():
-                            group(w, ws, bias, y, n, aq, ad, off, task - first)
-                    first += groups(n)
+            ys = [T.arg(f"y{i}", T.buffer((split, n), "float32")) for i, (n, _) in enumerate(outputs)]
+            if split > 1:
+                (w, ws, bias, n), y = weights[0], ys[0]
+                with T.parallel(0, groups(n) * split) as task:
+                    # part p: blocks [p nb / split, (p + 1) nb / split); the bias once, in part 0
+                    for p in range(split):
+                        with T.If(task % split == p):
+                            with T.Then():
+                                group(w, ws, bias if p == 0 else None, y, n, aq, ad, off, task // split,
+                                      p, p * nb // split, (p + 1) * nb // split)
+            else:
+                total = sum(groups(n) for n, _ in outputs)
+                with T.parallel(0, total) as task:
+                    first = 0
+                    for (w, ws, bias, n), y in zip(weights, ys):
+                        with T.If(T.And(task >= first, task < first + groups(n))):
+                            with T.Then():
+                                group(w, ws, bias, y, n, aq, ad, off, task - first)
+                        first += groups(n)
     return ib.get()
