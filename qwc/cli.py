@@ -327,7 +327,8 @@ def _cmd_run(args: argparse.Namespace) -> None:
     progress.info(f"[qwc] loaded {args.model} ({weights / 2**30:.2f} GiB of weights) in {time.perf_counter() - t0:.1f}s; "
                   f"{eng.kv_summary()}")
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        repetition_penalty=args.repetition_penalty,
+                        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                        frequency_penalty=args.frequency_penalty,
                         seed=None if args.seed == -1 else args.seed)   # -1: random, as llama.cpp
     if args.chat:
         _chat(eng, sp, args.max_new_tokens)
@@ -567,6 +568,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-k", type=_count, default=0, help="0 = off (default)")
     r.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0, help="1 = off (default)")
     r.add_argument("--repetition-penalty", type=_float_in(0, 1e4, lo_open=True), default=1.0, help="1 = off (default)")
+    r.add_argument("--presence-penalty", type=_float_in(-2, 2), default=0.0,
+                   help="subtracted from the logit of every token generated so far (OpenAI's; 0 = off, default)")
+    r.add_argument("--frequency-penalty", type=_float_in(-2, 2), default=0.0,
+                   help="subtracted per time a token was generated so far (OpenAI's; 0 = off, default)")
     r.add_argument("--seed", type=_seed, default=None, help="sampling seed (-1 or none: random)")
     r.add_argument("--threads", type=_threads, default=None, help="worker threads (default: every usable CPU)")
     r.set_defaults(func=_cmd_run)

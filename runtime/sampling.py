@@ -19,6 +19,11 @@ class SamplingParams:
     top_p: float = 1.0              # 1: off
     repetition_penalty: float = 1.0  # 1: off (llama.cpp / HF semantics)
     seed: int | None = None
+    # OpenAI's: subtracted from a token's logit once it was generated (presence) and per time
+    # it was (frequency), over the generated tokens only, as OpenAI and vLLM count them
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, [-100, 100]
 
     def __post_init__(self):
         def number(name, ok, want):
@@ -28,6 +33,11 @@ class SamplingParams:
         number("temperature", lambda v: v >= 0, "a finite number >= 0 (0: greedy)")
         number("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1: off)")
         number("repetition_penalty", lambda v: v > 0, "a finite number > 0 (1: off)")
+        number("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2] (0: off)")
+        number("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2] (0: off)")
+        for k, v in (self.logit_bias or {}).items():
+            if not is_int(k) or isinstance(v, bool) or not isinstance(v, numbers.Real) or not -100 <= v <= 100:
+                raise QwcError(f"logit_bias {{{k!r}: {v!r}}}: token ids (integers >= 0) to numbers in [-100, 100]")
         if not is_int(self.top_k):
             raise QwcError(f"top_k {self.top_k!r}: must be an integer >= 0 (0: off)")
         if self.seed is not None and not (is_int(self.seed) and self.seed < 2**63):
@@ -42,9 +52,25 @@ class Sampler:
         self.p = params
         self.limit = limit
         self.rng = np.random.default_rng(params.seed)
+        self.prompt_len = None   # history's length at the first call: the prompt (see __call__)
+        bias = {k: v for k, v in (params.logit_bias or {}).items() if limit is None or k < limit}
+        self.bias_ids = np.fromiter(bias, np.int64, len(bias))
+        self.bias = np.fromiter(bias.values(), np.float64, len(bias))
 
     def __call__(self, logits: np.ndarray, history: list[int]) -> int:
+        """The next token after `history` (the prompt and every token generated since): the
+        first call comes right after the prompt, so its history is the prompt, and the
+        OpenAI penalties count only what follows it."""
+        if self.prompt_len is None:
+            self.prompt_len = len(history)
         x = logits[: self.limit].astype(np.float64)
+        if self.bias.size:
+            ok = self.bias_ids < x.size
+            x[self.bias_ids[ok]] += self.bias[ok]
+        if (self.p.presence_penalty or self.p.frequency_penalty) and len(history) > self.prompt_len:
+            ids, counts = np.unique(np.asarray(history[self.prompt_len:], np.int64), return_counts=True)
+            ok = ids < x.size
+            x[ids[ok]] -= self.p.presence_penalty + self.p.frequency_penalty * counts[ok]
         if self.p.repetition_penalty != 1.0 and history:
             seen = np.unique(np.asarray(history, np.int64))
             seen = seen[seen < x.size]

@@ -8,7 +8,8 @@ server does not implement), 401 without the --api-key, 503 when the queue is ful
 
 FastAPI / uvicorn / prometheus-client are the optional extra `qwc[serve]`: the runtime's core
 (engine, scheduler) does not need them. Request fields follow OpenAI's defaults (temperature 1,
-max_tokens 16 for completions and the rest of the context for chat) and accept llama-server's
+max_tokens 16 for completions and the rest of the context for chat; presence_penalty and
+frequency_penalty over the generated tokens, logit_bias by token id) and accept llama-server's
 `top_k`, `repeat_penalty` and `ignore_eos` beside them.
 """
 
@@ -58,12 +59,9 @@ def _number(body: dict, name: str, default, lo, hi, integer=False, lo_open=False
 def _unsupported(body: dict) -> None:
     if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
         raise ApiError(400, "only n = 1 (and best_of = 1) is supported", "n")
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
         if body.get(name) not in (None, False, "", [], {}):
             raise ApiError(400, f"'{name}' is not supported by this server", name)
-    for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name) not in (None, 0):
-            raise ApiError(400, f"'{name}' is not supported (use 'repeat_penalty')", name)
 
 
 def _stops(body: dict) -> tuple[str, ...]:
@@ -76,7 +74,26 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _sampling(body: dict) -> SamplingParams:
+def _logit_bias(body: dict, vocab: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (JSON keys are strings)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict) or len(bias) > 1024:
+        raise ApiError(400, "'logit_bias' must be an object of at most 1024 token ids to biases", "logit_bias")
+    out = {}
+    for k, v in bias.items():
+        tok = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else -1
+        if not 0 <= tok < vocab:
+            raise ApiError(400, f"'logit_bias': {k!r} is not a token id in [0, {vocab})", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise ApiError(400, f"'logit_bias': the bias of {k} must be a number in [-100, 100], not {v!r}",
+                           "logit_bias")
+        out[tok] = float(v)
+    return out
+
+
+def _sampling(body: dict, vocab: int) -> SamplingParams:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise ApiError(400, f"'seed' must be an integer in [0, 2^63), not {seed!r}", "seed")
@@ -84,7 +101,9 @@ def _sampling(body: dict) -> SamplingParams:
                           top_p=float(_number(body, "top_p", 1.0, 0, 1, lo_open=True)),
                           top_k=int(_number(body, "top_k", 0, 0, 1 << 30, integer=True)),
                           repetition_penalty=float(_number(body, "repeat_penalty", 1.0, 0, 100, lo_open=True)),
-                          seed=seed)
+                          presence_penalty=float(_number(body, "presence_penalty", 0.0, -2, 2)),
+                          frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2, 2)),
+                          logit_bias=_logit_bias(body, vocab), seed=seed)
 
 
 class Api:
@@ -140,7 +159,7 @@ class Api:
         if not isinstance(opts, dict):
             raise ApiError(400, "'stream_options' must be an object", "stream_options")
         try:
-            sampling = _sampling(body)
+            sampling = _sampling(body, self.engine.vocab_size)
         except QwcError as e:
             raise ApiError(400, str(e)) from None
         req = Request(prompt=prompt, max_tokens=min(max_tokens, room), sampling=sampling, emit=None,

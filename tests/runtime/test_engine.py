@@ -37,6 +37,15 @@ def test_generate_streams_text_and_stops(tiny_host_artifact):
     assert list(eng.generate([72, 105], max_new_tokens=5)) == first   # greedy is deterministic
 
 
+def test_run_takes_the_openai_penalties(tiny_host_artifact, capsys):
+    assert main(["-q", "run", str(tiny_host_artifact), "--prompt", "ab", "--max-new-tokens", "4",
+                 "--presence-penalty", "-1", "--frequency-penalty", "2"]) in (0, None)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["-q", "run", str(tiny_host_artifact), "--prompt", "a", "--presence-penalty", "3"])
+    assert e.value.code == 2 and "--presence-penalty: 3 is not in [-2, 2]" in capsys.readouterr().err
+
+
 def test_prompt_longer_than_ctx(tiny_host_artifact, capsys):
     code = main(["-q", "run", str(tiny_host_artifact), "--prompt", "x" * 40, "--ctx", "16"])
     one_line(capsys, code, "does not fit the context of 16")

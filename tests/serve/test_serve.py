@@ -124,6 +124,22 @@ def test_sampling_with_a_seed_repeats(server):
     assert a == b
 
 
+def test_penalties_and_logit_bias_are_the_engines(server, artifact):
+    """presence_penalty, frequency_penalty and logit_bias reach the sampler as the Engine
+    applies them (tests/runtime/test_sampling.py holds what they do), and a bias of 100 on
+    one token makes every greedy token that one."""
+    eng = Engine(artifact, ctx=CTX, threads=1)
+    forced = eng.encode("z")[-1]
+    sp = SamplingParams(presence_penalty=0.5, frequency_penalty=1.5, logit_bias={forced: 2.5})
+    want = "".join(eng.generate("Hello there", max_new_tokens=12, sampling=sp))
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 12, "temperature": 0,
+            "presence_penalty": 0.5, "frequency_penalty": 1.5, "logit_bias": {str(forced): 2.5}}
+    assert server.post("/v1/completions", body).json()["choices"][0]["text"] == want
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "temperature": 0,
+            "logit_bias": {str(forced): 100}}
+    assert server.post("/v1/completions", body).json()["choices"][0]["text"] == eng.tokenizer.decode([forced] * 4)
+
+
 def test_stop_strings_cut_the_text(server, artifact):
     full = _reference(artifact, ["Hello there"], 12)[0]
     assert len(full) > 4
@@ -170,6 +186,9 @@ def test_cancelled_stream_frees_its_slot(server):
     ("/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 0}, 400, None, "'top_p'"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 0}, 400, None, "'max_tokens'"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 2}, 400, None, "n = 1"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "presence_penalty": 3}, 400, None, "'presence_penalty'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"x": 1}}, 400, None, "'logit_bias'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"5": 300}}, 400, None, "'logit_bias'"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": [1]}, 400, None, "'stop'"),
     ("/v1/completions", {"model": "tiny", "prompt": [10 ** 9]}, 400, None, "token ids"),
     ("/v1/completions", {"model": "tiny"}, 400, None, "'prompt'"),
