@@ -23,6 +23,7 @@ from qwc.manifest import Manifest, check_library, read_manifest
 from qwc.vocab import mismatch, token_span
 
 from . import memory
+from .detokenize import IncrementalText
 from .sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 256
@@ -432,7 +433,7 @@ class Engine:
         # What `qwc run` reports, as llama.cpp's timings: the prompt, then each new token (the
         # consumer's time between pieces included).
         self.stats = {"prompt_tokens": len(ids), "prompt_s": t1 - t0, "generated": 0, "generate_s": 0.0}
-        history, out, shown = list(ids), [], ""
+        history, out, text = list(ids), [], IncrementalText(self.tokenizer)
         for _ in range(max_new_tokens):
             tok = sampler(logits, history)
             if tok in stop:
@@ -440,11 +441,9 @@ class Engine:
             out.append(tok)
             history.append(tok)
             self.stats["generated"], self.stats["generate_s"] = len(out), time.perf_counter() - t1
-            text = self.tokenizer.decode(out) if self.tokenizer else ""
-            # Hold back a trailing partial UTF-8 sequence until it completes.
-            if not text.endswith("\ufffd") and len(text) > len(shown):
-                yield text[len(shown):]
-                shown = text
+            piece = text.add(tok)   # "" while a UTF-8 sequence is incomplete
+            if piece:
+                yield piece
             if len(out) == max_new_tokens or self.pos >= self.ctx:
                 break
             logits = self.decode(tok)

@@ -39,6 +39,7 @@ import numpy as np
 
 from qwc.errors import QwcError
 
+from .detokenize import IncrementalText
 from .sampling import Sampler, SamplingParams
 
 
@@ -70,12 +71,13 @@ class Request:
 class _Running:
     """A request in a slot: how much of its prompt is in the cache, what it has said."""
 
-    def __init__(self, req: Request, seq, eos: set[int], limit: int | None = None):
+    def __init__(self, req: Request, seq, eos: set[int], limit: int | None = None, tokenizer=None):
         self.req, self.seq, self.eos = req, seq, eos
         self.fed = 0                     # prompt tokens in the cache
         self.logits: np.ndarray | None = None
         self.sampler = Sampler(req.sampling, limit)
         self.history = list(req.prompt)
+        self.detok = IncrementalText(tokenizer)   # the reply's text, a token at a time
         self.shown = ""                  # text already emitted
 
 
@@ -210,7 +212,8 @@ class Scheduler:
                 while self._waiting and len(self._running) < self.max_running:
                     req = self._waiting.popleft()
                     seq, req.cached_tokens = self._slot(req)
-                    run = _Running(req, seq, set() if req.ignore_eos else self.engine.eos, self.engine.sample_limit)
+                    run = _Running(req, seq, set() if req.ignore_eos else self.engine.eos, self.engine.sample_limit,
+                                   self.engine.tokenizer)
                     run.fed = req.cached_tokens
                     self._running.append(run)
             try:
@@ -256,7 +259,8 @@ class Scheduler:
         if req.t_first is None:
             req.t_first = now
         req.token_times.append(now)
-        text = self.engine.tokenizer.decode(req.generated)
+        run.detok.add(tok)
+        text = run.detok.text
         reason = None
         cut = min((i for i in (text.find(s, max(0, len(run.shown) - len(s))) for s in req.stop_strings) if i >= 0),
                   default=-1)
@@ -264,13 +268,13 @@ class Scheduler:
             text, reason = text[:cut], "stop"
         elif len(req.generated) >= req.max_tokens or run.seq.pos + 1 > run.seq.capacity:
             reason = "length"
-        # Hold back a partial UTF-8 sequence (as Engine.generate does), and text that may be the
-        # start of a stop string; text before a stop string is final, whatever it ends with.
+        # Hold back text that may be the start of a stop string (a partial UTF-8 sequence is not
+        # in run.detok.text yet); text before a stop string is final, whatever it ends with.
         # Every token gets an event, its text possibly empty (held back, or a token without
         # text), so clients see the token cadence as from llama-server.
         safe = len(text) if reason else _safe_end(text, req.stop_strings)
         piece = ""
-        if safe > len(run.shown) and (cut >= 0 or not text[:safe].endswith("\ufffd")):
+        if safe > len(run.shown):
             piece, run.shown = text[len(run.shown):safe], text[:safe]
         if piece or cut < 0:
             req.emit("text", piece)
