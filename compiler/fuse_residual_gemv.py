@@ -21,16 +21,16 @@ from .kernels import DECODE_GEMV, decode_gemv, gemv_dot
 from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
-def single_decode_gemv(mod, defs: Bindings, x):
+def single_decode_gemv(mod, defs: Bindings, x, bias: bool = False):
     """(kernel GlobalVar, args) when x is (a reshape of) the output of one decode GEMV
-    without a bias, else None."""
+    without a bias (with one: `bias`), else None."""
     e = defs.value(x)
     if call_of(e, "relax.reshape"):
         e = defs.value(e.args[0])
     if not call_of(e, "relax.call_tir") or not kernel_attr(mod, e, DECODE_GEMV):
         return None
     args = call_args(e)
-    return (e.args[0], args) if len(args) == 5 else None
+    return (e.args[0], args) if len(args) == 5 + bias else None
 
 
 def _rewrite(mod, defs: Bindings):

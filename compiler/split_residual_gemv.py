@@ -19,19 +19,10 @@ from __future__ import annotations
 
 from tvm import relax
 
-from .kernels import DECODE_GEMV, act_quant, decode_gemv, gemv_dot
+from .fuse_residual_gemv import single_decode_gemv
+from .kernels import act_quant, decode_gemv, gemv_dot
 from .kernels.arm.dotprod import block_split
-from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
-
-
-def _residual_gemv(mod, defs: Bindings, x):
-    """(the var of its call, the call) when x is (a reshape of) a one-output decode GEMV with
-    a bias, else None."""
-    out = defs.unreshaped(x)
-    e = defs.value(out)
-    if not call_of(e, "relax.call_tir") or not kernel_attr(mod, e, DECODE_GEMV):
-        return None
-    return (out, e) if len(call_args(e)) == 6 and isinstance(out.ty, relax.TensorType) else None
+from .relax_match import Bindings, binding_pass, call_args, kernel_attr
 
 
 def split_residual_gemv(kname, threads: int):
@@ -48,22 +39,22 @@ def split_residual_gemv(kname, threads: int):
             x, gamma = call_args(binding.value)
             if getattr(x.ty.shape[0], "value", None) != 1:
                 return None    # prefill: many rows, already many tasks
-            found = _residual_gemv(mod, defs, x)
+            found = single_decode_gemv(mod, defs, x, bias=True)
             if found is None:
                 return None
-            out, call = found
+            gv, args = found
+            out = defs.unreshaped(x)   # the GEMV's own output var
             key = (out, gamma)
             if key in done:
                 return done[key]
-            args = call_args(call)
             n, k, nb = int(out.ty.shape[-1]), int(x.ty.shape[1]), int(args[3].ty.shape[1])
             split = block_split(n, nb, threads)
             if split == 1 or n != k or any(o.same_as(out) for o, _ in done):
                 return None
             zp, layout, eps = int(mark["zero_point"]), str(mark["layout"]), float(mark["eps"])
             gemv = rw.builder_.add_func(
-                decode_gemv(((n, True),), nb, str(args[4].ty.dtype), dot=gemv_dot(mod[call.args[0]]), split=split),
-                call.args[0].name_hint + f"_split{split}")
+                decode_gemv(((n, True),), nb, str(args[4].ty.dtype), dot=gemv_dot(mod[gv]), split=split),
+                gv.name_hint + f"_split{split}")
             parts = rw.emit(relax.call_tir(gemv, [rw.var(a) for a in args],
                                            relax.TensorType([split, n], "float32")))
             quant = rw.builder_.add_func(

@@ -53,8 +53,8 @@ class Sampler:
         self.limit = limit
         self.rng = np.random.default_rng(params.seed)
         self.prompt_len = None   # history's length at the first call: the prompt (see __call__)
-        bias = {k: v for k, v in (params.logit_bias or {}).items() if limit is None or k < limit}
-        self.bias_ids = np.fromiter(bias, np.int64, len(bias))
+        bias = params.logit_bias or {}
+        self.bias_ids = np.fromiter(bias, np.int64, len(bias))   # ids past the logits: skipped per call
         self.bias = np.fromiter(bias.values(), np.float64, len(bias))
 
     def __call__(self, logits: np.ndarray, history: list[int]) -> int:

@@ -258,7 +258,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             own = T.decl_buffer((LANES + k,), "float32", data=inv.data, elem_offset=c * (LANES + k))
             r = T.decl_buffer((1,), "float32", scope="global")   # a stack slot: see inv_rms
             inv_rms(a, own, i, r)
-            if c == 0:
+            if nb > full and c == 0:
                 inv[0] = r[0]   # for the partial last block
             for j in range(chunk):
                 if c * chunk + j < full:
