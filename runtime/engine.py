@@ -45,20 +45,29 @@ class Pool:
     so that any first `rows` of them are one [rows, ...] tensor for decode_batch, and the
     inputs' memory for such a step."""
 
-    def __init__(self, arrays: list, inputs: tuple, capacity: int, to_tensor):
+    def __init__(self, arrays: list, inputs: tuple, capacity: int, to_tensor, tile: int = 1):
         self.arrays, self.capacity, self._to_tensor = arrays, capacity, to_tensor
+        self.tile = tile    # the K layout's key tile (manifest cache_capacity_multiple)
         self.ids, self.positions, self.mask = inputs    # [slots, 1], [slots, 1], flat: slots * (ctx + 1)
         self.seqs = tuple(Sequence([to_tensor(a[r:r + 1]) for a in arrays], capacity, self, r)
                           for r in range(arrays[0].shape[0]))
         self._views: dict[int, list] = {}
 
+    def _tiles(self, n: int) -> int:
+        """Cache rows that hold positions [0, n): K interleaves a key tile's positions, so
+        whole tiles move (the positions past n in the last one are past the row's end, to be
+        written before they are read)."""
+        return -(-n // self.tile) * self.tile
+
     def copy_row(self, src: int, dst: int, n: int) -> None:
         """Positions [0, n) of row `src`'s caches into row `dst`."""
+        n = self._tiles(n)
         for a in self.arrays:
             a[dst, :, :n] = a[src, :, :n]
 
     def swap_rows(self, r: int, s: int, n: int) -> None:
         """Exchange positions [0, n) of two rows' caches."""
+        n = self._tiles(n)
         for a in self.arrays:
             a[[r, s], :, :n] = a[[s, r], :, :n]
 
@@ -221,7 +230,7 @@ class Engine:
             for a in arrays:
                 a.fill(0)
         ins = tuple(arena.take(s, d) for s, d in inputs)
-        return Pool(arrays, ins, ctx, self._tvm.runtime.from_dlpack)
+        return Pool(arrays, ins, ctx, self._tvm.runtime.from_dlpack, mult)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -85,6 +85,24 @@ def test_rows_that_do_not_decode_are_untouched(engine):
     assert np.array_equal(rest, engine.prefill(PROMPTS[1], alone))
 
 
+def test_a_copied_or_swapped_row_decodes_as_its_source(engine):
+    """Prefix reuse and n > 1 move caches between rows: K interleaves 16 positions a tile, so
+    a prefix of 5 or 37 positions (not whole tiles) must still come across whole."""
+    seqs = engine.pool(4).seqs
+    for s in seqs:
+        engine.reset(s)
+    engine.prefill(PROMPTS[0], seqs[0])
+    engine.prefill(PROMPTS[1], seqs[2])
+    seqs[0].pool.copy_row(0, 1, len(PROMPTS[0]))
+    seqs[0].pool.swap_rows(2, 3, len(PROMPTS[1]))
+    seqs[1].pos, seqs[3].pos, seqs[2].pos = len(PROMPTS[0]), len(PROMPTS[1]), 0
+    out = engine.decode_many([5, 5, 9], [seqs[0], seqs[1], seqs[3]])
+    assert np.array_equal(out[0], out[1])
+    alone = engine.sequence()
+    engine.prefill(PROMPTS[1], alone)
+    _agree(engine.decode(9, alone)[None, None], out[2][None, None])
+
+
 def test_decode_many_refuses_bad_tokens_and_a_full_context(engine):
     seqs = engine.pool(2, ctx=8).seqs
     engine.prefill(list(range(8)), seqs[0])
