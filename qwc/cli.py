@@ -336,8 +336,9 @@ def _cmd_run(args: argparse.Namespace) -> None:
     if args.prompt is None:
         raise QwcError("give --prompt TEXT (or --chat)")
     _check_utf8(args.prompt, "--prompt")
+    constraint = _run_constraint(eng, args)
     sys.stdout.write(args.prompt)
-    for piece in eng.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sp):
+    for piece in eng.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sp, constraint=constraint):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -347,6 +348,34 @@ def _cmd_run(args: argparse.Namespace) -> None:
     progress.info(f"[qwc] prompt {st['prompt_tokens']} tokens at {rate(st['prompt_tokens'], st['prompt_s'])}, "
                   f"generated {st['generated']} at {rate(st['generated'], st['generate_s'])} "
                   f"({eng.threads} threads, {eng.pos} tokens in context)")
+
+
+def _run_constraint(eng, args: argparse.Namespace):
+    """`qwc run --json-schema` / `--grammar-file`: the grammar the reply follows, or None."""
+    if args.json_schema is None and args.grammar_file is None:
+        return None
+    if args.json_schema is not None and args.grammar_file is not None:
+        raise QwcError("give --json-schema or --grammar-file, not both")
+    from qwc.runtime.grammar import TokenVocab
+
+    vocab = TokenVocab(eng.tokenizer, eng.vocab_size, eng.eos, eng.sample_limit)
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(args.json_schema)
+        except ValueError as e:
+            raise QwcError(f"--json-schema is not JSON ({e})") from None
+        if not isinstance(schema, dict):
+            raise QwcError("--json-schema must be a JSON object (a JSON Schema; {} for any object)")
+        grammar = vocab.json_grammar(schema or None)
+        vocab.check(grammar, "--json-schema")
+    else:
+        try:
+            text = open(args.grammar_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise QwcError(f"--grammar-file {args.grammar_file}: {e}") from None
+        grammar = vocab.gbnf_grammar(text)
+        vocab.check(grammar, f"--grammar-file {args.grammar_file}")
+    return vocab.constraint(grammar)
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
@@ -573,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--frequency-penalty", type=_float_in(-2, 2), default=0.0,
                    help="subtracted per time a token was generated so far (OpenAI's; 0 = off, default)")
     r.add_argument("--seed", type=_seed, default=None, help="sampling seed (-1 or none: random)")
+    r.add_argument("--json-schema", metavar="SCHEMA",
+                   help="the reply is JSON valid under this JSON Schema (inline; '{}': any JSON object), as llama.cpp's")
+    r.add_argument("--grammar-file", metavar="FILE", help="the reply follows this GBNF grammar (llama.cpp's format)")
     r.add_argument("--threads", type=_threads, default=None, help="worker threads (default: every usable CPU)")
     r.set_defaults(func=_cmd_run)
 

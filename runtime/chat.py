@@ -24,9 +24,12 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise QwcError(f"the model's chat template does not parse ({e})") from None
         self._error = jinja2.TemplateError
+        # does the template render tools itself (Qwen2.5's does; runtime/tools.py otherwise)
+        self.knows_tools = "tools" in source and "tool_call" in source
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **({"tools": tools} if tools else {}))
         except self._error as e:
             raise QwcError(f"the model's chat template fails on these messages ({e})") from None

@@ -427,14 +427,16 @@ class Engine:
         return self.tokenizer.encode(text).ids
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32,
-                 sampling: SamplingParams | None = None, stop: set[int] | None = None) -> Iterator[str]:
-        """Stream decoded text pieces for `prompt`, continuing the current cache."""
+                 sampling: SamplingParams | None = None, stop: set[int] | None = None,
+                 constraint=None) -> Iterator[str]:
+        """Stream decoded text pieces for `prompt`, continuing the current cache; with a
+        `constraint` (runtime/grammar.py), only what its grammar allows, ending where it does."""
         if not is_int(max_new_tokens):
             raise QwcError(f"max_new_tokens {max_new_tokens!r}: must be an integer >= 0")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise QwcError("sampling must be a SamplingParams")
         ids = self.encode(prompt) if isinstance(prompt, str) else self._token_ids(prompt, "generate")[0].tolist()
-        sampler = Sampler(sampling or SamplingParams(), self.sample_limit)
+        sampler = Sampler(sampling or SamplingParams(), self.sample_limit, constraint)
         stop = self.eos if stop is None else stop
         t0 = time.perf_counter()
         logits = self.prefill(ids)
@@ -453,6 +455,6 @@ class Engine:
             piece = text.add(tok)   # "" while a UTF-8 sequence is incomplete
             if piece:
                 yield piece
-            if len(out) == max_new_tokens or self.pos >= self.ctx:
+            if len(out) == max_new_tokens or self.pos >= self.ctx or (constraint is not None and constraint.finished):
                 break
             logits = self.decode(tok)

@@ -30,16 +30,18 @@ class Metrics:
     def request_started(self) -> None:
         self.in_flight.inc()
 
-    def request_done(self, outcome: str, status: int, req=None) -> None:
-        if req is not None:
+    def request_done(self, outcome: str, status: int, reqs=None) -> None:
+        """One HTTP request's end; `reqs`: its replies (n of them: the prompt counts once)."""
+        if reqs:
             self.in_flight.dec()
-            self.prompt_tokens.inc(len(req.prompt))
-            self.cached_tokens.inc(req.cached_tokens)
-            self.generated.inc(len(req.generated))
-            if req.t_first is not None:
-                self.ttft.observe(req.t_first - req.t_submit)
-            for a, b in zip(req.token_times, req.token_times[1:]):
-                self.itl.observe(b - a)
+            self.prompt_tokens.inc(len(reqs[0].prompt))
+            self.cached_tokens.inc(reqs[0].cached_tokens)
+            for req in reqs:
+                self.generated.inc(len(req.generated))
+                if req.t_first is not None:
+                    self.ttft.observe(req.t_first - req.t_submit)
+                for a, b in zip(req.token_times, req.token_times[1:]):
+                    self.itl.observe(b - a)
         self.requests.labels("error" if outcome.startswith("error") else outcome, str(status)).inc()
 
     def render(self) -> str:

@@ -48,9 +48,10 @@ class Sampler:
     """`limit`: only ids below it are sampled (the tokenizer's span, qwc/vocab.py: a padded
     vocabulary's extra rows are untrained and decode to nothing)."""
 
-    def __init__(self, params: SamplingParams, limit: int | None = None):
+    def __init__(self, params: SamplingParams, limit: int | None = None, constraint=None):
         self.p = params
         self.limit = limit
+        self.constraint = constraint   # runtime/grammar.py: Constraint, the grammar's allowed tokens
         self.rng = np.random.default_rng(params.seed)
         self.prompt_len = None   # history's length at the first call: the prompt (see __call__)
         bias = params.logit_bias or {}
@@ -76,6 +77,18 @@ class Sampler:
             seen = seen[seen < x.size]
             v = x[seen]
             x[seen] = np.where(v > 0, v / self.p.repetition_penalty, v * self.p.repetition_penalty)
+        if self.constraint is None:
+            return self._choose(x)
+        # choose among the ids the grammar allows (the same distribution as masking the rest
+        # to -inf, on a few ids where JSON's syntax allows a few)
+        ids = np.flatnonzero(self.constraint.allowed()[: x.size])
+        if not ids.size:
+            raise QwcError("the grammar allows no token here")
+        tok = int(ids[self._choose(x[ids])])
+        self.constraint.consume(tok)
+        return tok
+
+    def _choose(self, x: np.ndarray) -> int:
         if self.p.temperature <= 0.0:
             return int(np.argmax(x))
         x = (x - x.max()) / self.p.temperature   # shifted first: a tiny temperature cannot overflow
@@ -92,3 +105,18 @@ class Sampler:
             mask[keep] = probs[keep]
             probs = mask / mask.sum()
         return int(self.rng.choice(probs.size, p=probs))
+
+
+def logprobs(logits: np.ndarray, tok: int, top: int, limit: int | None = None) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `tok` under the model's distribution (the raw logits, before
+    penalties, bias, grammar and temperature, as OpenAI and vLLM report it), and the `top`
+    most likely ids with theirs, most likely first."""
+    x = logits[:limit].astype(np.float64)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    best = []
+    if top > 0:
+        ids = np.argpartition(-x, top - 1)[:top] if top < x.size else np.arange(x.size)
+        ids = ids[np.argsort(-x[ids], kind="stable")]
+        best = [(int(i), float(x[i] - lse)) for i in ids]
+    return float(x[tok] - lse), best

@@ -23,8 +23,14 @@ Each request's tokens depend only on its own prompt, cache and sampler: the batc
 compute each row on its own, so greedy output does not change with what else runs beside it.
 
 Callers get events through `Request.emit` (called on the scheduler's thread):
-("text", piece) for every token (the piece may be empty), then ("done", finish_reason) with finish_reason "stop" | "length" | "cancelled"
-| "error: ..."; counts and times are on the request.
+("text", piece) for every token (the piece may be empty), before it ("logprob", (id, logprob,
+[(id, logprob), ...])) where the request asked for logprobs, then ("done", finish_reason) with
+finish_reason "stop" | "length" | "cancelled" | "error: ..."; counts and times are on the request.
+
+A request with a grammar (Request.constraint) samples only what the grammar allows, and ends
+with "stop" as soon as the grammar is complete. OpenAI's n > 1 is n requests of one prompt: the
+others (Request.fork_of) copy the first one's prompt cache and first logits instead of
+prefilling the prompt again.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import numpy as np
 from qwc.errors import QwcError
 
 from .detokenize import IncrementalText
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, logprobs
 
 
 class QueueFull(QwcError):
@@ -55,6 +61,9 @@ class Request:
     emit: Callable[[str, str], None]
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False          # llama-server's option: generate max_tokens whatever comes
+    constraint: object = None         # runtime/grammar.py: Constraint (response_format, grammar)
+    logprobs: int | None = None       # None: off; k: each token's logprob and the k likeliest
+    fork_of: "Request | None" = None  # one of n > 1 replies to a prompt: copies this one's prompt cache
     # filled in by the scheduler
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -75,7 +84,8 @@ class _Running:
         self.req, self.seq, self.eos = req, seq, eos
         self.fed = 0                     # prompt tokens in the cache
         self.logits: np.ndarray | None = None
-        self.sampler = Sampler(req.sampling, limit)
+        self.limit = limit
+        self.sampler = Sampler(req.sampling, limit, req.constraint)
         self.history = list(req.prompt)
         self.detok = IncrementalText(tokenizer)   # the reply's text, a token at a time
         self.shown = ""                  # text already emitted
@@ -226,13 +236,18 @@ class Scheduler:
     def _step(self) -> None:
         for run in [r for r in self._running if r.req.cancelled.is_set()]:
             self._finish(run, "cancelled")
-        # one prefill chunk a step, to the request that has waited longest
+        # one prefill chunk a step, to the request that has waited longest; a fork waits for its
+        # leader's prompt and copies it
         pending = [r for r in self._running if r.fed < len(r.req.prompt)]
-        if pending:
-            run = pending[0]
+        leads = {id(r.req): r for r in self._running}
+        own = [r for r in pending if not self._fork(r, leads.get(id(r.req.fork_of)))]
+        if own:
+            run = own[0]
             chunk = run.req.prompt[run.fed:run.fed + self.prefill_chunk]
             run.logits = self.engine.prefill(chunk, seq=run.seq)
             run.fed += len(chunk)
+            for r in pending:
+                self._fork(r, leads.get(id(r.req.fork_of)))
         decoding = [r for r in self._running if r.fed == len(r.req.prompt) and r.logits is not None]
         going = [(run, tok) for run in decoding if (tok := self._advance(run)) is not None]
         if going:
@@ -245,15 +260,38 @@ class Scheduler:
             if self.on_step:
                 self.on_step(len(going))
 
+    def _fork(self, run: _Running, lead: _Running | None) -> bool:
+        """For one of n replies to a prompt (Request.fork_of): True while its leader's prompt is
+        still being prefilled (it waits), or once it has copied the leader's prompt cache and
+        first logits (the step the leader's prefill completes, before the leader samples);
+        False where it prefills on its own (no leader running, or the leader is past that step)."""
+        if lead is None or run.fed == len(run.req.prompt) or lead.req.prompt != run.req.prompt:
+            return False
+        if lead.fed < len(lead.req.prompt):
+            return True
+        if lead.req.generated or lead.logits is None or lead.seq.pos != len(lead.req.prompt):
+            return False
+        n = len(run.req.prompt)
+        lead.seq.pool.copy_row(lead.seq.row, run.seq.row, n)
+        run.seq.pos = run.fed = run.req.cached_tokens = n
+        run.logits = lead.logits.copy()   # the leader's is a view the next call overwrites
+        return True
+
     def _advance(self, run: _Running) -> int | None:
         """Sample the next token from the last logits and emit its text; the token to decode
         next, or None where the request ends here."""
         req = run.req
-        tok = run.sampler(run.logits, run.history)
+        try:
+            tok = run.sampler(run.logits, run.history)
+        except QwcError as e:     # this request's grammar failed: it ends, the others go on
+            self._finish(run, f"error: {e}")
+            return None
         now = time.perf_counter()
         if tok in run.eos:
             self._finish(run, "stop")
             return None
+        if req.logprobs is not None:
+            req.emit("logprob", (tok, *logprobs(run.logits, tok, req.logprobs, run.limit)))
         req.generated.append(tok)
         run.history.append(tok)
         if req.t_first is None:
@@ -266,6 +304,8 @@ class Scheduler:
                   default=-1)
         if cut >= 0:
             text, reason = text[:cut], "stop"
+        elif req.constraint is not None and req.constraint.finished:
+            reason = "stop"       # the grammar is complete: only an end token could follow
         elif len(req.generated) >= req.max_tokens or run.seq.pos + 1 > run.seq.capacity:
             reason = "length"
         # Hold back text that may be the start of a stop string (a partial UTF-8 sequence is not

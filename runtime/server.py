@@ -6,11 +6,15 @@
 unknown model, a prompt longer than the context, sampling values out of range, options this
 server does not implement), 401 without the --api-key, 503 when the queue is full.
 
-FastAPI / uvicorn / prometheus-client are the optional extra `qwc[serve]`: the runtime's core
-(engine, scheduler) does not need them. Request fields follow OpenAI's defaults (temperature 1,
-max_tokens 16 for completions and the rest of the context for chat; presence_penalty and
-frequency_penalty over the generated tokens, logit_bias by token id) and accept llama-server's
-`top_k`, `repeat_penalty` and `ignore_eos` beside them.
+FastAPI / uvicorn / prometheus-client / llguidance are the optional extra `qwc[serve]`: the
+runtime's core (engine, scheduler) does not need them. Request fields follow OpenAI's defaults
+(temperature 1, max_tokens 16 for completions and the rest of the context for chat;
+presence_penalty and frequency_penalty over the generated tokens, logit_bias by token id) and
+accept llama-server's `top_k`, `repeat_penalty`, `ignore_eos` and GBNF `grammar` beside them.
+`response_format` (json_object, json_schema) and `grammar` constrain the reply
+(runtime/grammar.py); logprobs are the model's own distribution (before penalties, bias,
+grammar and temperature, as OpenAI and vLLM report them): chat's `logprobs` / `top_logprobs`
+(0-20), the completions' `logprobs: N` (0-20) and `echo`.
 """
 
 
@@ -19,12 +23,13 @@ import json
 import math
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from qwc.errors import QwcError
 
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Request, Scheduler
+from .tools import CallStream, ToolError, call_grammar, fallback_messages, parse_tools, split_calls, template_messages
 
 
 class ApiError(Exception):
@@ -56,12 +61,31 @@ def _number(body: dict, name: str, default, lo, hi, integer=False, lo_open=False
     return v
 
 
-def _unsupported(body: dict) -> None:
-    if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
-        raise ApiError(400, "only n = 1 (and best_of = 1) is supported", "n")
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
+MAX_N = 16   # replies a request may ask for (each is a sequence slot while it runs)
+
+
+def _unsupported(body: dict, chat: bool) -> None:
+    if body.get("best_of") not in (None, 1):
+        raise ApiError(400, "only best_of = 1 is supported (n replies are n = ...)", "best_of")
+    for name in ("suffix", "functions") + (("echo",) if chat else ("tools",)):
         if body.get(name) not in (None, False, "", [], {}):
             raise ApiError(400, f"'{name}' is not supported by this server", name)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many likeliest tokens to report beside each chosen one's logprob; None: no logprobs.
+    Chat: logprobs true and top_logprobs 0-20; completions: logprobs N (OpenAI's legacy form)."""
+    if chat:
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise ApiError(400, f"'logprobs' must be true or false, not {on!r}", "logprobs")
+        top = _number(body, "top_logprobs", None, 0, 20, integer=True)
+        if top is not None and not on:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if on else None
+    if body.get("top_logprobs") is not None:
+        raise ApiError(400, "'top_logprobs' is a chat field; completions take 'logprobs': N", "top_logprobs")
+    return _number(body, "logprobs", None, 0, 20, integer=True)
 
 
 def _stops(body: dict) -> tuple[str, ...]:
@@ -113,6 +137,7 @@ class Api:
         self.engine, self.scheduler, self.settings, self.metrics = engine, scheduler, settings, metrics
         self.created = int(time.time())
         self._chat = None
+        self._vocab = None
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.settings.model_id, "object": "model",
@@ -127,8 +152,8 @@ class Api:
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                            code="invalid_api_key", kind="authentication_error")
 
-    def parse(self, raw: bytes, chat: bool) -> tuple[Request, dict]:
-        """A validated Request (not yet submitted) and the reply's fixed fields."""
+    def parse(self, raw: bytes, chat: bool) -> tuple[list[Request], dict]:
+        """The validated Requests (n of them, not yet submitted) and the reply's fixed fields."""
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -139,8 +164,20 @@ class Api:
         if model != self.settings.model_id:
             raise ApiError(400, f"model {model!r} does not exist; this server has {self.settings.model_id!r}",
                            "model", "model_not_found")
-        _unsupported(body)
-        prompt = self._chat_prompt(body) if chat else self._prompt(body)
+        _unsupported(body, chat)
+        top = _logprobs(body, chat)
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise ApiError(400, "'echo' must be true or false", "echo")
+        if echo and top is not None:
+            raise ApiError(400, "'echo' with 'logprobs' (the prompt's own logprobs) is not supported", "echo")
+        fns, choice = [], "none"
+        if chat:
+            try:
+                fns, choice = parse_tools(body.get("tools"), body.get("tool_choice"))
+            except ToolError as e:
+                raise ApiError(400, str(e), e.param) from None
+        prompt = self._chat_prompt(body, fns if choice != "none" else []) if chat else self._prompt(body)
         ctx = self.engine.ctx
         if len(prompt) + 1 > ctx:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; this server's context is {ctx} tokens "
@@ -162,9 +199,71 @@ class Api:
             sampling = _sampling(body, self.engine.vocab_size)
         except QwcError as e:
             raise ApiError(400, str(e)) from None
-        req = Request(prompt=prompt, max_tokens=min(max_tokens, room), sampling=sampling, emit=None,
-                      stop_strings=_stops(body), ignore_eos=ignore_eos)
-        return req, {"stream": stream, "include_usage": bool(opts.get("include_usage"))}
+        grammar = self._grammar(body)
+        if choice not in (None, "none"):    # "required" or a function's name: the reply is one call
+            if grammar is not None:
+                raise ApiError(400, "'tool_choice' required or a function cannot be combined with "
+                                    "'response_format' or 'grammar'", "tool_choice")
+            grammar = self._checked(call_grammar(fns, None if choice == "required" else choice), "tools")
+        if grammar is not None and ignore_eos:
+            raise ApiError(400, "'ignore_eos' cannot be used with a grammar or response_format: "
+                                "the reply ends where the grammar does", "ignore_eos")
+        n = _number(body, "n", 1, 1, MAX_N, integer=True)
+        stops = _stops(body)
+        reqs: list[Request] = []
+        for i in range(n):   # the first prefills the prompt, the others copy its cache
+            sp = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**63)
+            reqs.append(Request(prompt=prompt, max_tokens=min(max_tokens, room), sampling=sp, emit=None,
+                                stop_strings=stops, ignore_eos=ignore_eos, logprobs=top,
+                                constraint=self.token_vocab().constraint(grammar) if grammar is not None else None,
+                                fork_of=reqs[0] if reqs else None))
+        shown = None
+        if echo:
+            shown = body["prompt"] if isinstance(body.get("prompt"), str) else self.engine.tokenizer.decode(prompt)
+        return reqs, {"stream": stream, "include_usage": bool(opts.get("include_usage")), "echo": shown,
+                      "tools": bool(fns) and choice != "none"}
+
+    def _checked(self, lark: str, param: str) -> str:
+        """A Lark grammar, checked against this tokenizer."""
+        if self.engine.tokenizer is None:
+            raise ApiError(400, "this artifact has no tokenizer, so it cannot follow a grammar", param)
+        try:
+            self.token_vocab().check(lark, f"'{param}'")
+        except QwcError as e:
+            raise ApiError(400, str(e), param) from None
+        return lark
+
+    def token_vocab(self):
+        """The tokenizer as the grammar engine sees it (built on first use, ~1 s)."""
+        if self._vocab is None:
+            from .grammar import TokenVocab
+
+            e = self.engine
+            self._vocab = TokenVocab(e.tokenizer, e.vocab_size, e.eos, e.sample_limit)
+        return self._vocab
+
+    def _grammar(self, body: dict) -> str | None:
+        """The reply's grammar: OpenAI's response_format, or llama-server's GBNF `grammar`."""
+        fmt, gbnf = body.get("response_format"), body.get("grammar")
+        if fmt is None and gbnf is None:
+            return None
+        if fmt is not None and gbnf is not None:
+            raise ApiError(400, "give 'response_format' or 'grammar', not both", "grammar")
+        if self.engine.tokenizer is None:
+            raise ApiError(400, "this artifact has no tokenizer, so it cannot follow a grammar",
+                           "grammar" if gbnf is not None else "response_format")
+        from .grammar import response_format_grammar
+
+        try:
+            if gbnf is None:
+                return response_format_grammar(fmt, self.token_vocab())
+            if not isinstance(gbnf, str) or not gbnf.strip():
+                raise QwcError("'grammar' must be a non-empty GBNF string")
+            g = self.token_vocab().gbnf_grammar(gbnf)
+            self.token_vocab().check(g)
+            return g
+        except QwcError as e:
+            raise ApiError(400, str(e), "response_format" if gbnf is None else "grammar") from None
 
     def _prompt(self, body: dict) -> list[int]:
         p = body.get("prompt")
@@ -180,23 +279,34 @@ class Api:
             return list(p)
         raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", "prompt")
 
-    def _chat_prompt(self, body: dict) -> list[int]:
+    def _chat_prompt(self, body: dict, fns: list[dict]) -> list[int]:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "'messages' must be a non-empty list", "messages")
         clean = []
         for m in msgs:
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-                raise ApiError(400, "each message needs a 'role' of system, user, assistant or developer", "messages")
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+                raise ApiError(400, "each message needs a 'role' of system, user, assistant, developer or tool",
+                               "messages")
             content = m.get("content")
             if isinstance(content, list):   # content parts: text only
                 if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
                            for c in content):
                     raise ApiError(400, "only text content parts are supported", "messages")
                 content = "".join(c["text"] for c in content)
+            calls = m.get("tool_calls") if m["role"] == "assistant" else None
+            if calls is not None and not isinstance(calls, list):
+                raise ApiError(400, "an assistant message's 'tool_calls' must be a list", "messages")
+            if content is None and calls:
+                content = ""
             if not isinstance(content, str):
                 raise ApiError(400, "each message needs a string 'content'", "messages")
-            clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+            one = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+            if calls:
+                one["tool_calls"] = calls
+            if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+                one["tool_call_id"] = m["tool_call_id"]
+            clean.append(one)
         if self._chat is None:
             from .chat import ChatTemplate
 
@@ -205,7 +315,13 @@ class Api:
             except QwcError as e:
                 raise ApiError(400, f"{e}; use /v1/completions", "messages") from None
         try:
-            text = self._chat.render(clean)
+            if self._chat.knows_tools:
+                text = self._chat.render(template_messages(clean), tools=[{"type": "function", "function": f}
+                                                                          for f in fns] or None)
+            else:
+                text = self._chat.render(fallback_messages(clean, fns))
+        except ToolError as e:
+            raise ApiError(400, str(e), e.param) from None
         except QwcError as e:
             raise ApiError(400, str(e), "messages") from None
         return self._encode(text, "messages")
@@ -219,13 +335,19 @@ class Api:
             raise ApiError(400, f"'{param}' encodes to no tokens", param)
         return ids
 
-    def submit(self, req: Request, emit) -> Request:
-        req.emit = emit
+    def submit(self, reqs: list[Request], emit) -> None:
+        """Queue the replies, `emit(i, kind, value)` for reply i's events; all or none of them
+        (a full queue cancels those already queued)."""
+        done: list[Request] = []
         try:
-            return self.scheduler.submit(req)
-        except QueueFull as e:
-            raise ApiError(503, f"{e}; retry later", code="server_overloaded", kind="server_error") from None
-        except QwcError as e:
+            for i, req in enumerate(reqs):
+                req.emit = (lambda i: lambda kind, value: emit(i, kind, value))(i)
+                done.append(self.scheduler.submit(req))
+        except (QueueFull, QwcError) as e:
+            for r in done:
+                r.cancel()
+            if isinstance(e, QueueFull):
+                raise ApiError(503, f"{e}; retry later", code="server_overloaded", kind="server_error") from None
             raise ApiError(400, str(e)) from None
 
 
@@ -272,73 +394,108 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
 
     async def complete(request: HttpRequest, chat: bool):
         api.check_key(request.headers.get("authorization"))
-        req, opts = api.parse(await request.body(), chat)
+        reqs, opts = api.parse(await request.body(), chat)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        api.submit(req, lambda kind, value: loop.call_soon_threadsafe(events.put_nowait, (kind, value)))
+        api.submit(reqs, lambda i, kind, value: loop.call_soon_threadsafe(events.put_nowait, (i, kind, value)))
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        shape = _Shape(rid, settings.model_id, chat)
+        shape = _Shape(rid, settings.model_id, chat, reqs[0].logprobs,
+                       api.token_vocab if reqs[0].logprobs is not None else None, len(opts["echo"] or ""),
+                       opts["tools"])
         metrics.request_started()
+
+        def cancel():
+            for r in reqs:
+                r.cancel()
 
         async def watch():
             # notice a client that went away (a task of its own: a timeout on every token's wait
             # cost the event loop a task per token, CPU the decode threads want)
-            while req.finish_reason is None:
+            while any(r.finish_reason is None for r in reqs):
                 await asyncio.sleep(0.5)
                 if await request.is_disconnected():
-                    req.cancel()
+                    cancel()
                     return
 
         watcher = asyncio.create_task(watch())
         next_event = events.get
+        n = len(reqs)
 
         if opts["stream"]:
             async def sse():
-                done = False
+                done, lps, left, outcome = False, [[] for _ in reqs], n, None
+                calls = [CallStream() for _ in reqs] if opts["tools"] else None   # hold back <tool_call>s
                 try:
-                    if chat:
-                        yield _sse(shape.chunk({"role": "assistant", "content": ""}, None))
-                    while True:
-                        kind, value = await next_event()
-                        if kind == "text":
-                            yield _sse(shape.chunk({"content": value} if chat else value, None))
+                    for i in range(n):
+                        if chat:
+                            yield _sse(shape.chunk({"role": "assistant", "content": ""}, None, index=i))
+                        elif opts["echo"] is not None:
+                            yield _sse(shape.chunk(opts["echo"], None, index=i))
+                    while left:
+                        i, kind, value = await next_event()
+                        if kind == "logprob":
+                            lps[i].append(value)
                             continue
-                        done = True
-                        if value.startswith("error"):
+                        if kind == "text":
+                            if calls:
+                                value = calls[i].feed(value)
+                            yield _sse(shape.chunk({"content": value} if chat else value, None, lps[i], i))
+                            lps[i] = []
+                            continue
+                        left -= 1
+                        if value.startswith("error"):   # the other replies end with it
+                            cancel()
+                            outcome = value
                             yield _sse(ApiError(500, value, kind="server_error").body())
-                        elif value != "cancelled":
-                            yield _sse(shape.chunk({} if chat else "", value))
-                            if opts["include_usage"]:
-                                yield _sse(shape.usage_chunk(req))
-                        yield "data: [DONE]\n\n"
-                        metrics.request_done(value, 200, req)
-                        return
+                            break
+                        if value != "cancelled" and calls:
+                            rest, made = calls[i].finish()
+                            if rest:
+                                yield _sse(shape.chunk({"content": rest}, None, index=i))
+                            if made:
+                                yield _sse(shape.chunk({"tool_calls": [dict(c, index=k) for k, c in enumerate(made)]},
+                                                       None, index=i))
+                                value = "tool_calls"
+                        if value != "cancelled":
+                            yield _sse(shape.chunk({} if chat else "", value, lps[i], i))
+                    done = True
+                    if outcome is None:
+                        outcome = reqs[0].finish_reason
+                        if opts["include_usage"]:
+                            yield _sse(shape.usage_chunk(reqs))
+                    yield "data: [DONE]\n\n"
+                    metrics.request_done(outcome, 200, reqs)
                 finally:
                     watcher.cancel()
                     if not done:          # the client went away mid-stream
-                        req.cancel()
-                        metrics.request_done("cancelled", 499, req)
+                        cancel()
+                        metrics.request_done("cancelled", 499, reqs)
 
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        text = []
+        texts, lps, finish = [[opts["echo"] or ""] for _ in reqs], [[] for _ in reqs], [None] * n
         try:
-            while True:
-                kind, value = await next_event()
+            while None in finish:
+                i, kind, value = await next_event()
                 if kind == "text":
-                    text.append(value)
-                    continue
-                break
+                    texts[i].append(value)
+                elif kind == "logprob":
+                    lps[i].append(value)
+                else:
+                    finish[i] = value
+                    if value.startswith("error"):
+                        break
         finally:
             watcher.cancel()
-            if req.finish_reason is None:
-                req.cancel()
-        if value.startswith("error"):
-            metrics.request_done(value, 500, req)
-            return JSONResponse(ApiError(500, value, kind="server_error").body(), status_code=500)
-        metrics.request_done(value, 200, req)
-        return shape.whole("".join(text), value, req)
+            if any(r.finish_reason is None for r in reqs):
+                cancel()
+        err = next((f for f in finish if f and f.startswith("error")), None)
+        if err:
+            metrics.request_done(err, 500, reqs)
+            return JSONResponse(ApiError(500, err, kind="server_error").body(), status_code=500)
+        metrics.request_done(finish[0], 200, reqs)
+        return shape.whole(["".join(t) for t in texts], finish, reqs, lps)
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest):
@@ -358,34 +515,75 @@ def _sse(obj: dict) -> str:
 class _Shape:
     """OpenAI's reply objects for one request."""
 
-    def __init__(self, rid: str, model: str, chat: bool):
+    def __init__(self, rid: str, model: str, chat: bool, top: int | None = None, vocab=None, offset: int = 0,
+                 tools: bool = False):
         self.rid, self.model, self.chat, self.created = rid, model, chat, int(time.time())
+        self.tools = tools                    # the replies' <tool_call>s become tool_calls
+        self.top, self.vocab = top, vocab     # logprobs: how many alternatives; the token bytes' source
+        self.start = offset                   # completions' text_offset: characters before the next token,
+        self.offsets: dict[int, int] = {}     # per reply
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, delta, finish: str | None) -> dict:
+    def logprobs(self, lps: list, index: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these tokens: chat's {"content": [...]}, or the legacy
+        completions form (tokens, token_logprobs, top_logprobs, text_offset)."""
+        if self.top is None:
+            return None
+        vocab = self.vocab()
+
+        def token(i: int) -> tuple[str, bytes]:
+            b = vocab.token_bytes(i)
+            return b.decode("utf-8", errors="replace"), b
+
+        if self.chat:
+            content = []
+            for tok, lp, best in lps:
+                s, b = token(tok)
+                alts = [{"token": (t := token(i))[0], "logprob": x, "bytes": list(t[1])} for i, x in best]
+                content.append({"token": s, "logprob": lp, "bytes": list(b), "top_logprobs": alts})
+            return {"content": content, "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok, lp, best in lps:
+            s = token(tok)[0]
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({token(i)[0]: x for i, x in best})
+            at = self.offsets.get(index, self.start)
+            out["text_offset"].append(at)
+            self.offsets[index] = at + len(s)
+        return out
+
+    def chunk(self, delta, finish: str | None, lps: list = (), index: int = 0) -> dict:
+        lp = self.logprobs(list(lps), index) if lps else None
         if self.chat:
             return {**self._head("chat.completion.chunk"),
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
         return {**self._head("text_completion"),
-                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": index, "text": delta, "logprobs": lp, "finish_reason": finish}]}
 
     @staticmethod
-    def usage(req: Request) -> dict:
-        n, m = len(req.prompt), len(req.generated)
+    def usage(reqs: list[Request]) -> dict:
+        n, m = len(reqs[0].prompt), sum(len(r.generated) for r in reqs)   # the prompt counts once
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m,
-                "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}   # OpenAI's prompt-cache field
+                "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}   # OpenAI's prompt-cache field
 
-    def usage_chunk(self, req: Request) -> dict:
+    def usage_chunk(self, reqs: list[Request]) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": self.usage(req)}
+                "usage": self.usage(reqs)}
 
-    def whole(self, text: str, finish: str, req: Request) -> dict:
+    def whole(self, texts: list[str], finish: list[str], reqs: list[Request], lps: list[list]) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(req)}
-        return {**self._head("text_completion"),
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-                "usage": self.usage(req)}
+            choices = []
+            for i, (t, f, lp) in enumerate(zip(texts, finish, lps)):
+                message = {"role": "assistant", "content": t}
+                if self.tools:
+                    message["content"], calls = split_calls(t)
+                    if calls:
+                        message["tool_calls"], f = calls, "tool_calls"
+                choices.append({"index": i, "message": message, "logprobs": self.logprobs(lp, i), "finish_reason": f})
+            return {**self._head("chat.completion"), "choices": choices, "usage": self.usage(reqs)}
+        choices = [{"index": i, "text": t, "logprobs": self.logprobs(lp, i), "finish_reason": f}
+                   for i, (t, f, lp) in enumerate(zip(texts, finish, lps))]
+        return {**self._head("text_completion"), "choices": choices, "usage": self.usage(reqs)}

@@ -46,6 +46,30 @@ def test_run_takes_the_openai_penalties(tiny_host_artifact, capsys):
     assert e.value.code == 2 and "--presence-penalty: 3 is not in [-2, 2]" in capsys.readouterr().err
 
 
+def test_run_follows_a_grammar_and_refuses_bad_ones(tiny_host_artifact, capsys, tmp_path):
+    """`qwc run --grammar-file` / `--json-schema` (llama.cpp's options): even the random tiny
+    model's text follows the grammar; bad schemas and grammars end in one line."""
+    g = tmp_path / "yn.gbnf"
+    g.write_text('root ::= "yes" | "no"\n')
+    assert main(["-q", "run", str(tiny_host_artifact), "--prompt", "Q:", "--grammar-file", str(g)]) in (0, None)
+    assert capsys.readouterr().out in ("Q:yes\n", "Q:no\n")
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], ' \
+             '"additionalProperties": false}'
+    assert main(["-q", "run", str(tiny_host_artifact), "--prompt", "Q:", "--json-schema", schema,
+                 "--max-new-tokens", "200"]) in (0, None)
+    out = capsys.readouterr().out
+    assert json.loads(out[2:])["ok"] in (True, False)
+    g.write_text("root ::= (")
+    for extra, words in [(["--json-schema", "{bad"], "--json-schema is not JSON"),
+                         (["--json-schema", '{"type": "nonsense"}'], "--json-schema cannot be used"),
+                         (["--grammar-file", str(g)], "GBNF"),
+                         (["--grammar-file", str(tmp_path / "none.gbnf")], "--grammar-file"),
+                         (["--json-schema", "{}", "--grammar-file", str(g)], "not both")]:
+        assert main(["-q", "run", str(tiny_host_artifact), "--prompt", "Q:", *extra]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+
 def test_prompt_longer_than_ctx(tiny_host_artifact, capsys):
     code = main(["-q", "run", str(tiny_host_artifact), "--prompt", "x" * 40, "--ctx", "16"])
     one_line(capsys, code, "does not fit the context of 16")

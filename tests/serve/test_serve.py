@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -140,6 +141,108 @@ def test_penalties_and_logit_bias_are_the_engines(server, artifact):
     assert server.post("/v1/completions", body).json()["choices"][0]["text"] == eng.tokenizer.decode([forced] * 4)
 
 
+def test_logprobs_are_the_models_and_stream_as_they_whole(server, artifact):
+    """Chat's logprobs/top_logprobs and the completions' legacy logprobs: the first token's
+    are the prompt's logits through log-softmax (the same prefill), the chosen token is the
+    likeliest under greedy sampling, and streaming gives the whole reply's entries."""
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    msgs = [{"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens > 0
+    # the tiny model's bytes are random: the text holds back a last partial character
+    said = b"".join(bytes(c.bytes) for c in content).decode(errors="replace")
+    assert said.startswith(whole.choices[0].message.content)
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert c.logprob == c.top_logprobs[0].logprob <= 0 and c.token == bytes(c.bytes).decode(errors="replace")
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for ch in stream if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    # (the same tokens; the values to rounding: the second request reuses the first's cache)
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert np.allclose([e.logprob for e in streamed], [e.logprob for e in content], rtol=0, atol=1e-5)
+
+    eng = Engine(artifact, ctx=CTX, threads=1)
+    x = eng.prefill(eng.encode("Hello there"))[: eng.sample_limit].astype(np.float64)
+    ref = x - x.max() - np.log(np.exp(x - x.max()).sum())
+    r = server.post("/v1/completions", {"model": "tiny", "prompt": "Hello there", "max_tokens": 3,
+                                        "temperature": 0, "logprobs": 2}).json()["choices"][0]
+    lp = r["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    assert abs(lp["token_logprobs"][0] - ref.max()) < 1e-6 and len(lp["top_logprobs"][0]) == 2
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    assert "".join(lp["tokens"]).startswith(r["text"].rstrip("\ufffd"))
+    echo = server.post("/v1/completions", {"model": "tiny", "prompt": "Hello there", "max_tokens": 3,
+                                           "temperature": 0, "echo": True}).json()["choices"][0]
+    assert echo["text"] == "Hello there" + r["text"] and echo["logprobs"] is None
+
+
+def test_n_replies_share_the_prompt_and_each_is_a_single_requests(server):
+    """n = 3: the replies copy the first one's prompt cache; reply i is what a request of its
+    own with seed + i gives (the same prompt, cache and sampler), in the reply and streamed."""
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    kw = dict(model="tiny", prompt="Once upon", max_tokens=10, temperature=1.0, top_p=0.9)
+    r = client.completions.create(**kw, n=3, seed=5)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    singles = [client.completions.create(**kw, seed=5 + i).choices[0].text for i in range(3)]
+    assert [c.text for c in r.choices] == singles and len(set(singles)) > 1
+    assert r.usage.completion_tokens == sum(
+        client.completions.create(**kw, seed=5 + i).usage.completion_tokens for i in range(3))
+    streamed = ["", "", ""]
+    for ch in client.completions.create(**kw, n=3, seed=5, stream=True):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert streamed == singles
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of the next days",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+
+
+def test_tool_calls_forced_streamed_and_answered(server):
+    """tool_choice required / named: even the random tiny model's reply is one call whose
+    arguments validate (runtime/tools.py's grammar); the call streams as one tool_calls delta
+    with the non-streamed reply's name and arguments; the tool's result is a valid next turn."""
+    import jsonschema
+
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    kw = dict(model="tiny", messages=msgs, tools=[WEATHER], max_tokens=400, temperature=1.0, seed=3)
+    r = client.chat.completions.create(**kw, tool_choice="required").choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content is None and len(r.message.tool_calls) == 1
+    call = r.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(**kw, tool_choice=named).choices[0].message.tool_calls[0]
+    deltas = [c.choices[0] for c in client.chat.completions.create(**kw, tool_choice=named, stream=True)
+              if c.choices]
+    got = [t for d in deltas if d.delta.tool_calls for t in d.delta.tool_calls]
+    assert len(got) == 1 and got[0].index == 0 and deltas[-1].finish_reason == "tool_calls"
+    assert (got[0].function.name, got[0].function.arguments) == (whole.function.name, whole.function.arguments)
+    assert "".join(d.delta.content or "" for d in deltas) == ""
+    msgs += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+             {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]
+    after = client.chat.completions.create(model="tiny", messages=msgs, tools=[WEATHER], max_tokens=4, temperature=0)
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls") and after.usage.prompt_tokens > 100
+
+
+def test_a_gbnf_grammar_decides_the_reply(server):
+    for seed in range(3):
+        r = server.post("/v1/completions", {"model": "tiny", "prompt": "Answer:", "max_tokens": 8, "seed": seed,
+                                            "grammar": 'root ::= "yes" | "no"'}).json()["choices"][0]
+        assert r["text"] in ("yes", "no") and r["finish_reason"] == "stop"
+
+
 def test_stop_strings_cut_the_text(server, artifact):
     full = _reference(artifact, ["Hello there"], 12)[0]
     assert len(full) > 4
@@ -185,7 +288,8 @@ def test_cancelled_stream_frees_its_slot(server):
     ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": 5}, 400, None, "'temperature'"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 0}, 400, None, "'top_p'"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 0}, 400, None, "'max_tokens'"),
-    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 2}, 400, None, "n = 1"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 17}, 400, None, "'n'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "best_of": 2}, 400, None, "best_of"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "presence_penalty": 3}, 400, None, "'presence_penalty'"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"x": 1}}, 400, None, "'logit_bias'"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"5": 300}}, 400, None, "'logit_bias'"),
@@ -193,6 +297,28 @@ def test_cancelled_stream_frees_its_slot(server):
     ("/v1/completions", {"model": "tiny", "prompt": [10 ** 9]}, 400, None, "token ids"),
     ("/v1/completions", {"model": "tiny"}, 400, None, "'prompt'"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "stream": "yes"}, 400, None, "'stream'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 50}, 400, None, "'logprobs'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 1, "echo": True}, 400, None, "'echo'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "response_format": {"type": "xml"}}, 400, None,
+     "'response_format'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400, None, "schema"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "grammar": "root ::= ("}, 400, None, "GBNF"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "grammar": 'root ::= "a"', "ignore_eos": True}, 400, None,
+     "'ignore_eos'"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+     400, None, "needs 'logprobs'"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "echo": True},
+     400, None, "'echo'"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}],
+                              "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, None, "tool"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "tools": [WEATHER],
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, None,
+     "not in 'tools'"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "tools": [WEATHER],
+                              "tool_choice": "required", "response_format": {"type": "json_object"}}, 400, None,
+     "cannot be combined"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "tools": [WEATHER]}, 400, None, "'tools'"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, None, "'messages'"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "a"}]}, 400, None, "role"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, None, "content"),
@@ -207,8 +333,10 @@ def test_bad_requests_get_openai_errors(server, path, body, status, code, words)
     # and the openai client raises its own error type for it
     if path == "/v1/completions" and isinstance(body, dict) and "model" in body and "prompt" in body and status == 400:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        # fields the client's completions.create does not take go as extra_body
+        own = {k: v for k, v in body.items() if k in ("response_format", "grammar", "ignore_eos", "tools")}
         with pytest.raises(openai.BadRequestError):
-            client.completions.create(**body)
+            client.completions.create(**{k: v for k, v in body.items() if k not in own}, extra_body=own or None)
 
 
 def test_api_key_and_a_full_queue(artifact):
