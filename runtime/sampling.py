@@ -64,7 +64,7 @@ class Sampler:
         OpenAI penalties count only what follows it."""
         if self.prompt_len is None:
             self.prompt_len = len(history)
-        x = logits[: self.limit].astype(np.float64)
+        x = logits[: self.limit].astype(np.float32)   # a copy: penalties and bias change it
         if self.bias.size:
             ok = self.bias_ids < x.size
             x[self.bias_ids[ok]] += self.bias[ok]
@@ -89,22 +89,58 @@ class Sampler:
         return tok
 
     def _choose(self, x: np.ndarray) -> int:
+        """Greedy, or a draw from softmax(x / temperature) cut to the top_k likeliest ids and
+        to the smallest set holding top_p of the mass. A draw is one uniform number against the
+        running sum (inverse CDF), in float32 but summed in float64; top-k and top-p work on the
+        candidates only, not by sorting the vocabulary (a 152k vocabulary took 3-8 ms a token
+        that way, on the scheduler's thread, for every sequence of a batched step)."""
         if self.p.temperature <= 0.0:
             return int(np.argmax(x))
-        x = (x - x.max()) / self.p.temperature   # shifted first: a tiny temperature cannot overflow
-        if self.p.top_k > 0 and self.p.top_k < x.size:
-            kth = np.partition(x, -self.p.top_k)[-self.p.top_k]
-            x[x < kth] = -np.inf
-        probs = np.exp(x - x.max())
-        probs /= probs.sum()
+        ids = None                      # the candidates' ids, where x holds only candidates
+        if 0 < self.p.top_k < x.size:
+            ids = np.argpartition(x, -self.p.top_k)[-self.p.top_k:]
+            x = x[ids]
+        # shifted first: a tiny temperature cannot overflow
+        probs = np.exp((x - x.max()) * np.float32(1.0 / self.p.temperature))
         if self.p.top_p < 1.0:
-            order = np.argsort(-probs)
-            cum = np.cumsum(probs[order])
-            keep = order[: int(np.searchsorted(cum, self.p.top_p) + 1)]
-            mask = np.zeros_like(probs)
-            mask[keep] = probs[keep]
-            probs = mask / mask.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+            keep = _top_p(probs, self.p.top_p)
+            ids, probs = (keep if ids is None else ids[keep]), probs[keep]
+        i = _draw(probs, self.rng.random())
+        return int(i if ids is None else ids[i])
+
+
+_BLOCK = 1024
+
+
+def _draw(probs: np.ndarray, u: float) -> int:
+    """The index i with probability probs[i] / sum(probs), for a uniform u in [0, 1): the
+    inverse CDF in two levels, block sums then one block's running sum (a running sum over a
+    152k vocabulary costs 0.5-1.2 ms)."""
+    starts = np.arange(0, probs.size, _BLOCK)
+    sums = np.cumsum(np.add.reduceat(probs, starts), dtype=np.float64)
+    target = u * sums[-1]
+    b = min(int(np.searchsorted(sums, target, side="right")), sums.size - 1)
+    block = probs[starts[b]:starts[b] + _BLOCK]
+    inner = np.cumsum(block, dtype=np.float64) + (sums[b - 1] if b else 0.0)
+    i = int(np.searchsorted(inner, target, side="right"))
+    if i >= block.size:   # the two sums' rounding: the block's last id that can be drawn
+        i = int(np.flatnonzero(block)[-1])
+    return int(starts[b]) + i
+
+
+def _top_p(probs: np.ndarray, p: float) -> np.ndarray:
+    """The indices of the likeliest entries of `probs` (not normalised) whose sum first reaches
+    p of the total, likeliest first. If the entries of at least some value t hold p of the
+    mass, the set is among them: so only those are sorted, t lowered until they do."""
+    need, t = p * float(probs.sum(dtype=np.float64)), float(probs.max()) * 1e-4
+    while True:
+        cand = np.flatnonzero(probs >= t)
+        if t == 0.0 or float(probs[cand].sum(dtype=np.float64)) >= need:
+            break
+        t = t * 1e-4 if t > 1e-30 else 0.0
+    order = cand[np.argsort(-probs[cand], kind="stable")]
+    cum = np.cumsum(probs[order], dtype=np.float64)
+    return order[: int(np.searchsorted(cum, need)) + 1]
 
 
 def logprobs(logits: np.ndarray, tok: int, top: int, limit: int | None = None) -> tuple[float, list[tuple[int, float]]]:

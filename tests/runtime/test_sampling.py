@@ -51,3 +51,41 @@ def test_penalties_count_the_generated_tokens_only():
 def test_bad_values_are_refused(kw, words):
     with pytest.raises(QwcError, match=words):
         SamplingParams(**kw)
+
+
+def _frequencies(sp: SamplingParams, logits: np.ndarray, n: int = 40000) -> np.ndarray:
+    s = Sampler(sp, logits.size)
+    return np.bincount([s(logits, []) for _ in range(n)], minlength=logits.size) / n
+
+
+def test_draws_follow_softmax_top_k_and_top_p():
+    """Temperature, top-k and top-p as their definitions say (within sampling error of 40,000
+    draws): the two-level inverse CDF and the candidate-only top-k / top-p are the whole
+    vocabulary's distribution."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=3000) * 2.5).astype(np.float32)
+    p = np.exp((x - x.max()) / 0.8)
+    p /= p.sum()
+    got = _frequencies(SamplingParams(temperature=0.8, seed=1), x)
+    assert np.abs(got - p).max() < 5 * np.sqrt(p.max() / 40000)
+    order = np.argsort(-p)
+    top = order[:5]
+    got = _frequencies(SamplingParams(temperature=0.8, top_k=5, seed=2), x)
+    assert set(np.flatnonzero(got)) <= set(top)
+    assert np.allclose(got[top], p[top] / p[top].sum(), atol=0.015)
+    keep = order[: np.searchsorted(np.cumsum(p[order]), 0.5) + 1]
+    got = _frequencies(SamplingParams(temperature=0.8, top_p=0.5, seed=3), x)
+    assert set(np.flatnonzero(got)) == set(keep)
+
+
+def test_a_large_vocabulary_draws_every_block_and_never_a_zero():
+    """152k ids: the block sums find every part of the vocabulary, an id of probability 0 is
+    never drawn, and a seed repeats its draws."""
+    rng = np.random.default_rng(1)
+    x = np.full(151936, -200.0, np.float32)                        # exp(-200) is 0 in float32
+    live = np.sort(rng.choice(x.size, 60, replace=False))
+    x[live] = rng.normal(size=60).astype(np.float32)
+    got = _frequencies(SamplingParams(temperature=1.0, seed=4), x, n=6000)
+    assert set(np.flatnonzero(got)) == set(live)
+    a, b = (Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=9), x.size) for _ in range(2))
+    assert [a(x, []) for _ in range(50)] == [b(x, []) for _ in range(50)]
