@@ -100,8 +100,8 @@ class Sampler:
         if 0 < self.p.top_k < x.size:
             ids = np.argpartition(x, -self.p.top_k)[-self.p.top_k:]
             x = x[ids]
-        # shifted first: a tiny temperature cannot overflow
-        probs = np.exp((x - x.max()) * np.float32(1.0 / self.p.temperature))
+        # shifted first, and 1/temperature capped: a tiny temperature cannot overflow (0 * inf)
+        probs = np.exp((x - x.max()) * np.float32(min(1.0 / self.p.temperature, 1e30)))
         if self.p.top_p < 1.0:
             keep = _top_p(probs, self.p.top_p)
             ids, probs = (keep if ids is None else ids[keep]), probs[keep]

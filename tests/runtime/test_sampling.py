@@ -89,3 +89,14 @@ def test_a_large_vocabulary_draws_every_block_and_never_a_zero():
     assert set(np.flatnonzero(got)) == set(live)
     a, b = (Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=9), x.size) for _ in range(2))
     assert [a(x, []) for _ in range(50)] == [b(x, []) for _ in range(50)]
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 1e4])
+def test_extreme_temperatures_draw_a_real_token(temperature):
+    """A temperature near 0 is greedy's choice (no 0 * inf), a huge one is near uniform."""
+    x = np.array([0.0, 3.0, 1.0, -2.0], np.float32)
+    got = _frequencies(SamplingParams(temperature=temperature, seed=5), x, n=2000)
+    if temperature < 1:
+        assert got[1] == 1.0
+    else:
+        assert got.min() > 0.2
