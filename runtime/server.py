@@ -225,13 +225,17 @@ class Api:
 
     def _checked(self, lark: str, param: str) -> str:
         """A Lark grammar, checked against this tokenizer."""
-        if self.engine.tokenizer is None:
-            raise ApiError(400, "this artifact has no tokenizer, so it cannot follow a grammar", param)
         try:
-            self.token_vocab().check(lark, f"'{param}'")
+            self._grammar_vocab(param).check(lark, f"'{param}'")
         except QwcError as e:
             raise ApiError(400, str(e), param) from None
         return lark
+
+    def _grammar_vocab(self, param: str):
+        """token_vocab(), or a 400 naming `param` where the artifact has no tokenizer."""
+        if self.engine.tokenizer is None:
+            raise ApiError(400, "this artifact has no tokenizer, so it cannot follow a grammar", param)
+        return self.token_vocab()
 
     def token_vocab(self):
         """The tokenizer as the grammar engine sees it (built on first use, ~1 s)."""
@@ -249,21 +253,20 @@ class Api:
             return None
         if fmt is not None and gbnf is not None:
             raise ApiError(400, "give 'response_format' or 'grammar', not both", "grammar")
-        if self.engine.tokenizer is None:
-            raise ApiError(400, "this artifact has no tokenizer, so it cannot follow a grammar",
-                           "grammar" if gbnf is not None else "response_format")
+        param = "grammar" if gbnf is not None else "response_format"
+        vocab = self._grammar_vocab(param)
         from .grammar import response_format_grammar
 
         try:
             if gbnf is None:
-                return response_format_grammar(fmt, self.token_vocab())
+                return response_format_grammar(fmt, vocab)
             if not isinstance(gbnf, str) or not gbnf.strip():
                 raise QwcError("'grammar' must be a non-empty GBNF string")
-            g = self.token_vocab().gbnf_grammar(gbnf)
-            self.token_vocab().check(g)
+            g = vocab.gbnf_grammar(gbnf)
+            vocab.check(g)
             return g
         except QwcError as e:
-            raise ApiError(400, str(e), "response_format" if gbnf is None else "grammar") from None
+            raise ApiError(400, str(e), param) from None
 
     def _prompt(self, body: dict) -> list[int]:
         p = body.get("prompt")

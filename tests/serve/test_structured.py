@@ -8,19 +8,13 @@ import json
 import jsonschema
 import openai
 import pytest
+from structured import PERSON  # bench/structured.py: the schema its cost is measured with
 from test_serve import Server  # the server process helper (tests/serve is not a package)
 
 from qwc.cli import main
 
 pytestmark = [pytest.mark.realdata, pytest.mark.slow]
 
-PERSON = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 40},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 130},
-                         "city": {"type": "string", "maxLength": 40},
-                         "languages": {"type": "array", "items": {"enum": ["English", "French", "German"]},
-                                       "maxItems": 3}},
-          "required": ["name", "age", "city", "languages"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "Describe a person who lives in France, as JSON."}]
 
 
