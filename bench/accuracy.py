@@ -139,7 +139,8 @@ def main() -> None:
 
     def quantized(src: str, name: str, *opt: str) -> tuple[Path, Path]:
         base = Path(src).name   # one export per source model, shared by its rows
-        onnx_ = ensure(w / f"{base}.onnx", "-q", "export", src, "-o", str(w / f"{base}.onnx"))
+        # the float export (a GGUF dequantized: `--exporter auto` would keep its Q4_1 weights)
+        onnx_ = ensure(w / f"{base}.onnx", "-q", "export", src, "--exporter", "torch", "-o", str(w / f"{base}.onnx"))
         q4 = ensure(w / f"{name}.q4.onnx", "-q", "optimize", str(onnx_), *opt, "-o", str(w / f"{name}.q4.onnx"))
         art = w / f"{name}.qwc"
         if not a.no_compiled:

@@ -23,16 +23,18 @@ from .targets import default_act_bits, default_kv_dtype, get_target
 
 
 def quant_summary(model: onnx.ModelProto) -> dict:
-    from qwc.passes.graph import matmul_nbits_dims
+    from qwc.passes.graph import has_zero_points, matmul_nbits_dims
 
     blocks = Counter()
     for n in model.graph.node:
         if n.op_type == "MatMulNBits":
             _, _, block, bits = matmul_nbits_dims(n)
-            blocks[(bits, block)] += 1
+            fmt = "q8_0" if bits == 8 else "q4_1" if has_zero_points(n) else "q4_0"   # block 32: llama.cpp's names
+            blocks[(bits, block, fmt)] += 1
     gbq = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
     emb_bits = int(next((helper.get_attribute_value(a) for a in gbq[0].attribute if a.name == "bits"), 4)) if gbq else None
-    return {"scheme": "q4_0", "linears": [{"bits": b, "block": k, "count": c} for (b, k), c in sorted(blocks.items())],
+    return {"scheme": "q4_0", "linears": [{"bits": b, "block": k, "format": f, "count": c}
+                                          for (b, k, f), c in sorted(blocks.items())],
             "embedding_bits": emb_bits}
 
 

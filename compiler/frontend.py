@@ -64,15 +64,18 @@ class MatMulNBits(F.OnnxOpConverter):
     @classmethod
     def _impl_v1(cls, bb, inputs, attr, params):
         a, w, s = inputs[0], inputs[1], inputs[2]
-        if len(inputs) > 3 and inputs[3] is not None:
-            raise QwcError("MatMulNBits with explicit zero points is not supported (qwc emits symmetric Q4_0)")
+        zp = inputs[3] if len(inputs) > 3 else None
         k, n, block, bits = int(attr["K"]), int(attr["N"]), int(attr["block_size"]), int(attr.get("bits", 4))
+        if zp is not None and (bits != 4 or not str(zp.ty.dtype).startswith("float")):
+            raise QwcError(f"MatMulNBits {n}x{k}: zero points are supported as float ones on 4-bit codes "
+                           f"(llama.cpp's Q4_1), not {bits}-bit codes with {zp.ty.dtype} ones")
         bias = inputs[5] if len(inputs) > 5 else None
-        path = q4_0_path(block, bits, _ctx().act_bits, _ctx().features)
+        path = q4_0_path(block, bits, _ctx().act_bits, _ctx().features, zero_points=zp is not None)
         if path is not None:
             return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias)
         kernel = generic.matmul_nbits_a8 if _ctx().act_bits == 8 else generic.matmul_nbits
-        out = bb.emit_te(kernel, a, w, s, k=k, n=n, block=block, bits=bits, primfunc_name_hint=_kname("matmul_nbits"))
+        out = bb.emit_te(kernel, a, w, s, *([] if zp is None else [zp]), k=k, n=n, block=block, bits=bits,
+                         primfunc_name_hint=_kname("matmul_nbits"))
         return out if bias is None else bb.emit(relax.op.add(out, bias))
 
     @classmethod

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qwc.passes.graph import Graph, matmul_nbits_dims, new_tensor, tensor_array
+from qwc.passes.graph import Graph, has_zero_points, matmul_nbits_dims, new_tensor, tensor_array
 
 from .targets import q4_0_path
 
@@ -33,7 +33,7 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
         if node.op_type != "MatMulNBits" or len(node.input) < 3:
             continue
         _, _, block, bits = matmul_nbits_dims(node)
-        if q4_0_path(block, bits, act_bits, features) in (None, "f32"):
+        if q4_0_path(block, bits, act_bits, features, has_zero_points(node)) in (None, "f32"):
             continue   # not a W4A8 integer-dot kernel: the plain layout
         wname, sname = node.input[1], node.input[2]
         if wname not in inits or sname not in inits:

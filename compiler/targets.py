@@ -185,10 +185,11 @@ def kernels_for(features) -> Kernels:
     return next(k for needs, k in KERNEL_RULES if needs <= features)
 
 
-def q4_0_path(block: int, bits: int, act_bits: int, features) -> str | None:
+def q4_0_path(block: int, bits: int, act_bits: int, features, zero_points: bool = False) -> str | None:
     """Which of qwc's Q4_0 kernels a MatMulNBits takes: "x86" / "arm" (W4A8 integer dots),
-    "f32" (W4A32), or None for the generic TE kernels."""
-    if bits != 4 or block != 32:
+    "f32" (W4A32), or None for the generic TE kernels (other bits and blocks, and Q4_1's
+    zero points)."""
+    if bits != 4 or block != 32 or zero_points:
         return None
     if act_bits == 32:
         return "f32"

@@ -35,7 +35,7 @@ import onnx
 from qwc import progress
 from qwc.atomic import check_destination
 from qwc.errors import QwcError
-from qwc.passes.graph import matmul_nbits_dims
+from qwc.passes.graph import has_zero_points, matmul_nbits_dims
 
 from .kernels import w4a8_gemm
 from .targets import GEMM_LAYOUT, GEMM_TILES, Target, default_act_bits, kernels_for, q4_0_path
@@ -131,7 +131,7 @@ def extract_tasks(model: onnx.ModelProto, act_bits: int = 32, features=frozenset
         if node.op_type != "MatMulNBits":
             continue
         k, n, block, bits = matmul_nbits_dims(node)
-        path = q4_0_path(block, bits, act_bits, features)
+        path = q4_0_path(block, bits, act_bits, features, has_zero_points(node))
         if path == "f32":
             new = [Task(kind, n, k) for kind in ("q4_f32_gemv", "q4_f32_gemm")]
         elif path is not None:   # a W4A8 integer-dot kernel

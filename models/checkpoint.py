@@ -3,7 +3,8 @@
 Loaders open a checkpoint (HF safetensors shards, memory-mapped; a GGUF file, memory-mapped)
 without reading its weights. `tensor(name)` returns one float32 array in Hugging Face naming
 ("model.layers.0.self_attn.q_proj.weight", [out, in]), converted from whatever the file holds
-(bf16, f16, a GGUF quant type). The streaming exporter (models/stream_export.py) reads one
+(bf16, f16, a GGUF quant type); `blocks(name)` a GGUF's Q4_0 / Q4_1 / Q8_0 weight as it is
+(models/gguf_blocks.py). The streaming exporter (models/stream_export.py) reads one
 tensor, writes it and lets it go, so no full float32 copy of the model exists; the torch path
 builds its model from the same tensors.
 """
@@ -11,13 +12,15 @@ builds its model from the same tensors.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
+
+from .gguf_blocks import KEPT, Blocks
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -50,6 +53,10 @@ class Checkpoint:
     shapes: dict[str, tuple[int, ...]]            # what the file holds, HF naming
     read: Callable[[str], np.ndarray]            # name -> float32 array, read now
     zero_biases: bool = False                    # Llama files: q/k/v biases are zero
+    # A GGUF's quantized weights: name -> its GGUF type ("Q4_1", "Q6_K", ...), and the
+    # blocks of those kept as they are (models/gguf_blocks.py), read now.
+    quant_types: dict[str, str] = field(default_factory=dict)
+    read_blocks: Callable[[str], Blocks] | None = None
 
     def check(self) -> None:
         """Every tensor the config implies is there with its shape, before anything is written."""
@@ -68,6 +75,12 @@ class Checkpoint:
         if name not in self.shapes and self.zero_biases and name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
             return np.zeros(expected_tensors(self.config)[name], np.float32)
         return self.read(name)
+
+    def blocks(self, name: str) -> Blocks | None:
+        """The weight's blocks where the file holds it in a format qwc keeps, else None."""
+        if self.read_blocks is None or self.quant_types.get(name) not in KEPT:
+            return None
+        return self.read_blocks(name)
 
     def n_params(self) -> int:
         return sum(int(np.prod(s)) for s in expected_tensors(self.config).values())

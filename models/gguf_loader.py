@@ -1,6 +1,8 @@
-"""Loading a GGUF file of `llama` or `qwen2` architecture as a float32 Qwen2 model.
+"""Loading a GGUF file of `llama` or `qwen2` architecture as a Qwen2 checkpoint.
 
-Every tensor is dequantized to float32 with the `gguf` package. A Llama model is a
+Every tensor can be read dequantized to float32 with the `gguf` package; weights in Q4_0,
+Q4_1 or Q8_0 can also be read as their blocks (models/gguf_blocks.py), which the streaming
+exporter writes as they are. A Llama model is a
 Qwen2 model whose q/k/v biases are zero. llama.cpp's converter permutes the q and k
 rows of `llama` files for its rotary layout (`qwen2` files are stored unpermuted), so
 those rows are put back here: get that wrong and the text is garbage while nothing fails.
@@ -17,6 +19,7 @@ from gguf.quants import dequantize
 from qwc.config import ModelConfig, yarn_parameters
 from qwc.errors import QwcError
 
+from . import gguf_blocks
 from .checkpoint import Checkpoint
 from .qwen2 import LoadedModel, from_checkpoint
 
@@ -165,21 +168,33 @@ def open_gguf(path: Path) -> Checkpoint:
         # GGUF lists dimensions fastest-first; numpy wants them slowest-first.
         tensors[name], shapes[name] = t, tuple(int(d) for d in reversed(t.shape))
 
+    def rows_in_order(name: str, w: np.ndarray) -> np.ndarray:
+        t = tensors[name]
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            return unpermute_rotary_rows(w, cfg.num_attention_heads)
+        if arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            return unpermute_rotary_rows(w, cfg.num_key_value_heads)
+        return w
+
+    def read_blocks(name: str) -> gguf_blocks.Blocks:
+        t = tensors[name]
+        raw = rows_in_order(name, np.asarray(t.data).reshape(shapes[name][0], -1))   # whole rows of blocks
+        return gguf_blocks.from_gguf(raw, t.tensor_type.name, shapes[name], t.name)
+
     def read(name: str) -> np.ndarray:
         t = tensors[name]
         try:
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         except (NotImplementedError, ValueError) as e:
             raise QwcError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}: {e})") from None
-        w = w.reshape(shapes[name])
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute_rotary_rows(w, cfg.num_attention_heads)
-        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute_rotary_rows(w, cfg.num_key_value_heads)
+        w = rows_in_order(name, w.reshape(shapes[name]))
         return np.require(w, np.float32, ["C", "W", "O"])   # F32 tensors come back as views of the map
 
     # Llama has no q/k/v biases: Qwen2's are zero.
-    ckpt = Checkpoint(cfg, tokenizer, str(path), shapes, read, zero_biases=arch == "llama")
+    quant = {name: t.tensor_type.name for name, t in tensors.items()
+             if t.tensor_type.name not in ("F32", "F16", "BF16", "F64") and len(shapes[name]) == 2}
+    ckpt = Checkpoint(cfg, tokenizer, str(path), shapes, read, zero_biases=arch == "llama",
+                      quant_types=quant, read_blocks=read_blocks)
     ckpt.check()
     return ckpt
 

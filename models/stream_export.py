@@ -10,6 +10,12 @@ writes each weight to the external data file as it is read, transposed to the ex
 out]. Peak memory is about the largest tensor in float32 plus its source copy (the 152k x 3584
 embedding of a 7B: ~3.3 GB).
 
+A GGUF's quantized weights are written as the canonical graph's ops, not as float:
+MatMulNBits (and GatherBlockQuantized for the embedding) on the file's own blocks where they
+are Q4_0, Q4_1 or Q8_0 (models/gguf_blocks.py), or on `--requant`'s blocks for a type qwc
+has no kernel for. The passes quantize only what is still float, so these reach the artifact
+bit for bit; the graph still runs in onnxruntime.
+
 Node names follow the module paths ("/model/layers/0/self_attn/q_proj/MatMul"), which is how
 passes/naming.py names linears, so options like `--keep-float` and the quantized weights'
 names are the same as for a torch export.
@@ -17,6 +23,7 @@ names are the same as for a torch export.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +37,7 @@ from qwc.errors import QwcError
 from qwc.rotary import model_rotary_caches
 from qwc.weight_file import WeightFile
 
+from . import gguf_blocks
 from .checkpoint import Checkpoint, expected_tensors
 
 OPSET = 20
@@ -61,7 +69,7 @@ class _Writer:
         self.file.close(sync=True)
 
 
-def build(ckpt: Checkpoint, w: _Writer) -> onnx.ModelProto:
+def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProto:
     cfg = ckpt.config
     n_layers, kv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     nodes: list[onnx.NodeProto] = []
@@ -82,15 +90,58 @@ def build(ckpt: Checkpoint, w: _Writer) -> onnx.ModelProto:
         bar.update(1)
         return out
 
+    formats = Counter()   # what the quantized weights were written as: (GGUF type, kept or written)
+
+    def blocks(hf: str, embedding: bool = False) -> tuple[str, str, str, int] | None:
+        """A GGUF-quantized weight as MatMulNBits inputs (codes, scales, zero points or "",
+        bits): kept as it is, or in `requant` where qwc has no kernel for its type (and for a
+        Q4_1 embedding: GatherBlockQuantized has no float zero points). None: a float weight,
+        which the passes quantize."""
+        kind = ckpt.quant_types.get(hf)
+        if kind is None:
+            return None
+        b = ckpt.blocks(hf) if not (embedding and kind == "Q4_1") else None
+        if b is None:
+            b = gguf_blocks.requantize(ckpt.tensor(hf), requant)
+        formats[kind, b.fmt] += 1
+        stem = hf.removesuffix(".weight")
+        zp = w.add(stem + ".zero_points", b.zero_points) if b.zero_points is not None else ""
+        out = (w.add(stem + ".qweight", b.codes), w.add(stem + ".scales", b.scales), zp, b.bits)
+        del b
+        bar.update(1)
+        return out
+
+    def matmul_nbits(x: str, q: tuple[str, str, str, int], n: int, k: int, out: str, path: str,
+                     bias: str | None = None) -> str:
+        codes, scales, zp, bits = q
+        inputs = [x, codes, scales] + ([zp] if zp or bias else []) + (["", bias] if bias else [])
+        return node("MatMulNBits", inputs, [out], path + "/MatMulNBits", domain=MS_DOMAIN,
+                    K=k, N=n, bits=bits, block_size=gguf_blocks.BLOCK)
+
     def linear(x: str, module: str, bias: bool = False) -> str:
         path = "/" + module.replace(".", "/")
+        q = blocks(module + ".weight")
+        if q is not None:
+            n, k = ckpt.shapes[module + ".weight"]
+            return matmul_nbits(x, q, n, k, module + ".out", path, weight(module + ".bias") if bias else None)
         y = node("MatMul", [x, weight(module + ".weight", transpose=True)], [module + ".out"], path + "/MatMul")
         if bias:
             y = node("Add", [y, weight(module + ".bias")], [module + ".biased"], path + "/Add")
         return y
 
-    embed = weight("model.embed_tokens.weight")
-    hidden = node("Gather", [embed, "input_ids"], ["embedding"], "/model/embed_tokens/Gather", axis=0)
+    embed_q = blocks("model.embed_tokens.weight", embedding=True)
+    if embed_q is None:
+        embed = weight("model.embed_tokens.weight")
+        hidden = node("Gather", [embed, "input_ids"], ["embedding"], "/model/embed_tokens/Gather", axis=0)
+    else:   # as passes/quantize_embedding.py writes it
+        codes, scales, _, bits = embed_q
+        scales3 = node("Unsqueeze", [scales, w.add("axis_two", np.array([2], np.int64))],
+                       ["embed_tokens.scales3"], "/model/embed_tokens/Unsqueeze")
+        blocks_out = node("GatherBlockQuantized", [codes, "input_ids", scales3], ["embedding_blocks"],
+                          "/model/embed_tokens/GatherBlockQuantized", domain=MS_DOMAIN, gather_axis=0,
+                          quantize_axis=2, block_size=gguf_blocks.BLOCK, bits=bits)
+        hidden = node("Reshape", [blocks_out, w.add("embedding_shape", np.array([0, 0, cfg.hidden_size], np.int64))],
+                      ["embedding"], "/model/embed_tokens/Reshape")
     cos, sin = model_rotary_caches(cfg)
     cos, sin = w.add("rotary_cos_cache", cos), w.add("rotary_sin_cache", sin)
     # GroupQueryAttention's lengths: seqlens_k = sum(mask) - 1, total = mask's width (int32).
@@ -135,12 +186,20 @@ def build(ckpt: Checkpoint, w: _Writer) -> onnx.ModelProto:
         act = node("Mul", [silu, up], [f"{p}.act"], f"/{p.replace('.', '/')}/mlp/Mul_1")
         branch = linear(act, f"{p}.mlp.down_proj")
     x, _ = _skip_norm(node, residual, branch, weight("model.norm.weight"), "model", "norm", eps)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and embed_q is not None:
+        matmul_nbits(x, embed_q, cfg.vocab_size, cfg.hidden_size, "logits", "/lm_head")
+    elif not cfg.tie_word_embeddings and (head_q := blocks("lm_head.weight")) is not None:
+        matmul_nbits(x, head_q, cfg.vocab_size, cfg.hidden_size, "logits", "/lm_head")
+    elif cfg.tie_word_embeddings:
         head = node("Transpose", [embed], ["lm_head.weight.T"], "/lm_head/Transpose", perm=[1, 0])
         node("MatMul", [x, head], ["logits"], "/lm_head/MatMul")
     else:
         node("MatMul", [x, weight("lm_head.weight", transpose=True)], ["logits"], "/lm_head/MatMul")
     bar.close()
+    if formats:
+        said = ", ".join(f"{c} {a}" + (f" -> {b}" if a != b else "") for (a, b), c in sorted(formats.items()))
+        progress.info(f"[qwc] quantized weights as the file gives them: {said}"
+                      + ("" if all(a == b for a, b in formats) else f" (--requant {requant})"))
 
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
@@ -175,7 +234,7 @@ def stream_memory(ckpt: Checkpoint) -> int:
     return 6 * largest + 2**30
 
 
-def export_streaming(ckpt: Checkpoint, out: Path) -> Path:
+def export_streaming(ckpt: Checkpoint, out: Path, requant: str = "q8_0") -> Path:
     """Write `out`, `out.data`, `<stem>.config.json`, `<stem>.tokenizer.json` (atomically, as
     models/export.py does), reading the checkpoint one tensor at a time."""
     out = Path(out)
@@ -187,7 +246,7 @@ def export_streaming(ckpt: Checkpoint, out: Path) -> Path:
     with staging_dir(out, foreign=foreign_graph_files) as tmp:
         w = _Writer(tmp / data_name, data_name)
         try:
-            model = build(ckpt, w)
+            model = build(ckpt, w, requant)
         finally:
             w.close()
         staged = tmp / out.name

@@ -311,6 +311,11 @@ def node_label(n: onnx.NodeProto) -> str:
     return f"node {n.name or '<unnamed>'} ({n.domain + '::' if n.domain else ''}{n.op_type})"
 
 
+def has_zero_points(n: onnx.NodeProto) -> bool:
+    """A MatMulNBits with explicit zero points (float ones: llama.cpp's Q4_1, models/gguf_blocks.py)."""
+    return len(n.input) > 3 and bool(n.input[3])
+
+
 def matmul_nbits_dims(n: onnx.NodeProto) -> tuple[int, int, int, int]:
     """A MatMulNBits node's (K, N, block_size, bits), as onnxruntime defines them."""
     a = {x.name: helper.get_attribute_value(x) for x in n.attribute}

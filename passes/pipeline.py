@@ -66,6 +66,9 @@ _HINTS = {
 def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
     options.validate()
     schemas.register()
+    if options.awq_calibration is not None and any(n.op_type == "MatMulNBits" for n in model.graph.node):
+        raise QwcError("--awq rescales float weights, and this graph's linears are quantized already (a GGUF's "
+                       "weights kept as given); export it with --exporter torch for float weights")
     check_ops_known(model)
     check_float32(model)
     check_input_types(model)

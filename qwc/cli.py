@@ -106,14 +106,20 @@ def _cmd_export(args: argparse.Namespace) -> None:
         warning = mismatch(c.vocab_size, token_span(ckpt.tokenizer))
         if warning:
             print(f"qwc: warning: {args.source}: {warning}", file=sys.stderr, flush=True)
+        # A GGUF's quantized weights are kept only by the streaming writer (the torch path
+        # traces float32).
         stream = args.exporter == "stream" or (
-            args.exporter == "auto" and not args.legacy_exporter and ckpt.n_params() >= STREAM_FROM_PARAMS)
+            args.exporter == "auto" and not args.legacy_exporter
+            and (ckpt.n_params() >= STREAM_FROM_PARAMS or bool(ckpt.quant_types)))
         if stream:
             from qwc.models.stream_export import export_streaming, stream_memory
             memory_check.check("the streaming export", stream_memory(ckpt), "free some memory",
                                skip=args.no_memory_check)
-            out, how = export_streaming(ckpt, args.output), "streamed"
+            out, how = export_streaming(ckpt, args.output, requant=args.requant), "streamed"
         else:
+            if ckpt.quant_types:
+                progress.info(f"[qwc] {len(ckpt.quant_types)} quantized weights of {args.source} dequantized to "
+                              "float32 (the torch exporter; --exporter auto keeps them as they are)")
             from qwc.models.export import export_onnx, torch_export_memory
             from qwc.models.qwen2 import from_checkpoint
             memory_check.check("the torch export", torch_export_memory(ckpt.n_params()),
@@ -510,7 +516,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch: trace the float32 model with torch.export (the generic graph; ~8 bytes "
                         "a parameter of memory). stream: write the fused float graph straight from the "
                         "checkpoint a tensor at a time (bounded memory; HF directories and .gguf files). "
-                        "auto (default): stream checkpoints of 1B parameters and more")
+                        "auto (default): stream checkpoints of 1B parameters and more, and GGUF files with "
+                        "quantized weights (which only the streaming writer keeps)")
+    e.add_argument("--requant", choices=("q8_0", "q4_0"), default="q8_0",
+                   help="a GGUF's weights in a type qwc has no kernel for (K-quants, Q5, IQ) are written in this "
+                        "one (default q8_0, the one that loses least); Q4_0, Q4_1 and Q8_0 are kept as they are")
     e.add_argument("--no-memory-check", action="store_true", help=_NO_MEMORY_CHECK)
     e.set_defaults(func=_cmd_export)
 

@@ -20,24 +20,36 @@ def _q4(byte, k):
     return nib.astype("float32") - tirx.const(8.0, "float32")
 
 
-def _dequant(w, s, n, k, block: int, bits: int, scale_3d: bool = False):
-    """Weight element (n, k) of a block-quantized [N, blocks, bytes] uint8 tensor."""
+def q4_1_min(d, zp):
+    """Q4_1's block minimum m from MatMulNBits' (scale d, float zero point zp): the fp16
+    nearest -zp * d (models/gguf_blocks.py: q4_1_mins), exactly the file's m."""
+    return (-(zp * d)).astype("float16").astype("float32")
+
+
+def _dequant(w, s, n, k, block: int, bits: int, scale_3d: bool = False, zp=None):
+    """Weight element (n, k) of a block-quantized [N, blocks, bytes] uint8 tensor; with float
+    zero points `zp` (Q4_1) d * q + m."""
     b = k // block
+    d = (s[n, b, 0] if scale_3d else s[n, b]).astype("float32")   # fp16 scales: repack.half_gather_scales
+    if zp is not None:
+        byte = w[n, b, (k % block) // 2]
+        nib = tirx.if_then_else(k % 2 == 0, byte & tirx.const(15, "uint8"), byte >> tirx.const(4, "uint8"))
+        return nib.astype("float32") * d + q4_1_min(d, zp[n, b])
     if bits == 4:
         q = _q4(w[n, b, (k % block) // 2], k)
     else:
         q = w[n, b, k % block].astype("float32") - tirx.const(128.0, "float32")
-    return q * (s[n, b, 0] if scale_3d else s[n, b]).astype("float32")   # fp16 scales: repack.half_gather_scales
+    return q * d
 
 
-def matmul_nbits(a, w, s, *, k: int, n: int, block: int, bits: int):
-    """a [..., K] float32 x block-quantized W [N, K] -> [..., N]."""
+def matmul_nbits(a, w, s, zp=None, *, k: int, n: int, block: int, bits: int):
+    """a [..., K] float32 x block-quantized W [N, K] (float zero points `zp`: Q4_1) -> [..., N]."""
     lead = list(a.shape[:-1])
     r = te.reduce_axis((0, k), "k")
 
     def body(*idx):
         *pre, j = idx
-        return te.sum(a[(*pre, r)] * _dequant(w, s, j, r, block, bits), axis=r)
+        return te.sum(a[(*pre, r)] * _dequant(w, s, j, r, block, bits, zp=zp), axis=r)
 
     return te.compute((*lead, n), body, name="matmul_nbits")
 
@@ -124,10 +136,12 @@ def attention(q, kc, vc, seqlens, *, heads: int, kv_heads: int, head_dim: int, s
     return out
 
 
-def matmul_nbits_a8(a, w, s, *, k: int, n: int, block: int, bits: int):
+def matmul_nbits_a8(a, w, s, zp=None, *, k: int, n: int, block: int, bits: int):
     """W4A8: activations quantized per block to int8 on the fly (llama.cpp's Q8_0: scale =
     amax / 127), integer dot products per block (int8 x int8 -> int32, which LLVM lowers to
-    sdot / vpdpbusd where the target has them), block scales applied in fp32."""
+    sdot / vpdpbusd where the target has them), block scales applied in fp32. With float zero
+    points `zp` (Q4_1) the codes are unsigned and each block adds m * scale * sum(a), as
+    llama.cpp's Q4_1 x Q8_1 dot does."""
     lead = list(a.shape[:-1])
     nb = (k + block - 1) // block
     e = te.reduce_axis((0, block), "e")
@@ -147,24 +161,40 @@ def matmul_nbits_a8(a, w, s, *, k: int, n: int, block: int, bits: int):
 
     aq = te.compute((*lead, nb * block), quant, name="act_q8")
 
-    def wq(j, kk):
-        if bits == 4:
-            byte = w[j, kk // block, (kk % block) // 2]
-            nib = tirx.if_then_else(kk % 2 == 0, byte & tirx.const(15, "uint8"), byte >> tirx.const(4, "uint8"))
-            return nib.astype("int8") - tirx.const(8, "int8")
-        return (w[j, kk // block, kk % block].astype("int16") - tirx.const(128, "int16")).astype("int8")
+    i32 = "int32"
+    if bits == 4:   # a byte's two codes at once: no select between nibbles, so LLVM vectorizes it
+        e2 = te.reduce_axis((0, block // 2), "e2")
+        centre = tirx.const(0 if zp is not None else 8, i32)
 
-    e2 = te.reduce_axis((0, block), "e2")
-    acc = te.compute(
-        (*lead, n, nb),
-        lambda *i: te.sum(aq[(*i[:-2], i[-1] * block + e2)].astype("int32")
-                          * wq(i[-2], i[-1] * block + e2).astype("int32"), axis=e2),
-        name="block_dot")
+        def block_dot(*i):
+            byte, at = w[i[-2], i[-1], e2], (*i[:-2], i[-1] * block + 2 * e2)
+            lo = (byte & tirx.const(15, "uint8")).astype(i32) - centre
+            hi = (byte >> tirx.const(4, "uint8")).astype(i32) - centre
+            return te.sum(aq[at].astype(i32) * lo + aq[(*at[:-1], at[-1] + 1)].astype(i32) * hi, axis=e2)
+    else:
+        e2 = te.reduce_axis((0, block), "e2")
+
+        def block_dot(*i):
+            q = w[i[-2], i[-1], e2].astype(i32) - tirx.const(128, i32)
+            return te.sum(aq[(*i[:-2], i[-1] * block + e2)].astype(i32) * q, axis=e2)
+
+    acc = te.compute((*lead, n, nb), block_dot, name="block_dot")
     b = te.reduce_axis((0, nb), "b")
-    return te.compute(
-        (*lead, n),
-        lambda *i: te.sum(acc[(*i, b)].astype("float32") * s[i[-1], b] * dscale[(*i[:-1], b)], axis=b),
-        name="matmul_nbits_a8")
+    if zp is None:
+        return te.compute(
+            (*lead, n),
+            lambda *i: te.sum(acc[(*i, b)].astype("float32") * s[i[-1], b] * dscale[(*i[:-1], b)], axis=b),
+            name="matmul_nbits_a8")
+    e3 = te.reduce_axis((0, block), "e3")
+    asum = te.compute((*lead, nb), lambda *i: te.sum(aq[(*i[:-1], i[-1] * block + e3)].astype("int32"), axis=e3),
+                      name="act_sum")
+
+    def q4_1(*i):
+        d, da = s[i[-1], b].astype("float32"), dscale[(*i[:-1], b)]
+        return te.sum(acc[(*i, b)].astype("float32") * d * da
+                      + q4_1_min(d, zp[i[-1], b]) * (da * asum[(*i[:-1], b)].astype("float32")), axis=b)
+
+    return te.compute((*lead, n), q4_1, name="matmul_nbits_a8")
 
 
 ROTARY_LANES = 4   # fp32 lanes of the narrowest vector (NEON); wider targets widen in LLVM

@@ -87,3 +87,25 @@ def test_smollm2_perplexity_agrees_across_backends(tmp_path, capsys, austen):
     assert 5 < ppl["torch"] < 100, ppl
     for k in ("onnxruntime", "qwc"):
         assert abs(ppl[k] / ppl["torch"] - 1) < 0.005, ppl
+
+
+# llama.cpp's greedy continuation of the README's prompt on the same file: llama-server
+# (llama-cpp-python 0.3.36's tree, bench/llamacpp.sh x86) with "temperature": 0, "n_predict": 32.
+LLAMA_CPP_PARIS = (" Paris.\n\nThe United States has a population of approximately 311 million people.\n\n"
+                   "The United States has a population of approximately 31")
+
+
+@pytest.mark.slow
+def test_readme_demo_answers_paris_as_llama_cpp_does(smollm2, tmp_path, capsys):
+    """The README's first command on the file as shipped (Q4_1 linears, Q8_0 embedding, kept as
+    they are): the default compile (W4A8 where the target has it) continues the prompt with
+    llama.cpp's 32 greedy tokens."""
+    onnx_, art = tmp_path / "s.onnx", tmp_path / "s.qwc"
+    assert main(["-q", "export", "smollm2", "-o", str(onnx_)]) == 0
+    assert main(["-q", "compile", str(onnx_), "-o", str(art)]) == 0
+    capsys.readouterr()
+    prompt = "The capital of France is"
+    assert main(["-q", "run", str(art), "--prompt", prompt, "--max-new-tokens", "32"]) in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith(prompt + " Paris")
+    assert out.rstrip("\n") == prompt + LLAMA_CPP_PARIS

@@ -1,0 +1,231 @@
+"""A GGUF's Q4_0 / Q4_1 / Q8_0 weights kept as the file gives them (models/gguf_blocks.py):
+bit for bit in the exported graph and in the artifact, logits equal to a float reference on
+the file's dequantized weights, on the host and on arm-yitian under qemu; other types written
+in `--requant`'s format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import TokenType
+from gguf.quants import dequantize, quantize
+
+from qwc.cli import main
+from qwc.config import ModelConfig, sidecar_paths
+from qwc.errors import QwcError
+from qwc.models import gguf_blocks
+from qwc.models.gguf_writer import write_gguf
+from qwc.models.tokenizer import SPECIAL_TOKENS, byte_level_tokenizer
+
+from conftest import one_line, ort_kv_logits
+
+# Each linear in one of the three formats, so every kernel path and mix is in one model.
+FORMATS = {"q_proj": Q.Q4_1, "k_proj": Q.Q8_0, "v_proj": Q.Q4_0, "o_proj": Q.Q4_1,
+           "gate_proj": Q.Q4_0, "up_proj": Q.Q4_1, "down_proj": Q.Q8_0}
+STEPS = [np.array([[72, 101, 108, 108, 111, 44, 32, 119]]), np.array([[5]]), np.array([[6]]), np.array([[7]])]
+
+
+def _config() -> ModelConfig:
+    tok = byte_level_tokenizer()
+    return ModelConfig(
+        name="tiny-formats", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=256,
+        eos_token_ids=[258], chat_template="{{ messages }}")
+
+
+def write_model(path: Path, formats: dict, embedding=Q.Q8_0, seed: int = 0) -> dict[str, tuple[np.ndarray, Q]]:
+    """A random tied qwen2 GGUF with each linear in `formats`' type; returns what it holds
+    (HF name -> (raw bytes, type))."""
+    from qwc.models.checkpoint import expected_tensors
+
+    cfg = _config()
+    rng = np.random.default_rng(seed)
+    tok = byte_level_tokenizer()
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    types = [TokenType.CONTROL if t in SPECIAL_TOKENS else TokenType.NORMAL for t, _ in vocab]
+    tensors = {}
+    for name, shape in expected_tensors(cfg).items():
+        if len(shape) == 1:
+            v = (rng.uniform(0.5, 1.5, shape) if name.endswith("norm.weight") else 0.1 * rng.standard_normal(shape))
+            tensors[name] = (v.astype(np.float32), None)
+            continue
+        kind = embedding if "embed" in name else FORMATS[name.split(".")[-2]] if formats is FORMATS else formats[name]
+        w = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        w[0, :32] = 0.02      # one block of equal weights (a Q4_1 block of scale 0)
+        tensors[name] = (quantize(w, kind), kind)
+    write_gguf(path, "qwen2", cfg, [t for t, _ in vocab], types, tensors)
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("formats")
+    held = write_model(d / "m.gguf", FORMATS)
+    assert main(["-q", "export", str(d / "m.gguf"), "-o", str(d / "m.onnx")]) == 0
+    # the reference: the same file dequantized to float32 (torch's exporter)
+    assert main(["-q", "export", str(d / "m.gguf"), "--exporter", "torch", "-o", str(d / "float.onnx")]) == 0
+    return d, held
+
+
+def _to_gguf_bytes(codes: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, bits: int) -> np.ndarray:
+    """The canonical graph's blocks written back in llama.cpp's block layout."""
+    d = scales.astype(np.float16)[..., None].view(np.uint8)
+    if bits == 8:
+        q = (codes.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+        return np.concatenate([d, q], axis=-1).reshape(codes.shape[0], -1)
+    q = np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], 32)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+    parts = [d] if zp is None else [d, gguf_blocks.q4_1_mins(scales, zp).astype(np.float16)[..., None].view(np.uint8)]
+    return np.concatenate(parts + [qs], axis=-1).reshape(codes.shape[0], -1)
+
+
+def test_blocks_are_the_files_bit_for_bit(gguf_model):
+    d, held = gguf_model
+    model = onnx.load(str(d / "m.onnx"))
+    inits = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(d)) for t in model.graph.initializer}
+    seen = set()
+    for n in model.graph.node:
+        if n.op_type != "MatMulNBits":
+            continue
+        hf = n.name.removeprefix("/").removesuffix("/MatMulNBits").replace("/", ".") + ".weight"
+        hf = "model.embed_tokens.weight" if hf == "lm_head.weight" else hf   # tied: the embedding's bytes
+        raw, kind = held[hf]
+        bits = next(a.i for a in n.attribute if a.name == "bits")
+        zp = inits[n.input[3]] if len(n.input) > 3 and n.input[3] else None
+        assert (kind == Q.Q4_1) == (zp is not None) and (bits == 8) == (kind == Q.Q8_0), hf
+        back = _to_gguf_bytes(inits[n.input[1]], inits[n.input[2]], zp, bits)
+        flat = raw.reshape(back.shape).copy()
+        if kind == Q.Q4_1:   # the block of scale 0 (row 0's first) is written as d = 1: m and codes kept
+            assert flat[0, :2].view(np.float16)[0] == 0 and back[0, :2].view(np.float16)[0] == 1
+            flat[0, :2] = back[0, :2]
+        assert np.array_equal(back, flat), hf
+        seen.add(hf)
+    assert len(seen) == 1 + 7 * 2   # the tied head and every linear of both layers
+    gbq = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert len(gbq) == 1 and next(a.i for a in gbq[0].attribute if a.name == "bits") == 8
+
+
+def test_blocks_dequantize_as_llama_cpp_does():
+    rng = np.random.default_rng(1)
+    w = (0.1 * rng.standard_normal((8, 128))).astype(np.float32)
+    w[3, 32:64] = -0.5   # a constant block
+    for kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        raw = quantize(w, kind)
+        b = gguf_blocks.from_gguf(raw, kind.name, w.shape, "w")
+        assert np.array_equal(gguf_blocks.dequantize(b), dequantize(raw, kind).reshape(w.shape)), kind.name
+
+
+def test_q4_1_block_of_scale_zero_with_codes_is_refused():
+    raw = quantize(np.ones((1, 32), np.float32), Q.Q4_1).copy()
+    raw[0, 4] = 0x11   # codes under a zero scale: no llama.cpp quantizer writes this
+    with pytest.raises(QwcError, match="scale 0 and non-zero codes"):
+        gguf_blocks.from_gguf(raw, "Q4_1", (1, 32), "w")
+
+
+def test_exported_graph_runs_in_onnxruntime_as_the_float_reference(gguf_model):
+    d, _ = gguf_model
+    cfg = ModelConfig.load(sidecar_paths(d / "m.onnx")[0])
+    ours = ort_kv_logits(d / "m.onnx", cfg, STEPS[0], STEPS[1:])
+    ref = ort_kv_logits(d / "float.onnx", cfg, STEPS[0], STEPS[1:])
+    for a, r in zip(ours, ref):
+        assert np.abs(a - r).max() / np.abs(r).max() < 1e-5
+
+
+def _compiled_logits(art) -> np.ndarray:
+    from qwc.runtime.engine import Engine
+
+    eng = Engine(art, ctx=64)
+    return np.stack([eng.prefill(STEPS[0][0])] + [eng.decode(int(t[0, 0])) for t in STEPS[1:]])
+
+
+@pytest.fixture(scope="module")
+def host_builds(gguf_model):
+    d, _ = gguf_model
+    out = {}
+    for act in (32, 8):
+        out[act] = d / f"host-a{act}.qwc"
+        assert main(["-q", "compile", str(d / "m.onnx"), "--act-bits", str(act), "--kv-dtype", "f32",
+                     "-o", str(out[act])]) == 0
+    return out
+
+
+def _param_bytes(art: Path) -> dict[str, bytes]:
+    man = json.loads((art / "manifest.json").read_text())
+    data = (art / "params.bin").read_bytes()
+    return {p["name"]: data[p["offset"]:p["offset"] + p["nbytes"]] for p in man["params"]}
+
+
+@pytest.mark.slow
+def test_artifact_keeps_the_blocks_and_matches_the_float_reference(gguf_model, host_builds):
+    d, _ = gguf_model
+    cfg = ModelConfig.load(sidecar_paths(d / "m.onnx")[0])
+    model = onnx.load(str(d / "m.onnx"))
+    params = _param_bytes(host_builds[32])
+    kept = [t for t in model.graph.initializer if t.name.endswith((".qweight", ".scales", ".zero_points"))]
+    assert len(kept) == 15 * 2 + 6   # codes and scales of 14 linears and the embedding, Q4_1's zero points
+    for t in kept:
+        a = onnx.numpy_helper.to_array(t, base_dir=str(d))
+        assert params[t.name] == a.tobytes(), t.name
+    ref = np.stack([r[0, -1] for r in ort_kv_logits(d / "float.onnx", cfg, STEPS[0], STEPS[1:])])
+    a32, a8 = _compiled_logits(host_builds[32]), _compiled_logits(host_builds[8])
+    span = np.abs(ref).max()
+    assert np.abs(a32 - ref).max() / span < 1e-4          # float activations: float rounding
+    assert np.abs(a8 - ref).max() / span < 3e-2           # Q8_0 / Q8_1 activations, as llama.cpp's
+    assert np.abs(a8 - a32).max() > 0                     # (they are not the float path)
+
+
+@pytest.mark.arm
+@pytest.mark.slow
+@pytest.mark.parametrize("act", [32, 8])
+def test_formats_on_arm_yitian_match_the_host(gguf_model, host_builds, tmp_path, act):
+    import emulation
+
+    from qwc.compiler.compile import compile_file
+
+    d, _ = gguf_model
+    env = emulation.arm64_env()
+    art = tmp_path / f"yitian-a{act}.qwc"
+    compile_file(d / "m.onnx", "arm-yitian", art, act_bits=act, kv_type="f32")
+    out = tmp_path / "arm.npy"
+    steps = json.dumps([STEPS[0][0].tolist()] + [int(t[0, 0]) for t in STEPS[1:]])
+    r = subprocess.run(emulation.engine_command(env, art, out, steps), env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    arm, host = np.load(out), _compiled_logits(host_builds[act])
+    assert np.abs(arm - host).max() / np.abs(host).max() < 1e-4
+    assert np.array_equal(arm.argmax(-1), host.argmax(-1))
+
+
+def test_other_types_are_requantized_to_the_named_format(tmp_path, capsys):
+    cfg = _config()
+    from qwc.models.checkpoint import expected_tensors
+
+    formats = {n: Q.Q5_0 if n.endswith("down_proj.weight") else Q.Q4_0 for n in expected_tensors(cfg) if n.endswith("proj.weight")}
+    write_model(tmp_path / "m.gguf", formats, embedding=Q.Q4_1)
+    for to, bits in (("q8_0", 8), ("q4_0", 4)):
+        out = tmp_path / f"{to}.onnx"
+        assert main(["export", str(tmp_path / "m.gguf"), "--requant", to, "-o", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert f"2 Q5_0 -> {to.upper()}" in err and f"1 Q4_1 -> {to.upper()}" in err and f"--requant {to}" in err, err
+        model = onnx.load(str(out))
+        down = [n for n in model.graph.node if n.op_type == "MatMulNBits" and "down_proj" in n.name]
+        assert len(down) == 2 and all(next(a.i for a in n.attribute if a.name == "bits") == bits for n in down)
+        assert not any(n.op_type == "MatMul" for n in model.graph.node)
+
+
+def test_awq_on_kept_weights_is_refused_in_one_line(gguf_model, tmp_path, capsys):
+    d, _ = gguf_model
+    text = tmp_path / "calib.txt"
+    text.write_text("It is a truth universally acknowledged. " * 400)
+    code = main(["-q", "optimize", str(d / "m.onnx"), "--awq", "--calib", str(text), "--calib-tokens", "512",
+                 "-o", str(tmp_path / "a.onnx")])
+    one_line(capsys, code, "quantized already")
+    assert not (tmp_path / "a.onnx").exists()
+
