@@ -25,6 +25,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend as F
 
 from qwc.errors import QwcError
+from qwc.passes.graph import BLOCK_OFFSETS_ATTR
 
 from .kernels import attention as fast
 from .kernels import generic, w4a8_gemm
@@ -66,6 +67,10 @@ class MatMulNBits(F.OnnxOpConverter):
         a, w, s = inputs[0], inputs[1], inputs[2]
         zp = inputs[3] if len(inputs) > 3 else None
         k, n, block, bits = int(attr["K"]), int(attr["N"]), int(attr["block_size"]), int(attr.get("bits", 4))
+        bias = inputs[5] if len(inputs) > 5 else None
+        if zp is not None and attr.get(BLOCK_OFFSETS_ATTR):   # Q4_1 as Q4_0 plus offsets (repack.py)
+            path = q4_0_path(block, bits, _ctx().act_bits, _ctx().features)
+            return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias, offsets=zp)
         if zp is not None and (bits != 4 or not str(zp.ty.dtype).startswith("float")):
             raise QwcError(f"MatMulNBits {n}x{k}: zero points are supported as float ones on 4-bit codes "
                            f"(llama.cpp's Q4_1), not {bits}-bit codes with {zp.ty.dtype} ones")
@@ -79,9 +84,11 @@ class MatMulNBits(F.OnnxOpConverter):
         return out if bias is None else bb.emit(relax.op.add(out, bias))
 
     @classmethod
-    def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str, features=None, bias=None):
+    def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str, features=None, bias=None, offsets=None):
         """a [..., K] (+ bias [N]) through one of qwc's Q4_0 kernels on [M, K] rows ("f32":
-        W4A32; "x86", "arm": W4A8 integer dots); M = 1 selects the decode form."""
+        W4A32; "x86", "arm": W4A8 integer dots); M = 1 selects the decode form. `offsets` [N,
+        K/32] (Q4_1, compiler/repack.py: q4_1_block_offsets): plus each block's offset times the
+        activations' block sum, a small kernel of its own (generic.block_offsets_term)."""
         lead = list(a.ty.shape)[:-1]
         a2 = bb.emit(relax.op.reshape(a, [-1, k]))
         m = a2.ty.shape[0]
@@ -91,6 +98,10 @@ class MatMulNBits(F.OnnxOpConverter):
         else:
             y, bias = cls._int8_dot(bb, a2, m, one_token, w, s, k, n,
                                     _ctx().features if features is None else features, bias)
+        if offsets is not None:
+            term = bb.emit_te(generic.block_offsets_term, a2, offsets, k=k, act_bits=_ctx().act_bits,
+                              primfunc_name_hint=_kname("block_offsets_term"))
+            y = bb.emit(relax.op.add(y, term))
         y = bb.emit(relax.op.reshape(y, [*lead, n]))
         return y if bias is None else bb.emit(relax.op.add(y, bias))
 

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qwc.passes.graph import Graph, has_zero_points, matmul_nbits_dims, new_tensor, tensor_array
+from qwc.passes.graph import BLOCK_OFFSETS_ATTR, Graph, has_zero_points, matmul_nbits_dims, new_tensor, tensor_array
 
 from .targets import q4_0_path
 
@@ -64,6 +64,40 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
                     g.initializer.remove(inits.pop(own))   # its own (folded) copy of the scales
         node.input[1], node.input[2] = new
         done[wname, sname] = new
+        count += 1
+    return count
+
+
+def q4_1_block_offsets(model: onnx.ModelProto, act_bits: int, features) -> int:
+    """Give each Q4_1 MatMulNBits (4-bit codes, float zero points, block 32) the Q4_0 kernels'
+    form where the target has them: w = d q + m = d (q - 8) + (m + 8 d), so the codes and scales
+    are read as Q4_0 and each block adds its offset c = m + 8 d times the activations' block sum
+    (frontend: MatMulNBits.q4_0_matmul with `offsets`). The zero points' input becomes c (float32,
+    [N, K/32]) and the node is marked (graph.BLOCK_OFFSETS_ATTR). A tensor whose c is not exact
+    in float32 for every block keeps the generic kernels. Returns the nodes converted."""
+    from qwc.models.gguf_blocks import q4_1_mins
+
+    inits = Graph(model).inits
+    count = 0
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits" or not has_zero_points(node):
+            continue
+        _, _, block, bits = matmul_nbits_dims(node)
+        if q4_0_path(block, bits, act_bits, features) is None:
+            continue
+        if node.input[2] not in inits or node.input[3] not in inits:
+            continue
+        d, zp = tensor_array(inits[node.input[2]]).astype(np.float32), tensor_array(inits[node.input[3]])
+        m = q4_1_mins(d, zp)
+        c = m + np.float32(8) * d
+        if not np.array_equal(c.astype(np.float64), m.astype(np.float64) + 8 * d.astype(np.float64)):
+            continue
+        old, name = node.input[3], node.input[3] + ".qwc_offsets"
+        model.graph.initializer.append(new_tensor(c, name))
+        node.input[3] = name
+        if not any(old in n.input for n in model.graph.node):
+            model.graph.initializer.remove(inits.pop(old))
+        node.attribute.append(helper.make_attribute(BLOCK_OFFSETS_ATTR, 1))
         count += 1
     return count
 

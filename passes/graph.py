@@ -311,9 +311,20 @@ def node_label(n: onnx.NodeProto) -> str:
     return f"node {n.name or '<unnamed>'} ({n.domain + '::' if n.domain else ''}{n.op_type})"
 
 
+# compiler/repack.py marks a Q4_1 MatMulNBits whose zero points it replaced by block offsets
+# (m + 8 d: the weights are then Q4_0's d (q - 8) plus that a block), an input the Q4_0 kernels
+# and one small term take.
+BLOCK_OFFSETS_ATTR = "qwc_block_offsets"
+
+
+def has_block_offsets(n: onnx.NodeProto) -> bool:
+    return any(a.name == BLOCK_OFFSETS_ATTR and a.i for a in n.attribute)
+
+
 def has_zero_points(n: onnx.NodeProto) -> bool:
-    """A MatMulNBits with explicit zero points (float ones: llama.cpp's Q4_1, models/gguf_blocks.py)."""
-    return len(n.input) > 3 and bool(n.input[3])
+    """A MatMulNBits with explicit zero points (float ones: llama.cpp's Q4_1, models/gguf_blocks.py)
+    that compile-time repacking has not turned into block offsets."""
+    return len(n.input) > 3 and bool(n.input[3]) and not has_block_offsets(n)
 
 
 def matmul_nbits_dims(n: onnx.NodeProto) -> tuple[int, int, int, int]:

@@ -136,13 +136,8 @@ def attention(q, kc, vc, seqlens, *, heads: int, kv_heads: int, head_dim: int, s
     return out
 
 
-def matmul_nbits_a8(a, w, s, zp=None, *, k: int, n: int, block: int, bits: int):
-    """W4A8: activations quantized per block to int8 on the fly (llama.cpp's Q8_0: scale =
-    amax / 127), integer dot products per block (int8 x int8 -> int32, which LLVM lowers to
-    sdot / vpdpbusd where the target has them), block scales applied in fp32. With float zero
-    points `zp` (Q4_1) the codes are unsigned and each block adds m * scale * sum(a), as
-    llama.cpp's Q4_1 x Q8_1 dot does."""
-    lead = list(a.shape[:-1])
+def _act_q8(a, lead, k: int, block: int):
+    """Activations [..., K] as llama.cpp's Q8_0 blocks: (scales [..., nb], int8 [..., nb * block])."""
     nb = (k + block - 1) // block
     e = te.reduce_axis((0, block), "e")
 
@@ -159,7 +154,40 @@ def matmul_nbits_a8(a, w, s, zp=None, *, k: int, n: int, block: int, bits: int):
         v = tirx.if_then_else(d > tirx.const(0.0, "float32"), a_at(pre, kk) / d, tirx.const(0.0, "float32"))
         return tirx.round(v).astype("int8")
 
-    aq = te.compute((*lead, nb * block), quant, name="act_q8")
+    return dscale, te.compute((*lead, nb * block), quant, name="act_q8")
+
+
+def block_offsets_term(a, c, *, k: int, act_bits: int, block: int = 32):
+    """y [..., N] = sum over blocks b of c [N, b] x the block sum of a [..., K]: the part of a Q4_1
+    matmul the Q4_0 kernels leave (compiler/repack.py: q4_1_block_offsets). At 8-bit activations
+    the block sum is the Q8_0 blocks' (scale x sum of the codes, as llama.cpp's Q8_1 carries it),
+    at 32 the float one."""
+    lead = list(a.shape[:-1])
+    nb = (k + block - 1) // block
+    e = te.reduce_axis((0, block), "e")
+    if act_bits == 8:
+        dscale, aq = _act_q8(a, lead, k, block)
+        isum = te.compute((*lead, nb), lambda *i: te.sum(aq[(*i[:-1], i[-1] * block + e)].astype("int32"), axis=e),
+                          name="act_code_sum")
+        bsum = te.compute((*lead, nb), lambda *i: dscale[i] * isum[i].astype("float32"), name="act_block_sum")
+    else:
+        bsum = te.compute((*lead, nb), lambda *i: te.sum(tirx.if_then_else(
+            i[-1] * block + e < k, a[(*i[:-1], tirx.min(i[-1] * block + e, k - 1))], tirx.const(0.0, "float32")),
+            axis=e), name="act_block_sum")
+    b = te.reduce_axis((0, nb), "b")
+    return te.compute((*lead, c.shape[0]), lambda *i: te.sum(bsum[(*i[:-1], b)] * c[i[-1], b], axis=b),
+                      name="block_offsets_term")
+
+
+def matmul_nbits_a8(a, w, s, zp=None, *, k: int, n: int, block: int, bits: int):
+    """W4A8: activations quantized per block to int8 on the fly (llama.cpp's Q8_0: scale =
+    amax / 127), integer dot products per block (int8 x int8 -> int32, which LLVM lowers to
+    sdot / vpdpbusd where the target has them), block scales applied in fp32. With float zero
+    points `zp` (Q4_1) the codes are unsigned and each block adds m * scale * sum(a), as
+    llama.cpp's Q4_1 x Q8_1 dot does."""
+    lead = list(a.shape[:-1])
+    nb = (k + block - 1) // block
+    dscale, aq = _act_q8(a, lead, k, block)
 
     i32 = "int32"
     if bits == 4:   # a byte's two codes at once: no select between nibbles, so LLVM vectorizes it

@@ -167,12 +167,20 @@ def test_artifact_keeps_the_blocks_and_matches_the_float_reference(gguf_model, h
     d, _ = gguf_model
     cfg = ModelConfig.load(sidecar_paths(d / "m.onnx")[0])
     model = onnx.load(str(d / "m.onnx"))
-    params = _param_bytes(host_builds[32])
-    kept = [t for t in model.graph.initializer if t.name.endswith((".qweight", ".scales", ".zero_points"))]
-    assert len(kept) == 15 * 2 + 6   # codes and scales of 14 linears and the embedding, Q4_1's zero points
-    for t in kept:
-        a = onnx.numpy_helper.to_array(t, base_dir=str(d))
-        assert params[t.name] == a.tobytes(), t.name
+    params = _param_bytes(host_builds[32])   # float activations: the weights in their plain layout
+    arrays = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(d)) for t in model.graph.initializer}
+    kept = [name for name in arrays if name.endswith((".qweight", ".scales"))]
+    assert len(kept) == 15 * 2   # codes and scales of 14 linears and the embedding
+    for name in kept:
+        assert params[name] == arrays[name].tobytes(), name
+    # Q4_1's zero points went into the Q4_0 kernels' block offsets m + 8 d (compiler/repack.py),
+    # which give the file's minimums back exactly
+    zps = [name for name in arrays if name.endswith(".zero_points")]
+    assert len(zps) == 6 and not any(name in params for name in zps)
+    for name in zps:
+        scales = arrays[name.replace(".zero_points", ".scales")]
+        c = np.frombuffer(params[name + ".qwc_offsets"], np.float32).reshape(scales.shape)
+        assert np.array_equal(c - 8 * scales, gguf_blocks.q4_1_mins(scales, arrays[name])), name
     ref = np.stack([r[0, -1] for r in ort_kv_logits(d / "float.onnx", cfg, STEPS[0], STEPS[1:])])
     a32, a8 = _compiled_logits(host_builds[32]), _compiled_logits(host_builds[8])
     span = np.abs(ref).max()
