@@ -21,14 +21,19 @@ MOSTLY_Q4_0 = 2
 def _vocab(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     pad = vocab_size - len(vocab)
-    tokens = [t for t, _ in vocab] + [f"[PAD{i}]" for i in range(pad)]
+    # the first pad is the one merge's product, so the file's tokenizer also builds (qwc export)
+    tokens = [t for t, _ in vocab] + ["\u0120\u0120"][:pad] + [f"[PAD{i}]" for i in range(1, pad)]
     types = [TokenType.CONTROL if t.startswith("<|") else TokenType.NORMAL for t, _ in vocab]
     return tokens, types + [TokenType.UNUSED] * pad
 
 
-def write_gguf_q4_0(lm, path: Path, head_bits: int = 4) -> Path:
-    """Every linear Q4_0; the (tied) embedding / output Q4_0 or, with head_bits 8, Q8_0 (what
-    llama.cpp's own quantizer keeps for a tied output by default)."""
+# llama.cpp's file types (llama_ftype) by the linears' type
+FILE_TYPES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 3, GGMLQuantizationType.Q8_0: 7}
+
+
+def write_gguf_q4_0(lm, path: Path, head_bits: int = 4, linears=GGMLQuantizationType.Q4_0) -> Path:
+    """Every linear Q4_0 (or `linears`' type: Q4_1, Q8_0); the (tied) embedding / output Q4_0 or,
+    with head_bits 8, Q8_0 (what llama.cpp's own quantizer keeps for a tied output by default)."""
     cfg = lm.config
     head = GGMLQuantizationType.Q4_0 if head_bits == 4 else GGMLQuantizationType.Q8_0
     tokens, types = _vocab(lm.tokenizer, cfg.vocab_size)
@@ -37,10 +42,11 @@ def write_gguf_q4_0(lm, path: Path, head_bits: int = 4) -> Path:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         a = t.detach().float().numpy()
-        kind = head if name in ("model.embed_tokens.weight", "lm_head.weight") else GGMLQuantizationType.Q4_0
+        kind = head if name in ("model.embed_tokens.weight", "lm_head.weight") else linears
         tensors[name] = (quantize(a, kind), kind) if a.ndim == 2 else (a, None)
     # llama.cpp refuses a BPE vocabulary without merges, even when ids are fed directly.
-    return write_gguf(path, "qwen2", cfg, tokens, types, tensors, merges=["\u0120 \u0120"], file_type=MOSTLY_Q4_0)
+    return write_gguf(path, "qwen2", cfg, tokens, types, tensors, merges=["\u0120 \u0120"],
+                      file_type=FILE_TYPES[linears])
 
 
 def _q4_0_by_rows(a: np.ndarray) -> np.ndarray:

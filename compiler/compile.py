@@ -96,8 +96,9 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
              held=sum(len(t.raw_data) for t in model.graph.initializer))
     quant = quant_summary(model)
     quant["activation_bits"] = act_bits
-    from .repack import half_gather_scales, q4_1_block_offsets, repack_weights
+    from .repack import half_gather_scales, q4_1_block_offsets, q8_0_nibble_halves, repack_weights
     with progress.stage("repacking weights for the target's kernels"):
+        q8_0_nibble_halves(model, act_bits, target.features)
         q4_1_block_offsets(model, act_bits, target.features)
         repacked = repack_weights(model, act_bits, target.features)
         half_gather_scales(model)

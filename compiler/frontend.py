@@ -25,7 +25,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend as F
 
 from qwc.errors import QwcError
-from qwc.passes.graph import BLOCK_OFFSETS_ATTR
+from qwc.passes.graph import BLOCK_OFFSETS_ATTR, NIBBLE_HALVES_ATTR
 
 from .kernels import attention as fast
 from .kernels import generic, w4a8_gemm
@@ -71,6 +71,12 @@ class MatMulNBits(F.OnnxOpConverter):
         if zp is not None and attr.get(BLOCK_OFFSETS_ATTR):   # Q4_1 as Q4_0 plus offsets (repack.py)
             path = q4_0_path(block, bits, _ctx().act_bits, _ctx().features)
             return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias, offsets=zp)
+        if attr.get(NIBBLE_HALVES_ATTR):   # Q8_0 as two Q4_0 halves (repack.q8_0_nibble_halves)
+            path = q4_0_path(block, 4, _ctx().act_bits, _ctx().features)
+            hi = cls.q4_0_matmul(bb, a, w, s, k, n, path)
+            lo = cls.q4_0_matmul(bb, a, inputs[6], inputs[7], k, n, path, bias=bias, offsets=zp,
+                                 zero_offset=zp is None)
+            return bb.emit(relax.op.add(hi, lo))
         if zp is not None and (bits != 4 or not str(zp.ty.dtype).startswith("float")):
             raise QwcError(f"MatMulNBits {n}x{k}: zero points are supported as float ones on 4-bit codes "
                            f"(llama.cpp's Q4_1), not {bits}-bit codes with {zp.ty.dtype} ones")
@@ -84,11 +90,14 @@ class MatMulNBits(F.OnnxOpConverter):
         return out if bias is None else bb.emit(relax.op.add(out, bias))
 
     @classmethod
-    def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str, features=None, bias=None, offsets=None):
+    def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str, features=None, bias=None, offsets=None,
+                    zero_offset: bool = False):
         """a [..., K] (+ bias [N]) through one of qwc's Q4_0 kernels on [M, K] rows ("f32":
         W4A32; "x86", "arm": W4A8 integer dots); M = 1 selects the decode form. `offsets` [N,
         K/32] (Q4_1, compiler/repack.py: q4_1_block_offsets): plus each block's offset times the
-        activations' block sum, a small kernel of its own (generic.block_offsets_term)."""
+        activations' block sum, a small kernel of its own (generic.block_sums, block_offsets_term).
+        `zero_offset` (W4A8 only): the integer dots start from 0, not from the quantizer's -8 x
+        sum(a): the codes count as 0..15 (a Q8_0's low nibbles: repack.q8_0_nibble_halves)."""
         lead = list(a.ty.shape)[:-1]
         a2 = bb.emit(relax.op.reshape(a, [-1, k]))
         m = a2.ty.shape[0]
@@ -97,10 +106,11 @@ class MatMulNBits(F.OnnxOpConverter):
             y = cls._f32(bb, a2, m, one_token, w, s, k, n)
         else:
             y, bias = cls._int8_dot(bb, a2, m, one_token, w, s, k, n,
-                                    _ctx().features if features is None else features, bias)
+                                    _ctx().features if features is None else features, bias, zero_offset)
         if offsets is not None:
-            term = bb.emit_te(generic.block_offsets_term, a2, offsets, k=k, act_bits=_ctx().act_bits,
-                              primfunc_name_hint=_kname("block_offsets_term"))
+            sums = bb.emit_te(generic.block_sums, a2, k=k, act_bits=_ctx().act_bits,
+                              primfunc_name_hint=_kname("block_sums"))
+            term = bb.emit_te(generic.block_offsets_term, sums, offsets, primfunc_name_hint=_kname("block_offsets_term"))
             y = bb.emit(relax.op.add(y, term))
         y = bb.emit(relax.op.reshape(y, [*lead, n]))
         return y if bias is None else bb.emit(relax.op.add(y, bias))
@@ -117,7 +127,7 @@ class MatMulNBits(F.OnnxOpConverter):
         return bb.emit(relax.call_tir(kernel, [a2, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
 
     @staticmethod
-    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, features, bias=None):
+    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, features, bias=None, zero_offset: bool = False):
         """W4A8 through an ISA's integer dot-product kernel (vpdpbusd / sdot / smmla), all
         reading the row-group layout compile-time repacking wrote (kernels/row_groups.py), after
         the activation quantizer (the fusion passes give it the RMSNorm or SiLU·mul before it:
@@ -154,6 +164,8 @@ class MatMulNBits(F.OnnxOpConverter):
                             _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token, layout=layout)))
         parts = bb.emit(relax.call_tir(quant, [a2], q8))
         q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
+        if zero_offset:
+            off = bb.emit(relax.op.zeros(q8[2].shape, q8[2].dtype))
         args = [q, scale, off, w, s] + ([bias] if fused_bias else [])
         y = bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
         return y, None if fused_bias else bias

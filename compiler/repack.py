@@ -16,7 +16,16 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qwc.passes.graph import BLOCK_OFFSETS_ATTR, Graph, has_zero_points, matmul_nbits_dims, new_tensor, tensor_array
+from qwc.passes.graph import (
+    BLOCK_OFFSETS_ATTR,
+    NIBBLE_HALVES_ATTR,
+    Graph,
+    has_zero_points,
+    matmul_nbits_dims,
+    new_tensor,
+    tensor_array,
+)
+from qwc.q4 import pack_nibbles
 
 from .targets import q4_0_path
 
@@ -64,6 +73,61 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
                     g.initializer.remove(inits.pop(own))   # its own (folded) copy of the scales
         node.input[1], node.input[2] = new
         done[wname, sname] = new
+        count += 1
+    return count
+
+
+def q8_0_nibble_halves(model: onnx.ModelProto, act_bits: int, features) -> int:
+    """Give each Q8_0 MatMulNBits (8-bit codes u = q + 128, block 32) the Q4_0 kernels where the
+    target has them: u = 16 h + l with h, l in 0..15, so
+
+        d q = 16 d (h - 8) + d (l - 8) + 8 d
+
+    a Q4_0 matmul on the high nibbles (scales 16 d) plus one on the low nibbles (scales d): the
+    same integer-dot kernels (VNNI, AVX2, sdot, smmla), the same 32 bytes of codes a block as
+    Q8_0's, the values exactly. The low half's d (l - 8) + 8 d = d l is the W4A8 kernel started
+    from a zero offset instead of the quantizer's -8 x sum(a) (frontend: `zero_offset`); W4A32's
+    kernel subtracts the 8 itself, so there the low half takes block offsets 8 d
+    (q4_1_block_offsets' form). The node stays one (the head and the passes that find it by its
+    output see what they saw), marked graph.NIBBLE_HALVES_ATTR, with inputs (x, high codes, 16 d,
+    8 d or "", "", bias, low codes, d), each half in its kernel's layout. A tied embedding keeps
+    reading the 8-bit bytes. Returns the nodes split."""
+    from .kernels import row_groups
+
+    inits = Graph(model).inits
+    count = 0
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits" or (len(node.input) > 3 and node.input[3]):
+            continue
+        k, n, block, bits = matmul_nbits_dims(node)
+        path = q4_0_path(block, 4, act_bits, features)
+        if bits != 8 or path is None or node.input[1] not in inits or node.input[2] not in inits:
+            continue
+        u, d = tensor_array(inits[node.input[1]]), tensor_array(inits[node.input[2]]).astype(np.float32)
+        if u.shape != (n, k // block, block) or not np.isfinite(16 * d).all():
+            continue
+        halves = []
+        for codes, scales in ((u >> 4, 16 * d), (u & 15, d)):
+            w, s = pack_nibbles(codes), scales
+            if path != "f32":   # the W4A8 kernels' row groups, as repack_weights writes Q4_0
+                w, s = row_groups.pack(w, s)
+            halves.append((w, s))
+        stem = node.input[1]
+        names = [stem + ".qwc_hi", stem + ".qwc_hi_scales", stem + ".qwc_lo", stem + ".qwc_lo_scales"]
+        for name, a in zip(names, [x for half in halves for x in half]):
+            model.graph.initializer.append(new_tensor(a, name))
+        offsets = ""
+        if path == "f32":
+            offsets = stem + ".qwc_lo_offsets"
+            model.graph.initializer.append(new_tensor(8 * d, offsets))
+        bias = node.input[5] if len(node.input) > 5 else ""
+        old = list(node.input[1:3])
+        del node.input[1:]
+        node.input.extend([names[0], names[1], offsets, "", bias, names[2], names[3]])
+        node.attribute.append(helper.make_attribute(NIBBLE_HALVES_ATTR, 1))
+        for name in old:
+            if not any(name in nd.input for nd in model.graph.node):   # no tied gather reads it
+                model.graph.initializer.remove(inits.pop(name))
         count += 1
     return count
 

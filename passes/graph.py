@@ -315,6 +315,8 @@ def node_label(n: onnx.NodeProto) -> str:
 # (m + 8 d: the weights are then Q4_0's d (q - 8) plus that a block), an input the Q4_0 kernels
 # and one small term take.
 BLOCK_OFFSETS_ATTR = "qwc_block_offsets"
+# ... and a Q8_0 one it split into two Q4_0 halves (repack.q8_0_nibble_halves).
+NIBBLE_HALVES_ATTR = "qwc_nibble_halves"
 
 
 def has_block_offsets(n: onnx.NodeProto) -> bool:

@@ -13,6 +13,8 @@ class PassOptions:
     block_size: int = 32                # 32 is llama.cpp's Q4_0; 128 trades accuracy for speed
     lm_head_bits: int = 4               # 8 keeps embedding + tied lm_head at Q8_0 (llama.cpp's default)
     keep_float: list[str] = field(default_factory=list)   # fnmatch patterns of linears left in float
+    bits: int = 4                       # 8: every linear Q8_0 (llama.cpp's 8-bit format) instead of Q4_0
+    q8: list[str] = field(default_factory=list)   # fnmatch patterns of linears made Q8_0 at --bits 4
     # Fold each RMSNorm gain into the linears after it. Off by default: for post-training
     # quantization it spreads the gain's outliers over every Q4_0 block (+16% perplexity on
     # SmolLM2, docs/results.md "Accuracy"); the compiled norm applies the gain for free inside
@@ -35,6 +37,11 @@ class PassOptions:
         from qwc.errors import QwcError
         if self.block_size not in (32, 128):
             raise QwcError(f"block size {self.block_size} is not supported (32 or 128)")
+        if self.bits not in (4, 8):
+            raise QwcError(f"bits {self.bits} is not supported (4: Q4_0, 8: Q8_0)")
+        if (self.bits == 8 or self.q8) and self.block_size != 32:
+            raise QwcError("Q8_0 linears (--bits 8, --q8) take blocks of 32, not --block-size "
+                           f"{self.block_size}")
         if self.lm_head_bits not in (4, 8):
             raise QwcError(f"lm-head bits {self.lm_head_bits} is not supported (4 or 8)")
         if self.untie_lm_head and not self.fold_norm_gains:

@@ -1,6 +1,7 @@
 """Quantize linears: MatMul(x, W) with a constant W [K, N] (and a following Add of a
 constant bias [N]) -> com.microsoft MatMulNBits (bits 4, symmetric: no zero-point input,
-so onnxruntime uses 8; block 32 or 128), Q4_0-exact (qwc.q4).
+so onnxruntime uses 8; block 32 or 128), Q4_0-exact (qwc.q4); with `--bits 8`, or for the
+linears `--q8` names, Q8_0 (bits 8, uint8 q + 128, block 32).
 
 Linears whose module name matches a pattern in `options.keep_float` stay in float.
 The tied lm_head (MatMul(x, Transpose(embedding))) is left to the embedding pass, which
@@ -15,7 +16,7 @@ import numpy as np
 import onnx
 
 from qwc.errors import QwcError
-from qwc.q4 import pack_nibbles, quantize_q4_0, row_chunks
+from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0, row_chunks
 
 from .graph import MS_DOMAIN, Graph, ensure_ms_opset, tensor_bytes
 from .naming import module_name
@@ -36,7 +37,8 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
         name = module_name(n)
         if any(fnmatch.fnmatch(name, pat) for pat in options.keep_float):
             continue
-        emit_matmul_nbits(g, n, w.T, options.block_size, name)   # a view: quantized in row chunks
+        bits = 8 if options.bits == 8 or any(fnmatch.fnmatch(name, pat) for pat in options.q8) else 4
+        emit_matmul_nbits(g, n, w.T, options.block_size, name, bits=bits)   # a view: quantized in row chunks
         del w
     g.commit()
     ensure_ms_opset(model)
@@ -50,8 +52,12 @@ def emit_matmul_nbits(g: Graph, n: onnx.NodeProto, w_nk: np.ndarray, block: int,
     nn, k = w_nk.shape
     if packed is None:
         check_quantizable(w_nk, name)
-        q, d = quantize_q4_0(w_nk, block)
-        packed = g.add_init(pack_nibbles(q), f"{name}.qweight")
+        if bits == 8:   # Q8_0 as uint8 q + 128 (onnxruntime's default zero point for 8 bits)
+            q8, d = quantize_q8_0(w_nk, block)
+            packed = g.add_init((q8.astype(np.int16) + 128).astype(np.uint8), f"{name}.qweight")
+        else:
+            q, d = quantize_q4_0(w_nk, block)
+            packed = g.add_init(pack_nibbles(q), f"{name}.qweight")
         scales = g.add_init(d, f"{name}.scales")
     inputs = [n.input[0], packed, scales]
     out = n.output[0]

@@ -228,7 +228,7 @@ def _cmd_optimize(args: argparse.Namespace) -> None:
     from qwc.passes.options import PassOptions
     from qwc.passes.pipeline import optimize_file
 
-    opts = PassOptions(block_size=args.block_size, lm_head_bits=args.lm_head_bits,
+    opts = PassOptions(block_size=args.block_size, lm_head_bits=args.lm_head_bits, bits=args.bits, q8=args.q8 or [],
                        keep_float=args.keep_float or [], untie_lm_head=args.untie_lm_head,
                        fold_norm_gains=args.fold_norm_gains)
     opts.validate()
@@ -534,6 +534,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantization block of the linears (default 32: llama.cpp's Q4_0)")
     o.add_argument("--lm-head-bits", type=int, default=4, choices=(4, 8),
                    help="bits of the embedding and tied lm_head (8: llama.cpp's default Q8_0)")
+    o.add_argument("--bits", type=int, default=4, choices=(4, 8),
+                   help="bits of the linears: 4 (Q4_0, the default) or 8 (Q8_0, llama.cpp's 8-bit format: "
+                        "twice the bytes, near-float accuracy)")
+    o.add_argument("--q8", action="append", metavar="PATTERN",
+                   help="linears whose name matches (fnmatch, e.g. 'model.layers.0.*') get Q8_0 at --bits 4: "
+                        "keep sensitive layers at 8 bits; repeatable")
     o.add_argument("--keep-float", action="append", metavar="PATTERN",
                    help="leave linears whose name matches (fnmatch, e.g. '*.down_proj') in float; repeatable")
     o.add_argument("--fold-norm-gains", action="store_true",

@@ -157,11 +157,11 @@ def _act_q8(a, lead, k: int, block: int):
     return dscale, te.compute((*lead, nb * block), quant, name="act_q8")
 
 
-def block_offsets_term(a, c, *, k: int, act_bits: int, block: int = 32):
-    """y [..., N] = sum over blocks b of c [N, b] x the block sum of a [..., K]: the part of a Q4_1
-    matmul the Q4_0 kernels leave (compiler/repack.py: q4_1_block_offsets). At 8-bit activations
-    the block sum is the Q8_0 blocks' (scale x sum of the codes, as llama.cpp's Q8_1 carries it),
-    at 32 the float one."""
+def block_sums(a, *, k: int, act_bits: int, block: int = 32):
+    """The block sums [..., K/32] of a [..., K] a Q4_1 matmul's offsets multiply (compiler/repack.py:
+    q4_1_block_offsets): at 8-bit activations the Q8_0 blocks' (scale x sum of the codes, as
+    llama.cpp's Q8_1 carries it), at 32 the float ones. A kernel of its own, so the linears that
+    read the same activations (q, k, v; gate, up) share one."""
     lead = list(a.shape[:-1])
     nb = (k + block - 1) // block
     e = te.reduce_axis((0, block), "e")
@@ -169,13 +169,16 @@ def block_offsets_term(a, c, *, k: int, act_bits: int, block: int = 32):
         dscale, aq = _act_q8(a, lead, k, block)
         isum = te.compute((*lead, nb), lambda *i: te.sum(aq[(*i[:-1], i[-1] * block + e)].astype("int32"), axis=e),
                           name="act_code_sum")
-        bsum = te.compute((*lead, nb), lambda *i: dscale[i] * isum[i].astype("float32"), name="act_block_sum")
-    else:
-        bsum = te.compute((*lead, nb), lambda *i: te.sum(tirx.if_then_else(
-            i[-1] * block + e < k, a[(*i[:-1], tirx.min(i[-1] * block + e, k - 1))], tirx.const(0.0, "float32")),
-            axis=e), name="act_block_sum")
-    b = te.reduce_axis((0, nb), "b")
-    return te.compute((*lead, c.shape[0]), lambda *i: te.sum(bsum[(*i[:-1], b)] * c[i[-1], b], axis=b),
+        return te.compute((*lead, nb), lambda *i: dscale[i] * isum[i].astype("float32"), name="act_block_sum")
+    return te.compute((*lead, nb), lambda *i: te.sum(tirx.if_then_else(
+        i[-1] * block + e < k, a[(*i[:-1], tirx.min(i[-1] * block + e, k - 1))], tirx.const(0.0, "float32")),
+        axis=e), name="act_block_sum")
+
+
+def block_offsets_term(bsum, c):
+    """y [..., N] = sum over blocks b of c [N, b] x bsum [..., b] (block_sums)."""
+    b = te.reduce_axis((0, c.shape[1]), "b")
+    return te.compute((*bsum.shape[:-1], c.shape[0]), lambda *i: te.sum(bsum[(*i[:-1], b)] * c[i[-1], b], axis=b),
                       name="block_offsets_term")
 
 

@@ -22,6 +22,7 @@ from qwc.errors import QwcError
 from qwc.models import gguf_blocks
 from qwc.models.gguf_writer import write_gguf
 from qwc.models.tokenizer import SPECIAL_TOKENS, byte_level_tokenizer
+from qwc.q4 import unpack_nibbles
 
 from conftest import one_line, ort_kv_logits
 
@@ -156,10 +157,11 @@ def host_builds(gguf_model):
     return out
 
 
-def _param_bytes(art: Path) -> dict[str, bytes]:
+def _params(art: Path) -> dict[str, np.ndarray]:
     man = json.loads((art / "manifest.json").read_text())
     data = (art / "params.bin").read_bytes()
-    return {p["name"]: data[p["offset"]:p["offset"] + p["nbytes"]] for p in man["params"]}
+    return {p["name"]: np.frombuffer(data[p["offset"]:p["offset"] + p["nbytes"]], p["dtype"]).reshape(p["shape"])
+            for p in man["params"]}
 
 
 @pytest.mark.slow
@@ -167,19 +169,30 @@ def test_artifact_keeps_the_blocks_and_matches_the_float_reference(gguf_model, h
     d, _ = gguf_model
     cfg = ModelConfig.load(sidecar_paths(d / "m.onnx")[0])
     model = onnx.load(str(d / "m.onnx"))
-    params = _param_bytes(host_builds[32])   # float activations: the weights in their plain layout
+    params = _params(host_builds[32])   # float activations: the weights in their plain layout
     arrays = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(d)) for t in model.graph.initializer}
     kept = [name for name in arrays if name.endswith((".qweight", ".scales"))]
     assert len(kept) == 15 * 2   # codes and scales of 14 linears and the embedding
     for name in kept:
-        assert params[name] == arrays[name].tobytes(), name
+        a = arrays[name]
+        if name in params:
+            assert params[name].tobytes() == a.tobytes(), name
+        elif name == "model.embed_tokens.scales":   # folded into the gather's [V, nb, 1], fp16 (exact)
+            assert np.array_equal(params["embed_tokens.scales3"][..., 0], a)
+        elif name.endswith(".qweight"):   # Q8_0 codes as nibble halves (repack.q8_0_nibble_halves): u = 16 h + l
+            hi, lo = (unpack_nibbles(params[f"{name}.qwc_{h}"]).astype(np.int32) for h in ("hi", "lo"))
+            assert np.array_equal(16 * hi + lo, a), name
+        else:   # ... and their scales: 16 d and d
+            stem = name.removesuffix(".scales") + ".qweight"
+            assert np.array_equal(params[f"{stem}.qwc_lo_scales"], a), name
+            assert np.array_equal(params[f"{stem}.qwc_hi_scales"], 16 * a), name
     # Q4_1's zero points went into the Q4_0 kernels' block offsets m + 8 d (compiler/repack.py),
     # which give the file's minimums back exactly
     zps = [name for name in arrays if name.endswith(".zero_points")]
     assert len(zps) == 6 and not any(name in params for name in zps)
     for name in zps:
         scales = arrays[name.replace(".zero_points", ".scales")]
-        c = np.frombuffer(params[name + ".qwc_offsets"], np.float32).reshape(scales.shape)
+        c = params[name + ".qwc_offsets"]
         assert np.array_equal(c - 8 * scales, gguf_blocks.q4_1_mins(scales, arrays[name])), name
     ref = np.stack([r[0, -1] for r in ort_kv_logits(d / "float.onnx", cfg, STEPS[0], STEPS[1:])])
     a32, a8 = _compiled_logits(host_builds[32]), _compiled_logits(host_builds[8])
@@ -237,3 +250,29 @@ def test_awq_on_kept_weights_is_refused_in_one_line(gguf_model, tmp_path, capsys
     one_line(capsys, code, "quantized already")
     assert not (tmp_path / "a.onnx").exists()
 
+
+
+@pytest.mark.slow
+def test_optimize_bits_8_and_q8_patterns_compile_to_the_canonical_graphs_logits(tiny_onnx, tmp_path):
+    """`qwc optimize --bits 8` makes every linear Q8_0, `--q8 PATTERN` the ones it names; the
+    compiled W4A32 artifact (the nibble halves, repack.q8_0_nibble_halves) gives onnxruntime's
+    logits on the canonical graph, the W4A8 one within its activations' rounding."""
+    from qwc.config import load_for_graph
+
+    cfg = load_for_graph(tiny_onnx)
+    for opts, eight in ((["--bits", "8"], 7 * cfg.num_hidden_layers), (["--q8", "*.down_proj"], cfg.num_hidden_layers)):
+        q = tmp_path / f"{opts[0][2:]}.onnx"
+        assert main(["-q", "optimize", str(tiny_onnx), *opts, "-o", str(q)]) == 0
+        nodes = [n for n in onnx.load(str(q)).graph.node if n.op_type == "MatMulNBits"]
+        assert sum(next(a.i for a in n.attribute if a.name == "bits") == 8 for n in nodes) == eight, opts
+        ref = np.stack([r[0, -1] for r in ort_kv_logits(q, cfg, STEPS[0], STEPS[1:])])
+        for act, tol in ((32, 1e-4), (8, 6e-2)):   # A8: the tiny model's Q4_0 graph is 3.8% off too
+            art = tmp_path / f"{opts[0][2:]}-a{act}.qwc"
+            assert main(["-q", "compile", str(q), "--act-bits", str(act), "--kv-dtype", "f32", "-o", str(art)]) == 0
+            got = _compiled_logits(art)
+            assert np.abs(got - ref).max() / np.abs(ref).max() < tol, (opts, act)
+
+
+def test_bits_8_needs_blocks_of_32(tiny_onnx, tmp_path, capsys):
+    code = main(["-q", "optimize", str(tiny_onnx), "--bits", "8", "--block-size", "128", "-o", str(tmp_path / "x.onnx")])
+    one_line(capsys, code, "blocks of 32")

@@ -1,0 +1,95 @@
+"""qwc against llama.cpp on one GGUF per weight format, the Qwen2.5-0.5B shape (random weights):
+
+    .venv/bin/python bench/formats.py [--formats q4_0,q4_1,q8_0] [--threads 2] [--rounds 3] [--json out.json]
+
+For each format a GGUF holds every linear in it (the tied embedding / output in Q8_0 for Q4_1
+and Q8_0, Q4_0 for Q4_0), written by gguf-py's quantizers (llama.cpp's reference ones). qwc
+exports that very file (its weights kept as they are: models/gguf_blocks.py) and compiles it
+for the host; llama.cpp (its strongest build here, bench/llamacpp.sh x86) reads it as it is.
+pp512 and tg128 from an empty cache, llama-bench's definition, qwc and llama.cpp alternating
+round by round (the machine is shared); the table has medians and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+QWC = [sys.executable, "-m", "qwc"]
+PRESET = "qwen2.5-0.5b"
+
+
+def prepare(fmt: str, work: Path) -> tuple[Path, Path]:
+    """(the GGUF, the host artifact compiled from it)."""
+    sys.path.insert(0, str(HERE))
+    from gguf import GGMLQuantizationType
+    from gguf_q4_0 import write_gguf_q4_0
+
+    from qwc.models.presets import load_preset
+
+    work.mkdir(parents=True, exist_ok=True)
+    gguf, onnx_, art = work / f"{fmt}.gguf", work / f"{fmt}.onnx", work / f"{fmt}.qwc"
+    if not gguf.exists():
+        kind = GGMLQuantizationType[fmt.upper()]
+        write_gguf_q4_0(load_preset(PRESET), gguf.with_suffix(".partial"), head_bits=4 if fmt == "q4_0" else 8,
+                        linears=kind)
+        gguf.with_suffix(".partial").rename(gguf)
+    subprocess.run(QWC + ["-q", "export", str(gguf), "-o", str(onnx_)], check=True)
+    subprocess.run(QWC + ["-q", "compile", str(onnx_), "--target", "host", "-o", str(art)], check=True)
+    return gguf, art
+
+
+def speed(gguf: Path, art: Path, threads: int, rounds: int) -> dict:
+    from peers import llamacpp_tools
+
+    llama_bench = llamacpp_tools("x86") / "llama-bench-0.3.36"
+    env = dict(os.environ, TVM_NUM_THREADS=str(threads))
+    got: dict[str, dict[str, list[float]]] = {"qwc": {}, "llama.cpp": {}}
+    for _ in range(rounds):
+        out = subprocess.run(QWC + ["bench", str(art), "-p", "512", "-n", "128", "-r", "1", "--threads", str(threads),
+                                    "--json"], check=True, capture_output=True, text=True, env=env).stdout
+        for row in json.loads(out)["results"]:
+            got["qwc"].setdefault(row["test"], []).append(row["tps"])
+        out = subprocess.run([str(llama_bench), "-m", str(gguf), "-t", str(threads), "-p", "512", "-n", "128",
+                              "-r", "1", "-o", "json"], check=True, capture_output=True, text=True).stdout
+        for row in json.loads(out):
+            test = f"tg{row['n_gen']}" if row["n_gen"] else f"pp{row['n_prompt']}"
+            got["llama.cpp"].setdefault(test, []).append(row["avg_ts"])
+    return {sys_: {t: sorted(v)[len(v) // 2] for t, v in tests.items()} | {"runs": tests}
+            for sys_, tests in got.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", default="q4_0,q4_1,q8_0")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "formats")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    formats = [f.strip() for f in a.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in ("q4_0", "q4_1", "q8_0")]
+    if unknown:
+        sys.exit(f"formats: unknown format {unknown[0]!r} (q4_0, q4_1, q8_0)")
+    results = {}
+    for fmt in formats:
+        gguf, art = prepare(fmt, a.workdir)
+        results[fmt] = speed(gguf, art, a.threads, a.rounds)
+    print(f"\n{PRESET} shape, {a.threads} threads, medians of {a.rounds} alternating rounds\n")
+    print("| weights | qwc pp512 | llama.cpp pp512 | ratio | qwc tg128 | llama.cpp tg128 | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for fmt, r in results.items():
+        q, lc = r["qwc"], r["llama.cpp"]
+        print(f"| {fmt.upper()} | {q['pp512']:.1f} | {lc['pp512']:.1f} | {q['pp512'] / lc['pp512']:.2f}x"
+              f" | {q['tg128']:.2f} | {lc['tg128']:.2f} | {q['tg128'] / lc['tg128']:.2f}x |")
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
