@@ -8,10 +8,15 @@ Rows (every one through `qwc` commands or llama.cpp's own tools, so the table is
   llamacpp-float the same GGUF scored by llama.cpp's `llama-perplexity` (the protocol check)
   llamacpp-q4_0  `llama-quantize --allow-requantize ... Q4_0` (its default output type), scored by
                  `llama-perplexity`; llamacpp-q4_0-q4out with the output / tied embedding at Q4_0
+  llamacpp-q4_0-imatrix  the same with an importance matrix (`llama-imatrix` on the calibration
+                 text qwc's calibrated rows use: Emma, 8 windows of 512 tokens), llama.cpp's strongest
+                 PTQ for Q4_0; llamacpp-q4_0-imatrix-q4out with the output at Q4_0
   ptq            `qwc optimize` of the float export (Q4_0 linears and 4-bit embedding), onnxruntime
   ptq-emb8       the same with the embedding / tied lm_head at Q8_0 (`--lm-head-bits 8`)
   fold, fold-emb8  the same two with the norm gains folded into the weights first (`--fold-norm-gains`)
   awq, awq-emb8    the same two with activation-aware scales (`--awq`, calibrated on Emma)
+  gptq, gptq-emb8, awq-gptq, awq-gptq-emb8  GPTQ (`--gptq`, the same calibration), alone and after AWQ
+  bits8          `--bits 8 --lm-head-bits 8`: every matrix Q8_0
   ft             control: float fine-tune on the training text and steps, scored in float (torch):
                  what fine-tuning on Austen gains by itself; ft+ptq the same, then PTQ
   qat            `qwc qat --quantize-embedding`, then `qwc optimize` (lossless), onnxruntime
@@ -88,6 +93,21 @@ def llamacpp_eval(tools: Path, gguf: Path, work: Path, a, tag: str) -> dict:
     return json.loads(out.read_text())
 
 
+def llamacpp_imatrix(tools: Path, src: Path, out: Path, threads: int) -> Path:
+    """llama-imatrix on Emma, the calibration text of qwc's --awq / --gptq rows (4096 tokens)."""
+    if not out.exists():
+        from qwc.eval.data import novel
+
+        tmp = out.with_suffix(".partial.dat")
+        cmd = [str(tools / "llama-imatrix-0.3.36"), "-m", str(src), "-f", str(novel("emma")), "-c", "512",
+               "--chunks", "8", "-t", str(threads), "-o", str(tmp)]
+        r = subprocess.run(cmd, text=True, capture_output=True)
+        if r.returncode != 0 or not tmp.exists():
+            sys.exit(f"accuracy: {' '.join(cmd)} failed: {(r.stdout + r.stderr).strip()[-400:]}")
+        tmp.replace(out)
+    return out
+
+
 def llamacpp_quantized(tools: Path, src: Path, out: Path, *opt: str) -> Path:
     if not out.exists():
         tmp = out.with_suffix(".partial")
@@ -100,8 +120,9 @@ def llamacpp_quantized(tools: Path, src: Path, out: Path, *opt: str) -> Path:
 
 
 PRUNED = (2, 4, 6)   # blocks removed of SmolLM2's 30
-ROWS = ("float", "llamacpp-float", "llamacpp-q4_0", "llamacpp-q4_0-q4out", "ptq", "ptq-emb8", "fold",
-        "fold-emb8", "awq", "awq-emb8", "ft", "ft+ptq", "qat", "qat-kd",
+ROWS = ("float", "llamacpp-float", "llamacpp-q4_0", "llamacpp-q4_0-q4out", "llamacpp-q4_0-imatrix",
+        "llamacpp-q4_0-imatrix-q4out", "ptq", "ptq-emb8", "fold", "fold-emb8", "awq", "awq-emb8", "gptq", "gptq-emb8",
+        "awq-gptq", "awq-gptq-emb8", "bits8", "ft", "ft+ptq", "qat", "qat-kd",
         *(f"sleb{n}{how}" for n in PRUNED for how in ("", "+ptq-emb8", "+qat-kd")))
 DEFAULT_ROWS = tuple(r for r in ROWS if not r.startswith("fold"))   # the fold is the old default, measured once
 
@@ -156,12 +177,23 @@ def main() -> None:
     llamacpp = {"llamacpp-float": lambda: smollm2_path(),
                 "llamacpp-q4_0": lambda: llamacpp_quantized(tools, smollm2_path(), w / "llamacpp-q4_0.gguf"),
                 "llamacpp-q4_0-q4out": lambda: llamacpp_quantized(tools, smollm2_path(), w / "llamacpp-q4_0-q4out.gguf",
-                                                                  *q4out)}
+                                                                  *q4out),
+                "llamacpp-q4_0-imatrix": lambda: llamacpp_quantized(
+                    tools, smollm2_path(), w / "llamacpp-q4_0-imatrix.gguf", "--imatrix", str(imatrix())),
+                "llamacpp-q4_0-imatrix-q4out": lambda: llamacpp_quantized(
+                    tools, smollm2_path(), w / "llamacpp-q4_0-imatrix-q4out.gguf", "--imatrix", str(imatrix()), *q4out)}
     emb8, fold, awq = ("--lm-head-bits", "8"), ("--fold-norm-gains",), ("--awq", "--calib", "austen:emma")
+    gptq = ("--gptq", "--calib", "austen:emma")
+
+    def imatrix() -> Path:
+        return llamacpp_imatrix(tools, smollm2_path(), w / "smollm2-emma.imatrix.dat", a.threads)
     kd = ("--quantize-embedding", "--teacher")
     recipes = {"ptq": lambda: ("smollm2", ()), "ptq-emb8": lambda: ("smollm2", emb8),
                "fold": lambda: ("smollm2", fold), "fold-emb8": lambda: ("smollm2", fold + emb8),
                "awq": lambda: ("smollm2", awq), "awq-emb8": lambda: ("smollm2", awq + emb8),
+               "gptq": lambda: ("smollm2", gptq), "gptq-emb8": lambda: ("smollm2", gptq + emb8),
+               "awq-gptq": lambda: ("smollm2", awq + ("--gptq",)), "awq-gptq-emb8": lambda: ("smollm2", awq + ("--gptq",) + emb8),
+               "bits8": lambda: ("smollm2", ("--bits", "8") + emb8),
                "ft+ptq": lambda: (trained("ft", "--fake-quant-after", str(a.qat_steps)), ()),
                "qat": lambda: (trained("qat", "--quantize-embedding"), ()),
                "qat-kd": lambda: (trained("qat-kd", *kd), ()),

@@ -19,7 +19,10 @@ embedding/output Q4_0, as qwc's default, and Q8_0, as llama.cpp's own quantizer 
 The artifact must be compiled from that preset (`qwc export qwen2.5-0.5b`); its shapes are
 checked against it. With --checkpoint DIR (a checkpoint bench/make_checkpoint.py wrote, as
 bench/scale.py keeps them: the 1.5B or 7B shapes) the peer reads that checkpoint's weights
-instead, every matrix Q4_0, and the artifact must be compiled from it.
+instead, every matrix Q4_0, and the artifact must be compiled from it. With --gguf FILE the peer
+runs FILE itself, and the artifact must be compiled from `qwc export FILE` (which keeps its Q4_0,
+Q4_1 or Q8_0 weights as they are): the weight formats' comparison (bench/formats.py writes one
+GGUF per format).
 
 --attribution splits each engine's decode and prefill tokens over functions (the plugin's
 per-block counts mapped to ELF symbols), with instructions per multiply-add for the matrix
@@ -263,6 +266,8 @@ def main():
     p.add_argument("--mca", action="store_true", help="llvm-mca Neoverse-N2 cycles of each matrix kernel's hottest loop")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--checkpoint", type=Path, help="the HF checkpoint the artifact was compiled from (not the preset)")
+    p.add_argument("--gguf", type=Path, help="the GGUF the artifact was exported from (`qwc export FILE`, its weights "
+                                            "kept as given: bench/formats.py writes one per format): llama.cpp runs it")
     p.add_argument("--long", type=int, default=0,
                    help="also prefill_N: prompts of N / 2 and N tokens (a long prompt's attention; N = 2048: minutes)")
     p.add_argument("--depth", type=int, default=0,
@@ -302,12 +307,13 @@ def main():
         tools = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "arm64"], check=True,
                                stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
         bench = str(Path(tools) / "llama-bench-0.3.36")
-        ggufs = checkpoint_gguf(manifest, args.checkpoint) if args.checkpoint else peer_ggufs(manifest)
+        ggufs = ({"file": args.gguf} if args.gguf else checkpoint_gguf(manifest, args.checkpoint) if args.checkpoint
+                 else peer_ggufs(manifest))
         l_attr = Attributor(bench, static=True)
         for head, gguf in ggufs.items():
             if args.only_q4_output and head != "Q4_0":
                 continue
-            name = f"llama.cpp ({head} output)"
+            name = f"llama.cpp ({head} output)" if head != "file" else f"llama.cpp ({args.gguf.name})"
             attributors[name] = l_attr
 
             def l_run(tag, prompt, steps, gguf=gguf, head=head):

@@ -35,7 +35,7 @@ need() {   # Debian packages, installed when missing
 mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
 case $BUILD in
   x86)
-    TOOLS="llama-bench llama-perplexity llama-quantize llama-server"
+    TOOLS="llama-bench llama-perplexity llama-quantize llama-server llama-imatrix"
     FLAGS=(-DGGML_NATIVE=ON -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++)
     if grep -q '^flags.* amx_int8' /proc/cpuinfo; then
       amx_defs="-D__AMX_TILE__=1 -D__AMX_INT8__=1 -D__AMX_BF16__=1"

@@ -24,6 +24,8 @@ class PassOptions:
     # Token ids of calibration text: activation-aware scales before quantizing (passes/awq.py);
     # None: plain Q4_0
     awq_calibration: object = None
+    # The same for GPTQ (passes/gptq.py): Q4_0 codes chosen against the calibration activations
+    gptq_calibration: object = None
     fold_limit: int = 4096              # largest constant (elements) canonicalize folds: shape math, never weights
 
     def require_config(self, why: str) -> ModelConfig:

@@ -19,6 +19,7 @@ from . import (
     fuse_attention,
     fuse_rmsnorm,
     fuse_rotary,
+    gptq,
     quantize_embedding,
     quantize_linears,
     schemas,
@@ -33,6 +34,7 @@ PASSES = [
     ("fuse rotary", fuse_rotary.run),
     ("fuse attention", fuse_attention.run),
     ("activation-aware scales", awq.run),   # only with --awq; needs the fused float graph
+    ("GPTQ", gptq.run),                     # only with --gptq; after AWQ's scales
     ("quantize embedding", quantize_embedding.run),
     ("quantize linears", quantize_linears.run),
     ("clean up", canonicalize.run),
@@ -66,9 +68,11 @@ _HINTS = {
 def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
     options.validate()
     schemas.register()
-    if options.awq_calibration is not None and any(n.op_type == "MatMulNBits" for n in model.graph.node):
-        raise QwcError("--awq rescales float weights, and this graph's linears are quantized already (a GGUF's "
-                       "weights kept as given); export it with --exporter torch for float weights")
+    calibrated = [flag for flag, ids in (("--awq", options.awq_calibration), ("--gptq", options.gptq_calibration))
+                  if ids is not None]
+    if calibrated and any(n.op_type == "MatMulNBits" for n in model.graph.node):
+        raise QwcError(f"{' and '.join(calibrated)} work on float weights, and this graph's linears are quantized "
+                       "already (a GGUF's weights kept as given); export it with --exporter torch for float weights")
     check_ops_known(model)
     check_float32(model)
     check_input_types(model)

@@ -232,11 +232,13 @@ def _cmd_optimize(args: argparse.Namespace) -> None:
                        keep_float=args.keep_float or [], untie_lm_head=args.untie_lm_head,
                        fold_norm_gains=args.fold_norm_gains)
     opts.validate()
-    if args.awq:
+    if args.awq or args.gptq:
         from qwc.config import tokenizer_for_graph
         from qwc.eval.data import calibration_ids
 
-        opts.awq_calibration = calibration_ids(args.calib, tokenizer_for_graph(args.model), args.calib_tokens)
+        ids = calibration_ids(args.calib, tokenizer_for_graph(args.model), args.calib_tokens)
+        opts.awq_calibration = ids if args.awq else None
+        opts.gptq_calibration = ids if args.gptq else None
     t0 = time.perf_counter()
     r = optimize_file(args.model, args.output, opts, verify=args.verify, memory_check=not args.no_memory_check)
     print(f"{'op':34s} {'before':>7s} {'after':>7s}")
@@ -548,7 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--awq", action="store_true",
                    help="activation-aware scales before Q4_0 (AWQ), searched on calibration text; "
                         "the result is plain Q4_0. A QAT checkpoint is left as it is")
-    _calibration_options(o, " for --awq", 4096)
+    o.add_argument("--gptq", action="store_true",
+                   help="GPTQ: Q4_0 codes chosen against calibration activations, each channel's rounding error "
+                        "moved onto the channels after it (with --awq: after its scales); the output stays plain Q4_0")
+    _calibration_options(o, " for --awq and --gptq", 4096)
     o.add_argument("--untie-lm-head", action="store_true",
                    help="with --fold-norm-gains: give the lm_head its own weight so the final norm's gain folds into it")
     o.add_argument("--verify", action="store_true",

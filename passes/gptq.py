@@ -1,0 +1,126 @@
+"""GPTQ before Q4_0 (Frantar et al., 2022), as a graph pass: `qwc optimize --gptq`.
+
+Round-to-nearest quantizes each weight on its own. GPTQ quantizes a linear's input channels
+one at a time and moves each one's rounding error onto the channels not yet quantized, weighted
+by how the calibration activations X correlate them (the Hessian H = X^T X of the layer's
+squared output error): the output error || X W - X Q ||^2 is what it minimises, not the weights'
+own error. Per Q4_0 block of 32 input channels the scale is taken, as Q4_0's rule has it, from
+the block's weights as they stand when GPTQ reaches the block (after the earlier blocks' error
+has been moved onto them); the codes then follow column by column.
+
+The result is ordinary Q4_0: this pass writes each linear's MatMulNBits itself (codes and
+scales; `quantize_q4_0` again on the result could pick other scales, since a block's largest
+weight may have moved before its turn), so no kernel changes. It runs after AWQ (`--awq
+--gptq`: the activation-aware scales first, then GPTQ on the scaled graph) and before the plain
+quantization, which takes what is left (the embedding, --q8 / --keep-float linears).
+Activations are the float graph's, run in onnxruntime on calibration text (one Hessian per
+input tensor, shared by q/k/v and by gate/up); the lm_head stays with the embedding's pass.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import numpy as np
+import onnx
+
+from qwc import progress
+from qwc.q4 import pack_nibbles, quantize_q4_0
+
+from .graph import Graph
+from .naming import module_name
+from .options import PassOptions
+from .quantize_linears import check_quantizable, emit_matmul_nbits
+
+DAMP = 0.01        # of the Hessian's mean diagonal, added to it: GPTQ's default
+BLOCK = 32         # Q4_0's
+LAZY = 128         # columns whose updates are batched (GPTQ's lazy batch)
+WINDOW = 512       # tokens per calibration prefill
+
+
+def hessians(model: onnx.ModelProto, tensors: list[str], ids: np.ndarray, options: PassOptions) -> dict:
+    """X^T X / tokens of each tensor over prefills of WINDOW tokens of `ids`, in onnxruntime."""
+    from .verify import run_steps, session
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    known = {o.name for o in m.graph.output}
+    m.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
+                          for t in tensors if t not in known)
+    sess = session(m)
+    cfg = options.require_config("GPTQ calibration")
+    windows = max(1, len(ids) // WINDOW)
+    h = {t: None for t in tensors}
+    count = 0
+    for w in progress.bar(range(windows), desc="GPTQ calibration", unit="window"):
+        chunk = ids[w * WINDOW:(w + 1) * WINDOW][None, :]
+        outs = {}
+        run_steps(sess, cfg, [chunk], ctx=chunk.shape[1], capture=outs)
+        for t in tensors:
+            x = outs[t].reshape(-1, outs[t].shape[-1]).astype(np.float64)
+            h[t] = x.T @ x if h[t] is None else h[t] + x.T @ x
+        count += chunk.shape[1]
+    return {t: (v / count) for t, v in h.items()}
+
+
+def quantize(w_nk: np.ndarray, hessian: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ of W [N, K] with H [K, K] -> Q4_0 codes q (0..15) [N, K/32, 32] and scales [N, K/32]."""
+    w = w_nk.astype(np.float64).copy()
+    n, k = w.shape
+    h = hessian.astype(np.float64).copy()
+    dead = np.diag(h) == 0                       # channels the calibration never saw
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h[np.diag_indices(k)] += DAMP * np.mean(np.diag(h))
+    # the upper Cholesky factor of H^-1: row i holds how channel i's error spreads to the later ones
+    hinv = np.linalg.cholesky(np.linalg.inv(h)).T
+    codes = np.zeros((n, k // BLOCK, BLOCK), np.uint8)
+    scales = np.zeros((n, k // BLOCK), np.float32)
+    for c0 in range(0, k, LAZY):
+        c1 = min(c0 + LAZY, k)
+        wb = w[:, c0:c1].copy()
+        err = np.zeros_like(wb)
+        for i in range(c1 - c0):
+            col = c0 + i
+            if col % BLOCK == 0:   # a block starts: its scale from its weights as they stand now
+                _, d = quantize_q4_0(wb[:, i:i + BLOCK].astype(np.float32), BLOCK)
+                scales[:, col // BLOCK] = d[:, 0]
+            d = scales[:, col // BLOCK].astype(np.float64)
+            inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0)
+            q = np.clip(np.floor(wb[:, i] * inv + 8.5), 0, 15)          # Q4_0's rounding
+            codes[:, col // BLOCK, col % BLOCK] = q
+            e = (wb[:, i] - (q - 8) * d) / hinv[col, col]
+            wb[:, i + 1:] -= np.outer(e, hinv[col, col + 1:c1])
+            err[:, i] = e
+        w[:, c1:] -= err @ hinv[c0:c1, c1:]
+    return codes, scales
+
+
+def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:
+    options = options or PassOptions()
+    if options.gptq_calibration is None:
+        return model
+    g = Graph(model)
+    todo = []
+    for n in g.g.node:
+        if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or g.const(n.input[0]) is not None:
+            continue
+        w = g.const(n.input[1])
+        name = module_name(n)
+        if (w is None or w.ndim != 2 or w.shape[0] % BLOCK or name == "lm_head" or options.bits == 8
+                or any(fnmatch.fnmatch(name, p) for p in options.keep_float + options.q8)):
+            continue
+        todo.append((n, name))
+    if not todo:
+        return model
+    hs = hessians(model, sorted({n.input[0] for n, _ in todo}), options.gptq_calibration, options)
+    for n, name in progress.bar(todo, desc="GPTQ", unit="linear"):
+        w = g.const(n.input[1]).T                        # [N, K]
+        check_quantizable(w, name)
+        q, d = quantize(w, hs[n.input[0]])
+        packed = g.add_init(pack_nibbles(q), f"{name}.qweight")
+        scales = g.add_init(d, f"{name}.scales")
+        emit_matmul_nbits(g, n, w, BLOCK, name, packed=packed, scales=scales)
+    progress.info(f"[qwc]   GPTQ: {len(todo)} linears from {len(hs)} Hessians")
+    g.commit()
+    return model
