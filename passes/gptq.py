@@ -4,9 +4,10 @@ Round-to-nearest quantizes each weight on its own. GPTQ quantizes a linear's inp
 one at a time and moves each one's rounding error onto the channels not yet quantized, weighted
 by how the calibration activations X correlate them (the Hessian H = X^T X of the layer's
 squared output error): the output error || X W - X Q ||^2 is what it minimises, not the weights'
-own error. Per Q4_0 block of 32 input channels the scale is taken, as Q4_0's rule has it, from
-the block's weights as they stand when GPTQ reaches the block (after the earlier blocks' error
-has been moved onto them); the codes then follow column by column.
+own error. Per Q4_0 block of 32 input channels the scale is taken from the block's weights as
+they stand when GPTQ reaches the block (after the earlier blocks' error has been moved onto
+them): Q4_0's rule, shrunk where that rounds the block better by the Hessian's diagonal
+(block_scale); the codes then follow column by column.
 
 The result is ordinary Q4_0: this pass writes each linear's MatMulNBits itself (codes and
 scales; `quantize_q4_0` again on the result could pick other scales, since a block's largest
@@ -36,6 +37,7 @@ DAMP = 0.01        # of the Hessian's mean diagonal, added to it: GPTQ's default
 BLOCK = 32         # Q4_0's
 LAZY = 128         # columns whose updates are batched (GPTQ's lazy batch)
 WINDOW = 512       # tokens per calibration prefill
+SHRINK = tuple(1 - i / 40 for i in range(9))   # block scale factors searched, 1 (Q4_0's rule) to 0.8
 
 
 def hessians(model: onnx.ModelProto, tensors: list[str], ids: np.ndarray, options: PassOptions) -> dict:
@@ -63,6 +65,27 @@ def hessians(model: onnx.ModelProto, tensors: list[str], ids: np.ndarray, option
     return {t: (v / count) for t, v in h.items()}
 
 
+def block_scale(wb: np.ndarray, importance: np.ndarray) -> np.ndarray:
+    """Each row's Q4_0 scale for its block wb [N, 32]: Q4_0's rule (d = m / -8, m the element of
+    largest magnitude) shrunk by the factor in SHRINK that leaves the smallest round-to-nearest
+    error weighted by the channels' importance (the Hessian's diagonal), as llama.cpp's
+    importance-matrix quantizer searches its scales."""
+    _, d0 = quantize_q4_0(wb.astype(np.float32), BLOCK)
+    best, best_err = d0[:, 0], None
+    for f in SHRINK:
+        d = (d0[:, 0] * np.float32(f)).astype(np.float16).astype(np.float32).astype(np.float64)
+        inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0)
+        q = np.clip(np.floor(wb * inv[:, None] + 8.5), 0, 15) - 8
+        err = ((wb - q * d[:, None]) ** 2 * importance).sum(axis=1)
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best = np.where(better, d.astype(np.float32), best)
+        best_err = np.where(better, err, best_err)
+    return best
+
+
 def quantize(w_nk: np.ndarray, hessian: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ of W [N, K] with H [K, K] -> Q4_0 codes q (0..15) [N, K/32, 32] and scales [N, K/32]."""
     w = w_nk.astype(np.float64).copy()
@@ -83,8 +106,7 @@ def quantize(w_nk: np.ndarray, hessian: np.ndarray) -> tuple[np.ndarray, np.ndar
         for i in range(c1 - c0):
             col = c0 + i
             if col % BLOCK == 0:   # a block starts: its scale from its weights as they stand now
-                _, d = quantize_q4_0(wb[:, i:i + BLOCK].astype(np.float32), BLOCK)
-                scales[:, col // BLOCK] = d[:, 0]
+                scales[:, col // BLOCK] = block_scale(wb[:, i:i + BLOCK], np.diag(h)[col:col + BLOCK])
             d = scales[:, col // BLOCK].astype(np.float64)
             inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0)
             q = np.clip(np.floor(wb[:, i] * inv + 8.5), 0, 15)          # Q4_0's rounding
