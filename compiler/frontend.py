@@ -80,7 +80,6 @@ class MatMulNBits(F.OnnxOpConverter):
         if zp is not None and (bits != 4 or not str(zp.ty.dtype).startswith("float")):
             raise QwcError(f"MatMulNBits {n}x{k}: zero points are supported as float ones on 4-bit codes "
                            f"(llama.cpp's Q4_1), not {bits}-bit codes with {zp.ty.dtype} ones")
-        bias = inputs[5] if len(inputs) > 5 else None
         path = q4_0_path(block, bits, _ctx().act_bits, _ctx().features, zero_points=zp is not None)
         if path is not None:
             return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias)

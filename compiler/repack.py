@@ -1,7 +1,10 @@
 """Compile-time weight repacking: store each MatMulNBits weight in the layout its target's
 kernel reads, so nothing is repacked when an artifact loads.
 
-Today that is the W4A8 kernels' row-group layout (kernels/row_groups.py), x86 and ARM. The
+Today that is the W4A8 kernels' row-group layout (kernels/row_groups.py), x86 and ARM, and the
+two rewrites that let the other weight formats take the Q4_0 kernels with their values exact:
+Q4_1 as Q4_0 plus block offsets (q4_1_block_offsets), Q8_0 as two nibble halves
+(q8_0_nibble_halves); both run before repack_weights. The
 decision which kernel a matmul takes is `targets.q4_0_path`, the same one the importer makes,
 so the two cannot disagree. A tied embedding keeps reading the same (repacked) bytes: its
 GatherBlockQuantized is pointed at the repacked scales and imported with a gather for that

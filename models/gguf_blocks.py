@@ -47,10 +47,6 @@ class Blocks:
     def bits(self) -> int:
         return 8 if self.fmt == "Q8_0" else 4
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.codes, self.scales, self.zero_points) if a is not None)
-
 
 def _halves(raw: np.ndarray, at: int) -> np.ndarray:
     """The fp16 at byte `at` of every block, as float32 (exact)."""
