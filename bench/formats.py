@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,26 +43,6 @@ def prepare(fmt: str, work: Path) -> tuple[Path, Path]:
     return gguf, art
 
 
-def speed(gguf: Path, art: Path, threads: int, rounds: int) -> dict:
-    from peers import llamacpp_tools
-
-    llama_bench = llamacpp_tools("x86") / "llama-bench-0.3.36"
-    env = dict(os.environ, TVM_NUM_THREADS=str(threads))
-    got: dict[str, dict[str, list[float]]] = {"qwc": {}, "llama.cpp": {}}
-    for _ in range(rounds):
-        out = subprocess.run(QWC + ["bench", str(art), "-p", "512", "-n", "128", "-r", "1", "--threads", str(threads),
-                                    "--json"], check=True, capture_output=True, text=True, env=env).stdout
-        for row in json.loads(out)["results"]:
-            got["qwc"].setdefault(row["test"], []).append(row["tps"])
-        out = subprocess.run([str(llama_bench), "-m", str(gguf), "-t", str(threads), "-p", "512", "-n", "128",
-                              "-r", "1", "-o", "json"], check=True, capture_output=True, text=True).stdout
-        for row in json.loads(out):
-            test = f"tg{row['n_gen']}" if row["n_gen"] else f"pp{row['n_prompt']}"
-            got["llama.cpp"].setdefault(test, []).append(row["avg_ts"])
-    return {sys_: {t: sorted(v)[len(v) // 2] for t, v in tests.items()} | {"runs": tests}
-            for sys_, tests in got.items()}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default="q4_0,q4_1,q8_0")
@@ -72,6 +51,8 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "formats")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    sys.path.insert(0, str(HERE))
+    from scale import alternating
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in ("q4_0", "q4_1", "q8_0")]
     if unknown:
@@ -79,7 +60,7 @@ def main() -> None:
     results = {}
     for fmt in formats:
         gguf, art = prepare(fmt, a.workdir)
-        results[fmt] = speed(gguf, art, a.threads, a.rounds)
+        results[fmt] = alternating(art, gguf, a.threads, a.rounds)
     print(f"\n{PRESET} shape, {a.threads} threads, medians of {a.rounds} alternating rounds\n")
     print("| weights | qwc pp512 | llama.cpp pp512 | ratio | qwc tg128 | llama.cpp tg128 | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -86,7 +86,6 @@ def speed(ckpt: Path, art: Path, work: Path, threads: int, rounds: int) -> dict:
     weights, in alternating rounds (qwc, llama.cpp, qwc, ...): the machine is shared."""
     sys.path.insert(0, str(HERE))
     from gguf_q4_0 import write_gguf_q4_0_checkpoint
-    from peers import llamacpp_tools
 
     from qwc.models.hf import open_hf_dir
 
@@ -94,6 +93,14 @@ def speed(ckpt: Path, art: Path, work: Path, threads: int, rounds: int) -> dict:
     if not gguf.exists():
         write_gguf_q4_0_checkpoint(open_hf_dir(ckpt), gguf.with_suffix(".partial"))
         gguf.with_suffix(".partial").rename(gguf)
+    return alternating(art, gguf, threads, rounds)
+
+
+def alternating(art: Path, gguf: Path, threads: int, rounds: int) -> dict:
+    """pp512 and tg128 of `qwc bench` on the artifact and of llama-bench (bench/llamacpp.sh x86)
+    on the GGUF, round by round in turn; medians per system and test, and every run."""
+    from peers import llamacpp_tools
+
     llama_bench = llamacpp_tools("x86") / "llama-bench-0.3.36"
     env = dict(os.environ, TVM_NUM_THREADS=str(threads))
     got: dict[str, dict[str, list[float]]] = {"qwc": {}, "llama.cpp": {}}

@@ -108,26 +108,17 @@ def _on_grid(w: np.ndarray, block: int) -> bool:
 def calibrate(model: onnx.ModelProto, tensors: list[str], ids: np.ndarray, options: PassOptions, seed: int = 0):
     """(mean |x| per channel, LOSS_ROWS sampled rows) of each tensor over prefills of WINDOW
     tokens of `ids`, run in onnxruntime on the graph as it is."""
-    from .verify import run_steps, session
+    from .verify import calibration_windows
 
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    known = {o.name for o in m.graph.output}
-    m.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
-                          for t in tensors if t not in known)
-    sess = session(m)
     windows = max(1, len(ids) // WINDOW)
     rng = np.random.default_rng(seed)
     sums = {t: 0.0 for t in tensors}
     rows = {t: [] for t in tensors}
     cfg = options.require_config("AWQ calibration")
     per_window = -(-LOSS_ROWS // windows)
-    for w in progress.bar(range(windows), desc="AWQ calibration", unit="window"):
-        chunk = ids[w * WINDOW:(w + 1) * WINDOW][None, :]
-        outs = {}
-        run_steps(sess, cfg, [chunk], ctx=chunk.shape[1], capture=outs)
+    for outs in calibration_windows(model, tensors, ids, cfg, WINDOW, "AWQ calibration"):
         for t in tensors:
-            x = outs[t].reshape(-1, outs[t].shape[-1])
+            x = outs[t]
             sums[t] = sums[t] + np.abs(x).sum(axis=0)
             rows[t].append(x[rng.choice(len(x), min(per_window, len(x)), replace=False)])
     count = windows * min(WINDOW, len(ids))

@@ -42,26 +42,16 @@ SHRINK = tuple(1 - i / 40 for i in range(9))   # block scale factors searched, 1
 
 def hessians(model: onnx.ModelProto, tensors: list[str], ids: np.ndarray, options: PassOptions) -> dict:
     """X^T X / tokens of each tensor over prefills of WINDOW tokens of `ids`, in onnxruntime."""
-    from .verify import run_steps, session
+    from .verify import calibration_windows
 
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    known = {o.name for o in m.graph.output}
-    m.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
-                          for t in tensors if t not in known)
-    sess = session(m)
     cfg = options.require_config("GPTQ calibration")
-    windows = max(1, len(ids) // WINDOW)
-    h = {t: None for t in tensors}
+    h = {t: 0.0 for t in tensors}
     count = 0
-    for w in progress.bar(range(windows), desc="GPTQ calibration", unit="window"):
-        chunk = ids[w * WINDOW:(w + 1) * WINDOW][None, :]
-        outs = {}
-        run_steps(sess, cfg, [chunk], ctx=chunk.shape[1], capture=outs)
-        for t in tensors:
-            x = outs[t].reshape(-1, outs[t].shape[-1]).astype(np.float64)
-            h[t] = x.T @ x if h[t] is None else h[t] + x.T @ x
-        count += chunk.shape[1]
+    for outs in calibration_windows(model, tensors, ids, cfg, WINDOW, "GPTQ calibration"):
+        for t, x in outs.items():
+            x = x.astype(np.float64)
+            h[t] = h[t] + x.T @ x
+        count += len(next(iter(outs.values())))
     return {t: (v / count) for t, v in h.items()}
 
 

@@ -71,6 +71,26 @@ def run_steps(sess, cfg: ModelConfig, steps: list[np.ndarray], ctx: int = 64,
     return outs
 
 
+def calibration_windows(model: onnx.ModelProto, tensors: list[str], ids: np.ndarray, cfg: ModelConfig,
+                        window: int, desc: str):
+    """Prefills of `window` tokens of `ids` in onnxruntime on a copy of `model` that outputs
+    `tensors` too: yields each window's {tensor: [tokens, width] float32} (the calibration of
+    passes/awq.py and passes/gptq.py)."""
+    from qwc import progress
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    known = {o.name for o in m.graph.output}
+    m.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
+                          for t in tensors if t not in known)
+    sess = session(m)
+    for w in progress.bar(range(max(1, len(ids) // window)), desc=desc, unit="window"):
+        chunk = ids[w * window:(w + 1) * window][None, :]
+        outs = {}
+        run_steps(sess, cfg, [chunk], ctx=chunk.shape[1], capture=outs)
+        yield {t: outs[t].reshape(-1, outs[t].shape[-1]) for t in tensors}
+
+
 @dataclass
 class Report:
     max_abs: float

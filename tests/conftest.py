@@ -119,6 +119,15 @@ def greedy_against_onnxruntime(art, q4, cfg, prompt, n_steps: int, ctx: int, tol
     return eng, ref, logits
 
 
+@pytest.fixture
+def calib_text(tmp_path):
+    """A calibration text file for `qwc optimize --awq / --gptq` (1024 tokens of it in the tests)."""
+    text = tmp_path / "calib.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+                    "must be in want of a wife. " * 20)
+    return text
+
+
 def one_line(capsys, code, expect):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and expect in err[0], err

@@ -74,10 +74,8 @@ def test_weights_on_the_q4_0_grid_are_left_alone(fused, tiny_lm):
     assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
 
 
-def test_cli_optimize_awq(tiny_onnx, tmp_path, capsys):
-    text = tmp_path / "calib.txt"
-    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
-                    "must be in want of a wife. " * 20)
+def test_cli_optimize_awq(tiny_onnx, tmp_path, capsys, calib_text):
+    text = calib_text
     out = tmp_path / "awq.q4.onnx"
     code = main(["optimize", str(tiny_onnx), "-o", str(out), "--awq", "--calib", str(text), "--calib-tokens", "1024"])
     cap = capsys.readouterr()

@@ -47,10 +47,8 @@ def test_correlated_activations_give_a_smaller_output_error_than_round_to_neares
     assert q.min() >= 0 and q.max() <= 15
 
 
-def test_cli_optimize_gptq_writes_q4_0(tiny_onnx, tmp_path, capsys):
-    text = tmp_path / "calib.txt"
-    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
-                    "must be in want of a wife. " * 20)
+def test_cli_optimize_gptq_writes_q4_0(tiny_onnx, tmp_path, capsys, calib_text):
+    text = calib_text
     out = tmp_path / "gptq.onnx"
     code = main(["optimize", str(tiny_onnx), "-o", str(out), "--gptq", "--calib", str(text), "--calib-tokens", "1024"])
     cap = capsys.readouterr()
