@@ -56,7 +56,7 @@ DECODE = (4, 2, 6)                     # prompt, steps a, steps b
 PREFILL = {"prefill": (4, 12), "prefill_steady": (24, 48)}
 # llama.cpp's matrix kernels on this build (4x8 repack: dotprod GEMV, i8mm GEMM) and the
 # quantizer of its activations; the Q8_0 output runs through the generic vec-dot
-MATRIX_RE = re.compile(r"(q4_gemv|q4_gemm|ggml_gemv_|ggml_gemm_|vec_dot_q8_0|vec_dot_q4_0)")
+MATRIX_RE = re.compile(r"(q[48]_gemv|q[48]_gemm|ggml_gemv_|ggml_gemm_|vec_dot_q8_0|vec_dot_q4_0)")
 
 
 # --- running under the plugin -------------------------------------------------------------
@@ -217,7 +217,7 @@ def linear_macs(cfg) -> dict[tuple[int, int], int]:
 
 
 def qwc_kernel_macs(name: str, shapes, head_macs: tuple[int, int, int], decode: bool) -> int | None:
-    m = re.search(r"q4_(?:gemv|gemm)\w*?_(\d+)x(\d+)_", name)
+    m = re.search(r"q[48]_(?:gemv|gemm)\w*?_(\d+)x(\d+)_", name)
     if not m:
         return None
     n, k = int(m.group(1)), int(m.group(2)) * 32

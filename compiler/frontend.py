@@ -30,7 +30,7 @@ from qwc.passes.graph import BLOCK_OFFSETS_ATTR, NIBBLE_HALVES_ATTR
 from .kernels import attention as fast
 from .kernels import generic, w4a8_gemm
 from .kernels.w4a8 import ZERO_POINT
-from .targets import kernels_for, q4_0_path, vector_registers
+from .targets import kernels_for, q4_0_path, q8_0_path, vector_registers
 
 
 @dataclass
@@ -80,6 +80,8 @@ class MatMulNBits(F.OnnxOpConverter):
         if zp is not None and (bits != 4 or not str(zp.ty.dtype).startswith("float")):
             raise QwcError(f"MatMulNBits {n}x{k}: zero points are supported as float ones on 4-bit codes "
                            f"(llama.cpp's Q4_1), not {bits}-bit codes with {zp.ty.dtype} ones")
+        if zp is None and (path := q8_0_path(block, bits, _ctx().act_bits, _ctx().features)):   # W8A8 (repack.py)
+            return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias, bits=8)
         path = q4_0_path(block, bits, _ctx().act_bits, _ctx().features, zero_points=zp is not None)
         if path is not None:
             return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias)
@@ -90,11 +92,13 @@ class MatMulNBits(F.OnnxOpConverter):
 
     @classmethod
     def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str, features=None, bias=None, offsets=None,
-                    zero_offset: bool = False):
+                    zero_offset: bool = False, bits: int = 4):
         """a [..., K] (+ bias [N]) through one of qwc's Q4_0 kernels on [M, K] rows ("f32":
-        W4A32; "x86", "arm": W4A8 integer dots); M = 1 selects the decode form. `offsets` [N,
-        K/32] (Q4_1, compiler/repack.py: q4_1_block_offsets): plus each block's offset times the
-        activations' block sum, a small kernel of its own (generic.block_sums, block_offsets_term).
+        W4A32; "x86", "arm": W4A8 integer dots; with `bits` 8, the target's W8A8 kernels for
+        Q8_0 codes); M = 1 selects the decode form. `offsets` (Q4_1, compiler/repack.py:
+        q4_1_block_offsets): plus each block's offset times the activations' block sum, inside
+        the W4A8 kernels (offsets in row groups, row_groups.pack_offsets); for W4A32 ([N, K/32])
+        a small kernel pair of its own (generic.block_sums, block_offsets_term).
         `zero_offset` (W4A8 only): the integer dots start from 0, not from the quantizer's -8 x
         sum(a): the codes count as 0..15 (a Q8_0's low nibbles: repack.q8_0_nibble_halves)."""
         lead = list(a.ty.shape)[:-1]
@@ -105,7 +109,9 @@ class MatMulNBits(F.OnnxOpConverter):
             y = cls._f32(bb, a2, m, one_token, w, s, k, n)
         else:
             y, bias = cls._int8_dot(bb, a2, m, one_token, w, s, k, n,
-                                    _ctx().features if features is None else features, bias, zero_offset)
+                                    _ctx().features if features is None else features, bias, zero_offset, bits,
+                                    offsets)
+            offsets = None   # the kernel added the term
         if offsets is not None:
             sums = bb.emit_te(generic.block_sums, a2, k=k, act_bits=_ctx().act_bits,
                               primfunc_name_hint=_kname("block_sums"))
@@ -126,7 +132,8 @@ class MatMulNBits(F.OnnxOpConverter):
         return bb.emit(relax.call_tir(kernel, [a2, w, s], relax.TensorType(shape=[m, n], dtype="float32")))
 
     @staticmethod
-    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, features, bias=None, zero_offset: bool = False):
+    def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, features, bias=None, zero_offset: bool = False,
+                  bits: int = 4, offsets=None):
         """W4A8 through an ISA's integer dot-product kernel (vpdpbusd / sdot / smmla), all
         reading the row-group layout compile-time repacking wrote (kernels/row_groups.py), after
         the activation quantizer (the fusion passes give it the RMSNorm or SiLU·mul before it:
@@ -139,22 +146,32 @@ class MatMulNBits(F.OnnxOpConverter):
                            "(compiler/repack.py), got the plain layout")
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
         sdt = str(s.ty.dtype)
-        tokens = None if one_token else _ctx().tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")  # `qwc tune`
+        # `qwc tune` measures the Q4_0 GEMMs; a Q8_0 one takes its module's tile
+        tokens = None if one_token or bits == 8 else _ctx().tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")
         fused_bias = False
         w4a8 = kernels_for(features).w4a8
-        impl = w4a8.decode if one_token else w4a8.prefill
+        if bits == 8:
+            impl = w4a8.q8_decode if one_token else w4a8.q8_prefill
+        else:
+            impl = w4a8.decode if one_token else w4a8.prefill
+        stem = f"q{bits}"
         # How the kernel reads activations: the ARM kernels start from int32 offsets, the smmla
         # GEMM reads token pairs interleaved (act_quant.fused_quantizer).
         layout = w4a8.decode_layout if one_token else w4a8.prefill_layout
+        has_c = offsets is not None   # Q4_1's block offsets, in row groups (repack.py)
+        if has_c and len(offsets.ty.shape) != 3:
+            raise QwcError(f"MatMulNBits {n}x{k}: the W4A8 kernels read block offsets repacked into row groups "
+                           "(compiler/repack.py), got the plain layout")
         if not one_token:
-            kernel = bb.add_func(w4a8_gemm(impl, n, nb, sdt, tokens, batched_decode=_ctx().batched),
-                                 _kname(f"q4_gemm_{impl}_{n}x{nb}_{sdt}"))
+            kernel = bb.add_func(w4a8_gemm(impl, n, nb, sdt, tokens, batched_decode=_ctx().batched, offsets=has_c),
+                                 _kname(f"{stem}_gemm_{impl}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"))
         else:   # several of these may become one launch (compiler/sibling_gemvs.py)
             from .kernels import decode_gemv
 
             fused_bias = bias is not None   # the decode GEMV adds it in its epilogue
-            kernel = bb.add_func(decode_gemv(((n, fused_bias),), nb, sdt, dot=impl),
-                                 _kname(f"q4_gemv_{impl}_{n}x{nb}_{sdt}{'_bias' if fused_bias else ''}"))
+            kernel = bb.add_func(decode_gemv(((n, fused_bias, has_c),), nb, sdt, dot=impl),
+                                 _kname(f"{stem}_gemv_{impl}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
+                                        f"{'_bias' if fused_bias else ''}"))
         scales = [m, nb, 2] if layout == "arm_pairs" else [m, nb]   # act_quant.fused_quantizer
         q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
               relax.TensorType(shape=scales, dtype="float32"),
@@ -165,7 +182,7 @@ class MatMulNBits(F.OnnxOpConverter):
         q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
         if zero_offset:
             off = bb.emit(relax.op.zeros(q8[2].shape, q8[2].dtype))
-        args = [q, scale, off, w, s] + ([bias] if fused_bias else [])
+        args = [q, scale, off, w, s] + ([offsets] if has_c else []) + ([bias] if fused_bias else [])
         y = bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
         return y, None if fused_bias else bias
 
@@ -177,6 +194,10 @@ class GatherBlockQuantized(F.OnnxOpConverter):
         if attr.get("gather_axis", 0) != 0 or attr.get("quantize_axis", 1) != 2:
             raise QwcError("GatherBlockQuantized: qwc supports gather_axis 0, quantize_axis 2")
         if len(w.ty.shape) == 4:  # shared with an lm_head whose kernel reads a repacked layout
+            if int(attr.get("bits", 4)) == 8:   # the W8A8 kernels' (row_groups.pack_int8)
+                signed = q8_0_path(32, 8, _ctx().act_bits, _ctx().features) == "arm"
+                return bb.emit_te(generic.gather_q8_row_groups, w, idx, s, signed=signed,
+                                  primfunc_name_hint=_kname("gather_q8_packed"))
             return bb.emit_te(generic.gather_q4_row_groups, w, idx, s, primfunc_name_hint=_kname("gather_q4_packed"))
         return bb.emit_te(generic.gather_block_quantized, w, idx, s, block=int(attr["block_size"]),
                           bits=int(attr.get("bits", 4)), primfunc_name_hint=_kname("gather_block_quantized"))

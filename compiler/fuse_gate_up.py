@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm import relax
 
 from .fuse_residual_gemv import single_decode_gemv
-from .kernels import act_quant, decode_epilogues, decode_gemv, gemv_dot
+from .kernels import act_quant, decode_epilogues, decode_gemv, dot_bits, gemv_dot, weight_args
 from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
@@ -63,9 +63,10 @@ def fuse_gate_up(kname):
                 return None
             args, dot = found
             nb = int(args[3].ty.shape[1])
-            kernel = decode_gemv(((k, False), (k, False)), nb, str(args[4].ty.dtype), silu_mul=True,
+            (c_gate, _), (c_up, _) = weight_args(args)   # Q4_1's block offsets, where they have them
+            kernel = decode_gemv(((k, False, c_gate), (k, False, c_up)), nb, str(args[4].ty.dtype), silu_mul=True,
                                  quantize=int(mark["zero_point"]), dot=dot)
-            gv = rw.builder_.add_func(kernel, kname(f"q4_gemv_{dot}_silu_mul_q8_{k}x{nb}"))
+            gv = rw.builder_.add_func(kernel, kname(f"q{dot_bits(dot)}_gemv_{dot}_silu_mul_q8_{k}x{nb}"))
             return rw.emit(relax.call_tir(gv, [rw.var(a) for a in args], list(binding.var.ty.fields)))
         return rewrite
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm import relax
 from tvm_ffi import structural_equal
 
-from .kernels import DECODE_GEMV, decode_gemv, gemv_dot
+from .kernels import DECODE_GEMV, decode_gemv, gemv_dot, weight_args
 from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
@@ -30,7 +30,8 @@ def single_decode_gemv(mod, defs: Bindings, x, bias: bool = False):
     if not call_of(e, "relax.call_tir") or not kernel_attr(mod, e, DECODE_GEMV):
         return None
     args = call_args(e)
-    return (e.args[0], args) if len(args) == 5 + bias else None
+    outputs = weight_args(args)
+    return (e.args[0], args) if len(outputs) == 1 and outputs[0][1] == bias else None
 
 
 def _rewrite(mod, defs: Bindings):
@@ -46,7 +47,8 @@ def _rewrite(mod, defs: Bindings):
             return None
         gv, args = gemv
         n, nb, sdt = int(y.ty.shape[-1]), int(args[3].ty.shape[1]), str(args[4].ty.dtype)
-        kernel = rw.builder_.add_func(decode_gemv(((n, True),), nb, sdt, dot=gemv_dot(mod[gv])),
+        has_c = weight_args(args)[0][0]   # Q4_1's block offsets, before the bias
+        kernel = rw.builder_.add_func(decode_gemv(((n, True, has_c),), nb, sdt, dot=gemv_dot(mod[gv])),
                                       gv.name_hint + "_bias")
         bias = rw.emit(relax.op.reshape(rw.unreshaped(r), [n]))
         out = rw.emit(relax.call_tir(kernel, [rw.var(a) for a in args] + [bias],

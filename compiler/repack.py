@@ -1,10 +1,12 @@
 """Compile-time weight repacking: store each MatMulNBits weight in the layout its target's
 kernel reads, so nothing is repacked when an artifact loads.
 
-Today that is the W4A8 kernels' row-group layout (kernels/row_groups.py), x86 and ARM, and the
-two rewrites that let the other weight formats take the Q4_0 kernels with their values exact:
-Q4_1 as Q4_0 plus block offsets (q4_1_block_offsets), Q8_0 as two nibble halves
-(q8_0_nibble_halves); both run before repack_weights. The
+Today that is the W4A8 kernels' row-group layout (kernels/row_groups.py), x86 and ARM, with
+Q4_1's block offsets beside the scales, Q8_0's row groups for the W8A8 kernels
+(row_groups.pack_int8), and the two rewrites that let the other weight formats take the Q4_0
+kernels with their values exact: Q4_1 as Q4_0 plus block offsets (q4_1_block_offsets), Q8_0 as
+two nibble halves where the target has no W8A8 kernels (q8_0_nibble_halves); both run before
+repack_weights. The
 decision which kernel a matmul takes is `targets.q4_0_path`, the same one the importer makes,
 so the two cannot disagree. A tied embedding keeps reading the same (repacked) bytes: its
 GatherBlockQuantized is pointed at the repacked scales and imported with a gather for that
@@ -23,6 +25,7 @@ from qwc.passes.graph import (
     BLOCK_OFFSETS_ATTR,
     NIBBLE_HALVES_ATTR,
     Graph,
+    has_block_offsets,
     has_zero_points,
     matmul_nbits_dims,
     new_tensor,
@@ -30,7 +33,7 @@ from qwc.passes.graph import (
 )
 from qwc.q4 import pack_nibbles
 
-from .targets import q4_0_path
+from .targets import q4_0_path, q8_0_path
 
 
 def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
@@ -40,23 +43,30 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
     graph = Graph(model)
     g, inits, consumers, producer = model.graph, graph.inits, graph.consumers, graph.producer
     done: dict[tuple[str, str], tuple[str, str]] = {}
+    offsets_done: set[str] = set()
     count = 0
     for node in g.node:
         if node.op_type != "MatMulNBits" or len(node.input) < 3:
             continue
         _, _, block, bits = matmul_nbits_dims(node)
-        if q4_0_path(block, bits, act_bits, features, has_zero_points(node)) in (None, "f32"):
-            continue   # not a W4A8 integer-dot kernel: the plain layout
+        int8 = q8_0_path(block, bits, act_bits, features) if not has_zero_points(node) else None
+        if not int8 and q4_0_path(block, bits, act_bits, features, has_zero_points(node)) in (None, "f32"):
+            continue   # not an integer-dot kernel: the plain layout
         wname, sname = node.input[1], node.input[2]
         if wname not in inits or sname not in inits:
             continue  # computed weights are not ours to repack (the importer will say so)
+        if has_block_offsets(node):   # Q4_1's offsets c: the kernels read them beside the scales
+            cname = node.input[3]
+            if cname in inits and cname not in offsets_done:
+                inits[cname].CopyFrom(new_tensor(row_groups.pack_offsets(tensor_array(inits[cname])), cname))
+                offsets_done.add(cname)
         if (wname, sname) in done:
             node.input[1], node.input[2] = done[wname, sname]
             count += 1
             continue
         wp, s = tensor_array(inits[wname]), tensor_array(inits[sname])
-        pw, ps = row_groups.pack(wp, s)
-        gathers = _tied_gathers(consumers.get(wname, []), sname, s, producer, inits)
+        pw, ps = row_groups.pack_int8(wp, s, signed=int8 == "arm") if int8 else row_groups.pack(wp, s)
+        gathers = _tied_gathers(consumers.get(wname, []), sname, s, producer, inits, bits=8 if int8 else 4)
         plain_readers = [c for c in consumers.get(wname, []) if c.op_type != "MatMulNBits" and c not in (gathers or [])]
         plain_readers += [c for c in consumers.get(sname, []) if c.op_type != "MatMulNBits"
                           and not (c.op_type == "Unsqueeze" and gathers
@@ -106,6 +116,8 @@ def q8_0_nibble_halves(model: onnx.ModelProto, act_bits: int, features) -> int:
         path = q4_0_path(block, 4, act_bits, features)
         if bits != 8 or path is None or node.input[1] not in inits or node.input[2] not in inits:
             continue
+        if q8_0_path(block, bits, act_bits, features) is not None:
+            continue   # the target's W8A8 kernels take the codes as they are (repack_weights)
         u, d = tensor_array(inits[node.input[1]]), tensor_array(inits[node.input[2]]).astype(np.float32)
         if u.shape != (n, k // block, block) or not np.isfinite(16 * d).all():
             continue
@@ -139,9 +151,11 @@ def q4_1_block_offsets(model: onnx.ModelProto, act_bits: int, features) -> int:
     """Give each Q4_1 MatMulNBits (4-bit codes, float zero points, block 32) the Q4_0 kernels'
     form where the target has them: w = d q + m = d (q - 8) + (m + 8 d), so the codes and scales
     are read as Q4_0 and each block adds its offset c = m + 8 d times the activations' block sum
-    (frontend: MatMulNBits.q4_0_matmul with `offsets`). The zero points' input becomes c (float32,
-    [N, K/32]) and the node is marked (graph.BLOCK_OFFSETS_ATTR). A tensor whose c is not exact
-    in float32 for every block keeps the generic kernels. Returns the nodes converted."""
+    (frontend: MatMulNBits.q4_0_matmul with `offsets`: one FMA a block inside the W4A8 kernels).
+    The zero points' input becomes c (float32, [N, K/32]; repack_weights lays it out in row
+    groups for the W4A8 kernels) and the node is marked (graph.BLOCK_OFFSETS_ATTR). A tensor
+    whose c is not exact in float32 for every block keeps the generic kernels. Returns the nodes
+    converted."""
     from qwc.models.gguf_blocks import q4_1_mins
 
     inits = Graph(model).inits
@@ -198,8 +212,9 @@ def half_gather_scales(model: onnx.ModelProto) -> int:
     return count
 
 
-def _tied_gathers(nodes, sname: str, scales, producer, inits) -> list | None:
-    """The GatherBlockQuantized nodes among `nodes` (4-bit, block 32) that read the matmul's
+def _tied_gathers(nodes, sname: str, scales, producer, inits, bits: int = 4) -> list | None:
+    """The GatherBlockQuantized nodes among `nodes` (`bits`, block 32: they then read the
+    repacked codes, generic.gather_q4_row_groups / gather_q8_row_groups) that read the matmul's
     scales `sname` as [V, nb, 1]: through an Unsqueeze, as passes/quantize_embedding.py emits
     them, or as a constant-folded copy. None if one of them reads anything else."""
     out = []
@@ -207,7 +222,7 @@ def _tied_gathers(nodes, sname: str, scales, producer, inits) -> list | None:
         if c.op_type != "GatherBlockQuantized":
             continue
         a = {x.name: helper.get_attribute_value(x) for x in c.attribute}
-        if int(a.get("bits", 4)) != 4 or int(a.get("block_size", 0)) != 32 or int(a.get("gather_axis", 0)) != 0:
+        if int(a.get("bits", 4)) != bits or int(a.get("block_size", 0)) != 32 or int(a.get("gather_axis", 0)) != 0:
             return None
         src = producer.get(c.input[2])
         if src is not None:

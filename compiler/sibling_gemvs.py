@@ -15,7 +15,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .kernels import DECODE_GEMV, decode_gemv, gemv_dot
+from .kernels import DECODE_GEMV, decode_gemv, dot_bits, gemv_dot, weight_args
 
 
 def _gemv_call(mod, value):
@@ -50,14 +50,16 @@ class _Merger(relax.PyExprMutator):
                 _, margs = _gemv_call(self.mod_, b.value)
                 w, s = margs[3], margs[4]
                 n = int(b.var.ty.shape[1])
-                outputs.append((n, len(margs) == 6))
+                (has_c, has_bias), = weight_args(margs)
+                outputs.append((n, has_bias, has_c))
                 args += [self.visit_expr(a) for a in margs[3:]]
                 out_types.append(relax.TensorType([1, n], "float32"))
             nb, sdt = int(w.ty.shape[1]), str(s.ty.dtype)
             dot = gemv_dot(self.mod_[first])
             kernel = decode_gemv(tuple(outputs), nb, sdt, dot=dot)
-            prefix = first.name_hint.split("q4_gemv")[0]   # "decode_"
-            name = f"{prefix}q4_gemv_{dot}_" + "_".join(str(n) for n, _ in outputs) + f"x{nb}_{sdt}"
+            stem = f"q{dot_bits(dot)}_gemv"
+            prefix = first.name_hint.split(stem)[0]   # "decode_"
+            name = f"{prefix}{stem}_{dot}_" + "_".join(str(o[0]) for o in outputs) + f"x{nb}_{sdt}"
             gv = self.builder_.add_func(kernel, name)
             tup = self.builder_.emit(relax.call_tir(gv, args, out_types))
             for i, b in enumerate(members):
@@ -71,8 +73,9 @@ class _Merger(relax.PyExprMutator):
 
 def _sets(mod, func) -> dict:
     """First member's var -> the bindings of each set of >= 2 decode GEMVs in one dataflow
-    block reading the same activations (args 0-2) with scales of one dtype, weights and bias
-    being function params (so the merged call may move to the first member's place)."""
+    block reading the same activations (args 0-2) with scales of one dtype and one kernel
+    (`dot`: a Q8_0 GEMV does not join Q4_0 ones), weights and bias being function params (so
+    the merged call may move to the first member's place)."""
     params = set(func.params)
     out = {}
     for block in func.body.blocks:
@@ -86,7 +89,8 @@ def _sets(mod, func) -> dict:
             key = call[1][:3]
             for k, members in by_input:
                 same_scales = str(members[0].value.args[1].fields[4].ty.dtype) == str(call[1][4].ty.dtype)
-                if same_scales and all(x.same_as(y) for x, y in zip(k, key)):
+                same_dot = gemv_dot(mod[members[0].value.args[0]]) == gemv_dot(mod[call[0]])
+                if same_scales and same_dot and all(x.same_as(y) for x, y in zip(k, key)):
                     members.append(b)
                     break
             else:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from tvm import relax
 
 from .fuse_residual_gemv import single_decode_gemv
-from .kernels import act_quant, decode_gemv, gemv_dot
+from .kernels import act_quant, decode_gemv, gemv_dot, weight_args
 from .kernels.arm.dotprod import block_split
 from .relax_match import Bindings, binding_pass, call_args, kernel_attr
 
@@ -53,7 +53,8 @@ def split_residual_gemv(kname, threads: int):
                 return None
             zp, layout, eps = int(mark["zero_point"]), str(mark["layout"]), float(mark["eps"])
             gemv = rw.builder_.add_func(
-                decode_gemv(((n, True),), nb, str(args[4].ty.dtype), dot=gemv_dot(mod[gv]), split=split),
+                decode_gemv(((n, True, weight_args(args)[0][0]),), nb, str(args[4].ty.dtype), dot=gemv_dot(mod[gv]),
+                            split=split),
                 gv.name_hint + f"_split{split}")
             parts = rw.emit(relax.call_tir(gemv, [rw.var(a) for a in args],
                                            relax.TensorType([split, n], "float32")))

@@ -133,6 +133,12 @@ class W4A8:
     decode_layout: str                # act_quant.fused_quantizer's layout for decode ...
     prefill_layout: str               # ... and for prefill: "plain" | "arm" | "arm_pairs"
     prefill_tokens: tuple[int, ...]   # the GEMM tile widths `qwc tune` searches
+    # Q8_0 weights (W8A8) on the same activations and layouts: the decode GEMV and prefill
+    # GEMM for 8-bit codes ("vnni8", "sdot8", "smmla8"), or None: Q8_0 runs as two Q4_0
+    # halves on the kernels above (compiler/repack.py: q8_0_nibble_halves; AVX2, whose
+    # vpmaddubsw sums of 8-bit codes would overflow)
+    q8_decode: str | None = None
+    q8_prefill: str | None = None
 
 
 @dataclass(frozen=True)
@@ -154,16 +160,17 @@ class Kernels:
     decode_threads: int | None = None
 
 
-_VNNI = W4A8("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8))
+_VNNI = W4A8("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8")
 # The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
 # (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
 _AVX2 = W4A8("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8))
-_SDOT = W4A8("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8))
-_SMMLA = W4A8("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12))
+_SDOT = W4A8("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8")
+_SMMLA = W4A8("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12), "sdot8", "smmla8")
 
 # The module under compiler/kernels that builds each W4A8 kernel the rules name (the interface
 # it exports: kernels/w4a8.py). A new ISA kernel is that module, an entry here and a rule.
-KERNEL_MODULES = {"vnni": "x86.vnni", "avx2": "x86.vnni", "sdot": "arm.dotprod", "smmla": "arm.i8mm"}
+KERNEL_MODULES = {"vnni": "x86.vnni", "avx2": "x86.vnni", "sdot": "arm.dotprod", "smmla": "arm.i8mm",
+                  "vnni8": "x86.vnni", "sdot8": "arm.dotprod", "smmla8": "arm.i8mm"}
 
 KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     # Decode attention: three passes on x86, 1.5x the online kernel at 512 cached tokens; on
@@ -195,6 +202,17 @@ def q4_0_path(block: int, bits: int, act_bits: int, features, zero_points: bool 
         return "f32"
     w = kernels_for(features).w4a8
     return w.isa if w else None
+
+
+def q8_0_path(block: int, bits: int, act_bits: int, features) -> str | None:
+    """"x86" / "arm" when a MatMulNBits of 8-bit codes in blocks of 32 (Q8_0) takes the
+    target's native W8A8 kernels (row_groups.pack_int8: unsigned codes on x86, signed on ARM),
+    else None (two Q4_0 halves where the target has Q4_0 kernels, compiler/repack.py; the
+    generic kernels otherwise)."""
+    if bits != 8 or block != 32 or act_bits != 8:
+        return None
+    w = kernels_for(features).w4a8
+    return w.isa if w and w.q8_decode else None
 
 
 def vector_registers(features) -> tuple[int, int]:
@@ -229,8 +247,10 @@ def kernel_summary(target: Target) -> dict[str, str]:
     """What the kernel table picks for a target, by name (`qwc targets`, the tests)."""
     k = kernels_for(target.features)
     w = k.w4a8
+    # Q8_0 weights: native W8A8 (decode/prefill), else as two 4-bit halves (repack.py)
+    q8 = (f"w8a8-{w.q8_decode}/{w.q8_prefill}" if w.q8_decode else "2x w4a8") if w else "2x w4a32"
     return {"decode": f"w4a8-{w.decode}" if w else "w4a32", "prefill": f"w4a8-{w.prefill}" if w else "w4a32",
-            "attention": k.decode_attention}
+            "attention": k.decode_attention, "q8_0": q8}
 
 
 def describe_targets() -> list[tuple[Target, dict[str, str]]]:

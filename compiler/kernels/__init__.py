@@ -15,6 +15,12 @@ SCHEDULED = "qwc.scheduled"
 DECODE_GEMV = "qwc.decode_gemv"
 
 
+def dot_bits(dot: str) -> int:
+    """The weights' bits a kernel by this name reads: the W8A8 forms ("vnni8", "sdot8",
+    "smmla8": targets.KERNEL_MODULES) Q8_0 codes, the others Q4_0 nibbles."""
+    return 8 if dot.endswith("8") else 4
+
+
 def hand_scheduled(func):
     return func.with_attr(SCHEDULED, True)
 
@@ -32,12 +38,13 @@ def kernel_module(impl: str):
 
 
 def w4a8_gemm(impl: str, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
-              batched_decode: bool = False):
+              batched_decode: bool = False, offsets: bool = False):
     """The W4A8 prefill GEMM `impl` for N rows, nb blocks of K; `tokens`: its tile width (None:
     the module's DEFAULT_TOKENS); `m`: a fixed token count; `batched_decode`: the form for one
-    token of each of B sequences, where it has one (vnni, avx2)."""
+    token of each of B sequences, where it has one (vnni, avx2); `offsets`: with Q4_1's block
+    offsets (an argument after the scales)."""
     return kernel_module(impl).prefill_gemm(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode,
-                                            dot=impl)
+                                            dot=impl, offsets=offsets)
 
 
 def gemv_dot(func) -> str:
@@ -52,11 +59,30 @@ def decode_epilogues(dot: str) -> frozenset[str]:
     return kernel_module(dot).DECODE_EPILOGUES
 
 
-def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16",
+def weight_args(args) -> list[tuple[bool, bool]]:
+    """(with block offsets, with bias) of each output of a decode GEMV call's arguments `args`
+    (Relax expressions: aq, ad, off, then per output w [G, nb, chunks, 64], s, the block
+    offsets [G, nb, 16] if it has them, the bias [N] if it has one)."""
+    out, rest = [], list(args[3:])
+    while rest:
+        if len(rest) < 2 or len(rest[0].ty.shape) != 4:
+            raise ValueError("a decode GEMV's weights come as (w, s[, offsets][, bias]) per output")
+        rest = rest[2:]
+        offsets = bool(rest) and len(rest[0].ty.shape) == 3
+        rest = rest[offsets:]
+        bias = bool(rest) and len(rest[0].ty.shape) == 1
+        rest = rest[bias:]
+        out.append((offsets, bias))
+    return out
+
+
+def decode_gemv(outputs: tuple[tuple, ...], nb: int, scale_dtype: str = "float16",
                 silu_mul: bool = False, quantize: int | None = None, dot: str = "vnni", split: int = 1):
-    """The multi-output decode GEMV of `dot` (outputs = ((N, with bias), ...)); `split` > 1:
-    one output's blocks in that many parts, y [split, N] (the "split" epilogue)."""
-    want = {"bias"} if any(b for _, b in outputs) else set()
+    """The multi-output decode GEMV of `dot` (outputs = ((N, with bias[, with block offsets]),
+    ...): the offsets are Q4_1's, compiler/repack.py: q4_1_block_offsets); `split` > 1: one
+    output's blocks in that many parts, y [split, N] (the "split" epilogue)."""
+    outputs = tuple((o[0], bool(o[1]), bool(o[2]) if len(o) > 2 else False) for o in outputs)
+    want = {"bias"} if any(o[1] for o in outputs) else set()
     want |= {"silu_mul"} if silu_mul else set()
     want |= {"quantize"} if quantize is not None else set()
     want |= {"split"} if split != 1 else set()

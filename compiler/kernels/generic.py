@@ -83,6 +83,27 @@ def gather_q4_row_groups(w, idx, s):
     return te.compute((*idx.shape, nb, 32), body, name="gather_q4_row_groups")
 
 
+def gather_q8_row_groups(w, idx, s, *, signed: bool):
+    """Rows `idx` [...] of a Q8_0 weight stored in the W8A8 kernels' row groups
+    (row_groups.pack_int8; w [G, nb, 8, 4 x ROWS] codes in de-interleaved order, q (`signed`,
+    ARM) or q + 128 (x86); s [G, nb, ROWS]) -> [..., nb, 32]: the tied embedding of a Q8_0
+    output."""
+    from .row_groups import ROWS
+
+    nb = w.shape[1]
+
+    def body(*i):
+        *pre, b, e = i
+        row = idx[tuple(pre)].astype("int64")
+        g, r, p = row // ROWS, row % ROWS, e // 2 + 16 * (e % 2)   # evens first, then odds
+        byte = w[g, b, p // 4, r * 4 + p % 4]
+        code = tirx.reinterpret("int8", byte).astype("float32") if signed else \
+            byte.astype("float32") - tirx.const(128.0, "float32")
+        return code * s[g, b, r].astype("float32")
+
+    return te.compute((*idx.shape, nb, 32), body, name="gather_q8_row_groups")
+
+
 def rotary(x, pos, cos, sin, *, heads: int):
     """Rotate-half rotary on x [b, s, heads*head_dim] at positions pos [b, s]."""
     width = x.shape[2]

@@ -15,6 +15,12 @@ elements, then the 16 odd ones). So in chunk i the low nibbles meet activation b
 
 Scales are stored [G, nb, 16] as fp16 when every scale is exactly an fp16 (always for Q4_0
 made by qwc: 18 bytes a block as in llama.cpp, not 20), else fp32.
+
+Q8_0 weights (the W8A8 kernels: pack_int8) take the same form with 8 chunks a block: the
+block's 32 codes in the activations' de-interleaved order (even elements, then odd), chunk i
+holding codes 4i..4i+3 of each of the 16 rows, so chunk i meets activation bytes 4i..4i+3 as a
+Q4_0 chunk's nibbles do. ARM's sdot / smmla take them signed (q), x86's vpdpbusd unsigned
+(q + 128, as MatMulNBits stores them; the kernel starts from -128 x sum(a)).
 """
 
 from __future__ import annotations
@@ -40,9 +46,50 @@ def pack(wp: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     w[:n] = wp
     # [g, r, b, i, c] -> [g, b, i, r, c]
     w = w.reshape(g, ROWS, nb, CHUNKS, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, CHUNKS, ROWS * 4)
+    return np.ascontiguousarray(w), _scales(s, n, g, nb)
+
+
+def _scales(s: np.ndarray, n: int, g: int, nb: int) -> np.ndarray:
+    """Scales [N, nb] -> [G, nb, 16], fp16 where every one is exact in fp16."""
     sc = np.zeros((g * ROWS, nb), np.float32)
     sc[:n] = s
     sc = sc.reshape(g, ROWS, nb).transpose(0, 2, 1)
     half = sc.astype(np.float16)
     exact = np.array_equal(half.astype(np.float32), sc)
-    return np.ascontiguousarray(w), np.ascontiguousarray(half if exact else sc)
+    return np.ascontiguousarray(half if exact else sc)
+
+
+def pack_offsets(c: np.ndarray) -> np.ndarray:
+    """Q4_1's block offsets c [N, nb] (compiler/repack.py: q4_1_block_offsets) -> [G, nb, 16]
+    float32, laid out as the scales: the kernels add c x the block sum as they apply d."""
+    n, nb = c.shape
+    g = groups(n)
+    out = np.zeros((g * ROWS, nb), np.float32)
+    out[:n] = c
+    return np.ascontiguousarray(out.reshape(g, ROWS, nb).transpose(0, 2, 1))
+
+
+INT8_CHUNKS = 8   # 64-byte chunks per group and block of 8-bit codes
+
+
+def chunks(bits: int) -> int:
+    """64-byte chunks a row group holds per block: Q4_0 (pack) or Q8_0 (pack_int8)."""
+    return INT8_CHUNKS if bits == 8 else CHUNKS
+
+
+def pack_int8(u: np.ndarray, s: np.ndarray, signed: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """MatMulNBits 8-bit codes u = q + 128 [N, nb, 32] (Q8_0 as qwc stores it) and scales
+    [N, nb] -> the codes as bytes [G, nb, 8, 64] (`signed`: q in two's complement, ARM; else u,
+    x86) and [G, nb, 16] scales. Rows past N are code 0 (q = 0)."""
+    n, nb, block = u.shape
+    if block != 32 or s.shape != (n, nb):
+        raise ValueError(f"expected 8-bit codes [N, nb, 32] and scales [N, nb], got {u.shape} and {s.shape}")
+    g = groups(n)
+    q = np.full((g * ROWS, nb, 32), 128, np.uint8)
+    q[:n] = u
+    if signed:
+        q ^= np.uint8(0x80)                               # q + 128 -> q's two's complement byte
+    q = q.reshape(g * ROWS, nb, 16, 2).transpose(0, 1, 3, 2)   # de-interleaved: evens, then odds
+    # [g, r, b, i, c] -> [g, b, i, r, c]
+    w = q.reshape(g, ROWS, nb, INT8_CHUNKS, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, INT8_CHUNKS, ROWS * 4)
+    return np.ascontiguousarray(w), _scales(s, n, g, nb)

@@ -3,8 +3,10 @@ arm/i8mm.py) holds only its dot product and its tiling.
 
 - the signature: y [M, N] = the quantized activations (aq [M, NB, 32] int8, de-interleaved
   per block; their scales ad; the zero point x block sums off, act_quant.fused_quantizer) times
-  the row-group weights (w [groups, NB, 4, 64] uint8 and their scales [groups, NB, 16],
-  kernels/row_groups.py); M any number of tokens or fixed (`qwc tune` measures at fixed M);
+  the row-group weights (w [groups, NB, 4, 64] uint8, or [groups, NB, 8, 64] for the W8A8
+  forms' Q8_0 codes, and their scales [groups, NB, 16], kernels/row_groups.py), plus Q4_1's
+  block offsets times the activations' block sums where the kernel takes them (gemm_kernel's
+  `offsets`); M any number of tokens or fixed (`qwc tune` measures at fixed M);
 - the zero point: every kernel takes the nibbles q (0..15) as they are and starts its
   accumulation from ZERO_POINT x sum(a) per block, which the quantizer writes, so
   dot(q - 8, a) costs no subtraction;
@@ -33,25 +35,49 @@ def token_count(m: int | None):
 
 
 def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, off_dtype: str = "float32",
-                pair_scales: bool = False):
-    """The PrimFunc of a W4A8 matmul whose root block is the macro `body(w, aq, off, ws, ad, y)`.
-    `off_dtype`: float32 (x86) or int32 (ARM: offsets start the integer accumulators);
-    `pair_scales`: ad and off are [M, NB, 2] (act_quant layout "arm_pairs")."""
+                pair_scales: bool = False, chunks: int = 4, offsets: bool = False):
+    """The PrimFunc of a W4A8 matmul whose root block is the macro `body(w, aq, off, ws, ad, y,
+    wc)`. `off_dtype`: float32 (x86) or int32 (ARM: offsets start the integer accumulators);
+    `pair_scales`: ad and off are [M, NB, 2] (act_quant layout "arm_pairs"); `chunks`: the
+    weights' 64-byte chunks a block (8: Q8_0 codes, row_groups.pack_int8); `offsets`: Q4_1's
+    block offsets wc [G, NB, 16] float32 follow the scales (else wc is None)."""
     ng = groups(n)
     act = (rows_in, nb, 2) if pair_scales else (rows_in, nb)
 
-    @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
-    def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle, w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
-               ws: T.Buffer((ng, nb, ROWS), scale_dtype), var_y: T.handle):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+    if not offsets:
+        @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
+        def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
+                   w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
+                   var_y: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+            aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
+            ad = T.match_buffer(var_ad, act, "float32")
+            off = T.match_buffer(var_off, act, off_dtype)
+            y = T.match_buffer(var_y, (rows_in, n), "float32")
+            with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
+                body(w, aq, off, ws, ad, y, None)
+        return kernel
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def kernel_c(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
+                 w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
+                 wc: T.Buffer((ng, nb, ROWS), "float32"), var_y: T.handle):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})
         aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
         ad = T.match_buffer(var_ad, act, "float32")
         off = T.match_buffer(var_off, act, off_dtype)
         y = T.match_buffer(var_y, (rows_in, n), "float32")
-        with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
-            body(w, aq, off, ws, ad, y)
+        with T.sblock("root"):
+            body(w, aq, off, ws, ad, y, wc)
+    return kernel_c
 
-    return kernel
+
+def block_sum_factor(halved: bool = False) -> float:
+    """What turns a block's quantizer offset (ZERO_POINT x the sum of its codes) times its scale
+    into the activations' block sum (scale x sum of the codes), which Q4_1's block offsets
+    multiply: 1 / ZERO_POINT, halved for the ARM kernels' halved sums (arm/dotprod.py:
+    halved_float). A power of two: exact."""
+    return (0.5 if halved else 1.0) / ZERO_POINT
 
 
 @T.macro

@@ -17,6 +17,7 @@ from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 # ragged leftover group and without one.
 SHAPES = [(96, 24), (160, 6), (100, 20), (896, 40), (96, 136), (64, 128)]
 ARM_M = (1, 3, 4, 7, 9, 10, 12, 17, 23, 27)
+Q8_SHAPES = [(96, 24), (100, 20), (96, 136)]   # the W8A8 kernels': ragged N and K, the multi-group path
 
 
 
@@ -31,7 +32,7 @@ def _run_needs(dot: str):
     test_compile's test_vnni_library_from_any_x86_host. The AVX2 kernels run on both."""
     from qwc import cpu
 
-    need = {"vnni": "avx512_vnni", "avx2": "avx2"}[dot]
+    need = {"vnni": "avx512_vnni", "vnni8": "avx512_vnni", "avx2": "avx2"}[dot]
     if not cpu.has(need):
         pytest.skip(f"runs {need} code; this CPU has no {need}")
 
@@ -44,36 +45,68 @@ def _weights(k, n, seed):
     return pack_nibbles(q), d, deq
 
 
-def _emit(bb, name, variant, k, n, m, wp, d, features=None):
-    """Function `name`(a, w, s) through one kernel variant for a target's `features` (the
+def _weights8(k, n, seed):
+    """Q8_0 weights as qwc's MatMulNBits holds them (codes q + 128 [N, nb, 32]), their scales
+    and the dequantized matrix [N, nb * 32]."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    q, d = quantize_q8_0(w)
+    q[0, 0, :2] = -128, 127   # the codes' extremes (llama.cpp writes -127..127; a file may hold -128)
+    deq = (q.astype(np.float32) * d[..., None]).reshape(n, -1)
+    return (q.astype(np.int16) + 128).astype(np.uint8), d, deq
+
+
+def _weights41(k, n, seed):
+    """Q4_1 as the W4A8 kernels take it (compiler/repack.py: q4_1_block_offsets): Q4_0 codes
+    and scales plus block offsets c [N, nb], and the matrix d (q - 8) + c."""
+    wp, d, deq = _weights(k, n, seed)
+    c = (np.random.default_rng(seed + 1).standard_normal(d.shape) * d).astype(np.float32)
+    return wp, d, c, deq + np.repeat(c, 32, axis=1)
+
+
+def _emit(bb, name, variant, k, n, m, wp, d, features=None, offsets=None):
+    """Function `name`(a, w, s[, c]) through one kernel variant for a target's `features` (the
     host's by default); returns the weights in the layout it reads (compile-time repacking
-    gives the W4A8 kernels row groups)."""
+    gives the W4A8 kernels row groups; "arm8": the ARM W8A8 kernels' Q8_0 row groups), with
+    Q4_1's block `offsets` [N, nb] where given (W4A8 variants)."""
+    if variant in ("arm8", "vnni8"):
+        wp, d = row_groups.pack_int8(wp, d, signed=variant == "arm8")
     if variant in ("vnni", "avx2", "arm"):
         wp, d = row_groups.pack(wp, d)
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
     wv = relax.Var("w", relax.TensorType(list(wp.shape), "uint8"))
     sv = relax.Var("s", relax.TensorType(list(d.shape), str(d.dtype)))
-    with bb.function(name, [av, wv, sv]):
+    params, packed = [av, wv, sv], [wp, d]
+    cv = None
+    if offsets is not None:
+        packed.append(row_groups.pack_offsets(offsets))
+        cv = relax.Var("c", relax.TensorType(list(packed[-1].shape), "float32"))
+        params.append(cv)
+    with bb.function(name, params):
         with bb.dataflow():
-            if variant in ("f32", "vnni", "avx2", "arm"):
+            if variant in ("arm8", "vnni8"):
+                isa = "arm" if variant == "arm8" else "x86"
+                features = features or get_target("x86-avx512").features
+                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, isa, features, bits=8)
+            elif variant in ("f32", "vnni", "avx2", "arm"):
                 if features is None:   # an x86 dot: the features of the target that selects it
                     features = get_target(X86_DOTS[variant] if variant in X86_DOTS else "host").features
-                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, "x86" if variant in X86_DOTS else variant, features)
+                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, "x86" if variant in X86_DOTS else variant, features,
+                                              offsets=cv)
             else:
                 kern = generic.matmul_nbits if variant == "generic32" else generic.matmul_nbits_a8
                 out = bb.emit_te(kern, av, wv, sv, k=k, n=n, block=32, bits=4, primfunc_name_hint="mm")
             gv = bb.emit_output(out)
         bb.emit_func_output(gv)
-    return wp, d
+    return tuple(packed)
 
 
-def _run(variant, k, n, m, a, wp, d):
+def _run(variant, k, n, m, a, wp, d, offsets=None):
     import tvm
 
     bb = relax.BlockBuilder()
-    wp, d = _emit(bb, "main", variant, k, n, m, wp, d)
+    packed = _emit(bb, "main", variant, k, n, m, wp, d, offsets=offsets)
     vm = relax.VirtualMachine(build(bb.get(), get_target("host")), tvm.cpu())
-    return vm["main"](*(tvm.runtime.tensor(x) for x in (a, wp, d))).numpy()
+    return vm["main"](*(tvm.runtime.tensor(x) for x in (a, *packed))).numpy()
 
 
 def _a8_reference(a, deq_q, d, k):
@@ -110,6 +143,33 @@ def test_w4a8_kernels(variant, k, n, m):
     assert np.abs(got - exact).max() < 0.05 * np.abs(exact).max()   # and int8 activations are close
 
 
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("dot", sorted(X86_DOTS))
+def test_w4a8_kernels_with_q4_1_block_offsets(dot, k, n, m):
+    """Q4_1 on the x86 W4A8 kernels: the Q4_0 dot plus each block's offset times the
+    activations' block sum, inside the kernel (decode GEMV and prefill GEMM)."""
+    _run_needs(dot)
+    wp, d, c, deq = _weights41(k, n, k + n)
+    a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    got = _run(dot, k, n, m, a, wp, d, offsets=c)
+    ref = _a8_reference(a, deq, d, k)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("k, n", SHAPES)
+def test_w8a8_vnni_kernels(k, n, m):
+    """Q8_0 weights on the VNNI kernels (unsigned codes q + 128, row_groups.pack_int8), decode
+    and prefill, against numpy's W8A8, the codes' extremes -128 and 127 included."""
+    _run_needs("vnni8")
+    u, d, deq = _weights8(k, n, k + n)
+    a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    got = _run("vnni8", k, n, m, a, u, d)
+    ref = _a8_reference(a, deq, d, k)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("dot", sorted(X86_DOTS))
 def test_x86_w4a8_kernels_at_the_extremes(dot):
     """The largest sums the dots can meet: 31 of 32 nibbles at 15 and every activation byte at
@@ -130,7 +190,7 @@ def test_x86_w4a8_kernels_at_the_extremes(dot):
     np.testing.assert_allclose(got, a @ deq.T, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dot", sorted(X86_DOTS))
+@pytest.mark.parametrize("dot", [*sorted(X86_DOTS), "vnni8"])
 def test_w4a8_batched_decode_gemm_takes_every_token_count(dot):
     """decode_batch's x86 GEMM (8-token tiles, leftovers in tiles of 4, 2 and 1, prefetch) for
     every batch size up to 17, so each leftover pattern runs: the prefill form's values bit for
@@ -141,11 +201,12 @@ def test_w4a8_batched_decode_gemm_takes_every_token_count(dot):
 
     _run_needs(dot)
     k, n = 100, 40
-    wp, d, deq = _weights(k, n, 7)
+    wp, d, deq = (_weights8 if dot == "vnni8" else _weights)(k, n, 7)
     m = tvm.tirx.Var("m", "int64")
     outs = {}
     for batched in (False, True):
-        token = _CONTEXT.set(ImportContext(act_bits=8, features=get_target(X86_DOTS[dot]).features, batched=batched))
+        features = get_target(X86_DOTS.get(dot, "x86-avx512")).features
+        token = _CONTEXT.set(ImportContext(act_bits=8, features=features, batched=batched))
         try:
             bb = relax.BlockBuilder()
             wr, dr = _emit(bb, "main", dot, k, n, m, wp, d)
@@ -175,7 +236,9 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     (identical results: a task owns its rows). M covers every smmla tile (5 pairs; a lone
     leftover pair merged into a tile of 6; other leftovers in tiles of 4, 2 and 1 pairs; an odd
     token): 3 = 1 pair + odd, 4 = 2, 7 = 2 + 1 + odd, 9 = 4 + odd, 10 = 5, 12 = 6,
-    17 = 5 + 2 + 1 + odd, 23 = 5 + 6 + odd, 27 = 5 + 5 + 2 + 1 + odd."""
+    17 = 5 + 2 + 1 + odd, 23 = 5 + 6 + odd, 27 = 5 + 5 + 2 + 1 + odd. The W8A8 kernels (Q8_0
+    codes: sdot8, and smmla8 on arm-yitian) and Q4_1's block offsets take the same tiles on
+    three of the shapes, and the multi-output and split decode GEMVs in all three formats."""
     import re
     import subprocess
 
@@ -193,9 +256,26 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
             for i, x in enumerate((a, *_emit(bb, name, "arm", k, n, m, wp, d, t.features))):
                 inputs[f"{name}/{i}"] = x
             refs[name] = _a8_reference(a, deq, d, k)
+    for k, n in Q8_SHAPES:   # Q4_1: the Q4_0 kernels with block offsets
+        for m in ARM_M:
+            name = f"mm41_{k}_{n}_{m}"
+            wp, d, c, deq = _weights41(k, n, k + n)
+            a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+            for i, x in enumerate((a, *_emit(bb, name, "arm", k, n, m, wp, d, t.features, offsets=c))):
+                inputs[f"{name}/{i}"] = x
+            refs[name] = _a8_reference(a, deq, d, k)
+    for k, n in Q8_SHAPES:
+        for m in ARM_M:
+            name = f"mm8_{k}_{n}_{m}"
+            u, d, deq = _weights8(k, n, k + n)
+            a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+            for i, x in enumerate((a, *_emit(bb, name, "arm8", k, n, m, u, d, t.features))):
+                inputs[f"{name}/{i}"] = x
+            refs[name] = _a8_reference(a, deq, d, k)
     for case in (_arm_decode_gemv_case, _arm_split_gemv_case):
-        name, inputs_, refs[name] = case(bb)
-        inputs.update({f"{name}/{i}": x for i, x in enumerate(inputs_)})
+        for fmt in ARM_GEMV_DOTS:
+            name, inputs_, refs[name] = case(bb, fmt=fmt)
+            inputs.update({f"{name}/{i}": x for i, x in enumerate(inputs_)})
     lib = tmp_path / "kernels.so"
     build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
     asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(lib)], capture_output=True, text=True).stdout
@@ -215,68 +295,88 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
             assert np.array_equal(other[name], outs[0][name]), name
 
 
-def _arm_decode_gemv_case(bb, k: int = 160):
-    """A function of the ARM multi-output decode GEMV (kernels.decode_gemv, dot "sdot") as the
-    decode fusions build it: three outputs of one quantized activation row (a ragged one of 40
-    rows; biases on two: a projection's bias or the residual), their rows concatenated.
-    Returns its name, inputs and numpy reference."""
+ARM_GEMV_DOTS = {"q4_0": "sdot", "q8_0": "sdot8", "q4_1": "sdot"}   # the decode GEMV for each format
+
+
+def _arm_weights(k, n, seed, fmt):
+    """The decode GEMV's arrays for one output of weight format `fmt` (row-group codes, scales,
+    and Q4_1's block offsets), its scales and the dequantized matrix."""
+    if fmt == "q8_0":
+        u, d, deq = _weights8(k, n, seed)
+        return list(row_groups.pack_int8(u, d)), d, deq
+    if fmt == "q4_1":
+        wp, d, c, deq = _weights41(k, n, seed)
+        return [*row_groups.pack(wp, d), row_groups.pack_offsets(c)], d, deq
+    wp, d, deq = _weights(k, n, seed)
+    return list(row_groups.pack(wp, d)), d, deq
+
+
+def _arm_decode_gemv_case(bb, k: int = 160, fmt: str = "q4_0"):
+    """A function of the ARM multi-output decode GEMV (kernels.decode_gemv, dot "sdot", or
+    "sdot8" for Q8_0) as the decode fusions build it: three outputs of one quantized activation
+    row (a ragged one of 40 rows; biases on two: a projection's bias or the residual), their
+    rows concatenated. Returns its name, inputs and numpy reference."""
     from qwc.compiler.kernels import act_quant, decode_gemv
 
-    outputs = ((64, True), (40, False), (136, True))
+    c = fmt == "q4_1"
+    outputs = ((64, True, c), (40, False, c), (136, True, c))
+    dot = ARM_GEMV_DOTS[fmt]
     rng = np.random.default_rng(7)
     a = rng.standard_normal((1, k)).astype(np.float32)
     av = relax.Var("a", relax.TensorType([1, k], "float32"))
     params, inputs, refs = [av], [a], []
-    for i, (n, has_bias) in enumerate(outputs):
-        wp, d, deq = _weights(k, n, 100 + i)
-        pw, ps = row_groups.pack(wp, d)
+    for i, (n, has_bias, _) in enumerate(outputs):
+        arrays, d, deq = _arm_weights(k, n, 100 + i, fmt)
         bias = rng.standard_normal(n).astype(np.float32) if has_bias else None
-        for x, nm in ((pw, f"w{i}"), (ps, f"s{i}"), (bias, f"b{i}")):
+        for j, x in enumerate([*arrays, bias]):
             if x is not None:
-                params.append(relax.Var(nm, relax.TensorType(list(x.shape), str(x.dtype))))
+                params.append(relax.Var(f"x{i}_{j}", relax.TensorType(list(x.shape), str(x.dtype))))
                 inputs.append(x)
         refs.append(_a8_reference(a, deq, d, k)[0] + (0 if bias is None else bias))
     nb = (k + 31) // 32
-    with bb.function("decode_gemv3", params):
+    name = f"decode_gemv3_{fmt}"
+    with bb.function(name, params):
         with bb.dataflow():
             quant = bb.add_func(act_quant.fused_quantizer(k, w4a8.ZERO_POINT, True, layout="arm"), "quant")
             parts = bb.emit(relax.call_tir(quant, [av], [relax.TensorType([1, nb, 32], "int8"),
                                                          relax.TensorType([1, nb], "float32"),
                                                          relax.TensorType([1, nb], "int32")]))
             act = [bb.emit(relax.TupleGetItem(parts, j)) for j in range(3)]
-            gemv = bb.add_func(decode_gemv(outputs, nb, "float16", dot="sdot"), "gemv3")
-            ys = bb.emit(relax.call_tir(gemv, act + params[1:], [relax.TensorType([1, n], "float32") for n, _ in outputs]))
+            gemv = bb.add_func(decode_gemv(outputs, nb, "float16", dot=dot), f"gemv3_{fmt}")
+            ys = bb.emit(relax.call_tir(gemv, act + params[1:], [relax.TensorType([1, o[0]], "float32") for o in outputs]))
             out = bb.emit(relax.op.concat([bb.emit(relax.TupleGetItem(ys, j)) for j in range(3)], axis=1))
             gv = bb.emit_output(out)
         bb.emit_func_output(gv)
-    return "decode_gemv3", inputs, np.concatenate(refs)[None]
+    return name, inputs, np.concatenate(refs)[None]
 
 
-def _arm_split_gemv_case(bb, k: int = 160, n: int = 136, split: int = 2):
+def _arm_split_gemv_case(bb, k: int = 160, n: int = 136, split: int = 2, fmt: str = "q4_0"):
     """The ARM decode GEMV with its blocks in parts (compiler/split_residual_gemv.py: K = 160
     is 5 blocks, parts of 2 and 3), ragged N, the bias in part 0; the parts summed after."""
     from qwc.compiler.kernels import act_quant, decode_gemv
 
+    dot = ARM_GEMV_DOTS[fmt]
     rng = np.random.default_rng(9)
     a = rng.standard_normal((1, k)).astype(np.float32)
-    wp, d, deq = _weights(k, n, 200)
-    pw, ps = row_groups.pack(wp, d)
+    arrays, d, deq = _arm_weights(k, n, 200, fmt)
     bias = rng.standard_normal(n).astype(np.float32)
-    params = [relax.Var(nm, relax.TensorType(list(x.shape), str(x.dtype)))
-              for nm, x in (("a", a), ("w", pw), ("s", ps), ("b", bias))]
+    inputs = [a, *arrays, bias]
+    params = [relax.Var(f"x{j}", relax.TensorType(list(x.shape), str(x.dtype))) for j, x in enumerate(inputs)]
     nb = (k + 31) // 32
-    with bb.function("decode_split", params):
+    name = f"decode_split_{fmt}"
+    with bb.function(name, params):
         with bb.dataflow():
             quant = bb.add_func(act_quant.fused_quantizer(k, w4a8.ZERO_POINT, True, layout="arm"), "quant")
             parts = bb.emit(relax.call_tir(quant, [params[0]], [relax.TensorType([1, nb, 32], "int8"),
                                                                 relax.TensorType([1, nb], "float32"),
                                                                 relax.TensorType([1, nb], "int32")]))
             act = [bb.emit(relax.TupleGetItem(parts, j)) for j in range(3)]
-            gemv = bb.add_func(decode_gemv(((n, True),), nb, "float16", dot="sdot", split=split), "gemv_split")
+            gemv = bb.add_func(decode_gemv(((n, True, fmt == "q4_1"),), nb, "float16", dot=dot, split=split),
+                               f"gemv_split_{fmt}")
             ys = bb.emit(relax.call_tir(gemv, act + params[1:], relax.TensorType([split, n], "float32")))
             gv = bb.emit_output(bb.emit(relax.op.sum(ys, axis=[0], keepdims=True)))
         bb.emit_func_output(gv)
-    return "decode_split", [a, pw, ps, bias], _a8_reference(a, deq, d, k) + bias
+    return name, inputs, _a8_reference(a, deq, d, k) + bias
 
 
 _COMPILED = {}   # id(func) -> (func, its library): the kernel builders return one func per arguments
@@ -523,12 +623,26 @@ def test_arm_rms_quantizer_over_tasks_keeps_the_serial_bits(k):
         act_quant.fused_quantizer(k, -8, False, rms_eps=eps, layout="arm", parts=2)
 
 
-@pytest.mark.parametrize("dot", sorted(X86_DOTS))
+def _x86_weights(k, n, seed, dot, q4_1: bool = False):
+    """The arrays a decode GEMV of `dot` reads for one output (Q8_0 for "vnni8", else Q4_0, or
+    Q4_1 with its block offsets) and the dequantized matrix."""
+    if dot == "vnni8":
+        u, d, deq = _weights8(k, n, seed)
+        return row_groups.pack_int8(u, d, signed=False), deq
+    if q4_1:
+        wp, d, c, deq = _weights41(k, n, seed)
+        return (*row_groups.pack(wp, d), row_groups.pack_offsets(c)), deq
+    wp, d, deq = _weights(k, n, seed)
+    return row_groups.pack(wp, d), deq
+
+
+@pytest.mark.parametrize("dot, q4_1", [*((d, False) for d in sorted(X86_DOTS)), ("vnni8", False), ("vnni", True)])
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul, dot):
+def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul, dot, q4_1):
     """The x86 decode GEMV that runs several weights of the same activations in one launch
     (compiler/sibling_gemvs.py): ragged outputs with and without a bias (N = 136, 24, 40:
-    the multi-stream path and leftover groups), and gate/up written as silu(gate) * up."""
+    the multi-stream path and leftover groups), and gate/up written as silu(gate) * up; Q4_0,
+    Q8_0 and Q4_1 (block offsets) weights."""
     import tvm
 
     from qwc.compiler.kernels import act_quant
@@ -536,7 +650,8 @@ def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul, dot):
 
     _run_needs(dot)
     k, nb = 96, 3
-    outputs = ((200, False), (200, False)) if silu_mul else ((136, True), (24, False), (40, True))
+    outputs = ((200, False, q4_1), (200, False, q4_1)) if silu_mul else ((136, True, q4_1), (24, False, q4_1),
+                                                                         (40, True, q4_1))
     rng = np.random.default_rng(7)
     a = rng.standard_normal((1, k), dtype=np.float32)
     parts = [tvm.runtime.tensor(np.zeros(s, dt)) for s, dt in (((1, nb, 32), np.int8), ((1, nb), np.float32),
@@ -547,9 +662,9 @@ def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul, dot):
     inter[..., 0::2], inter[..., 1::2] = aq[..., :16], aq[..., 16:]   # back to element order
     a8 = (inter.astype(np.float32) * ad[..., None]).reshape(1, k)
     args, refs = list(parts), []
-    for i, (n, has_bias) in enumerate(outputs):
-        wp, d, deq = _weights(k, n, 100 + i)
-        args += [tvm.runtime.tensor(x) for x in row_groups.pack(wp, d)]
+    for i, (n, has_bias, _) in enumerate(outputs):
+        packed, deq = _x86_weights(k, n, 100 + i, dot, q4_1)
+        args += [tvm.runtime.tensor(x) for x in packed]
         refs.append(a8 @ deq.T)
         if has_bias:
             bias = rng.standard_normal(n, dtype=np.float32)
@@ -564,9 +679,9 @@ def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul, dot):
         np.testing.assert_allclose(o.numpy(), r, rtol=0, atol=1e-5 * np.abs(r).max())
 
 
-@pytest.mark.parametrize("dot", sorted(X86_DOTS))
+@pytest.mark.parametrize("dot, q4_1", [*((d, False) for d in sorted(X86_DOTS)), ("vnni8", False), ("vnni", True)])
 @pytest.mark.parametrize("n", [224, 4864])
-def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n, dot):
+def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n, dot, q4_1):
     """The gate/up decode GEMV that writes the down projection's Q8_0 input itself (`quantize`:
     adjacent row groups, a block a task) gives the very bits of the silu_mul GEMV followed by
     the quantizer kernel (N = 224: an odd number of 32-blocks)."""
@@ -586,8 +701,8 @@ def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n, dot)
     act = q8(nb)
     _host_kernel(act_quant.fused_quantizer(k, w4a8.ZERO_POINT, True))(
         tvm.runtime.tensor(rng.standard_normal((1, k), dtype=np.float32)), *act)
-    weights = [tvm.runtime.tensor(x) for i in range(2) for x in row_groups.pack(*_weights(k, n, 200 + i)[:2])]
-    outputs = ((n, False), (n, False))
+    weights = [tvm.runtime.tensor(x) for i in range(2) for x in _x86_weights(k, n, 200 + i, dot, q4_1)[0]]
+    outputs = ((n, False, q4_1), (n, False, q4_1))
     hidden = tvm.runtime.tensor(np.zeros((1, n), np.float32))
     _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True, dot=dot))(*act, *weights, hidden)
     ref = q8(nq)

@@ -194,6 +194,17 @@ def test_artifact_keeps_the_blocks_and_matches_the_float_reference(gguf_model, h
         scales = arrays[name.replace(".zero_points", ".scales")]
         c = params[name + ".qwc_offsets"]
         assert np.array_equal(c - 8 * scales, gguf_blocks.q4_1_mins(scales, arrays[name])), name
+    from qwc import cpu
+    from qwc.compiler.kernels import row_groups
+
+    if cpu.has("avx512_vnni"):   # act 8: the Q8_0 codes in the W8A8 kernels' row groups, reordered only
+        p8 = _params(host_builds[8])
+        eight = [name for name in kept if name.endswith(".qweight") and arrays[name].shape[-1] == 32]
+        assert len(eight) == 5   # k and down of two layers, and the tied output
+        for name in eight:
+            scales = arrays[name.removesuffix(".qweight") + ".scales"]
+            w = p8.get(name, p8.get(name + ".qwc_packed"))
+            assert np.array_equal(w, row_groups.pack_int8(arrays[name], scales, signed=False)[0]), name
     ref = np.stack([r[0, -1] for r in ort_kv_logits(d / "float.onnx", cfg, STEPS[0], STEPS[1:])])
     a32, a8 = _compiled_logits(host_builds[32]), _compiled_logits(host_builds[8])
     span = np.abs(ref).max()
@@ -214,6 +225,10 @@ def test_formats_on_arm_yitian_match_the_host(gguf_model, host_builds, tmp_path,
     env = emulation.arm64_env()
     art = tmp_path / f"yitian-a{act}.qwc"
     compile_file(d / "m.onnx", "arm-yitian", art, act_bits=act, kv_type="f32")
+    symbols = subprocess.run(["aarch64-linux-gnu-nm", "-D", str(art / "lib.so")], capture_output=True, text=True,
+                             check=True).stdout
+    # act 8: k and down (Q8_0) on the W8A8 kernels, prefill and decode; act 32: as two 4-bit halves
+    assert ("q8_gemm_smmla8" in symbols and "q8_gemv_sdot8" in symbols) == (act == 8)
     out = tmp_path / "arm.npy"
     steps = json.dumps([STEPS[0][0].tolist()] + [int(t[0, 0]) for t in STEPS[1:]])
     r = subprocess.run(emulation.engine_command(env, art, out, steps), env=env, capture_output=True, text=True,
@@ -256,7 +271,9 @@ def test_awq_on_kept_weights_is_refused_in_one_line(gguf_model, tmp_path, capsys
 def test_optimize_bits_8_and_q8_patterns_compile_to_the_canonical_graphs_logits(tiny_onnx, tmp_path):
     """`qwc optimize --bits 8` makes every linear Q8_0, `--q8 PATTERN` the ones it names; the
     compiled W4A32 artifact (the nibble halves, repack.q8_0_nibble_halves) gives onnxruntime's
-    logits on the canonical graph, the W4A8 one within its activations' rounding."""
+    logits on the canonical graph, the A8 ones within their activations' rounding: x86-avx2's
+    (the halves on the W4A8 kernels) and, where the CPU has VNNI, the host's W8A8 kernels."""
+    from qwc import cpu
     from qwc.config import load_for_graph
 
     cfg = load_for_graph(tiny_onnx)
@@ -266,13 +283,47 @@ def test_optimize_bits_8_and_q8_patterns_compile_to_the_canonical_graphs_logits(
         nodes = [n for n in onnx.load(str(q)).graph.node if n.op_type == "MatMulNBits"]
         assert sum(next(a.i for a in n.attribute if a.name == "bits") == 8 for n in nodes) == eight, opts
         ref = np.stack([r[0, -1] for r in ort_kv_logits(q, cfg, STEPS[0], STEPS[1:])])
-        for act, tol in ((32, 1e-4), (8, 6e-2)):   # A8: the tiny model's Q4_0 graph is 3.8% off too
-            art = tmp_path / f"{opts[0][2:]}-a{act}.qwc"
-            assert main(["-q", "compile", str(q), "--act-bits", str(act), "--kv-dtype", "f32", "-o", str(art)]) == 0
+        builds = [(32, "host", 1e-4), (8, "x86-avx2", 6e-2)]   # A8: the tiny model's Q4_0 graph is 3.8% off too
+        builds += [(8, "host", 6e-2)] if cpu.has("avx512_vnni") else []
+        for act, target, tol in builds:
+            art = tmp_path / f"{opts[0][2:]}-a{act}-{target}.qwc"
+            assert main(["-q", "compile", str(q), "--act-bits", str(act), "--kv-dtype", "f32", "--target", target,
+                         "-o", str(art)]) == 0
+            halves = any(".qwc_hi" in name for name in _params(art))
+            assert halves == (act == 32 or target == "x86-avx2"), (opts, act, target)
             got = _compiled_logits(art)
-            assert np.abs(got - ref).max() / np.abs(ref).max() < tol, (opts, act)
+            assert np.abs(got - ref).max() / np.abs(ref).max() < tol, (opts, act, target)
 
 
 def test_bits_8_needs_blocks_of_32(tiny_onnx, tmp_path, capsys):
     code = main(["-q", "optimize", str(tiny_onnx), "--bits", "8", "--block-size", "128", "-o", str(tmp_path / "x.onnx")])
     one_line(capsys, code, "blocks of 32")
+
+
+def test_arm_w8a8_repacking_keeps_one_copy_of_a_tied_q8_0_embedding(gguf_model):
+    """On arm-yitian the Q8_0 matrices take the W8A8 kernels' row groups (row_groups.pack_int8)
+    in place of two 4-bit halves, and the tied Q8_0 embedding reads the output's repacked codes
+    (generic.gather_q8_row_groups): no initializer is added."""
+    from qwc.compiler.kernels import row_groups
+    from qwc.compiler.repack import q8_0_nibble_halves, repack_weights
+    from qwc.compiler.targets import get_target
+    from qwc.passes.graph import tensor_array
+
+    d, _ = gguf_model
+    m = onnx.load(str(d / "m.onnx"))
+    before = {t.name: tensor_array(t) for t in m.graph.initializer}
+    feats = get_target("arm-yitian").features
+    assert q8_0_nibble_halves(m, 8, feats) == 0
+    gather = next(n for n in m.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and n.input[1] == gather.input[0])
+    eight = [n for n in m.graph.node if n.op_type == "MatMulNBits"
+             and any(a.name == "bits" and a.i == 8 for a in n.attribute)]
+    assert head in eight and len(eight) == 1 + 2 * 2      # the output, k and down of 2 layers
+    plain = {n.name: (before[n.input[1]], before[n.input[2]]) for n in eight}
+    repack_weights(m, 8, feats)
+    after = {t.name: tensor_array(t) for t in m.graph.initializer}
+    assert set(after) <= set(before)                       # nothing copied
+    for n in eight:
+        w, s = row_groups.pack_int8(*plain[n.name])
+        assert np.array_equal(after[n.input[1]], w) and np.array_equal(after[n.input[2]], s)
+    assert gather.input[0] == head.input[1] and gather.input[2] == head.input[2]

@@ -18,6 +18,10 @@ Decode (one token: decode_gemv, and q4_dot at one token a tile) takes all four s
 group per block, so one load of the block's activations, scales and offset serves 16 rows; the
 prefill form takes one slice at a time over a tile of tokens, whose accumulators would not fit
 the 32 vector registers otherwise.
+
+The same kernels take Q8_0 weights as W8A8 (dot "sdot8"): eight chunks a block of signed codes
+already in the activations' order (row_groups.pack_int8), so a block is 8 loads and 8 sdot a
+slice with nothing unpacked, started from 0 (the codes are signed: no offset).
 """
 
 from __future__ import annotations
@@ -26,14 +30,14 @@ import functools
 
 from tvm import tirx
 
-from .. import DECODE_GEMV, SCHEDULED
-from ..row_groups import ROWS, groups
-from ..w4a8 import gemm_kernel, store_rows, token_count
+from .. import DECODE_GEMV, SCHEDULED, dot_bits
+from ..row_groups import INT8_CHUNKS, ROWS, chunks, groups
+from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 
 LANES = 4          # int32 lanes of a 128-bit vector: rows per slice
 SLICES = ROWS // LANES
 SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
-DEFAULT_TOKENS = {"sdot": 4}                  # prefill tile width (arm-neon), as x86/vnni.py's
+DEFAULT_TOKENS = {"sdot": 4, "sdot8": 4}      # prefill tile width (arm-neon), as x86/vnni.py's
 # decode_gemv's: a task holds 16 rows, a Q8_0 block 32 (no quantize); "split": parts of the blocks
 DECODE_EPILOGUES = frozenset({"bias", "split"})
 
@@ -51,9 +55,16 @@ def _lane(T, v, i):
     return T.reinterpret("int8x16", tirx.Shuffle([T.reinterpret("int32x4", v)], [i] * 4))
 
 
-def _slice_dot(T, w, aq, off, g, b, q, t):
+def _slice_dot(T, w, aq, off, g, b, q, t, bits: int = 4):
     """int32x4: rows 16g+4q .. +3, block b, token t, as one chain of 8 sdot (one expression:
-    named temporaries would become per-thread allocations inside the parallel loop)."""
+    named temporaries would become per-thread allocations inside the parallel loop). Q4_0
+    starts from the quantizer's offsets; Q8_0's signed codes from 0."""
+    if bits == 8:
+        acc = T.broadcast(T.int32(0), LANES)
+        for i in range(INT8_CHUNKS):
+            v = T.reinterpret("int8x16", w.vload([g, b, i, 16 * q], "uint8x16"))
+            acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, v, _lane(T, aq.vload([t, b, 16 * (i // 4)], "int8x16"), i % 4))
+        return acc
     acc = T.broadcast(off[t, b], LANES)
     for i in range(4):
         v = w.vload([g, b, i, 16 * q], "uint8x16")
@@ -64,6 +75,14 @@ def _slice_dot(T, w, aq, off, g, b, q, t):
     return acc
 
 
+def offsets_term(T, wc, ad, off, g, b, q, t):
+    """float32x4, halved (halved_float): Q4_1's block offsets of rows 16g+4q .. +3 times the
+    activations' block sum of token t (scale x sum of the codes, from the quantizer's int32
+    offset): the minimum's term, one FMA a block and slice."""
+    bsum = ad[t, b] * T.Cast("float32", off[t, b]) * T.float32(block_sum_factor(halved=True))
+    return wc.vload([g, b, LANES * q], "float32x4") * T.broadcast(bsum, LANES)
+
+
 def _scales(T, ws, g, b, q):
     if ws.dtype == "float16":
         return T.Cast("float32x4", ws.vload([g, b, LANES * q], "float16x4"))
@@ -72,9 +91,10 @@ def _scales(T, ws, g, b, q):
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None,
-           m: int | None = None):
+           m: int | None = None, bits: int = 4, offsets: bool = False):
     """y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the -8 x sum
-    offsets as int32: act_quant layout "arm") and the row-group weights; M any, or `m` (tuning measures at fixed M)."""
+    offsets as int32: act_quant layout "arm") and the row-group weights (`bits` 4: Q4_0, 8:
+    Q8_0; `offsets`: with Q4_1's block offsets); M any, or `m` (tuning measures at fixed M)."""
     from tvm.script import tirx as T
 
     ng = groups(n)
@@ -87,7 +107,7 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
         store_rows(y, t, g * ROWS + LANES * q, LANES, n, acc, k * LANES, 2)
 
     @T.macro
-    def group(w, aq, off, ws, ad, y, g, t):
+    def group(w, aq, off, ws, ad, y, wc, g, t):
         """All 16 rows of group g for one token: one activation load per block serves 4 slices."""
         acc = T.decl_buffer((SLICES * LANES,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
         for q in T.unroll(SLICES):
@@ -95,13 +115,16 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
         for b in range(nb):
             for q in T.unroll(SLICES):
                 acc[T.ramp(q * LANES, 1, LANES)] = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(
-                    T, _slice_dot(T, w, aq, off, g, b, q, t)) * (
+                    T, _slice_dot(T, w, aq, off, g, b, q, t, bits)) * (
                     _scales(T, ws, g, b, q) * T.broadcast(ad[t, b], LANES))
+                if wc is not None:   # decided when the kernel is built
+                    acc[T.ramp(q * LANES, 1, LANES)] = acc[T.ramp(q * LANES, 1, LANES)] + offsets_term(
+                        T, wc, ad, off, g, b, q, t)
         for q in T.unroll(SLICES):
             store(y, acc, t, g, q, q)
 
     @T.macro
-    def tile(w, aq, off, ws, ad, y, g, q, first, count):
+    def tile(w, aq, off, ws, ad, y, wc, g, q, first, count):
         """Rows 16g+4q .. +3 of tokens first .. first+count-1 (the unpacked weights serve them all)."""
         acc = T.decl_buffer((count * LANES,), "float32", scope="global")
         for t in T.unroll(count):
@@ -109,43 +132,47 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
         for b in range(nb):
             for t in T.unroll(count):
                 acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
-                    T, _slice_dot(T, w, aq, off, g, b, q, first + t)) * (
+                    T, _slice_dot(T, w, aq, off, g, b, q, first + t, bits)) * (
                     _scales(T, ws, g, b, q) * T.broadcast(ad[first + t, b], LANES))
+                if wc is not None:
+                    acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + offsets_term(
+                        T, wc, ad, off, g, b, q, first + t)
         for t in T.unroll(count):
             store(y, acc, first + t, g, q, t)
 
     @T.macro
-    def body(w, aq, off, ws, ad, y):
+    def body(w, aq, off, ws, ad, y, wc):
         if tm == 1:
             for g in T.parallel(ng):
                 for t in range(rows_in):
-                    group(w, aq, off, ws, ad, y, g, t)
+                    group(w, aq, off, ws, ad, y, wc, g, t)
         else:
             # a task per slice, as the smmla GEMM's (arm/i8mm.py): few groups still fill T threads
             # (g, q) written out at each use: let-bound, they cost LLVM two registers and spills
             for gq in T.parallel(ng * SLICES):
                 for it in range(rows_in // tm):
-                    tile(w, aq, off, ws, ad, y, gq // SLICES, gq % SLICES, it * tm, tm)
+                    tile(w, aq, off, ws, ad, y, wc, gq // SLICES, gq % SLICES, it * tm, tm)
                 for i in range(rows_in // tm * tm, rows_in):
-                    tile(w, aq, off, ws, ad, y, gq // SLICES, gq % SLICES, i, 1)
+                    tile(w, aq, off, ws, ad, y, wc, gq // SLICES, gq % SLICES, i, 1)
 
-    return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32")
+    return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32", chunks=chunks(bits), offsets=offsets)
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
-                 batched_decode: bool = False, dot: str = "sdot"):
+                 batched_decode: bool = False, dot: str = "sdot", offsets: bool = False):
     """The registry's prefill GEMM (kernels/w4a8.py): q4_dot over tiles of tokens."""
-    return q4_dot(n, nb, False, scale_dtype, tokens=tokens, m=m)
+    return q4_dot(n, nb, False, scale_dtype, tokens=tokens, m=m, bits=dot_bits(dot), offsets=offsets)
 
 
-def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16",
+def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str = "float16",
                 silu_mul: bool = False, quantize: int | None = None, dot: str = "sdot", split: int = 1):
-    """The registry's decode GEMV (kernels/w4a8.py): outputs with biases only."""
+    """The registry's decode GEMV (kernels/w4a8.py): outputs with biases (and block offsets) only."""
+    outputs = tuple((o[0], o[1], o[2] if len(o) > 2 else False) for o in outputs)
     if silu_mul or quantize is not None:
         raise ValueError("the ARM decode GEMV has no silu_mul / quantize epilogue")
     if split != 1 and (len(outputs) != 1 or not 1 <= split <= nb):
         raise ValueError(f"a decode GEMV splits the blocks of one output, not {len(outputs)} into {split}")
-    return _decode_gemv(tuple(outputs), nb, scale_dtype, split)
+    return _decode_gemv(tuple(outputs), nb, scale_dtype, split, dot)
 
 
 def block_split(n: int, nb: int, threads: int) -> int:
@@ -163,11 +190,13 @@ def block_split(n: int, nb: int, threads: int) -> int:
 
 
 @functools.cache
-def _decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str, split: int = 1):
+def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str, split: int = 1,
+                 dot: str = "sdot"):
     """Decode: one token through several weights that read the same activations, in one
-    parallel launch: outputs = ((N, with bias), ...). Arguments: aq [1, NB, 32], ad [1, NB],
-    off [1, NB] int32 (act_quant layout "arm"), then per output its packed weights, scales and
-    bias [N] if it has one, then the outputs y [1, N] in order. The bias is added as the rows
+    parallel launch: outputs = ((N, with bias, with block offsets), ...). Arguments: aq
+    [1, NB, 32], ad [1, NB], off [1, NB] int32 (act_quant layout "arm"), then per output its
+    packed weights, scales, Q4_1's block offsets if it has them and bias [N] if it has one,
+    then the outputs y [1, N] in order. The bias is added as the rows
     are stored: a projection's bias, or the residual stream (compiler/fuse_residual_gemv.py),
     with no kernel of its own, and q, k and v are one launch (compiler/sibling_gemvs.py).
 
@@ -178,19 +207,22 @@ def _decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: st
 
     With `split` > 1 (one output): y is [split, N], a task one row group over one part of
     the blocks (block_split), the bias added to part 0; the RMSNorm quantizer that reads y sums
-    the parts (act_quant.fused_quantizer's `parts`; compiler/split_residual_gemv.py)."""
+    the parts (act_quant.fused_quantizer's `parts`; compiler/split_residual_gemv.py).
+    `dot` "sdot8": Q8_0 weights (8 chunks a block)."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    def group(w, ws, bias, y, n, aq, ad, off, g, part=0, b0=0, b1=nb):
+    def group(w, ws, wc, bias, y, n, aq, ad, off, g, part=0, b0=0, b1=nb):
         acc = T.decl_buffer((SLICES * LANES,), "float32", scope="global")   # a stack slot: see q4_dot
         for q in range(SLICES):
             T.buffer_store(acc, T.broadcast(T.float32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
         with T.serial(b0, b1) as b:
             for q in range(SLICES):
-                T.buffer_store(acc, acc[T.ramp(q * LANES, 1, LANES)] + halved_float(
-                    T, _slice_dot(T, w, aq, off, g, b, q, 0)) * (
-                    _scales(T, ws, g, b, q) * T.broadcast(ad[0, b], LANES)), [T.ramp(q * LANES, 1, LANES)])
+                value = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, _slice_dot(T, w, aq, off, g, b, q, 0, bits)) * (
+                    _scales(T, ws, g, b, q) * T.broadcast(ad[0, b], LANES))
+                if wc is not None:
+                    value = value + offsets_term(T, wc, ad, off, g, b, q, 0)
+                T.buffer_store(acc, value, [T.ramp(q * LANES, 1, LANES)])
         for q in range(SLICES):   # doubled: halved_float
             row = g * ROWS + q * LANES
 
@@ -210,36 +242,38 @@ def _decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: st
                                 with T.Then():
                                     T.buffer_store(y, value(i, 1), [part, row + i])
 
+    bits = dot_bits(dot)
     with IRBuilder() as ib:
         with T.prim_func(private=True):
             # opaque: FuseOps leaves it whole; DECODE_GEMV marks it for the decode fusions
-            T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True, DECODE_GEMV: "sdot"})
+            T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True, DECODE_GEMV: dot})
             aq = T.arg("aq", T.buffer((1, nb, 32), "int8"))
             ad = T.arg("ad", T.buffer((1, nb), "float32"))
             off = T.arg("off", T.buffer((1, nb), "int32"))
             weights = []
-            for i, (n, has_bias) in enumerate(outputs):
-                w = T.arg(f"w{i}", T.buffer((groups(n), nb, 4, 4 * ROWS), "uint8"))
+            for i, (n, has_bias, has_offsets) in enumerate(outputs):
+                w = T.arg(f"w{i}", T.buffer((groups(n), nb, chunks(bits), 4 * ROWS), "uint8"))
                 ws = T.arg(f"s{i}", T.buffer((groups(n), nb, ROWS), scale_dtype))
+                wc = T.arg(f"c{i}", T.buffer((groups(n), nb, ROWS), "float32")) if has_offsets else None
                 bias = T.arg(f"bias{i}", T.buffer((n,), "float32")) if has_bias else None
-                weights.append((w, ws, bias, n))
-            ys = [T.arg(f"y{i}", T.buffer((split, n), "float32")) for i, (n, _) in enumerate(outputs)]
+                weights.append((w, ws, wc, bias, n))
+            ys = [T.arg(f"y{i}", T.buffer((split, n), "float32")) for i, (n, _, _) in enumerate(outputs)]
             if split > 1:
-                (w, ws, bias, n), y = weights[0], ys[0]
+                (w, ws, wc, bias, n), y = weights[0], ys[0]
                 with T.parallel(0, groups(n) * split) as task:
                     # part p: blocks [p nb / split, (p + 1) nb / split); the bias once, in part 0
                     for p in range(split):
                         with T.If(task % split == p):
                             with T.Then():
-                                group(w, ws, bias if p == 0 else None, y, n, aq, ad, off, task // split,
+                                group(w, ws, wc, bias if p == 0 else None, y, n, aq, ad, off, task // split,
                                       p, p * nb // split, (p + 1) * nb // split)
             else:
-                total = sum(groups(n) for n, _ in outputs)
+                total = sum(groups(o[0]) for o in outputs)
                 with T.parallel(0, total) as task:
                     first = 0
-                    for (w, ws, bias, n), y in zip(weights, ys):
+                    for (w, ws, wc, bias, n), y in zip(weights, ys):
                         with T.If(T.And(task >= first, task < first + groups(n))):
                             with T.Then():
-                                group(w, ws, bias, y, n, aq, ad, off, task - first)
+                                group(w, ws, wc, bias, y, n, aq, ad, off, task - first)
                         first += groups(n)
     return ib.get()

@@ -26,6 +26,10 @@ weights of a block serve every pair of the tile. A lone leftover pair joins the 
 tile (a tile of 6, converting plainly), other leftovers take tiles of 4, 2 and 1 pairs, an
 odd last token a pair with itself, stored once. Decode (one token) stays on sdot:
 smmla would waste half its work.
+
+Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k of a row pair
+is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumulation started
+from 0 instead of the offsets.
 """
 
 from __future__ import annotations
@@ -34,23 +38,30 @@ import functools
 
 from tvm import tirx
 
-from ..row_groups import ROWS, groups
-from ..w4a8 import gemm_kernel, token_count
+from .. import dot_bits
+from ..row_groups import ROWS, chunks, groups
+from ..w4a8 import block_sum_factor, gemm_kernel, token_count
 from .dotprod import halved_float
 
 LANES = 4          # rows per 128-bit slice of a chunk
 SLICES = ROWS // LANES
 MERGE_INTO = 5     # tile pairs after which a lone leftover pair merges into a 6-pair tile
 SMMLA = "llvm.aarch64.neon.smmla.v4i32.v16i8"
-DEFAULT_TOKENS = {"smmla": 10}     # 5 token pairs a prefill tile: see this module's docstring
+DEFAULT_TOKENS = {"smmla": 10, "smmla8": 10}   # 5 token pairs a prefill tile: see this module's docstring
 DECODE_EPILOGUES = frozenset()     # prefill only: decode runs arm/dotprod.py's GEMV
 
 
-def _rows(T, w, g, b, q, k, rp):
+def _rows(T, w, g, b, q, k, rp, bits: int = 4):
     """int8x16: rows (r, r + 1) = 16g + 4q + 2rp + (0, 1), 8 weights each, that meet
     activation piece k (0..3) of block b: chunks 2(k % 2), 2(k % 2) + 1 zipped (packed, so
-    one zip serves both nibbles), low nibbles for k < 2, high ones for k >= 2."""
+    one zip serves both nibbles), low nibbles for k < 2, high ones for k >= 2. Q8_0 codes:
+    chunks 2k, 2k + 1 zipped, as they are."""
     assert rp in (0, 1)   # a Python int: it picks the zip pattern
+    if bits == 8:
+        z = tirx.Shuffle([T.reinterpret("int32x4", w.vload([g, b, 2 * k, 16 * q], "uint8x16")),
+                          T.reinterpret("int32x4", w.vload([g, b, 2 * k + 1, 16 * q], "uint8x16"))],
+                         [0, 4, 1, 5] if rp == 0 else [2, 6, 3, 7])
+        return T.reinterpret("int8x16", z)
     i = 2 * (k % 2)
     z = tirx.Shuffle([T.reinterpret("int32x4", w.vload([g, b, i, 16 * q], "uint8x16")),
                       T.reinterpret("int32x4", w.vload([g, b, i + 1, 16 * q], "uint8x16"))],
@@ -60,13 +71,13 @@ def _rows(T, w, g, b, q, k, rp):
     return T.reinterpret("int8x16", v)
 
 
-def _pair_dot(T, w, aqf, init, g, b, q, rp, base):
+def _pair_dot(T, w, aqf, init, g, b, q, rp, base, bits: int = 4):
     """int32x4 [r0 t0, r0 t1, r1 t0, r1 t1] of block b for the row pair rp of slice q and the
     token pair whose interleaved block-b activations start at flat index `base`, from `init` (the
     pair's offsets); one expression (named temporaries would become per-thread allocations)."""
     acc = init
     for k in range(4):
-        acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp),
+        acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp, bits),
                                       aqf.vload([base + 16 * k], "int8x16"))
     return acc
 
@@ -82,13 +93,20 @@ def _convert(T, pairs: int, v):
     return halved_float(T, v) if pairs <= FIXED_POINT_PAIRS else T.Cast("float32x4", v)
 
 
-def _pair_update(T, w, aqf, adf, offf, ws, g, b, q, rp, at, pairs: int):
+def _pair_update(T, w, aqf, adf, offf, ws, wc, g, b, q, rp, at, pairs: int, bits: int = 4):
     """float32x4: block b's contribution to row pair rp of slice q for the token pair whose
     block-b entries start at `at` (in token units: activations at 32 at, scales and offsets at
-    2 at), in a tile of `pairs` pairs: the pair dot from its offsets, converted, times
-    [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1]."""
-    dot = _pair_dot(T, w, aqf, offf.vload([at * 2], "int32x4"), g, b, q, rp, at * 32)
-    return _convert(T, pairs, dot) * (_row_scales(T, ws, g, b, q, rp) * adf.vload([at * 2], "float32x4"))
+    2 at), in a tile of `pairs` pairs: the pair dot from its offsets (Q8_0: from 0), converted,
+    times [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1]; with Q4_1's block offsets wc, plus
+    [c r0 s t0, c r0 s t1, c r1 s t0, c r1 s t1] (s: the tokens' block sums)."""
+    init = T.broadcast(T.int32(0), 4) if bits == 8 else offf.vload([at * 2], "int32x4")
+    dot = _pair_dot(T, w, aqf, init, g, b, q, rp, at * 32, bits)
+    value = _convert(T, pairs, dot) * (_row_scales(T, ws, g, b, q, rp) * adf.vload([at * 2], "float32x4"))
+    if wc is None:
+        return value
+    sums = adf.vload([at * 2], "float32x4") * T.Cast("float32x4", offf.vload([at * 2], "int32x4")) * T.broadcast(
+        T.float32(block_sum_factor(halved=pairs <= FIXED_POINT_PAIRS)), 4)
+    return value + _row_scales(T, wc, g, b, q, rp) * sums
 
 
 def _row_scales(T, ws, g, b, q, rp):
@@ -100,15 +118,17 @@ def _row_scales(T, ws, g, b, q, rp):
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
-                 batched_decode: bool = False, dot: str = "smmla"):
+                 batched_decode: bool = False, dot: str = "smmla", offsets: bool = False):
     """The registry's prefill GEMM (kernels/w4a8.py): q4_gemm."""
-    return q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m)
+    return q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m, bits=dot_bits(dot), offsets=offsets)
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
-def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None):
+def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None,
+            bits: int = 4, offsets: bool = False):
     """y [M, N] (M >= 1, any, or `m` for tuning) from the pair-interleaved int8 activations
-    (act_quant layout "arm_pairs") and the row-group weights, in tiles of `tokens` (even)."""
+    (act_quant layout "arm_pairs") and the row-group weights (`bits` 4: Q4_0, 8: Q8_0;
+    `offsets`: with Q4_1's block offsets), in tiles of `tokens` (even)."""
     from tvm.script import tirx as T
 
     ng = groups(n)
@@ -117,7 +137,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
     rows_in = token_count(m)
 
     @T.macro
-    def tile(w, aqf, adf, offf, ws, y, g, q, first, pairs):
+    def tile(w, aqf, adf, offf, ws, wc, y, g, q, first, pairs):
         """Rows 16g+4q .. +3 of `pairs` token pairs from token `first` (even)."""
         acc = T.decl_buffer((pairs * 8,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
         for p in T.unroll(pairs * 2):
@@ -127,9 +147,9 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                 # The two row pairs written out: the zip pattern must be a Python constant (a
                 # loop variable's `rp == 0` would not be).
                 acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                    T, w, aqf, adf, offf, ws, g, b, q, 0, b * rows_in + first + 2 * p, pairs)
+                    T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits)
                 acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                    T, w, aqf, adf, offf, ws, g, b, q, 1, b * rows_in + first + 2 * p, pairs)
+                    T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits)
         for p in T.unroll(pairs):
             for rp in T.unroll(2):
                 for j in T.unroll(2):
@@ -140,15 +160,15 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
 
     def _single_dot(T, w, aqf, offf, g, b, q, rp, t):
         """The odd last token t (plain aq layout) against itself: B's halves both hold it."""
-        acc = T.broadcast(offf[(b * rows_in + t) * 2], 4)
+        acc = T.broadcast(T.int32(0) if bits == 8 else offf[(b * rows_in + t) * 2], 4)
         for k in range(4):
             piece = T.reinterpret("int8x16", T.broadcast(
                 T.reinterpret("int64", aqf.vload([(b * rows_in + t) * 32 + 8 * k], "int8x8")), 2))
-            acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp), piece)
+            acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp, bits), piece)
         return acc
 
     @T.macro
-    def last_tile(w, aqf, adf, offf, ws, y, g, q, t):
+    def last_tile(w, aqf, adf, offf, ws, wc, y, g, q, t):
         """The odd last token: lanes [r0 t, r0 t, r1 t, r1 t], stored once."""
         acc = T.decl_buffer((8,), "float32", scope="global")
         for p in T.unroll(2):
@@ -158,6 +178,13 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                 T, w, aqf, offf, g, b, q, 0, t)) * (_row_scales(T, ws, g, b, q, 0) * T.broadcast(adf[(b * rows_in + t) * 2], 4))
             acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + halved_float(T, _single_dot(
                 T, w, aqf, offf, g, b, q, 1, t)) * (_row_scales(T, ws, g, b, q, 1) * T.broadcast(adf[(b * rows_in + t) * 2], 4))
+            if wc is not None:   # Q4_1's block offsets times the token's block sum (halved)
+                acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + _row_scales(T, wc, g, b, q, 0) * T.broadcast(
+                    adf[(b * rows_in + t) * 2] * T.Cast("float32", offf[(b * rows_in + t) * 2])
+                    * T.float32(block_sum_factor(halved=True)), 4)
+                acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + _row_scales(T, wc, g, b, q, 1) * T.broadcast(
+                    adf[(b * rows_in + t) * 2] * T.Cast("float32", offf[(b * rows_in + t) * 2])
+                    * T.float32(block_sum_factor(halved=True)), 4)
         for rp in T.unroll(2):
             for j in T.unroll(2):
                 if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
@@ -170,7 +197,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         return tirx.And(m // 2 % tile_pairs == 1, m // 2 > tile_pairs)
 
     @T.macro
-    def body(w, aq, off, ws, ad, y):
+    def body(w, aq, off, ws, ad, y, wc):
         aqf = T.decl_buffer((rows_in * nb * 32,), "int8", data=aq.data)
         adf = T.decl_buffer((rows_in * nb * 2,), "float32", data=ad.data)
         offf = T.decl_buffer((rows_in * nb * 2,), "int32", data=off.data)
@@ -188,22 +215,23 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         # out at each use: let-bound, they cost LLVM two registers and spills in the tile loop.
         for gq in T.parallel(ng * SLICES):
             for it in range(whole):
-                tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs)
+                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs)
             if tile_pairs == MERGE_INTO:
                 if merge:   # a lone leftover pair rides with the last whole tile
-                    tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs, tile_pairs + 1)
+                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs, tile_pairs + 1)
             # the pairs left over (fewer than a tile's): tiles of 4, 2 and 1 pairs
             p4 = T.bind(rows_in // 2 - left)
             if tile_pairs > 4:
                 if left >= 4:
-                    tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, 2 * p4, 4)
+                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4)
             p2 = T.bind(p4 + left // 4 * 4)
             if tile_pairs > 2:
                 if left % 4 >= 2:
-                    tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, 2 * p2, 2)
+                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2)
             if left % 2 == 1:
-                tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, 2 * (p2 + left % 4 // 2 * 2), 1)
+                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + left % 4 // 2 * 2), 1)
             if rows_in % 2 == 1:
-                last_tile(w, aqf, adf, offf, ws, y, gq // SLICES, gq % SLICES, rows_in - 1)
+                last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1)
 
-    return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32", pair_scales=True)
+    return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32", pair_scales=True,
+                       chunks=chunks(bits), offsets=offsets)

@@ -14,19 +14,26 @@ Prefill runs tiles of `tokens` tokens over a group, so each unpacked weight vect
 of them and the group's weights (nb x 256 bytes: 39 KiB at K = 4864) stay in L1/L2. This
 replaced a two-rows-per-vector form with a horizontal sum per row: 1.75x on pp512 and 1.5x
 on decode for the 0.5B shape (docs/design.md).
+
+Q8_0 weights run as W8A8 (dot "vnni8") on the same kernels: eight chunks a block of the codes
+u = q + 128 (row_groups.pack_int8, unsigned: vpdpbusd's unsigned operand as they are), so
+dot(q, a) = dot(u, a) - 128 x sum(a), which is 16 x the quantizer's offset: the accumulation
+starts there, and a block is 8 vpdpbusd with nothing unpacked. AVX2 has no such form (its
+vpmaddubsw pair sums of u x a overflow int16); there Q8_0 runs as two 4-bit halves
+(compiler/repack.py).
 """
 
 from __future__ import annotations
 
 import functools
 
-from .. import DECODE_GEMV, SCHEDULED
-from ..row_groups import ROWS, groups
-from ..w4a8 import gemm_kernel, store_rows, token_count
+from .. import DECODE_GEMV, SCHEDULED, dot_bits
+from ..row_groups import ROWS, chunks, groups
+from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 
 # Tokens per prefill tile, the hand value (`qwc tune` searches targets.W4A8.prefill_tokens):
 # see this module's docstring.
-DEFAULT_TOKENS = {"vnni": 4, "avx2": 4}
+DEFAULT_TOKENS = {"vnni": 4, "avx2": 4, "vnni8": 4}
 DECODE_EPILOGUES = frozenset({"bias", "silu_mul", "quantize"})   # decode_gemv's
 
 # Decode prefetches the weights 4 blocks (1 KiB) ahead into L1, in each of its STREAMS
@@ -55,6 +62,14 @@ def _block_dot(T, w, aq, off, g, b, t, dot: str = "vnni"):
 
     def act(j):   # activation bytes 4j..4j+3 in every lane
         return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", aq.vload([t, b, 4 * j], "int8x4")), 16))
+
+    if dot_bits(dot) == 8:   # Q8_0's u = q + 128: from 16 x (-8 x sum(a)), the codes as they are
+        lo = T.broadcast(T.Cast("int32", off[t, b] * T.float32(16)), 16)
+        hi = T.broadcast(T.int32(0), 16)
+        for i in range(4):
+            lo = T.call_llvm_pure_intrin("int32x16", dp, lo, w.vload([g, b, i, 0], "uint8x64"), act(i))
+            hi = T.call_llvm_pure_intrin("int32x16", dp, hi, w.vload([g, b, 4 + i, 0], "uint8x64"), act(4 + i))
+        return lo + hi
 
     lo = T.broadcast(T.Cast("int32", off[t, b]), 16)
     hi = T.broadcast(T.int32(0), 16)
@@ -89,6 +104,12 @@ def _block_dot_avx2(T, w, aq, off, g, b, t):
     return T.Shuffle(halves, list(range(16)))
 
 
+def _offsets_term(T, wc, ad, off, g, b, t):
+    """float32x16: Q4_1's block offsets of the 16 rows times the activations' block sum (scale x
+    sum of the codes, from the quantizer's offset): the minimum's term, one FMA a block."""
+    return wc.vload([g, b, 0], "float32x16") * T.broadcast(ad[t, b] * off[t, b] * T.float32(block_sum_factor()), ROWS)
+
+
 def _scales(T, ws, g, b, scale_dtype):
     """The 16 rows' fp32 scales of group g, block b."""
     if scale_dtype == "float16":
@@ -108,12 +129,13 @@ BATCHED_DECODE_TOKENS = 8   # q4_matmul's leftover tiles (4, 2, 1) assume 8
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None,
-              batched_decode: bool = False, dot: str = "vnni"):
+              batched_decode: bool = False, dot: str = "vnni", offsets: bool = False):
     """Prefill: y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the
     -8 x sum offsets) and the packed weights, in tiles of `tokens` tokens per row group and
     leftovers one at a time. M is any number of tokens, or `m` (tuning measures at fixed M).
     `batched_decode`: the form for decode_batch (BATCHED_DECODE_TOKENS above; `tokens` unused).
-    `dot`: "vnni" (AVX-512 VNNI) or "avx2" (_block_dot)."""
+    `dot`: "vnni" (AVX-512 VNNI), "avx2" (_block_dot) or "vnni8" (Q8_0 weights). `offsets`:
+    with Q4_1's block offsets (w4a8.gemm_kernel)."""
     from tvm.script import tirx as T
 
     ng = groups(n)
@@ -122,7 +144,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
     ahead, locality = PREFETCH[0]   # batched decode: the GEMV's (one) prefetch distance
 
     @T.macro
-    def tile(w, aq, off, ws, ad, y, g, first, count, prefetch):
+    def tile(w, aq, off, ws, ad, y, wc, g, first, count, prefetch):
         """Rows 16g .. 16g+15 of tokens first .. first+count-1 (in prefill the group's weights
         are in cache after the first tile: no prefetch)."""
         # "global", not "local": TVM places small constant-size global allocations on the stack
@@ -133,49 +155,53 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
             acc[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
         for b in range(nb):
             if prefetch:   # decided when the kernel is built
-                for i in T.unroll(4):
+                for i in T.unroll(chunks(dot_bits(dot))):
                     T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + ahead, i, 0]),
                                                   T.int32(0), T.int32(locality), T.int32(1)))
             for t in T.unroll(count):
                 acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + T.Cast(
                     "float32x16", _block_dot(T, w, aq, off, g, b, first + t, dot)) * (
                     _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
+                if wc is not None:   # decided when the kernel is built
+                    acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + _offsets_term(
+                        T, wc, ad, off, g, b, first + t)
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None)
 
     @T.macro
-    def body(w, aq, off, ws, ad, y):
+    def body(w, aq, off, ws, ad, y, wc):
         for g in T.parallel(ng):
             for it in range(rows_in // tm):
-                tile(w, aq, off, ws, ad, y, g, it * tm, tm, batched_decode)
+                tile(w, aq, off, ws, ad, y, wc, g, it * tm, tm, batched_decode)
             if batched_decode:  # decided when the kernel is built
                 # the r = M mod 8 leftover tokens: one tile per set bit of r, largest first
                 if (rows_in % tm) // 4 % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, g, rows_in // tm * tm, 4, False)
+                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm, 4, False)
                 if (rows_in % tm) // 2 % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, g, rows_in // tm * tm + (rows_in % tm) // 4 * 4, 2, False)
+                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm + (rows_in % tm) // 4 * 4, 2, False)
                 if (rows_in % tm) % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, g, rows_in // tm * tm + (rows_in % tm) // 2 * 2, 1, False)
+                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm + (rows_in % tm) // 2 * 2, 1, False)
             elif tm > 1:
                 for i in range(rows_in // tm * tm, rows_in):
-                    tile(w, aq, off, ws, ad, y, g, i, 1, False)
+                    tile(w, aq, off, ws, ad, y, wc, g, i, 1, False)
 
-    return gemm_kernel(n, nb, scale_dtype, rows_in, body)
+    return gemm_kernel(n, nb, scale_dtype, rows_in, body, chunks=chunks(dot_bits(dot)), offsets=offsets)
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
-                 batched_decode: bool = False, dot: str = "vnni"):
+                 batched_decode: bool = False, dot: str = "vnni", offsets: bool = False):
     """The registry's prefill GEMM (kernels/w4a8.py): q4_matmul."""
-    return q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode, dot=dot)
+    return q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode, dot=dot, offsets=offsets)
 
 
 @functools.cache
-def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str = "float16", silu_mul: bool = False,
-                quantize: int | None = None, dot: str = "vnni"):
+def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str = "float16",
+                silu_mul: bool = False, quantize: int | None = None, dot: str = "vnni"):
     """Decode: one token through several weights that read the same activations (q, k and v;
-    gate and up) in one parallel launch: outputs = ((N, with bias), ...). Arguments: aq, ad,
-    off [1, ...] as for q4_matmul, then per output its packed weights, scales and bias [N] if
-    it has one, then the outputs y [1, N] in order (compiler/sibling_gemvs.py merges them).
+    gate and up) in one parallel launch: outputs = ((N, with bias, with block offsets), ...).
+    Arguments: aq, ad, off [1, ...] as for q4_matmul, then per output its packed weights,
+    scales, Q4_1's block offsets if it has them and bias [N] if it has one, then the outputs
+    y [1, N] in order (compiler/sibling_gemvs.py merges them).
     `silu_mul`: two outputs (gate, up) of one N, written as the one output silu(gate) * up
     [1, N] (the MLP's hidden state: no kernel of its own, the gate and up never stored).
     `quantize` (with `silu_mul`, N a multiple of 32): instead of y, the Q8_0 of the hidden
@@ -196,7 +222,8 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
     from .. import vector_math
     from ..act_quant import BLOCK, quantize_block
 
-    if silu_mul and (len(outputs) != 2 or outputs[0][0] != outputs[1][0] or any(b for _, b in outputs)):
+    outputs = tuple((o[0], o[1], o[2] if len(o) > 2 else False) for o in outputs)
+    if silu_mul and (len(outputs) != 2 or outputs[0][0] != outputs[1][0] or any(o[1] for o in outputs)):
         raise ValueError(f"silu_mul takes gate and up of one N without biases, got {outputs}")
     if quantize is not None and not (silu_mul and outputs[0][0] % BLOCK == 0):
         raise ValueError(f"quantize takes silu_mul outputs of an N that is a multiple of {BLOCK}, got {outputs}")
@@ -210,22 +237,25 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
         for ahead, locality in PREFETCH:
             # past the group's last block: the stream's next group (`step` groups on)
             blk = b + ahead if step == 1 else b + ahead + T.if_then_else(b + ahead >= nb, (step - 1) * nb, 0)
-            for i in range(4):
+            for i in range(chunks(dot_bits(dot))):
                 T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, blk, i, 0]),
                                               T.int32(0), T.int32(locality), T.int32(1)))   # read, data
 
     def accumulate(streams):
-        """Accumulators of the (weights, scales, row group) streams over all blocks, in lockstep."""
+        """Accumulators of the (weights, scales, block offsets or None, row group) streams over
+        all blocks, in lockstep."""
         acc = T.decl_buffer((len(streams) * ROWS,), "float32", scope="global")   # a stack slot: see q4_matmul
         for h in range(len(streams)):
             T.buffer_store(acc, T.broadcast(T.float32(0), ROWS), [T.ramp(h * ROWS, 1, ROWS)])
         with T.serial(0, nb) as b:
-            for w, _, g in streams:
+            for w, _, _, g in streams:
                 prefetch(w, g, b)
-            for h, (w, ws, g) in enumerate(streams):
-                T.buffer_store(acc, acc[T.ramp(h * ROWS, 1, ROWS)] + T.Cast("float32x16", _block_dot(T, w, aq, off, g, b, 0, dot))
-                               * (_scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[0, b], ROWS)),
-                               [T.ramp(h * ROWS, 1, ROWS)])
+            for h, (w, ws, wc, g) in enumerate(streams):
+                value = acc[T.ramp(h * ROWS, 1, ROWS)] + T.Cast("float32x16", _block_dot(T, w, aq, off, g, b, 0, dot)) * (
+                    _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[0, b], ROWS))
+                if wc is not None:
+                    value = value + _offsets_term(T, wc, ad, off, g, b, 0)
+                T.buffer_store(acc, value, [T.ramp(h * ROWS, 1, ROWS)])
         return acc
 
     def store(y, n, g, value):
@@ -238,7 +268,7 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
                 T.buffer_store(y, value(r, 1), [0, g * ROWS + r])
 
     def job(task, lo, per, left, weights, y, n):
-        """Output rows of `weights` ([(w, ws, bias)]: one output, or gate and up) for tasks
+        """Output rows of `weights` ([(w, ws, wc, bias)]: one output, or gate and up) for tasks
         lo .. lo + per (streams) and lo + per (leftovers)."""
         parts = []
         if per:
@@ -250,7 +280,7 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
         for cond, gs in parts:
             with T.If(cond):
                 with T.Then():
-                    acc = accumulate([(w, ws, g) for w, ws, _ in weights for g in gs])
+                    acc = accumulate([(w, ws, wc, g) for w, ws, wc, _ in weights for g in gs])
                     if quantize is not None:   # block `task`: rows of group 2t, then of 2t + 1
                         half = [T.bind(vector_math.silu(T, acc[T.ramp(h * ROWS, 1, ROWS)], ROWS)
                                        * acc[T.ramp((2 + h) * ROWS, 1, ROWS)]) for h in range(2)]
@@ -262,7 +292,7 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
                             if silu_mul:   # gate's accumulators first, then up's
                                 u = acc[T.ramp((len(gs) + h) * ROWS, 1, ROWS) if lanes > 1 else (len(gs) + h) * ROWS + i]
                                 return vector_math.silu(T, a, lanes) * u
-                            bias = weights[0][2]
+                            bias = weights[0][3]
                             if bias is None:
                                 return a
                             return a + bias[T.ramp(g * ROWS, 1, ROWS) if lanes > 1 else g * ROWS + i]
@@ -276,11 +306,12 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
             ad = T.arg("ad", T.buffer((1, nb), "float32"))
             off = T.arg("off", T.buffer((1, nb), "float32"))
             weights = []
-            for i, (n, has_bias) in enumerate(outputs):
-                w = T.arg(f"w{i}", T.buffer((groups(n), nb, 4, 4 * ROWS), "uint8"))
+            for i, (n, has_bias, has_offsets) in enumerate(outputs):
+                w = T.arg(f"w{i}", T.buffer((groups(n), nb, chunks(dot_bits(dot)), 4 * ROWS), "uint8"))
                 ws = T.arg(f"s{i}", T.buffer((groups(n), nb, ROWS), scale_dtype))
+                wc = T.arg(f"c{i}", T.buffer((groups(n), nb, ROWS), "float32")) if has_offsets else None
                 bias = T.arg(f"bias{i}", T.buffer((n,), "float32")) if has_bias else None
-                weights.append((w, ws, bias))
+                weights.append((w, ws, wc, bias))
             # (n, weights read together, output) per job: each output, or gate and up as one
             n0 = outputs[0][0]
             if quantize is not None:   # the down projection's aq, ad, off
@@ -289,7 +320,7 @@ def decode_gemv(outputs: tuple[tuple[int, bool], ...], nb: int, scale_dtype: str
             elif silu_mul:
                 y = T.arg("y", T.buffer((1, n0), "float32"))
             jobs = ([(n0, weights, y)] if silu_mul else
-                    [(n, [wt], T.arg(f"y{i}", T.buffer((1, n), "float32"))) for i, ((n, _), wt) in enumerate(zip(outputs, weights))])
+                    [(n, [wt], T.arg(f"y{i}", T.buffer((1, n), "float32"))) for i, ((n, _, _), wt) in enumerate(zip(outputs, weights))])
             plan, first = [], 0   # (first task, per, leftover groups) per job
             for n, wts, _ in jobs:   # with `quantize`: per = n / 32 blocks, nothing left over
                 per = n // ROWS // (STREAMS // len(wts))
