@@ -93,20 +93,22 @@ def _convert(T, pairs: int, v):
     return halved_float(T, v) if pairs <= FIXED_POINT_PAIRS else T.Cast("float32x4", v)
 
 
-def _pair_update(T, w, aqf, adf, offf, ws, wc, g, b, q, rp, at, pairs: int, bits: int = 4):
+def _pair_update(T, w, aqf, adf, offf, ws, g, b, q, rp, at, pairs: int, bits: int = 4):
     """float32x4: block b's contribution to row pair rp of slice q for the token pair whose
     block-b entries start at `at` (in token units: activations at 32 at, scales and offsets at
     2 at), in a tile of `pairs` pairs: the pair dot from its offsets (Q8_0: from 0), converted,
-    times [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1]; with Q4_1's block offsets wc, plus
-    [c r0 s t0, c r0 s t1, c r1 s t0, c r1 s t1] (s: the tokens' block sums)."""
+    times [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1]."""
     init = T.broadcast(T.int32(0), 4) if bits == 8 else offf.vload([at * 2], "int32x4")
     dot = _pair_dot(T, w, aqf, init, g, b, q, rp, at * 32, bits)
-    value = _convert(T, pairs, dot) * (_row_scales(T, ws, g, b, q, rp) * adf.vload([at * 2], "float32x4"))
-    if wc is None:
-        return value
-    sums = adf.vload([at * 2], "float32x4") * T.Cast("float32x4", offf.vload([at * 2], "int32x4")) * T.broadcast(
+    return _convert(T, pairs, dot) * (_row_scales(T, ws, g, b, q, rp) * adf.vload([at * 2], "float32x4"))
+
+
+def _pair_sums(T, adf, offf, at, pairs: int):
+    """float32x4 [s t0, s t1, s t0, s t1]: the token pair's block sums (scale x sum of codes,
+    from the quantizer's offsets; halved where the tile's sums are), which Q4_1's block offsets
+    multiply: [c r0, c r0, c r1, c r1] x this is the pair's minimum term."""
+    return adf.vload([at * 2], "float32x4") * T.Cast("float32x4", offf.vload([at * 2], "int32x4")) * T.broadcast(
         T.float32(block_sum_factor(halved=pairs <= FIXED_POINT_PAIRS)), 4)
-    return value + _row_scales(T, wc, g, b, q, rp) * sums
 
 
 def _row_scales(T, ws, g, b, q, rp):
@@ -146,10 +148,26 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             for p in T.unroll(pairs):
                 # The two row pairs written out: the zip pattern must be a Python constant (a
                 # loop variable's `rp == 0` would not be).
-                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                    T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits)
-                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                    T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits)
+                if wc is None:   # decided when the kernel is built
+                    acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
+                        T, w, aqf, adf, offf, ws, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits)
+                    acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
+                        T, w, aqf, adf, offf, ws, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits)
+                elif pairs > FIXED_POINT_PAIRS:   # Q4_1 in the full-register 6-pair tile: no held value
+                    acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
+                        T, w, aqf, adf, offf, ws, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) + (
+                        _row_scales(T, wc, g, b, q, 0) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
+                    acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
+                        T, w, aqf, adf, offf, ws, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) + (
+                        _row_scales(T, wc, g, b, q, 1) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
+                else:   # Q4_1: the pair's block sums once for both row pairs
+                    sums = T.bind(_pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
+                    acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
+                        T, w, aqf, adf, offf, ws, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) + (
+                        _row_scales(T, wc, g, b, q, 0) * sums)
+                    acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
+                        T, w, aqf, adf, offf, ws, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) + (
+                        _row_scales(T, wc, g, b, q, 1) * sums)
         for p in T.unroll(pairs):
             for rp in T.unroll(2):
                 for j in T.unroll(2):
