@@ -15,8 +15,9 @@ arm/i8mm.py) holds only its dot product and its tiling.
 
 Each ISA module (x86/vnni.py, arm/dotprod.py, arm/i8mm.py) exports the same interface, which
 kernels/__init__.py calls by the name compiler/targets.py's KERNEL_MODULES gives it:
-`prefill_gemm`, `decode_gemv` where it has a decode form, `DEFAULT_TOKENS` (the hand tile
-width per dot) and `DECODE_EPILOGUES` (what its decode GEMV can add as it stores).
+`prefill_gemm`, `decode_gemv` where it has a decode form (its outputs as (N, with bias, with
+block offsets), which kernels.decode_gemv completes), `DEFAULT_TOKENS` (the hand tile width per
+dot) and `DECODE_EPILOGUES` (what its decode GEMV can add as it stores).
 """
 
 from __future__ import annotations

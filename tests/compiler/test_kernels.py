@@ -248,30 +248,17 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     env = emulation.arm64_env()
     t = get_target(target)
     bb, inputs, refs = relax.BlockBuilder(), {}, {}
-    for k, n in SHAPES:
-        for m in ARM_M:
-            name = f"mm_{k}_{n}_{m}"
-            wp, d, deq = _weights(k, n, k + n)
-            a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-            for i, x in enumerate((a, *_emit(bb, name, "arm", k, n, m, wp, d, t.features))):
-                inputs[f"{name}/{i}"] = x
-            refs[name] = _a8_reference(a, deq, d, k)
-    for k, n in Q8_SHAPES:   # Q4_1: the Q4_0 kernels with block offsets
-        for m in ARM_M:
-            name = f"mm41_{k}_{n}_{m}"
-            wp, d, c, deq = _weights41(k, n, k + n)
-            a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-            for i, x in enumerate((a, *_emit(bb, name, "arm", k, n, m, wp, d, t.features, offsets=c))):
-                inputs[f"{name}/{i}"] = x
-            refs[name] = _a8_reference(a, deq, d, k)
-    for k, n in Q8_SHAPES:
-        for m in ARM_M:
-            name = f"mm8_{k}_{n}_{m}"
-            u, d, deq = _weights8(k, n, k + n)
-            a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-            for i, x in enumerate((a, *_emit(bb, name, "arm8", k, n, m, u, d, t.features))):
-                inputs[f"{name}/{i}"] = x
-            refs[name] = _a8_reference(a, deq, d, k)
+    # Q4_0 on every shape; Q4_1 (the Q4_0 kernels with block offsets) and Q8_0 on three
+    for prefix, fmt, shapes in (("mm", "q4_0", SHAPES), ("mm41", "q4_1", Q8_SHAPES), ("mm8", "q8_0", Q8_SHAPES)):
+        for k, n in shapes:
+            for m in ARM_M:
+                name = f"{prefix}_{k}_{n}_{m}"
+                codes, d, c, deq = _format_weights(fmt, k, n, k + n)
+                a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+                variant = "arm8" if fmt == "q8_0" else "arm"
+                for i, x in enumerate((a, *_emit(bb, name, variant, k, n, m, codes, d, t.features, offsets=c))):
+                    inputs[f"{name}/{i}"] = x
+                refs[name] = _a8_reference(a, deq, d, k)
     for case in (_arm_decode_gemv_case, _arm_split_gemv_case):
         for fmt in ARM_GEMV_DOTS:
             name, inputs_, refs[name] = case(bb, fmt=fmt)
@@ -298,17 +285,24 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
 ARM_GEMV_DOTS = {"q4_0": "sdot", "q8_0": "sdot8", "q4_1": "sdot"}   # the decode GEMV for each format
 
 
+def _format_weights(fmt, k, n, seed):
+    """Weights of format `fmt` as MatMulNBits holds them: (codes, scales, Q4_1's block offsets or
+    None, the dequantized matrix)."""
+    if fmt == "q8_0":
+        u, d, deq = _weights8(k, n, seed)
+        return u, d, None, deq
+    if fmt == "q4_1":
+        return _weights41(k, n, seed)
+    wp, d, deq = _weights(k, n, seed)
+    return wp, d, None, deq
+
+
 def _arm_weights(k, n, seed, fmt):
     """The decode GEMV's arrays for one output of weight format `fmt` (row-group codes, scales,
     and Q4_1's block offsets), its scales and the dequantized matrix."""
-    if fmt == "q8_0":
-        u, d, deq = _weights8(k, n, seed)
-        return list(row_groups.pack_int8(u, d)), d, deq
-    if fmt == "q4_1":
-        wp, d, c, deq = _weights41(k, n, seed)
-        return [*row_groups.pack(wp, d), row_groups.pack_offsets(c)], d, deq
-    wp, d, deq = _weights(k, n, seed)
-    return list(row_groups.pack(wp, d)), d, deq
+    codes, d, c, deq = _format_weights(fmt, k, n, seed)
+    packed = row_groups.pack_int8(codes, d) if fmt == "q8_0" else row_groups.pack(codes, d)
+    return [*packed, *([] if c is None else [row_groups.pack_offsets(c)])], d, deq
 
 
 def _arm_decode_gemv_case(bb, k: int = 160, fmt: str = "q4_0"):

@@ -75,7 +75,7 @@ def _slice_dot(T, w, aq, off, g, b, q, t, bits: int = 4):
     return acc
 
 
-def offsets_term(T, wc, ad, off, g, b, q, t):
+def _offsets_term(T, wc, ad, off, g, b, q, t):
     """float32x4, halved (halved_float): Q4_1's block offsets of rows 16g+4q .. +3 times the
     activations' block sum of token t (scale x sum of the codes, from the quantizer's int32
     offset): the minimum's term, one FMA a block and slice."""
@@ -118,7 +118,7 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
                     T, _slice_dot(T, w, aq, off, g, b, q, t, bits)) * (
                     _scales(T, ws, g, b, q) * T.broadcast(ad[t, b], LANES))
                 if wc is not None:   # decided when the kernel is built
-                    acc[T.ramp(q * LANES, 1, LANES)] = acc[T.ramp(q * LANES, 1, LANES)] + offsets_term(
+                    acc[T.ramp(q * LANES, 1, LANES)] = acc[T.ramp(q * LANES, 1, LANES)] + _offsets_term(
                         T, wc, ad, off, g, b, q, t)
         for q in T.unroll(SLICES):
             store(y, acc, t, g, q, q)
@@ -135,7 +135,7 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
                     T, _slice_dot(T, w, aq, off, g, b, q, first + t, bits)) * (
                     _scales(T, ws, g, b, q) * T.broadcast(ad[first + t, b], LANES))
                 if wc is not None:
-                    acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + offsets_term(
+                    acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + _offsets_term(
                         T, wc, ad, off, g, b, q, first + t)
         for t in T.unroll(count):
             store(y, acc, first + t, g, q, t)
@@ -167,7 +167,6 @@ def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m
 def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str = "float16",
                 silu_mul: bool = False, quantize: int | None = None, dot: str = "sdot", split: int = 1):
     """The registry's decode GEMV (kernels/w4a8.py): outputs with biases (and block offsets) only."""
-    outputs = tuple((o[0], o[1], o[2] if len(o) > 2 else False) for o in outputs)
     if silu_mul or quantize is not None:
         raise ValueError("the ARM decode GEMV has no silu_mul / quantize epilogue")
     if split != 1 and (len(outputs) != 1 or not 1 <= split <= nb):
@@ -221,7 +220,7 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
                 value = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, _slice_dot(T, w, aq, off, g, b, q, 0, bits)) * (
                     _scales(T, ws, g, b, q) * T.broadcast(ad[0, b], LANES))
                 if wc is not None:
-                    value = value + offsets_term(T, wc, ad, off, g, b, q, 0)
+                    value = value + _offsets_term(T, wc, ad, off, g, b, q, 0)
                 T.buffer_store(acc, value, [T.ramp(q * LANES, 1, LANES)])
         for q in range(SLICES):   # doubled: halved_float
             row = g * ROWS + q * LANES

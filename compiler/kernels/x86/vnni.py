@@ -222,7 +222,6 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
     from .. import vector_math
     from ..act_quant import BLOCK, quantize_block
 
-    outputs = tuple((o[0], o[1], o[2] if len(o) > 2 else False) for o in outputs)
     if silu_mul and (len(outputs) != 2 or outputs[0][0] != outputs[1][0] or any(o[1] for o in outputs)):
         raise ValueError(f"silu_mul takes gate and up of one N without biases, got {outputs}")
     if quantize is not None and not (silu_mul and outputs[0][0] % BLOCK == 0):
