@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import json
 import math
 import os
@@ -406,7 +407,13 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     except OSError as e:
         raise QwcError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
-    sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None)
+    drafter = None
+    if args.speculate == "ngram":
+        from qwc.runtime.speculate import NGRAM_MAX, NgramDrafter
+
+        drafter = functools.partial(NgramDrafter, args.draft_max, max(NGRAM_MAX, args.lookup_min), args.lookup_min)
+    sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
+                      speculate=drafter, spec_batch=args.spec_batch)
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
     app = create_app(eng, sched, Settings(model_id=name, api_key=args.api_key))
     host, port = sock.getsockname()[:2]
@@ -414,9 +421,11 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         has = "no batched decode" if eng.max_batch == 1 else f"a batched decode of at most {eng.max_batch} sequences"
         progress.info(f"[qwc] note: {args.model} has {has}; steps with more decode one sequence after another "
                       f"(compile it with --max-batch {args.max_batch})")
+    spec = (f"; speculative decoding by prompt lookup, drafts of up to {args.draft_max} tokens where at most "
+            f"{args.spec_batch} sequence{'s' if args.spec_batch > 1 else ''} decode" if drafter else "")
     progress.info(f"[qwc] serving {name!r} at http://{host}:{port}/v1 ({args.max_batch} sequences of up to "
                   f"{eng.ctx} tokens, {eng.threads} threads{', API key required' if args.api_key else ''}; "
-                  f"{eng.kv_summary()})")
+                  f"{eng.kv_summary()}{spec})")
     sched.start()
     try:
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
@@ -643,6 +652,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a request takes the free slot whose cache shares the longest prefix with its prompt "
                          "(a system prompt, earlier turns), if at least N tokens, and prefills only the rest "
                          "(default 16; 0: never)")
+    sv.add_argument("--speculate", choices=("off", "ngram"), default="off",
+                    help="speculative decoding: 'ngram' drafts the tokens that followed the context's last n-gram "
+                         "earlier in it (prompt lookup: replies that quote their prompt) and verifies a draft in one "
+                         "call; the output is the same as without it (default off)")
+    sv.add_argument("--draft-max", type=_positive, default=8, metavar="N",
+                    help="tokens a draft proposes at most (default 8; a draft after a miss is shorter)")
+    sv.add_argument("--lookup-min", type=_positive, default=3, metavar="N",
+                    help="the shortest n-gram of the context a draft is looked up by (default 3; from 4 down to it)")
+    sv.add_argument("--spec-batch", type=_positive, default=1, metavar="N",
+                    help="speculate only while at most N sequences decode; more take the batched step, which "
+                         "reads the weights once for all (default 1)")
     sv.add_argument("--threads", type=_threads, default=None)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     sv.add_argument("--model-name", help="the model id clients name (default: the artifact folder's name without .qwc)")

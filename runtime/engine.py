@@ -404,14 +404,17 @@ class Engine:
             raise QwcError(f"{what}: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
         return a.astype(np.int64).reshape(1, -1)
 
-    def score(self, tokens) -> np.ndarray:
-        """Feed `tokens` after what the cache holds; returns every position's logits [n, vocab]."""
+    def score(self, tokens, seq: Sequence | None = None) -> np.ndarray:
+        """Feed `tokens` after what the cache holds; returns every position's logits [n, vocab]
+        (a copy). Setting `seq.pos` back afterwards forgets the positions past it: speculative
+        decoding verifies a draft this way (runtime/speculate.py)."""
         if self._score is None:
             raise QwcError(f"{self.path}: artifact has no score entry point (compiled by an older qwc)")
+        seq = seq or self.seq
         tokens = self._token_ids(tokens, "score")
-        if self.pos + tokens.shape[1] > self.ctx:
-            raise QwcError(f"{tokens.shape[1]} tokens (after {self.pos} cached) do not fit the context of {self.ctx}")
-        return np.concatenate([self._run(self._score, tokens[:, i:i + self._chunk], self.seq)
+        if seq.pos + tokens.shape[1] > seq.capacity:
+            raise QwcError(f"{tokens.shape[1]} tokens (after {seq.pos} cached) do not fit the context of {seq.capacity}")
+        return np.concatenate([self._run(self._score, tokens[:, i:i + self._chunk], seq)
                                for i in range(0, tokens.shape[1], self._chunk)])
 
     # -- text ----------------------------------------------------------------------------

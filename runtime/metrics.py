@@ -1,7 +1,7 @@
 """Prometheus metrics of `qwc serve` (prometheus-client, from the `serve` extra), in a registry
 of the server's own: requests by outcome, prompt tokens (and those found cached), generated
-tokens, queue depth, running sequences, sequences per decode step, time to first token and
-inter-token latency."""
+tokens, queue depth, running sequences, sequences per decode step, draft tokens verified and
+kept, time to first token and inter-token latency."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ class Metrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.itl = Histogram("qwc_inter_token_latency_seconds", "time between a request's tokens", registry=r,
                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
+        # speculative decoding (qwc serve --speculate): acceptance = accepted / drafted
+        Gauge("qwc_draft_tokens", "draft tokens verified (speculative decoding)",
+              registry=r).set_function(lambda: scheduler.drafted)
+        Gauge("qwc_draft_tokens_accepted", "draft tokens kept (speculative decoding)",
+              registry=r).set_function(lambda: scheduler.accepted)
         scheduler.on_step = self.batch.observe
 
     def request_started(self) -> None:

@@ -31,6 +31,12 @@ A request with a grammar (Request.constraint) samples only what the grammar allo
 with "stop" as soon as the grammar is complete. OpenAI's n > 1 is n requests of one prompt: the
 others (Request.fork_of) copy the first one's prompt cache and first logits instead of
 prefilling the prompt again.
+
+Speculative decoding (`speculate`: a drafter per request, runtime/speculate.py): where at most
+`spec_batch` sequences decode, each that has a draft verifies it in one `score` call (its
+last token and the draft) instead of taking a decode step, and keeps every draft token its own
+sampler draws, plus the one it draws where they part (Scheduler._verify). Where more decode,
+the batched step reads the weights once for all of them, which a call per sequence would not.
 """
 
 from __future__ import annotations
@@ -47,6 +53,15 @@ from qwc.errors import QwcError
 
 from .detokenize import IncrementalText
 from .sampling import Sampler, SamplingParams, logprobs
+from .speculate import NgramDrafter
+
+# A draft is verified in one call, which costs more than a decode step: 2.4 decode steps of
+# Qwen2.5-0.5B at 5 tokens, 4.7 of SmolLM2 (x86, 2 threads; docs/results.md). A request whose verify
+# calls take longer a cache position than a decode step takes stops drafting for a number of
+# steps that doubles each time (up to the last figure), then tries again: what is worth
+# drafting changes along a reply (a quote, then free text).
+SPEC_BACKOFF = (8, 128)
+SPEC_AVERAGE = 0.5   # weight of the newest call in the running averages of call times
 
 
 class QueueFull(QwcError):
@@ -89,16 +104,30 @@ class _Running:
         self.history = list(req.prompt)
         self.detok = IncrementalText(tokenizer)   # the reply's text, a token at a time
         self.shown = ""                  # text already emitted
+        self.pending: int | None = None  # a token sampled and emitted, not yet in the cache
+        self.drafter = None              # runtime/speculate.py, where the scheduler speculates
+        self.spec_cost: float | None = None   # seconds a cache position in its verify calls (average)
+        self.spec_wait = 0               # decode steps to take before drafting again
+        self.backoff = SPEC_BACKOFF[0]
 
 
 class Scheduler:
     def __init__(self, engine, max_running: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
-                 min_reuse: int | None = 16):
+                 min_reuse: int | None = 16, speculate: Callable[[], NgramDrafter] | None = None,
+                 spec_batch: int = 1):
         if max_running < 1 or max_queue < 0 or prefill_chunk < 1 or (min_reuse is not None and min_reuse < 1):
             raise QwcError("max_running, prefill_chunk and min_reuse must be at least 1, max_queue at least 0")
+        if spec_batch < 1:
+            raise QwcError(f"spec_batch {spec_batch}: must be at least 1")
+        if speculate is not None and engine._score is None:
+            raise QwcError(f"{engine.path}: speculative decoding needs the artifact's score entry point "
+                           "(compiled by an older qwc; recompile it)")
         self.engine = engine
         self.max_running, self.max_queue, self.prefill_chunk = max_running, max_queue, prefill_chunk
         self.min_reuse = min_reuse        # None: no prefix reuse
+        self.speculate, self.spec_batch = speculate, spec_batch   # a drafter factory, or None
+        self.drafted = self.accepted = 0  # draft tokens verified, and those kept (for metrics)
+        self.decode_time: float | None = None   # seconds of a one-sequence decode step (average)
         self._free: list = self._allocate()   # idle slots
         self._cached: dict[int, list[int]] = {}   # row -> the tokens its cache holds, for idle slots
         self._used: dict[int, int] = {}           # row -> when it last finished a request (a count)
@@ -225,6 +254,8 @@ class Scheduler:
                     run = _Running(req, seq, set() if req.ignore_eos else self.engine.eos, self.engine.sample_limit,
                                    self.engine.tokenizer)
                     run.fed = req.cached_tokens
+                    if self.speculate is not None:
+                        run.drafter = self.speculate()
                     self._running.append(run)
             try:
                 self._step()
@@ -249,16 +280,79 @@ class Scheduler:
             for r in pending:
                 self._fork(r, leads.get(id(r.req.fork_of)))
         decoding = [r for r in self._running if r.fed == len(r.req.prompt) and r.logits is not None]
-        going = [(run, tok) for run in decoding if (tok := self._advance(run)) is not None]
-        if going:
-            seqs, toks = [r.seq for r, _ in going], [t for _, t in going]
-            for (run, _), lg in zip(going, self.engine.decode_many(toks, seqs)):
+        going = [(run, tok) for run in decoding if (tok := self._next(run)) is not None]
+        drafts = {}
+        if self.speculate is not None and len(going) <= self.spec_batch:
+            for run, _ in going:
+                if run.spec_wait:
+                    run.spec_wait -= 1
+                    continue
+                # a verify call emits up to a token more than its draft: none past the request's
+                # budget, and no position past the context's end
+                room = min(run.req.max_tokens - len(run.req.generated) - 1, run.seq.capacity - run.seq.pos - 1)
+                if draft := run.drafter.draft(run.history, room):
+                    drafts[id(run)] = draft
+        plain = [(run, tok) for run, tok in going if id(run) not in drafts]
+        if plain:
+            seqs, toks = [r.seq for r, _ in plain], [t for _, t in plain]
+            t0 = time.perf_counter()
+            for (run, _), lg in zip(plain, self.engine.decode_many(toks, seqs)):
                 run.logits = lg
+            if len(plain) == 1 and self.speculate is not None:
+                self.decode_time = _average(self.decode_time, time.perf_counter() - t0)
+        for run, tok in going:
+            if id(run) in drafts:
+                self._verify(run, tok, drafts[id(run)])
         self.last_batch = len(going)
         if going:
             self.steps += 1
             if self.on_step:
                 self.on_step(len(going))
+
+    def _next(self, run: _Running) -> int | None:
+        """The token `run` feeds this step: one a verification sampled (and emitted) already,
+        else a new one from its last logits (None: the request ended)."""
+        tok, run.pending = run.pending, None
+        return tok if tok is not None else self._advance(run)
+
+    def _verify(self, run: _Running, tok: int, draft: list[int]) -> None:
+        """Feed `tok` and `draft` in one call, then sample from each position's logits in turn:
+        while the sampler draws the draft's next token, that position's cache and logits are
+        the ones a decode step would have made, so the next is valid too. The first token it
+        draws that is not the draft's is emitted and fed next step (Running.pending); the cache
+        forgets the positions past what was kept. Each token is drawn by the request's own
+        sampler from its own logits, so a sampled reply follows the same distribution (a draft
+        token is kept with the probability the sampler gives it, the rest of the time another
+        is drawn from the others: speculative sampling with a draft that puts all its mass on
+        one token), and a greedy one is the same up to the rounding in which the verify call's
+        kernels differ from the decode step's (a near tie can go the other way)."""
+        seq, base = run.seq, run.seq.pos
+        t0 = time.perf_counter()
+        logits = self.engine.score([tok, *draft], seq=seq)
+        took = time.perf_counter() - t0
+        self.drafted += len(draft)
+        kept = 0
+        for i, want in enumerate(draft):
+            seq.pos = base + 1 + i          # tok and draft[:i] are in the cache
+            run.logits = logits[i]
+            got = self._advance(run)
+            if got is None:
+                break                       # the request ended on this token
+            if got != want:
+                run.pending = got
+                break
+            kept += 1
+        else:
+            seq.pos = base + 1 + len(draft)
+            run.logits = logits[-1]
+        self.accepted += kept
+        run.drafter.kept(kept)
+        # the call advanced the cache by tok and the kept draft tokens
+        run.spec_cost = _average(run.spec_cost, took / (1 + kept))
+        if self.decode_time is not None and run.spec_cost > self.decode_time:
+            run.spec_wait, run.backoff = run.backoff, min(2 * run.backoff, SPEC_BACKOFF[1])
+        else:
+            run.backoff = SPEC_BACKOFF[0]
 
     def _fork(self, run: _Running, lead: _Running | None) -> bool:
         """For one of n replies to a prompt (Request.fork_of): True while its leader's prompt is
@@ -322,6 +416,10 @@ class Scheduler:
             self._finish(run, reason)
             return None
         return tok
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SPEC_AVERAGE) * old + SPEC_AVERAGE * new
 
 
 def _common(a, b) -> int:

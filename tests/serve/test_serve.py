@@ -264,6 +264,25 @@ def test_a_repeated_prompt_reuses_its_cache(server, artifact):
     assert server.metric("qwc_prompt_tokens_cached_total") - before >= n - 3
 
 
+def test_speculative_decoding_serves_the_same_text(artifact):
+    """`--speculate ngram`: drafts from the context verified in one call each; the greedy text is
+    the server's without drafts (tests/runtime/test_speculate.py checks the verification itself)."""
+    # the random tiny model repeats few 3-grams of its own: any earlier token drafts here
+    s = Server(artifact, "--max-batch", "2", "--speculate", "ngram", "--draft-max", "6", "--lookup-min", "1")
+    try:
+        assert "speculative decoding by prompt lookup, drafts of up to 6 tokens" in s.notes
+        prompts = ["one two three four one two three four one two three four one two",
+                   "The cat sat on the mat. The cat sat on the mat. The cat sat on"]
+        for prompt in prompts:
+            r = s.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 40,
+                                           "temperature": 0}).json()
+            assert r["choices"][0]["text"] == _reference(artifact, [prompt], 40)[0]
+        assert s.metric("qwc_draft_tokens ") > 0
+        assert 0 <= s.metric("qwc_draft_tokens_accepted ") <= s.metric("qwc_draft_tokens ")
+    finally:
+        s.close()
+
+
 def test_cancelled_stream_frees_its_slot(server):
     before = server.metric('qwc_requests_total{outcome="cancelled"')
     with httpx.stream("POST", server.base + "/v1/completions", timeout=60,

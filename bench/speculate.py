@@ -1,0 +1,232 @@
+"""Speculative decoding by prompt lookup (`qwc serve --speculate ngram`) against the same
+scheduler without it, one request at a time on real weights, alternating rounds:
+
+    .venv/bin/python bench/speculate.py [ART.qwc] [--rounds 2] [--max-tokens 160] [--threads N]
+                                        [--draft-max 8] [--lookup-min 3] [--json F]
+    .venv/bin/python bench/speculate.py ART.qwc --costs 0.6,0.8,0.9 [--draft-max 8] [...]
+
+Four kinds of reply, three prompts each, from Pride and Prejudice (`qwc data fetch`) and a
+few lines of Python:
+- quote: a passage, then its first words again (a completion): the reply copies it;
+- rewrite: a chat turn asking for the passage with its spelling modernised;
+- code: a chat turn asking for a function with type hints added;
+- story: a chat turn asking for a short story (little to copy: what drafting costs).
+
+Per kind and mode: generated tokens a second over the decode phase (first token to last; the
+prompt's prefill is the same in both), the best of the rounds; draft tokens verified and kept;
+and whether every greedy reply is the same text in both modes. The requests run through `qwc
+serve`'s scheduler (runtime/scheduler.py) without HTTP, whose cost is the same in both modes.
+The artifact needs a tokenizer and a chat template: the README's SmolLM2 build (default
+build/smollm2.qwc).
+
+--costs Q,...: for a model size with no real weights here (the 0.5B-7B shapes of
+bench/peers.py, random weights): a verify call's time against a decode step's at draft lengths
+1, 2, 4, 8 (16), measured, and from them (a model, labelled so) the per-token acceptance q at
+which drafting breaks even and the speed-up at each q given. The first table's kept / verified
+shares are what q is on real text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from qwc.eval.data import novel, read_text
+from qwc.runtime.chat import ChatTemplate
+from qwc.runtime.engine import Engine
+from qwc.runtime.sampling import SamplingParams
+from qwc.runtime.scheduler import Request, Scheduler
+from qwc.runtime.speculate import NGRAM_MAX, NgramDrafter
+
+REPO = Path(__file__).resolve().parent.parent
+CODE = ['''def mean(values):
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+''', '''def find_user(users, name):
+    for user in users:
+        if user["name"] == name:
+            return user
+    return None
+''', '''def word_counts(text):
+    counts = {}
+    for word in text.lower().split():
+        counts[word] = counts.get(word, 0) + 1
+    return counts
+''']
+STORIES = ["a lighthouse keeper who finds a message in a bottle", "a robot that learns to bake bread",
+           "two friends lost in a snowy forest"]
+
+
+def passages(n: int = 3, words: int = 90) -> list[str]:
+    """n passages of Pride and Prejudice, `words` words each, from spread-out places."""
+    text = " ".join(read_text(novel("prideprejudice")).split())
+    ws = text.split()
+    return [" ".join(ws[i:i + words]) for i in range(2000, 2000 + n * 20000, 20000)]
+
+
+def prompts(engine: Engine) -> dict[str, list[list[int]]]:
+    chat = ChatTemplate(engine.model.chat_template)
+
+    def turn(content):
+        return engine.encode(chat.render([{"role": "user", "content": content}], add_generation_prompt=True))
+
+    ps = passages()
+    return {
+        "quote": [engine.encode(f"Here is a passage.\n\n{p}\n\nThe same passage, copied word for word:\n\n"
+                                + " ".join(p.split()[:4])) for p in ps],
+        "rewrite": [turn(f"Rewrite this passage with modern spelling and punctuation, changing nothing else:\n\n{p}")
+                    for p in ps],
+        "code": [turn(f"Add type hints to this Python function and return the whole function:\n\n{c}") for c in CODE],
+        "story": [turn(f"Write a short story about {s}.") for s in STORIES],
+    }
+
+
+def run(engine: Engine, prompt: list[int], max_tokens: int, drafter) -> tuple[list[int], float, int, int]:
+    """One greedy request alone: its tokens, decode seconds, draft tokens verified and kept."""
+    sched = Scheduler(engine, max_running=1, speculate=drafter)
+    done = threading.Event()
+    req = Request(prompt=prompt, max_tokens=max_tokens, sampling=SamplingParams(),
+                  emit=lambda kind, v: kind == "done" and done.set())
+    sched.start()
+    try:
+        sched.submit(req)
+        if not done.wait(600):
+            raise SystemExit("speculate: a request did not finish in 10 minutes")
+    finally:
+        sched.stop()
+    if req.finish_reason not in ("stop", "length"):
+        raise SystemExit(f"speculate: a request ended with {req.finish_reason}")
+    took = (req.token_times[-1] - req.token_times[0]) if len(req.token_times) > 1 else 0.0
+    return req.generated, took, sched.drafted, sched.accepted
+
+
+def costs(args, engine: Engine, rates: list[float]) -> None:
+    """The verify call's time against a decode step's, by draft length, measured; then what a
+    draft of each length gives at per-token acceptance rates q (a model: a draft's i-th token is
+    kept with probability q^i, so a call advances the cache by 1 + q + ... + q^k positions)."""
+    import time
+
+    rng = np.random.default_rng(1)
+    seq = engine.sequence()
+    engine.prefill(rng.integers(0, engine.sample_limit, 256).tolist(), seq=seq)
+    base = seq.pos
+
+    def timed(f, n=12):
+        best = float("inf")
+        for _ in range(args.rounds + 1):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                seq.pos = base
+                f()
+            best = min(best, (time.perf_counter() - t0) / n)
+        return best
+
+    lengths = [k for k in (1, 2, 4, 8, 16) if k <= max(args.draft_max, 1)]
+    t_dec = timed(lambda: engine.decode(5, seq=seq))
+    t_ver = {k: timed(lambda k=k: engine.score([5] * (k + 1), seq=seq)) for k in lengths}
+    name = Path(args.artifact).name
+    print(f"\nVerify calls against decode steps, {name}, {args.threads} threads, after 256 cached tokens "
+          f"(best of {args.rounds + 1} x 12 calls); decode step {t_dec * 1e3:.2f} ms\n")
+    print("| draft tokens k | verify call ms | / decode step | break-even q | "
+          + " | ".join(f"speed-up at q = {q:g}" for q in rates) + " |")
+    print("| ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in rates) + " |")
+
+    def advance(q, k):
+        return sum(q ** i for i in range(k + 1))
+
+    rows = []
+    for k in lengths:
+        c = t_ver[k] / t_dec
+        lo, hi = 0.0, 1.0   # the q at which a call advances as far as it costs in decode steps
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if advance(mid, k) < c else (lo, mid)
+        even = hi if advance(1.0, k) >= c else None
+        gains = [advance(q, k) / c for q in rates]
+        rows.append({"k": k, "verify_ms": t_ver[k] * 1e3, "ratio": c, "break_even_q": even, "speedup": gains})
+        print(f"| {k} | {t_ver[k] * 1e3:.2f} | {c:.2f} | {'-' if even is None else f'{even:.2f}'} | "
+              + " | ".join(f"{g:.2f}x" for g in gains) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"artifact": args.artifact, "threads": args.threads,
+                                               "decode_ms": t_dec * 1e3, "costs": rows}, indent=1))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("artifact", nargs="?", default=str(REPO / "build" / "smollm2.qwc"))
+    p.add_argument("--rounds", type=int, default=2, help="alternated rounds; the best of each mode is kept")
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--draft-max", type=int, default=8)
+    p.add_argument("--lookup-min", type=int, default=3)
+    p.add_argument("--costs", help="Q,...: verify calls' cost by draft length, and the speed-up at acceptance Q")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args()
+    if args.rounds < 1 or args.max_tokens < 2:
+        p.error("--rounds must be at least 1 and --max-tokens at least 2")
+    try:
+        qs = [float(x) for x in args.costs.split(",")] if args.costs else []
+    except ValueError:
+        p.error(f"--costs {args.costs!r}: a comma-separated list of probabilities")
+    if any(not 0 <= x <= 1 for x in qs):
+        p.error("--costs: probabilities are in [0, 1]")
+
+    engine = Engine(args.artifact, ctx=2048, threads=args.threads)
+    if qs:
+        return costs(args, engine, qs)
+    kinds = prompts(engine)
+    modes = {"off": None,
+             "ngram": lambda: NgramDrafter(args.draft_max, max(NGRAM_MAX, args.lookup_min), args.lookup_min)}
+    best = {(k, m): 0.0 for k in kinds for m in modes}
+    drafts = {k: [0, 0] for k in kinds}
+    replies = {(k, m): None for k in kinds for m in modes}
+    same = {k: True for k in kinds}
+    for r in range(args.rounds):
+        for mode, drafter in modes.items():
+            for kind, ps in kinds.items():
+                toks, secs, got = [], 0.0, []
+                for prompt in ps:
+                    gen, took, d, a = run(engine, prompt, args.max_tokens, drafter)
+                    toks.append(len(gen) - 1)
+                    secs += took
+                    got.append(gen)
+                    if mode != "off" and r == 0:
+                        drafts[kind][0] += d
+                        drafts[kind][1] += a
+                best[kind, mode] = max(best[kind, mode], sum(toks) / secs if secs else 0.0)
+                if replies[kind, mode] is None:
+                    replies[kind, mode] = got
+                else:
+                    same[kind] &= replies[kind, mode] == got
+                print(f"  round {r + 1} {mode:5s} {kind:7s} {sum(toks) / max(secs, 1e-9):7.1f} tok/s", flush=True)
+    for kind in kinds:
+        same[kind] &= replies[kind, "off"] == replies[kind, "ngram"]
+
+    name = Path(args.artifact).name
+    print(f"\nSpeculative decoding by prompt lookup, {name}, {args.threads} threads, one request at a time, "
+          f"greedy, up to {args.max_tokens} tokens; draft_max {args.draft_max}, n-grams {args.lookup_min}.."
+          f"{max(NGRAM_MAX, args.lookup_min)}; best of {args.rounds} alternated rounds\n")
+    print("| reply | tok/s, off | tok/s, ngram | ngram / off | draft tokens kept / verified | same text |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    rows = []
+    for kind in kinds:
+        off, on = best[kind, "off"], best[kind, "ngram"]
+        d, a = drafts[kind]
+        rows.append({"reply": kind, "off": off, "ngram": on, "ratio": on / off if off else None,
+                     "drafted": d, "kept": a, "same_text": same[kind]})
+        print(f"| {kind} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {a} / {d} ({a / d if d else 0:.0%}) | "
+              f"{'yes' if same[kind] else 'no'} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"artifact": args.artifact, "threads": args.threads, "rows": rows},
+                                              indent=1))
+
+
+if __name__ == "__main__":
+    main()
