@@ -5,9 +5,12 @@ emulated wall time means nothing.
     .venv/bin/python bench/arm_icount.py model.qwc [--peer] [--attribution] [--mca] [--json F]
 
 Per token = difference of two runs divided by the difference in tokens, so start-up cancels:
-- decode: a 4-token prompt with 2 and with 6 decode steps; with --depth N also after an
-  N-token prompt (decode_dN: attention over N cached tokens, in the artifact's cache type
-  against llama.cpp's default f16 cache);
+- decode: a 4-token prompt with 2 and with 6 decode steps; with --depth N also with N
+  positions before it (decode_dN: attention over N cached tokens, in the artifact's cache type
+  against llama.cpp's default f16 cache). llama.cpp prefills an (N + 4)-token prompt; qwc's
+  runner counts N positions of its cache as filled and prefills the 4 tokens
+  (scripts/arm64/run_engine.py "fill"): a prefill's instructions cancel in the difference of
+  the two runs, and emulating one of 4,096 tokens takes ~45 min;
 - prefill: prompts of 4 and 12 tokens (the protocol the project's ARM issue states), and of 24
   and 48 (steady state: longer prompts amortise per-call costs in both engines); with
   --long N also of N / 2 and N (a long prompt, where attention over the earlier tokens counts).
@@ -241,16 +244,20 @@ def arm_manifest(art: Path, tool: str) -> dict:
     return manifest
 
 
-def measure(label, run, prefill=PREFILL, decode=None):
+def measure(label, run, prefill=PREFILL, decode=None, parallel=False):
     """{metric: instructions per token} and the per-function splits, for one engine; the
     splits also keep, under "blocks", each metric's block counts (its hot loops). `decode`:
-    {metric: (prompt, steps a, steps b)} (default: "decode", DECODE)."""
+    {metric: (prompt, steps a, steps b, filled positions)} (default: "decode", DECODE).
+    `parallel`: a metric's two runs at once (the counts do not depend on timing)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     res, splits = {}, {"blocks": {}}
-    plans = {m: (p, a, b, True) for m, (p, a, b) in (decode or {"decode": DECODE}).items()}
-    plans.update({m: (0, x, y, False) for m, (x, y) in prefill.items()})
-    for metric, (p, x, y, steps) in plans.items():
-        cx = run(f"{metric}_a", p if steps else x, x if steps else 0)
-        cy = run(f"{metric}_b", p if steps else y, y if steps else 0)
+    plans = {m: (p, a, b, fill, True) for m, (p, a, b, fill) in (decode or {"decode": (*DECODE, 0)}).items()}
+    plans.update({m: (0, x, y, 0, False) for m, (x, y) in prefill.items()})
+    for metric, (p, x, y, fill, steps) in plans.items():
+        runs = [(f"{metric}_{ab}", p if steps else n, n if steps else 0, fill) for ab, n in (("a", x), ("b", y))]
+        with ThreadPoolExecutor(2 if parallel else 1) as pool:
+            cx, cy = pool.map(lambda r: run(*r), runs)
         res[metric] = (cy[0] - cx[0]) / (y - x)
         splits[metric] = {k: (cy[1].get(k, 0) - cx[1].get(k, 0)) / (y - x) for k in set(cx[1]) | set(cy[1])}
         splits["blocks"][metric] = cy[2]
@@ -273,6 +280,10 @@ def main():
     p.add_argument("--depth", type=int, default=0,
                    help="also decode_dN: decode steps after an N-token prompt (attention over N cached tokens; "
                         "N = 4096: tens of minutes an engine)")
+    p.add_argument("--only-depth", action="store_true",
+                   help="with --depth: only decode_dN, not the short decode and prefill metrics")
+    p.add_argument("--parallel", action="store_true",
+                   help="each metric's two runs at once, on two cores (the counts do not change)")
     p.add_argument("--only-q4-output", action="store_true",
                    help="llama.cpp with the Q4_0 output only (qwc's default), not also the Q8_0 one")
     args = p.parse_args()
@@ -280,8 +291,12 @@ def main():
         p.error("--long must be at least 2")
     if args.depth < 0:
         p.error("--depth must be at least 0")
+    if args.only_depth and not args.depth:
+        p.error("--only-depth needs --depth")
     prefill = {**PREFILL, **({f"prefill_{args.long}": (args.long // 2, args.long)} if args.long else {})}
-    decode = {"decode": DECODE, **({f"decode_d{args.depth}": (args.depth, *DECODE[1:])} if args.depth else {})}
+    decode = {"decode": (*DECODE, 0), **({f"decode_d{args.depth}": (*DECODE, args.depth)} if args.depth else {})}
+    if args.only_depth:
+        prefill, decode = {}, {f"decode_d{args.depth}": decode[f"decode_d{args.depth}"]}
 
     art = Path(args.artifact)
     manifest = arm_manifest(art, "arm_icount")
@@ -295,13 +310,14 @@ def main():
     qwc_attr = Attributor(lib, static=False)
     rows, splits, attributors = {}, {}, {"qwc": qwc_attr}
 
-    def qwc_run(tag, prompt, steps):
+    def qwc_run(tag, prompt, steps, fill=0):
         out = work / f"qwc_{tag}"
-        n = run_qwc(env, plug, str(art), [list(range(100, 100 + prompt))] + [5] * steps, out)
+        run = [list(range(100, 100 + prompt))] + [5] * steps
+        n = run_qwc(env, plug, str(art), {"steps": run, "fill": fill} if fill else run, out)
         return (n, *qwc_attr.functions(out.with_suffix(".counts")))
 
     print("counting qwc ...", file=sys.stderr)
-    rows["qwc"], splits["qwc"] = measure("qwc", qwc_run, prefill, decode)
+    rows["qwc"], splits["qwc"] = measure("qwc", qwc_run, prefill, decode, args.parallel)
 
     if args.peer:
         tools = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "arm64"], check=True,
@@ -316,14 +332,15 @@ def main():
             name = f"llama.cpp ({head} output)" if head != "file" else f"llama.cpp ({args.gguf.name})"
             attributors[name] = l_attr
 
-            def l_run(tag, prompt, steps, gguf=gguf, head=head):
+            def l_run(tag, prompt, steps, fill=0, gguf=gguf, head=head):
                 out = work / f"llama_{head}_{tag}"
-                a = ["-p", "0", "-n", "0", "-pg", f"{prompt},{steps}"] if steps else ["-p", str(prompt), "-n", "0"]
+                a = (["-p", "0", "-n", "0", "-pg", f"{fill + prompt},{steps}"] if steps
+                     else ["-p", str(prompt), "-n", "0"])
                 n = run_llama(env, plug, bench, gguf, a, out)
                 return (n, *l_attr.functions(out.with_suffix(".counts")))
 
             print(f"counting {name} ...", file=sys.stderr)
-            rows[name], splits[name] = measure(name, l_run, prefill, decode)
+            rows[name], splits[name] = measure(name, l_run, prefill, decode, args.parallel)
             continue
 
     report = {"artifact": str(art), "per_token": rows}

@@ -6,6 +6,7 @@ prefill then decode steps, logits saved to a .npy file. Only the runtime is impo
     run_engine.py REPO ARTIFACT OUT.npy '{"batch": [[prompt ids], ...], "tokens": N}'
     run_engine.py REPO ARTIFACT OUT.npy '{"prefill": [prompt ids], "repeat": N}'
     run_engine.py REPO ARTIFACT OUT.npy '{"steps": [[prompt ids], next_id, ...], "last": true}'
+    run_engine.py REPO ARTIFACT OUT.npy '{"steps": [...], "fill": N, "last": true}'
 
 Prints the machine, the number of logits rows and the threads TVM's pool ran kernels on.
 The third prefills the prompt N times, each from an empty cache (bench/arm_threads.py: two
@@ -15,7 +16,10 @@ With "last" (the first and third forms) only the last call's logits are kept and
 bench/arm_threads.py counts the main thread's instructions, and stacking every step's
 logits at the end copied 600 KB more a step (78K instructions a 0.5B token) that are the
 harness's, not the Engine's, and kept each step's output alive, so the VM's pool could not
-reuse it.
+reuse it. "fill": N positions of the cache count as filled (with zeros) before the steps, with
+no prefill: decode steps then attend over N + the prompt's positions, as after an N-token
+prompt, without emulating that prompt (bench/arm_icount.py --depth: its instructions would
+cancel in the difference of two runs anyway, and take most of an hour at N = 4096).
 """
 
 import importlib.util
@@ -55,8 +59,10 @@ def main() -> None:
         eng = Engine(artifact, ctx=64, oversubscribe=True)
         logits = greedy_alone_and_batched(eng, steps["batch"], steps["tokens"])
     else:
+        fill = steps.get("fill", 0) if isinstance(steps, dict) else 0
         steps = steps["steps"] if isinstance(steps, dict) else steps
-        eng = Engine(artifact, ctx=max(64, len(steps[0]) + len(steps)), oversubscribe=True)   # room for a long prompt
+        eng = Engine(artifact, ctx=max(64, fill + len(steps[0]) + len(steps)), oversubscribe=True)   # room for a long prompt
+        eng.seq.pos = fill
         logits = [eng.prefill(steps[0])]
         for t in steps[1:]:
             logits = keep(logits, eng.decode(t))

@@ -107,6 +107,26 @@ def test_arm_decode_at_depth_splits_the_keys_and_matches_host(arm64_env, builds,
     assert [int(x.argmax()) for x in out[1]] == [int(x.argmax()) for x in host]
 
 
+def test_runner_fill_counts_positions_as_cached(arm64_env, builds, tmp_path):
+    """scripts/arm64/run_engine.py's "fill" (bench/arm_icount.py --depth): the steps run after
+    N positions of zeros, as the host Engine does from the same fill level, and not as they do
+    from an empty cache."""
+    steps = {"steps": [[72, 101, 108], 5, 6], "fill": 300}
+    dest = tmp_path / "fill.npy"
+    r = subprocess.run(emulation.engine_command(arm64_env, builds["arm-yitian", 8], dest, json.dumps(steps)),
+                       env=arm64_env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    arm = np.load(dest)
+    eng = Engine(builds["host", 8], ctx=320)
+    eng.seq.pos = 300
+    host = np.stack([eng.prefill([72, 101, 108]), eng.decode(5), eng.decode(6)])
+    eng.reset()
+    empty = np.stack([eng.prefill([72, 101, 108]), eng.decode(5), eng.decode(6)])
+    assert arm.shape == host.shape == (3, 288)
+    assert np.abs(arm - host).max() / np.abs(host).max() < 1e-3
+    assert np.abs(arm - empty).max() / np.abs(empty).max() > 1e-2
+
+
 def _disassemble(artifact) -> str:
     return subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(Path(artifact) / "lib.so")],
                           capture_output=True, text=True, check=True).stdout
