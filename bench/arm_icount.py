@@ -10,7 +10,8 @@ Per token = difference of two runs divided by the difference in tokens, so start
   against llama.cpp's default f16 cache). llama.cpp prefills an (N + 4)-token prompt; qwc's
   runner counts N positions of its cache as filled and prefills the 4 tokens
   (scripts/arm64/run_engine.py "fill"): a prefill's instructions cancel in the difference of
-  the two runs, and emulating one of 4,096 tokens takes ~45 min;
+  the two runs, and emulating one of 4,096 tokens takes ~45 min for qwc, over an hour for
+  llama-bench (--parallel runs the two at once);
 - prefill: prompts of 4 and 12 tokens (the protocol the project's ARM issue states), and of 24
   and 48 (steady state: longer prompts amortise per-call costs in both engines); with
   --long N also of N / 2 and N (a long prompt, where attention over the earlier tokens counts).
@@ -59,6 +60,9 @@ DECODE = (4, 2, 6)                     # prompt, steps a, steps b
 PREFILL = {"prefill": (4, 12), "prefill_steady": (24, 48)}
 # llama.cpp's matrix kernels on this build (4x8 repack: dotprod GEMV, i8mm GEMM) and the
 # quantizer of its activations; the Q8_0 output runs through the generic vec-dot
+# One emulated run at most: llama-bench's prefill of a 4,100-token prompt (--depth 4096) under
+# the counting plugin took more than an hour (2026-11-27), and was cut at the hour it had.
+RUN_TIMEOUT = 4 * 3600
 MATRIX_RE = re.compile(r"(q[48]_gemv|q[48]_gemm|ggml_gemv_|ggml_gemm_|vec_dot_q8_0|vec_dot_q4_0)")
 
 
@@ -76,7 +80,7 @@ def run_qwc(env, plug, artifact, steps, out: Path) -> int:
     env = dict(env, QWC_DUMP_MAPS=str(out.with_suffix(".maps")))
     cmd = emulation.engine_command(env, artifact, out.with_suffix(".npy"), json.dumps(steps),
                                    plugin=f"{plug},out={out.with_suffix('.counts')}")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     if r.returncode != 0 or "qwc-icount:" not in r.stderr:
         sys.exit(f"arm_icount: the emulated qwc run failed: {r.stderr.strip().splitlines()[-1:]}")
     return block_total(out)
@@ -85,7 +89,7 @@ def run_qwc(env, plug, artifact, steps, out: Path) -> int:
 def run_llama(env, plug, bench, gguf, args, out: Path) -> int:
     cmd = ["qemu-aarch64", "-cpu", env["QEMU_CPU"], "-plugin", f"{plug},out={out.with_suffix('.counts')}",
            "-d", "plugin", bench, "-m", str(gguf), *args, "-r", "1", "--no-warmup", "-t", "1"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     if r.returncode != 0 or "qwc-icount:" not in r.stderr:
         sys.exit(f"arm_icount: the emulated llama-bench run failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
     return block_total(out)
@@ -279,7 +283,7 @@ def main():
                    help="also prefill_N: prompts of N / 2 and N tokens (a long prompt's attention; N = 2048: minutes)")
     p.add_argument("--depth", type=int, default=0,
                    help="also decode_dN: decode steps after an N-token prompt (attention over N cached tokens; "
-                        "N = 4096: tens of minutes an engine)")
+                        "N = 4096: minutes for qwc, over an hour for llama.cpp)")
     p.add_argument("--only-depth", action="store_true",
                    help="with --depth: only decode_dN, not the short decode and prefill metrics")
     p.add_argument("--parallel", action="store_true",
