@@ -1,7 +1,7 @@
 """Speculative decoding by prompt lookup (`qwc serve --speculate ngram`) against the same
-scheduler without it, one request at a time on real weights, alternating rounds:
+scheduler without it, one request at a time on real weights:
 
-    .venv/bin/python bench/speculate.py [ART.qwc] [--rounds 2] [--max-tokens 160] [--threads N]
+    .venv/bin/python bench/speculate.py [ART.qwc] [--rounds 3] [--max-tokens 160] [--threads N]
                                         [--draft-max 8] [--lookup-min 3] [--json F]
     .venv/bin/python bench/speculate.py ART.qwc --costs 0.6,0.8,0.9 [--draft-max 8] [...]
 
@@ -13,9 +13,11 @@ few lines of Python:
 - story: a chat turn asking for a short story (little to copy: what drafting costs).
 
 Per kind and mode: generated tokens a second over the decode phase (first token to last; the
-prompt's prefill is the same in both), the best of the rounds; draft tokens verified and kept;
-and whether every greedy reply is the same text in both modes. The requests run through `qwc
-serve`'s scheduler (runtime/scheduler.py) without HTTP, whose cost is the same in both modes.
+prompt's prefill is the same in both), the median over rounds, and the median of the rounds'
+ratios (each prompt runs without and with drafts back to back: this machine is shared); draft
+tokens verified and kept; and how many greedy replies are the same text in both modes. The
+requests run through `qwc serve`'s scheduler (runtime/scheduler.py) without HTTP, whose cost
+is the same in both modes.
 The artifact needs a tokenizer and a chat template: the README's SmolLM2 build (default
 build/smollm2.qwc).
 
@@ -161,7 +163,7 @@ def costs(args, engine: Engine, rates: list[float]) -> None:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact", nargs="?", default=str(REPO / "build" / "smollm2.qwc"))
-    p.add_argument("--rounds", type=int, default=2, help="alternated rounds; the best of each mode is kept")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (medians are reported)")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--draft-max", type=int, default=8)
@@ -184,45 +186,50 @@ def main():
     kinds = prompts(engine)
     modes = {"off": None,
              "ngram": lambda: NgramDrafter(args.draft_max, max(NGRAM_MAX, args.lookup_min), args.lookup_min)}
-    best = {(k, m): 0.0 for k in kinds for m in modes}
+    # this machine is shared: each prompt runs without and with drafts back to back (the order
+    # turning each round), and a kind's ratio is the median of its rounds' ratios
+    rates = {(k, m): [] for k in kinds for m in modes}
+    ratios = {k: [] for k in kinds}
     drafts = {k: [0, 0] for k in kinds}
-    replies = {(k, m): None for k in kinds for m in modes}
-    same = {k: True for k in kinds}
+    same = {k: 0 for k in kinds}
     for r in range(args.rounds):
-        for mode, drafter in modes.items():
-            for kind, ps in kinds.items():
-                toks, secs, got = [], 0.0, []
-                for prompt in ps:
-                    gen, took, d, a = run(engine, prompt, args.max_tokens, drafter)
-                    toks.append(len(gen) - 1)
-                    secs += took
-                    got.append(gen)
+        order = list(modes) if r % 2 == 0 else list(modes)[::-1]
+        for kind, ps in kinds.items():
+            toks, secs = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
+            for i, prompt in enumerate(ps):
+                got = {}
+                for mode in order:
+                    gen, took, d, a = run(engine, prompt, args.max_tokens, modes[mode])
+                    toks[mode] += len(gen) - 1
+                    secs[mode] += took
+                    got[mode] = gen
                     if mode != "off" and r == 0:
                         drafts[kind][0] += d
                         drafts[kind][1] += a
-                best[kind, mode] = max(best[kind, mode], sum(toks) / secs if secs else 0.0)
-                if replies[kind, mode] is None:
-                    replies[kind, mode] = got
-                else:
-                    same[kind] &= replies[kind, mode] == got
-                print(f"  round {r + 1} {mode:5s} {kind:7s} {sum(toks) / max(secs, 1e-9):7.1f} tok/s", flush=True)
-    for kind in kinds:
-        same[kind] &= replies[kind, "off"] == replies[kind, "ngram"]
+                if r == 0:
+                    same[kind] += got["off"] == got["ngram"]
+            for mode in modes:
+                rates[kind, mode].append(toks[mode] / secs[mode] if secs[mode] else 0.0)
+            ratios[kind].append(rates[kind, "ngram"][-1] / rates[kind, "off"][-1])
+            print(f"  round {r + 1} {kind:7s} off {rates[kind, 'off'][-1]:7.1f} tok/s, ngram "
+                  f"{rates[kind, 'ngram'][-1]:7.1f} tok/s ({ratios[kind][-1]:.2f}x)", flush=True)
 
     name = Path(args.artifact).name
     print(f"\nSpeculative decoding by prompt lookup, {name}, {args.threads} threads, one request at a time, "
           f"greedy, up to {args.max_tokens} tokens; draft_max {args.draft_max}, n-grams {args.lookup_min}.."
-          f"{max(NGRAM_MAX, args.lookup_min)}; best of {args.rounds} alternated rounds\n")
-    print("| reply | tok/s, off | tok/s, ngram | ngram / off | draft tokens kept / verified | same text |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
+          f"{max(NGRAM_MAX, args.lookup_min)}; medians of {args.rounds} rounds, each prompt without and with "
+          "drafts back to back\n")
+    print("| reply | tok/s, off | tok/s, ngram | ngram / off | draft tokens kept / verified | replies with the same text |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     rows = []
-    for kind in kinds:
-        off, on = best[kind, "off"], best[kind, "ngram"]
+    for kind, ps in kinds.items():
+        off, on = float(np.median(rates[kind, "off"])), float(np.median(rates[kind, "ngram"]))
+        ratio = float(np.median(ratios[kind]))
         d, a = drafts[kind]
-        rows.append({"reply": kind, "off": off, "ngram": on, "ratio": on / off if off else None,
-                     "drafted": d, "kept": a, "same_text": same[kind]})
-        print(f"| {kind} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {a} / {d} ({a / d if d else 0:.0%}) | "
-              f"{'yes' if same[kind] else 'no'} |")
+        rows.append({"reply": kind, "off": off, "ngram": on, "ratio": ratio, "ratios": ratios[kind],
+                     "drafted": d, "kept": a, "same_text": same[kind], "prompts": len(ps)})
+        print(f"| {kind} | {off:.1f} | {on:.1f} | {ratio:.2f}x | {a} / {d} ({a / d if d else 0:.0%}) | "
+              f"{same[kind]} of {len(ps)} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"artifact": args.artifact, "threads": args.threads, "rows": rows},
                                               indent=1))

@@ -655,7 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--speculate", choices=("off", "ngram"), default="off",
                     help="speculative decoding: 'ngram' drafts the tokens that followed the context's last n-gram "
                          "earlier in it (prompt lookup: replies that quote their prompt) and verifies a draft in one "
-                         "call; the output is the same as without it (default off)")
+                         "call; sampled replies follow the same distribution as without it, greedy ones are the "
+                         "same up to near ties (default off)")
     sv.add_argument("--draft-max", type=_positive, default=8, metavar="N",
                     help="tokens a draft proposes at most (default 8; a draft after a miss is shorter)")
     sv.add_argument("--lookup-min", type=_positive, default=3, metavar="N",

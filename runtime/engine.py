@@ -407,7 +407,7 @@ class Engine:
     def score(self, tokens, seq: Sequence | None = None) -> np.ndarray:
         """Feed `tokens` after what the cache holds; returns every position's logits [n, vocab]
         (a copy). Setting `seq.pos` back afterwards forgets the positions past it: speculative
-        decoding verifies a draft this way (runtime/speculate.py)."""
+        decoding verifies a draft this way (runtime/scheduler.py: Scheduler._verify)."""
         if self._score is None:
             raise QwcError(f"{self.path}: artifact has no score entry point (compiled by an older qwc)")
         seq = seq or self.seq
