@@ -58,11 +58,11 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwc" /
 PRESET = "qwen2.5-0.5b"
 DECODE = (4, 2, 6)                     # prompt, steps a, steps b
 PREFILL = {"prefill": (4, 12), "prefill_steady": (24, 48)}
-# llama.cpp's matrix kernels on this build (4x8 repack: dotprod GEMV, i8mm GEMM) and the
-# quantizer of its activations; the Q8_0 output runs through the generic vec-dot
 # One emulated run at most: llama-bench's prefill of a 4,100-token prompt (--depth 4096) under
 # the counting plugin took more than an hour (2026-11-27), and was cut at the hour it had.
 RUN_TIMEOUT = 4 * 3600
+# llama.cpp's matrix kernels on this build (4x8 repack: dotprod GEMV, i8mm GEMM) and the
+# quantizer of its activations; the Q8_0 output runs through the generic vec-dot
 MATRIX_RE = re.compile(r"(q[48]_gemv|q[48]_gemm|ggml_gemv_|ggml_gemm_|vec_dot_q8_0|vec_dot_q4_0)")
 
 
@@ -282,7 +282,7 @@ def main():
     p.add_argument("--long", type=int, default=0,
                    help="also prefill_N: prompts of N / 2 and N tokens (a long prompt's attention; N = 2048: minutes)")
     p.add_argument("--depth", type=int, default=0,
-                   help="also decode_dN: decode steps after an N-token prompt (attention over N cached tokens; "
+                   help="also decode_dN: decode steps after N cached positions (attention over them; "
                         "N = 4096: minutes for qwc, over an hour for llama.cpp)")
     p.add_argument("--only-depth", action="store_true",
                    help="with --depth: only decode_dN, not the short decode and prefill metrics")
