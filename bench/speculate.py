@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -113,8 +114,6 @@ def costs(args, engine: Engine, rates: list[float]) -> None:
     """The verify call's time against a decode step's, by draft length, measured; then what a
     draft of each length gives at per-token acceptance rates q (a model: a draft's i-th token is
     kept with probability q^i, so a call advances the cache by 1 + q + ... + q^k positions)."""
-    import time
-
     rng = np.random.default_rng(1)
     seq = engine.sequence()
     engine.prefill(rng.integers(0, engine.sample_limit, 256).tolist(), seq=seq)
@@ -185,7 +184,7 @@ def main():
         return costs(args, engine, qs)
     kinds = prompts(engine)
     modes = {"off": None,
-             "ngram": lambda: NgramDrafter(args.draft_max, max(NGRAM_MAX, args.lookup_min), args.lookup_min)}
+             "ngram": lambda: NgramDrafter(args.draft_max, ngram_min=args.lookup_min)}
     # this machine is shared: each prompt runs without and with drafts back to back (the order
     # turning each round), and a kind's ratio is the median of its rounds' ratios
     rates = {(k, m): [] for k in kinds for m in modes}

@@ -409,9 +409,9 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
     drafter = None
     if args.speculate == "ngram":
-        from qwc.runtime.speculate import NGRAM_MAX, NgramDrafter
+        from qwc.runtime.speculate import NgramDrafter
 
-        drafter = functools.partial(NgramDrafter, args.draft_max, max(NGRAM_MAX, args.lookup_min), args.lookup_min)
+        drafter = functools.partial(NgramDrafter, args.draft_max, ngram_min=args.lookup_min)
     sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
                       speculate=drafter, spec_batch=args.spec_batch)
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")

@@ -28,7 +28,9 @@ class NgramDrafter:
     history to where its latest occurrence ends; it grows with the history, so a draft costs
     a few dictionary lookups, not a scan of the context."""
 
-    def __init__(self, draft_max: int = DRAFT_MAX, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN):
+    def __init__(self, draft_max: int = DRAFT_MAX, ngram_max: int | None = None, ngram_min: int = NGRAM_MIN):
+        """`ngram_max` None: NGRAM_MAX, or ngram_min where that is longer."""
+        ngram_max = max(NGRAM_MAX, ngram_min) if ngram_max is None else ngram_max
         if not 1 <= ngram_min <= ngram_max or draft_max < 1:
             raise QwcError(f"speculation: need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max}) "
                            f"and draft_max ({draft_max}) >= 1")
