@@ -7,14 +7,19 @@ emulated wall time means nothing.
 Per token = difference of two runs divided by the difference in tokens, so start-up cancels:
 - decode: a 4-token prompt with 2 and with 6 decode steps; with --depth N also with N
   positions before it (decode_dN: attention over N cached tokens, in the artifact's cache type
-  against llama.cpp's default f16 cache). llama.cpp prefills an (N + 4)-token prompt; qwc's
-  runner counts N positions of its cache as filled and prefills the 4 tokens
-  (scripts/arm64/run_engine.py "fill"): a prefill's instructions cancel in the difference of
-  the two runs, and emulating one of 4,096 tokens takes ~45 min for qwc, over an hour for
-  llama-bench (--parallel runs the two at once);
+  against llama.cpp's default f16 cache). Neither engine emulates the N-token prefill (its
+  instructions cancel in the difference of the two runs, and emulating it took ~45 min for
+  qwc, over an hour for llama-bench): qwc's runner counts N positions of its cache as filled
+  and prefills the 4 tokens (scripts/arm64/run_engine.py "fill"); llama.cpp's
+  llama-completion loads the state (its f16 cache) the native x86 build saved after the same
+  N + 4 tokens (`--prompt-cache`), replays the last one and decodes (--parallel runs each
+  metric's two runs at once);
 - prefill: prompts of 4 and 12 tokens (the protocol the project's ARM issue states), and of 24
   and 48 (steady state: longer prompts amortise per-call costs in both engines); with
-  --long N also of N / 2 and N (a long prompt, where attention over the earlier tokens counts).
+  --long N also prefill_N, tokens N / 2 + 1 .. N of an N-token prompt (where attention over
+  the earlier tokens counts): the first N / 2 filled as for decode at depth, then prompts of 1
+  and of N / 2 more tokens (llama.cpp: its saved state of N / 2 tokens, then the rest of
+  prompts of N / 2 + 1 and N tokens).
 
 --peer adds llama.cpp's rows: llama-bench cross-built for the Yitian's ISA
 (bench/llamacpp.sh arm64: static, armv9-a+sve2+i8mm+dotprod, Q4_0 repack on), run on GGUFs
@@ -92,6 +97,56 @@ def run_llama(env, plug, bench, gguf, args, out: Path) -> int:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     if r.returncode != 0 or "qwc-icount:" not in r.stderr:
         sys.exit(f"arm_icount: the emulated llama-bench run failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    return block_total(out)
+
+
+def prompt_file(tokens: int, work: Path) -> Path:
+    """A prompt of `tokens` characters, a prefix of every longer one (tokens, in the preset's
+    byte-level vocabulary: llama_session checks)."""
+    path = work / f"prompt-{tokens}.txt"
+    path.write_text(("the " * (tokens // 4 + 1))[:tokens])
+    return path
+
+
+def llama_session(x86_tools: Path, gguf: Path, tokens: int, ctx: int, work: Path) -> tuple[Path, Path]:
+    """(prompt file, session file): a prompt of `tokens` tokens (characters: the preset's GGUF
+    has a byte-level vocabulary; checked) and llama.cpp's saved state after it (its KV cache,
+    f16, flash attention on), made by the native x86 build in seconds where the emulated one
+    takes hours. The state is the cache's bytes, the same on both ISAs: the emulated
+    llama-completion loads it instead of prefilling."""
+    prompt, session = prompt_file(tokens, work), work / f"session-{gguf.stem}-{tokens}.bin"
+    if not session.is_file():
+        cmd = [str(x86_tools / "llama-completion-0.3.36"), "-m", str(gguf), "-f", str(prompt), "-n", "1", "-c", str(ctx),
+               "-fa", "on", "-no-cnv", "--temp", "0", "--no-warmup", "-t", str(len(os.sched_getaffinity(0))),
+               "--verbose-prompt", "--prompt-cache", str(session)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+        if r.returncode != 0 or not session.is_file():
+            sys.exit(f"arm_icount: llama-completion could not save a session: {r.stderr.strip().splitlines()[-1:]}")
+        got = re.search(r"number of tokens in prompt = (\d+)", r.stderr)
+        if not got or int(got.group(1)) != tokens:
+            sys.exit(f"arm_icount: {gguf.name} reads the {tokens}-character prompt as "
+                     f"{got.group(1) if got else 'an unknown number of'} tokens (a byte-level vocabulary is assumed)")
+    return prompt, session
+
+
+def run_llama_from_session(env, plug, completion, gguf, prompt: Path, session: Path, tokens: int, ctx: int,
+                           steps: int, out: Path, prompt_tokens: int | None = None) -> int:
+    """Guest instructions of llama-completion loading `session` (a `tokens`-token prompt's
+    state) and generating `steps` tokens greedily, one thread: after replaying the session's
+    last token where `prompt` is that prompt, else (`prompt_tokens` of which the session holds
+    the first `tokens`) after prefilling the rest of it."""
+    cmd = ["qemu-aarch64", "-cpu", env["QEMU_CPU"], "-plugin", f"{plug},out={out.with_suffix('.counts')}",
+           "-d", "plugin", completion, "-m", str(gguf), "-f", str(prompt), "-n", str(steps), "-c", str(ctx),
+           "-fa", "on", "-no-cnv", "--temp", "0", "--ignore-eos", "--no-warmup", "-t", "1",
+           "--prompt-cache", str(session), "--prompt-cache-ro"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    loaded = re.search(r"loaded a session with prompt size of (\d+) tokens", r.stderr)
+    if r.returncode != 0 or "qwc-icount:" not in r.stderr:
+        sys.exit(f"arm_icount: the emulated llama-completion run failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    took = ("exact match for prompt" if prompt_tokens in (None, tokens)
+            else f"session file matches {tokens} / {prompt_tokens} tokens of prompt")
+    if not loaded or int(loaded.group(1)) != tokens or took not in r.stderr:
+        sys.exit(f"arm_icount: llama-completion did not take the {tokens}-token session whole")
     return block_total(out)
 
 
@@ -257,7 +312,7 @@ def measure(label, run, prefill=PREFILL, decode=None, parallel=False):
 
     res, splits = {}, {"blocks": {}}
     plans = {m: (p, a, b, fill, True) for m, (p, a, b, fill) in (decode or {"decode": (*DECODE, 0)}).items()}
-    plans.update({m: (0, x, y, 0, False) for m, (x, y) in prefill.items()})
+    plans.update({m: (0, v[0], v[1], v[2] if len(v) > 2 else 0, False) for m, v in prefill.items()})
     for metric, (p, x, y, fill, steps) in plans.items():
         runs = [(f"{metric}_{ab}", p if steps else n, n if steps else 0, fill) for ab, n in (("a", x), ("b", y))]
         with ThreadPoolExecutor(2 if parallel else 1) as pool:
@@ -280,10 +335,11 @@ def main():
     p.add_argument("--gguf", type=Path, help="the GGUF the artifact was exported from (`qwc export FILE`, its weights "
                                             "kept as given: bench/formats.py writes one per format): llama.cpp runs it")
     p.add_argument("--long", type=int, default=0,
-                   help="also prefill_N: prompts of N / 2 and N tokens (a long prompt's attention; N = 2048: minutes)")
+                   help="also prefill_N: the second half of an N-token prompt, after its first half (a long prompt's "
+                        "attention; N = 2048: tens of minutes)")
     p.add_argument("--depth", type=int, default=0,
                    help="also decode_dN: decode steps after N cached positions (attention over them; "
-                        "N = 4096: minutes for qwc, over an hour for llama.cpp)")
+                        "N = 4096: minutes; llama.cpp's state is made by its native x86 build)")
     p.add_argument("--only-depth", action="store_true",
                    help="with --depth: only decode_dN, not the short decode and prefill metrics")
     p.add_argument("--parallel", action="store_true",
@@ -297,7 +353,11 @@ def main():
         p.error("--depth must be at least 0")
     if args.only_depth and not args.depth:
         p.error("--only-depth needs --depth")
-    prefill = {**PREFILL, **({f"prefill_{args.long}": (args.long // 2, args.long)} if args.long else {})}
+    if args.mca and args.depth and args.peer:
+        p.error("--mca reads llama-bench's loops, and --depth runs llama-completion: run them apart")
+    # --long N: tokens N / 2 + 1 .. N of an N-token prompt, after the first N / 2 (filled, as
+    # decode at depth is): a prompt of 1 token and one of N / 2 after them
+    prefill = {**PREFILL, **({f"prefill_{args.long}": (1, args.long // 2, args.long // 2)} if args.long else {})}
     decode = {"decode": (*DECODE, 0), **({f"decode_d{args.depth}": (*DECODE, args.depth)} if args.depth else {})}
     if args.only_depth:
         prefill, decode = {}, {f"decode_d{args.depth}": decode[f"decode_d{args.depth}"]}
@@ -327,6 +387,10 @@ def main():
         tools = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "arm64"], check=True,
                                stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
         bench = str(Path(tools) / "llama-bench-0.3.36")
+        completion = str(Path(tools) / "llama-completion-0.3.36")
+        x86_tools = Path(subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "x86"], check=True, stdout=subprocess.PIPE,
+                                        text=True).stdout.strip().splitlines()[-1]) if args.depth or args.long else None
+        c_attr = Attributor(completion, static=True)
         ggufs = ({"file": args.gguf} if args.gguf else checkpoint_gguf(manifest, args.checkpoint) if args.checkpoint
                  else peer_ggufs(manifest))
         l_attr = Attributor(bench, static=True)
@@ -338,6 +402,18 @@ def main():
 
             def l_run(tag, prompt, steps, fill=0, gguf=gguf, head=head):
                 out = work / f"llama_{head}_{tag}"
+                if fill and steps:   # decode at depth: from a saved state (llama_session), as qwc's runner fills
+                    tokens = fill + prompt
+                    ctx = tokens + DECODE[2] + 64
+                    text, session = llama_session(x86_tools, gguf, tokens, ctx, work)
+                    n = run_llama_from_session(env, plug, completion, gguf, text, session, tokens, ctx, steps, out)
+                    return (n, *c_attr.functions(out.with_suffix(".counts")))
+                if fill:   # prefill at depth: the state of `fill` tokens, then `prompt` more
+                    ctx = fill + prompt + 64
+                    _, session = llama_session(x86_tools, gguf, fill, ctx, work)
+                    n = run_llama_from_session(env, plug, completion, gguf, prompt_file(fill + prompt, work), session,
+                                               fill, ctx, 1, out, fill + prompt)
+                    return (n, *c_attr.functions(out.with_suffix(".counts")))
                 a = (["-p", "0", "-n", "0", "-pg", f"{fill + prompt},{steps}"] if steps
                      else ["-p", str(prompt), "-n", "0"])
                 n = run_llama(env, plug, bench, gguf, a, out)
@@ -416,7 +492,10 @@ def attribution_tables(manifest, rows, splits, attributors, with_mca: bool):
     total_macs = {"decode": sum(shapes.values()) + head[2], "prefill": sum(shapes.values()),
                   "prefill_steady": sum(shapes.values())}
     out = {}
-    for metric in ("decode", "prefill_steady"):
+    # decode, decode at depth (--depth) and the steady prefill, those that were measured
+    for metric in [m for m in rows["qwc"] if m.startswith("decode") or m == "prefill_steady"]:
+        decode = metric.startswith("decode")
+        total_macs.setdefault(metric, total_macs["decode"])
         print(f"\n### {metric}: per function (instructions per token; per multiply-add for matrix kernels)\n")
         print("| engine | function | instructions/token | share | instr/MAC | hot loop: instr / MACs / "
               "N2 cycles (mca) | N2 cycles/MAC |")
@@ -431,9 +510,9 @@ def attribution_tables(manifest, rows, splits, attributors, with_mca: bool):
                 shown += n
                 macs = None
                 if name == "qwc":
-                    macs = qwc_kernel_macs(fn, shapes, head, metric == "decode")
+                    macs = qwc_kernel_macs(fn, shapes, head, decode)
                 elif "ggml_gem" in fn:   # every linear; the output too where it is Q4_0 (decode)
-                    macs = total_macs[metric] - (head[2] if metric == "decode" and "Q8_0" in name else 0)
+                    macs = total_macs[metric] - (head[2] if decode and "Q8_0" in name else 0)
                 cyc = None
                 if with_mca and MATRIX_RE.search(fn):
                     loop = attributors[name].hottest_loop(fn, split["blocks"][metric])

@@ -2,7 +2,7 @@
 on this machine, the Qwen2.5-0.5B shape (the artifact and GGUF of bench/peers.py), one run:
 
     .venv/bin/python bench/depth.py [--depths 0,4096] [--prompt 512] [--gen 32] [--long 4096]
-                                    [--threads 1,2] [--kv f16,f32] [--rounds 2] [--json out.json]
+                                    [--threads 1,2] [--kv f16,f32,q8_0] [--rounds 2] [--json out.json]
 
 Per KV cache type, thread count and depth D, llama-bench's tests (`-d D`: D tokens prefilled,
 not timed): pp{prompt} @ dD and tg{gen} @ dD, qwc through `qwc bench -d D` on an artifact
@@ -39,8 +39,8 @@ def _ints(text: str) -> list[int]:
 
 def _kv_types(text: str) -> list[str]:
     vals = [x.strip() for x in text.split(",") if x.strip()]
-    if not vals or any(v not in ("f16", "f32") for v in vals):
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of f16, f32")
+    if not vals or any(v not in ("f16", "f32", "q8_0") for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of f16, f32, q8_0")
     return vals
 
 
@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--long", type=int, default=0, help="also one prompt of this many tokens from empty (0: none)")
     p.add_argument("--threads", type=_ints, default=[len(os.sched_getaffinity(0))], help="thread counts (default: all)")
     p.add_argument("--kv", type=_kv_types, default=["f16"],
-                   help="KV cache types, both engines at each (f16, f32; default f16: both defaults)")
+                   help="KV cache types, both engines at each (f16, f32, q8_0; default f16: both defaults)")
     p.add_argument("--rounds", type=int, default=2, help="alternated rounds; the best of each engine is kept")
     p.add_argument("--reps", type=int, default=1, help="repetitions inside each round (default 1)")
     p.add_argument("--workdir", default=str(Path.home() / ".cache" / "qwc" / "bench"))

@@ -35,7 +35,7 @@ need() {   # Debian packages, installed when missing
 mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
 case $BUILD in
   x86)
-    TOOLS="llama-bench llama-perplexity llama-quantize llama-server llama-imatrix"
+    TOOLS="llama-bench llama-perplexity llama-quantize llama-server llama-imatrix llama-completion"
     FLAGS=(-DGGML_NATIVE=ON -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++)
     if grep -q '^flags.* amx_int8' /proc/cpuinfo; then
       amx_defs="-D__AMX_TILE__=1 -D__AMX_INT8__=1 -D__AMX_BF16__=1"
@@ -48,7 +48,7 @@ case $BUILD in
     FLAGS=(-DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=$no_amx" "-DCMAKE_CXX_FLAGS=$no_amx")
     need cmake ninja-build g++ ;;
   arm64)
-    TOOLS="llama-bench"
+    TOOLS="llama-bench llama-completion"
     need cmake ninja-build g++-aarch64-linux-gnu
     cat >"$DIR/toolchain.cmake" <<TC
 set(CMAKE_SYSTEM_NAME Linux)

@@ -47,7 +47,7 @@ def _tokens(n: int, seed: int = 0) -> list[int]:
 
 def prepare(workdir: Path, max_batch: int = 1, kv_dtype: str | None = None) -> dict[str, Path]:
     """The model's files; the artifact with decode_batch for `max_batch` sequences if >= 2, its
-    KV cache of `kv_dtype` ("f32" / "f16"; None: qwc's default)."""
+    KV cache of `kv_dtype` ("f32" / "f16" / "q8_0"; None: qwc's default)."""
     workdir.mkdir(parents=True, exist_ok=True)
     name = "q" + (f"-b{max_batch}" if max_batch > 1 else "") + (f"-kv{kv_dtype}" if kv_dtype else "")
     paths = {"onnx": workdir / "q.onnx", "q4": workdir / "q.q4.onnx",

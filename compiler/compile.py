@@ -63,6 +63,8 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
         raise QwcError(f"--max-batch {max_batch!r}: must be an integer from 1 to {MAX_BATCH}")
     check_destination(out, folder=True, foreign=foreign_files)
     config = load_for_graph(src)   # cheap checks first: TVM takes seconds to import
+    if kv_type == "q8_0" and config.head_dim % 32:
+        raise QwcError(f"--kv-dtype q8_0 needs a head_dim that is a multiple of 32 (the model's is {config.head_dim})")
     from qwc.atomic import staging_dir
     from qwc.passes.graph import weights_to
 

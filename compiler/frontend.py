@@ -247,7 +247,8 @@ class GroupQueryAttention(F.OnnxOpConverter):
         if attr.get("do_rotary", 0) or attr.get("softcap", 0.0) or attr.get("local_window_size", -1) != -1:
             raise QwcError("GroupQueryAttention: do_rotary, softcap and local windows are not supported")
         heads, kv_heads = int(attr["num_heads"]), int(attr["kv_num_heads"])
-        head_dim = int(past_k.ty.shape[3])
+        kv_dtype = fast.cache_format(past_k.ty.dtype)   # import_graph's kv_dtype
+        head_dim = fast.head_dim_of(int(past_k.ty.shape[3]), kv_dtype)
         scale = float(attr.get("scale", 0.0)) or 1.0 / math.sqrt(head_dim)
         # The fast kernel reads K in its key-tile layout (kernels/attention.py); V, and K for
         # the generic kernel, are rows.
@@ -255,11 +256,12 @@ class GroupQueryAttention(F.OnnxOpConverter):
         tiled, batched = fast.supports(head_dim), _ctx().batched
         if batched and not tiled:
             raise QwcError(f"batched decode needs a head_dim that is a multiple of {fast.LANES} (got {head_dim})")
-        kv_dtype = str(past_k.ty.dtype)   # import_graph's kv_dtype
+        if not fast.supports_format(kv_dtype, head_dim):
+            raise QwcError(f"a {kv_dtype} KV cache needs a head_dim that is a multiple of {fast.Q8} (got {head_dim})")
         suffix = "" if kv_dtype == "float32" else f"_{kv_dtype}"
-        write_k = bb.add_func(fast.kv_cache_write(tiled, batched, kv_dtype),
+        write_k = bb.add_func(fast.kv_cache_write(tiled, batched, kv_dtype, head_dim),
                               _kname(("k_cache_write_tiles" if tiled else "kv_cache_write") + suffix))
-        write_v = bb.add_func(fast.kv_cache_write(False, batched, kv_dtype), _kname("kv_cache_write" + suffix))
+        write_v = bb.add_func(fast.kv_cache_write(False, batched, kv_dtype, head_dim), _kname("kv_cache_write" + suffix))
         kc = bb.emit(relax.call_tir_inplace(write_k, [past_k, k, seqlens], 0, past_k.ty))
         vc = bb.emit(relax.call_tir_inplace(write_v, [past_v, v, seqlens], 0, past_v.ty))
         if tiled:
@@ -307,8 +309,9 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
     tuning task keys (compiler/tuning.py) to schedule knobs; `fuse` False skips the fusion
     passes (tests, measurements of what a fusion gains). `batched`: any number B of sequences
     instead of one, each with its own row of the cache buffers [B, ...] and its own length
-    (its attention_mask row: ones, then zeros). `kv_dtype`: the cache buffers' element type
-    (kernels/attention.py: KV_DTYPES), whatever the ONNX graph's cache inputs say."""
+    (its attention_mask row: ones, then zeros). `kv_dtype`: the cache's format
+    (kernels/attention.py: KV_DTYPES), whatever the ONNX graph's cache inputs say: its buffers
+    hold cache_element(kv_dtype), rows cache_width(kv_dtype, head_dim) wide."""
     from tvm import tirx
 
     seq_dim = tirx.Var("seq", "int64") if seq is None else seq
@@ -321,8 +324,8 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
     for i in model.graph.input:
         if i.name.startswith("past_key_values."):
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
-            shapes[i.name] = [batch, dims[1], cache, dims[3]]
-            dtypes[i.name] = kv_dtype
+            shapes[i.name] = [batch, dims[1], cache, fast.cache_width(kv_dtype, dims[3])]
+            dtypes[i.name] = fast.cache_element(kv_dtype)
     ctx = ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {}), batched=batched)
     token = _CONTEXT.set(ctx)
     try:

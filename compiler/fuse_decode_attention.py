@@ -49,7 +49,8 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str):
         if not all(call_of(w, "relax.call_tir_inplace") for w in writes):
             continue
         (past_k, k, _), (past_v, v, _) = (call_args(w) for w in writes)
-        head_dim, kv_heads = static_dims(past_k)[3], static_dims(past_k)[1]
+        kv_dtype = fast.cache_format(past_k.ty.dtype)
+        head_dim, kv_heads = fast.head_dim_of(static_dims(past_k)[3], kv_dtype), static_dims(past_k)[1]
         heads = static_dims(q)[2] // head_dim
         if static_dims(q)[1] != 1 or not fast.fuses_decode_prologue(head_dim):
             continue
@@ -99,7 +100,7 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, l
                 f = fused[by_write[var]]
                 quantize = zero_point is not None and by_write[var] in quantizers.values()
                 pos = f["inputs"][6]
-                kv_dtype = str(f["past_k"].ty.dtype)
+                kv_dtype = fast.cache_format(f["past_k"].ty.dtype)
                 kernel = fast.decode_attention(f["heads"], f["kv_heads"], f["head_dim"], f["scale"],
                                                str(pos.ty.dtype), zero_point if quantize else None, layout,
                                                1 if per_head else None, kv_dtype, registers, split_keys)

@@ -6,9 +6,18 @@ import numbers
 import os
 
 MAX_BATCH = 256   # `qwc compile --max-batch`: sequences one batched decode step may carry
-# `qwc compile --kv-dtype` (llama.cpp's -ctk / -ctv names) -> the KV cache's element type, as
-# the manifest records it
-KV_TYPES = {"f32": "float32", "f16": "float16"}
+# `qwc compile --kv-dtype` (llama.cpp's -ctk / -ctv names) -> the KV cache's format, as the
+# manifest records it (q8_0: llama.cpp's blocks of 32 int8 and a float16 scale)
+KV_TYPES = {"f32": "float32", "f16": "float16", "q8_0": "q8_0"}
+
+
+def cache_row(fmt: str, head_dim: int) -> tuple[str, int]:
+    """(numpy element type, elements) of one key's or value's row in one kv head of a cache of
+    format `fmt` (KV_TYPES' values): q8_0's rows are int8 codes then their blocks' float16
+    scales as byte pairs (compiler/kernels/attention.py: cache_width)."""
+    if fmt == "q8_0":
+        return "int8", head_dim + head_dim // 16
+    return fmt, head_dim
 
 
 def is_int(v, lo: int | None = 0) -> bool:

@@ -22,7 +22,7 @@ from qwc.limits import KV_TYPES, MAX_BATCH, is_int
 FORMAT_VERSION = 1
 ALIGN = 64                       # every parameter's offset in params.bin
 DTYPES = {"float32", "float16", "int8", "uint8", "int32", "int64"}
-CACHE_DTYPES = tuple(KV_TYPES.values())   # the KV cache buffers' element type (`qwc compile --kv-dtype`)
+CACHE_DTYPES = tuple(KV_TYPES.values())   # the KV cache formats (`qwc compile --kv-dtype`)
 REQUIRED_FILES = ("lib.so", "params.bin")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -57,7 +57,7 @@ class Functions:
     cache: tuple[str, ...]               # a key and a value per layer, in argument order
     cache_shape: tuple                   # ("1", kv_heads, "ctx", head_dim)
     cache_capacity_multiple: int = 1     # the K layout's key tile: capacities round up to it
-    cache_dtype: str = "float32"         # the cache buffers' element type (CACHE_DTYPES)
+    cache_dtype: str = "float32"         # the cache format (CACHE_DTYPES; q8_0 buffers hold int8: limits.cache_row)
     max_batch: int = 1                   # sequences a decode_batch step takes (1: no such step)
     max_tokens_per_call: int | None = None   # prefill / score; the runtime chunks longer input
     extra: dict = field(default_factory=dict)   # descriptive fields (outputs, cache layout)

@@ -18,7 +18,7 @@ import numpy as np
 from qwc import cpu
 from qwc.checksum import sha256
 from qwc.errors import QwcError
-from qwc.limits import KV_TYPES, is_int, max_threads
+from qwc.limits import KV_TYPES, cache_row, is_int, max_threads
 from qwc.manifest import Manifest, check_library, read_manifest
 from qwc.vocab import mismatch, token_span
 
@@ -168,7 +168,10 @@ class Engine:
         self.params = self._load_params()
         self._kv_heads, self._head_dim = self.model.num_key_value_heads, self.model.head_dim
         self._n_cache = 2 * self.model.num_hidden_layers   # a key and a value per layer
-        self._kv_dtype = np.dtype(functions.cache_dtype)   # `qwc compile --kv-dtype`
+        # `qwc compile --kv-dtype`: the format, and the buffers' element type and row width
+        self._kv_format = functions.cache_dtype
+        element, self._cache_width = cache_row(self._kv_format, self._head_dim)
+        self._kv_dtype = np.dtype(element)
         # The inputs' memory, reused: a step builds its inputs as views (~1 us) where fresh
         # tensors cost ~50 us, 0.5% of a 0.5B decode step.
         arena = memory.arena_for([((1, self.ctx), np.int64)] * 3)
@@ -205,7 +208,7 @@ class Engine:
         if not 1 <= ctx <= self.ctx:
             raise QwcError(f"a sequence of {ctx} positions does not fit the engine's context of {self.ctx}")
         mult = self.manifest.functions.cache_capacity_multiple
-        shape = (1, self._kv_heads, -(-ctx // mult) * mult, self._head_dim)
+        shape = (1, self._kv_heads, -(-ctx // mult) * mult, self._cache_width)
         arena = memory.arena_for([(shape, self._kv_dtype)] * self._n_cache)   # TVM takes 64-byte aligned data
         return Sequence([self._tvm.runtime.from_dlpack(arena.take(shape, self._kv_dtype))
                          for _ in range(self._n_cache)], capacity=ctx)
@@ -222,7 +225,7 @@ class Engine:
         if not is_int(slots, lo=1):
             raise QwcError(f"a pool takes at least one slot, not {slots!r}")
         mult = self.manifest.functions.cache_capacity_multiple
-        shape = (slots, self._kv_heads, -(-(ctx + 1) // mult) * mult, self._head_dim)
+        shape = (slots, self._kv_heads, -(-(ctx + 1) // mult) * mult, self._cache_width)
         inputs = [((slots, 1), np.int64)] * 2 + [((slots * (ctx + 1),), np.int64)]
         arena = memory.arena_for([(shape, self._kv_dtype)] * self._n_cache + inputs)
         arrays = [arena.take(shape, self._kv_dtype) for _ in range(self._n_cache)]
@@ -234,14 +237,14 @@ class Engine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes one position takes: a key and a value per layer in the cache's dtype."""
-        return self._n_cache * self._kv_heads * self._head_dim * self._kv_dtype.itemsize
+        """KV-cache bytes one position takes: a key and a value per layer in the cache's format."""
+        return self._n_cache * self._kv_heads * self._cache_width * self._kv_dtype.itemsize
 
     def kv_summary(self, ctx: int | None = None) -> str:
         """The cache's format and memory per sequence of `ctx` positions (default: the engine's),
         for `qwc run -v` and `qwc serve` at start."""
         ctx = self.ctx if ctx is None else ctx
-        name = next(k for k, v in KV_TYPES.items() if v == self._kv_dtype.name)
+        name = next(k for k, v in KV_TYPES.items() if v == self._kv_format)
         return (f"KV cache {name}, {self.kv_bytes_per_token / 1024:g} KiB a token, "
                 f"{self.kv_bytes_per_token * ctx / 2**20:.1f} MiB a sequence of {ctx}")
 

@@ -59,10 +59,96 @@ def supports(head_dim: int) -> bool:
     return head_dim % LANES == 0
 
 
-# The cache's element types: float32, or float16 (half the memory and the bytes a step reads at
-# depth). The kernels compute in float32 either way: a float16 element is widened as it is
-# loaded (F16C's vcvtph2ps, NEON's fcvtl) and rounded to nearest as it is stored.
-KV_DTYPES = {"float32": 4, "float16": 2}   # the cache element types, and their bytes
+# The cache's formats: float32, float16 (half the memory and the bytes a step reads at depth),
+# or q8_0 (llama.cpp's: blocks of 32 int8 with a float16 scale, 0.27x float32's bytes). The
+# kernels compute in float32 whatever the format: an element is widened as it is loaded (F16C's
+# vcvtph2ps, NEON's fcvtl; q8_0's int8 converted and times its block's scale) and rounded to
+# nearest (q8_0: quantized per block) as it is stored.
+KV_DTYPES = {"float32": 4, "float16": 2, "q8_0": 1}   # the cache formats, and their elements' bytes
+Q8 = 32   # elements a q8_0 block (and a float16 scale)
+
+
+def cache_width(dtype: str, head_dim: int) -> int:
+    """Elements of a cache buffer's row (a key's or a value's in one kv head): head_dim; q8_0
+    adds the row's float16 scales as int8 pairs (a K tile's 16 rows keep their 16 keys'
+    scales in the tile's last head_dim bytes, block-major; a V row keeps its own after its
+    elements)."""
+    return head_dim + head_dim // 16 if dtype == "q8_0" else head_dim
+
+
+def cache_element(dtype: str) -> str:
+    """The cache buffers' element type in the graph and the runtime."""
+    return "int8" if dtype == "q8_0" else dtype
+
+
+def cache_format(element: str) -> str:
+    """The cache format of a graph whose cache buffers hold `element`s."""
+    return "q8_0" if str(element) == "int8" else str(element)
+
+
+def head_dim_of(width: int, dtype: str) -> int:
+    """The head_dim of a cache buffer row of `width` elements in `dtype`."""
+    return width * 16 // 17 if dtype == "q8_0" else width
+
+
+def supports_format(dtype: str, head_dim: int) -> bool:
+    return supports(head_dim) and (dtype != "q8_0" or head_dim % Q8 == 0)
+
+
+def scales_view(T, c):
+    """A flat float16 view of cache buffer c: the scales of a q8_0 cache (unused otherwise)."""
+    return T.decl_buffer((c.shape[0] * c.shape[1] * c.shape[2] * c.shape[3] // 2,), "float16", data=c.data)
+
+
+def k_scales(T, c16, c, b, h, first, blk, head_dim):
+    """float32x16: the scales of block `blk` of keys first .. first + 15 (a K tile's) of kv head
+    h, cache row b, in c16 (scales_view of the q8_0 K cache c)."""
+    row = ((b * c.shape[1] + h) * c.shape[2] + first) * T.int64(cache_width("q8_0", head_dim) // 2)
+    return T.Cast("float32x16", c16[T.ramp(row + head_dim * KEY_TILE // 2 + blk * KEY_TILE, 1, KEY_TILE)])
+
+
+def v_scale(T, c16, c, b, h, pos, blk, head_dim):
+    """float32: the scale of block `blk` of the value at `pos` of kv head h, cache row b."""
+    row = ((b * c.shape[1] + h) * c.shape[2] + pos) * T.int64(cache_width("q8_0", head_dim) // 2)
+    return T.Cast("float32", c16[row + head_dim // 2 + blk])
+
+
+def q8_store(T, cache, c16, b, h, pos, key_tiles: bool, head_dim: int, src, at: tuple):
+    """Emit the q8_0 blocks of the key (`key_tiles`: into its K tile) or value at slot `pos` of
+    kv head h, cache row b (c16: scales_view(cache)), from float32 elements src[*at[:-1],
+    at[-1] + d]. llama.cpp's quantize_row_q8_0: per block of 32, d = max |x| / 127 (stored as
+    float16) and the codes roundf(x * (1 / d)) (0 for an all-zero block). T: TVMScript's."""
+    from tvm import tirx
+
+    width = cache_width("q8_0", head_dim)
+    cap = cache.shape[2]
+    lead, base = tuple(at[:-1]), at[-1]
+
+    def load(d, lanes=1):
+        return tirx.BufferLoad(src, [*lead, base + d if lanes == 1 else T.ramp(base + d, 1, lanes)])
+
+    def code(x, inv, lanes):
+        ty = "float32" if lanes == 1 else f"float32x{lanes}"
+        rounded = T.call_llvm_pure_intrin(ty, "llvm.round.f32" if lanes == 1 else f"llvm.round.v{lanes}f32",
+                                          x * (inv if lanes == 1 else T.broadcast(inv, lanes)))
+        return T.Cast("int8" if lanes == 1 else f"int8x{lanes}", rounded)
+
+    for blk in range(head_dim // Q8):
+        lo, hi = load(blk * Q8, LANES), load(blk * Q8 + LANES, LANES)
+        d = T.bind(vector_math.reduce_max(T, T.max(T.fabs(lo), T.fabs(hi)), LANES) / T.float32(127))
+        inv = T.bind(T.Select(d > T.float32(0), T.float32(1) / d, T.float32(0)))
+        if key_tiles:   # element d of the tile's 16 keys are adjacent: a byte each
+            for e in range(Q8):
+                row, col = k_row_col(pos, blk * Q8 + e, head_dim, width)
+                T.buffer_store(cache, code(load(blk * Q8 + e), inv, 1), [b, h, row, col])
+            T.buffer_store(c16, T.Cast("float16", d), [((b * cache.shape[1] + h) * cap + pos // KEY_TILE * KEY_TILE)
+                                                       * T.int64(width // 2) + head_dim * KEY_TILE // 2
+                                                       + blk * KEY_TILE + pos % KEY_TILE])
+        else:
+            for half, x in ((0, lo), (1, hi)):
+                T.buffer_store(cache, code(x, inv, LANES), [b, h, pos, T.ramp(blk * Q8 + half * LANES, 1, LANES)])
+            T.buffer_store(c16, T.Cast("float16", d), [((b * cache.shape[1] + h) * cap + pos) * T.int64(width // 2)
+                                                       + head_dim // 2 + blk])
 
 
 def widen(T, x, dtype: str, lanes: int = 1):
@@ -84,21 +170,28 @@ def _check_dtype(dtype: str):
         raise ValueError(f"KV cache dtype {dtype!r} (known: {', '.join(KV_DTYPES)})")
 
 
-def k_row_col(pos, d, head_dim):
-    """(row, column) in the K buffer's [cap, head_dim] view of key `pos`, element d."""
+def k_row_col(pos, d, head_dim, width: int | None = None):
+    """(row, column) in the K buffer's [cap, width] view (width: head_dim's cache_width) of
+    key `pos`, element d."""
     o = d * KEY_TILE + pos % KEY_TILE
-    return pos // KEY_TILE * KEY_TILE + o // head_dim, o % head_dim
+    width = width or head_dim
+    return pos // KEY_TILE * KEY_TILE + o // width, o % width
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
-def kv_cache_write(key_tiles: bool, batched: bool = False, dtype: str = "float32"):
+def kv_cache_write(key_tiles: bool, batched: bool = False, dtype: str = "float32", head_dim: int | None = None):
     """In-place write of new K (or V) [1, s, kv_heads*head_dim] into the cache buffer
     [1, kv_heads, C, head_dim] of `dtype` at slots past .. past + s - 1, past = seqlens[0] + 1
     - s: in rows, or (`key_tiles`, K for the fast kernel) in the key-tile layout. `batched`: B
-    sequences, new [B, s, ...] into cache rows [B, ...] at each row's own seqlens[b]."""
+    sequences, new [B, s, ...] into cache rows [B, ...] at each row's own seqlens[b]. q8_0
+    needs `head_dim` (its rows are cache_width wide); the others take any."""
     from tvm.script import tirx as T
 
     _check_dtype(dtype)
+    if dtype == "q8_0":
+        if not head_dim or head_dim % Q8:
+            raise ValueError(f"a q8_0 cache needs a head_dim that is a multiple of {Q8}, not {head_dim}")
+        return _q8_cache_write(key_tiles, batched, head_dim)
 
     @T.macro
     def put(cache, new, b, seqlen, kvh, hd, s):
@@ -134,6 +227,46 @@ def kv_cache_write(key_tiles: bool, batched: bool = False, dtype: str = "float32
     return hand_scheduled(write)
 
 
+@functools.cache
+def _q8_cache_write(key_tiles: bool, batched: bool, head_dim: int):
+    """kv_cache_write for a q8_0 cache of head_dim (its rows cache_width wide): each new key's
+    or value's blocks of 32 quantized (q8_store)."""
+    from tvm.script import tirx as T
+
+    width = cache_width("q8_0", head_dim)
+
+    @T.macro
+    def put(cache, c16, new, b, seqlen, kvh, s):
+        past = T.bind(T.Cast("int64", seqlen) + T.int64(1) - s)
+        for h in T.serial(kvh):  # a few KiB per layer: a parallel launch would cost more
+            for i in range(s):
+                q8_store(T, cache, c16, b, h, past + i, key_tiles, head_dim, new, (b, i, h * head_dim))
+
+    if batched:
+        @T.prim_func(private=True, check_well_formed=False)
+        def write_batch(var_cache: T.handle, var_new: T.handle, var_seqlens: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})
+            bsz, kvh, cap, s = T.int64(), T.int64(), T.int64(), T.int64()
+            cache = T.match_buffer(var_cache, (bsz, kvh, cap, width), "int8")
+            new = T.match_buffer(var_new, (bsz, s, kvh * head_dim), "float32")
+            seqlens = T.match_buffer(var_seqlens, (bsz,), "int32")
+            c16 = scales_view(T, cache)
+            for b in T.serial(bsz):
+                put(cache, c16, new, b, seqlens[b], kvh, s)
+        return hand_scheduled(write_batch)
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def write(var_cache: T.handle, var_new: T.handle, seqlens: T.Buffer((1,), "int32")):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+        kvh, cap, s = T.int64(), T.int64(), T.int64()
+        cache = T.match_buffer(var_cache, (T.int64(1), kvh, cap, width), "int8")
+        new = T.match_buffer(var_new, (T.int64(1), s, kvh * head_dim), "float32")
+        c16 = scales_view(T, cache)
+        put(cache, c16, new, T.int64(0), seqlens[0], kvh, s)
+
+    return hand_scheduled(write)
+
+
 def query_block(T, s):
     """Queries a prefill task takes for a chunk of s: QUERY_BLOCK in long chunks, fewer in
     short ones (s // 16, at least 1), so a 48-token chunk still makes 16 tasks a head for
@@ -153,16 +286,21 @@ def _tree_max(T, xs):
     return xs[0]
 
 
-def _tile_scores(T, q_at, kc, kvh, t, head_dim, dtype, b=None):
+def _tile_scores(T, q_at, kc, kvh, t, head_dim, dtype, b=None, k16=None):
     """Tile t's 16 unscaled scores of one query (element d: q_at(d)) against kv head kvh of
-    cache row b (default 0, of `dtype`): sum over d of q[d] * (16 keys' element d), in CHAINS
-    independent FMA chains."""
+    cache row b (default 0, of `dtype`; q8_0: k16 its scales_view): sum over d of q[d] * (16
+    keys' element d), in CHAINS independent FMA chains."""
+    b = T.int64(0) if b is None else b
+    width = cache_width(dtype, head_dim)
+
     def part(c):
         terms = []
         for d in range(c, head_dim, CHAINS):
-            row, col = k_row_col(t * KEY_TILE, d, head_dim)   # t * KEY_TILE: the tile's first key
-            terms.append(T.broadcast(q_at(d), KEY_TILE) * widen(T, kc[T.int64(0) if b is None else b, kvh, row,
-                                                                       T.ramp(col, 1, KEY_TILE)], dtype, KEY_TILE))
+            row, col = k_row_col(t * KEY_TILE, d, head_dim, width)   # t * KEY_TILE: the tile's first key
+            k = widen(T, kc[b, kvh, row, T.ramp(col, 1, KEY_TILE)], dtype, KEY_TILE)
+            if dtype == "q8_0":
+                k = k * k_scales(T, k16, kc, b, kvh, t * KEY_TILE, d // Q8, head_dim)
+            terms.append(T.broadcast(q_at(d), KEY_TILE) * k)
         acc = terms[0]
         for x in terms[1:]:
             acc = acc + x
@@ -188,6 +326,26 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     group = heads // kv_heads
     chunks = head_dim // LANES
     kt = KEY_TILE
+    q8 = kv_dtype == "q8_0"
+    width, element = cache_width(kv_dtype, head_dim), cache_element(kv_dtype)
+    if not supports_format(kv_dtype, head_dim):
+        raise ValueError(f"attention: a {kv_dtype} cache of head_dim {head_dim}")
+
+    def weight(w, c16, vc, b, kvh, key, c):
+        """Value `key`'s weight w for its 16 elements from chunk c: times its block's scale (q8_0)."""
+        return w * v_scale(T, c16, vc, b, kvh, key, c * LANES // Q8, head_dim) if q8 else w
+
+    def key_elements(ks, ks16, u, d):
+        """float32x16: element d of the 16 keys of tile u of a span (ks: its keys, ks16: their
+        scales' view), q8_0's times their block's scales."""
+        k = widen(T, ks[T.ramp(u * kt * width + d * kt, 1, kt)], kv_dtype, kt)
+        if q8:
+            k = k * T.Cast("float32x16", ks16[T.ramp((u * kt * width + kt * head_dim) // 2 + d // Q8 * kt, 1, kt)])
+        return k
+
+    def span_weight(vs16, w, j, c):
+        """The span's value j's weight w for its elements from chunk c (q8_0: times their scale)."""
+        return w * T.Cast("float32", vs16[(j * width + head_dim) // 2 + c * LANES // Q8]) if q8 else w
 
     def ramp(at, lanes=LANES):
         return T.ramp(at, 1, lanes)
@@ -196,19 +354,19 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         """The span's SPAN_TILES 16-lane pieces of p."""
         return [p[ramp(u * kt, kt)] for u in range(SPAN_TILES)]
 
-    def tile_scores(q, kc, b, qi, h, keys, t, masked):
+    def tile_scores(q, kc, k16, b, qi, h, keys, t, masked):
         """Tile t's 16 scaled scores of query qi of head h; `masked`: -inf past `keys`."""
-        sc = _tile_scores(T, lambda d: q[b, qi, h * head_dim + d], kc, h // group, t, head_dim, kv_dtype, b) * T.broadcast(
-            T.float32(scale), kt)
+        sc = _tile_scores(T, lambda d: q[b, qi, h * head_dim + d], kc, h // group, t, head_dim, kv_dtype, b,
+                          k16) * T.broadcast(T.float32(scale), kt)
         return T.Select(_in_tile(T, t, keys), sc, T.broadcast(T.float32(NEG_INF), kt)) if masked else sc
 
     @T.macro
-    def tile(q, kc, vc, acc, stat, p, b, qi, h, keys, t, masked):
+    def tile(q, kc, vc, k16, v16, acc, stat, p, b, qi, h, keys, t, masked):
         """Keys 16t .. 16t+15 of cache row b into the running state of query qi of head h;
         `masked`: only those below `keys`."""
         # the scores go to p as one expression: a name assigned twice in a macro becomes a
         # buffer, which TVM allocates from its workspace per task
-        p[ramp(0, kt)] = tile_scores(q, kc, b, qi, h, keys, t, masked)
+        p[ramp(0, kt)] = tile_scores(q, kc, k16, b, qi, h, keys, t, masked)
         m = T.bind(T.max(stat[0], vector_math.reduce_max(T, p[ramp(0, kt)], kt)))
         r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
         p[ramp(0, kt)] = vector_math.exp(T, p[ramp(0, kt)] - T.broadcast(m, kt), kt)   # masked keys: ~1e-38
@@ -220,7 +378,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             if not masked or t * kt + j < keys:
                 for c in T.unroll(chunks):
                     acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + widen(T, vc[
-                        b, h // group, t * kt + j, ramp(c * LANES)], kv_dtype, LANES) * T.broadcast(p[j], LANES)
+                        b, h // group, t * kt + j, ramp(c * LANES)], kv_dtype, LANES) * T.broadcast(
+                            weight(p[j], v16, vc, b, h // group, t * kt + j, c), LANES)
 
     @T.macro
     def span(q, kc, vc, out, acc, stat, p, qr, b, qi, h, t0):
@@ -233,16 +392,17 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         # that plus a constant, which the loads' addressing takes. Indexed from the caches,
         # LLVM computed ~1000 addresses of a span ahead of the task's loop and spilled them
         # (~2K instructions a task on ARM).
-        ks = T.decl_buffer((SPAN * head_dim,), kv_dtype, data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
-        vs = T.decl_buffer((SPAN * head_dim,), kv_dtype, data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        ks = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
+        vs = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        ks16 = T.decl_buffer((SPAN * width // 2,), "float16", data=ks.data)   # q8_0's scales
+        vs16 = T.decl_buffer((SPAN * width // 2,), "float16", data=vs.data)
         for c in T.unroll(chunks):   # the scaled query, where its broadcasts load it from
             qr[ramp(c * LANES)] = q[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(T.float32(scale), LANES)
         for u in T.unroll(SPAN_TILES):
             p[ramp(u * kt, kt)] = T.broadcast(T.float32(0), kt)
         for d in T.unroll(head_dim):
             for u in T.unroll(SPAN_TILES):   # key tile u, element d: 16 keys (the K layout)
-                p[ramp(u * kt, kt)] = p[ramp(u * kt, kt)] + T.broadcast(qr[d], kt) * widen(T, ks[
-                    ramp(u * kt * head_dim + d * kt, kt)], kv_dtype, kt)
+                p[ramp(u * kt, kt)] = p[ramp(u * kt, kt)] + T.broadcast(qr[d], kt) * key_elements(ks, ks16, u, d)
         m = T.bind(T.max(stat[0], vector_math.reduce_max(T, _tree_max(T, span_tiles(p)), kt)))
         r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
         for u in T.unroll(SPAN_TILES):
@@ -258,8 +418,9 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             acc[ramp(c * LANES)] = out[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(r, LANES)
         for j in T.unroll(SPAN):
             for c in T.unroll(chunks):
-                acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + widen(T, vs[ramp(j * head_dim + c * LANES)], kv_dtype,
-                                                                    LANES) * T.broadcast(p[j], LANES)
+                acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + widen(T, vs[ramp(j * width + c * LANES)], kv_dtype,
+                                                                    LANES) * T.broadcast(span_weight(vs16, p[j], j, c),
+                                                                                         LANES)
         for c in T.unroll(chunks):
             out[b, qi, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
 
@@ -277,6 +438,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         stat = T.decl_buffer((2,), "float32", scope="global")
         p = T.decl_buffer((SPAN,), "float32", scope="global")    # scores, then weights
         qr = T.decl_buffer((head_dim,), "float32", scope="global")
+        k16, v16 = scales_view(T, kc), scales_view(T, vc)   # q8_0's scales
         for r in T.unroll(QUERY_BLOCK):   # all of them: TVM sizes the buffer by what is written
             stats[2 * r] = T.float32(NEG_INF)
             stats[2 * r + 1] = T.float32(0)
@@ -297,9 +459,9 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                         for c in T.unroll(chunks):
                             acc[ramp(c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)]
                         for t in range(sp * SPAN_TILES, keys // kt):
-                            tile(q, kc, vc, acc, stat, p, b, q0 + r, h, keys, t, False)
+                            tile(q, kc, vc, k16, v16, acc, stat, p, b, q0 + r, h, keys, t, False)
                         if keys % kt != 0:
-                            tile(q, kc, vc, acc, stat, p, b, q0 + r, h, keys, keys // kt, True)
+                            tile(q, kc, vc, k16, v16, acc, stat, p, b, q0 + r, h, keys, keys // kt, True)
                         for c in T.unroll(chunks):
                             out[b, q0 + r, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
                     stats[2 * r] = stat[0]
@@ -316,8 +478,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             T.func_attr({"tir.noalias": True, "op_pattern": 8})
             bsz, s, cap = T.int64(), T.int64(), T.int64()
             q = T.match_buffer(var_q, (bsz, s, heads * head_dim), "float32")
-            kc = T.match_buffer(var_k, (bsz, kv_heads, cap, head_dim), kv_dtype)
-            vc = T.match_buffer(var_v, (bsz, kv_heads, cap, head_dim), kv_dtype)
+            kc = T.match_buffer(var_k, (bsz, kv_heads, cap, width), element)
+            vc = T.match_buffer(var_v, (bsz, kv_heads, cap, width), element)
             seqlens = T.match_buffer(var_seqlens, (bsz,), "int32")
             out = T.match_buffer(var_out, (bsz, s, heads * head_dim), "float32")
             assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
@@ -332,8 +494,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         s, cap = T.int64(), T.int64()
         q = T.match_buffer(var_q, (T.int64(1), s, heads * head_dim), "float32")
-        kc = T.match_buffer(var_k, (T.int64(1), kv_heads, cap, head_dim), kv_dtype)
-        vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, head_dim), kv_dtype)
+        kc = T.match_buffer(var_k, (T.int64(1), kv_heads, cap, width), element)
+        vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, width), element)
         out = T.match_buffer(var_out, (T.int64(1), s, heads * head_dim), "float32")
         assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
         qb = T.bind(query_block(T, s))
@@ -381,7 +543,7 @@ def _value_tile(g: int, head_dim: int, registers, kv_dtype: str) -> tuple[int, i
     the cores qwc targets. AVX2, 7 heads: 4 heads x 16 dims, 1.16x faster than 1 x 64 (which
     widens each V vector 7 times) and 1.07x than 3 x 32 (kernel harness, 4k cached tokens)."""
     budget, width = _accumulator_bytes(registers), registers[1]
-    widen_ops = 2 if kv_dtype == "float16" else 1
+    widen_ops = {"float32": 1, "float16": 2, "q8_0": 3}[kv_dtype]   # q8_0: load, sign-extend, convert
     best = None
     for dv in range(LANES, head_dim + 1, LANES):
         if head_dim % dv or not budget // (dv * 4):
@@ -469,6 +631,12 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     nt, hg, ng = _score_tile(g, registers)        # K tiles at once, heads a group, groups
     hv, dv, ngv = _value_tile(g, head_dim, registers, kv_dtype)   # heads x dims a value tile
     vb = V_BLOCK
+    q8 = kv_dtype == "q8_0"
+    width, element = cache_width(kv_dtype, head_dim), cache_element(kv_dtype)
+    if not supports_format(kv_dtype, head_dim):
+        raise ValueError(f"decode_attention: a {kv_dtype} cache of head_dim {head_dim}")
+    # the scores' loop over a key's elements, in q8_0's blocks (whose scales it hoists)
+    blocks, block = (head_dim // Q8, Q8) if q8 else (1, head_dim)
     split = split_keys is not None
     span_tiles = (split_keys or kt) // kt
     if split_keys is not None and (split_keys % kt or split_keys < kt):
@@ -499,16 +667,20 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
 
     # decode_attention's steps, run by one task per kv head (kvh) in `attend`
     @T.macro
-    def write_new_token(k, v, kc, vc, kr, cos, sin, pos, kvh, slot):
+    def write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, slot):
         """0: the kv head's new key, rotated (kept in kr), and value into the caches at `slot`."""
         rotate(kr, 0, k, kvh * head_dim, cos, sin, pos[0, 0])
-        for c in range(chunks):
-            vc[T.int64(0), kvh, slot, T.ramp(c * LANES, 1, LANES)] = narrow(T, v[
-                T.int64(0), T.int64(0), T.ramp(kvh * head_dim + c * LANES, 1, LANES)], kv_dtype, LANES)
-        for d in range(head_dim):
-            row = T.bind(k_row_col(slot, d, head_dim)[0])
-            col = T.bind(k_row_col(slot, d, head_dim)[1])
-            kc[T.int64(0), kvh, row, col] = narrow(T, kr[d], kv_dtype)
+        if q8:   # the same code as the cache writers' (kv_cache_write)
+            q8_store(T, vc, v16, T.int64(0), kvh, slot, False, head_dim, v, (T.int64(0), T.int64(0), kvh * head_dim))
+            q8_store(T, kc, k16, T.int64(0), kvh, slot, True, head_dim, kr, (T.int64(0),))
+        else:
+            for c in range(chunks):
+                vc[T.int64(0), kvh, slot, T.ramp(c * LANES, 1, LANES)] = narrow(T, v[
+                    T.int64(0), T.int64(0), T.ramp(kvh * head_dim + c * LANES, 1, LANES)], kv_dtype, LANES)
+            for d in range(head_dim):
+                row = T.bind(k_row_col(slot, d, head_dim)[0])
+                col = T.bind(k_row_col(slot, d, head_dim)[1])
+                kc[T.int64(0), kvh, row, col] = narrow(T, kr[d], kv_dtype)
 
     @T.macro
     def rotate_queries(q, qr, mx, cos, sin, pos, h0):
@@ -517,8 +689,14 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             rotate(qr, hh * head_dim, q, (h0 + hh) * head_dim, cos, sin, pos[0, 0])
             mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(NEG_INF), kt)
 
+    def key_line(kc, k16, kvh, first, d, blk):
+        """float32x16: element d (of block blk) of the 16 keys of the tile from key `first`."""
+        row, col = k_row_col(first, d, head_dim, width)
+        k = widen(T, kc[T.int64(0), kvh, row, T.ramp(col, 1, kt)], kv_dtype, kt)
+        return k * k_scales(T, k16, kc, T.int64(0), kvh, first, blk, head_dim) if q8 else k
+
     @T.macro
-    def score(kc, qr, sc, mx, sacc, kvh, keys, t0, tiles):
+    def score(kc, k16, qr, sc, mx, sacc, kvh, keys, t0, tiles):
         """1: scores of tiles t0 .. t0 + tiles into sc and their running max lanes into mx, nt
         tiles at once (streams): tiles r, per + r, ...; with tiles % nt left over, one more
         round whose streams past the last tile redo it (same values). The heads in ng groups
@@ -527,20 +705,21 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         per = T.bind(tiles // T.int64(nt))
         for r in range(per + T.Cast("int64", tiles % T.int64(nt) > T.int64(0))):
             for gs in T.unroll(ng):
-                for d in range(head_dim):   # line d of a tile: element d of its 16 keys
+                for blk, dd in T.grid(blocks, block):   # line d of a tile: element d of its 16 keys
+                    d = T.bind(blk * block + dd)
                     if gs == 0:   # each stream's line K_PREFETCH_LINES on (past the tile: the next)
                         for i in T.unroll(nt):
                             first = T.bind((t0 + T.min(i * per + r, tiles - T.int64(1))) * T.int64(kt))
                             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(kc[
-                                T.int64(0), kvh, k_row_col(first, d + K_PREFETCH_LINES, head_dim)[0],
-                                k_row_col(first, d + K_PREFETCH_LINES, head_dim)[1]]), T.int32(0), T.int32(3), T.int32(1)))
+                                T.int64(0), kvh, k_row_col(first, d + K_PREFETCH_LINES, head_dim, width)[0],
+                                k_row_col(first, d + K_PREFETCH_LINES, head_dim, width)[1]]), T.int32(0), T.int32(3),
+                                T.int32(1)))
                     for i in T.unroll(nt):
                         first = T.bind((t0 + T.min(i * per + r, tiles - T.int64(1))) * T.int64(kt))   # the tile's first key
                         for hh in T.unroll(hg):
                             sacc[T.ramp((i * hg + hh) * kt, 1, kt)] = sacc[T.ramp((i * hg + hh) * kt, 1, kt)] + (
-                                T.broadcast(qr[T.min(gs * hg + hh, g - 1) * head_dim + d], kt) * widen(T, kc[
-                                    T.int64(0), kvh, k_row_col(first, d, head_dim)[0],
-                                    T.ramp(k_row_col(first, d, head_dim)[1], 1, kt)], kv_dtype, kt))
+                                T.broadcast(qr[T.min(gs * hg + hh, g - 1) * head_dim + d], kt)
+                                * key_line(kc, k16, kvh, first, d, blk))
                 for i in T.unroll(nt):       # past the last key: -inf
                     for hh in T.unroll(hg):
                         h = T.bind(T.min(gs * hg + hh, g - 1))
@@ -566,8 +745,12 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                 mx[T.ramp(hh * kt, 1, kt)] = mx[T.ramp(hh * kt, 1, kt)] + e
             tot[hh] = vector_math.reduce_sum(T, mx[T.ramp(hh * kt, 1, kt)], kt)
 
+    def value_weight(vc, v16, w, kvh, key, d):
+        """The weight w of value `key` for its elements from d (q8_0: times their block's scale)."""
+        return w * v_scale(T, v16, vc, T.int64(0), kvh, key, d // Q8, head_dim) if q8 else w
+
     @T.macro
-    def values(vc, sc, acc, accs, kvh, k0, k1):
+    def values(vc, v16, sc, acc, accs, kvh, k0, k1):
         """3: accs = the weighted sum of the values of keys k0 .. k1 per head, in blocks of vb
         keys: the block's V rows come from DRAM for its first tile of hv heads x dv dims
         (which prefetches the next block's) and from L1 for the others; a tile accumulates in
@@ -581,7 +764,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                             ((gv * hv + e // (dv // LANES)) * head_dim + dc * dv + e % (dv // LANES) * LANES), 1, LANES)]
                     for j in range(T.min(T.int64(vb), k1 - lo)):
                         if gv == 0 and dc == 0:
-                            for c in T.unroll(head_dim * KV_DTYPES[kv_dtype] // 64):   # the row vb keys on
+                            for c in T.unroll(-(-width * KV_DTYPES[kv_dtype] // 64)):   # the row vb keys on
                                 T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
                                     vc[T.int64(0), kvh, lo + j + T.int64(vb), c * 64 // KV_DTYPES[kv_dtype]]),
                                     T.int32(0), T.int32(3), T.int32(1)))
@@ -591,7 +774,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                                     (hh * (dv // LANES) + c) * LANES, 1, LANES)] + (
                                     widen(T, vc[T.int64(0), kvh, lo + j, T.ramp(dc * dv + c * LANES, 1, LANES)],
                                           kv_dtype, LANES)
-                                    * T.broadcast(sc[T.min(gv * hv + hh, g - 1), lo + j - k0], LANES))
+                                    * T.broadcast(value_weight(vc, v16, sc[T.min(gv * hv + hh, g - 1), lo + j - k0],
+                                                               kvh, lo + j, dc * dv + c * LANES), LANES))
                     for e in T.unroll(hv * dv // LANES):
                         accs[T.ramp(((gv * hv + e // (dv // LANES)) * head_dim + dc * dv + e % (dv // LANES) * LANES),
                                     1, LANES)] = acc[T.ramp(e * LANES, 1, LANES)]
@@ -647,6 +831,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         # (sized by cap: the spans' count is bound after the allocations TVM hoists to the top)
         part = T.alloc_buffer((kv_heads * subs * (cap // T.int64(span_keys(cap)) + T.int64(1)), g, head_dim + 2),
                               "float32")
+        k16, v16 = scales_view(T, kc), scales_view(T, vc)   # q8_0's scales
         for task in T.parallel(kv_heads * subs * spans):
             kvh = T.bind(task // (subs * spans))
             h0 = T.bind(kvh * group + task // spans % subs * g)    # the task's first query head
@@ -671,11 +856,11 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             for i in range(ngv * hv * chunks):
                 accs[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
             if task % spans == spans - T.int64(1):   # the span that holds the new token's slot
-                write_new_token(k, v, kc, vc, kr, cos, sin, pos, kvh, slot)
+                write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, slot)
             rotate_queries(q, qr, mx, cos, sin, pos, h0)
-            score(kc, qr, sc, mx, sacc, kvh, keys, t0, n)
+            score(kc, k16, qr, sc, mx, sacc, kvh, keys, t0, n)
             weigh(sc, mx, top, tot, keys, t0, n)
-            values(vc, sc, acc, accs, kvh, t0 * T.int64(kt), T.min(keys, (t0 + n) * T.int64(kt)))
+            values(vc, v16, sc, acc, accs, kvh, t0 * T.int64(kt), T.min(keys, (t0 + n) * T.int64(kt)))
             if spans == T.int64(1):
                 for hh in range(g):
                     for c in T.unroll(chunks):
@@ -700,8 +885,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         q = T.match_buffer(var_q, (T.int64(1), T.int64(1), heads * head_dim), "float32")
         k = T.match_buffer(var_k, (T.int64(1), T.int64(1), kv_heads * head_dim), "float32")
         v = T.match_buffer(var_v, (T.int64(1), T.int64(1), kv_heads * head_dim), "float32")
-        kc = T.match_buffer(var_kc, (T.int64(1), kv_heads, cap, head_dim), kv_dtype)
-        vc = T.match_buffer(var_vc, (T.int64(1), kv_heads, cap, head_dim), kv_dtype)
+        kc = T.match_buffer(var_kc, (T.int64(1), kv_heads, cap, width), element)
+        vc = T.match_buffer(var_vc, (T.int64(1), kv_heads, cap, width), element)
         cos = T.match_buffer(var_cos, (positions, head_dim // 2), "float32")
         sin = T.match_buffer(var_sin, (positions, head_dim // 2), "float32")
         out = T.match_buffer(var_out, (T.int64(1), T.int64(1), heads * head_dim), "float32")

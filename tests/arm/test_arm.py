@@ -107,6 +107,31 @@ def test_arm_decode_at_depth_splits_the_keys_and_matches_host(arm64_env, builds,
     assert [int(x.argmax()) for x in out[1]] == [int(x.argmax()) for x in host]
 
 
+def test_arm_q8_0_cache_matches_host(arm64_env, tiny_q4, tmp_path):
+    """A q8_0 KV cache (`--kv-dtype q8_0`) on arm-yitian under qemu, 600 cached tokens (the
+    decode attention's keys in two spans) then decode steps, at 1 and 8 threads: the same bits
+    at both, and the logits of the host's q8_0 build within 1e-3 (both quantize each cached
+    row with roundf, so their caches hold the same codes)."""
+    arts = {t: tmp_path / f"{t}-q8.qwc" for t in ("host", "arm-yitian")}
+    for t, art in arts.items():
+        compile_file(tiny_q4, t, art, act_bits=8, kv_type="q8_0")
+    steps = [[int(t) for t in np.random.default_rng(5).integers(0, 259, 600)], 5, 6, 7]
+    out = {}
+    for threads in (1, 8):
+        dest = tmp_path / f"q8-{threads}.npy"
+        env = dict(arm64_env, TVM_NUM_THREADS=str(threads))
+        r = subprocess.run(emulation.engine_command(env, arts["arm-yitian"], dest, json.dumps(steps)), env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[threads] = np.load(dest)
+    assert np.array_equal(out[1], out[8])
+    eng = Engine(arts["host"], ctx=len(steps[0]) + len(steps))
+    host = np.stack([eng.prefill(steps[0])] + [eng.decode(t) for t in steps[1:]])
+    for a, h in zip(out[1], host):
+        assert np.abs(a - h).max() / np.abs(h).max() < 1e-3
+    assert [int(x.argmax()) for x in out[1]] == [int(x.argmax()) for x in host]
+
+
 def test_runner_fill_counts_positions_as_cached(arm64_env, builds, tmp_path):
     """scripts/arm64/run_engine.py's "fill" (bench/arm_icount.py --depth): the steps run after
     N positions of zeros, as the host Engine does from the same fill level, and not as they do

@@ -3,6 +3,7 @@ graph, the x86 integer kernels against the generic ones, and what compile refuse
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -16,6 +17,7 @@ from qwc.cli import main
 from qwc.compiler import targets
 from qwc.compiler.compile import compile_file
 from qwc.config import sidecar_paths
+from qwc.errors import QwcError
 from qwc.runtime.engine import Engine
 
 from conftest import copy_artifact, greedy_against_onnxruntime, one_line
@@ -55,6 +57,41 @@ def test_f16_kv_cache_halves_the_cache_and_follows_onnxruntime(tiny_q4, tiny_hos
     assert "invalid choice: 'q4_1'" in capsys.readouterr().err and not (tmp_path / "x.qwc").exists()
     with pytest.raises(Exception, match="--kv-dtype 'bf16' is not supported"):
         compile_file(tiny_q4, "host", tmp_path / "y.qwc", kv_type="bf16")
+
+
+def test_q8_0_kv_cache_takes_a_quarter_and_follows_onnxruntime(tiny_q4, tiny_host_artifact, tiny_lm, tmp_path,
+                                                                capsys):
+    """`--kv-dtype q8_0` (llama.cpp's blocks of 32 int8 and a float16 scale): the manifest
+    records it, a token's cache takes 68 bytes a head where f32 takes 256 (0.27x), `qwc run`
+    says so, greedy generation takes onnxruntime's tokens (float32 cache) with every step's
+    logits within 3e-2 of their range (q8_0 rounds each cached element by up to 1/254 of its
+    block's largest), and the batched step (its own cache writer and attention) takes each
+    sequence's tokens alone. A model whose head_dim is not a multiple of 32 is refused."""
+    from run_engine import greedy_alone_and_batched  # scripts/arm64
+
+    art = tmp_path / "q8.qwc"
+    assert main(["-q", "compile", str(tiny_q4), "--act-bits", "32", "--kv-dtype", "q8_0", "--max-batch", "3",
+                 "-o", str(art)]) == 0
+    assert json.loads((art / "manifest.json").read_text())["functions"]["cache_dtype"] == "q8_0"
+    prompt = np.random.default_rng(11).integers(0, 259, (1, 9))
+    eng, ref, logits = greedy_against_onnxruntime(art, tiny_q4, tiny_lm.config, prompt, 16, 64, tol=3e-2)
+    assert [int(r.argmax()) for r in ref] == [int(g.argmax()) for g in logits]
+    cfg = tiny_lm.config
+    assert eng.seq.cache[0].dtype == "int8" and eng.seq.cache[0].shape[-1] == cfg.head_dim * 17 // 16
+    f32 = Engine(tiny_host_artifact, ctx=64)
+    assert eng.kv_bytes_per_token * 256 == f32.kv_bytes_per_token * 68
+    alone, batched = greedy_alone_and_batched(eng, [[72, 101, 108], list(range(3, 40)), [7]], 6)
+    assert np.array_equal(alone.argmax(-1), batched.argmax(-1))
+    assert np.abs(alone - batched).max() / np.abs(alone).max() < 3e-2
+    capsys.readouterr()
+    assert main(["run", str(art), "--prompt", "a", "--max-new-tokens", "1", "--ctx", "64"]) == 0
+    assert f"KV cache q8_0, {eng.kv_bytes_per_token / 1024:g} KiB a token" in capsys.readouterr().err
+    from qwc.config import load_for_graph
+    cfg48 = dataclasses.replace(load_for_graph(tiny_q4), head_dim=48)
+    with mock.patch("qwc.compiler.compile.load_for_graph", return_value=cfg48):
+        with pytest.raises(QwcError, match="--kv-dtype q8_0 needs a head_dim that is a multiple of 32"):
+            compile_file(tiny_q4, "host", tmp_path / "z.qwc", kv_type="q8_0")
+    assert not (tmp_path / "z.qwc").exists()
 
 
 @pytest.mark.slow

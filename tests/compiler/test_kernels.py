@@ -397,16 +397,33 @@ def _attention_reference(q, k, v, past, s, heads, kvh, hd, scale):
     return ref
 
 
+def _q8_0(x):
+    """x [n, m] through llama.cpp's q8_0 (blocks of 32 along m: roundf(x / d), d = max |x| / 127
+    as float16), dequantized: what a q8_0 cache holds."""
+    blocks = x.reshape(-1, 32)
+    d = np.abs(blocks).max(1, keepdims=True) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    codes = np.trunc(blocks * inv + np.copysign(np.float32(0.5), blocks * inv))
+    return (codes * d.astype(np.float16).astype(np.float32)).reshape(x.shape).astype(np.float32)
+
+
+def _cache_holds(x, dtype):
+    """What a cache of `dtype` holds of x (float32)."""
+    return _q8_0(x) if dtype == "q8_0" else x.astype(dtype).astype(np.float32)
+
+
 def _filled_caches(k, v, chunks, kvh, hd, cap, dtype="float32"):
     """K (key tiles) and V (rows) cache buffers of `dtype`, NaN past what the cache writers
     wrote of k, v [n, kvh*hd] chunk by chunk: a kernel that read an unwritten slot would return
-    NaN."""
+    NaN (q8_0: bytes 0x7e, codes of 126 with float16 NaN scales)."""
     import tvm
 
     from qwc.compiler.kernels import attention
 
-    write_k, write_v = (_host_kernel(attention.kv_cache_write(tiles, dtype=dtype)) for tiles in (True, False))
-    kc, vc = (tvm.runtime.tensor(np.full((1, kvh, cap, hd), np.nan, dtype)) for _ in range(2))
+    write_k, write_v = (_host_kernel(attention.kv_cache_write(tiles, dtype=dtype, head_dim=hd)) for tiles in (True, False))
+    shape, element = (1, kvh, cap, attention.cache_width(dtype, hd)), attention.cache_element(dtype)
+    fill = 0x7E if dtype == "q8_0" else np.nan
+    kc, vc = (tvm.runtime.tensor(np.full(shape, fill, element)) for _ in range(2))
     for lo, hi in chunks:
         if hi > lo:
             n = tvm.runtime.tensor(np.array([hi - 1], np.int32))
@@ -418,7 +435,7 @@ def _filled_caches(k, v, chunks, kvh, hd, cap, dtype="float32"):
 @pytest.mark.parametrize("past, s", [(0, 1), (0, 17), (5, 1), (15, 3), (16, 1), (37, 17), (40, 1),
                                      (100, 40), (0, 257), (131, 255), (0, 31), (2, 31), (0, 33), (999, 1),
                                      (744, 256)])
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
 def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s, dtype):
     """The cache writers (K in key tiles of 16, V in rows) then the online-softmax attention,
     against numpy's causal attention (over the keys and values rounded to the cache's dtype):
@@ -437,7 +454,7 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s, dtype):
     out = tvm.runtime.tensor(np.zeros_like(q))
     _host_kernel(attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype))(
         tvm.runtime.tensor(q), kc, vc, tvm.runtime.tensor(np.array([past + s - 1], np.int32)), out)
-    k, v = (x.astype(dtype).astype(np.float32) for x in (k, v))   # what the cache holds
+    k, v = (_cache_holds(x.reshape(-1, hd), dtype).reshape(x.shape) for x in (k, v))
     np.testing.assert_allclose(out.numpy(), _attention_reference(q, k, v, past, s, heads, kvh, hd, 0.125),
                                rtol=0, atol=2e-6)
 
@@ -483,7 +500,7 @@ def test_vector_rotary_gives_the_te_rotarys_bits(b, s, heads, hd, pos_dtype):
 @pytest.mark.parametrize("heads, kvh, hd", [(14, 2, 64), (4, 2, 32)])
 @pytest.mark.parametrize("past", [0, 5, 15, 16, 40, 130, 999, 1600])
 @pytest.mark.parametrize("layout, per_task", [("plain", None), ("arm", 1)])
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
 @pytest.mark.parametrize("registers, split", [((16, 32), None), ((32, 64), None), ((32, 16), 512), ((16, 32), 64)])
 def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd, past, layout, per_task, dtype,
                                                                  registers, split):
@@ -521,7 +538,7 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
            out, aq, ad, off)
     np.testing.assert_array_equal(kc.numpy(), want_k)
     np.testing.assert_array_equal(vc.numpy(), want_v)
-    keys, v = (x.astype(dtype).astype(np.float32) for x in (keys, v))   # what the cache holds
+    keys, v = (_cache_holds(x.reshape(-1, hd), dtype).reshape(x.shape) for x in (keys, v))
     ref = _attention_reference(_rotary(q, pos, cos, sin, heads), keys, v, past, 1, heads, kvh, hd, scale)
     np.testing.assert_allclose(out.numpy(), ref, rtol=0, atol=2e-6)
     quantizer = _host_kernel(act_quant.fused_quantizer(heads * hd, w4a8.ZERO_POINT, True, layout=layout))

@@ -93,7 +93,8 @@ def test_corrupt_manifest(tiny_host_artifact, tmp_path, capsys):
     ("max_batch", 0, "functions.max_batch 0 must be"),
     ("max_tokens_per_call", -3, "functions.max_tokens_per_call -3 must be"),
     ("max_tokens_per_call", 2.5, "functions.max_tokens_per_call 2.5 must be"),
-    ("cache_dtype", "int4", "functions.cache_dtype 'int4' must be one of float32, float16"),
+    ("cache_dtype", "int4", "functions.cache_dtype 'int4' must be one of float32, float16, q8_0"),
+    ("cache_dtype", "q8_0", "the library refused its inputs"),   # a float32 cache's library
 ])
 def test_manifest_limits_are_checked(tiny_host_artifact, tmp_path, capsys, field, value, expect):
     art = copy_artifact(tiny_host_artifact, tmp_path)
