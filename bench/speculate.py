@@ -1,8 +1,9 @@
-"""Speculative decoding by prompt lookup (`qwc serve --speculate ngram`) against the same
-scheduler without it, one request at a time on real weights:
+"""Speculative decoding by prompt lookup (`qwc serve --speculate ngram`), or by a draft model
+(`qwc serve --draft SMALL.qwc`, with --draft here), against the same scheduler without it, one
+request at a time on real weights:
 
     .venv/bin/python bench/speculate.py [ART.qwc] [--rounds 3] [--max-tokens 160] [--threads N]
-                                        [--draft-max 8] [--lookup-min 3] [--json F]
+                                        [--draft-max 8] [--lookup-min 3] [--draft SMALL.qwc] [--json F]
     .venv/bin/python bench/speculate.py ART.qwc --costs 0.6,0.8,0.9 [--draft-max 8] [...]
 
 Four kinds of reply, three prompts each, from Pride and Prejudice (`qwc data fetch`) and a
@@ -44,7 +45,7 @@ from qwc.runtime.chat import ChatTemplate
 from qwc.runtime.engine import Engine
 from qwc.runtime.sampling import SamplingParams
 from qwc.runtime.scheduler import Request, Scheduler
-from qwc.runtime.speculate import NGRAM_MAX, NgramDrafter
+from qwc.runtime.speculate import NGRAM_MAX, DraftModel, NgramDrafter
 
 REPO = Path(__file__).resolve().parent.parent
 CODE = ['''def mean(values):
@@ -167,6 +168,7 @@ def main():
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--draft-max", type=int, default=8)
     p.add_argument("--lookup-min", type=int, default=3)
+    p.add_argument("--draft", help="a draft model's artifact (the same tokenizer) instead of prompt lookup")
     p.add_argument("--costs", help="Q,...: verify calls' cost by draft length, and the speed-up at acceptance Q")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
@@ -183,8 +185,10 @@ def main():
     if qs:
         return costs(args, engine, qs)
     kinds = prompts(engine)
+    on = "draft" if args.draft else "ngram"
     modes = {"off": None,
-             "ngram": lambda: NgramDrafter(args.draft_max, ngram_min=args.lookup_min)}
+             on: (DraftModel(Engine(args.draft, ctx=2048, threads=args.threads), engine, args.draft_max) if args.draft
+                  else lambda: NgramDrafter(args.draft_max, ngram_min=args.lookup_min))}
     # this machine is shared: each prompt runs without and with drafts back to back (the order
     # turning each round), and a kind's ratio is the median of its rounds' ratios
     rates = {(k, m): [] for k in kinds for m in modes}
@@ -206,32 +210,33 @@ def main():
                         drafts[kind][0] += d
                         drafts[kind][1] += a
                 if r == 0:
-                    same[kind] += got["off"] == got["ngram"]
+                    same[kind] += got["off"] == got[on]
             for mode in modes:
                 rates[kind, mode].append(toks[mode] / secs[mode] if secs[mode] else 0.0)
-            ratios[kind].append(rates[kind, "ngram"][-1] / rates[kind, "off"][-1])
-            print(f"  round {r + 1} {kind:7s} off {rates[kind, 'off'][-1]:7.1f} tok/s, ngram "
-                  f"{rates[kind, 'ngram'][-1]:7.1f} tok/s ({ratios[kind][-1]:.2f}x)", flush=True)
+            ratios[kind].append(rates[kind, on][-1] / rates[kind, "off"][-1])
+            print(f"  round {r + 1} {kind:7s} off {rates[kind, 'off'][-1]:7.1f} tok/s, {on} "
+                  f"{rates[kind, on][-1]:7.1f} tok/s ({ratios[kind][-1]:.2f}x)", flush=True)
 
     name = Path(args.artifact).name
-    print(f"\nSpeculative decoding by prompt lookup, {name}, {args.threads} threads, one request at a time, "
-          f"greedy, up to {args.max_tokens} tokens; draft_max {args.draft_max}, n-grams {args.lookup_min}.."
-          f"{max(NGRAM_MAX, args.lookup_min)}; medians of {args.rounds} rounds, each prompt without and with "
-          "drafts back to back\n")
-    print("| reply | tok/s, off | tok/s, ngram | ngram / off | draft tokens kept / verified | replies with the same text |")
+    how = (f"a draft model, {Path(args.draft).name}" if args.draft else
+           f"prompt lookup (n-grams {args.lookup_min}..{max(NGRAM_MAX, args.lookup_min)})")
+    print(f"\nSpeculative decoding by {how}, {name}, {args.threads} threads, one request at a time, "
+          f"greedy, up to {args.max_tokens} tokens; draft_max {args.draft_max}; medians of {args.rounds} rounds, "
+          "each prompt without and with drafts back to back\n")
+    print(f"| reply | tok/s, off | tok/s, {on} | {on} / off | draft tokens kept / verified | replies with the same text |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for kind, ps in kinds.items():
-        off, on = float(np.median(rates[kind, "off"])), float(np.median(rates[kind, "ngram"]))
+        off, with_drafts = float(np.median(rates[kind, "off"])), float(np.median(rates[kind, on]))
         ratio = float(np.median(ratios[kind]))
         d, a = drafts[kind]
-        rows.append({"reply": kind, "off": off, "ngram": on, "ratio": ratio, "ratios": ratios[kind],
+        rows.append({"reply": kind, "off": off, on: with_drafts, "ratio": ratio, "ratios": ratios[kind],
                      "drafted": d, "kept": a, "same_text": same[kind], "prompts": len(ps)})
-        print(f"| {kind} | {off:.1f} | {on:.1f} | {ratio:.2f}x | {a} / {d} ({a / d if d else 0:.0%}) | "
+        print(f"| {kind} | {off:.1f} | {with_drafts:.1f} | {ratio:.2f}x | {a} / {d} ({a / d if d else 0:.0%}) | "
               f"{same[kind]} of {len(ps)} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"artifact": args.artifact, "threads": args.threads, "rows": rows},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"artifact": args.artifact, "draft": args.draft, "threads": args.threads,
+                                               "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -406,12 +406,22 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
         raise QwcError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
+    if args.draft and args.speculate == "ngram":
+        raise QwcError("--draft and --speculate ngram are two ways of drafting: give one")
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
     drafter = None
     if args.speculate == "ngram":
         from qwc.runtime.speculate import NgramDrafter
 
         drafter = functools.partial(NgramDrafter, args.draft_max, ngram_min=args.lookup_min)
+    elif args.draft:
+        from qwc.runtime.speculate import DraftModel
+
+        try:
+            small = Engine(args.draft, ctx=args.ctx, threads=eng.threads)
+        except QwcError as e:
+            raise QwcError(f"--draft: {e}") from None
+        drafter = DraftModel(small, eng, args.draft_max)
     sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
                       speculate=drafter, spec_batch=args.spec_batch)
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
@@ -421,7 +431,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         has = "no batched decode" if eng.max_batch == 1 else f"a batched decode of at most {eng.max_batch} sequences"
         progress.info(f"[qwc] note: {args.model} has {has}; steps with more decode one sequence after another "
                       f"(compile it with --max-batch {args.max_batch})")
-    spec = (f"; speculative decoding by prompt lookup, drafts of up to {args.draft_max} tokens where at most "
+    how = f"a draft model ({Path(args.draft).name})" if args.draft else "prompt lookup"
+    spec = (f"; speculative decoding by {how}, drafts of up to {args.draft_max} tokens where at most "
             f"{args.spec_batch} sequence{'s' if args.spec_batch > 1 else ''} decode" if drafter else "")
     progress.info(f"[qwc] serving {name!r} at http://{host}:{port}/v1 ({args.max_batch} sequences of up to "
                   f"{eng.ctx} tokens, {eng.threads} threads{', API key required' if args.api_key else ''}; "
@@ -658,6 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "earlier in it (prompt lookup: replies that quote their prompt) and verifies a draft in one "
                          "call; sampled replies follow the same distribution as without it, greedy ones are the "
                          "same up to near ties (default off)")
+    sv.add_argument("--draft", metavar="SMALL.qwc",
+                    help="speculative decoding with a draft model: a smaller artifact with the same tokenizer "
+                         "(the 0.5B for a 7B, say) proposes tokens by greedy decoding, the served model verifies "
+                         "them in one call (instead of --speculate ngram)")
     sv.add_argument("--draft-max", type=_positive, default=8, metavar="N",
                     help="tokens a draft proposes at most (default 8; a draft after a miss is shorter)")
     sv.add_argument("--lookup-min", type=_positive, default=3, metavar="N",

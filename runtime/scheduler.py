@@ -53,11 +53,12 @@ from qwc.errors import QwcError
 
 from .detokenize import IncrementalText
 from .sampling import Sampler, SamplingParams, logprobs
-from .speculate import NgramDrafter
+from .speculate import ModelDrafter, NgramDrafter
 
 # A draft is verified in one call, which costs more than a decode step: 2.4 decode steps of
 # Qwen2.5-0.5B at 5 tokens, 4.7 of SmolLM2 (x86, 2 threads; docs/results.md). A request whose verify
-# calls take longer a cache position than a decode step takes stops drafting for a number of
+# calls (with the draft model's steps, where one drafts) take longer a cache position than a
+# decode step takes stops drafting for a number of
 # steps that doubles each time (up to the last figure), then tries again: what is worth
 # drafting changes along a reply (a quote, then free text).
 SPEC_BACKOFF = (8, 128)
@@ -106,6 +107,7 @@ class _Running:
         self.shown = ""                  # text already emitted
         self.pending: int | None = None  # a token sampled and emitted, not yet in the cache
         self.drafter = None              # runtime/speculate.py, where the scheduler speculates
+        self.draft_time = 0.0            # seconds the last draft took to make (a draft model's steps)
         self.spec_cost: float | None = None   # seconds a cache position in its verify calls (average)
         self.spec_wait = 0               # decode steps to take before drafting again
         self.backoff = SPEC_BACKOFF[0]
@@ -113,8 +115,8 @@ class _Running:
 
 class Scheduler:
     def __init__(self, engine, max_running: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
-                 min_reuse: int | None = 16, speculate: Callable[[], NgramDrafter] | None = None,
-                 spec_batch: int = 1):
+                 min_reuse: int | None = 16, speculate: Callable[[], NgramDrafter | ModelDrafter] | None = None,
+                 spec_batch: int = 1, spec_backoff: bool = True):
         if max_running < 1 or max_queue < 0 or prefill_chunk < 1 or (min_reuse is not None and min_reuse < 1):
             raise QwcError("max_running, prefill_chunk and min_reuse must be at least 1, max_queue at least 0")
         if spec_batch < 1:
@@ -126,6 +128,8 @@ class Scheduler:
         self.max_running, self.max_queue, self.prefill_chunk = max_running, max_queue, prefill_chunk
         self.min_reuse = min_reuse        # None: no prefix reuse
         self.speculate, self.spec_batch = speculate, spec_batch   # a drafter factory, or None
+        # False: verify every draft, whatever it costs (tests of the verification itself)
+        self.spec_backoff = spec_backoff
         self.drafted = self.accepted = 0  # draft tokens verified, and those kept (for metrics)
         self.decode_time: float | None = None   # seconds of a one-sequence decode step (average)
         self._free: list = self._allocate()   # idle slots
@@ -231,6 +235,8 @@ class Scheduler:
         run.req.finish_reason = reason
         self._running.remove(run)
         self._free.append(run.seq)
+        if hasattr(run.drafter, "close"):   # a draft model's cache goes back for the next request
+            run.drafter.close()
         if not reason.startswith("error"):   # after a failed step the cache's contents are unknown
             self._cached[run.seq.row] = (run.req.prompt + run.req.generated)[:run.seq.pos]
             self._finished += 1
@@ -282,7 +288,10 @@ class Scheduler:
         decoding = [r for r in self._running if r.fed == len(r.req.prompt) and r.logits is not None]
         going = [(run, tok) for run in decoding if (tok := self._next(run)) is not None]
         drafts = {}
-        if self.speculate is not None and len(going) <= self.spec_batch:
+        # no draft before a decode step's time is known: it is what a draft must beat (a draft
+        # model proposes one at every step, so a plain step would otherwise never be timed)
+        if self.speculate is not None and len(going) <= self.spec_batch and (
+                self.decode_time is not None or not self.spec_backoff):
             for run, _ in going:
                 if run.spec_wait:
                     run.spec_wait -= 1
@@ -290,8 +299,10 @@ class Scheduler:
                 # a verify call emits up to a token more than its draft: none past the request's
                 # budget, and no position past the context's end
                 room = min(run.req.max_tokens - len(run.req.generated) - 1, run.seq.capacity - run.seq.pos - 1)
+                t0 = time.perf_counter()
                 if draft := run.drafter.draft(run.history, room):
                     drafts[id(run)] = draft
+                run.draft_time = time.perf_counter() - t0
         plain = [(run, tok) for run, tok in going if id(run) not in drafts]
         if plain:
             seqs, toks = [r.seq for r, _ in plain], [t for _, t in plain]
@@ -329,7 +340,7 @@ class Scheduler:
         seq, base = run.seq, run.seq.pos
         t0 = time.perf_counter()
         logits = self.engine.score([tok, *draft], seq=seq)
-        took = time.perf_counter() - t0
+        took = time.perf_counter() - t0 + run.draft_time   # what the tokens cost, drafting included
         self.drafted += len(draft)
         kept = 0
         for i, want in enumerate(draft):
@@ -349,7 +360,7 @@ class Scheduler:
         run.drafter.kept(kept)
         # the call advanced the cache by tok and the kept draft tokens
         run.spec_cost = _average(run.spec_cost, took / (1 + kept))
-        if self.decode_time is not None and run.spec_cost > self.decode_time:
+        if self.spec_backoff and self.decode_time is not None and run.spec_cost > self.decode_time:
             run.spec_wait, run.backoff = run.backoff, min(2 * run.backoff, SPEC_BACKOFF[1])
         else:
             run.backoff = SPEC_BACKOFF[0]

@@ -1,7 +1,8 @@
-"""Speculative decoding's drafts by prompt lookup: the tokens that followed the latest earlier
-occurrence of the context's last n-gram (vLLM's "ngram" method, llama.cpp's lookup decoding).
+"""Speculative decoding's drafts: by prompt lookup, the tokens that followed the latest earlier
+occurrence of the context's last n-gram (vLLM's "ngram" method, llama.cpp's lookup decoding);
+or by a smaller model with the same vocabulary, greedily (`qwc serve --draft`).
 
-No second model: a reply that quotes its prompt (a summary, an edit of code or text, an
+Prompt lookup needs no second model: a reply that quotes its prompt (a summary, an edit of code or text, an
 extraction, a JSON answer over given fields) repeats long runs of tokens the context already
 holds. The scheduler verifies a draft in one call of the artifact's `score` entry point (the
 last sampled token and the draft, every position's logits) and keeps the longest prefix the
@@ -11,6 +12,8 @@ verify call runs the prefill kernels, whose rounding differs from the decode ste
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from qwc.errors import QwcError
 
@@ -63,4 +66,88 @@ class NgramDrafter:
         """The last draft's first n tokens were kept: the next is as long as 2n + 2 (at most
         draft_max), short after a miss (a long wrong draft costs more than a short one) and
         long while a quote goes on."""
-        self.length = max(2, min(self.draft_max, 2 * n + 2))
+        self.length = next_length(self.draft_max, n)
+
+
+def next_length(draft_max: int, n: int) -> int:
+    """A draft's length after the last one kept n tokens: 2n + 2, at least 2, at most draft_max."""
+    return max(2, min(draft_max, 2 * n + 2))
+
+
+class DraftModel:
+    """A smaller model drafting for the served one (`qwc serve --draft SMALL.qwc`): the tokens
+    its greedy decoding gives after the context. A drafter per request (calling the model
+    makes one), each with a cache of its own in the draft engine; the caches are reused from
+    request to request. The draft engine runs on the scheduler's thread, between the served
+    model's steps."""
+
+    def __init__(self, engine, target, draft_max: int = DRAFT_MAX):
+        if draft_max < 1:
+            raise QwcError(f"speculation: draft_max ({draft_max}) must be at least 1")
+        if not same_vocabulary(engine, target):
+            raise QwcError(f"--draft {engine.path}: its tokenizer is not the served model's (a draft's tokens "
+                           "must mean the same to both)")
+        self.engine, self.draft_max = engine, draft_max
+        self.limit = min(engine.sample_limit, target.sample_limit)   # ids both models can sample
+        self._free: list = []   # caches of finished requests
+
+    def __call__(self) -> ModelDrafter:
+        return ModelDrafter(self)
+
+
+def same_vocabulary(a, b) -> bool:
+    """Whether two engines' tokenizers map the same strings to the same ids (without
+    tokenizers: whether their vocabularies are the same size)."""
+    if a.tokenizer is None or b.tokenizer is None:
+        return a.tokenizer is None and b.tokenizer is None and a.vocab_size == b.vocab_size
+    return a.tokenizer.get_vocab(with_added_tokens=True) == b.tokenizer.get_vocab(with_added_tokens=True)
+
+
+class ModelDrafter:
+    """Drafts for one sequence from the draft model. Its cache holds `_fed`, the tokens of the
+    history it was given and of its own last draft; a new draft sets the cache back to what
+    that shares with the history (the draft tokens that were not kept go), feeds the rest of
+    the history in one call, and decodes greedily from there."""
+
+    def __init__(self, model: DraftModel):
+        self.model = model
+        self.length = model.draft_max
+        self.seq = None
+        self._fed: list[int] = []
+
+    def draft(self, history: list[int], limit: int | None = None) -> list[int]:
+        k = self.length if limit is None else min(self.length, limit)
+        if k <= 0 or not history:
+            return []
+        eng = self.model.engine
+        if self.seq is None:
+            self.seq = self.model._free.pop() if self.model._free else eng.sequence()
+            self.seq.pos, self._fed = 0, []
+        if len(history) + k > self.seq.capacity:
+            return []
+        same = 0
+        for a, b in zip(self._fed, history):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(history) - 1)   # the last token is fed again: its logits come next
+        self.seq.pos, new = same, history[same:]
+        logits = eng.prefill(new, seq=self.seq) if len(new) > 1 else eng.decode(new[0], seq=self.seq)
+        self._fed = list(history)
+        out = []
+        for i in range(k):
+            tok = int(np.argmax(logits[:self.model.limit]))
+            out.append(tok)
+            if i + 1 < k:
+                logits = eng.decode(tok, seq=self.seq)
+                self._fed.append(tok)
+        return out
+
+    def kept(self, n: int) -> None:
+        self.length = next_length(self.model.draft_max, n)
+
+    def close(self) -> None:
+        """The request is done: its cache goes back to the model for the next."""
+        if self.seq is not None:
+            self.model._free.append(self.seq)
+            self.seq = None

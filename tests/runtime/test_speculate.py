@@ -1,17 +1,22 @@
-"""Speculative decoding: the prompt-lookup drafter, and the scheduler's verification of drafts
-(runtime/scheduler.py: Scheduler._verify) against the same scheduler without drafts, on the
-tiny artifact with float activations and a float32 cache (the verify call's kernels and the
-decode step's then agree to float rounding, so greedy tokens are equal)."""
+"""Speculative decoding: the prompt-lookup drafter, the draft model, and the scheduler's
+verification of drafts (runtime/scheduler.py: Scheduler._verify) against the same scheduler
+without drafts, on the tiny artifact with float activations and a float32 cache (the verify
+call's kernels and the decode step's then agree to float rounding, so greedy tokens are
+equal). The schedulers verify every draft (spec_backoff=False): whether drafting pays is timed,
+and the tests are of what a verification does; the backoff has its own test."""
 
 import threading
+import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from qwc.errors import QwcError
 from qwc.runtime.engine import Engine
 from qwc.runtime.sampling import SamplingParams
 from qwc.runtime.scheduler import Request, Scheduler
-from qwc.runtime.speculate import NgramDrafter
+from qwc.runtime.speculate import DraftModel, NgramDrafter, same_vocabulary
 
 PROMPT = [5, 9, 13, 17, 21, 25, 29, 33]
 TOKENS = 24
@@ -81,7 +86,8 @@ def _generate(engine, drafter=None, sampling=None, max_tokens=TOKENS, spec_batch
         made.append(drafter())
         return made[-1]
 
-    sched = Scheduler(engine, max_running=2, speculate=factory if drafter else None, spec_batch=spec_batch)
+    sched = Scheduler(engine, max_running=2, speculate=factory if drafter else None, spec_batch=spec_batch,
+                      spec_backoff=False)
     done = threading.Event()
     req = Request(prompt=list(PROMPT), max_tokens=max_tokens, sampling=sampling or SamplingParams(),
                   emit=lambda kind, v: kind == "done" and done.set(), ignore_eos=True)
@@ -147,7 +153,7 @@ def test_a_draft_past_the_spec_batch_takes_the_batched_step(engine, reference):
     """spec_batch=1 with two requests decoding: neither verifies (each decodes in the step)."""
     made = []
     sched = Scheduler(engine, max_running=2, speculate=lambda: made.append(
-        _Script(lambda j: reference[j] if j < TOKENS else 0)) or made[-1])
+        _Script(lambda j: reference[j] if j < TOKENS else 0)) or made[-1], spec_backoff=False)
     done = [threading.Event(), threading.Event()]
     reqs = [Request(prompt=list(PROMPT), max_tokens=TOKENS, sampling=SamplingParams(), ignore_eos=True,
                     emit=lambda kind, v, e=e: kind == "done" and e.set()) for e in done]
@@ -163,6 +169,89 @@ def test_a_draft_past_the_spec_batch_takes_the_batched_step(engine, reference):
     assert sched.drafted < 2 * TOKENS
 
 
+def test_drafting_that_costs_more_than_it_saves_backs_off(engine, reference):
+    """A drafter whose drafts take 50 ms to make (a decode step of the tiny model: ~1 ms): after
+    one decode step timed, the first draft's cost a position is past a step's, so the request
+    stops drafting for 8 steps, then 16 (SPEC_BACKOFF): 3 drafts in 24 tokens, not 23."""
+    class Slow(_Script):
+        calls = 0
+
+        def draft(self, history, limit=None):
+            Slow.calls += 1
+            time.sleep(0.05)
+            return super().draft(history, limit)
+
+    sched = Scheduler(engine, max_running=2, speculate=lambda: Slow(lambda j: 0))
+    done = threading.Event()
+    req = Request(prompt=list(PROMPT), max_tokens=TOKENS, sampling=SamplingParams(), ignore_eos=True,
+                  emit=lambda kind, v: kind == "done" and done.set())
+    sched.start()
+    try:
+        sched.submit(req)
+        assert done.wait(120)
+    finally:
+        sched.stop()
+    assert req.generated == reference
+    assert 1 <= Slow.calls <= 3
+
+
 def test_scheduler_refuses_a_bad_spec_batch(engine):
     with pytest.raises(QwcError, match="spec_batch"):
         Scheduler(engine, speculate=NgramDrafter, spec_batch=0)
+
+
+def _greedy(engine, history, n):
+    """n greedy tokens after `history`, from a fresh cache."""
+    seq = engine.sequence()
+    logits, out = engine.prefill(history, seq=seq), []
+    for _ in range(n):
+        out.append(int(np.argmax(logits[:engine.sample_limit])))
+        logits = engine.decode(out[-1], seq=seq)
+    return out
+
+
+@pytest.fixture(scope="module")
+def draft_engine(tiny_host_artifact):
+    return Engine(tiny_host_artifact, ctx=128, threads=1)
+
+
+def test_a_draft_model_drafts_its_greedy_continuation_after_any_history(engine, draft_engine):
+    """A drafter's cache follows the history it is given: after a draft of which only the first
+    token was kept and another came, it sets its cache back and drafts what a fresh cache gives."""
+    d = DraftModel(draft_engine, engine, draft_max=4)()
+    first = d.draft(list(PROMPT))
+    assert first == _greedy(draft_engine, PROMPT, 4)
+    d.kept(1)                                      # the next draft: 2 * 1 + 2 tokens
+    history = list(PROMPT) + [first[0], (first[1] + 1) % 200]
+    assert d.draft(history) == _greedy(draft_engine, history, 4)
+    assert d.draft(history, limit=2) == _greedy(draft_engine, history, 2)
+    assert d.draft(history, limit=0) == []
+    d.close()
+    assert d.seq is None and len(d.model._free) == 1
+
+
+def test_a_draft_model_of_the_same_weights_changes_nothing(engine, draft_engine, reference):
+    """The served model drafting for itself: every greedy draft is its own reply, kept whole
+    (its decode step and the verify call agree to float rounding here), and the reply is the
+    one without drafts; the request's draft cache goes back to the model when it ends."""
+    model = DraftModel(draft_engine, engine)
+    req, sched, made = _generate(engine, model)
+    assert req.generated == reference
+    assert sched.drafted > 0 and sched.accepted >= 0.9 * sched.drafted
+    assert sched.steps < TOKENS // 2
+    assert made[0].seq is None and len(model._free) == 1
+
+
+def test_a_draft_model_needs_the_same_vocabulary():
+    def eng(vocab, size=300):
+        tok = None if vocab is None else SimpleNamespace(get_vocab=lambda with_added_tokens: vocab)
+        return SimpleNamespace(tokenizer=tok, vocab_size=size, sample_limit=size, path="small.qwc")
+
+    assert same_vocabulary(eng({"a": 0, "b": 1}), eng({"a": 0, "b": 1}, 400))
+    assert not same_vocabulary(eng({"a": 0, "b": 1}), eng({"a": 1, "b": 0}))
+    assert not same_vocabulary(eng({"a": 0}), eng(None))
+    assert same_vocabulary(eng(None), eng(None)) and not same_vocabulary(eng(None), eng(None, 400))
+    with pytest.raises(QwcError, match="--draft small.qwc: its tokenizer is not the served model's"):
+        DraftModel(eng({"a": 0}), eng({"b": 0}))
+    with pytest.raises(QwcError, match="draft_max"):
+        DraftModel(eng(None), eng(None), draft_max=0)

@@ -283,6 +283,27 @@ def test_speculative_decoding_serves_the_same_text(artifact):
         s.close()
 
 
+def test_a_draft_model_serves_the_same_text(artifact, tmp_path):
+    """`--draft SMALL.qwc`: here the served artifact drafting for itself (the same tokenizer, the
+    same greedy reply): the greedy text is the server's without drafts and most draft tokens
+    are kept. A missing draft artifact, or a draft given with --speculate ngram, is refused in
+    one line."""
+    s = Server(artifact, "--max-batch", "2", "--draft", str(artifact), "--draft-max", "4")
+    try:
+        assert f"speculative decoding by a draft model ({artifact.name}), drafts of up to 4 tokens" in s.notes
+        prompt = "The cat sat on the mat. The cat"
+        r = s.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 30, "temperature": 0}).json()
+        assert r["choices"][0]["text"] == _reference(artifact, [prompt], 30)[0]
+        assert s.metric("qwc_draft_tokens_accepted ") >= 0.5 * s.metric("qwc_draft_tokens ") > 0
+    finally:
+        s.close()
+    for extra, words in ((["--draft", str(tmp_path / "none.qwc")], "--draft:"),
+                         (["--draft", str(artifact), "--speculate", "ngram"], "give one")):
+        r = subprocess.run([sys.executable, "-m", "qwc", "serve", str(artifact), "--port", "0", *extra],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+
+
 def test_cancelled_stream_frees_its_slot(server):
     before = server.metric('qwc_requests_total{outcome="cancelled"')
     with httpx.stream("POST", server.base + "/v1/completions", timeout=60,
