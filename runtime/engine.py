@@ -242,7 +242,7 @@ class Engine:
 
     def kv_summary(self, ctx: int | None = None) -> str:
         """The cache's format and memory per sequence of `ctx` positions (default: the engine's),
-        for `qwc run -v` and `qwc serve` at start."""
+        for `qwc run` and `qwc serve` at start."""
         ctx = self.ctx if ctx is None else ctx
         name = next(k for k, v in KV_TYPES.items() if v == self._kv_format)
         return (f"KV cache {name}, {self.kv_bytes_per_token / 1024:g} KiB a token, "

@@ -56,11 +56,11 @@ from .sampling import Sampler, SamplingParams, logprobs
 from .speculate import ModelDrafter, NgramDrafter
 
 # A draft is verified in one call, which costs more than a decode step: 2.4 decode steps of
-# Qwen2.5-0.5B at 5 tokens, 4.7 of SmolLM2 (x86, 2 threads; docs/results.md). A request whose verify
-# calls (with the draft model's steps, where one drafts) take longer a cache position than a
-# decode step takes stops drafting for a number of
-# steps that doubles each time (up to the last figure), then tries again: what is worth
-# drafting changes along a reply (a quote, then free text).
+# Qwen2.5-0.5B at 5 tokens, 4.7 of SmolLM2 (x86, 2 threads; docs/results.md). A request whose
+# verify calls (with the draft model's steps, where one drafts) take longer a cache position
+# than a decode step takes stops drafting for a number of steps that doubles each time (up to
+# the last figure), then tries again: what is worth drafting changes along a reply (a quote,
+# then free text).
 SPEC_BACKOFF = (8, 128)
 SPEC_AVERAGE = 0.5   # weight of the newest call in the running averages of call times
 

@@ -2,13 +2,14 @@
 occurrence of the context's last n-gram (vLLM's "ngram" method, llama.cpp's lookup decoding);
 or by a smaller model with the same vocabulary, greedily (`qwc serve --draft`).
 
-Prompt lookup needs no second model: a reply that quotes its prompt (a summary, an edit of code or text, an
-extraction, a JSON answer over given fields) repeats long runs of tokens the context already
-holds. The scheduler verifies a draft in one call of the artifact's `score` entry point (the
-last sampled token and the draft, every position's logits) and keeps the longest prefix the
-sampler itself would have produced (runtime/scheduler.py: Scheduler._verify): sampled replies
-follow the same distribution as without drafts, greedy ones are the same up to near ties (the
-verify call runs the prefill kernels, whose rounding differs from the decode step's).
+Prompt lookup needs no second model: a reply that quotes its prompt (a summary, an edit of
+code or text, an extraction, a JSON answer over given fields) repeats long runs of tokens the
+context already holds. Either way the scheduler verifies a draft in one call of the artifact's
+`score` entry point (the last sampled token and the draft, every position's logits) and keeps
+the longest prefix the sampler itself would have produced (runtime/scheduler.py:
+Scheduler._verify): sampled replies follow the same distribution as without drafts, greedy
+ones are the same up to near ties (the verify call runs the prefill kernels, whose rounding
+differs from the decode step's).
 """
 
 from __future__ import annotations
