@@ -91,12 +91,20 @@ def run_qwc(env, plug, artifact, steps, out: Path) -> int:
     return block_total(out)
 
 
-def run_llama(env, plug, bench, gguf, args, out: Path) -> int:
+def _emulated_llama(env, plug, tool, gguf, args, out: Path) -> str:
+    """Run llama.cpp's `tool` on `gguf` under the counting plugin, one thread (counts to
+    out.counts); its stderr."""
     cmd = ["qemu-aarch64", "-cpu", env["QEMU_CPU"], "-plugin", f"{plug},out={out.with_suffix('.counts')}",
-           "-d", "plugin", bench, "-m", str(gguf), *args, "-r", "1", "--no-warmup", "-t", "1"]
+           "-d", "plugin", tool, "-m", str(gguf), *args, "--no-warmup", "-t", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     if r.returncode != 0 or "qwc-icount:" not in r.stderr:
-        sys.exit(f"arm_icount: the emulated llama-bench run failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        sys.exit(f"arm_icount: the emulated {Path(tool).name} run failed: "
+                 f"{(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    return r.stderr
+
+
+def run_llama(env, plug, bench, gguf, args, out: Path) -> int:
+    _emulated_llama(env, plug, bench, gguf, [*args, "-r", "1"], out)
     return block_total(out)
 
 
@@ -108,6 +116,12 @@ def prompt_file(tokens: int, work: Path) -> Path:
     return path
 
 
+def completion_args(prompt: Path, steps: int, ctx: int) -> list[str]:
+    """llama-completion's settings where it saves a state and where it loads one: the same
+    context, flash attention on (the saved V cache's layout depends on it), greedy, no chat."""
+    return ["-f", str(prompt), "-n", str(steps), "-c", str(ctx), "-fa", "on", "-no-cnv", "--temp", "0"]
+
+
 def llama_session(x86_tools: Path, gguf: Path, tokens: int, ctx: int, work: Path) -> tuple[Path, Path]:
     """(prompt file, session file): a prompt of `tokens` tokens (characters: the preset's GGUF
     has a byte-level vocabulary; checked) and llama.cpp's saved state after it (its KV cache,
@@ -116,9 +130,8 @@ def llama_session(x86_tools: Path, gguf: Path, tokens: int, ctx: int, work: Path
     llama-completion loads it instead of prefilling."""
     prompt, session = prompt_file(tokens, work), work / f"session-{gguf.stem}-{tokens}.bin"
     if not session.is_file():
-        cmd = [str(x86_tools / "llama-completion-0.3.36"), "-m", str(gguf), "-f", str(prompt), "-n", "1", "-c", str(ctx),
-               "-fa", "on", "-no-cnv", "--temp", "0", "--no-warmup", "-t", str(len(os.sched_getaffinity(0))),
-               "--verbose-prompt", "--prompt-cache", str(session)]
+        cmd = [str(x86_tools / "llama-completion-0.3.36"), "-m", str(gguf), *completion_args(prompt, 1, ctx),
+               "--no-warmup", "-t", str(len(os.sched_getaffinity(0))), "--verbose-prompt", "--prompt-cache", str(session)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
         if r.returncode != 0 or not session.is_file():
             sys.exit(f"arm_icount: llama-completion could not save a session: {r.stderr.strip().splitlines()[-1:]}")
@@ -135,17 +148,12 @@ def run_llama_from_session(env, plug, completion, gguf, prompt: Path, session: P
     state) and generating `steps` tokens greedily, one thread: after replaying the session's
     last token where `prompt` is that prompt, else (`prompt_tokens` of which the session holds
     the first `tokens`) after prefilling the rest of it."""
-    cmd = ["qemu-aarch64", "-cpu", env["QEMU_CPU"], "-plugin", f"{plug},out={out.with_suffix('.counts')}",
-           "-d", "plugin", completion, "-m", str(gguf), "-f", str(prompt), "-n", str(steps), "-c", str(ctx),
-           "-fa", "on", "-no-cnv", "--temp", "0", "--ignore-eos", "--no-warmup", "-t", "1",
-           "--prompt-cache", str(session), "--prompt-cache-ro"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    loaded = re.search(r"loaded a session with prompt size of (\d+) tokens", r.stderr)
-    if r.returncode != 0 or "qwc-icount:" not in r.stderr:
-        sys.exit(f"arm_icount: the emulated llama-completion run failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    log = _emulated_llama(env, plug, completion, gguf, [*completion_args(prompt, steps, ctx), "--ignore-eos",
+                                                        "--prompt-cache", str(session), "--prompt-cache-ro"], out)
+    loaded = re.search(r"loaded a session with prompt size of (\d+) tokens", log)
     took = ("exact match for prompt" if prompt_tokens in (None, tokens)
             else f"session file matches {tokens} / {prompt_tokens} tokens of prompt")
-    if not loaded or int(loaded.group(1)) != tokens or took not in r.stderr:
+    if not loaded or int(loaded.group(1)) != tokens or took not in log:
         sys.exit(f"arm_icount: llama-completion did not take the {tokens}-token session whole")
     return block_total(out)
 
@@ -353,8 +361,8 @@ def main():
         p.error("--depth must be at least 0")
     if args.only_depth and not args.depth:
         p.error("--only-depth needs --depth")
-    if args.mca and args.depth and args.peer:
-        p.error("--mca reads llama-bench's loops, and --depth runs llama-completion: run them apart")
+    if args.mca and (args.depth or args.long) and args.peer:
+        p.error("--mca reads llama-bench's loops, and --depth / --long run llama-completion: run them apart")
     # --long N: tokens N / 2 + 1 .. N of an N-token prompt, after the first N / 2 (filled, as
     # decode at depth is): a prompt of 1 token and one of N / 2 after them
     prefill = {**PREFILL, **({f"prefill_{args.long}": (1, args.long // 2, args.long // 2)} if args.long else {})}

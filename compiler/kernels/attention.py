@@ -113,6 +113,12 @@ def v_scale(T, c16, c, b, h, pos, blk, head_dim):
     return T.Cast("float32", c16[row + head_dim // 2 + blk])
 
 
+def value_weight(T, w, dtype, c16, c, b, h, pos, d, head_dim):
+    """The weight w of the value at `pos` for its elements from d (kv head h, cache row b):
+    times their block's scale in a q8_0 cache (c16: scales_view(c)), else w."""
+    return w * v_scale(T, c16, c, b, h, pos, d // Q8, head_dim) if dtype == "q8_0" else w
+
+
 def q8_store(T, cache, c16, b, h, pos, key_tiles: bool, head_dim: int, src, at: tuple):
     """Emit the q8_0 blocks of the key (`key_tiles`: into its K tile) or value at slot `pos` of
     kv head h, cache row b (c16: scales_view(cache)), from float32 elements src[*at[:-1],
@@ -331,10 +337,6 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     if not supports_format(kv_dtype, head_dim):
         raise ValueError(f"attention: a {kv_dtype} cache of head_dim {head_dim}")
 
-    def weight(w, c16, vc, b, kvh, key, c):
-        """Value `key`'s weight w for its 16 elements from chunk c: times its block's scale (q8_0)."""
-        return w * v_scale(T, c16, vc, b, kvh, key, c * LANES // Q8, head_dim) if q8 else w
-
     def key_elements(ks, ks16, u, d):
         """float32x16: element d of the 16 keys of tile u of a span (ks: its keys, ks16: their
         scales' view), q8_0's times their block's scales."""
@@ -379,7 +381,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                 for c in T.unroll(chunks):
                     acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + widen(T, vc[
                         b, h // group, t * kt + j, ramp(c * LANES)], kv_dtype, LANES) * T.broadcast(
-                            weight(p[j], v16, vc, b, h // group, t * kt + j, c), LANES)
+                            value_weight(T, p[j], kv_dtype, v16, vc, b, h // group, t * kt + j, c * LANES, head_dim),
+                            LANES)
 
     @T.macro
     def span(q, kc, vc, out, acc, stat, p, qr, b, qi, h, t0):
@@ -745,10 +748,6 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                 mx[T.ramp(hh * kt, 1, kt)] = mx[T.ramp(hh * kt, 1, kt)] + e
             tot[hh] = vector_math.reduce_sum(T, mx[T.ramp(hh * kt, 1, kt)], kt)
 
-    def value_weight(vc, v16, w, kvh, key, d):
-        """The weight w of value `key` for its elements from d (q8_0: times their block's scale)."""
-        return w * v_scale(T, v16, vc, T.int64(0), kvh, key, d // Q8, head_dim) if q8 else w
-
     @T.macro
     def values(vc, v16, sc, acc, accs, kvh, k0, k1):
         """3: accs = the weighted sum of the values of keys k0 .. k1 per head, in blocks of vb
@@ -774,8 +773,9 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                                     (hh * (dv // LANES) + c) * LANES, 1, LANES)] + (
                                     widen(T, vc[T.int64(0), kvh, lo + j, T.ramp(dc * dv + c * LANES, 1, LANES)],
                                           kv_dtype, LANES)
-                                    * T.broadcast(value_weight(vc, v16, sc[T.min(gv * hv + hh, g - 1), lo + j - k0],
-                                                               kvh, lo + j, dc * dv + c * LANES), LANES))
+                                    * T.broadcast(value_weight(T, sc[T.min(gv * hv + hh, g - 1), lo + j - k0], kv_dtype,
+                                                               v16, vc, T.int64(0), kvh, lo + j, dc * dv + c * LANES,
+                                                               head_dim), LANES))
                     for e in T.unroll(hv * dv // LANES):
                         accs[T.ramp(((gv * hv + e // (dv // LANES)) * head_dim + dc * dv + e % (dv // LANES) * LANES),
                                     1, LANES)] = acc[T.ramp(e * LANES, 1, LANES)]

@@ -79,7 +79,7 @@ def engine(tiny_host_artifact):
     return Engine(tiny_host_artifact, ctx=128, threads=1)
 
 
-def _generate(engine, drafter=None, sampling=None, max_tokens=TOKENS, spec_batch=1):
+def _generate(engine, drafter=None, sampling=None, max_tokens=TOKENS, spec_batch=1, backoff=False):
     made = []
 
     def factory():
@@ -87,7 +87,7 @@ def _generate(engine, drafter=None, sampling=None, max_tokens=TOKENS, spec_batch
         return made[-1]
 
     sched = Scheduler(engine, max_running=2, speculate=factory if drafter else None, spec_batch=spec_batch,
-                      spec_backoff=False)
+                      spec_backoff=backoff)
     done = threading.Event()
     req = Request(prompt=list(PROMPT), max_tokens=max_tokens, sampling=sampling or SamplingParams(),
                   emit=lambda kind, v: kind == "done" and done.set(), ignore_eos=True)
@@ -181,16 +181,7 @@ def test_drafting_that_costs_more_than_it_saves_backs_off(engine, reference):
             time.sleep(0.05)
             return super().draft(history, limit)
 
-    sched = Scheduler(engine, max_running=2, speculate=lambda: Slow(lambda j: 0))
-    done = threading.Event()
-    req = Request(prompt=list(PROMPT), max_tokens=TOKENS, sampling=SamplingParams(), ignore_eos=True,
-                  emit=lambda kind, v: kind == "done" and done.set())
-    sched.start()
-    try:
-        sched.submit(req)
-        assert done.wait(120)
-    finally:
-        sched.stop()
+    req, _, _ = _generate(engine, lambda: Slow(lambda j: 0), backoff=True)
     assert req.generated == reference
     assert 1 <= Slow.calls <= 3
 
