@@ -95,9 +95,15 @@ def supports_format(dtype: str, head_dim: int) -> bool:
     return supports(head_dim) and (dtype != "q8_0" or head_dim % Q8 == 0)
 
 
-def scales_view(T, c):
-    """A flat float16 view of cache buffer c: the scales of a q8_0 cache (unused otherwise)."""
-    return T.decl_buffer((c.shape[0] * c.shape[1] * c.shape[2] * c.shape[3] // 2,), "float16", data=c.data)
+def scales_view(T, c, dtype: str = "q8_0", size=None):
+    """A flat float16 view of cache buffer c (or of `size` elements from its data pointer): the
+    scales of a q8_0 cache. The other formats read no scales and get None (a view they did not
+    read still changed the float kernels' register allocation), as a meta_var: TVMScript binds
+    it to a name as it is."""
+    if dtype != "q8_0":
+        return T.meta_var(None)
+    size = c.shape[0] * c.shape[1] * c.shape[2] * c.shape[3] // 2 if size is None else size
+    return T.decl_buffer((size,), "float16", data=c.data)
 
 
 def k_scales(T, c16, c, b, h, first, blk, head_dim):
@@ -397,8 +403,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         # (~2K instructions a task on ARM).
         ks = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
         vs = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
-        ks16 = T.decl_buffer((SPAN * width // 2,), "float16", data=ks.data)   # q8_0's scales
-        vs16 = T.decl_buffer((SPAN * width // 2,), "float16", data=vs.data)
+        ks16 = scales_view(T, ks, kv_dtype, SPAN * width // 2)   # q8_0's scales
+        vs16 = scales_view(T, vs, kv_dtype, SPAN * width // 2)
         for c in T.unroll(chunks):   # the scaled query, where its broadcasts load it from
             qr[ramp(c * LANES)] = q[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(T.float32(scale), LANES)
         for u in T.unroll(SPAN_TILES):
@@ -441,7 +447,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         stat = T.decl_buffer((2,), "float32", scope="global")
         p = T.decl_buffer((SPAN,), "float32", scope="global")    # scores, then weights
         qr = T.decl_buffer((head_dim,), "float32", scope="global")
-        k16, v16 = scales_view(T, kc), scales_view(T, vc)   # q8_0's scales
+        k16, v16 = scales_view(T, kc, kv_dtype), scales_view(T, vc, kv_dtype)   # q8_0's scales
         for r in T.unroll(QUERY_BLOCK):   # all of them: TVM sizes the buffer by what is written
             stats[2 * r] = T.float32(NEG_INF)
             stats[2 * r + 1] = T.float32(0)
@@ -831,7 +837,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         # (sized by cap: the spans' count is bound after the allocations TVM hoists to the top)
         part = T.alloc_buffer((kv_heads * subs * (cap // T.int64(span_keys(cap)) + T.int64(1)), g, head_dim + 2),
                               "float32")
-        k16, v16 = scales_view(T, kc), scales_view(T, vc)   # q8_0's scales
+        k16, v16 = scales_view(T, kc, kv_dtype), scales_view(T, vc, kv_dtype)   # q8_0's scales
         for task in T.parallel(kv_heads * subs * spans):
             kvh = T.bind(task // (subs * spans))
             h0 = T.bind(kvh * group + task // spans % subs * g)    # the task's first query head
