@@ -32,13 +32,13 @@ REPO = Path(__file__).resolve().parents[1]
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 14, 2, 64, 24
 
 
-def _ints(text: str) -> list[int]:
+def _ints(text: str, low: int = 1) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integers") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integers >= 1")
+    if not vals or min(vals) < low:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integers >= {low}")
     return vals
 
 
@@ -102,6 +102,19 @@ def measure(depth: int, dtype: str, rounds: int) -> dict[str, float]:
     return best
 
 
+def child_rows(script: str, args: list[str], threads: int) -> list[list[str]]:
+    """The tab-separated rows `script --one ARGS` prints in a child process of `threads` TVM
+    threads (TVM's pool takes its thread count, TVM_NUM_THREADS, once a process); exits with
+    the child's last error line if it fails."""
+    import subprocess
+
+    env = dict(os.environ, TVM_NUM_THREADS=str(threads))
+    r = subprocess.run([sys.executable, script, "--one", *args], capture_output=True, text=True, env=env)
+    if r.returncode:
+        sys.exit(f"{Path(script).stem}: {r.stderr.strip().splitlines()[-1:]}")
+    return [line.split("\t") for line in r.stdout.strip().splitlines()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", type=_ints, default=[512, 4096, 16384])
@@ -119,19 +132,12 @@ def main() -> None:
     bad = [x for x in a.kv.split(",") if x not in kinds]
     if bad:
         sys.exit(f"decode_attention: --kv {a.kv!r}: f16 or f32")
-    import subprocess
-
     print("| KV | threads | depth | variant | ms (24 layers) | host / variant |")
     print("| --- | ---: | ---: | --- | ---: | ---: |")
     for kv in a.kv.split(","):
         for threads in a.threads:
             for depth in a.depths:
-                env = dict(os.environ, TVM_NUM_THREADS=str(threads))
-                r = subprocess.run([sys.executable, __file__, "--one", str(depth), kinds[kv], str(threads),
-                                    str(a.rounds)], capture_output=True, text=True, env=env)
-                if r.returncode:
-                    sys.exit(f"decode_attention: {r.stderr.strip().splitlines()[-1:]}")
-                rows = [line.split("\t") for line in r.stdout.strip().splitlines()]
+                rows = child_rows(__file__, [str(depth), kinds[kv], str(threads), str(a.rounds)], threads)
                 host = float(rows[0][1])
                 for name, ms in rows:
                     print(f"| {kv} | {threads} | {depth} | {name} | {float(ms):.2f} | {host / float(ms):.2f}x |",

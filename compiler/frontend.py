@@ -265,7 +265,8 @@ class GroupQueryAttention(F.OnnxOpConverter):
         kc = bb.emit(relax.call_tir_inplace(write_k, [past_k, k, seqlens], 0, past_k.ty))
         vc = bb.emit(relax.call_tir_inplace(write_v, [past_v, v, seqlens], 0, past_v.ty))
         if tiled:
-            kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale, batched, kv_dtype),
+            kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale, batched, kv_dtype,
+                                                vector_registers(_ctx().features)),
                                  _kname("attention_online" + suffix))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
         else:

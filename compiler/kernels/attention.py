@@ -14,9 +14,11 @@ to cache slots 0 .. past + i: the key loop is bounded by that, not by the buffer
 Running max / sum / weighted-value accumulator (flash-attention style) updated once per span
 of 64 keys (per tile in a query's last, partial span), so no score row is stored; the
 block's queries take the keys span by span, so a span is read from memory once a block; exp
-is the vector polynomial of kernels/vector_math.py. Decode (`decode_attention`): a task per
-kv head (x86) or per query head (ARM), three passes (scores, weights, values); on ARM, at
-depth, the keys split in spans over tasks as well, merged after.
+is the vector polynomial of kernels/vector_math.py. Where the registers hold several queries'
+state (AVX-512), they take a span together, its keys widened to float32 once a block.
+Decode (`decode_attention`): a task per kv head (x86) or per query head (ARM), three passes
+(scores, weights, values); on ARM, at depth, the keys split in spans over tasks as well,
+merged after.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ V_BLOCK = 64             # keys a block of the values pass (8 KiB of f16 V at he
 # buffers, so every update of it is stored (the values pass was bound by those stores).
 STACK_BYTES = 1024
 NEG_INF = -3.0e38  # the running max's start and masked lanes' score (finite: no inf - inf)
-# Prefill: a task takes up to QUERY_BLOCK queries of one head, and they take the keys in spans
-# of SPAN in turn: a span's K and V (32 KiB at head_dim 64) are read from DRAM or L3 once and
-# from L1 or L2 for the other queries (a task per query read every key once per query: 2 MiB
-# a query at 4k cached tokens). A span is also the online softmax's step: one rescale and one
-# exp of the running max per 64 keys, and 4 tiles' scores computed side by side.
+# Prefill: a task takes up to QUERY_BLOCK queries of one head (rounded up to whole groups of
+# span_queries: 18 on AVX-512), and they take the keys in spans of SPAN in turn: a span's K
+# and V (32 KiB at head_dim 64) are read from DRAM or L3 once and from L1 or L2 for the other
+# queries (a task per query read every key once per query: 2 MiB a query at 4k cached
+# tokens). A span is also the online softmax's step: one rescale and one exp of the running
+# max per 64 keys, and 4 tiles' scores computed side by side.
 QUERY_BLOCK = 16
 SPAN_TILES = 4
 SPAN = SPAN_TILES * KEY_TILE
@@ -279,11 +282,11 @@ def _q8_cache_write(key_tiles: bool, batched: bool, head_dim: int):
     return hand_scheduled(write)
 
 
-def query_block(T, s):
-    """Queries a prefill task takes for a chunk of s: QUERY_BLOCK in long chunks, fewer in
-    short ones (s // 16, at least 1), so a 48-token chunk still makes 16 tasks a head for
-    64-128 threads."""
-    return T.max(T.min(s // 16, T.int64(QUERY_BLOCK)), T.int64(1))
+def query_block(T, s, block: int = QUERY_BLOCK):
+    """Queries a prefill task takes for a chunk of s: `block` in long chunks, fewer in short
+    ones (s // 16, at least 1), so a 48-token chunk still makes 16 tasks a head for 64-128
+    threads."""
+    return T.max(T.min(s // 16, T.int64(block)), T.int64(1))
 
 
 def _tree_sum(xs):
@@ -325,17 +328,30 @@ def _in_tile(T, t, keys):
     return T.broadcast(t * KEY_TILE, KEY_TILE) + T.ramp(T.int64(0), T.int64(1), KEY_TILE) < T.broadcast(keys, KEY_TILE)
 
 
+def span_queries(head_dim: int, registers: tuple[int, int]) -> int:
+    """Queries of a prefill block that take a whole span together (`attention`): as many as
+    half the target's vector registers hold the scores and value accumulators of (the other
+    half for the span's widened keys and values, loaded once for all of them), and whose
+    buffers stay under TVM's stack limit. AVX-512's 32 x 64 B: 3; AVX2's and NEON's files
+    hold one query's 16 (AVX2: 8 + 8 halves) and keep the one-query kernel."""
+    per_query = max(SPAN, head_dim) * 4
+    return max(1, min(registers[0] * registers[1] // 2 // per_query, (STACK_BYTES - 1) // per_query))
+
+
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: bool = False,
-              kv_dtype: str = "float32"):
+              kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32)):
     """`batched`: B sequences (q, out [B, s, ...], caches [B, ...], seqlens [B]), each row
     attending to its own cache row up to its own seqlens[b]; one task per (row, head, query).
-    `kv_dtype`: the caches' element type (KV_DTYPES)."""
+    `kv_dtype`: the caches' element type (KV_DTYPES). `registers`: the target's vector
+    registers (targets.vector_registers), which size the query groups (span_queries)."""
     from tvm.script import tirx as T
 
     _check_dtype(kv_dtype)
 
     group = heads // kv_heads
+    nr = 1 if batched else span_queries(head_dim, registers)   # batched: a task per query
+    block = -(-QUERY_BLOCK // nr) * nr   # queries a task: whole groups
     chunks = head_dim // LANES
     kt = KEY_TILE
     q8 = kv_dtype == "q8_0"
@@ -343,13 +359,22 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     if not supports_format(kv_dtype, head_dim):
         raise ValueError(f"attention: a {kv_dtype} cache of head_dim {head_dim}")
 
-    def key_elements(ks, ks16, u, d):
-        """float32x16: element d of the 16 keys of tile u of a span (ks: its keys, ks16: their
-        scales' view), q8_0's times their block's scales."""
-        k = widen(T, ks[T.ramp(u * kt * width + d * kt, 1, kt)], kv_dtype, kt)
-        if q8:
-            k = k * T.Cast("float32x16", ks16[T.ramp((u * kt * width + kt * head_dim) // 2 + d // Q8 * kt, 1, kt)])
+    def key_elements(ks, ks16, u, d, dtype=kv_dtype):
+        """float32x16: element d of the 16 keys of tile u of a span (ks: its keys in `dtype`,
+        ks16: their scales' view), q8_0's times their block's scales."""
+        w = cache_width(dtype, head_dim)
+        k = widen(T, ks[T.ramp(u * kt * w + d * kt, 1, kt)], dtype, kt)
+        if dtype == "q8_0":
+            k = k * T.Cast("float32x16", ks16[T.ramp((u * kt * w + kt * head_dim) // 2 + d // Q8 * kt, 1, kt)])
         return k
+
+    def value_elements(vs, vs16, j, c, dtype=kv_dtype):
+        """float32x16: elements c * 16 .. of the span's value j (q8_0's times their block's scale)."""
+        w = cache_width(dtype, head_dim)
+        x = widen(T, vs[T.ramp(j * w + c * LANES, 1, LANES)], dtype, LANES)
+        if dtype == "q8_0":
+            x = x * T.broadcast(T.Cast("float32", vs16[(j * w + head_dim) // 2 + c * LANES // Q8]), LANES)
+        return x
 
     def span_weight(vs16, w, j, c):
         """The span's value j's weight w for its elements from chunk c (q8_0: times their scale)."""
@@ -434,21 +459,114 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             out[b, qi, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
 
     @T.macro
+    def widen_span(kc, vc, kf, vf, b, h, t0):
+        """The span of keys from tile t0 into kf (the K tile layout) and vf (rows) as float32,
+        q8_0's scales applied: once for a block, where each of its query groups widened them."""
+        ks = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
+        vs = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        ks16 = scales_view(T, ks, kv_dtype, SPAN * width // 2)
+        vs16 = scales_view(T, vs, kv_dtype, SPAN * width // 2)
+        for u in T.unroll(SPAN_TILES):
+            for d in range(head_dim):
+                kf[ramp(u * kt * head_dim + d * kt, kt)] = key_elements(ks, ks16, u, d)
+        for j in range(SPAN):
+            for c in T.unroll(chunks):
+                vf[ramp(j * head_dim + c * LANES)] = value_elements(vs, vs16, j, c)
+
+    @T.macro
+    def span_group(q, out, accs, stats, ps, ws, qrs, ks, vs, b, q0, i0, h):
+        """`span` for the nr queries q0 .. q0 + nr - 1 (block entries i0 ..) that all take the
+        whole span, its keys ks (the K tile layout) and values vs (rows) in float32: each key
+        and value vector is loaded once for the nr queries, their scores and accumulators side
+        by side in registers (nr x SPAN_TILES, then nr x chunks vectors)."""
+        for r in T.unroll(nr):
+            for c in T.unroll(chunks):
+                qrs[ramp(r * head_dim + c * LANES)] = q[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
+                    T.float32(scale), LANES)
+            for u in T.unroll(SPAN_TILES):
+                ps[ramp(r * SPAN + u * kt, kt)] = T.broadcast(T.float32(0), kt)
+        # d in a loop (4 at a time): qrs, indexed by it, stays in memory and its elements are
+        # broadcast as they load (unrolled, LLVM held the queries in registers and broadcast
+        # each element with a shuffle, on the port the FMAs need); so are the weights below
+        for d4 in range(head_dim // 4):
+            for d1 in T.unroll(4):
+                for u in T.unroll(SPAN_TILES):
+                    k = T.bind(key_elements(ks, None, u, d4 * 4 + d1, "float32"))
+                    for r in T.unroll(nr):
+                        ps[ramp(r * SPAN + u * kt, kt)] = ps[ramp(r * SPAN + u * kt, kt)] + T.broadcast(
+                            qrs[r * head_dim + d4 * 4 + d1], kt) * k
+        for r in T.unroll(nr):
+            pr = [ps[ramp(r * SPAN + u * kt, kt)] for u in range(SPAN_TILES)]
+            m = T.bind(T.max(stats[2 * (i0 + r)], vector_math.reduce_max(T, _tree_max(T, pr), kt)))
+            rs = T.bind(vector_math.exp(T, stats[2 * (i0 + r)] - m, 1))
+            for u in T.unroll(SPAN_TILES):
+                ps[ramp(r * SPAN + u * kt, kt)] = vector_math.exp(T, ps[ramp(r * SPAN + u * kt, kt)] - T.broadcast(
+                    m, kt), kt)
+            stats[2 * (i0 + r)] = m
+            stats[2 * (i0 + r) + 1] = stats[2 * (i0 + r) + 1] * rs + vector_math.reduce_sum(T, _tree_sum(
+                [ps[ramp(r * SPAN + u * kt, kt)] for u in range(SPAN_TILES)]), kt)
+            for c in T.unroll(chunks):
+                accs[ramp(r * head_dim + c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
+                    rs, LANES)
+            for u in T.unroll(SPAN_TILES):
+                ws[ramp(r * SPAN + u * kt, kt)] = ps[ramp(r * SPAN + u * kt, kt)]
+        for j4 in range(SPAN // 4):
+            for j1 in T.unroll(4):
+                for c in T.unroll(chunks):
+                    x = T.bind(vs[ramp((j4 * 4 + j1) * head_dim + c * LANES)])
+                    for r in T.unroll(nr):
+                        accs[ramp(r * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)] + x * T.broadcast(
+                            ws[r * SPAN + j4 * 4 + j1], LANES)
+        for r in T.unroll(nr):
+            for c in T.unroll(chunks):
+                out[b, q0 + r, ramp(h * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)]
+
+    @T.macro
+    def span_group_cache(q, kc, vc, out, accs, stats, ps, ws, qrs, b, q0, i0, h, t0):
+        """span_group over the span of keys from tile t0, read from float32 caches."""
+        ks = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
+        vs = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        span_group(q, out, accs, stats, ps, ws, qrs, ks, vs, b, q0, i0, h)
+
+    @T.macro
+    def one_query(q, kc, vc, out, acc, stat, stats, p, qr, k16, v16, b, q0, r, h, sp, past):
+        """Span sp into query q0 + r's running state (stats[2r ..]): the whole span, or its
+        keys up to the query's (whole tiles, then a masked one)."""
+        keys = T.bind(past + q0 + r + T.int64(1))
+        if sp * SPAN < keys:
+            stat[0] = stats[2 * r]
+            stat[1] = stats[2 * r + 1]
+            if (sp + 1) * SPAN <= keys:
+                span(q, kc, vc, out, acc, stat, p, qr, b, q0 + r, h, sp * SPAN_TILES)
+            else:   # the query's last span: whole tiles, then a masked one
+                for c in T.unroll(chunks):
+                    acc[ramp(c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)]
+                for t in range(sp * SPAN_TILES, keys // kt):
+                    tile(q, kc, vc, k16, v16, acc, stat, p, b, q0 + r, h, keys, t, False)
+                if keys % kt != 0:
+                    tile(q, kc, vc, k16, v16, acc, stat, p, b, q0 + r, h, keys, keys // kt, True)
+                for c in T.unroll(chunks):
+                    out[b, q0 + r, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
+            stats[2 * r] = stat[0]
+            stats[2 * r + 1] = stat[1]
+
+    @T.macro
     def attend(q, kc, vc, out, b, h, q0, nq, s, seqlen):
-        """Queries q0 .. q0 + nq - 1 (nq <= QUERY_BLOCK) of head h of row b, over that row's keys
-        in spans of SPAN: every query of the block takes a span in turn, so the span's K and V
+        """Queries q0 .. q0 + nq - 1 (nq <= block) of head h of row b, over that row's keys in
+        spans of SPAN: every query of the block takes a span in turn, so the span's K and V
         come from DRAM once and from L1 or L2 for the others. A query's keys are whole spans,
-        then tiles (the last one masked)."""
+        then tiles (the last one masked). Groups of nr queries take a span below all of
+        their keys together (span_group), the others one by one."""
         # The block's accumulators are its output rows (normalised at the end): every buffer
         # of a task then fits TVM's 1 KiB stack limit, where a larger one is a workspace
         # allocation per task (~2.5K instructions a task on ARM).
-        stats = T.decl_buffer((QUERY_BLOCK * 2,), "float32", scope="global")   # running max, sum
+        stats = T.decl_buffer((block * 2,), "float32", scope="global")   # running max, sum
         acc = T.decl_buffer((head_dim,), "float32", scope="global")   # the query in turn: registers
         stat = T.decl_buffer((2,), "float32", scope="global")
         p = T.decl_buffer((SPAN,), "float32", scope="global")    # scores, then weights
         qr = T.decl_buffer((head_dim,), "float32", scope="global")
         k16, v16 = scales_view(T, kc, kv_dtype), scales_view(T, vc, kv_dtype)   # q8_0's scales
-        for r in T.unroll(QUERY_BLOCK):   # all of them: TVM sizes the buffer by what is written
+        for r in T.unroll(block):   # all of them: TVM sizes the buffer by what is written
             stats[2 * r] = T.float32(NEG_INF)
             stats[2 * r + 1] = T.float32(0)
         for r in range(nq):
@@ -456,25 +574,34 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                 out[b, q0 + r, ramp(h * head_dim + c * LANES)] = T.broadcast(T.float32(0), LANES)
         past = T.bind(T.Cast("int64", seqlen) + T.int64(1) - s)   # the chunk's first position
         last = T.bind(past + q0 + nq)   # keys the block's last query attends to
-        for sp in range((last + SPAN - 1) // SPAN):
-            for r in range(nq):
-                keys = T.bind(past + q0 + r + T.int64(1))
-                if sp * SPAN < keys:
-                    stat[0] = stats[2 * r]
-                    stat[1] = stats[2 * r + 1]
-                    if (sp + 1) * SPAN <= keys:
-                        span(q, kc, vc, out, acc, stat, p, qr, b, q0 + r, h, sp * SPAN_TILES)
-                    else:   # the query's last span: whole tiles, then a masked one
-                        for c in T.unroll(chunks):
-                            acc[ramp(c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)]
-                        for t in range(sp * SPAN_TILES, keys // kt):
-                            tile(q, kc, vc, k16, v16, acc, stat, p, b, q0 + r, h, keys, t, False)
-                        if keys % kt != 0:
-                            tile(q, kc, vc, k16, v16, acc, stat, p, b, q0 + r, h, keys, keys // kt, True)
-                        for c in T.unroll(chunks):
-                            out[b, q0 + r, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
-                    stats[2 * r] = stat[0]
-                    stats[2 * r + 1] = stat[1]
+        if nr == 1:   # the one-query kernel as it was (AVX2, NEON)
+            for sp in range((last + SPAN - 1) // SPAN):
+                for r in range(nq):
+                    one_query(q, kc, vc, out, acc, stat, stats, p, qr, k16, v16, b, q0, r, h, sp, past)
+        else:
+            accs = T.decl_buffer((nr * head_dim,), "float32", scope="global")   # a group's: registers
+            ps = T.decl_buffer((nr * SPAN,), "float32", scope="global")
+            ws = T.decl_buffer((nr * SPAN,), "float32", scope="global")
+            qrs = T.decl_buffer((nr * head_dim,), "float32", scope="global")
+            if kv_dtype != "float32":   # the block's spans widened once (16 KiB each: workspace)
+                kf = T.decl_buffer((SPAN * head_dim,), "float32", scope="global")
+                vf = T.decl_buffer((SPAN * head_dim,), "float32", scope="global")
+            for sp in range((last + SPAN - 1) // SPAN):
+                if kv_dtype != "float32":
+                    # some group takes it whole: the last whole group's first query does
+                    if nq >= nr and (sp + 1) * SPAN <= past + q0 + (nq // nr - 1) * nr + T.int64(1):
+                        widen_span(kc, vc, kf, vf, b, h, sp * SPAN_TILES)
+                for g in range((nq + nr - 1) // nr):
+                    # the group's first query has the fewest keys: the span is below all of theirs
+                    if g * nr + nr <= nq and (sp + 1) * SPAN <= past + q0 + g * nr + T.int64(1):
+                        if kv_dtype != "float32":
+                            span_group(q, out, accs, stats, ps, ws, qrs, kf, vf, b, q0 + g * nr, g * nr, h)
+                        else:
+                            span_group_cache(q, kc, vc, out, accs, stats, ps, ws, qrs, b, q0 + g * nr, g * nr, h,
+                                             sp * SPAN_TILES)
+                    else:
+                        for r in range(g * nr, T.min(g * nr + nr, nq)):
+                            one_query(q, kc, vc, out, acc, stat, stats, p, qr, k16, v16, b, q0, r, h, sp, past)
         for r in range(nq):
             for c in range(chunks):
                 out[b, q0 + r, ramp(h * head_dim + c * LANES)] = (
@@ -507,7 +634,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, width), element)
         out = T.match_buffer(var_out, (T.int64(1), s, heads * head_dim), "float32")
         assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
-        qb = T.bind(query_block(T, s))
+        qb = T.bind(query_block(T, s, block))
         blocks = T.bind((s + qb - 1) // qb)
         # a task per block of a head's queries, head-major: a thread's run of tasks shares K and V
         for task in T.parallel(heads * blocks):

@@ -434,14 +434,16 @@ def _filled_caches(k, v, chunks, kvh, hd, cap, dtype="float32"):
 
 @pytest.mark.parametrize("past, s", [(0, 1), (0, 17), (5, 1), (15, 3), (16, 1), (37, 17), (40, 1),
                                      (100, 40), (0, 257), (131, 255), (0, 31), (2, 31), (0, 33), (999, 1),
-                                     (744, 256)])
+                                     (744, 256), (40, 300)])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
-def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s, dtype):
+@pytest.mark.parametrize("registers", [(16, 32), (32, 64)])
+def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s, dtype, registers):
     """The cache writers (K in key tiles of 16, V in rows) then the online-softmax attention,
     against numpy's causal attention (over the keys and values rounded to the cache's dtype):
     histories and chunks that do and do not fill tiles, one query a task (s < 32), blocks of 2
     and of 16 queries with a ragged last block, keys in one span and in several, 1,000
-    positions."""
+    positions; one query at a time (AVX2's and NEON's registers) and in groups of 3 (AVX-512's:
+    a span below all of a group's keys taken by the group, the others one by one)."""
     import tvm
 
     from qwc.compiler.kernels import attention
@@ -452,7 +454,7 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s, dtype):
     q = rng.standard_normal((1, s, heads * hd), dtype=np.float32)
     kc, vc = _filled_caches(k, v, ((0, past), (past, past + s)), kvh, hd, cap, dtype)  # the history, then the chunk
     out = tvm.runtime.tensor(np.zeros_like(q))
-    _host_kernel(attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype))(
+    _host_kernel(attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype, registers=registers))(
         tvm.runtime.tensor(q), kc, vc, tvm.runtime.tensor(np.array([past + s - 1], np.int32)), out)
     k, v = (_cache_holds(x.reshape(-1, hd), dtype).reshape(x.shape) for x in (k, v))
     np.testing.assert_allclose(out.numpy(), _attention_reference(q, k, v, past, s, heads, kvh, hd, 0.125),
