@@ -3,6 +3,7 @@ on this machine, the Qwen2.5-0.5B shape (the artifact and GGUF of bench/peers.py
 
     .venv/bin/python bench/depth.py [--depths 0,4096] [--prompt 512] [--gen 32] [--long 4096]
                                     [--threads 1,2] [--kv f16,f32,q8_0] [--rounds 2] [--json out.json]
+                                    [--plot tg_depth.svg] [--from-json out.json]
 
 Per KV cache type, thread count and depth D, llama-bench's tests (`-d D`: D tokens prefilled,
 not timed): pp{prompt} @ dD and tg{gen} @ dD, qwc through `qwc bench -d D` on an artifact
@@ -11,7 +12,8 @@ attention auto): both engines at the same cache type. llama-bench has no f32 cac
 rows are against its f16, its default and fastest.
 With --long N, also one N-token prompt from an empty cache (pp{N}): what a user pasting a long
 document waits for. The two engines alternate, round after round (this machine is shared), and
-the table gives each engine's best round and the ratio qwc / llama.cpp.
+the table gives each engine's best round and the ratio qwc / llama.cpp. --plot draws the tg rows
+against depth (docs/tg_depth.svg is `--depths 0,1024,2048,4096,8192,16384 --prompt 0`).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def run(args) -> list[dict]:
                             best[engine][test] = max(best[engine].get(test, 0.0), tps)
                 for test in best["qwc"]:
                     q, ll = best["qwc"][test], best["llama.cpp"].get(test)
-                    rows.append({"kv": kv, "llamacpp_kv": "f16" if kv == "f32" else kv, "threads": threads, "test": test, "qwc": q, "llamacpp": ll,
+                    rows.append({"kv": kv, "llamacpp_kv": "f16" if kv == "f32" else kv, "threads": threads,
+                                 "depth": depth, "test": test, "qwc": q, "llamacpp": ll,
                                  "ratio": q / ll if ll else None})
     return rows
 
@@ -102,6 +105,32 @@ def table(rows: list[dict]) -> str:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
         lines.append(f"| {r['kv']} / {r['llamacpp_kv']} | {r['threads']} | {r['test']} | {r['qwc']:,.1f} | {ll} | {ratio} |")
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """tg tok/s against depth, both engines, a line per engine, KV type and thread count."""
+    import matplotlib
+    matplotlib.use("Agg")   # a file, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[tuple, list[tuple[int, float, float | None]]] = {}
+    for r in rows:
+        if r["test"].startswith("tg"):
+            series.setdefault((r["kv"], r["llamacpp_kv"], r["threads"]), []).append((r["depth"], r["qwc"], r["llamacpp"]))
+    for (kv, llkv, threads), pts in series.items():
+        pts.sort()
+        depth = [d for d, _, _ in pts]
+        ax.plot(depth, [q for _, q, _ in pts], "o-", label=f"qwc, {kv} KV, {threads} threads")
+        ax.plot(depth, [ll or float("nan") for _, _, ll in pts], "s--", label=f"llama.cpp, {llkv} KV, {threads} threads")
+    ax.set_xlabel("cached tokens (depth)")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Qwen2.5-0.5B shape, Q4_0: decode speed against depth")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def main() -> None:
@@ -117,11 +146,28 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=1, help="repetitions inside each round (default 1)")
     p.add_argument("--workdir", default=str(Path.home() / ".cache" / "qwc" / "bench"))
     p.add_argument("--json", help="write the rows as JSON")
+    p.add_argument("--plot", help="draw tg against depth into this file (.svg, .png; needs qwc[bench]: matplotlib)")
+    p.add_argument("--from-json", help="no runs: the rows of an earlier --json (with --plot, redraw it)")
     args = p.parse_args()
-    rows = run(args)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib: pip install -e '.[bench]'")
+        if Path(args.plot).suffix.lower() not in (".svg", ".png", ".pdf"):
+            p.error(f"--plot {args.plot}: a .svg, .png or .pdf file")
+    if args.from_json:
+        try:
+            rows = json.loads(Path(args.from_json).read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--from-json {args.from_json}: {e}")
+    else:
+        rows = run(args)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, Path(args.plot))
 
 
 if __name__ == "__main__":

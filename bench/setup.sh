@@ -6,7 +6,7 @@
 # llvm-19 for llvm-mca's Neoverse-N2 model (bench/arm_icount.py --mca, bench/arm_threads.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m pip install -q matplotlib==3.11.2 2> >(grep -v "is ignored: it is neither" >&2)
+.venv/bin/python -m pip install -q -e '.[bench]' 2> >(grep -v "is ignored: it is neither" >&2)   # matplotlib, pinned in pyproject.toml
 if [[ ! -x /usr/lib/llvm-19/bin/llvm-mca ]]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends llvm-19 >/dev/null
 fi
