@@ -330,8 +330,13 @@ def _cmd_run(args: argparse.Namespace) -> None:
     from qwc.runtime.engine import Engine
     from qwc.runtime.sampling import SamplingParams
 
+    _check_speculation(args)
     t0 = time.perf_counter()
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
+    speculate = _drafter(args, eng)
+    if speculate is not None and eng._score is None:
+        raise QwcError(f"{args.model}: speculative decoding needs the artifact's score entry point "
+                       "(compiled by an older qwc; recompile it)")
     weights = eng.manifest.weight_bytes
     progress.info(f"[qwc] loaded {args.model} ({weights / 2**30:.2f} GiB of weights) in {time.perf_counter() - t0:.1f}s; "
                   f"{eng.kv_summary()}")
@@ -340,23 +345,28 @@ def _cmd_run(args: argparse.Namespace) -> None:
                         frequency_penalty=args.frequency_penalty,
                         seed=None if args.seed == -1 else args.seed)   # -1: random, as llama.cpp
     if args.chat:
-        _chat(eng, sp, args.max_new_tokens)
+        _chat(eng, sp, args.max_new_tokens, speculate)
         return
     if args.prompt is None:
         raise QwcError("give --prompt TEXT (or --chat)")
     _check_utf8(args.prompt, "--prompt")
     constraint = _run_constraint(eng, args)
     sys.stdout.write(args.prompt)
-    for piece in eng.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sp, constraint=constraint):
+    for piece in eng.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sp, constraint=constraint,
+                              speculate=speculate):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()   # the text before the timings, also when stdout is a pipe
     st = eng.stats
     rate = (lambda n, s: f"{n / s:.1f} tok/s" if s > 0 and n else "-")
+    spec = ""
+    if speculate is not None and eng._driver is not None:
+        d = eng._driver
+        spec = f", {d.accepted} of {d.drafted} draft tokens kept"
     progress.info(f"[qwc] prompt {st['prompt_tokens']} tokens at {rate(st['prompt_tokens'], st['prompt_s'])}, "
                   f"generated {st['generated']} at {rate(st['generated'], st['generate_s'])} "
-                  f"({eng.threads} threads, {eng.pos} tokens in context)")
+                  f"({eng.threads} threads, {eng.pos} tokens in context{spec})")
 
 
 def _run_constraint(eng, args: argparse.Namespace):
@@ -387,6 +397,30 @@ def _run_constraint(eng, args: argparse.Namespace):
     return vocab.constraint(grammar)
 
 
+def _check_speculation(args: argparse.Namespace) -> None:
+    if args.draft and args.speculate == "ngram":
+        raise QwcError("--draft and --speculate ngram are two ways of drafting: give one")
+
+
+def _drafter(args: argparse.Namespace, eng):
+    """The drafter factory --speculate / --draft ask for (None: no speculation)."""
+    from qwc.runtime.engine import Engine
+
+    if args.speculate == "ngram":
+        from qwc.runtime.speculate import NgramDrafter
+
+        return functools.partial(NgramDrafter, args.draft_max, ngram_min=args.lookup_min)
+    if args.draft:
+        from qwc.runtime.speculate import DraftModel
+
+        try:
+            small = Engine(args.draft, ctx=eng.ctx, threads=eng.threads)
+        except QwcError as e:
+            raise QwcError(f"--draft: {e}") from None
+        return DraftModel(small, eng, args.draft_max)
+    return None
+
+
 def _cmd_serve(args: argparse.Namespace) -> None:
     import importlib.util
     import socket
@@ -406,22 +440,9 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
         raise QwcError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
-    if args.draft and args.speculate == "ngram":
-        raise QwcError("--draft and --speculate ngram are two ways of drafting: give one")
+    _check_speculation(args)
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
-    drafter = None
-    if args.speculate == "ngram":
-        from qwc.runtime.speculate import NgramDrafter
-
-        drafter = functools.partial(NgramDrafter, args.draft_max, ngram_min=args.lookup_min)
-    elif args.draft:
-        from qwc.runtime.speculate import DraftModel
-
-        try:
-            small = Engine(args.draft, ctx=args.ctx, threads=eng.threads)
-        except QwcError as e:
-            raise QwcError(f"--draft: {e}") from None
-        drafter = DraftModel(small, eng, args.draft_max)
+    drafter = _drafter(args, eng)
     sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
                       speculate=drafter, spec_batch=args.spec_batch)
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
@@ -483,7 +504,7 @@ def _check_utf8(text: str, what: str) -> None:
         raise QwcError(f"{what} is not valid UTF-8 text") from None
 
 
-def _chat(eng, sp, max_new_tokens: int) -> None:
+def _chat(eng, sp, max_new_tokens: int, speculate=None) -> None:
     from qwc.runtime.chat import ChatTemplate
 
     if not eng.model.chat_template:
@@ -503,14 +524,30 @@ def _chat(eng, sp, max_new_tokens: int) -> None:
             continue
         messages.append({"role": "user", "content": line})
         prompt = template.render(messages)
-        eng.reset()
-        reply = ""
-        for piece in eng.generate(prompt, max_new_tokens=max_new_tokens, sampling=sp):
+        reply = ""   # the earlier turns are in the cache already: only the new ones are prefilled
+        for piece in eng.generate(prompt, max_new_tokens=max_new_tokens, sampling=sp, speculate=speculate):
             reply += piece
             sys.stdout.write(piece)
             sys.stdout.flush()
         print()
         messages.append({"role": "assistant", "content": reply})
+
+
+def _speculation_options(p: argparse.ArgumentParser) -> None:
+    """--speculate, --draft, --draft-max, --lookup-min (qwc run and qwc serve; _drafter reads them)."""
+    p.add_argument("--speculate", choices=("off", "ngram"), default="off",
+                   help="speculative decoding: 'ngram' drafts the tokens that followed the context's last n-gram "
+                        "earlier in it (prompt lookup: replies that quote their prompt) and verifies a draft in one "
+                        "call; sampled replies follow the same distribution as without it, greedy ones are the "
+                        "same up to near ties (default off)")
+    p.add_argument("--draft", metavar="SMALL.qwc",
+                   help="speculative decoding with a draft model: a smaller artifact with the same tokenizer "
+                        "(the 0.5B for a 7B, say) proposes tokens by greedy decoding, the model verifies "
+                        "them in one call (instead of --speculate ngram)")
+    p.add_argument("--draft-max", type=_positive, default=8, metavar="N",
+                   help="tokens a draft proposes at most (default 8; a draft after a miss is shorter)")
+    p.add_argument("--lookup-min", type=_positive, default=3, metavar="N",
+                   help="the shortest n-gram of the context a draft is looked up by (default 3; from 4 down to it)")
 
 
 def _calibration_options(p: argparse.ArgumentParser, what: str, tokens: int) -> None:
@@ -648,6 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the reply is JSON valid under this JSON Schema (inline; '{}': any JSON object), as llama.cpp's")
     r.add_argument("--grammar-file", metavar="FILE", help="the reply follows this GBNF grammar (llama.cpp's format)")
     r.add_argument("--threads", type=_threads, default=None, help="worker threads (default: every usable CPU)")
+    _speculation_options(r)
     r.set_defaults(func=_cmd_run)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
@@ -664,19 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a request takes the free slot whose cache shares the longest prefix with its prompt "
                          "(a system prompt, earlier turns), if at least N tokens, and prefills only the rest "
                          "(default 16; 0: never)")
-    sv.add_argument("--speculate", choices=("off", "ngram"), default="off",
-                    help="speculative decoding: 'ngram' drafts the tokens that followed the context's last n-gram "
-                         "earlier in it (prompt lookup: replies that quote their prompt) and verifies a draft in one "
-                         "call; sampled replies follow the same distribution as without it, greedy ones are the "
-                         "same up to near ties (default off)")
-    sv.add_argument("--draft", metavar="SMALL.qwc",
-                    help="speculative decoding with a draft model: a smaller artifact with the same tokenizer "
-                         "(the 0.5B for a 7B, say) proposes tokens by greedy decoding, the served model verifies "
-                         "them in one call (instead of --speculate ngram)")
-    sv.add_argument("--draft-max", type=_positive, default=8, metavar="N",
-                    help="tokens a draft proposes at most (default 8; a draft after a miss is shorter)")
-    sv.add_argument("--lookup-min", type=_positive, default=3, metavar="N",
-                    help="the shortest n-gram of the context a draft is looked up by (default 3; from 4 down to it)")
+    _speculation_options(sv)
     sv.add_argument("--spec-batch", type=_positive, default=1, metavar="N",
                     help="speculate only while at most N sequences decode; more take the batched step, which "
                          "reads the weights once for all (default 1)")

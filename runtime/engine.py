@@ -23,8 +23,7 @@ from qwc.manifest import Manifest, check_library, read_manifest
 from qwc.vocab import mismatch, token_span
 
 from . import memory
-from .detokenize import IncrementalText
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
 
 PREFILL_CHUNK = 256
 OVERSUBSCRIBED_THREADS = 1024   # Engine(oversubscribe=True): emulated many-core runs
@@ -38,6 +37,7 @@ class Sequence:
     def __init__(self, cache: list, capacity: int, pool: "Pool | None" = None, row: int = 0):
         self.cache, self.capacity, self.pos = cache, capacity, 0
         self.pool, self.row = pool, row
+        self.writes = 0   # calls that wrote it (Engine.generate: is what it last left still there?)
 
 
 class Pool:
@@ -179,6 +179,9 @@ class Engine:
         self._mask[:] = 1
         self.seq = self.sequence()
         self.stats: dict = {}   # the last generate's token counts and times
+        # generate's scheduler (one slot: self.seq), kept for the tokens its cache holds, and
+        # the sequence's write count when it last ran
+        self._driver, self._driver_writes = None, 0
         self.tokenizer = None
         tok = self.path / "tokenizer.json"
         if tok.is_file():
@@ -324,6 +327,7 @@ class Engine:
             raise QwcError(f"{self.path}: the library refused its inputs "
                            f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
         seq.pos += s
+        seq.writes += 1
         return np.from_dlpack(out[0])[0]   # a view: the logits are not copied
 
     def prefill(self, tokens, seq: Sequence | None = None) -> np.ndarray:
@@ -434,33 +438,52 @@ class Engine:
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32,
                  sampling: SamplingParams | None = None, stop: set[int] | None = None,
-                 constraint=None) -> Iterator[str]:
-        """Stream decoded text pieces for `prompt`, continuing the current cache; with a
-        `constraint` (runtime/grammar.py), only what its grammar allows, ending where it does."""
+                 constraint=None, speculate=None) -> Iterator[str]:
+        """Stream decoded text pieces for `prompt`, in the engine's own sequence, through the
+        server's loop (runtime/scheduler.py: Scheduler.drive): with a `constraint`
+        (runtime/grammar.py) only what its grammar allows, ending where it does; with
+        `speculate` (a drafter factory, as `qwc serve` takes) drafts verified in one call. The
+        cache is reused where it holds the prompt's beginning from the last generate (a
+        chat's earlier turns), unless the sequence was written since; `stats` gives counts and
+        times, as llama.cpp prints them."""
+        from .scheduler import Request, Scheduler
+
         if not is_int(max_new_tokens):
             raise QwcError(f"max_new_tokens {max_new_tokens!r}: must be an integer >= 0")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise QwcError("sampling must be a SamplingParams")
         ids = self.encode(prompt) if isinstance(prompt, str) else self._token_ids(prompt, "generate")[0].tolist()
-        sampler = Sampler(sampling or SamplingParams(), self.sample_limit, constraint)
-        stop = self.eos if stop is None else stop
-        t0 = time.perf_counter()
-        logits = self.prefill(ids)
-        t1 = time.perf_counter()
-        # What `qwc run` reports, as llama.cpp's timings: the prompt, then each new token (the
-        # consumer's time between pieces included).
-        self.stats = {"prompt_tokens": len(ids), "prompt_s": t1 - t0, "generated": 0, "generate_s": 0.0}
-        history, out, text = list(ids), [], IncrementalText(self.tokenizer)
-        for _ in range(max_new_tokens):
-            tok = sampler(logits, history)
-            if tok in stop:
-                break
-            out.append(tok)
-            history.append(tok)
-            self.stats["generated"], self.stats["generate_s"] = len(out), time.perf_counter() - t1
-            piece = text.add(tok)   # "" while a UTF-8 sequence is incomplete
-            if piece:
-                yield piece
-            if len(out) == max_new_tokens or self.pos >= self.ctx or (constraint is not None and constraint.finished):
-                break
-            logits = self.decode(tok)
+        if not ids:
+            raise QwcError("generate needs at least one prompt token")
+        self.stats = {"prompt_tokens": len(ids), "cached_tokens": 0, "prompt_s": 0.0, "generated": 0,
+                      "generate_s": 0.0}
+        if max_new_tokens == 0:
+            t0 = time.perf_counter()
+            self.reset()
+            self.prefill(ids)
+            self.stats["prompt_s"] = time.perf_counter() - t0
+            return
+        if self._driver is None or self._driver.speculate is not speculate:
+            held = self._driver._cached if self._driver is not None else {}
+            self._driver = Scheduler(self, max_running=1, max_queue=0, prefill_chunk=self.ctx, min_reuse=1,
+                                     speculate=speculate, slots=[self.seq])
+            self._driver._cached = held
+        if self.seq.writes != self._driver_writes:   # written outside generate: what it held is gone
+            self._driver._cached.clear()
+        req = Request(ids, max_new_tokens, sampling or SamplingParams(), None,
+                      stop_tokens=None if stop is None else frozenset(stop), constraint=constraint)
+        try:
+            for kind, value in self._driver.drive(req):
+                if kind == "text":
+                    self._update_stats(req)
+                    if value:
+                        yield value
+        finally:
+            self._driver_writes = self.seq.writes
+            self._update_stats(req)
+
+    def _update_stats(self, req) -> None:
+        done = req.t_prompt
+        self.stats.update(cached_tokens=req.cached_tokens, generated=len(req.generated),
+                          prompt_s=(done - req.t_submit) if done else 0.0,
+                          generate_s=(req.token_times[-1] - done) if done and req.token_times else 0.0)

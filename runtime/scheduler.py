@@ -32,6 +32,9 @@ with "stop" as soon as the grammar is complete. OpenAI's n > 1 is n requests of 
 others (Request.fork_of) copy the first one's prompt cache and first logits instead of
 prefilling the prompt again.
 
+`drive` runs one request on the caller's thread instead, step by step, yielding its events:
+Engine.generate (`qwc run`) goes through this same loop, in a scheduler of one slot.
+
 Speculative decoding (`speculate`: a drafter per request, runtime/speculate.py): where at most
 `spec_batch` sequences decode, each that has a draft verifies it in one `score` call (its
 last token and the draft) instead of taking a decode step, and keeps every draft token its own
@@ -45,7 +48,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -80,10 +83,12 @@ class Request:
     constraint: object = None         # runtime/grammar.py: Constraint (response_format, grammar)
     logprobs: int | None = None       # None: off; k: each token's logprob and the k likeliest
     fork_of: "Request | None" = None  # one of n > 1 replies to a prompt: copies this one's prompt cache
+    stop_tokens: frozenset[int] | None = None   # tokens that end it (None: the model's end tokens)
     # filled in by the scheduler
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     t_submit: float = 0.0
+    t_prompt: float | None = None     # its prompt is in the cache
     t_first: float | None = None      # first generated token
     token_times: list[float] = field(default_factory=list)
     cached_tokens: int = 0            # prompt tokens found in a slot's cache (prefix reuse)
@@ -116,7 +121,9 @@ class _Running:
 class Scheduler:
     def __init__(self, engine, max_running: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
                  min_reuse: int | None = 16, speculate: Callable[[], NgramDrafter | ModelDrafter] | None = None,
-                 spec_batch: int = 1, spec_backoff: bool = True):
+                 spec_batch: int = 1, spec_backoff: bool = True, slots: list | None = None):
+        """`slots`: the sequences requests run in (Engine.generate: the engine's own one); by
+        default the rows of a pool of `max_running`, taken now."""
         if max_running < 1 or max_queue < 0 or prefill_chunk < 1 or (min_reuse is not None and min_reuse < 1):
             raise QwcError("max_running, prefill_chunk and min_reuse must be at least 1, max_queue at least 0")
         if spec_batch < 1:
@@ -132,7 +139,7 @@ class Scheduler:
         self.spec_backoff = spec_backoff
         self.drafted = self.accepted = 0  # draft tokens verified, and those kept (for metrics)
         self.decode_time: float | None = None   # seconds of a one-sequence decode step (average)
-        self._free: list = self._allocate()   # idle slots
+        self._free: list = self._allocate() if slots is None else list(slots)   # idle slots
         self._cached: dict[int, list[int]] = {}   # row -> the tokens its cache holds, for idle slots
         self._used: dict[int, int] = {}           # row -> when it last finished a request (a count)
         self._finished = 0
@@ -254,21 +261,61 @@ class Scheduler:
                     while self._waiting:
                         self._waiting.popleft().emit("done", "cancelled")
                     return
-                while self._waiting and len(self._running) < self.max_running:
-                    req = self._waiting.popleft()
-                    seq, req.cached_tokens = self._slot(req)
-                    run = _Running(req, seq, set() if req.ignore_eos else self.engine.eos, self.engine.sample_limit,
-                                   self.engine.tokenizer)
-                    run.fed = req.cached_tokens
-                    if self.speculate is not None:
-                        run.drafter = self.speculate()
-                    self._running.append(run)
+                self._admit()
             try:
                 self._step()
             except Exception as e:   # a failing step ends its requests with the reason, not the server
-                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                for run in list(self._running):
-                    self._finish(run, f"error: {msg}")
+                self._fail(e)
+
+    def _admit(self) -> None:
+        """Queued requests into free slots, oldest first."""
+        while self._waiting and len(self._running) < self.max_running and self._free:
+            req = self._waiting.popleft()
+            seq, req.cached_tokens = self._slot(req)
+            eos = req.stop_tokens if req.stop_tokens is not None else self.engine.eos
+            run = _Running(req, seq, set() if req.ignore_eos else set(eos), self.engine.sample_limit,
+                           self.engine.tokenizer)
+            run.fed = req.cached_tokens
+            if self.speculate is not None:
+                run.drafter = self.speculate()
+            self._running.append(run)
+
+    def _fail(self, e: Exception) -> str:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        for run in list(self._running):
+            self._finish(run, f"error: {msg}")
+        return msg
+
+    def drive(self, req: Request) -> Iterator[tuple[str, object]]:
+        """Run `req` on the caller's thread, step by step, yielding its events as they come:
+        `qwc run` and Engine.generate go through the same loop as the server (speculation and
+        prefix reuse included). Only for a scheduler whose thread is not started. A step that
+        fails raises its error (a QwcError) once the request has ended."""
+        if self._thread is not None:
+            raise QwcError("drive: this scheduler runs on its own thread")
+        events: list[tuple[str, object]] = []
+        emit = req.emit
+        req.emit = lambda kind, value: (events.append((kind, value)), emit and emit(kind, value))
+        self.submit(req)
+        try:
+            while req.finish_reason is None:
+                self._admit()
+                try:
+                    self._step()
+                except QwcError as e:
+                    self._fail(e)
+                    raise
+                yield from events
+                events.clear()
+        finally:   # a consumer that stopped early: the request ends, its slot is free again
+            if req in self._waiting:
+                self._waiting.remove(req)
+            elif req.finish_reason is None:
+                req.cancel()
+                try:
+                    self._step()
+                except Exception as e:
+                    self._fail(e)
 
     def _step(self) -> None:
         for run in [r for r in self._running if r.req.cancelled.is_set()]:
@@ -283,6 +330,8 @@ class Scheduler:
             chunk = run.req.prompt[run.fed:run.fed + self.prefill_chunk]
             run.logits = self.engine.prefill(chunk, seq=run.seq)
             run.fed += len(chunk)
+            if run.fed == len(run.req.prompt):
+                run.req.t_prompt = time.perf_counter()
             for r in pending:
                 self._fork(r, leads.get(id(r.req.fork_of)))
         decoding = [r for r in self._running if r.fed == len(r.req.prompt) and r.logits is not None]
@@ -379,6 +428,7 @@ class Scheduler:
         n = len(run.req.prompt)
         lead.seq.pool.copy_row(lead.seq.row, run.seq.row, n)
         run.seq.pos = run.fed = run.req.cached_tokens = n
+        run.req.t_prompt = time.perf_counter()
         run.logits = lead.logits.copy()   # the leader's is a view the next call overwrites
         return True
 

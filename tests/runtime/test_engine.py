@@ -10,6 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from qwc import progress
 from qwc.cli import main
 from qwc.runtime.engine import Engine
 
@@ -35,6 +36,63 @@ def test_generate_streams_text_and_stops(tiny_host_artifact):
     first = list(eng.generate([72, 105], max_new_tokens=5))
     eng.reset()
     assert list(eng.generate([72, 105], max_new_tokens=5)) == first   # greedy is deterministic
+
+
+def _greedy(eng, parts, n):
+    """n greedy tokens after `parts` fed in turn from an empty cache (a list: one prefill call;
+    an int: one decode step), by the engine's own calls."""
+    eng.reset()
+    for part in parts:
+        logits = eng.decode(part) if isinstance(part, int) else eng.prefill(part)
+    out = []
+    for _ in range(n):
+        out.append(int(logits[:eng.sample_limit].argmax()))   # ids the tokenizer has, as the sampler
+        logits = eng.decode(out[-1])
+    return out
+
+
+def test_generate_reuses_what_its_last_call_left_in_the_cache(tiny_host_artifact):
+    """generate runs the server's loop in the engine's own sequence: a prompt that continues
+    the last one and its reply (a chat's next turn) prefills only what is new, and gives the
+    tokens an empty cache gives; a sequence written in between (prefill) is not reused."""
+    eng = Engine(tiny_host_artifact, ctx=64)
+    first = [72, 105, 33, 10]
+    list(eng.generate(first, max_new_tokens=6, stop=set()))   # no end token: 6 tokens
+    said = eng._driver._cached[0]
+    assert said[:4] == first and len(said) == eng.pos == 4 + 6 - 1   # the last token is not fed
+    turn = said + [7, 8, 9]
+    pieces = list(eng.generate(turn, max_new_tokens=5, stop=set()))
+    assert eng.stats["cached_tokens"] == len(said) and eng.stats["generated"] == 5
+    # the same calls on a fresh engine: the first prompt, the first reply's steps, the new turn
+    fresh = Engine(tiny_host_artifact, ctx=64)
+    want = _greedy(fresh, [first, *said[4:], [7, 8, 9]], 5)
+    assert eng._driver._cached[0] == turn + want[:4]   # all but the last token went into the cache
+    # the text, but for a last partial UTF-8 sequence, held back as the stream holds it
+    assert fresh.tokenizer.decode(want).startswith("".join(pieces)) and "".join(pieces)
+    eng.prefill([3, 4])   # the sequence moves on outside generate
+    list(eng.generate(turn, max_new_tokens=2, stop=set()))
+    assert eng.stats["cached_tokens"] == 0 and eng.stats["generated"] == 2
+
+
+def test_run_speculates_by_prompt_lookup_and_by_a_draft_model(tiny_host_artifact, capsys):
+    """`qwc run --speculate ngram` and `--draft` (the artifact drafting for itself: every draft
+    is kept) print what plain greedy decoding prints; both at once are refused."""
+    args = ["-q", "run", str(tiny_host_artifact), "--prompt", "abcabcabcabc", "--max-new-tokens", "24",
+            "--threads", "1"]
+    assert main(args) in (0, None)
+    plain = capsys.readouterr().out
+    try:
+        for extra in (["--speculate", "ngram", "--lookup-min", "1"], ["--draft", str(tiny_host_artifact)]):
+            assert main(args[1:] + extra) in (0, None)   # not quiet: the counts are in the timings line
+            out = capsys.readouterr()
+            assert out.out == plain
+            kept, drafted = map(int, re.search(r"(\d+) of (\d+) draft tokens kept", out.err).groups())
+            assert drafted > 0 and (kept == drafted if "--draft" in extra else kept <= drafted)
+    finally:
+        progress.set_quiet(True)
+    assert main(args + ["--speculate", "ngram", "--draft", str(tiny_host_artifact)]) == 2
+    err = capsys.readouterr().err
+    assert "two ways of drafting" in err and err.count("\n") == 1
 
 
 def test_run_takes_the_openai_penalties(tiny_host_artifact, capsys):
@@ -72,7 +130,7 @@ def test_run_follows_a_grammar_and_refuses_bad_ones(tiny_host_artifact, capsys, 
 
 def test_prompt_longer_than_ctx(tiny_host_artifact, capsys):
     code = main(["-q", "run", str(tiny_host_artifact), "--prompt", "x" * 40, "--ctx", "16"])
-    one_line(capsys, code, "does not fit the context of 16")
+    one_line(capsys, code, "the context holds 16")
 
 
 def test_wrong_format_version(tiny_host_artifact, tmp_path, capsys):
