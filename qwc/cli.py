@@ -329,14 +329,13 @@ def _cmd_run(args: argparse.Namespace) -> None:
         os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # the runtime alone: faster start, less memory
     from qwc.runtime.engine import Engine
     from qwc.runtime.sampling import SamplingParams
+    from qwc.runtime.scheduler import check_speculation
 
     _check_speculation(args)
     t0 = time.perf_counter()
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
     speculate = _drafter(args, eng)
-    if speculate is not None and eng._score is None:
-        raise QwcError(f"{args.model}: speculative decoding needs the artifact's score entry point "
-                       "(compiled by an older qwc; recompile it)")
+    check_speculation(eng, speculate)   # before the prompt is echoed
     weights = eng.manifest.weight_bytes
     progress.info(f"[qwc] loaded {args.model} ({weights / 2**30:.2f} GiB of weights) in {time.perf_counter() - t0:.1f}s; "
                   f"{eng.kv_summary()}")

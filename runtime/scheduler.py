@@ -128,9 +128,7 @@ class Scheduler:
             raise QwcError("max_running, prefill_chunk and min_reuse must be at least 1, max_queue at least 0")
         if spec_batch < 1:
             raise QwcError(f"spec_batch {spec_batch}: must be at least 1")
-        if speculate is not None and engine._score is None:
-            raise QwcError(f"{engine.path}: speculative decoding needs the artifact's score entry point "
-                           "(compiled by an older qwc; recompile it)")
+        check_speculation(engine, speculate)
         self.engine = engine
         self.max_running, self.max_queue, self.prefill_chunk = max_running, max_queue, prefill_chunk
         self.min_reuse = min_reuse        # None: no prefix reuse
@@ -477,6 +475,13 @@ class Scheduler:
             self._finish(run, reason)
             return None
         return tok
+
+
+def check_speculation(engine, speculate) -> None:
+    """Speculation verifies drafts through the artifact's score entry point."""
+    if speculate is not None and engine._score is None:
+        raise QwcError(f"{engine.path}: speculative decoding needs the artifact's score entry point "
+                       "(compiled by an older qwc; recompile it)")
 
 
 def _average(old: float | None, new: float) -> float:
