@@ -126,6 +126,23 @@ def _scales(T, ws, g, b, scale_dtype):
 # 6.34/6.62/7.65/9.46/9.96/15.08/18.71 (bench/decode_step.py; docs/results.md).
 BATCHED_DECODE_TOKENS = 8   # q4_matmul's leftover tiles (4, 2, 1) assume 8
 
+# A few tokens (a batched decode step of few sequences, a speculative verify call, a short
+# prompt) read every weight once from DRAM for little arithmetic: memory-bound like decode, so
+# they take decode's streams (decode_gemv: far-apart row groups in lockstep, each prefetched
+# into L1) rather than tiles that read one group after another. A stream holds a 16-row
+# accumulator a token, so fewer streams at more tokens: FEW_STREAMS[M - 1], measured on the
+# 0.5B shape, 2 threads, Intel Xeon (decode_batch ms at B = 2 / 3 / 4 / 5 / 6 / 7 / 8; tiles:
+# the form before, 8-token tiles and leftovers in tiles of 4, 2, 1):
+# - AVX-512 VNNI: tiles 17.0 / 19.3 / 20.4 / 23.0 / 25.1 / 27.6 / 21.2; 4 streams to 4 tokens
+#   11.0 / 11.6 / 13.7; 2 streams at 5 16.2 (1: 17.7); 1 stream at 6-8 18.3 / 19.8 / 21.6
+#   (2: 20.9 / 22.6 / 27.9);
+# - AVX2 (its 16-row accumulator is two of its 16 registers): tiles 19.9 / 23.6 / 23.6 / 27.9 /
+#   32.4 / 37.4 / 32.2; 4 streams to 4 tokens 12.3 / 15.0 / 18.2 (4, 2, 1 streams: 13.0 / 17.8 /
+#   20.9); 2 streams at 5 22.3; 1 stream at 6-8 25.5 / 28.7 / 32.0 (2 at 6: 25.0).
+# docs/results.md, "Few tokens in decode's streams".
+FEW_STREAMS = (4, 4, 4, 4, 2, 1, 1, 1)
+FEW_TOKENS = len(FEW_STREAMS)
+
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None,
@@ -168,8 +185,44 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None)
 
+    def _tasks(streams):
+        """streamed's tasks: a group of each stream, and the leftover groups as one more."""
+        return ng // streams + (1 if ng % streams else 0)
+
     @T.macro
-    def body(w, aq, off, ws, ad, y, wc):
+    def streamed(w, aq, off, ws, ad, y, wc, count, streams):
+        """All M = `count` tokens at once (FEW_STREAMS): task i reads groups i, per + i, ...
+        in lockstep, block by block, prefetching ahead (past a group's last block into the
+        stream's next group, the thread's next task); the groups left over are one more task."""
+        for task in T.parallel(_tasks(streams)):
+            if task < ng // streams:
+                acc = T.decl_buffer((streams * count * ROWS,), "float32", scope="global")
+                for i in T.unroll(streams * count):
+                    acc[T.ramp(i * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+                for b in range(nb):
+                    for h in T.unroll(streams):
+                        for i in T.unroll(chunks(dot_bits(dot))):
+                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                                          T.address_of(w[h * (ng // streams) + task, b + ahead, i, 0]),
+                                                          T.int32(0), T.int32(locality), T.int32(1)))
+                    for h in T.unroll(streams):
+                        for t in T.unroll(count):
+                            acc[T.ramp((h * count + t) * ROWS, 1, ROWS)] = acc[T.ramp((h * count + t) * ROWS, 1, ROWS)] + T.Cast(
+                                "float32x16", _block_dot(T, w, aq, off, h * (ng // streams) + task, b, t, dot)) * (
+                                _scales(T, ws, h * (ng // streams) + task, b, scale_dtype) * T.broadcast(ad[t, b], ROWS))
+                            if wc is not None:   # decided when the kernel is built
+                                acc[T.ramp((h * count + t) * ROWS, 1, ROWS)] = acc[
+                                    T.ramp((h * count + t) * ROWS, 1, ROWS)] + _offsets_term(
+                                    T, wc, ad, off, h * (ng // streams) + task, b, t)
+                for h in T.unroll(streams):
+                    for t in T.unroll(count):
+                        store_rows(y, t, (h * (ng // streams) + task) * ROWS, ROWS, n, acc, (h * count + t) * ROWS, None)
+            else:
+                for g in range(ng // streams * streams, ng):
+                    tile(w, aq, off, ws, ad, y, wc, g, 0, count, True)
+
+    @T.macro
+    def tiled(w, aq, off, ws, ad, y, wc):
         for g in T.parallel(ng):
             for it in range(rows_in // tm):
                 tile(w, aq, off, ws, ad, y, wc, g, it * tm, tm, batched_decode)
@@ -184,6 +237,28 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
             elif tm > 1:
                 for i in range(rows_in // tm * tm, rows_in):
                     tile(w, aq, off, ws, ad, y, wc, g, i, 1, False)
+
+    @T.macro
+    def body(w, aq, off, ws, ad, y, wc):
+        if m is None and rows_in <= FEW_TOKENS:   # (a fixed M is `qwc tune` measuring tiles)
+            if rows_in == 1:
+                streamed(w, aq, off, ws, ad, y, wc, 1, FEW_STREAMS[0])
+            elif rows_in == 2:
+                streamed(w, aq, off, ws, ad, y, wc, 2, FEW_STREAMS[1])
+            elif rows_in == 3:
+                streamed(w, aq, off, ws, ad, y, wc, 3, FEW_STREAMS[2])
+            elif rows_in == 4:
+                streamed(w, aq, off, ws, ad, y, wc, 4, FEW_STREAMS[3])
+            elif rows_in == 5:
+                streamed(w, aq, off, ws, ad, y, wc, 5, FEW_STREAMS[4])
+            elif rows_in == 6:
+                streamed(w, aq, off, ws, ad, y, wc, 6, FEW_STREAMS[5])
+            elif rows_in == 7:
+                streamed(w, aq, off, ws, ad, y, wc, 7, FEW_STREAMS[6])
+            else:
+                streamed(w, aq, off, ws, ad, y, wc, 8, FEW_STREAMS[7])
+        else:
+            tiled(w, aq, off, ws, ad, y, wc)
 
     return gemm_kernel(n, nb, scale_dtype, rows_in, body, chunks=chunks(dot_bits(dot)), offsets=offsets)
 
