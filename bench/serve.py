@@ -3,7 +3,10 @@ same model shape and format (Qwen2.5-0.5B, random weights, Q4_0 with a 4-bit tie
 same threads, one run:
 
     .venv/bin/python bench/serve.py [--clients 1,4,8,16] [--requests 2] [--max-tokens 64] [--prompt-tokens 16,256]
-                                    [--shared-prefix 0] [--png serve.png]
+                                    [--shared-prefix 0] [--ray-replicas N] [--png serve.png]
+
+`--ray-replicas N` adds `qwc serve --replicas N --ray` (a local Ray; each replica with the
+same --threads) and its ratios to the plain server: what the ingress and the router cost.
 
 Each client sends `--requests` completions one after another (prompts of 16-256 random tokens by
 default (`--prompt-tokens LO,HI`), seeded, after `--shared-prefix` tokens that every prompt begins with: a system prompt; `ignore_eos`,
@@ -66,7 +69,7 @@ def wait_ready(base: str, proc: subprocess.Popen) -> None:
 def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
-        proc.wait(20)
+        proc.wait(60)   # `qwc serve --ray` stops its Ray too
     except subprocess.TimeoutExpired:
         proc.kill()
 
@@ -168,6 +171,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, help="context per sequence (default: 512, or what the longest request needs)")
     ap.add_argument("--prompt-tokens", default="16,256", help="LO,HI: each prompt's random tokens (default 16,256)")
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt begins with")
+    ap.add_argument("--ray-replicas", type=int, default=0, metavar="N",
+                    help="also `qwc serve --replicas N --ray` (a local Ray), each replica with --threads threads")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
     a = ap.parse_args()
@@ -184,7 +189,9 @@ def main() -> None:
 
     paths = prepare(a.workdir, max_batch=max(max(counts), 2))
     server = llamacpp_tools("x86") / "llama-server-0.3.36"
-    results: dict = {"qwc": {}, "llama-server": {}, **({"qwc, no reuse": {}} if a.shared_prefix else {})}
+    ray = f"qwc, {a.ray_replicas} replicas on Ray" if a.ray_replicas else None
+    results: dict = {"qwc": {}, "llama-server": {}, **({"qwc, no reuse": {}} if a.shared_prefix else {}),
+                     **({ray: {}} if ray else {})}
     r = subprocess.run([sys.executable, "-m", "qwc", "bench", str(paths["qwc"]), "-p", "0", "-n", str(a.max_tokens),
                         "--threads", str(a.threads), "--json"], capture_output=True, text=True, check=True)
     tg = json.loads(r.stdout)["results"][0]["tps"]
@@ -206,7 +213,8 @@ def main() -> None:
                 env = dict(os.environ, TVM_NUM_THREADS=str(a.threads))
                 proc, line = start([sys.executable, "-m", "qwc", "serve", str(paths["qwc"]), "--port", "0",
                                     "--max-batch", str(n), "--ctx", str(a.ctx), "--threads", str(a.threads),
-                                    "--model-name", "m", *(["--reuse-prefix", "0"] if "no reuse" in name else [])],
+                                    "--model-name", "m", *(["--reuse-prefix", "0"] if "no reuse" in name else []),
+                                    *(["--replicas", str(a.ray_replicas), "--ray"] if name == ray else [])],
                                    r"serving .* at http://", env)
                 base = re.search(r"(http://[^ ]+)/v1", line)[1]
             else:
@@ -242,6 +250,12 @@ def main() -> None:
         q = results["qwc"][n]["tok_s"]
         print(f"| {n} | {q / results['llama-server'][n]['tok_s']:.2f} | {q / one if one else float('nan'):.2f} | {q / tg:.2f} |"
               + (f" {q / results['qwc, no reuse'][n]['tok_s']:.2f} |" if reuse else ""))
+    if ray:
+        print(f"\n| clients | {ray} / qwc: gen tok/s | ITL p50 | TTFT p50 |\n| ---: | ---: | ---: | ---: |")
+        for n in counts:
+            q, r = results["qwc"][n], results[ray][n]
+            print(f"| {n} | {r['tok_s'] / q['tok_s']:.3f} | {r['itl_p50'] / q['itl_p50']:.3f} | "
+                  f"{r['ttft_p50'] / q['ttft_p50']:.3f} |")
     steps = decode_steps(eng, counts)
     print("\n| sequences | decode step ms (Engine, no server) | tok/s | x one sequence |\n| ---: | ---: | ---: | ---: |")
     for b, ms in steps.items():

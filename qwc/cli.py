@@ -420,32 +420,51 @@ def _drafter(args: argparse.Namespace, eng):
     return None
 
 
-def _cmd_serve(args: argparse.Namespace) -> None:
+def _serve_needs() -> None:
     import importlib.util
-    import socket
-    from pathlib import Path
 
     if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "prometheus_client")):
         raise QwcError("qwc serve needs the serve extra: pip install 'qwc[serve]'")
-    import uvicorn
-
     if "tvm" not in sys.modules:
         os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+
+
+def server_parts(args: argparse.Namespace):
+    """What `qwc serve` runs, from its options: (engine, scheduler not yet started, the FastAPI
+    app, the model's name). A replica of `qwc serve --replicas` builds the same
+    (runtime/replicas.py)."""
+    from pathlib import Path
+
     from qwc.runtime.engine import Engine
     from qwc.runtime.scheduler import Scheduler
     from qwc.runtime.server import Settings, create_app
 
-    try:
-        sock = socket.create_server((args.host, args.port))
-    except OSError as e:
-        raise QwcError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
+    _serve_needs()
     _check_speculation(args)
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
     drafter = _drafter(args, eng)
     sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
                       speculate=drafter, spec_batch=args.spec_batch)
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
-    app = create_app(eng, sched, Settings(model_id=name, api_key=args.api_key))
+    return eng, sched, create_app(eng, sched, Settings(model_id=name, api_key=args.api_key)), name
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    import socket
+    from pathlib import Path
+
+    _serve_needs()
+    if args.ray is not None or args.replicas > 1:
+        from qwc.runtime.replicas import serve_replicas
+
+        return serve_replicas(args)
+    import uvicorn
+
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        raise QwcError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
+    eng, sched, app, name = server_parts(args)
     host, port = sock.getsockname()[:2]
     if eng.max_batch < args.max_batch:
         has = "no batched decode" if eng.max_batch == 1 else f"a batched decode of at most {eng.max_batch} sequences"
@@ -453,7 +472,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
                       f"(compile it with --max-batch {args.max_batch})")
     how = f"a draft model ({Path(args.draft).name})" if args.draft else "prompt lookup"
     spec = (f"; speculative decoding by {how}, drafts of up to {args.draft_max} tokens where at most "
-            f"{args.spec_batch} sequence{'s' if args.spec_batch > 1 else ''} decode" if drafter else "")
+            f"{args.spec_batch} sequence{'s' if args.spec_batch > 1 else ''} decode" if sched.speculate else "")
     progress.info(f"[qwc] serving {name!r} at http://{host}:{port}/v1 ({args.max_batch} sequences of up to "
                   f"{eng.ctx} tokens, {eng.threads} threads{', API key required' if args.api_key else ''}; "
                   f"{eng.kv_summary()}{spec})")
@@ -708,6 +727,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--threads", type=_threads, default=None)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     sv.add_argument("--model-name", help="the model id clients name (default: the artifact folder's name without .qwc)")
+    sv.add_argument("--replicas", type=_positive, default=1, metavar="N",
+                    help="N copies of the server behind one endpoint on Ray Serve, each its own process with its "
+                         "own engine and scheduler; a request goes to the replica that saw its prompt's beginning "
+                         "(default 1: one process, no Ray; needs the ray extra: pip install 'qwc[ray]')")
+    sv.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                    help="run on Ray Serve: the cluster at ADDRESS (e.g. 10.0.0.1:6379 or auto), or without it a "
+                         "local Ray on this machine")
+    sv.add_argument("--replica-cpus", metavar="SETS",
+                    help="with --replicas: the CPUs of each replica, ';'-separated sets in taskset's list form "
+                         "(e.g. '0-63;64-127': one replica a die or NUMA node); replica i takes set i mod the count")
     sv.set_defaults(func=_cmd_serve)
 
     b = sub.add_parser("bench", help="prompt-processing and generation speed of an artifact (llama-bench style)")
