@@ -454,6 +454,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     _serve_needs()
+    if args.replica_cpus and args.ray is None and args.replicas == 1:
+        raise QwcError("--replica-cpus pins replicas: give --replicas N (or --ray)")
     if args.ray is not None or args.replicas > 1:
         from qwc.runtime.replicas import serve_replicas
 

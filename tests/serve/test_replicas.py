@@ -95,7 +95,8 @@ def test_bad_replica_options_are_refused_before_ray_starts(tmp_path, artifact):
     for model, extra, says in ((tmp_path / "none.qwc", ["--replica-cpus", "0-x"], "'0-x' is not a CPU number"),
                                (tmp_path / "none.qwc", [], "no such artifact folder"),
                                (tmp_path / "empty.qwc", [], "manifest"),
-                               (artifact, ["--replica-cpus", "0;4095"], "CPU 4095 is not one this process may use")):
+                               (artifact, ["--replica-cpus", "0;4095"], "CPU 4095 is not one this process may use"),
+                               (artifact, ["--replicas", "1", "--replica-cpus", "0"], "give --replicas N")):
         r = subprocess.run([sys.executable, "-m", "qwc", "serve", str(model), "--replicas", "2", *extra],
                            capture_output=True, text=True, timeout=120)
         lines = r.stderr.strip().splitlines()
@@ -117,12 +118,13 @@ def cluster():
 
     # Ray avoids the loopback address on Linux unless told it runs without a cluster network
     # (its name for that is the variable below): everything here stays on 127.0.0.1.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
-                                                       "include_dashboard": False})
-    c.add_node(num_cpus=1, node_ip_address="127.0.0.1")   # a replica a node
-    yield c
-    c.shutdown()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
+                                                           "include_dashboard": False})
+        c.add_node(num_cpus=1, node_ip_address="127.0.0.1")   # a replica a node
+        yield c
+        c.shutdown()
 
 
 class Replicas:
