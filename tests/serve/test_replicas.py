@@ -114,12 +114,13 @@ def artifact(tiny_q4, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
     # Ray avoids the loopback address on Linux unless told it runs without a cluster network
-    # (its name for that is the variable below): everything here stays on 127.0.0.1.
+    # (its name for that is the variable below, set before Ray is imported): everything here
+    # stays on 127.0.0.1.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        from ray.cluster_utils import Cluster
+
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
                                                            "include_dashboard": False})
         c.add_node(num_cpus=1, node_ip_address="127.0.0.1")   # a replica a node
