@@ -191,9 +191,10 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
 
     @T.macro
     def streamed(w, aq, off, ws, ad, y, wc, count, streams):
-        """All M = `count` tokens at once (FEW_STREAMS): task i reads groups i, per + i, ...
-        in lockstep, block by block, prefetching ahead (past a group's last block into the
-        stream's next group, the thread's next task); the groups left over are one more task."""
+        """All M = `count` tokens at once (FEW_STREAMS): with per = ng // streams, task i reads
+        groups i, per + i, 2 per + i, ... in lockstep, block by block, prefetching ahead (past a
+        group's last block into the stream's next group, the thread's next task); the groups
+        left over (the ragged last one among them) are one more task, in a prefetching tile."""
         for task in T.parallel(_tasks(streams)):
             if task < ng // streams:
                 acc = T.decl_buffer((streams * count * ROWS,), "float32", scope="global")
