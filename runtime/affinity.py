@@ -88,6 +88,7 @@ def merge_metrics(pages: list[tuple[str, str]]) -> str:
     """One Prometheus page from (replica label, page) pairs: each sample gains a `replica`
     label, each family's HELP and TYPE appear once."""
     from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.utils import floatToGoString  # the library's own sample format
 
     families: dict[str, tuple[str, str, list[str]]] = {}
     for replica, page in pages:
@@ -96,7 +97,7 @@ def merge_metrics(pages: list[tuple[str, str]]) -> str:
             for s in fam.samples:
                 labels = {**s.labels, "replica": replica}
                 inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-                lines.append(f"{s.name}{{{inner}}} {_number(s.value)}")
+                lines.append(f"{s.name}{{{inner}}} {floatToGoString(s.value)}")
     out = []
     for name, (doc, kind, lines) in families.items():
         head = f"{name}_total" if kind == "counter" else name   # as prometheus-client writes a counter
@@ -106,8 +107,3 @@ def merge_metrics(pages: list[tuple[str, str]]) -> str:
 
 def _escape(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(v: float) -> str:
-    return repr(float(v)) if v == v and v not in (float("inf"), float("-inf")) else {
-        float("inf"): "+Inf", float("-inf"): "-Inf"}.get(v, "NaN")

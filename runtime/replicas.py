@@ -149,10 +149,8 @@ class EngineReplica:
 
 
 def _error(status: int, message: str, code: str | None = None):
-    from starlette.responses import JSONResponse
-
-    return JSONResponse({"error": {"message": message, "type": "server_error" if status >= 500 else
-                                   "invalid_request_error", "param": None, "code": code}}, status_code=status)
+    return _json({"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
+                            "param": None, "code": code}}, status)
 
 
 class Ingress:
