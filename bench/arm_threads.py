@@ -3,7 +3,7 @@ llama.cpp, in guest instructions under qemu (which runs each guest thread as a v
 own, so counts per vCPU are counts per thread, whatever the host's 2 cores do).
 
     .venv/bin/python bench/arm_threads.py model.qwc [--threads 1,8,32,64,128] [--peer]
-        [--engines qwc,llama.cpp] [--only decode|prefill] [--json F] [--plot F.png]
+        [--engines qwc,llama.cpp] [--only decode|prefill|mixed] [--json F] [--plot F.png]
 
 Per token, at each thread count T (figures of waiting left out, see below):
 - work: every thread's instructions;
@@ -38,6 +38,11 @@ How threads and launches are seen (bench/icount/phases.c):
   bound on llama.cpp's critical path, so a win against it is not an artefact); everything
   else counts as each thread ran it. OMP_WAIT_POLICY=passive.
 
+`--only mixed` (qwc; an artifact of --max-batch >= 8): a server's step with a prompt chunk
+to run while 7 sequences decode, as one Engine.step call ("mixed") and as decode_batch then
+prefill ("separate"); per step = the difference of runs of MIXED[2] and MIXED[1] such steps,
+over their difference (scripts/arm64/run_engine.py: mixed_and_separate).
+
 llama.cpp's rows come from its aarch64 build (bench/llamacpp.sh arm64, the one bench/arm_icount.py
 uses) on a GGUF of the same preset's weights, every linear and the output Q4_0 (as qwc's
 default); -t T. --plot F.png also writes F-n2.png, the model of Neoverse-N2 time
@@ -68,6 +73,7 @@ from arm_icount import CACHE, MATRIX_RE, Attributor, _segments, _symbols, arm_ma
 THREADS = (1, 8, 32, 64, 128)
 DECODE = (4, 2, 6)          # prompt, steps a, steps b
 PREFILL = 48                # prompt tokens of the prefill call
+MIXED = (32, 1, 3)          # chunk tokens, steps a, steps b (7 decoding sequences beside the chunk)
 RECORD = np.dtype([("vcpu", "<u4"), ("epoch", "<u4"), ("phase", "<u4"), ("pad", "<u4"),
                    ("vaddr", "<u8"), ("count", "<u8")])
 LLAMA_WAIT = re.compile(r"^(GOMP_|gomp_|ggml_barrier|sched_yield|__sched_yield|futex|__futex|__lll_|"
@@ -258,7 +264,8 @@ def main():
     p.add_argument("artifact")
     p.add_argument("--threads", default=",".join(map(str, THREADS)), help="thread counts (default 1,8,32,64,128)")
     p.add_argument("--engines", default="qwc,llama.cpp", help="qwc, llama.cpp or both (default)")
-    p.add_argument("--only", choices=("decode", "prefill"), help="one of the two measurements")
+    p.add_argument("--only", choices=("decode", "prefill", "mixed"),
+                   help="one of the two measurements, or (qwc) mixed steps against separate calls")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--plot", help="efficiency against threads, as a PNG")
     args = p.parse_args()
@@ -272,14 +279,17 @@ def main():
     if any(not 1 <= t <= 1024 for t in threads):
         sys.exit("arm_threads: --threads: each count from 1 to 1024")
 
+    if args.only == "mixed" and ("step" not in manifest.get("functions", {}).get("entry_points", {})
+                                 or manifest["functions"].get("max_batch", 1) < 8):
+        sys.exit(f"arm_threads: --only mixed needs an artifact compiled with --max-batch 8 or more ({art} is not)")
     plug = plugin("phases")
     env = emulation.arm64_env()
     env.update(PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     work = Path(tempfile.mkdtemp(prefix="qwc-threads-"))
     lib = str((art / "lib.so").resolve())
     marks = qwc_marks(lib, env)
-    kinds = [args.only] if args.only else ["decode", "prefill"]
-    engines = args.engines.split(",")
+    kinds = {"mixed": ["mixed", "separate"], None: ["decode", "prefill"]}.get(args.only, [args.only])
+    engines = args.engines.split(",") if args.only != "mixed" else ["qwc"]
     if not engines or set(engines) - {"qwc", "llama.cpp"}:
         sys.exit(f"arm_threads: --engines {args.engines!r}: qwc, llama.cpp or both")
     runners, inputs = {}, {}
@@ -287,11 +297,17 @@ def main():
         attr = Attributor(lib, static=False)
 
         def qwc_run(kind, n, t, out):
-            """decode: n steps after a 4-token prompt; prefill: the prompt n times."""
+            """decode: n steps after a 4-token prompt; prefill: the prompt n times; mixed and
+            separate: n chunks of a prompt beside 7 decoding sequences."""
             ids = list(range(100, 100 + (DECODE[0] if kind == "decode" else PREFILL)))
             # only the last logits kept (run_engine.py: "last"): the harness's copies are not qwc's
-            steps = {"steps": [ids] + [5] * n, "last": True} if kind == "decode" else {"prefill": ids, "repeat": n,
-                                                                                       "last": True}
+            if kind in ("mixed", "separate"):
+                steps = {"mixed": [[100 + i, 7, 8, 9] for i in range(7)] + [list(range(200, 200 + MIXED[0] * n))],
+                         "chunk": MIXED[0], "mode": kind, "last": True}
+            elif kind == "decode":
+                steps = {"steps": [ids] + [5] * n, "last": True}
+            else:
+                steps = {"prefill": ids, "repeat": n, "last": True}
             rec = run_qwc(env, plug, marks, str(art), steps, t, out)
             maps = out.with_suffix(".maps")
             return qwc_figures(rec, lib, maps, t), lambda: hot_loop_cpi(attr, elf_blocks(rec, lib, maps))
@@ -318,8 +334,9 @@ def main():
     for engine, run in runners.items():
         for t in threads:
             for kind in kinds:
-                # decode: 2 and 6 steps; prefill: one call and two
-                na, nb, tokens = (DECODE[1], DECODE[2], DECODE[2] - DECODE[1]) if kind == "decode" else (1, 2, PREFILL)
+                # decode: 2 and 6 steps; prefill: one call and two; mixed, separate: per step
+                na, nb, tokens = {"decode": (DECODE[1], DECODE[2], DECODE[2] - DECODE[1]), "prefill": (1, 2, PREFILL)}.get(
+                    kind, (MIXED[1], MIXED[2], MIXED[2] - MIXED[1]))
                 out = work / f"{engine.replace('.', '')}_{kind}_{t}"   # no dot: Path.with_suffix
                 fa, _ = run(kind, na, t, out.with_name(out.name + "_a"))
                 fb, cpi = run(kind, nb, t, out.with_name(out.name + "_b"))
@@ -330,6 +347,13 @@ def main():
                 for f in work.glob(f"{out.name}_*"):
                     f.unlink()
 
+    if args.only == "mixed":   # per step, not per token; no peer and no N2 model
+        print_mixed(rows, threads)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"artifact": str(art), "rows": [
+                {"engine": e, "kind": k, "threads": t, **v} for (e, k, t), v in rows.items()]}, indent=1))
+        shutil.rmtree(work, ignore_errors=True)
+        return
     print_table(rows, threads, kinds)
     predicted = n2_model.table(rows, inputs)
     n2_model.print_table(predicted, inputs)
@@ -366,6 +390,16 @@ def print_table(rows, threads, kinds):
                 ratio = f"{r['critical'] / peer['critical']:.3f}x" if engine == "qwc" and peer else ""
                 print(f"| {engine} | {kind} | {t} | {r['work']:,.0f} | {r['critical']:,.0f} | {r['launches']:,.1f} | "
                       f"{r['serial']:,.0f} | {100 * efficiency(r, t):.1f}% | {ratio} |")
+
+
+def print_mixed(rows, threads):
+    print("\n| T | separate: critical path / step | mixed | mixed / separate | launches / step, separate "
+          "| mixed | work / step, separate | mixed |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for t in threads:
+        a, b = rows["qwc", "separate", t], rows["qwc", "mixed", t]
+        print(f"| {t} | {a['critical']:,.0f} | {b['critical']:,.0f} | {b['critical'] / a['critical']:.3f}x | "
+              f"{a['launches']:,.1f} | {b['launches']:,.1f} | {a['work']:,.0f} | {b['work']:,.0f} |")
 
 
 def plot(rows, threads, kinds, path, title):

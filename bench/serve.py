@@ -3,10 +3,12 @@ same model shape and format (Qwen2.5-0.5B, random weights, Q4_0 with a 4-bit tie
 same threads, one run:
 
     .venv/bin/python bench/serve.py [--clients 1,4,8,16] [--requests 2] [--max-tokens 64] [--prompt-tokens 16,256]
-                                    [--shared-prefix 0] [--ray-replicas N] [--png serve.png]
+                                    [--shared-prefix 0] [--ray-replicas N] [--compare-mixed] [--png serve.png]
 
 `--ray-replicas N` adds `qwc serve --replicas N --ray` (a local Ray; each replica with the
 same --threads) and its ratios to the plain server: what the ingress and the router cost.
+`--compare-mixed` adds `qwc serve --no-mixed-steps` (each prompt chunk in a call of its own) and
+the default's ratios to it: what mixed steps are worth.
 
 Each client sends `--requests` completions one after another (prompts of 16-256 random tokens by
 default (`--prompt-tokens LO,HI`), seeded, after `--shared-prefix` tokens that every prompt begins with: a system prompt; `ignore_eos`,
@@ -35,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).parent
+SEPARATE = "qwc, --no-mixed-steps"
 
 
 # The CPUs this bench may use, taken before its own Engine runs: TVM pins a 1-thread pool's
@@ -190,6 +193,8 @@ def main() -> None:
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt begins with")
     ap.add_argument("--ray-replicas", type=int, default=0, metavar="N",
                     help="also `qwc serve --replicas N --ray` (a local Ray), each replica with --threads threads")
+    ap.add_argument("--compare-mixed", action="store_true",
+                    help="also qwc with --no-mixed-steps (prompt chunks in calls of their own), and the ratios")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
     a = ap.parse_args()
@@ -208,7 +213,7 @@ def main() -> None:
     server = llamacpp_tools("x86") / "llama-server-0.3.36"
     ray = f"qwc, {a.ray_replicas} replicas on Ray" if a.ray_replicas else None
     results: dict = {"qwc": {}, "llama-server": {}, **({"qwc, no reuse": {}} if a.shared_prefix else {}),
-                     **({ray: {}} if ray else {})}
+                     **({ray: {}} if ray else {}), **({SEPARATE: {}} if a.compare_mixed else {})}
     r = subprocess.run([sys.executable, "-m", "qwc", "bench", str(paths["qwc"]), "-p", "0", "-n", str(a.max_tokens),
                         "--threads", str(a.threads), "--json"], capture_output=True, text=True, check=True)
     tg = json.loads(r.stdout)["results"][0]["tps"]
@@ -231,6 +236,7 @@ def main() -> None:
                 proc, line = start([sys.executable, "-m", "qwc", "serve", str(paths["qwc"]), "--port", "0",
                                     "--max-batch", str(n), "--ctx", str(a.ctx), "--threads", str(a.threads),
                                     "--model-name", "m", *(["--reuse-prefix", "0"] if "no reuse" in name else []),
+                                    *(["--no-mixed-steps"] if name == SEPARATE else []),
                                     *(["--replicas", str(a.ray_replicas), "--ray"] if name == ray else [])],
                                    r"serving .* at http://", env)
                 base = re.search(r"(http://[^ ]+)/v1", line)[1]
@@ -274,6 +280,12 @@ def main() -> None:
             q, r = results["qwc"][n], results[ray][n]
             print(f"| {n} | {r['tok_s'] / q['tok_s']:.3f} | {r['itl_p50'] / q['itl_p50']:.3f} | "
                   f"{r['ttft_p50'] / q['ttft_p50']:.3f} |")
+    if a.compare_mixed:
+        print("\n| clients | qwc / qwc with --no-mixed-steps: gen tok/s | ITL p50 | TTFT p50 |\n| ---: | ---: | ---: | ---: |")
+        for n in counts:
+            q, r = results["qwc"][n], results[SEPARATE][n]
+            print(f"| {n} | {q['tok_s'] / r['tok_s']:.3f} | {q['itl_p50'] / r['itl_p50']:.3f} | "
+                  f"{q['ttft_p50'] / r['ttft_p50']:.3f} |")
     steps = decode_steps(eng, counts)
     print("\n| sequences | decode step ms (Engine, no server) | tok/s | x one sequence |\n| ---: | ---: | ---: | ---: |")
     for b, ms in steps.items():

@@ -9,6 +9,11 @@ and build it for a target.
                  past_key_values.* [B, kv_heads, cache_len, head_dim] ...): one new token of
                  each of B sequences, row b of the cache buffers being sequence b's cache and
                  row b of the mask its length (ones, then zeros); `qwc compile --max-batch`
+    step(input_ids [1, t], attention_mask [1, total] (not read), position_ids [1, t],
+         segments [G, 3], logit_tokens [L], past_key_values.* [B, ...] ...): t tokens of G
+         segments (cache row, first token, count; each a row's next tokens, as prefill takes
+         them), their positions, and the logits of the L tokens named [1, L, vocab]: a
+         scheduler step's decode tokens and a prompt chunk in one call (with decode_batch)
 
 All return (logits, present.*); the presents alias the cache buffers they were given (the
 cache is written in place), so the runtime never copies the cache.
@@ -22,6 +27,7 @@ import onnx
 import tvm
 from tvm import relax
 
+from qwc.manifest import STEP_INPUTS
 from qwc.passes.graph import LARGE_TENSOR_BYTES
 
 from .frontend import import_graph
@@ -46,13 +52,14 @@ BY_REFERENCE_BYTES = LARGE_TENSOR_BYTES
 def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
              score_nodes: list | None = None, tuned: dict | None = None,
              max_batch: int = 1, prefill_nodes: list | None = None,
-             kv_dtype: str = "float32") -> tuple[tvm.IRModule, list[str], dict]:
+             kv_dtype: str = "float32", step_nodes: list | None = None) -> tuple[tvm.IRModule, list[str], dict]:
     """The module, the param names in call order, and the param values (numpy arrays or, for
     the large ones, the model's TensorProtos: compiler/artifact.py reads each as it writes it).
     `model` gives prefill and decode (and, with `max_batch` >= 2, decode_batch for up to that
     many sequences); `score_nodes`, where given, are the nodes of `score` (every position's
     logits); `prefill_nodes`, where given, replace model's nodes for prefill
-    (passes/last_position.py: prefill_nodes); `kv_dtype` the cache buffers' element type."""
+    (passes/last_position.py: prefill_nodes); `kv_dtype` the cache buffers' element type;
+    `step_nodes`, with `max_batch` >= 2, the step entry point's (last_position.step_nodes)."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
     n_inputs = N_INPUTS_BEFORE_CACHE + n_cache
     skeleton, by_ref = _by_reference(model)
@@ -63,19 +70,25 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
         entries.append(("score", None, score_nodes, False))
     if max_batch > 1:
         entries.append(("decode_batch", 1, None, True))
+        if step_nodes is not None:
+            entries.append(("step", None, step_nodes, False))
     bounds = {"prefill": {"seq": MAX_TOKENS_PER_CALL}, "score": {"seq": MAX_TOKENS_PER_CALL},
-              "decode_batch": {"batch": max_batch}}
+              "decode_batch": {"batch": max_batch},
+              "step": {"seq": MAX_TOKENS_PER_CALL, "batch": max_batch, "segments": max_batch,
+                       "outputs": max_batch}}
     for name, seq, nodes, batched in entries:
-        with _nodes_swapped(skeleton, nodes):
+        step = name == "step"
+        extra = STEP_INPUTS if step else ()
+        with _nodes_swapped(skeleton, nodes), _inputs_added(skeleton, extra):
             mod = import_graph(skeleton, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned,
-                               batched=batched, kv_dtype=kv_dtype)
+                               batched=batched, kv_dtype=kv_dtype, step=step)
         mod, detached = relax.frontend.detach_params(mod)
         for gv, fn in mod.functions_items():
             if gv.name_hint == "main":
-                got = [p.name for p in fn.params[n_inputs:]]
+                got = [p.name for p in fn.params[n_inputs + len(extra):]]
                 if signature is not None and got != signature:
                     raise ValueError(f"entry point {name} takes different parameters than prefill")
-                fn = fn.with_attr("global_symbol", name).with_attr("num_input", n_inputs)
+                fn = fn.with_attr("global_symbol", name).with_attr("num_input", n_inputs + len(extra))
                 if name in bounds:
                     fn = fn.with_attr("tir_var_upper_bound", bounds[name])
                 funcs[tvm.ir.GlobalVar(name)] = fn
@@ -115,6 +128,24 @@ def _by_reference(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[onnx.Te
         else:
             g.initializer.append(t)
     return m, big
+
+
+@contextlib.contextmanager
+def _inputs_added(model: onnx.ModelProto, names: tuple[str, ...]):
+    """model with int64 graph inputs `names` after input_ids, attention_mask and position_ids
+    for the duration: the step entry point's own (shapes from frontend.import_graph)."""
+    if not names:
+        yield
+        return
+    saved = list(model.graph.input)
+    added = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.INT64, None) for n in names]
+    del model.graph.input[:]
+    model.graph.input.extend(saved[:N_INPUTS_BEFORE_CACHE] + added + saved[N_INPUTS_BEFORE_CACHE:])
+    try:
+        yield
+    finally:
+        del model.graph.input[:]
+        model.graph.input.extend(saved)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from qwc.atomic import check_destination
 from qwc.config import load_for_graph, tokenizer_for_graph
 from qwc.errors import QwcError
 from qwc.limits import KV_TYPES, MAX_BATCH
-from qwc.passes.last_position import last_position_logits, prefill_nodes
+from qwc.passes.last_position import last_position_logits, prefill_nodes, step_nodes
 from qwc.passes.pipeline import load_canonical
 
 from .artifact import foreign_files
@@ -113,12 +113,13 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     full = onnx.GraphProto()
     full.node.extend(model.graph.node)
     prefill = prefill_nodes(model)
+    step = step_nodes(model, list(full.node)) if max_batch > 1 else None
     model = last_position_logits(model)
     t0 = time.perf_counter()
     with progress.stage("importing into TVM Relax"):
         mod, names, params = to_relax(model, act_bits=act_bits, features=target.features,
                                       score_nodes=list(full.node), prefill_nodes=prefill, tuned=tuned,
-                                      max_batch=max_batch, kv_dtype=kv_dtype)
+                                      max_batch=max_batch, kv_dtype=kv_dtype, step_nodes=step)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):
@@ -130,7 +131,10 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
         "entry_points": {"prefill": "any number of new tokens", "decode": "one new token",
                          "score": "prefill returning every position's logits",
                          **({"decode_batch": "one new token of each of B sequences, B <= max_batch, "
-                                             "cache rows [B, ...]"} if max_batch > 1 else {})},
+                                             "cache rows [B, ...]",
+                                             "step": "segments of B sequences' next tokens in one call "
+                                                     "(decode tokens and a prompt chunk), the logits of "
+                                                     "the tokens named"} if max_batch > 1 else {})},
         "max_batch": max_batch,
         "max_tokens_per_call": MAX_TOKENS_PER_CALL,   # prefill and score; the runtime chunks longer input
         "inputs": ["input_ids", "attention_mask", "position_ids"],

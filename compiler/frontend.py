@@ -26,6 +26,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as F
 
 from qwc.errors import QwcError
 from qwc.passes.graph import BLOCK_OFFSETS_ATTR, NIBBLE_HALVES_ATTR
+from qwc.passes.last_position import GQA_STEP_INPUTS, STEP_LOGIT_TOKENS, STEP_SEGMENTS, STEP_TOKENS_OP
 
 from .kernels import attention as fast
 from .kernels import generic, w4a8_gemm
@@ -45,6 +46,7 @@ class ImportContext:
     tuned: dict = field(default_factory=dict)       # tuning task key -> knobs (`--tuning-db`)
     rotary_kernels: dict = field(default_factory=dict)   # rotary kernel emitted -> its num_heads
     batched: bool = False                           # B sequences, each with its own cache row
+    step: bool = False                              # segments of tokens of B rows (build.py: step)
 
     def kname(self, name: str) -> str:
         return f"{self.prefix}_{name}" if self.prefix else name
@@ -254,11 +256,23 @@ class GroupQueryAttention(F.OnnxOpConverter):
         # the generic kernel, are rows.
         # Decode's rotary, cache writes and attention may become one kernel: fuse_decode_attention.py
         tiled, batched = fast.supports(head_dim), _ctx().batched
-        if batched and not tiled:
+        if (batched or _ctx().step) and not tiled:
             raise QwcError(f"batched decode needs a head_dim that is a multiple of {fast.LANES} (got {head_dim})")
         if not fast.supports_format(kv_dtype, head_dim):
             raise QwcError(f"a {kv_dtype} KV cache needs a head_dim that is a multiple of {fast.Q8} (got {head_dim})")
         suffix = "" if kv_dtype == "float32" else f"_{kv_dtype}"
+        if _ctx().step:   # passes/last_position.py: step_nodes gives it the segments and positions
+            segments, positions = (bb.emit(x) if not isinstance(x, relax.Var) else x
+                                   for x in (inputs[GQA_STEP_INPUTS], inputs[GQA_STEP_INPUTS + 1]))
+            kc, vc = (bb.emit(relax.call_tir_inplace(
+                bb.add_func(fast.ragged_kv_cache_write(tiles, kv_dtype, head_dim),
+                            _kname(("k_cache_write_tiles" if tiles else "kv_cache_write") + suffix)),
+                [cache, new, segments, positions], 0, cache.ty)) for tiles, cache, new in ((True, past_k, k), (False, past_v, v)))
+            kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale, kv_dtype=kv_dtype,
+                                                registers=vector_registers(_ctx().features), ragged=True),
+                                 _kname("attention_online" + suffix))
+            out = bb.emit(relax.call_tir(kernel, [q, kc, vc, segments, positions], q.ty))
+            return relax.Tuple([out, kc, vc])
         write_k = bb.add_func(fast.kv_cache_write(tiled, batched, kv_dtype, head_dim),
                               _kname(("k_cache_write_tiles" if tiled else "kv_cache_write") + suffix))
         write_v = bb.add_func(fast.kv_cache_write(False, batched, kv_dtype, head_dim), _kname("kv_cache_write" + suffix))
@@ -275,7 +289,16 @@ class GroupQueryAttention(F.OnnxOpConverter):
         return relax.Tuple([out, kc, vc])
 
 
+class StepTokens(F.OnnxOpConverter):
+    """passes/last_position.py: the step entry point's tokens whose logits it returns (indices
+    clipped: the runtime builds them, a wrong one must not read outside the buffer)."""
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        return relax.op.take(inputs[0], inputs[1], axis=1, mode="clip")
+
+
 _QWC_CONVERTERS = {
+    STEP_TOKENS_OP: StepTokens,
     "MatMulNBits": MatMulNBits,
     "GatherBlockQuantized": GatherBlockQuantized,
     "SimplifiedLayerNormalization": SimplifiedLayerNormalization,
@@ -304,7 +327,7 @@ def qwc_converters():
 
 def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "", act_bits: int = 32,
                  features: frozenset = frozenset(), tuned: dict | None = None, fuse: bool = True,
-                 batched: bool = False, kv_dtype: str = "float32"):
+                 batched: bool = False, kv_dtype: str = "float32", step: bool = False):
     """Import the canonical graph for batch 1 and `seq` new tokens (None: any number) as
     `main`; `prefix` names its kernels; `act_bits` 8 selects the W4A8 matmuls; `tuned` maps
     tuning task keys (compiler/tuning.py) to schedule knobs; `fuse` False skips the fusion
@@ -312,22 +335,27 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
     instead of one, each with its own row of the cache buffers [B, ...] and its own length
     (its attention_mask row: ones, then zeros). `kv_dtype`: the cache's format
     (kernels/attention.py: KV_DTYPES), whatever the ONNX graph's cache inputs say: its buffers
-    hold cache_element(kv_dtype), rows cache_width(kv_dtype, head_dim) wide."""
+    hold cache_element(kv_dtype), rows cache_width(kv_dtype, head_dim) wide. `step`: the
+    step entry point's nodes (passes/last_position.py: step_nodes): `seq` tokens of segments
+    of B cache rows, one batch of tokens for the linears."""
     from tvm import tirx
 
     seq_dim = tirx.Var("seq", "int64") if seq is None else seq
-    batch = tirx.Var("batch", "int64") if batched else 1
+    batch = tirx.Var("batch", "int64") if batched or step else 1
+    tokens_batch = 1 if step else batch    # a step's tokens are one batch for the linears
     total, cache = tirx.Var("total", "int64"), tirx.Var("cache_len", "int64")
     present = {i.name for i in model.graph.input}
-    shapes = {k: v for k, v in {"input_ids": [batch, seq_dim], "position_ids": [batch, seq_dim],
-                                "attention_mask": [batch, total]}.items() if k in present}
-    dtypes = {}
+    shapes = {k: v for k, v in {"input_ids": [tokens_batch, seq_dim], "position_ids": [tokens_batch, seq_dim],
+                                "attention_mask": [tokens_batch, total],
+                                STEP_SEGMENTS: [tirx.Var("segments", "int64"), 3],
+                                STEP_LOGIT_TOKENS: [tirx.Var("outputs", "int64")]}.items() if k in present}
+    dtypes = {k: "int64" for k in (STEP_SEGMENTS, STEP_LOGIT_TOKENS) if k in present}
     for i in model.graph.input:
         if i.name.startswith("past_key_values."):
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
             shapes[i.name] = [batch, dims[1], cache, fast.cache_width(kv_dtype, dims[3])]
             dtypes[i.name] = fast.cache_element(kv_dtype)
-    ctx = ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {}), batched=batched)
+    ctx = ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {}), batched=batched, step=step)
     token = _CONTEXT.set(ctx)
     try:
         with qwc_converters(), warnings.catch_warnings():
@@ -352,7 +380,7 @@ def fusion_passes(ctx: ImportContext):
 
     passes = [fuse_residual_gemv, fuse_quantizer_inputs(ctx.kname), fuse_gate_up(ctx.kname)]
     kernels = kernels_for(ctx.features)
-    if kernels.decode_attention != "online":
+    if kernels.decode_attention != "online" and not ctx.step:   # a step's attention is ragged
         # with W4A8 decode GEMVs the attention also writes the o projection's Q8_0, in the
         # layout they read
         w4a8_path = q4_0_path(32, 4, ctx.act_bits, ctx.features) not in (None, "f32")

@@ -12,6 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qwc.errors import QwcError
+from qwc.manifest import STEP_INPUTS
 
 SKIP_NORM = "SkipSimplifiedLayerNormalization"
 
@@ -63,6 +64,55 @@ def prefill_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto] | None:
     o_proj, norm, residual = start
     _slice_before(g, o_proj, 0, "qwc_last_position")
     _slice_before(g, norm, residual, "qwc_last_position_residual")
+    return list(g.node)
+
+
+# The step entry point's own inputs (qwc/manifest.py). Its attention nodes read the segments
+# and the positions as inputs past ORT's own (GQA_STEP_INPUTS: the converter's).
+STEP_SEGMENTS, STEP_LOGIT_TOKENS = STEP_INPUTS
+GQA_STEP_INPUTS = 12
+
+
+STEP_TOKENS_OP = "QwcStepTokens"   # x [1, t, ...], indices [L] -> [1, L, ...] (compiler/frontend.py)
+
+
+def _gather_before(g, node, i: int, name: str):
+    """node's input i becomes the rows at STEP_LOGIT_TOKENS of its token axis (qwc's own op,
+    not ONNX's Gather, which TVM lowers with negative-index handling and no bounds)."""
+    x = node.input[i]
+    picked = f"{x}_picked"
+    gather = helper.make_node(STEP_TOKENS_OP, [x, STEP_LOGIT_TOKENS], [picked], name=name)
+    g.node.insert(list(g.node).index(node), gather)
+    node.input[i] = picked
+
+
+def step_nodes(model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The step entry point's nodes, from `nodes` (the graph's, every position's logits): the
+    logits of the tokens STEP_LOGIT_TOKENS names only, gathered where prefill_nodes slices
+    (before the last layer's o projection and post-attention norm) or else before the head,
+    and every attention reading the segments and the positions (copies: `nodes` stay)."""
+    g = onnx.GraphProto()
+    for n in nodes:
+        c = g.node.add()
+        c.CopyFrom(n)
+    g.output.extend(model.graph.output)
+    prod = {o: n for n in g.node for o in n.output}
+    head = prod.get("logits")
+    if head is None:
+        raise QwcError("graph has no 'logits' output")
+    start = _last_layer_start(g, prod, head, {i.name for i in model.graph.initializer})
+    if start is None:
+        _gather_before(g, head, 0, "qwc_step_tokens")
+    else:
+        o_proj, norm, residual = start
+        _gather_before(g, o_proj, 0, "qwc_step_tokens")
+        _gather_before(g, norm, residual, "qwc_step_tokens_residual")
+    for n in g.node:
+        if n.op_type == "GroupQueryAttention":
+            if len(n.input) > GQA_STEP_INPUTS:
+                raise QwcError(f"{n.name}: GroupQueryAttention with {len(n.input)} inputs (qwc reads up to "
+                               f"{GQA_STEP_INPUTS})")
+            n.input.extend([""] * (GQA_STEP_INPUTS - len(n.input)) + [STEP_SEGMENTS, "position_ids"])
     return list(g.node)
 
 

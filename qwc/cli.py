@@ -444,7 +444,7 @@ def server_parts(args: argparse.Namespace):
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
     drafter = _drafter(args, eng)
     sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
-                      speculate=drafter, spec_batch=args.spec_batch)
+                      speculate=drafter, spec_batch=args.spec_batch, mixed_steps=not args.no_mixed_steps)
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
     return eng, sched, create_app(eng, sched, Settings(model_id=name, api_key=args.api_key)), name
 
@@ -722,6 +722,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a request takes the free slot whose cache shares the longest prefix with its prompt "
                          "(a system prompt, earlier turns), if at least N tokens, and prefills only the rest "
                          "(default 16; 0: never)")
+    sv.add_argument("--no-mixed-steps", action="store_true",
+                    help="run each prompt chunk in a call of its own while the running sequences wait; by "
+                         "default their decode tokens ride in the chunk's call (artifacts compiled with "
+                         "--max-batch >= 2), which reads the weights once for both")
     _speculation_options(sv)
     sv.add_argument("--spec-batch", type=_positive, default=1, metavar="N",
                     help="speculate only while at most N sequences decode; more take the batched step, which "

@@ -24,6 +24,9 @@ ALIGN = 64                       # every parameter's offset in params.bin
 DTYPES = {"float32", "float16", "int8", "uint8", "int32", "int64"}
 CACHE_DTYPES = tuple(KV_TYPES.values())   # the KV cache formats (`qwc compile --kv-dtype`)
 REQUIRED_FILES = ("lib.so", "params.bin")
+# The step entry point's own inputs, after Functions.inputs (compiler/build.py: step):
+# segments [G, 3] (cache row, first token, count) and the tokens whose logits it returns [L]
+STEP_INPUTS = ("qwc_step_segments", "qwc_step_logit_tokens")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -230,10 +233,11 @@ def check_library(vm_arity, vm_param_name, manifest: Manifest, where: str) -> No
     """The library's own signature (the parameter names its entry points were compiled with)
     must be the manifest's inputs, cache and parameters, in order."""
     f = manifest.functions
-    want = list(f.inputs) + [c.replace(".", "_") for c in f.cache] + [p.name for p in manifest.params]
-    for fn in ("prefill", "decode", "score", "decode_batch"):
+    rest = [c.replace(".", "_") for c in f.cache] + [p.name for p in manifest.params]
+    for fn in ("prefill", "decode", "score", "decode_batch", "step"):
         if fn not in f.entry_points:
             continue
+        want = list(f.inputs) + (list(STEP_INPUTS) if fn == "step" else []) + rest
         try:
             n = vm_arity(fn)
             got = [vm_param_name(fn, i) for i in range(n)]

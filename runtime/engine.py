@@ -161,6 +161,7 @@ class Engine:
         entries = functions.entry_points
         self._score = self.vm["score"] if "score" in entries else None
         self._decode_batch = self.vm["decode_batch"] if "decode_batch" in entries else None
+        self._step = self.vm["step"] if "step" in entries and self._decode_batch else None
         # sequences one decode_batch step takes (`qwc compile --max-batch`); 1: no such step
         self.max_batch = functions.max_batch if self._decode_batch else 1
         # new tokens a prefill / score call takes at most (the library's memory is planned for it)
@@ -174,8 +175,10 @@ class Engine:
         self._kv_dtype = np.dtype(element)
         # The inputs' memory, reused: a step builds its inputs as views (~1 us) where fresh
         # tensors cost ~50 us, 0.5% of a 0.5B decode step.
-        arena = memory.arena_for([((1, self.ctx), np.int64)] * 3)
+        rows = self.max_batch
+        arena = memory.arena_for([((1, self.ctx), np.int64)] * 3 + [((rows, 3), np.int64), ((rows,), np.int64)])
         self._ids, self._mask, self._positions = (arena.take((1, self.ctx), np.int64) for _ in range(3))
+        self._segments, self._logit_tokens = arena.take((rows, 3), np.int64), arena.take((rows,), np.int64)
         self._mask[:] = 1
         self.seq = self.sequence()
         self.stats: dict = {}   # the last generate's token counts and times
@@ -390,6 +393,59 @@ class Engine:
         for s in seqs:
             s.pos += 1
         return [logits[s.row, -1] for s in seqs]
+
+    @property
+    def max_tokens_per_call(self) -> int:
+        """Tokens one prefill, score or step call takes at most (longer input goes in chunks)."""
+        return min(self._chunk, self.ctx)
+
+    @property
+    def mixes_steps(self) -> bool:
+        """Whether step() takes several sequences' tokens in one call (the library has the
+        step entry point: artifacts compiled with --max-batch >= 2)."""
+        return self._step is not None
+
+    def step(self, parts: list) -> list[np.ndarray]:
+        """Each (sequence, tokens) of `parts` takes its tokens after what its cache holds, all
+        in one call: the running sequences' decode tokens and a prompt's chunk together, the
+        weights read once for all of them. The logits of each part's last token, in order
+        (views the next call overwrites). One call needs the step entry point (mixes_steps),
+        the sequences rows of one pool, each once, up to max_batch of them, and at most
+        max_tokens_per_call tokens; otherwise each part runs on its own."""
+        tokens = [self._token_ids(t, "step") for _, t in parts]
+        seqs = [s for s, _ in parts]
+        for s, t in zip(seqs, tokens):
+            if s.pos + t.shape[1] > s.capacity:
+                raise QwcError(f"{s.pos + t.shape[1]} tokens do not fit the context of {s.capacity} (use a larger --ctx)")
+        pool = seqs[0].pool if seqs else None
+        rows = max((s.row for s in seqs), default=-1) + 1
+        total = sum(t.shape[1] for t in tokens)
+        if (self._step is None or pool is None or rows > self.max_batch or total > self.max_tokens_per_call
+                or any(s.pool is not pool for s in seqs) or len({s.row for s in seqs}) != len(seqs)):
+            return [self.prefill(t[0], seq=s) for s, t in zip(seqs, tokens)]
+        tvm = self._tvm
+        self._size_pool()
+        ids, positions = self._ids[:, :total], self._positions[:, :total]
+        segments, last = self._segments[:len(parts)], self._logit_tokens[:len(parts)]
+        at = 0
+        for g, (s, t) in enumerate(zip(seqs, tokens)):
+            n = t.shape[1]
+            ids[0, at:at + n] = t[0]
+            positions[0, at:at + n] = np.arange(s.pos, s.pos + n)
+            segments[g] = s.row, at, n
+            at += n
+        np.add(segments[:, 1], segments[:, 2] - 1, out=last)
+        args = [tvm.runtime.from_dlpack(x) for x in (ids, self._mask[:, :1], positions, segments, last)]
+        try:
+            out = self._step(*args, *pool.cache(rows), *self.params)
+        except Exception as e:   # TVM's own error types
+            raise QwcError(f"{self.path}: the library refused its inputs "
+                           f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
+        logits = np.from_dlpack(out[0])[0]
+        for s, t in zip(seqs, tokens):
+            s.pos += t.shape[1]
+            s.writes += 1
+        return list(logits)
 
     def _token_ids(self, tokens, what: str) -> np.ndarray:
         """`tokens` as a [1, n] int64 array, refusing anything that is not a non-empty flat

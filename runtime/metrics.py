@@ -30,6 +30,8 @@ class Metrics:
               registry=r).set_function(lambda: scheduler.drafted)
         Gauge("qwc_draft_tokens_accepted", "draft tokens kept (speculative decoding)",
               registry=r).set_function(lambda: scheduler.accepted)
+        Gauge("qwc_mixed_steps", "decode steps that carried a prompt chunk in the same call (mixed steps)",
+              registry=r).set_function(lambda: scheduler.mixed_steps)
         scheduler.on_step = self.batch.observe
 
     def request_started(self) -> None:

@@ -121,9 +121,11 @@ class _Running:
 class Scheduler:
     def __init__(self, engine, max_running: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
                  min_reuse: int | None = 16, speculate: Callable[[], NgramDrafter | ModelDrafter] | None = None,
-                 spec_batch: int = 1, spec_backoff: bool = True, slots: list | None = None):
+                 spec_batch: int = 1, spec_backoff: bool = True, slots: list | None = None,
+                 mixed_steps: bool = True):
         """`slots`: the sequences requests run in (Engine.generate: the engine's own one); by
-        default the rows of a pool of `max_running`, taken now."""
+        default the rows of a pool of `max_running`, taken now. `mixed_steps`: decode tokens
+        ride in prompt chunks' calls where the engine can (Engine.step)."""
         if max_running < 1 or max_queue < 0 or prefill_chunk < 1 or (min_reuse is not None and min_reuse < 1):
             raise QwcError("max_running, prefill_chunk and min_reuse must be at least 1, max_queue at least 0")
         if spec_batch < 1:
@@ -133,6 +135,7 @@ class Scheduler:
         self.max_running, self.max_queue, self.prefill_chunk = max_running, max_queue, prefill_chunk
         self.min_reuse = min_reuse        # None: no prefix reuse
         self.speculate, self.spec_batch = speculate, spec_batch   # a drafter factory, or None
+        self.mixing = mixed_steps   # Engine.step calls where it can (off: `qwc serve --no-mixed-steps`)
         # False: verify every draft, whatever it costs (tests of the verification itself)
         self.spec_backoff = spec_backoff
         self.drafted = self.accepted = 0  # draft tokens verified, and those kept (for metrics)
@@ -147,6 +150,7 @@ class Scheduler:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0                   # decode steps run, and sequences in them (for metrics)
+        self.mixed_steps = 0             # of them, steps that also carried a prompt chunk
         self.last_batch = 0
         self.on_step: Callable[[int], None] | None = None
 
@@ -323,17 +327,22 @@ class Scheduler:
         pending = [r for r in self._running if r.fed < len(r.req.prompt)]
         leads = {id(r.req): r for r in self._running}
         own = [r for r in pending if not self._fork(r, leads.get(id(r.req.fork_of)))]
-        if own:
-            run = own[0]
-            chunk = run.req.prompt[run.fed:run.fed + self.prefill_chunk]
-            run.logits = self.engine.prefill(chunk, seq=run.seq)
-            run.fed += len(chunk)
-            if run.fed == len(run.req.prompt):
-                run.req.t_prompt = time.perf_counter()
+        # Mixed steps: the running sequences' decode tokens ride in the chunk's call (one read
+        # of the weights for both, as llama-server's batches), sampled before it; a prompt
+        # that completes there samples its first token next step. Without running sequences,
+        # or where the engine cannot take them in one call, the chunk runs on its own first.
+        mixed = bool(own) and self._mixes([r for r in self._running if r.fed == len(r.req.prompt)] + own[:1])
+        if own and not mixed:
+            self._prefill(own[0], self.prefill_chunk, [])
             for r in pending:
                 self._fork(r, leads.get(id(r.req.fork_of)))
         decoding = [r for r in self._running if r.fed == len(r.req.prompt) and r.logits is not None]
         going = [(run, tok) for run in decoding if (tok := self._next(run)) is not None]
+        if mixed:   # (no drafts: a scheduler that drafts does not mix)
+            self._prefill(own[0], min(self.prefill_chunk, self.engine.max_tokens_per_call - len(going)), going)
+            for r in pending:
+                self._fork(r, leads.get(id(r.req.fork_of)))
+            return
         drafts = {}
         # no draft before a decode step's time is known: it is what a draft must beat (a draft
         # model proposes one at every step, so a plain step would otherwise never be timed)
@@ -366,6 +375,31 @@ class Scheduler:
             self.steps += 1
             if self.on_step:
                 self.on_step(len(going))
+
+    def _mixes(self, runs: list[_Running]) -> bool:
+        """Whether the engine takes these sequences' tokens in one step call."""
+        return (len(runs) > 1 and self.mixing and self.engine.mixes_steps and self.speculate is None
+                and max(r.seq.row for r in runs) < self.engine.max_batch)
+
+    def _prefill(self, run: _Running, most: int, plain: list) -> None:
+        """The next chunk (up to `most` tokens) of run's prompt, with the decode tokens of
+        `plain` ((run, token) pairs) in the same call where there are any."""
+        chunk = run.req.prompt[run.fed:run.fed + most]
+        if plain:
+            out = self.engine.step([(r.seq, [t]) for r, t in plain] + [(run.seq, chunk)])
+            for (r, _), lg in zip(plain, out):
+                r.logits = lg
+            run.logits = out[-1]
+            self.mixed_steps += 1
+            self.steps += 1
+            self.last_batch = len(plain)
+            if self.on_step:
+                self.on_step(len(plain))
+        else:
+            run.logits = self.engine.prefill(chunk, seq=run.seq)
+        run.fed += len(chunk)
+        if run.fed == len(run.req.prompt):
+            run.req.t_prompt = time.perf_counter()
 
     def _next(self, run: _Running) -> int | None:
         """The token `run` feeds this step: one a verification sampled (and emitted) already,

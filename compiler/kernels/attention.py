@@ -282,6 +282,44 @@ def _q8_cache_write(key_tiles: bool, batched: bool, head_dim: int):
     return hand_scheduled(write)
 
 
+@functools.cache
+def ragged_kv_cache_write(key_tiles: bool, dtype: str, head_dim: int):
+    """kv_cache_write for the tokens of G segments one after another (new [1, t, ...];
+    segments [G, 3]: cache row, first token, count): token i of a segment into its row of
+    the cache buffer [B, ...] at positions[0, i], in rows or (`key_tiles`) the key-tile
+    layout; a q8_0 cache's blocks quantized as kv_cache_write's are."""
+    from tvm.script import tirx as T
+
+    _check_dtype(dtype)
+    width, element = cache_width(dtype, head_dim), cache_element(dtype)
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def write(var_cache: T.handle, var_new: T.handle, var_seg: T.handle, var_pos: T.handle):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})
+        bsz, kvh, cap, t, g = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        cache = T.match_buffer(var_cache, (bsz, kvh, cap, width), element)
+        new = T.match_buffer(var_new, (T.int64(1), t, kvh * head_dim), "float32")
+        seg = T.match_buffer(var_seg, (g, T.int64(3)), "int64")
+        pos = T.match_buffer(var_pos, (T.int64(1), t), "int64")
+        c16 = scales_view(T, cache, dtype)
+        for sg in T.serial(g):   # a few KiB per layer: a parallel launch would cost more
+            for i in T.serial(seg[sg, 2]):
+                for h in T.serial(kvh):
+                    at = T.bind(seg[sg, 1] + i)
+                    if dtype == "q8_0":
+                        q8_store(T, cache, c16, seg[sg, 0], h, pos[0, at], key_tiles, head_dim, new,
+                                 (T.int64(0), at, h * head_dim))
+                    else:
+                        for d in T.serial(head_dim):
+                            if key_tiles:
+                                row, col = k_row_col(pos[0, at], d, head_dim)
+                                cache[seg[sg, 0], h, row, col] = narrow(T, new[0, at, h * head_dim + d], dtype)
+                            else:
+                                cache[seg[sg, 0], h, pos[0, at], d] = narrow(T, new[0, at, h * head_dim + d], dtype)
+
+    return hand_scheduled(write)
+
+
 def query_block(T, s, block: int = QUERY_BLOCK):
     """Queries a prefill task takes for a chunk of s: `block` in long chunks, fewer in short
     ones (s // 16, at least 1), so a 48-token chunk still makes 16 tasks a head for 64-128
@@ -340,11 +378,15 @@ def span_queries(head_dim: int, registers: tuple[int, int]) -> int:
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: bool = False,
-              kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32)):
+              kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32), ragged: bool = False):
     """`batched`: B sequences (q, out [B, s, ...], caches [B, ...], seqlens [B]), each row
     attending to its own cache row up to its own seqlens[b]; one task per (row, head, query).
-    `kv_dtype`: the caches' element type (KV_DTYPES). `registers`: the target's vector
-    registers (targets.vector_registers), which size the query groups (span_queries)."""
+    `ragged`: the tokens of G segments one after another (q, out [1, t, ...], caches [B, ...];
+    segments [G, 3]: cache row, first token, count; positions [1, t]), each segment's tokens
+    attending to its row's cache as a prefill chunk does; a task per (block of a segment's
+    queries, head, segment). `kv_dtype`: the caches' element type (KV_DTYPES). `registers`:
+    the target's vector registers (targets.vector_registers), which size the query groups
+    (span_queries)."""
     from tvm.script import tirx as T
 
     _check_dtype(kv_dtype)
@@ -623,6 +665,44 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                 attend(q, kc, vc, out, bt // (heads * s), bt % (heads * s) // s, bt % s, T.int64(1), s,
                        seqlens[bt // (heads * s)])
         return hand_scheduled(kernel_batch.with_attr(ONLINE_SCALE, float(scale)))
+
+    if ragged:
+        @T.prim_func(private=True)
+        def kernel_ragged(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_seg: T.handle,
+                          var_pos: T.handle, var_out: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})
+            bsz, t, g, cap = T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(var_q, (T.int64(1), t, heads * head_dim), "float32")
+            kc = T.match_buffer(var_k, (bsz, kv_heads, cap, width), element)
+            vc = T.match_buffer(var_v, (bsz, kv_heads, cap, width), element)
+            seg = T.match_buffer(var_seg, (g, T.int64(3)), "int64")
+            pos = T.match_buffer(var_pos, (T.int64(1), t), "int64")
+            out = T.match_buffer(var_out, (T.int64(1), t, heads * head_dim), "float32")
+            assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
+            # blocks of prefill's size for a chunk of all t tokens (many tasks for many threads);
+            # the most blocks a segment can have
+            qb = T.bind(query_block(T, t, block))
+            blocks = T.bind((t + qb - 1) // qb)
+            # block, then head, then segment: a long segment's tasks are every g-th, spread
+            # evenly over the threads' static ranges (segment-major put its heads' tasks in a
+            # few threads' ranges: 1.23x the separate calls' critical path at 64 threads)
+            for task in T.parallel(blocks * heads * g):
+                sg = T.bind(task % g)
+                q0 = T.bind(task // (g * heads) * qb)
+                if q0 < seg[sg, 2]:
+                    # the segment's tokens and cache row as a one-sequence chunk's buffers
+                    first, n = T.bind(seg[sg, 1]), T.bind(seg[sg, 2])
+                    qs = T.decl_buffer((T.int64(1), t, heads * head_dim), "float32",
+                                       data=T.bind(T.address_of(q[0, first, 0])))
+                    outs = T.decl_buffer((T.int64(1), t, heads * head_dim), "float32",
+                                         data=T.bind(T.address_of(out[0, first, 0])))
+                    kr = T.decl_buffer((T.int64(1), kv_heads, cap, width), element,
+                                       data=T.bind(T.address_of(kc[seg[sg, 0], 0, 0, 0])))
+                    vr = T.decl_buffer((T.int64(1), kv_heads, cap, width), element,
+                                       data=T.bind(T.address_of(vc[seg[sg, 0], 0, 0, 0])))
+                    attend(qs, kr, vr, outs, T.int64(0), task // g % heads, q0, T.min(qb, n - q0), n,
+                           pos[0, first + n - 1])
+        return hand_scheduled(kernel_ragged.with_attr(ONLINE_SCALE, float(scale)))
 
     @T.prim_func(private=True)
     def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, seqlens: T.Buffer((1,), "int32"),

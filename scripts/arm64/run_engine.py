@@ -7,6 +7,7 @@ prefill then decode steps, logits saved to a .npy file. Only the runtime is impo
     run_engine.py REPO ARTIFACT OUT.npy '{"prefill": [prompt ids], "repeat": N}'
     run_engine.py REPO ARTIFACT OUT.npy '{"steps": [[prompt ids], next_id, ...], "last": true}'
     run_engine.py REPO ARTIFACT OUT.npy '{"steps": [...], "fill": N, "last": true}'
+    run_engine.py REPO ARTIFACT OUT.npy '{"mixed": [[prompt ids], ...], "chunk": N}'
 
 Prints the machine, the number of logits rows and the threads TVM's pool ran kernels on.
 The third prefills the prompt N times, each from an empty cache (bench/arm_threads.py: two
@@ -19,7 +20,8 @@ harness's, not the Engine's, and kept each step's output alive, so the VM's pool
 reuse it. "fill": N positions of the cache count as filled (with zeros) before the steps, with
 no prefill: decode steps then attend over N + the prompt's positions, as after an N-token
 prompt, without emulating that prompt (bench/arm_icount.py --depth: its instructions would
-cancel in the difference of two runs anyway, and take most of an hour at N = 4096).
+cancel in the difference of two runs anyway, and take most of an hour at N = 4096). "mixed":
+mixed_and_separate's two runs, logits [2, steps, prompts, vocab].
 """
 
 import importlib.util
@@ -55,6 +57,10 @@ def main() -> None:
         for _ in range(steps["repeat"]):
             eng.reset()
             logits = keep(logits, eng.prefill(steps["prefill"]))
+    elif isinstance(steps, dict) and "mixed" in steps:
+        eng = Engine(artifact, ctx=max(64, max(map(len, steps["mixed"])) + 16), oversubscribe=True)
+        modes = {"mixed": (True,), "separate": (False,)}.get(steps.get("mode"), (True, False))
+        logits = mixed_and_separate(eng, steps["mixed"], steps["chunk"], modes, last)
     elif isinstance(steps, dict) and "batch" in steps:
         eng = Engine(artifact, ctx=64, oversubscribe=True)
         logits = greedy_alone_and_batched(eng, steps["batch"], steps["tokens"])
@@ -91,6 +97,32 @@ def greedy_alone_and_batched(eng, prompts, n):
             batched[b].append(lg)
         cur = [x.copy() for x in eng.decode_many([int(lg.argmax()) for lg in cur], seqs)]
     return [np.array(alone), np.array(batched)]
+
+
+def mixed_and_separate(eng, prompts, chunk, modes=(True, False), last=False):
+    """All prompts but the last prefilled, then steps that each decode those greedily and take
+    the next `chunk` tokens of the last prompt: in one Engine.step call (mixed), and as
+    decode_many then prefill (separate), on rows of a pool each. Every step's logits, the
+    last prompt's its chunk's last: [len(modes), steps, prompts, vocab] (`last`: the last
+    step's only, bench/arm_threads.py: the harness's copies are not the engine's work)."""
+    import numpy as np
+
+    *running, tail = prompts
+    runs = []
+    for mixed in modes:
+        seqs = eng.pool(len(prompts)).seqs
+        cur = [eng.prefill(p, s).copy() for p, s in zip(running, seqs)]
+        steps = []
+        for at in range(0, len(tail), chunk):
+            toks, part = [int(lg.argmax()) for lg in cur], tail[at:at + chunk]
+            if mixed:
+                out = eng.step([(s, [t]) for s, t in zip(seqs, toks)] + [(seqs[len(running)], part)])
+            else:
+                out = [*eng.decode_many(toks, seqs[:len(running)]), eng.prefill(part, seqs[len(running)])]
+            steps = [out] if last else steps + [[x.copy() for x in out]]
+            cur = out[:-1]
+        runs.append([[x.copy() for x in out] for out in steps])
+    return np.array(runs)
 
 
 if __name__ == "__main__":

@@ -44,18 +44,21 @@ def _run_arm(env, artifact, tmp_path, threads: int | None = None) -> np.ndarray:
 
 def test_yitian_batched_decode_equals_each_sequence_alone(arm64_env, tiny_q4, tmp_path):
     """decode_batch on arm-yitian (the smmla GEMMs at M = batch) under qemu: the greedy tokens
-    each sequence gets alone (tests/runtime/test_batch.py on the host)."""
+    each sequence gets alone (tests/runtime/test_batch.py on the host); and the same artifact's
+    step entry point: two sequences decode while a third's prompt goes in 8-token chunks beside
+    them, against decode_batch then prefill."""
     art = tmp_path / "yitian-batch.qwc"
     compile_file(tiny_q4, "arm-yitian", art, max_batch=3)
-    out = tmp_path / "batch.npy"
-    steps = json.dumps({"batch": [[72, 101, 108], list(range(3, 30)), [7]], "tokens": 5})
-    r = subprocess.run(emulation.engine_command(arm64_env, art, out, steps), env=arm64_env,
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    alone, batched = np.load(out)
-    assert alone.shape == (3, 5, 288)
-    assert np.array_equal(alone.argmax(-1), batched.argmax(-1))
-    assert np.abs(alone - batched).max() / np.abs(alone).max() < 1e-5
+    for steps, shape in (({"batch": [[72, 101, 108], list(range(3, 30)), [7]], "tokens": 5}, (3, 5, 288)),
+                         ({"mixed": [[72, 101, 108], [7], list(range(3, 30))], "chunk": 8}, (4, 3, 288))):
+        out = tmp_path / f"{next(iter(steps))}.npy"
+        r = subprocess.run(emulation.engine_command(arm64_env, art, out, json.dumps(steps)), env=arm64_env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        ours, reference = np.load(out)   # alone / batched; mixed / separate
+        assert ours.shape == reference.shape == shape
+        assert np.array_equal(ours.argmax(-1), reference.argmax(-1))
+        assert np.abs(ours - reference).max() / np.abs(reference).max() < 1e-5
 
 
 def _host_logits(artifact) -> np.ndarray:

@@ -467,6 +467,58 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s, dtype, re
                                rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("segments", [
+    # (row, history, new tokens): decode tokens of several rows beside a prompt chunk; chunks
+    # that fill tiles and spans and that do not; a row left out (row 1 below)
+    [(0, 5, 1), (2, 40, 1), (3, 0, 37)],
+    [(3, 100, 40), (0, 0, 1), (2, 16, 1)],
+    [(0, 131, 17)],
+    [(2, 999, 1), (0, 63, 1), (3, 64, 2), (1, 0, 1)],
+])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
+@pytest.mark.parametrize("registers", [(16, 32), (32, 64)])
+def test_ragged_attention_attends_each_segment_to_its_own_row(segments, dtype, registers):
+    """A mixed step's attention (kernels/attention.py, `ragged`): the tokens of several
+    segments in one buffer, each written by ragged_kv_cache_write into its own cache row after
+    that row's history (written by the one-sequence writer), and attending to that row's
+    cache as a prefill chunk does; against numpy's causal attention a row at a time, and
+    with the row not in any segment untouched (NaN stays NaN)."""
+    import tvm
+
+    from qwc.compiler.kernels import attention
+
+    heads, kvh, hd, cap, rows = 14, 2, 64, 1024, 4
+    rng = np.random.default_rng(len(segments) * 7 + segments[0][1])
+    data, caches = {}, []
+    for r in range(rows):
+        seg = next((x for x in segments if x[0] == r), None)
+        past, s = (seg[1], seg[2]) if seg else (3, 0)
+        k, v = (rng.standard_normal((past + s, kvh * hd), dtype=np.float32) for _ in range(2))
+        data[r] = k, v
+        caches.append([c.numpy() for c in _filled_caches(k, v, ((0, past),), kvh, hd, cap, dtype)])
+    kc, vc = (tvm.runtime.tensor(np.concatenate([c[i] for c in caches])) for i in (0, 1))
+    total = sum(s for _, _, s in segments)
+    seg = np.array([(r, sum(x[2] for x in segments[:i]), s) for i, (r, _, s) in enumerate(segments)], np.int64)
+    pos = np.concatenate([np.arange(p, p + s) for _, p, s in segments])[None].astype(np.int64)
+    new_k = np.concatenate([data[r][0][p:] for r, p, _ in segments])[None]
+    new_v = np.concatenate([data[r][1][p:] for r, p, _ in segments])[None]
+    q = rng.standard_normal((1, total, heads * hd), dtype=np.float32)
+    seg_t, pos_t = tvm.runtime.tensor(seg), tvm.runtime.tensor(pos)
+    for tiles, c, new in ((True, kc, new_k), (False, vc, new_v)):
+        _host_kernel(attention.ragged_kv_cache_write(tiles, dtype, hd))(c, tvm.runtime.tensor(new.copy()), seg_t, pos_t)
+    out = tvm.runtime.tensor(np.zeros_like(q))
+    _host_kernel(attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype, registers=registers, ragged=True))(
+        tvm.runtime.tensor(q), kc, vc, seg_t, pos_t, out)
+    got = out.numpy()
+    for (r, past, s), (_, first, _) in zip(segments, seg):
+        k, v = (_cache_holds(x.reshape(-1, hd), dtype).reshape(x.shape) for x in data[r])
+        want = _attention_reference(q[:, first:first + s], k, v, past, s, heads, kvh, hd, 0.125)
+        np.testing.assert_allclose(got[:, first:first + s], want, rtol=0, atol=2e-6, err_msg=f"row {r}")
+    untouched = next((r for r in range(rows) if all(x[0] != r for x in segments)), None)
+    if untouched is not None and dtype != "q8_0":   # its slots past its history were never written
+        assert np.isnan(vc.numpy()[untouched, :, 3:]).all()
+
+
 def _rotary(x, pos, cos, sin, heads):
     """The TE rotary (generic.rotary, scheduled as the build schedules it; what RotaryEmbedding
     compiles to where the vector form does not apply) on x [b, s, heads*hd] at positions pos."""

@@ -6,10 +6,14 @@ prefix reuse prefills only what a free slot's cache does not hold, with the same
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
-from run_engine import greedy_alone_and_batched  # scripts/arm64 (also run under qemu by test_arm.py)
+from run_engine import (  # scripts/arm64 (also run under qemu by test_arm.py)
+    greedy_alone_and_batched,
+    mixed_and_separate,
+)
 
 from qwc.compiler.compile import compile_file
 from qwc.errors import QwcError
@@ -161,3 +165,50 @@ def test_prefix_reuse_prefills_only_the_new_tokens(engine):
         assert _serve(off, a)[1] == _serve(off, a)[1] == 0
     finally:
         off.stop()
+
+
+def test_a_mixed_step_gives_what_decode_and_prefill_give(engine):
+    """Engine.step: three sequences' decode tokens and chunks of a fourth's prompt in one call
+    at each step (the rows' K and V written at their own positions, each chunk attending to its
+    row's cache), against decode_many then prefill on another pool: the same logits to the bit
+    (the step's GEMMs and attention are the batched step's and prefill's: the same order of
+    sums) and the same greedy tokens."""
+    assert engine.mixes_steps
+    mixed, separate = mixed_and_separate(engine, PROMPTS[:3] + [list(range(200, 237))], 8)
+    assert mixed.shape == (5, 4, engine.vocab_size)
+    assert np.array_equal(mixed, separate)
+
+
+def test_a_mixed_step_refuses_bad_parts(engine):
+    seqs = engine.pool(2).seqs
+    with pytest.raises(QwcError, match="outside the vocabulary"):
+        engine.step([(seqs[0], [engine.vocab_size]), (seqs[1], [1, 2])])
+    seqs[1].pos = seqs[1].capacity - 1
+    with pytest.raises(QwcError, match="do not fit the context"):
+        engine.step([(seqs[0], [1]), (seqs[1], [1, 2])])
+    assert seqs[0].pos == 0   # nothing ran
+
+
+def test_the_scheduler_mixes_decode_tokens_into_prompt_chunks(engine):
+    """Requests that arrive while others decode: their prompts' chunks carry the running
+    sequences' tokens (Scheduler.mixed_steps), and every request still gets the tokens it
+    gets alone."""
+    sched = Scheduler(engine, max_running=4, prefill_chunk=8, min_reuse=None)
+    done, reqs = threading.Semaphore(0), []
+    prompts = [PROMPTS[0], list(range(3, 40)), list(range(200, 237)), PROMPTS[3]]
+    for p in prompts:
+        reqs.append(Request(p, 10, SamplingParams(), lambda k, v: k == "done" and done.release(), ignore_eos=True))
+    sched.submit(reqs[0])
+    sched.start()
+    try:
+        while not reqs[0].generated:   # the first decodes before the others arrive
+            time.sleep(0.001)
+        for r in reqs[1:]:
+            sched.submit(r)
+        for _ in reqs:
+            assert done.acquire(timeout=120)
+    finally:
+        sched.stop()
+    assert sched.mixed_steps >= 4     # the 37-token prompts' chunks rode with decode tokens
+    for p, r in zip(prompts, reqs):
+        assert r.generated == _alone(engine, p, 10), p

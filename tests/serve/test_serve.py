@@ -99,6 +99,8 @@ def test_concurrent_greedy_equals_single_stream(server, artifact):
         assert r.choices[0].text == want
         assert r.usage.completion_tokens <= 12 and r.choices[0].finish_reason in ("length", "stop")
     assert server.metric("qwc_decode_batch_size_bucket{le=\"1.0\"}") < server.metric("qwc_decode_batch_size_count")
+    # prompts that arrived while others decoded carried their tokens (Scheduler: mixed steps)
+    assert server.metric("qwc_mixed_steps") > 0
 
 
 def test_streaming_chat_with_the_openai_client(server):
