@@ -99,37 +99,52 @@ def affinity(base: str) -> tuple[int, bool]:
     return cached, all(len(h) == 1 for h in homes.values())
 
 
-def kill_round(base: str) -> tuple[bool, str]:
-    pids = httpx.get(base + "/health", timeout=30).json()["pids"]
-    out: list = [None] * 16
+def requests_across_a_kill(base: str, model: str, prompts: list, max_tokens: int, pid: int, timeout: float,
+                           wait: float, on_kill=None) -> tuple[list, int]:
+    """One completion a prompt, all at once (every second one streaming, greedy, `ignore_eos`);
+    process `pid` SIGKILLed a second after they start, then on_kill(the kill's time) if given;
+    the requests waited for up to `wait` s after the kill. Each one's outcome, ("whole",
+    status, completion tokens), ("stream", its error event's code or None, whether [DONE]
+    came) or ("failed", the exception), and how many still ran (tests/serve/test_replicas.py
+    shares it)."""
+    out: list = [None] * len(prompts)
 
     def ask(i):
-        body = {"model": "m", "prompt": [7 + i] * 16, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         try:
             if i % 2:
                 body["stream"] = True
                 error, done = None, False
-                with httpx.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
+                with httpx.stream("POST", base + "/v1/completions", json=body, timeout=timeout) as r:
                     for line in r.iter_lines():
                         if line.startswith("data: {") and "error" in json.loads(line[6:]):
                             error = json.loads(line[6:])["error"]["code"]
                         done = done or line == "data: [DONE]"
                 out[i] = ("stream", error, done)
             else:
-                r = httpx.post(base + "/v1/completions", json=body, timeout=300)
+                r = httpx.post(base + "/v1/completions", json=body, timeout=timeout)
                 out[i] = ("whole", r.status_code, r.json().get("usage", {}).get("completion_tokens"))
-        except Exception as e:   # noqa: BLE001 - a failure of the round, reported
+        except Exception as e:   # noqa: BLE001 - an outcome, for the caller to judge
             out[i] = ("failed", repr(e)[:120])
 
-    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(16)]
+    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
         t.start()
     time.sleep(1.0)
-    os.kill(pids[0], signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     t0 = time.time()
-    back = []
+    if on_kill:
+        on_kill(t0)
+    for t in threads:
+        t.join(max(1.0, wait - (time.time() - t0)))
+    return out, sum(t.is_alive() for t in threads)
 
-    def watch():   # from the kill: when /health has as many replicas again, the dead one replaced
+
+def kill_round(base: str) -> tuple[bool, str]:
+    pids = httpx.get(base + "/health", timeout=30).json()["pids"]
+    back, killed = [], []
+
+    def watch(t0):   # from the kill: when /health has as many replicas again, the dead one replaced
         while time.time() - t0 < 120:
             try:
                 h = httpx.get(base + "/health", timeout=30).json()
@@ -140,12 +155,10 @@ def kill_round(base: str) -> tuple[bool, str]:
                 return
             time.sleep(0.5)
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    for t in threads:
-        t.join(max(1.0, 200 - (time.time() - t0)))
-    watcher.join(max(1.0, 130 - (time.time() - t0)))
-    hung = sum(t.is_alive() for t in threads)
+    watcher = threading.Thread(target=lambda: watch(killed[0]), daemon=True)
+    out, hung = requests_across_a_kill(base, "m", [[7 + i] * 16 for i in range(16)], 400, pids[0], 300, 200,
+                                       on_kill=lambda t0: (killed.append(t0), watcher.start()))
+    watcher.join(max(1.0, 130 - (time.time() - killed[0])))
     whole_ok = all(o[1:] == (200, 400) for o in out if o and o[0] == "whole")
     streams_ok = all(o[2] and o[1] in (None, "replica_lost") for o in out if o and o[0] == "stream")
     cut = sum(1 for o in out if o and o[0] == "stream" and o[1] == "replica_lost")

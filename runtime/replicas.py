@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -32,6 +31,7 @@ from qwc import progress
 from qwc.errors import QwcError
 
 from .affinity import merge_metrics, prefix_key
+from .server import ApiError, _sse
 
 APP = "qwc"
 RETRIES = 3          # replicas a request is offered to before a 503
@@ -149,8 +149,8 @@ class EngineReplica:
 
 
 def _error(status: int, message: str, code: str | None = None):
-    return _json({"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-                            "param": None, "code": code}}, status)
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return _json(ApiError(status, message, code=code, kind=kind).body(), status)
 
 
 class Ingress:
@@ -205,9 +205,9 @@ class Ingress:
                     yield chunk
             except lost:
                 if sse:   # a clean end for the client instead of a cut connection
-                    err = {"error": {"message": "the replica serving this stream stopped", "type": "server_error",
-                                     "param": None, "code": "replica_lost"}}
-                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+                    err = ApiError(500, "the replica serving this stream stopped", code="replica_lost",
+                                   kind="server_error")
+                    yield (_sse(err.body()) + "data: [DONE]\n\n").encode()
             finally:
                 gen.cancel()   # the client went away, or the stream ended: nothing more to compute
 

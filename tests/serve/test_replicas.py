@@ -4,7 +4,6 @@ sharing a system prompt land on one replica and reuse its cache; a replica kille
 loses no request that had not started streaming, no request hangs, and it comes back."""
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+from replicas import SYSTEMS, requests_across_a_kill  # bench/replicas.py (pyproject.toml: pytest's pythonpath)
 
 from qwc.compiler.compile import compile_file
 from qwc.errors import QwcError
@@ -22,9 +22,6 @@ from qwc.runtime.affinity import IMBALANCE, Homes, merge_metrics, prefix_key, ra
 from qwc.runtime.replicas import cpu_sets
 
 CTX = 2048
-SYSTEMS = ["You answer questions about geography, briefly and correctly. " * 3,
-           "You are a pirate; answer every question as a pirate would. " * 3,
-           "You are a terse math tutor: the steps, then the answer. " * 3]
 
 
 # -- routing, without Ray --------------------------------------------------------------------
@@ -219,39 +216,9 @@ def test_system_prompts_stay_on_their_replica_and_reuse_its_cache(replicas, arti
 @pytest.mark.slow
 def test_a_replica_killed_under_load_loses_no_unstarted_request_and_returns(replicas):
     pids = replicas.health()["pids"]
-    out: list = [None] * 16
-
-    def ask(i):
-        body = {"model": "tiny", "prompt": f"story {i}", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
-        try:
-            if i % 2:   # streaming: completes, or ends with an error event
-                body["stream"] = True
-                text, error, done = "", None, False
-                with httpx.stream("POST", replicas.base + "/v1/completions", json=body, timeout=120) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            d = json.loads(line[6:])
-                            if "error" in d:
-                                error = d["error"]["code"]
-                            else:
-                                text += d["choices"][0]["text"]
-                        done = done or line == "data: [DONE]"
-                out[i] = ("stream", error, done)
-            else:
-                r = httpx.post(replicas.base + "/v1/completions", json=body, timeout=120)
-                out[i] = ("whole", r.status_code, r.json().get("usage", {}).get("completion_tokens"))
-        except Exception as e:   # noqa: BLE001 - recorded, asserted below
-            out[i] = ("failed", repr(e))
-
-    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(16)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
-    os.kill(pids[0], signal.SIGKILL)
-    t0 = time.time()
-    for t in threads:
-        t.join(max(1.0, 150 - (time.time() - t0)))
-    assert not any(t.is_alive() for t in threads), "a request hung"
+    out, hung = requests_across_a_kill(replicas.base, "tiny", [f"story {i}" for i in range(16)], 2000, pids[0],
+                                       timeout=120, wait=150)
+    assert hung == 0, "a request hung"
     for o in out:
         if o[0] == "whole":
             assert o[1:] == (200, 2000), out
