@@ -36,6 +36,8 @@ from pathlib import Path
 
 import httpx
 
+from qwc.runtime.replicas import REPLICA_HEADER
+
 SYSTEMS = ["You answer questions about geography, briefly and correctly. " * 3,
            "You are a pirate; answer every question as a pirate would. " * 3,
            "You are a terse math tutor: the steps, then the answer. " * 3]
@@ -94,7 +96,7 @@ def affinity(base: str) -> tuple[int, bool]:
                 "model": "m", "max_tokens": 4, "temperature": 0,
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {r}"}]})
             resp.raise_for_status()
-            homes[i].add(resp.headers.get("x-qwc-replica"))
+            homes[i].add(resp.headers.get(REPLICA_HEADER))
             cached += resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     return cached, all(len(h) == 1 for h in homes.values())
 
@@ -102,12 +104,14 @@ def affinity(base: str) -> tuple[int, bool]:
 def requests_across_a_kill(base: str, model: str, prompts: list, max_tokens: int, pid: int, timeout: float,
                            wait: float, on_kill=None) -> tuple[list, int]:
     """One completion a prompt, all at once (every second one streaming, greedy, `ignore_eos`);
-    process `pid` SIGKILLed a second after they start, then on_kill(the kill's time) if given;
-    the requests waited for up to `wait` s after the kill. Each one's outcome, ("whole",
+    process `pid` SIGKILLed once a stream it serves has sent a token (or after 60 s: on a loaded
+    machine a fixed delay can fire before any stream is live), then on_kill(the kill's time) if
+    given; the requests waited for up to `wait` s after the kill. Each one's outcome, ("whole",
     status, completion tokens), ("stream", its error event's code or None, whether [DONE]
     came) or ("failed", the exception), and how many still ran (tests/serve/test_replicas.py
     shares it)."""
     out: list = [None] * len(prompts)
+    live = threading.Event()
 
     def ask(i):
         body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -119,6 +123,8 @@ def requests_across_a_kill(base: str, model: str, prompts: list, max_tokens: int
                     for line in r.iter_lines():
                         if line.startswith("data: {") and "error" in json.loads(line[6:]):
                             error = json.loads(line[6:])["error"]["code"]
+                        elif line.startswith("data: {") and r.headers.get(REPLICA_HEADER) == str(pid):
+                            live.set()
                         done = done or line == "data: [DONE]"
                 out[i] = ("stream", error, done)
             else:
@@ -130,7 +136,7 @@ def requests_across_a_kill(base: str, model: str, prompts: list, max_tokens: int
     threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    live.wait(60)
     os.kill(pid, signal.SIGKILL)
     t0 = time.time()
     if on_kill:

@@ -19,7 +19,7 @@ from replicas import SYSTEMS, requests_across_a_kill  # bench/replicas.py (pypro
 from qwc.compiler.compile import compile_file
 from qwc.errors import QwcError
 from qwc.runtime.affinity import IMBALANCE, Homes, merge_metrics, prefix_key, rank
-from qwc.runtime.replicas import cpu_sets
+from qwc.runtime.replicas import REPLICA_HEADER, cpu_sets
 
 CTX = 2048
 
@@ -173,7 +173,7 @@ def _chat_round(base: str, rounds: int = 3) -> tuple[dict[int, set], int]:
                 model="tiny", messages=[{"role": "system", "content": system},
                                         {"role": "user", "content": f"question {r}"}],
                 max_tokens=4, temperature=0)
-            homes[i].add(raw.headers.get("x-qwc-replica"))
+            homes[i].add(raw.headers.get(REPLICA_HEADER))
             cached += raw.parse().usage.prompt_tokens_details.cached_tokens
     return homes, cached
 
