@@ -723,6 +723,8 @@ def named_cases() -> list[Case]:
         "generate-bad-id": "list(e.generate([1, -7], max_new_tokens=2))",
         "generate-negative-max": "list(e.generate('hi', max_new_tokens=-1))",
         "score-out-of-vocab": "e.score([1, 99999])",
+        "verify-out-of-vocab": "e.verify([1, 99999])",
+        "verify-over-context": "Engine(A, ctx=8).verify(list(range(20)))",
         "threads-0": "Engine(A, threads=0)",
         "threads-1000": "Engine(A, threads=1000)",
         "ctx-0": "Engine(A, ctx=0)",

@@ -4,7 +4,7 @@ request at a time on real weights:
 
     .venv/bin/python bench/speculate.py [ART.qwc] [--rounds 3] [--max-tokens 160] [--threads N]
                                         [--draft-max 8] [--lookup-min 3] [--draft SMALL.qwc] [--json F]
-    .venv/bin/python bench/speculate.py ART.qwc --costs 0.6,0.8,0.9 [--draft-max 8] [...]
+    .venv/bin/python bench/speculate.py ART.qwc --costs 0.6,0.8,0.9 [--depth 256] [--draft-max 8] [...]
 
 Four kinds of reply, three prompts each, from Pride and Prejudice (`qwc data fetch`) and a
 few lines of Python:
@@ -24,8 +24,10 @@ build/smollm2.qwc).
 
 --costs Q,...: for a model size with no real weights here (the 0.5B-7B shapes of
 bench/peers.py, random weights): a verify call's time against a decode step's at draft lengths
-1, 2, 4, 8 (16), measured, and from them (a model, labelled so) the per-token acceptance q at
-which drafting breaks even and the speed-up at each q given. The first table's kept / verified
+1, 2, 4, 8 (16) after --depth cached tokens (default 256), measured (and a score call's, which
+verified drafts before the verify entry point, with how far each one's logits are from the
+decode steps'), and from them (a model, labelled so) the per-token acceptance q at which
+drafting breaks even and the speed-up at each q given. The first table's kept / verified
 shares are what q is on real text.
 """
 
@@ -112,13 +114,23 @@ def run(engine: Engine, prompt: list[int], max_tokens: int, drafter) -> tuple[li
 
 
 def costs(args, engine: Engine, rates: list[float]) -> None:
-    """The verify call's time against a decode step's, by draft length, measured; then what a
-    draft of each length gives at per-token acceptance rates q (a model: a draft's i-th token is
-    kept with probability q^i, so a call advances the cache by 1 + q + ... + q^k positions)."""
+    """The verify call's time against a decode step's, by draft length, measured (and the
+    score call's, which verified drafts before the verify entry point); then what a draft of
+    each length gives at per-token acceptance rates q (a model: a draft's i-th token is kept
+    with probability q^i, so a call advances the cache by 1 + q + ... + q^k positions). First,
+    how far each call's logits are from the decode steps' over the same 8 tokens."""
     rng = np.random.default_rng(1)
     seq = engine.sequence()
-    engine.prefill(rng.integers(0, engine.sample_limit, 256).tolist(), seq=seq)
+    engine.prefill(rng.integers(0, engine.sample_limit, args.depth).tolist(), seq=seq)
     base = seq.pos
+    new = rng.integers(0, engine.sample_limit, 8).tolist()
+    steps = np.stack([engine.decode(t, seq=seq).copy() for t in new])
+    apart = {}
+    for what in ("score", "verify"):
+        seq.pos = base
+        apart[what] = float(np.abs(getattr(engine, what)(new, seq=seq) - steps).max())
+    print(f"\nmax |logits - the decode steps'| over 8 tokens after {args.depth}: score {apart['score']:.3g}, "
+          f"verify {apart['verify']:.3g}{'' if engine._verify is not None else ' (no verify entry point: score)'}")
 
     def timed(f, n=12):
         best = float("inf")
@@ -132,13 +144,14 @@ def costs(args, engine: Engine, rates: list[float]) -> None:
 
     lengths = [k for k in (1, 2, 4, 8, 16) if k <= max(args.draft_max, 1)]
     t_dec = timed(lambda: engine.decode(5, seq=seq))
-    t_ver = {k: timed(lambda k=k: engine.score([5] * (k + 1), seq=seq)) for k in lengths}
+    t_ver = {k: timed(lambda k=k: engine.verify([5] * (k + 1), seq=seq)) for k in lengths}
+    t_score = {k: timed(lambda k=k: engine.score([5] * (k + 1), seq=seq)) for k in lengths}
     name = Path(args.artifact).name
-    print(f"\nVerify calls against decode steps, {name}, {args.threads} threads, after 256 cached tokens "
+    print(f"\nVerify calls against decode steps, {name}, {args.threads} threads, after {args.depth} cached tokens "
           f"(best of {args.rounds + 1} x 12 calls); decode step {t_dec * 1e3:.2f} ms\n")
-    print("| draft tokens k | verify call ms | / decode step | break-even q | "
+    print("| draft tokens k | verify call ms | / decode step | score call / decode step | break-even q | "
           + " | ".join(f"speed-up at q = {q:g}" for q in rates) + " |")
-    print("| ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in rates) + " |")
+    print("| ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in rates) + " |")
 
     def advance(q, k):
         return sum(q ** i for i in range(k + 1))
@@ -152,12 +165,14 @@ def costs(args, engine: Engine, rates: list[float]) -> None:
             lo, hi = (mid, hi) if advance(mid, k) < c else (lo, mid)
         even = hi if advance(1.0, k) >= c else None
         gains = [advance(q, k) / c for q in rates]
-        rows.append({"k": k, "verify_ms": t_ver[k] * 1e3, "ratio": c, "break_even_q": even, "speedup": gains})
-        print(f"| {k} | {t_ver[k] * 1e3:.2f} | {c:.2f} | {'-' if even is None else f'{even:.2f}'} | "
+        rows.append({"k": k, "verify_ms": t_ver[k] * 1e3, "ratio": c, "score_ratio": t_score[k] / t_dec,
+                     "break_even_q": even, "speedup": gains})
+        print(f"| {k} | {t_ver[k] * 1e3:.2f} | {c:.2f} | {t_score[k] / t_dec:.2f} | {'-' if even is None else f'{even:.2f}'} | "
               + " | ".join(f"{g:.2f}x" for g in gains) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"artifact": args.artifact, "threads": args.threads,
-                                               "decode_ms": t_dec * 1e3, "costs": rows}, indent=1))
+                                               "decode_ms": t_dec * 1e3, "logits_apart": apart, "costs": rows},
+                                              indent=1))
 
 
 def main():
@@ -170,6 +185,7 @@ def main():
     p.add_argument("--lookup-min", type=int, default=3)
     p.add_argument("--draft", help="a draft model's artifact (the same tokenizer) instead of prompt lookup")
     p.add_argument("--costs", help="Q,...: verify calls' cost by draft length, and the speed-up at acceptance Q")
+    p.add_argument("--depth", type=int, default=256, help="--costs: cached tokens before the calls (default 256)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     if args.rounds < 1 or args.max_tokens < 2:
@@ -181,7 +197,7 @@ def main():
     if any(not 0 <= x <= 1 for x in qs):
         p.error("--costs: probabilities are in [0, 1]")
 
-    engine = Engine(args.artifact, ctx=2048, threads=args.threads)
+    engine = Engine(args.artifact, ctx=max(2048, args.depth + 64), threads=args.threads)
     if qs:
         return costs(args, engine, qs)
     kinds = prompts(engine)

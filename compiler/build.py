@@ -5,6 +5,8 @@ and build it for a target.
             past_key_values.* [1, kv_heads, cache_len, head_dim] ..., params ...)
     decode(the same with seq = 1)
     score(the same as prefill, returning the logits of every position: `qwc eval`)
+    verify(score for up to VERIFY_TOKENS tokens, each attending as its decode step would:
+           a speculative verify call whose logits are the decode steps' to the bit)
     decode_batch(input_ids [B, 1], attention_mask [B, total], position_ids [B, 1],
                  past_key_values.* [B, kv_heads, cache_len, head_dim] ...): one new token of
                  each of B sequences, row b of the cache buffers being sequence b's cache and
@@ -40,6 +42,9 @@ N_INPUTS_BEFORE_CACHE = 3   # input_ids, attention_mask, position_ids
 # unbounded, each distinct size gets buffers of its own that the VM's pool keeps for good (a
 # server seeing 16 batch sizes and 16 chunk lengths grew by 530 MB on the 0.5B shape).
 MAX_TOKENS_PER_CALL = 256
+# The most tokens a verify call takes (the last token and up to 15 drafted; the runtime splits
+# longer ones, each token's logits being the same whatever call it is in).
+VERIFY_TOKENS = 16
 
 
 # Initializers of at least this size enter the import as typed inputs without their data:
@@ -57,7 +62,7 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
     the large ones, the model's TensorProtos: compiler/artifact.py reads each as it writes it).
     `model` gives prefill and decode (and, with `max_batch` >= 2, decode_batch for up to that
     many sequences); `score_nodes`, where given, are the nodes of `score` (every position's
-    logits); `prefill_nodes`, where given, replace model's nodes for prefill
+    logits) and of `verify`; `prefill_nodes`, where given, replace model's nodes for prefill
     (passes/last_position.py: prefill_nodes); `kv_dtype` the cache buffers' element type;
     `step_nodes`, with `max_batch` >= 2, the step entry point's (last_position.step_nodes)."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
@@ -67,12 +72,13 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
     names = params = signature = None
     entries = [("prefill", None, prefill_nodes, False), ("decode", 1, None, False)]
     if score_nodes is not None:
-        entries.append(("score", None, score_nodes, False))
+        entries += [("score", None, score_nodes, False), ("verify", None, score_nodes, False)]
     if max_batch > 1:
         entries.append(("decode_batch", 1, None, True))
         if step_nodes is not None:
             entries.append(("step", None, step_nodes, False))
     bounds = {"prefill": {"seq": MAX_TOKENS_PER_CALL}, "score": {"seq": MAX_TOKENS_PER_CALL},
+              "verify": {"seq": VERIFY_TOKENS},
               "decode_batch": {"batch": max_batch},
               "step": {"seq": MAX_TOKENS_PER_CALL, "batch": max_batch, "segments": max_batch,
                        "outputs": max_batch}}
@@ -81,7 +87,7 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
         extra = STEP_INPUTS if step else ()
         with _nodes_swapped(skeleton, nodes), _inputs_added(skeleton, extra):
             mod = import_graph(skeleton, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned,
-                               batched=batched, kv_dtype=kv_dtype, step=step)
+                               batched=batched, kv_dtype=kv_dtype, step=step, verify=name == "verify")
         mod, detached = relax.frontend.detach_params(mod)
         for gv, fn in mod.functions_items():
             if gv.name_hint == "main":

@@ -77,7 +77,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
 
 def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check, kv_dtype) -> dict:
     from .artifact import write_artifact
-    from .build import MAX_TOKENS_PER_CALL, build, to_relax
+    from .build import MAX_TOKENS_PER_CALL, VERIFY_TOKENS, build, to_relax
     from .kernels.attention import KEY_TILE, supports
 
     if act_bits is None:
@@ -130,6 +130,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     signature = {
         "entry_points": {"prefill": "any number of new tokens", "decode": "one new token",
                          "score": "prefill returning every position's logits",
+                         "verify": f"score of up to {VERIFY_TOKENS} tokens, each token's logits its decode step's",
                          **({"decode_batch": "one new token of each of B sequences, B <= max_batch, "
                                              "cache rows [B, ...]",
                                              "step": "segments of B sequences' next tokens in one call "
@@ -137,6 +138,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
                                                      "the tokens named"} if max_batch > 1 else {})},
         "max_batch": max_batch,
         "max_tokens_per_call": MAX_TOKENS_PER_CALL,   # prefill and score; the runtime chunks longer input
+        "verify_tokens": VERIFY_TOKENS,
         "inputs": ["input_ids", "attention_mask", "position_ids"],
         "cache": cache,
         "cache_shape": ["1", config.num_key_value_heads, "ctx", config.head_dim],

@@ -47,6 +47,7 @@ class ImportContext:
     rotary_kernels: dict = field(default_factory=dict)   # rotary kernel emitted -> its num_heads
     batched: bool = False                           # B sequences, each with its own cache row
     step: bool = False                              # segments of tokens of B rows (build.py: step)
+    verify: bool = False                            # decode's attention for each new token (build.py: verify)
 
     def kname(self, name: str) -> str:
         return f"{self.prefix}_{name}" if self.prefix else name
@@ -327,7 +328,7 @@ def qwc_converters():
 
 def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "", act_bits: int = 32,
                  features: frozenset = frozenset(), tuned: dict | None = None, fuse: bool = True,
-                 batched: bool = False, kv_dtype: str = "float32", step: bool = False):
+                 batched: bool = False, kv_dtype: str = "float32", step: bool = False, verify: bool = False):
     """Import the canonical graph for batch 1 and `seq` new tokens (None: any number) as
     `main`; `prefix` names its kernels; `act_bits` 8 selects the W4A8 matmuls; `tuned` maps
     tuning task keys (compiler/tuning.py) to schedule knobs; `fuse` False skips the fusion
@@ -337,7 +338,8 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
     (kernels/attention.py: KV_DTYPES), whatever the ONNX graph's cache inputs say: its buffers
     hold cache_element(kv_dtype), rows cache_width(kv_dtype, head_dim) wide. `step`: the
     step entry point's nodes (passes/last_position.py: step_nodes): `seq` tokens of segments
-    of B cache rows, one batch of tokens for the linears."""
+    of B cache rows, one batch of tokens for the linears. `verify`: each new token attends as
+    its decode step would (fuse_decode_attention's `queries`), so the logits are decode's."""
     from tvm import tirx
 
     seq_dim = tirx.Var("seq", "int64") if seq is None else seq
@@ -355,7 +357,8 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
             shapes[i.name] = [batch, dims[1], cache, fast.cache_width(kv_dtype, dims[3])]
             dtypes[i.name] = fast.cache_element(kv_dtype)
-    ctx = ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {}), batched=batched, step=step)
+    ctx = ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {}), batched=batched, step=step,
+                        verify=verify)
     token = _CONTEXT.set(ctx)
     try:
         with qwc_converters(), warnings.catch_warnings():
@@ -383,11 +386,12 @@ def fusion_passes(ctx: ImportContext):
     if kernels.decode_attention != "online" and not ctx.step:   # a step's attention is ragged
         # with W4A8 decode GEMVs the attention also writes the o projection's Q8_0, in the
         # layout they read
-        w4a8_path = q4_0_path(32, 4, ctx.act_bits, ctx.features) not in (None, "f32")
+        # (a verify call's o projection is a GEMM, reading the quantizer kernel's blocks)
+        w4a8_path = q4_0_path(32, 4, ctx.act_bits, ctx.features) not in (None, "f32") and not ctx.verify
         passes.append(fuse_decode_attention(
             ctx.kname, dict(ctx.rotary_kernels), ZERO_POINT if w4a8_path else None,
             kernels.w4a8.decode_layout if w4a8_path else "plain", kernels.decode_attention == "three_pass_heads",
-            vector_registers(ctx.features), kernels.decode_split_keys))
+            vector_registers(ctx.features), kernels.decode_split_keys, queries=ctx.verify))
     if kernels.decode_threads and kernels.w4a8 and ctx.act_bits == 8:
         passes.append(split_residual_gemv(ctx.kname, kernels.decode_threads))
     return tvm.transform.Sequential(passes)

@@ -329,13 +329,15 @@ def _cmd_run(args: argparse.Namespace) -> None:
         os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # the runtime alone: faster start, less memory
     from qwc.runtime.engine import Engine
     from qwc.runtime.sampling import SamplingParams
-    from qwc.runtime.scheduler import check_speculation
+    from qwc.runtime.scheduler import check_speculation, speculation_warning
 
     _check_speculation(args)
     t0 = time.perf_counter()
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
     speculate = _drafter(args, eng)
     check_speculation(eng, speculate)   # before the prompt is echoed
+    if warning := speculation_warning(eng, speculate):
+        print(f"qwc: warning: {warning}", file=sys.stderr, flush=True)
     weights = eng.manifest.weight_bytes
     progress.info(f"[qwc] loaded {args.model} ({weights / 2**30:.2f} GiB of weights) in {time.perf_counter() - t0:.1f}s; "
                   f"{eng.kv_summary()}")
@@ -436,13 +438,15 @@ def server_parts(args: argparse.Namespace):
     from pathlib import Path
 
     from qwc.runtime.engine import Engine
-    from qwc.runtime.scheduler import Scheduler
+    from qwc.runtime.scheduler import Scheduler, speculation_warning
     from qwc.runtime.server import Settings, create_app
 
     _serve_needs()
     _check_speculation(args)
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
     drafter = _drafter(args, eng)
+    if warning := speculation_warning(eng, drafter):
+        print(f"qwc: warning: {warning}", file=sys.stderr, flush=True)
     sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
                       speculate=drafter, spec_batch=args.spec_batch, mixed_steps=not args.no_mixed_steps)
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
@@ -559,7 +563,7 @@ def _speculation_options(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: 'ngram' drafts the tokens that followed the context's last n-gram "
                         "earlier in it (prompt lookup: replies that quote their prompt) and verifies a draft in one "
                         "call; sampled replies follow the same distribution as without it, greedy ones are the "
-                        "same up to near ties (default off)")
+                        "same token for token on x86 (default off)")
     p.add_argument("--draft", metavar="SMALL.qwc",
                    help="speculative decoding with a draft model: a smaller artifact with the same tokenizer "
                         "(the 0.5B for a 7B, say) proposes tokens by greedy decoding, the model verifies "

@@ -63,6 +63,7 @@ class Functions:
     cache_dtype: str = "float32"         # the cache format (CACHE_DTYPES; q8_0 buffers hold int8: limits.cache_row)
     max_batch: int = 1                   # sequences a decode_batch step takes (1: no such step)
     max_tokens_per_call: int | None = None   # prefill / score; the runtime chunks longer input
+    verify_tokens: int | None = None         # the verify entry point's; None: no such entry point
     extra: dict = field(default_factory=dict)   # descriptive fields (outputs, cache layout)
 
 
@@ -88,7 +89,7 @@ class Manifest:
         config = check_manifest(m, where)
         t, f = m["target"], m["functions"]
         known = {"entry_points", "inputs", "cache", "cache_shape", "cache_capacity_multiple", "cache_dtype",
-                 "max_batch", "max_tokens_per_call"}
+                 "max_batch", "max_tokens_per_call", "verify_tokens"}
         return cls(
             target=ArtifactTarget(t["name"], t["arch"], t["triple"], t["mcpu"], tuple(t.get("features", [])),
                                   tuple(t.get("mattr", []))),
@@ -96,7 +97,8 @@ class Manifest:
             functions=Functions(dict(f["entry_points"]), tuple(f["inputs"]), tuple(f["cache"]),
                                 tuple(f["cache_shape"]), f.get("cache_capacity_multiple", 1),
                                 f.get("cache_dtype", "float32"), f.get("max_batch", 1),
-                                f.get("max_tokens_per_call"), {k: v for k, v in f.items() if k not in known}),
+                                f.get("max_tokens_per_call"), f.get("verify_tokens"),
+                                {k: v for k, v in f.items() if k not in known}),
             params=tuple(Param(p["name"], p["dtype"], tuple(p["shape"]), p["offset"], p["nbytes"]) for p in m["params"]),
             files=dict(m["files"]), quantization=dict(m["quantization"]), qwc_version=m.get("qwc_version"),
             format_version=m["format_version"])
@@ -109,6 +111,8 @@ class Manifest:
                      "cache_dtype": f.cache_dtype, "max_batch": f.max_batch, **f.extra}
         if f.max_tokens_per_call is not None:
             functions["max_tokens_per_call"] = f.max_tokens_per_call
+        if f.verify_tokens is not None:
+            functions["verify_tokens"] = f.verify_tokens
         t = self.target
         return {"format_version": self.format_version, "qwc_version": self.qwc_version,
                 "target": {"name": t.name, "arch": t.arch, "triple": t.triple, "mcpu": t.mcpu,
@@ -195,6 +199,11 @@ def check_manifest(m, where: str = "manifest.json") -> ModelConfig:
     chunk = f.get("max_tokens_per_call")
     if chunk is not None and (not is_int(chunk, 1) or chunk > 65536):
         bad(f"functions.max_tokens_per_call {chunk!r} must be an integer in [1, 65536]")
+    verify = f.get("verify_tokens")
+    if (verify is not None or "verify" in entries) and (not is_int(verify, 1) or verify > 256
+                                                         or "verify" not in entries):
+        bad(f"functions.verify_tokens {verify!r} must be an integer in [1, 256], given exactly when there is a "
+            f"verify entry point")
 
     end, names = 0, set()
     for i, p in enumerate(m["params"]):
@@ -234,7 +243,7 @@ def check_library(vm_arity, vm_param_name, manifest: Manifest, where: str) -> No
     must be the manifest's inputs, cache and parameters, in order."""
     f = manifest.functions
     rest = [c.replace(".", "_") for c in f.cache] + [p.name for p in manifest.params]
-    for fn in ("prefill", "decode", "score", "decode_batch", "step"):
+    for fn in ("prefill", "decode", "score", "verify", "decode_batch", "step"):
         if fn not in f.entry_points:
             continue
         want = list(f.inputs) + (list(STEP_INPUTS) if fn == "step" else []) + rest

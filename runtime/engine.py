@@ -160,6 +160,7 @@ class Engine:
         functions = self.manifest.functions
         entries = functions.entry_points
         self._score = self.vm["score"] if "score" in entries else None
+        self._verify = self.vm["verify"] if "verify" in entries else None
         self._decode_batch = self.vm["decode_batch"] if "decode_batch" in entries else None
         self._step = self.vm["step"] if "step" in entries and self._decode_batch else None
         # sequences one decode_batch step takes (`qwc compile --max-batch`); 1: no such step
@@ -479,6 +480,22 @@ class Engine:
             raise QwcError(f"{tokens.shape[1]} tokens (after {seq.pos} cached) do not fit the context of {seq.capacity}")
         return np.concatenate([self._run(self._score, tokens[:, i:i + self._chunk], seq)
                                for i in range(0, tokens.shape[1], self._chunk)])
+
+    def verify(self, tokens, seq: Sequence | None = None) -> np.ndarray:
+        """score() whose logits are, to the bit, those decode steps one token at a time would
+        give (the verify entry point; in calls of up to its bound, each token's logits being
+        the same in whichever call it is): a greedy reply with drafts is the reply without.
+        (On x86; on ARM the attention is decode's to the bit, the GEMM's sums are not: ~1e-6.)
+        Artifacts compiled before it existed fall back to score, whose logits differ from the
+        decode steps' by rounding."""
+        if self._verify is None:
+            return self.score(tokens, seq)
+        seq = seq or self.seq
+        tokens = self._token_ids(tokens, "verify")
+        if seq.pos + tokens.shape[1] > seq.capacity:
+            raise QwcError(f"{tokens.shape[1]} tokens (after {seq.pos} cached) do not fit the context of {seq.capacity}")
+        n = self.manifest.functions.verify_tokens
+        return np.concatenate([self._run(self._verify, tokens[:, i:i + n], seq) for i in range(0, tokens.shape[1], n)])
 
     # -- text ----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -416,11 +416,11 @@ class Scheduler:
         sampler from its own logits, so a sampled reply follows the same distribution (a draft
         token is kept with the probability the sampler gives it, the rest of the time another
         is drawn from the others: speculative sampling with a draft that puts all its mass on
-        one token), and a greedy one is the same up to the rounding in which the verify call's
-        kernels differ from the decode step's (a near tie can go the other way)."""
+        one token), and a greedy one is the same token for token: the verify call's logits are
+        the decode steps' to the bit (Engine.verify; on ARM to ~1e-6)."""
         seq, base = run.seq, run.seq.pos
         t0 = time.perf_counter()
-        logits = self.engine.score([tok, *draft], seq=seq)
+        logits = self.engine.verify([tok, *draft], seq=seq)
         took = time.perf_counter() - t0 + run.draft_time   # what the tokens cost, drafting included
         self.drafted += len(draft)
         kept = 0
@@ -512,10 +512,21 @@ class Scheduler:
 
 
 def check_speculation(engine, speculate) -> None:
-    """Speculation verifies drafts through the artifact's score entry point."""
+    """Speculation verifies drafts through the artifact's verify entry point, or score's in
+    artifacts compiled before it (speculation_warning)."""
     if speculate is not None and engine._score is None:
         raise QwcError(f"{engine.path}: speculative decoding needs the artifact's score entry point "
                        "(compiled by an older qwc; recompile it)")
+
+
+def speculation_warning(engine, speculate) -> str | None:
+    """What `qwc run` / `qwc serve` warn of when drafts are verified by score (an artifact
+    compiled before the verify entry point), whose rounding differs from the decode step's."""
+    if speculate is None or engine._verify is not None:
+        return None
+    return (f"{engine.path.name} has no verify entry point (compiled by an older qwc): drafts are verified by "
+            "score, whose rounding differs from the decode step's, so a greedy reply can part from the one "
+            "without drafts; recompile it for the same replies")
 
 
 def _average(old: float | None, new: float) -> float:

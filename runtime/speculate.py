@@ -5,11 +5,11 @@ or by a smaller model with the same vocabulary, greedily (`qwc serve --draft`).
 Prompt lookup needs no second model: a reply that quotes its prompt (a summary, an edit of
 code or text, an extraction, a JSON answer over given fields) repeats long runs of tokens the
 context already holds. Either way the scheduler verifies a draft in one call of the artifact's
-`score` entry point (the last sampled token and the draft, every position's logits) and keeps
-the longest prefix the sampler itself would have produced (runtime/scheduler.py:
-Scheduler._verify): sampled replies follow the same distribution as without drafts, greedy
-ones are the same up to near ties (the verify call runs the prefill kernels, whose rounding
-differs from the decode step's).
+`verify` entry point (the last sampled token and the draft, every position's logits, each the
+decode step's to the bit: Engine.verify) and keeps the longest prefix the sampler itself would
+have produced (runtime/scheduler.py: Scheduler._verify): sampled replies follow the same
+distribution as without drafts, greedy ones are the same token for token (on x86; on ARM the
+logits agree to ~1e-6, docs/design.md).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import numpy as np
 
 from qwc.errors import QwcError
 
-# A verify call of k + 1 tokens costs 1.8-1.9 decode steps at k = 1, 2.3-2.4 at k = 4 and 3.0-3.3
-# at k = 8 on the Qwen2.5-0.5B to 7B shapes (x86, 2 threads; most of it is the call's fixed
-# cost), so a draft pays where its tokens are right with a probability above ~0.6 each.
-# docs/results.md, "Speculative decoding by prompt lookup".
+# A verify call of k + 1 tokens costs 1.2 decode steps at k = 1, 2.0 at k = 4 and 3.5 at k = 8 on
+# the Qwen2.5-0.5B shape (x86, 2 threads, 256 cached), 1.8 / 3.0 / 6.0 on SmolLM2-135M, whose
+# decode step is short: a draft of a few tokens pays where each is right with a probability
+# above ~0.2-0.5 on the former. docs/results.md, "Greedy replies with drafts are the replies
+# without".
 DRAFT_MAX = 8      # tokens a draft proposes at most
 NGRAM_MAX = 4      # the longest context suffix looked up first
 NGRAM_MIN = 3      # the shortest (2-grams matched more often and were right less often, in a trial on SmolLM2)

@@ -777,7 +777,7 @@ def _value_tile(g: int, head_dim: int, registers, kv_dtype: str) -> tuple[int, i
 def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos_dtype: str,
                      zero_point: int | None = None, layout: str = "plain", heads_per_task: int | None = None,
                      kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32),
-                     split_keys: int | None = None):
+                     split_keys: int | None = None, queries: bool = False):
     """Attention of one new token (decode), one parallel task per kv head running its whole
     group of query heads, in three passes over the cached keys instead of the online update:
 
@@ -817,6 +817,13 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     zero_point x block sums) for the o projection's W4A8 GEMV: the quantizer kernel that
     read the output is gone too. Needs `fuses_decode_prologue(head_dim)`.
 
+    `queries`: t new tokens of one sequence (a speculative verify call), each attending as
+    its own decode step would, to the keys before it and itself: the same passes over the
+    same tiles, so its output is the decode step's to the bit (the online kernel's rescaling
+    is not, and a greedy reply with drafts would drift from the one without). The t keys and
+    values are written first, in a loop of their own; then a task per (token, kv head or
+    query heads, span). Without `zero_point` (the o projection is a GEMM there).
+
     `layout`: the o projection's activation layout (act_quant.LAYOUTS: "plain", float32
     offsets, x86; "arm", int32 offsets, the sdot GEMV). `heads_per_task` (a divisor of the
     group; default the whole group): fewer query heads a task and more tasks, for many-core
@@ -835,7 +842,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     _check_dtype(kv_dtype)
     group = heads // kv_heads
     g = heads_per_task or group   # query heads a task; a kv head's heads are `subs` tasks
-    if group % g or layout not in ("plain", "arm"):
+    if group % g or layout not in ("plain", "arm") or (queries and zero_point is not None):
         raise ValueError(f"decode_attention: {g} heads a task in groups of {group}, layout {layout!r}")
     subs = group // g
     chunks = head_dim // LANES
@@ -869,13 +876,13 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         return split_keys if split else cap
 
     @T.macro
-    def rotate(dst, at, x, base, cos, sin, p):
+    def rotate(dst, at, x, tok, base, cos, sin, p):
         """dst[at:] = the head at x[0, 0, base:] rotated at position p: x * cos + rotate_half(x) * sin,
         written as generic.rotary writes it ((-hi) * sin added, not subtracted): LLVM then
         contracts it into the same FMA and the bits are the rotary kernel's."""
         for c in range(hc):
-            lo = T.bind(x[T.int64(0), T.int64(0), T.ramp(base + c * LANES, 1, LANES)])
-            hi = T.bind(x[T.int64(0), T.int64(0), T.ramp(base + (c + hc) * LANES, 1, LANES)])
+            lo = T.bind(x[T.int64(0), tok, T.ramp(base + c * LANES, 1, LANES)])
+            hi = T.bind(x[T.int64(0), tok, T.ramp(base + (c + hc) * LANES, 1, LANES)])
             cs = T.bind(cos[p, T.ramp(c * LANES, 1, LANES)])
             sn = T.bind(sin[p, T.ramp(c * LANES, 1, LANES)])
             dst[T.ramp(at + c * LANES, 1, LANES)] = lo * cs + (-hi) * sn
@@ -883,26 +890,28 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
 
     # decode_attention's steps, run by one task per kv head (kvh) in `attend`
     @T.macro
-    def write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, slot):
-        """0: the kv head's new key, rotated (kept in kr), and value into the caches at `slot`."""
-        rotate(kr, 0, k, kvh * head_dim, cos, sin, pos[0, 0])
+    def write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, slot, tok):
+        """0: the kv head's new key (token `tok` of k and v), rotated (kept in kr), and value
+        into the caches at `slot`."""
+        rotate(kr, 0, k, tok, kvh * head_dim, cos, sin, pos[0, tok])
         if q8:   # the same code as the cache writers' (kv_cache_write)
-            q8_store(T, vc, v16, T.int64(0), kvh, slot, False, head_dim, v, (T.int64(0), T.int64(0), kvh * head_dim))
+            q8_store(T, vc, v16, T.int64(0), kvh, slot, False, head_dim, v, (T.int64(0), tok, kvh * head_dim))
             q8_store(T, kc, k16, T.int64(0), kvh, slot, True, head_dim, kr, (T.int64(0),))
         else:
             for c in range(chunks):
                 vc[T.int64(0), kvh, slot, T.ramp(c * LANES, 1, LANES)] = narrow(T, v[
-                    T.int64(0), T.int64(0), T.ramp(kvh * head_dim + c * LANES, 1, LANES)], kv_dtype, LANES)
+                    T.int64(0), tok, T.ramp(kvh * head_dim + c * LANES, 1, LANES)], kv_dtype, LANES)
             for d in range(head_dim):
                 row = T.bind(k_row_col(slot, d, head_dim)[0])
                 col = T.bind(k_row_col(slot, d, head_dim)[1])
                 kc[T.int64(0), kvh, row, col] = narrow(T, kr[d], kv_dtype)
 
     @T.macro
-    def rotate_queries(q, qr, mx, cos, sin, pos, h0):
-        """The task's queries (heads h0 ..), rotated, into qr; the running max lanes to -inf."""
+    def rotate_queries(q, qr, mx, cos, sin, pos, h0, tok):
+        """The task's queries (heads h0 .. of token `tok`), rotated, into qr; the running max
+        lanes to -inf."""
         for hh in range(g):
-            rotate(qr, hh * head_dim, q, (h0 + hh) * head_dim, cos, sin, pos[0, 0])
+            rotate(qr, hh * head_dim, q, tok, (h0 + hh) * head_dim, cos, sin, pos[0, tok])
             mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(NEG_INF), kt)
 
     def key_line(kc, k16, kvh, first, d, blk):
@@ -1007,7 +1016,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                                    None if layout == "plain" else ((lambda e: col + e), (col // BLOCK,)))
 
     @T.macro
-    def merge(part, out, aq, ad, off, spans, h0, first):
+    def merge(part, out, aq, ad, off, spans, h0, first, tok):
         """5 (keys in several spans): the task's heads' output from its spans' partial results
         (part rows first .. first + spans: per head its max, its weights' sum, its weighted
         values), each span's rescaled by exp(its max - the largest), as the online softmax
@@ -1029,9 +1038,52 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                     num[T.ramp(c * LANES, 1, LANES)] = num[T.ramp(c * LANES, 1, LANES)] + part[
                         first + sp, hh, T.ramp(2 + c * LANES, 1, LANES)] * T.broadcast(w, LANES)
             for c in T.unroll(chunks):
-                out[T.int64(0), T.int64(0), T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
+                out[T.int64(0), tok, T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
                     num[T.ramp(c * LANES, 1, LANES)] / T.broadcast(den[0], LANES))
         quantize_output(out, aq, ad, off, h0)
+
+    @T.macro
+    def span_task(q, k, v, kc, vc, k16, v16, cap, pos, cos, sin, out, aq, ad, off, part, task, tok, kvh, h0,
+                  keys, t0, n, spans, write, slot):
+        """One task: token `tok`'s heads h0 .. h0 + g over tiles t0 .. t0 + n of its `keys` (one
+        of its `spans`), first writing its new key and value at `slot` where `write`; the output
+        (one span) or the span's partial result in part[task]."""
+        sc = T.alloc_buffer((g, span_keys(cap)), "float32")   # the span's scores, then weights, per head
+        mx = T.decl_buffer((g * kt,), "float32", scope="global")   # running max lanes
+        top = T.decl_buffer((g,), "float32", scope="global")       # max of the scores
+        tot = T.decl_buffer((g,), "float32", scope="global")       # sum of the weights
+        qr = T.decl_buffer((g * head_dim,), "float32", scope="global")   # the task's queries
+        kr = T.decl_buffer((head_dim,), "float32", scope="global")           # the new key
+        # the accumulators (under STACK_BYTES each), zeroed here so that they live through
+        # the whole task: TVM's storage planner would otherwise give them qr's memory,
+        # which is in the workspace pool
+        sacc = T.decl_buffer((nt * hg * kt,), "float32", scope="global")   # scores of nt tiles
+        acc = T.decl_buffer((hv * dv,), "float32", scope="global")   # a value tile
+        accs = T.alloc_buffer((ngv * hv * head_dim,), "float32")   # every head's values
+        for i in T.unroll(nt * hg):
+            sacc[T.ramp(i * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
+        for i in T.unroll(hv * dv // LANES):
+            acc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+        for i in range(ngv * hv * chunks):
+            accs[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+        if write:   # the span that holds the new token's slot
+            write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, slot, tok)
+        rotate_queries(q, qr, mx, cos, sin, pos, h0, tok)
+        score(kc, k16, qr, sc, mx, sacc, kvh, keys, t0, n)
+        weigh(sc, mx, top, tot, keys, t0, n)
+        values(vc, v16, sc, acc, accs, kvh, t0 * T.int64(kt), T.min(keys, (t0 + n) * T.int64(kt)))
+        if spans == T.int64(1):
+            for hh in range(g):
+                for c in T.unroll(chunks):
+                    out[T.int64(0), tok, T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
+                        accs[T.ramp(hh * head_dim + c * LANES, 1, LANES)] / T.broadcast(tot[hh], LANES))
+            quantize_output(out, aq, ad, off, h0)
+        else:
+            for hh in range(g):
+                part[task, hh, 0] = top[hh]
+                part[task, hh, 1] = tot[hh]
+                for c in T.unroll(chunks):
+                    part[task, hh, T.ramp(2 + c * LANES, 1, LANES)] = accs[T.ramp(hh * head_dim + c * LANES, 1, LANES)]
 
     @T.macro
     def attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off):
@@ -1050,45 +1102,47 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             h0 = T.bind(kvh * group + task // spans % subs * g)    # the task's first query head
             t0 = T.bind(task % spans * T.int64(span_tiles))        # the span's first tile
             n = T.bind(span_tile_count(T, tiles, t0))              # and its tiles
-            sc = T.alloc_buffer((g, span_keys(cap)), "float32")   # the span's scores, then weights, per head
-            mx = T.decl_buffer((g * kt,), "float32", scope="global")   # running max lanes
-            top = T.decl_buffer((g,), "float32", scope="global")       # max of the scores
-            tot = T.decl_buffer((g,), "float32", scope="global")       # sum of the weights
-            qr = T.decl_buffer((g * head_dim,), "float32", scope="global")   # the task's queries
-            kr = T.decl_buffer((head_dim,), "float32", scope="global")           # the new key
-            # the accumulators (under STACK_BYTES each), zeroed here so that they live through
-            # the whole task: TVM's storage planner would otherwise give them qr's memory,
-            # which is in the workspace pool
-            sacc = T.decl_buffer((nt * hg * kt,), "float32", scope="global")   # scores of nt tiles
-            acc = T.decl_buffer((hv * dv,), "float32", scope="global")   # a value tile
-            accs = T.alloc_buffer((ngv * hv * head_dim,), "float32")   # every head's values
-            for i in T.unroll(nt * hg):
-                sacc[T.ramp(i * kt, 1, kt)] = T.broadcast(T.float32(0), kt)
-            for i in T.unroll(hv * dv // LANES):
-                acc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
-            for i in range(ngv * hv * chunks):
-                accs[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
-            if task % spans == spans - T.int64(1):   # the span that holds the new token's slot
-                write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, slot)
-            rotate_queries(q, qr, mx, cos, sin, pos, h0)
-            score(kc, k16, qr, sc, mx, sacc, kvh, keys, t0, n)
-            weigh(sc, mx, top, tot, keys, t0, n)
-            values(vc, v16, sc, acc, accs, kvh, t0 * T.int64(kt), T.min(keys, (t0 + n) * T.int64(kt)))
-            if spans == T.int64(1):
-                for hh in range(g):
-                    for c in T.unroll(chunks):
-                        out[T.int64(0), T.int64(0), T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
-                            accs[T.ramp(hh * head_dim + c * LANES, 1, LANES)] / T.broadcast(tot[hh], LANES))
-                quantize_output(out, aq, ad, off, h0)
-            else:
-                for hh in range(g):
-                    part[task, hh, 0] = top[hh]
-                    part[task, hh, 1] = tot[hh]
-                    for c in T.unroll(chunks):
-                        part[task, hh, T.ramp(2 + c * LANES, 1, LANES)] = accs[T.ramp(hh * head_dim + c * LANES, 1, LANES)]
+            span_task(q, k, v, kc, vc, k16, v16, cap, pos, cos, sin, out, aq, ad, off, part, task, T.int64(0), kvh,
+                      h0, keys, t0, n, spans, task % spans == spans - T.int64(1), slot)
         if spans > T.int64(1):
             for task in T.parallel(kv_heads * subs):
-                merge(part, out, aq, ad, off, spans, task // subs * group + task % subs * g, task * spans)
+                merge(part, out, aq, ad, off, spans, task // subs * group + task % subs * g, task * spans, T.int64(0))
+
+    @T.macro
+    def attend_queries(q, k, v, kc, vc, cap, t, seqlens, pos, cos, sin, out):
+        """`queries`: the t tokens' keys and values, then each token's tasks as its decode step's."""
+        last = T.bind(T.Cast("int64", seqlens[0]))        # the last new token's slot
+        first = T.bind(last + T.int64(1) - t)              # the first's
+        spans = T.bind(span_count(T, (last + T.int64(kt)) // T.int64(kt)))   # the last token's: the most
+        per = T.bind(kv_heads * subs * spans)              # tasks a token
+        part = T.alloc_buffer((t * kv_heads * subs * (cap // T.int64(span_keys(cap)) + T.int64(1)), g, head_dim + 2),
+                              "float32")
+        k16, v16 = scales_view(T, kc, kv_dtype), scales_view(T, vc, kv_dtype)
+        for kvh in T.parallel(kv_heads):   # every new key and value before any task reads them
+            kr = T.decl_buffer((head_dim,), "float32", scope="global")
+            for i in range(t):
+                write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, first + i, i)
+        for task in T.parallel(t * per):
+            tok = T.bind(task // per)
+            keys = T.bind(first + tok + T.int64(1))
+            tiles = T.bind((keys + T.int64(kt - 1)) // T.int64(kt))
+            own = T.bind(span_count(T, tiles))   # the token's spans (fewer than the last's)
+            r = T.bind(task % per)
+            kvh = T.bind(r // (subs * spans))
+            h0 = T.bind(kvh * group + r // spans % subs * g)
+            t0 = T.bind(r % spans * T.int64(span_tiles))
+            if r % spans < own:
+                n = T.bind(span_tile_count(T, tiles, t0))
+                span_task(q, k, v, kc, vc, k16, v16, cap, pos, cos, sin, out, None, None, None, part, task, tok,
+                          kvh, h0, keys, t0, n, own, False, None)
+        if spans > T.int64(1):
+            for task in T.parallel(t * kv_heads * subs):
+                tok = T.bind(task // (kv_heads * subs))
+                own = T.bind(span_count(T, (first + tok + T.int64(kt)) // T.int64(kt)))
+                if own > T.int64(1):
+                    # the group's spans are part rows task * spans .. (the loop above's task order)
+                    merge(part, out, None, None, None, own, task % (kv_heads * subs) // subs * group
+                          + task % subs * g, task * spans, tok)
 
     @T.macro
     def kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off):
@@ -1110,6 +1164,26 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                    T.decl_buffer((nb,), "int32", data=off.data))
         else:
             attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off)
+
+    if queries:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
+                   seqlens: T.Buffer((1,), "int32"), var_pos: T.handle, var_cos: T.handle, var_sin: T.handle,
+                   var_out: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8, WRITES_Q8: False})
+            cap, positions, t = T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(var_q, (T.int64(1), t, heads * head_dim), "float32")
+            k = T.match_buffer(var_k, (T.int64(1), t, kv_heads * head_dim), "float32")
+            v = T.match_buffer(var_v, (T.int64(1), t, kv_heads * head_dim), "float32")
+            pos = T.match_buffer(var_pos, (T.int64(1), t), pos_dtype)
+            kc = T.match_buffer(var_kc, (T.int64(1), kv_heads, cap, width), element)
+            vc = T.match_buffer(var_vc, (T.int64(1), kv_heads, cap, width), element)
+            cos = T.match_buffer(var_cos, (positions, head_dim // 2), "float32")
+            sin = T.match_buffer(var_sin, (positions, head_dim // 2), "float32")
+            out = T.match_buffer(var_out, (T.int64(1), t, heads * head_dim), "float32")
+            assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
+            attend_queries(q, k, v, kc, vc, cap, t, seqlens, pos, cos, sin, out)
+        return hand_scheduled(kernel)
 
     if quantize:
         off_dtype = "float32" if layout == "plain" else "int32"

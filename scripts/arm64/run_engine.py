@@ -61,6 +61,13 @@ def main() -> None:
         eng = Engine(artifact, ctx=max(64, max(map(len, steps["mixed"])) + 16), oversubscribe=True)
         modes = {"mixed": (True,), "separate": (False,)}.get(steps.get("mode"), (True, False))
         logits = mixed_and_separate(eng, steps["mixed"], steps["chunk"], modes, last)
+    elif isinstance(steps, dict) and "verify" in steps:   # decode steps, and one verify call of their tokens
+        prompt, new = steps["verify"], steps["tokens"]
+        eng = Engine(artifact, ctx=len(prompt) + len(new) + 16, oversubscribe=True)
+        one, many = eng.sequence(), eng.sequence()
+        eng.prefill(prompt, one)
+        eng.prefill(prompt, many)
+        logits = [np.stack([eng.decode(t, one).copy() for t in new]), eng.verify(new, many)]
     elif isinstance(steps, dict) and "batch" in steps:
         eng = Engine(artifact, ctx=64, oversubscribe=True)
         logits = greedy_alone_and_batched(eng, steps["batch"], steps["tokens"])

@@ -46,7 +46,11 @@ def test_yitian_batched_decode_equals_each_sequence_alone(arm64_env, tiny_q4, tm
     """decode_batch on arm-yitian (the smmla GEMMs at M = batch) under qemu: the greedy tokens
     each sequence gets alone (tests/runtime/test_batch.py on the host); and the same artifact's
     step entry point: two sequences decode while a third's prompt goes in 8-token chunks beside
-    them, against decode_batch then prefill."""
+    them, against decode_batch then prefill; and its verify entry point (a task per query head,
+    keys in spans of 512) against decode steps, the tokens' keys in one span and straddling
+    two: the attention is decode's to the bit (tests/compiler/test_kernels.py), but on ARM the
+    decode step's GEMVs sum in other orders than the GEMM (blocks split in parts for 128
+    threads, sdot against smmla), so the logits agree to 1e-5, not to the bit."""
     art = tmp_path / "yitian-batch.qwc"
     compile_file(tiny_q4, "arm-yitian", art, max_batch=3)
     for steps, shape in (({"batch": [[72, 101, 108], list(range(3, 30)), [7]], "tokens": 5}, (3, 5, 288)),
@@ -59,6 +63,16 @@ def test_yitian_batched_decode_equals_each_sequence_alone(arm64_env, tiny_q4, tm
         assert ours.shape == reference.shape == shape
         assert np.array_equal(ours.argmax(-1), reference.argmax(-1))
         assert np.abs(ours - reference).max() / np.abs(reference).max() < 1e-5
+    for past in (20, 507):
+        out = tmp_path / f"verify-{past}.npy"
+        steps = {"verify": [(7 * i) % 250 + 3 for i in range(past)], "tokens": [5, 9, 17, 33, 65, 129, 2, 4, 8]}
+        r = subprocess.run(emulation.engine_command(arm64_env, art, out, json.dumps(steps)), env=arm64_env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        steps, verified = np.load(out)
+        assert steps.shape == verified.shape == (9, 288)
+        assert np.array_equal(verified.argmax(-1), steps.argmax(-1))
+        assert np.abs(verified - steps).max() / np.abs(steps).max() < 1e-5
 
 
 def _host_logits(artifact) -> np.ndarray:

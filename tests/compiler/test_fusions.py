@@ -63,6 +63,19 @@ def test_x86_decode_fuses_everything_it_can(graph):
     assert not _has(names, r"decode_act_q8_\d+_.*")
 
 
+@pytest.mark.parametrize("features, kernel", [(VNNI, r"verify_attention_3pass_queries"),
+                                               (frozenset({"neon", "dotprod", "i8mm"}),
+                                                r"verify_attention_3pass_queries_heads")])
+def test_verify_attends_as_decode_does(graph, features, kernel):
+    """The verify entry point (any number of tokens, every position's logits): rotary, cache
+    writes and attention in decode_attention's queries form a layer (x86; ARM a task per query
+    head), the online kernel gone; the o projection reads the quantizer kernel's blocks (a
+    GEMM, not the decode GEMV the fused quantizer serves)."""
+    names = _kernels(import_graph(graph(features), prefix="verify", act_bits=8, features=features, verify=True))
+    assert _has(names, kernel) == 2
+    assert not _has(names, r"verify_(rotary\d*|k_cache_write_tiles|kv_cache_write|attention_online)(_float16)?")
+
+
 def test_without_the_passes_the_converters_emit_each_op_alone(graph):
     features = VNNI
     ctx = ImportContext("decode", 8, features)

@@ -608,6 +608,48 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
         np.testing.assert_array_equal(got.numpy(), exp.numpy())
 
 
+@pytest.mark.parametrize("heads, kvh, hd, per_task", [(14, 2, 64, None), (4, 2, 32, 1)])
+@pytest.mark.parametrize("past, t", [(0, 1), (5, 3), (14, 4), (40, 9), (1020, 7), (1300, 2)])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
+@pytest.mark.parametrize("split", [None, 512])
+def test_decode_attention_over_queries_is_each_tokens_decode_step(heads, kvh, hd, per_task, past, t, dtype, split):
+    """decode_attention(queries=True), t tokens after `past` cached in one call (a verify
+    call), leaves the cache and gives the output of t decode_attention calls one token after
+    another, bit for bit: across tiles, and with keys split in spans of 512 where the
+    tokens straddle a span's end (1020 + 7) or are past several (1300)."""
+    import tvm
+
+    from qwc.compiler.kernels import attention
+
+    cap, scale = -(-(past + t) // 16) * 16 + 16, float(1 / np.sqrt(hd))
+    rng = np.random.default_rng(past * 7 + t)
+    k, v = (rng.standard_normal((past + t, kvh * hd), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((1, t, heads * hd), dtype=np.float32)
+    pos = np.arange(past, past + t, dtype=np.int64)[None] + 3
+    angles = np.arange(past + t + 8)[:, None] * 10000.0 ** (-np.arange(hd // 2) / (hd // 2))
+    cos, sin = (tvm.runtime.tensor(f(angles).astype(np.float32)) for f in (np.cos, np.sin))
+    one = _host_kernel(attention.decode_attention(heads, kvh, hd, scale, "int64", None, "plain", per_task, dtype,
+                                                  (32, 64), split))
+    many = _host_kernel(attention.decode_attention(heads, kvh, hd, scale, "int64", None, "plain", per_task, dtype,
+                                                   (32, 64), split, queries=True))
+    kc1, vc1 = _filled_caches(k, v, ((0, past),), kvh, hd, cap, dtype)
+    outs = []
+    for i in range(t):
+        out = tvm.runtime.tensor(np.zeros((1, 1, heads * hd), np.float32))
+        one(*(tvm.runtime.tensor(np.ascontiguousarray(x)) for x in (q[:, i:i + 1], k[None, past + i:past + i + 1],
+                                                                    v[None, past + i:past + i + 1])),
+            kc1, vc1, tvm.runtime.tensor(np.array([past + i], np.int32)), tvm.runtime.tensor(pos[:, i:i + 1]),
+            cos, sin, out)
+        outs.append(out.numpy())
+    kc2, vc2 = _filled_caches(k, v, ((0, past),), kvh, hd, cap, dtype)
+    out = tvm.runtime.tensor(np.zeros(q.shape, np.float32))
+    many(*(tvm.runtime.tensor(x) for x in (q, k[None, past:], v[None, past:])), kc2, vc2,
+         tvm.runtime.tensor(np.array([past + t - 1], np.int32)), tvm.runtime.tensor(pos), cos, sin, out)
+    np.testing.assert_array_equal(kc2.numpy(), kc1.numpy())
+    np.testing.assert_array_equal(vc2.numpy(), vc1.numpy())
+    np.testing.assert_array_equal(out.numpy(), np.concatenate(outs, axis=1))
+
+
 def test_attention_rejects_a_cache_capacity_off_the_tile():
     import tvm
 

@@ -151,6 +151,8 @@ def test_corrupt_manifest(tiny_host_artifact, tmp_path, capsys):
     ("max_batch", 0, "functions.max_batch 0 must be"),
     ("max_tokens_per_call", -3, "functions.max_tokens_per_call -3 must be"),
     ("max_tokens_per_call", 2.5, "functions.max_tokens_per_call 2.5 must be"),
+    ("verify_tokens", 0, "functions.verify_tokens 0 must be an integer in [1, 256]"),
+    ("verify_tokens", None, "functions.verify_tokens None must be"),   # the library has a verify entry point
     ("cache_dtype", "int4", "functions.cache_dtype 'int4' must be one of float32, float16, q8_0"),
     ("cache_dtype", "q8_0", "the library refused its inputs"),   # a float32 cache's library
 ])
