@@ -142,15 +142,15 @@ def engine_itl(eng, prompts: list[list[int]], max_tokens: int) -> float:
     return float(np.median(itl)) * 1000
 
 
-def decode_steps(eng, counts: list[int]) -> dict:
-    """One decode step of B sequences (decode_many on pool rows after a 64-token prompt each),
-    the median of 10, per client count: what batching gives before prompts and HTTP."""
+def decode_steps(eng, counts: list[int], depth: int = 64) -> dict:
+    """One decode step of B sequences (decode_many on pool rows after a `depth`-token prompt
+    each), the median of 10, per client count: what batching gives before prompts and HTTP."""
     seqs = eng.pool(max(counts)).seqs
     steps = {}
     for b in counts:
         for s in seqs[:b]:
             eng.reset(s)
-            eng.prefill(list(range(100, 164)), s)
+            eng.prefill([100 + i % 1000 for i in range(depth)], s)
         ts = []
         for _ in range(11):
             t0 = time.perf_counter()

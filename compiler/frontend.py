@@ -269,10 +269,23 @@ class GroupQueryAttention(F.OnnxOpConverter):
                 bb.add_func(fast.ragged_kv_cache_write(tiles, kv_dtype, head_dim),
                             _kname(("k_cache_write_tiles" if tiles else "kv_cache_write") + suffix)),
                 [cache, new, segments, positions], 0, cache.ty)) for tiles, cache, new in ((True, past_k, k), (False, past_v, v)))
+            rule = kernels_for(_ctx().features)
+            # the decode tokens (one-token segments) attend as decode does, in a kernel of their
+            # own after the online one: their logits are decode's to the bit, as decode_batch's
+            three_pass = (rule.decode_attention != "online" and rule.exact_step_decode
+                          and fast.fuses_decode_prologue(head_dim))
             kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale, kv_dtype=kv_dtype,
-                                                registers=vector_registers(_ctx().features), ragged=True),
+                                                registers=vector_registers(_ctx().features), ragged=True,
+                                                singles=not three_pass),
                                  _kname("attention_online" + suffix))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, segments, positions], q.ty))
+            if three_pass:
+                per_head = rule.decode_attention == "three_pass_heads"
+                decode_like = bb.add_func(fast.decode_attention(
+                    heads, kv_heads, head_dim, scale, str(positions.ty.dtype), None, "plain", 1 if per_head else None,
+                    kv_dtype, vector_registers(_ctx().features), rule.decode_split_keys, segments=True),
+                    _kname("attention_3pass_segments" + ("_heads" if per_head else "") + suffix))
+                out = bb.emit(relax.call_tir_inplace(decode_like, [q, kc, vc, segments, positions, out], 5, q.ty))
             return relax.Tuple([out, kc, vc])
         write_k = bb.add_func(fast.kv_cache_write(tiled, batched, kv_dtype, head_dim),
                               _kname(("k_cache_write_tiles" if tiled else "kv_cache_write") + suffix))
@@ -386,12 +399,14 @@ def fusion_passes(ctx: ImportContext):
     if kernels.decode_attention != "online" and not ctx.step:   # a step's attention is ragged
         # with W4A8 decode GEMVs the attention also writes the o projection's Q8_0, in the
         # layout they read
-        # (a verify call's o projection is a GEMM, reading the quantizer kernel's blocks)
-        w4a8_path = q4_0_path(32, 4, ctx.act_bits, ctx.features) not in (None, "f32") and not ctx.verify
+        # (a verify call's and a batched step's o projection is a GEMM, reading the quantizer
+        # kernel's blocks)
+        w4a8_path = (q4_0_path(32, 4, ctx.act_bits, ctx.features) not in (None, "f32")
+                     and not ctx.verify and not ctx.batched)
         passes.append(fuse_decode_attention(
             ctx.kname, dict(ctx.rotary_kernels), ZERO_POINT if w4a8_path else None,
             kernels.w4a8.decode_layout if w4a8_path else "plain", kernels.decode_attention == "three_pass_heads",
-            vector_registers(ctx.features), kernels.decode_split_keys, queries=ctx.verify))
+            vector_registers(ctx.features), kernels.decode_split_keys, queries=ctx.verify, rows=ctx.batched))
     if kernels.decode_threads and kernels.w4a8 and ctx.act_bits == 8:
         passes.append(split_residual_gemv(ctx.kname, kernels.decode_threads))
     return tvm.transform.Sequential(passes)

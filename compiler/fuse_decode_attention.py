@@ -10,9 +10,10 @@ that kernel also writes its output's Q8_0 blocks in the layout the GEMV reads, a
 projection's quantizer that read the output is replaced by them.
 
 In the verify entry point (compiler/build.py) the same five kernels of t tokens become
-decode_attention's `queries` form: each token attends as its decode step would, so a
-speculative verify call's logits are the decode steps' to the bit, where the online kernel's
-rescaling differs by rounding (enough to turn a greedy near tie the other way).
+decode_attention's `queries` form, and in decode_batch those of a token of each of B
+sequences its `rows` form: each token attends as its decode step would, so a speculative
+verify call's and a batched step's logits are the decode steps' to the bit, where the online
+kernel's rescaling differs by rounding (enough to turn a greedy near tie the other way).
 
 Where it runs: last of the import-time fusions (frontend.import_graph), after
 fuse_quantizer_inputs (the o projection's quantizer is then the plain one this pass looks
@@ -28,21 +29,21 @@ from .kernels import attention as fast
 from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr, static_dims
 
 
-def _rotary_operands(defs: Bindings, rotary_kernels: dict, x, heads: int, head_dim: int, tokens):
-    """(x, position_ids, cos, sin) when x is a rotary of heads x head_dim of `tokens` tokens (1,
-    or None: any number) with cos and sin [P, head_dim / 2] (the layout decode_attention's own
-    rotary reads), else None."""
+def _rotary_operands(defs: Bindings, rotary_kernels: dict, x, heads: int, head_dim: int, lead: list):
+    """(x, position_ids, cos, sin) when x is a rotary of heads x head_dim of `lead` = [rows,
+    tokens] (None: any number) with cos and sin [P, head_dim / 2] (the layout
+    decode_attention's own rotary reads), else None."""
     e = defs.value(x)
     if not call_of(e, "relax.call_tir") or rotary_kernels.get(e.args[0].name_hint) != heads:
         return None
     args = call_args(e)
-    if (static_dims(args[0]) != [1, tokens, heads * head_dim] or static_dims(args[1]) != [1, tokens]
+    if (static_dims(args[0]) != [*lead, heads * head_dim] or static_dims(args[1]) != lead
             or any(static_dims(t)[1] != head_dim // 2 for t in args[2:])):
         return None
     return args
 
 
-def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str, tokens):
+def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str, lead: list):
     """{attention output var: what its fused call needs} for every fusable decode attention,
     and {o projection quantizer var: that attention output var} where zero_point is given."""
     fused, quantizers = {}, {}
@@ -58,10 +59,10 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str, to
         kv_dtype = fast.cache_format(past_k.ty.dtype)
         head_dim, kv_heads = fast.head_dim_of(static_dims(past_k)[3], kv_dtype), static_dims(past_k)[1]
         heads = static_dims(q)[2] // head_dim
-        if static_dims(q)[1] != tokens or not fast.fuses_decode_prologue(head_dim):
+        if static_dims(q)[:2] != lead or not fast.fuses_decode_prologue(head_dim):
             continue
-        rq = _rotary_operands(defs, rotary_kernels, q, heads, head_dim, tokens)
-        rk = _rotary_operands(defs, rotary_kernels, k, kv_heads, head_dim, tokens)
+        rq = _rotary_operands(defs, rotary_kernels, q, heads, head_dim, lead)
+        rk = _rotary_operands(defs, rotary_kernels, k, kv_heads, head_dim, lead)
         if rq is None or rk is None or not all(a.same_as(b) for a, b in zip(rq[1:], rk[1:])):
             continue
         inputs = [rq[0], rk[0], v, past_k, past_v, seqlens, *rq[1:]]
@@ -86,20 +87,22 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str, to
 
 def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, layout: str = "plain",
                           per_head: bool = False, registers: tuple[int, int] = (16, 32),
-                          split_keys: int | None = None, queries: bool = False):
+                          split_keys: int | None = None, queries: bool = False, rows: bool = False):
     """The pass; `kname` names a kernel in this entry point, `rotary_kernels` maps the rotary
     kernels the import emitted to their head count (frontend.ImportContext), `zero_point`:
     also write the output's Q8_0 with this zero point (None: do not), in the activation
     `layout` the o projection's GEMV reads; `per_head`: a task per query head, not per kv head;
     `registers`: the target's vector registers (targets.vector_registers); `split_keys`: the
     keys a task takes (targets.Kernels.decode_split_keys); `queries`: the attentions of any
-    number of tokens (the verify entry point's), each token's as its decode step's (no
-    zero_point)."""
-    if queries and zero_point is not None:
-        raise ValueError("fuse_decode_attention: the queries form does not write Q8_0 blocks")
+    number of tokens (the verify entry point's), each token's as its decode step's; `rows`: of
+    a token of each of B sequences (decode_batch's), each row's as its decode step's (neither
+    with zero_point)."""
+    if (queries or rows) and zero_point is not None:
+        raise ValueError("fuse_decode_attention: the queries and rows forms do not write Q8_0 blocks")
+    lead = [1, None] if queries else [None, 1] if rows else [1, 1]
 
     def make(mod, defs: Bindings):
-        fused, quantizers = _plan(mod, defs, rotary_kernels, zero_point, layout, None if queries else 1)
+        fused, quantizers = _plan(mod, defs, rotary_kernels, zero_point, layout, lead)
         by_write = {f["kc"]: out for out, f in fused.items()}
         by_v_write = {f["vc"]: out for out, f in fused.items()}
         made = {}   # attention output var -> the fused call's (out, K cache, V cache) vars and call
@@ -113,8 +116,9 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, l
                 kv_dtype = fast.cache_format(f["past_k"].ty.dtype)
                 kernel = fast.decode_attention(f["heads"], f["kv_heads"], f["head_dim"], f["scale"],
                                                str(pos.ty.dtype), zero_point if quantize else None, layout,
-                                               1 if per_head else None, kv_dtype, registers, split_keys, queries)
-                suffix = ("_queries" if queries else "") + ("_heads" if per_head else "") + ("" if not quantize else "_q8" if layout == "plain"
+                                               1 if per_head else None, kv_dtype, registers, split_keys, queries,
+                                               rows)
+                suffix = ("_queries" if queries else "_rows" if rows else "") + ("_heads" if per_head else "") + ("" if not quantize else "_q8" if layout == "plain"
                                                            else f"_q8_{layout}") + (
                     "" if kv_dtype == "float32" else f"_{kv_dtype}")
                 gv = rw.builder_.add_func(kernel, kname("attention_3pass" + suffix))

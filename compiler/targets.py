@@ -158,6 +158,12 @@ class Kernels:
     # splits its blocks into parts (compiler/split_residual_gemv.py). ARM: a Yitian 710 has 128
     # cores. None: no split (x86 at 2-64 threads: 56 groups already fill them)
     decode_threads: int | None = None
+    # a mixed step's decode tokens attend in decode_attention's segments form, a launch a layer
+    # after the online kernel's, so that their logits are decode's to the bit (design.md, "One
+    # arithmetic for a token"). Only where the linears agree to the bit too (x86): on ARM the
+    # decode GEMVs' split sums differ from the GEMM's anyway, and the launch cost the mixed
+    # step 7% of its critical path at 64 threads (results.md).
+    exact_step_decode: bool = True
 
 
 _VNNI = W4A8("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8")
@@ -176,9 +182,9 @@ KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     # Decode attention: three passes on x86, 1.5x the online kernel at 512 cached tokens; on
     # ARM a task per query head, so the kernels it absorbs are no serial work between launches
     # on a 64-128-core machine (results.md).
-    (frozenset({"dotprod", "i8mm"}), Kernels(_SMMLA, "three_pass_heads", 512, 128)),
-    (frozenset({"dotprod"}), Kernels(_SDOT, "three_pass_heads", 512, 128)),
-    (frozenset({"neon"}), Kernels(None, "three_pass_heads", 512)),
+    (frozenset({"dotprod", "i8mm"}), Kernels(_SMMLA, "three_pass_heads", 512, 128, exact_step_decode=False)),
+    (frozenset({"dotprod"}), Kernels(_SDOT, "three_pass_heads", 512, 128, exact_step_decode=False)),
+    (frozenset({"neon"}), Kernels(None, "three_pass_heads", 512, exact_step_decode=False)),
     (frozenset({"avx512_vnni", "avx512bw", "avx512f"}), Kernels(_VNNI, "three_pass")),
     (frozenset({"avx2", "fma"}), Kernels(_AVX2, "three_pass")),
     (frozenset(), Kernels(None, "three_pass")),

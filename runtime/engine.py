@@ -40,6 +40,16 @@ class Sequence:
         self.writes = 0   # calls that wrote it (Engine.generate: is what it last left still there?)
 
 
+def next_chunk(remaining: int, most: int) -> int:
+    """How many of `remaining` prompt tokens the next prefill call takes, at most `most`:
+    never a lone token where it can be helped. One token runs decode's kernels (three-pass
+    attention), a chunk the prefill kernels (online attention), whose rounding differs; so
+    without this a prompt's logits, and a greedy reply, would depend on where its chunks fall
+    (a prompt of 257 tokens in calls of 256, the rest of a prefix-cache hit)."""
+    n = min(remaining, most)
+    return n - 1 if remaining - n == 1 and n > 2 else n
+
+
 class Pool:
     """The KV caches of `slots` sequences as rows of one buffer per cache tensor [slots, ...],
     so that any first `rows` of them are one [rows, ...] tensor for decode_batch, and the
@@ -341,10 +351,11 @@ class Engine:
         if seq.pos + tokens.shape[1] > seq.capacity:
             raise QwcError(f"prompt of {tokens.shape[1]} tokens (after {seq.pos} cached) does not fit "
                            f"the context of {seq.capacity}")
-        logits = None
-        for i in range(0, tokens.shape[1], self._chunk):
-            chunk = tokens[:, i:i + self._chunk]
-            logits = self._run(self._prefill if chunk.shape[1] > 1 else self._decode, chunk, seq)[-1]
+        logits, i = None, 0
+        while i < tokens.shape[1]:
+            n = next_chunk(tokens.shape[1] - i, self._chunk)
+            logits = self._run(self._prefill if n > 1 else self._decode, tokens[:, i:i + n], seq)[-1]
+            i += n
         return logits
 
     def decode(self, token: int, seq: Sequence | None = None) -> np.ndarray:

@@ -19,8 +19,11 @@ to be overwritten moves to the free row holding the least recently used one, so 
 as long as idle rows can keep them. The reused positions are what a prefill of the same tokens
 writes, so this changes speed, not output (to rounding, where decode steps wrote them).
 
-Each request's tokens depend only on its own prompt, cache and sampler: the batched kernels
-compute each row on its own, so greedy output does not change with what else runs beside it.
+Each request's tokens depend only on its own prompt, cache and sampler, not on what else runs
+beside it: a token decoded alone (decode), in a batched step (decode_batch), beside a prompt
+chunk (step) or in a verify call gets the same logits to the bit (on x86: each runs the decode
+step's attention, kernels/attention.py: decode_attention), and a prompt's chunks never leave
+a lone token (engine.next_chunk), so its logits do not depend on where they fall.
 
 Callers get events through `Request.emit` (called on the scheduler's thread):
 ("text", piece) for every token (the piece may be empty), before it ("logprob", (id, logprob,
@@ -55,6 +58,7 @@ import numpy as np
 from qwc.errors import QwcError
 
 from .detokenize import IncrementalText
+from .engine import next_chunk
 from .sampling import Sampler, SamplingParams, logprobs
 from .speculate import ModelDrafter, NgramDrafter
 
@@ -208,8 +212,9 @@ class Scheduler:
         keep = 0
         if self.min_reuse is not None:
             src = max([seq, *self._free], key=lambda s: _common(self._cached.get(s.row, ()), req.prompt))
-            # at least one prompt token is prefilled: its logits give the first new token
-            n = min(_common(self._cached.get(src.row, ()), req.prompt), len(req.prompt) - 1)
+            # at least two prompt tokens are prefilled (engine.next_chunk: one alone would run
+            # decode's kernels): the last one's logits give the first new token
+            n = min(_common(self._cached.get(src.row, ()), req.prompt), len(req.prompt) - 2)
             if n >= self.min_reuse:
                 keep = n
                 if src is not seq:   # the prefix comes down to this slot, what it held goes up
@@ -384,7 +389,7 @@ class Scheduler:
     def _prefill(self, run: _Running, most: int, plain: list) -> None:
         """The next chunk (up to `most` tokens) of run's prompt, with the decode tokens of
         `plain` ((run, token) pairs) in the same call where there are any."""
-        chunk = run.req.prompt[run.fed:run.fed + most]
+        chunk = run.req.prompt[run.fed:run.fed + next_chunk(len(run.req.prompt) - run.fed, most)]
         if plain:
             out = self.engine.step([(r.seq, [t]) for r, t in plain] + [(run.seq, chunk)])
             for (r, _), lg in zip(plain, out):

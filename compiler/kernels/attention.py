@@ -378,13 +378,16 @@ def span_queries(head_dim: int, registers: tuple[int, int]) -> int:
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: bool = False,
-              kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32), ragged: bool = False):
+              kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32), ragged: bool = False,
+              singles: bool = True):
     """`batched`: B sequences (q, out [B, s, ...], caches [B, ...], seqlens [B]), each row
     attending to its own cache row up to its own seqlens[b]; one task per (row, head, query).
     `ragged`: the tokens of G segments one after another (q, out [1, t, ...], caches [B, ...];
     segments [G, 3]: cache row, first token, count; positions [1, t]), each segment's tokens
     attending to its row's cache as a prefill chunk does; a task per (block of a segment's
-    queries, head, segment). `kv_dtype`: the caches' element type (KV_DTYPES). `registers`:
+    queries, head, segment); `singles` False: not the one-token segments (a step's decode
+    tokens, which decode_attention's segments form takes). `kv_dtype`: the caches' element
+    type (KV_DTYPES). `registers`:
     the target's vector registers (targets.vector_registers), which size the query groups
     (span_queries)."""
     from tvm.script import tirx as T
@@ -689,7 +692,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             for task in T.parallel(blocks * heads * g):
                 sg = T.bind(task % g)
                 q0 = T.bind(task // (g * heads) * qb)
-                if q0 < seg[sg, 2]:
+                if q0 < seg[sg, 2] and seg[sg, 2] >= T.int64(1 if singles else 2):
                     # the segment's tokens and cache row as a one-sequence chunk's buffers
                     first, n = T.bind(seg[sg, 1]), T.bind(seg[sg, 2])
                     qs = T.decl_buffer((T.int64(1), t, heads * head_dim), "float32",
@@ -777,7 +780,8 @@ def _value_tile(g: int, head_dim: int, registers, kv_dtype: str) -> tuple[int, i
 def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos_dtype: str,
                      zero_point: int | None = None, layout: str = "plain", heads_per_task: int | None = None,
                      kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32),
-                     split_keys: int | None = None, queries: bool = False):
+                     split_keys: int | None = None, queries: bool = False, rows: bool = False,
+                     segments: bool = False):
     """Attention of one new token (decode), one parallel task per kv head running its whole
     group of query heads, in three passes over the cached keys instead of the online update:
 
@@ -822,7 +826,15 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     same tiles, so its output is the decode step's to the bit (the online kernel's rescaling
     is not, and a greedy reply with drafts would drift from the one without). The t keys and
     values are written first, in a loop of their own; then a task per (token, kv head or
-    query heads, span). Without `zero_point` (the o projection is a GEMM there).
+    query heads, span). Without `zero_point` (the o projection is a GEMM there). `rows`: the
+    same over one new token of each of B sequences (decode_batch: q, k, v, out [B, 1, ...],
+    cache rows [B, ...], row b's new token at slot seqlens[b], positions [B, 1]), each row's
+    output its decode step's to the bit. `segments`: a mixed step's one-token segments (its
+    decode tokens; kernels/attention.py: attention's `ragged` form for the rest), their
+    queries already rotated and their keys and values already in the cache by the step's own
+    kernels, whose bits are this kernel's prologue's: q [1, t, ...] (rotated), caches [B, ...],
+    segments [G, 3], positions [1, t], and out [1, t, ...] written in place at those tokens
+    only.
 
     `layout`: the o projection's activation layout (act_quant.LAYOUTS: "plain", float32
     offsets, x86; "arm", int32 offsets, the sdot GEMV). `heads_per_task` (a divisor of the
@@ -842,7 +854,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     _check_dtype(kv_dtype)
     group = heads // kv_heads
     g = heads_per_task or group   # query heads a task; a kv head's heads are `subs` tasks
-    if group % g or layout not in ("plain", "arm") or (queries and zero_point is not None):
+    if (group % g or layout not in ("plain", "arm") or ((queries or rows or segments) and zero_point is not None)
+            or queries + rows + segments > 1):
         raise ValueError(f"decode_attention: {g} heads a task in groups of {group}, layout {layout!r}")
     subs = group // g
     chunks = head_dim // LANES
@@ -876,52 +889,59 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         return split_keys if split else cap
 
     @T.macro
-    def rotate(dst, at, x, tok, base, cos, sin, p):
-        """dst[at:] = the head at x[0, 0, base:] rotated at position p: x * cos + rotate_half(x) * sin,
+    def rotate(dst, at, x, row, tok, base, cos, sin, p):
+        """dst[at:] = the head at x[row, tok, base:] rotated at position p: x * cos + rotate_half(x) * sin,
         written as generic.rotary writes it ((-hi) * sin added, not subtracted): LLVM then
         contracts it into the same FMA and the bits are the rotary kernel's."""
         for c in range(hc):
-            lo = T.bind(x[T.int64(0), tok, T.ramp(base + c * LANES, 1, LANES)])
-            hi = T.bind(x[T.int64(0), tok, T.ramp(base + (c + hc) * LANES, 1, LANES)])
+            lo = T.bind(x[row, tok, T.ramp(base + c * LANES, 1, LANES)])
+            hi = T.bind(x[row, tok, T.ramp(base + (c + hc) * LANES, 1, LANES)])
             cs = T.bind(cos[p, T.ramp(c * LANES, 1, LANES)])
             sn = T.bind(sin[p, T.ramp(c * LANES, 1, LANES)])
             dst[T.ramp(at + c * LANES, 1, LANES)] = lo * cs + (-hi) * sn
             dst[T.ramp(at + (c + hc) * LANES, 1, LANES)] = hi * cs + lo * sn
 
-    # decode_attention's steps, run by one task per kv head (kvh) in `attend`
+    # decode_attention's steps, run by one task per kv head (kvh) in `attend` (and per item in
+    # attend_items and attend_segments: a verify call's tokens, a batched step's rows, a mixed
+    # step's decode tokens)
     @T.macro
-    def write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, slot, tok):
-        """0: the kv head's new key (token `tok` of k and v), rotated (kept in kr), and value
-        into the caches at `slot`."""
-        rotate(kr, 0, k, tok, kvh * head_dim, cos, sin, pos[0, tok])
+    def write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, slot, row, tok):
+        """0: the kv head's new key (token `tok` of row `row` of k and v), rotated (kept in kr),
+        and value into the row's caches at `slot`."""
+        rotate(kr, 0, k, row, tok, kvh * head_dim, cos, sin, pos[row, tok])
         if q8:   # the same code as the cache writers' (kv_cache_write)
-            q8_store(T, vc, v16, T.int64(0), kvh, slot, False, head_dim, v, (T.int64(0), tok, kvh * head_dim))
-            q8_store(T, kc, k16, T.int64(0), kvh, slot, True, head_dim, kr, (T.int64(0),))
+            q8_store(T, vc, v16, row, kvh, slot, False, head_dim, v, (row, tok, kvh * head_dim))
+            q8_store(T, kc, k16, row, kvh, slot, True, head_dim, kr, (T.int64(0),))
         else:
             for c in range(chunks):
-                vc[T.int64(0), kvh, slot, T.ramp(c * LANES, 1, LANES)] = narrow(T, v[
-                    T.int64(0), tok, T.ramp(kvh * head_dim + c * LANES, 1, LANES)], kv_dtype, LANES)
+                vc[row, kvh, slot, T.ramp(c * LANES, 1, LANES)] = narrow(T, v[
+                    row, tok, T.ramp(kvh * head_dim + c * LANES, 1, LANES)], kv_dtype, LANES)
             for d in range(head_dim):
-                row = T.bind(k_row_col(slot, d, head_dim)[0])
+                krow = T.bind(k_row_col(slot, d, head_dim)[0])
                 col = T.bind(k_row_col(slot, d, head_dim)[1])
-                kc[T.int64(0), kvh, row, col] = narrow(T, kr[d], kv_dtype)
+                kc[row, kvh, krow, col] = narrow(T, kr[d], kv_dtype)
 
     @T.macro
-    def rotate_queries(q, qr, mx, cos, sin, pos, h0, tok):
-        """The task's queries (heads h0 .. of token `tok`), rotated, into qr; the running max
-        lanes to -inf."""
+    def rotate_queries(q, qr, mx, cos, sin, pos, h0, row, tok):
+        """The task's queries (heads h0 .. of token `tok` of row `row`), rotated, into qr; the
+        running max lanes to -inf."""
         for hh in range(g):
-            rotate(qr, hh * head_dim, q, tok, (h0 + hh) * head_dim, cos, sin, pos[0, tok])
+            if segments:   # rotated by the step's rotary kernel: the same bits as `rotate`
+                for c in range(chunks):
+                    qr[T.ramp(hh * head_dim + c * LANES, 1, LANES)] = q[row, tok, T.ramp(
+                        (h0 + hh) * head_dim + c * LANES, 1, LANES)]
+            else:
+                rotate(qr, hh * head_dim, q, row, tok, (h0 + hh) * head_dim, cos, sin, pos[row, tok])
             mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(NEG_INF), kt)
 
-    def key_line(kc, k16, kvh, first, d, blk):
+    def key_line(kc, k16, row, kvh, first, d, blk):
         """float32x16: element d (of block blk) of the 16 keys of the tile from key `first`."""
-        row, col = k_row_col(first, d, head_dim, width)
-        k = widen(T, kc[T.int64(0), kvh, row, T.ramp(col, 1, kt)], kv_dtype, kt)
-        return k * k_scales(T, k16, kc, T.int64(0), kvh, first, blk, head_dim) if q8 else k
+        krow, col = k_row_col(first, d, head_dim, width)
+        k = widen(T, kc[row, kvh, krow, T.ramp(col, 1, kt)], kv_dtype, kt)
+        return k * k_scales(T, k16, kc, row, kvh, first, blk, head_dim) if q8 else k
 
     @T.macro
-    def score(kc, k16, qr, sc, mx, sacc, kvh, keys, t0, tiles):
+    def score(kc, k16, row, qr, sc, mx, sacc, kvh, keys, t0, tiles):
         """1: scores of tiles t0 .. t0 + tiles into sc and their running max lanes into mx, nt
         tiles at once (streams): tiles r, per + r, ...; with tiles % nt left over, one more
         round whose streams past the last tile redo it (same values). The heads in ng groups
@@ -936,7 +956,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                         for i in T.unroll(nt):
                             first = T.bind((t0 + T.min(i * per + r, tiles - T.int64(1))) * T.int64(kt))
                             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(kc[
-                                T.int64(0), kvh, k_row_col(first, d + K_PREFETCH_LINES, head_dim, width)[0],
+                                row, kvh, k_row_col(first, d + K_PREFETCH_LINES, head_dim, width)[0],
                                 k_row_col(first, d + K_PREFETCH_LINES, head_dim, width)[1]]), T.int32(0), T.int32(3),
                                 T.int32(1)))
                     for i in T.unroll(nt):
@@ -944,7 +964,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                         for hh in T.unroll(hg):
                             sacc[T.ramp((i * hg + hh) * kt, 1, kt)] = sacc[T.ramp((i * hg + hh) * kt, 1, kt)] + (
                                 T.broadcast(qr[T.min(gs * hg + hh, g - 1) * head_dim + d], kt)
-                                * key_line(kc, k16, kvh, first, d, blk))
+                                * key_line(kc, k16, row, kvh, first, d, blk))
                 for i in T.unroll(nt):       # past the last key: -inf
                     for hh in T.unroll(hg):
                         h = T.bind(T.min(gs * hg + hh, g - 1))
@@ -971,7 +991,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             tot[hh] = vector_math.reduce_sum(T, mx[T.ramp(hh * kt, 1, kt)], kt)
 
     @T.macro
-    def values(vc, v16, sc, acc, accs, kvh, k0, k1):
+    def values(vc, v16, row, sc, acc, accs, kvh, k0, k1):
         """3: accs = the weighted sum of the values of keys k0 .. k1 per head, in blocks of vb
         keys: the block's V rows come from DRAM for its first tile of hv heads x dv dims
         (which prefetches the next block's) and from L1 for the others; a tile accumulates in
@@ -987,16 +1007,16 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                         if gv == 0 and dc == 0:
                             for c in T.unroll(-(-width * KV_DTYPES[kv_dtype] // 64)):   # the row vb keys on
                                 T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                                    vc[T.int64(0), kvh, lo + j + T.int64(vb), c * 64 // KV_DTYPES[kv_dtype]]),
+                                    vc[row, kvh, lo + j + T.int64(vb), c * 64 // KV_DTYPES[kv_dtype]]),
                                     T.int32(0), T.int32(3), T.int32(1)))
                         for hh in T.unroll(hv):
                             for c in T.unroll(dv // LANES):
                                 acc[T.ramp((hh * (dv // LANES) + c) * LANES, 1, LANES)] = acc[T.ramp(
                                     (hh * (dv // LANES) + c) * LANES, 1, LANES)] + (
-                                    widen(T, vc[T.int64(0), kvh, lo + j, T.ramp(dc * dv + c * LANES, 1, LANES)],
+                                    widen(T, vc[row, kvh, lo + j, T.ramp(dc * dv + c * LANES, 1, LANES)],
                                           kv_dtype, LANES)
                                     * T.broadcast(value_weight(T, sc[T.min(gv * hv + hh, g - 1), lo + j - k0], kv_dtype,
-                                                               v16, vc, T.int64(0), kvh, lo + j, dc * dv + c * LANES,
+                                                               v16, vc, row, kvh, lo + j, dc * dv + c * LANES,
                                                                head_dim), LANES))
                     for e in T.unroll(hv * dv // LANES):
                         accs[T.ramp(((gv * hv + e // (dv // LANES)) * head_dim + dc * dv + e % (dv // LANES) * LANES),
@@ -1016,7 +1036,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                                    None if layout == "plain" else ((lambda e: col + e), (col // BLOCK,)))
 
     @T.macro
-    def merge(part, out, aq, ad, off, spans, h0, first, tok):
+    def merge(part, out, aq, ad, off, spans, h0, first, row, tok):
         """5 (keys in several spans): the task's heads' output from its spans' partial results
         (part rows first .. first + spans: per head its max, its weights' sum, its weighted
         values), each span's rescaled by exp(its max - the largest), as the online softmax
@@ -1038,16 +1058,17 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                     num[T.ramp(c * LANES, 1, LANES)] = num[T.ramp(c * LANES, 1, LANES)] + part[
                         first + sp, hh, T.ramp(2 + c * LANES, 1, LANES)] * T.broadcast(w, LANES)
             for c in T.unroll(chunks):
-                out[T.int64(0), tok, T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
+                out[row, tok, T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
                     num[T.ramp(c * LANES, 1, LANES)] / T.broadcast(den[0], LANES))
         quantize_output(out, aq, ad, off, h0)
 
     @T.macro
-    def span_task(q, k, v, kc, vc, k16, v16, cap, pos, cos, sin, out, aq, ad, off, part, task, tok, kvh, h0,
-                  keys, t0, n, spans, write, slot):
-        """One task: token `tok`'s heads h0 .. h0 + g over tiles t0 .. t0 + n of its `keys` (one
-        of its `spans`), first writing its new key and value at `slot` where `write`; the output
-        (one span) or the span's partial result in part[task]."""
+    def span_task(q, k, v, kc, vc, k16, v16, cap, pos, cos, sin, out, aq, ad, off, part, task, row, tok, crow,
+                  kvh, h0, keys, t0, n, spans, write, slot):
+        """One task: the heads h0 .. h0 + g of token `tok` of row `row` of q over tiles t0 .. t0 + n
+        of its `keys` (one of its `spans`) in cache row `crow`, first writing its new key and
+        value at `slot` where `write`; the output (one span) or the span's partial result in
+        part[task]."""
         sc = T.alloc_buffer((g, span_keys(cap)), "float32")   # the span's scores, then weights, per head
         mx = T.decl_buffer((g * kt,), "float32", scope="global")   # running max lanes
         top = T.decl_buffer((g,), "float32", scope="global")       # max of the scores
@@ -1067,15 +1088,15 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         for i in range(ngv * hv * chunks):
             accs[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
         if write:   # the span that holds the new token's slot
-            write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, slot, tok)
-        rotate_queries(q, qr, mx, cos, sin, pos, h0, tok)
-        score(kc, k16, qr, sc, mx, sacc, kvh, keys, t0, n)
+            write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, slot, row, tok)
+        rotate_queries(q, qr, mx, cos, sin, pos, h0, row, tok)
+        score(kc, k16, crow, qr, sc, mx, sacc, kvh, keys, t0, n)
         weigh(sc, mx, top, tot, keys, t0, n)
-        values(vc, v16, sc, acc, accs, kvh, t0 * T.int64(kt), T.min(keys, (t0 + n) * T.int64(kt)))
+        values(vc, v16, crow, sc, acc, accs, kvh, t0 * T.int64(kt), T.min(keys, (t0 + n) * T.int64(kt)))
         if spans == T.int64(1):
             for hh in range(g):
                 for c in T.unroll(chunks):
-                    out[T.int64(0), tok, T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
+                    out[row, tok, T.ramp((h0 + hh) * head_dim + c * LANES, 1, LANES)] = (
                         accs[T.ramp(hh * head_dim + c * LANES, 1, LANES)] / T.broadcast(tot[hh], LANES))
             quantize_output(out, aq, ad, off, h0)
         else:
@@ -1102,47 +1123,60 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             h0 = T.bind(kvh * group + task // spans % subs * g)    # the task's first query head
             t0 = T.bind(task % spans * T.int64(span_tiles))        # the span's first tile
             n = T.bind(span_tile_count(T, tiles, t0))              # and its tiles
-            span_task(q, k, v, kc, vc, k16, v16, cap, pos, cos, sin, out, aq, ad, off, part, task, T.int64(0), kvh,
-                      h0, keys, t0, n, spans, task % spans == spans - T.int64(1), slot)
+            span_task(q, k, v, kc, vc, k16, v16, cap, pos, cos, sin, out, aq, ad, off, part, task, T.int64(0),
+                      T.int64(0), T.int64(0), kvh, h0, keys, t0, n, spans, task % spans == spans - T.int64(1), slot)
         if spans > T.int64(1):
             for task in T.parallel(kv_heads * subs):
-                merge(part, out, aq, ad, off, spans, task // subs * group + task % subs * g, task * spans, T.int64(0))
+                merge(part, out, aq, ad, off, spans, task // subs * group + task % subs * g, task * spans, T.int64(0),
+                      T.int64(0))
+
+    def item(i):
+        """Item i of a `queries` or `rows` call: (its cache row, its token)."""
+        return (i, T.int64(0)) if rows else (T.int64(0), i)
 
     @T.macro
-    def attend_queries(q, k, v, kc, vc, cap, t, seqlens, pos, cos, sin, out):
-        """`queries`: the t tokens' keys and values, then each token's tasks as its decode step's."""
-        last = T.bind(T.Cast("int64", seqlens[0]))        # the last new token's slot
-        first = T.bind(last + T.int64(1) - t)              # the first's
-        spans = T.bind(span_count(T, (last + T.int64(kt)) // T.int64(kt)))   # the last token's: the most
-        per = T.bind(kv_heads * subs * spans)              # tasks a token
-        part = T.alloc_buffer((t * kv_heads * subs * (cap // T.int64(span_keys(cap)) + T.int64(1)), g, head_dim + 2),
-                              "float32")
+    def attend_items(q, k, v, kc, vc, cap, items, seqlens, pos, cos, sin, out):
+        """`queries` (t tokens of row 0) or `rows` (a token of each of B rows): every item's new
+        key and value written first, then each item's tasks as its own decode step's (its keys
+        up to its slot: seqlens[0] + 1 - t + i, or row b's seqlens[b])."""
+        first = T.bind(T.Cast("int64", seqlens[0]) + T.int64(1) - items)   # queries: the first token's slot
+        most = T.decl_buffer((1,), "int64", scope="global")   # the last slot of any item
+        most[0] = T.Cast("int64", seqlens[0])
+        if rows:
+            for b in range(items):
+                most[0] = T.max(most[0], T.Cast("int64", seqlens[b]))
+        spans = T.bind(span_count(T, (most[0] + T.int64(kt)) // T.int64(kt)))   # an item's at most
+        per = T.bind(kv_heads * subs * spans)              # tasks an item
+        part = T.alloc_buffer((items * kv_heads * subs * (cap // T.int64(span_keys(cap)) + T.int64(1)), g,
+                               head_dim + 2), "float32")
         k16, v16 = scales_view(T, kc, kv_dtype), scales_view(T, vc, kv_dtype)
         for kvh in T.parallel(kv_heads):   # every new key and value before any task reads them
             kr = T.decl_buffer((head_dim,), "float32", scope="global")
-            for i in range(t):
-                write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, first + i, i)
-        for task in T.parallel(t * per):
-            tok = T.bind(task // per)
-            keys = T.bind(first + tok + T.int64(1))
+            for i in range(items):
+                write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh,
+                                T.Cast("int64", seqlens[i]) if rows else first + i, item(i)[0], item(i)[1])
+        for task in T.parallel(items * per):
+            i = T.bind(task // per)
+            keys = T.bind((T.Cast("int64", seqlens[i]) if rows else first + i) + T.int64(1))
             tiles = T.bind((keys + T.int64(kt - 1)) // T.int64(kt))
-            own = T.bind(span_count(T, tiles))   # the token's spans (fewer than the last's)
+            own = T.bind(span_count(T, tiles))   # the item's spans (fewer than the most)
             r = T.bind(task % per)
             kvh = T.bind(r // (subs * spans))
             h0 = T.bind(kvh * group + r // spans % subs * g)
             t0 = T.bind(r % spans * T.int64(span_tiles))
             if r % spans < own:
                 n = T.bind(span_tile_count(T, tiles, t0))
-                span_task(q, k, v, kc, vc, k16, v16, cap, pos, cos, sin, out, None, None, None, part, task, tok,
-                          kvh, h0, keys, t0, n, own, False, None)
+                span_task(q, k, v, kc, vc, k16, v16, cap, pos, cos, sin, out, None, None, None, part, task,
+                          item(i)[0], item(i)[1], item(i)[0], kvh, h0, keys, t0, n, own, False, None)
         if spans > T.int64(1):
-            for task in T.parallel(t * kv_heads * subs):
-                tok = T.bind(task // (kv_heads * subs))
-                own = T.bind(span_count(T, (first + tok + T.int64(kt)) // T.int64(kt)))
+            for task in T.parallel(items * kv_heads * subs):
+                i = T.bind(task // (kv_heads * subs))
+                own = T.bind(span_count(T, ((T.Cast("int64", seqlens[i]) if rows else first + i) + T.int64(kt))
+                                        // T.int64(kt)))
                 if own > T.int64(1):
                     # the group's spans are part rows task * spans .. (the loop above's task order)
                     merge(part, out, None, None, None, own, task % (kv_heads * subs) // subs * group
-                          + task % subs * g, task * spans, tok)
+                          + task % subs * g, task * spans, item(i)[0], item(i)[1])
 
     @T.macro
     def kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off):
@@ -1165,24 +1199,94 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         else:
             attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off)
 
+    @T.macro
+    def attend_segments(q, kc, vc, cap, count, segs, pos, out):
+        """`segments`: each one-token segment's token attends as its decode step would (its keys:
+        its row's slots 0 .. its position)."""
+        most = T.decl_buffer((1,), "int64", scope="global")   # the latest position of any of them
+        most[0] = T.int64(0)
+        for i in range(count):
+            if segs[i, 2] == T.int64(1):
+                most[0] = T.max(most[0], T.Cast("int64", pos[T.int64(0), segs[i, 1]]))
+        spans = T.bind(span_count(T, (most[0] + T.int64(kt)) // T.int64(kt)))
+        per = T.bind(kv_heads * subs * spans)
+        part = T.alloc_buffer((count * kv_heads * subs * (cap // T.int64(span_keys(cap)) + T.int64(1)), g,
+                               head_dim + 2), "float32")
+        k16, v16 = scales_view(T, kc, kv_dtype), scales_view(T, vc, kv_dtype)
+        for task in T.parallel(count * per):
+            i = T.bind(task // per)
+            keys = T.bind(T.Cast("int64", pos[T.int64(0), segs[i, 1]]) + T.int64(1))
+            tiles = T.bind((keys + T.int64(kt - 1)) // T.int64(kt))
+            own = T.bind(span_count(T, tiles))
+            r = T.bind(task % per)
+            kvh = T.bind(r // (subs * spans))
+            h0 = T.bind(kvh * group + r // spans % subs * g)
+            t0 = T.bind(r % spans * T.int64(span_tiles))
+            if segs[i, 2] == T.int64(1) and r % spans < own:
+                n = T.bind(span_tile_count(T, tiles, t0))
+                span_task(q, None, None, kc, vc, k16, v16, cap, pos, None, None, out, None, None, None, part, task,
+                          T.int64(0), segs[i, 1], segs[i, 0], kvh, h0, keys, t0, n, own, False, None)
+        if spans > T.int64(1):
+            for task in T.parallel(count * kv_heads * subs):
+                i = T.bind(task // (kv_heads * subs))
+                own = T.bind(span_count(T, (T.Cast("int64", pos[T.int64(0), segs[i, 1]]) + T.int64(kt))
+                                        // T.int64(kt)))
+                if segs[i, 2] == T.int64(1) and own > T.int64(1):
+                    merge(part, out, None, None, None, own, task % (kv_heads * subs) // subs * group
+                          + task % subs * g, task * spans, T.int64(0), segs[i, 1])
+
+    @T.macro
+    def items_body(var_q, var_k, var_v, var_kc, var_vc, var_seqlens, var_pos, var_cos, var_sin, var_out, cap,
+                   positions, items, b, t):
+        """`queries` / `rows`: q [b, t, ...] with b = 1, t = items or b = items, t = 1."""
+        T.func_attr({"tir.noalias": True, "op_pattern": 8, WRITES_Q8: False})
+        q = T.match_buffer(var_q, (b, t, heads * head_dim), "float32")
+        k = T.match_buffer(var_k, (b, t, kv_heads * head_dim), "float32")
+        v = T.match_buffer(var_v, (b, t, kv_heads * head_dim), "float32")
+        seqlens = T.match_buffer(var_seqlens, (b,), "int32")
+        pos = T.match_buffer(var_pos, (b, t), pos_dtype)
+        kc = T.match_buffer(var_kc, (b, kv_heads, cap, width), element)
+        vc = T.match_buffer(var_vc, (b, kv_heads, cap, width), element)
+        cos = T.match_buffer(var_cos, (positions, head_dim // 2), "float32")
+        sin = T.match_buffer(var_sin, (positions, head_dim // 2), "float32")
+        out = T.match_buffer(var_out, (b, t, heads * head_dim), "float32")
+        assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
+        attend_items(q, k, v, kc, vc, cap, items, seqlens, pos, cos, sin, out)
+
+    if segments:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel(var_q: T.handle, var_kc: T.handle, var_vc: T.handle, var_segs: T.handle, var_pos: T.handle,
+                   var_out: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8, WRITES_Q8: False})
+            rows_, cap, t, count = T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(var_q, (T.int64(1), t, heads * head_dim), "float32")
+            kc = T.match_buffer(var_kc, (rows_, kv_heads, cap, width), element)
+            vc = T.match_buffer(var_vc, (rows_, kv_heads, cap, width), element)
+            segs = T.match_buffer(var_segs, (count, T.int64(3)), "int64")
+            pos = T.match_buffer(var_pos, (T.int64(1), t), pos_dtype)
+            out = T.match_buffer(var_out, (T.int64(1), t, heads * head_dim), "float32")
+            assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
+            attend_segments(q, kc, vc, cap, count, segs, pos, out)
+        return hand_scheduled(kernel)
+
+    if rows:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
+                   var_seqlens: T.handle, var_pos: T.handle, var_cos: T.handle, var_sin: T.handle,
+                   var_out: T.handle):
+            cap, positions, items = T.int64(), T.int64(), T.int64()
+            items_body(var_q, var_k, var_v, var_kc, var_vc, var_seqlens, var_pos, var_cos, var_sin, var_out, cap,
+                       positions, items, items, T.int64(1))
+        return hand_scheduled(kernel)
+
     if queries:
         @T.prim_func(private=True, check_well_formed=False)
         def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
-                   seqlens: T.Buffer((1,), "int32"), var_pos: T.handle, var_cos: T.handle, var_sin: T.handle,
+                   var_seqlens: T.handle, var_pos: T.handle, var_cos: T.handle, var_sin: T.handle,
                    var_out: T.handle):
-            T.func_attr({"tir.noalias": True, "op_pattern": 8, WRITES_Q8: False})
-            cap, positions, t = T.int64(), T.int64(), T.int64()
-            q = T.match_buffer(var_q, (T.int64(1), t, heads * head_dim), "float32")
-            k = T.match_buffer(var_k, (T.int64(1), t, kv_heads * head_dim), "float32")
-            v = T.match_buffer(var_v, (T.int64(1), t, kv_heads * head_dim), "float32")
-            pos = T.match_buffer(var_pos, (T.int64(1), t), pos_dtype)
-            kc = T.match_buffer(var_kc, (T.int64(1), kv_heads, cap, width), element)
-            vc = T.match_buffer(var_vc, (T.int64(1), kv_heads, cap, width), element)
-            cos = T.match_buffer(var_cos, (positions, head_dim // 2), "float32")
-            sin = T.match_buffer(var_sin, (positions, head_dim // 2), "float32")
-            out = T.match_buffer(var_out, (T.int64(1), t, heads * head_dim), "float32")
-            assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
-            attend_queries(q, k, v, kc, vc, cap, t, seqlens, pos, cos, sin, out)
+            cap, positions, items = T.int64(), T.int64(), T.int64()
+            items_body(var_q, var_k, var_v, var_kc, var_vc, var_seqlens, var_pos, var_cos, var_sin, var_out, cap,
+                       positions, items, T.int64(1), items)
         return hand_scheduled(kernel)
 
     if quantize:

@@ -76,6 +76,14 @@ def test_verify_attends_as_decode_does(graph, features, kernel):
     assert not _has(names, r"verify_(rotary\d*|k_cache_write_tiles|kv_cache_write|attention_online)(_float16)?")
 
 
+def test_a_batched_step_attends_as_decode_does(graph):
+    """decode_batch (a token of each of B sequences): decode_attention's rows form a layer, the
+    online kernel and the separate rotary and cache writes gone."""
+    names = _kernels(import_graph(graph(VNNI), seq=1, prefix="decode_batch", act_bits=8, features=VNNI, batched=True))
+    assert _has(names, r"decode_batch_attention_3pass_rows") == 2
+    assert not _has(names, r"decode_batch_(rotary\d*|k_cache_write_tiles|kv_cache_write|attention_online)")
+
+
 def test_without_the_passes_the_converters_emit_each_op_alone(graph):
     features = VNNI
     ctx = ImportContext("decode", 8, features)

@@ -650,6 +650,97 @@ def test_decode_attention_over_queries_is_each_tokens_decode_step(heads, kvh, hd
     np.testing.assert_array_equal(out.numpy(), np.concatenate(outs, axis=1))
 
 
+@pytest.mark.parametrize("heads, kvh, hd, per_task", [(14, 2, 64, None), (4, 2, 32, 1)])
+@pytest.mark.parametrize("pasts", [(0,), (5, 40, 17), (1020, 3, 1300, 511)])
+@pytest.mark.parametrize("dtype", ["float16", "q8_0"])
+@pytest.mark.parametrize("split", [None, 512])
+def test_decode_attention_over_rows_is_each_rows_decode_step(heads, kvh, hd, per_task, pasts, dtype, split):
+    """decode_attention(rows=True), a token of each of B sequences (cache rows [B, ...], each
+    at its own length: decode_batch), leaves each row's cache and gives its output as a
+    decode_attention call on that row alone would, bit for bit; rows of one span and of
+    several (split)."""
+    import tvm
+
+    from qwc.compiler.kernels import attention
+
+    n, scale = len(pasts), float(1 / np.sqrt(hd))
+    cap = -(-(max(pasts) + 1) // 16) * 16 + 16
+    rng = np.random.default_rng(sum(pasts) + n)
+    ks, vs = ([rng.standard_normal((p + 1, kvh * hd), dtype=np.float32) for p in pasts] for _ in range(2))
+    q = rng.standard_normal((n, 1, heads * hd), dtype=np.float32)
+    pos = np.array(pasts, np.int64)[:, None] + 2
+    angles = np.arange(cap + 8)[:, None] * 10000.0 ** (-np.arange(hd // 2) / (hd // 2))
+    cos, sin = (tvm.runtime.tensor(f(angles).astype(np.float32)) for f in (np.cos, np.sin))
+    args = (heads, kvh, hd, scale, "int64", None, "plain", per_task, dtype, (32, 64), split)
+    one, many = _host_kernel(attention.decode_attention(*args)), _host_kernel(attention.decode_attention(*args, rows=True))
+    want_k, want_v, want_out = [], [], []
+    for b, p in enumerate(pasts):
+        kc, vc = _filled_caches(ks[b], vs[b], ((0, p),), kvh, hd, cap, dtype)
+        out = tvm.runtime.tensor(np.zeros((1, 1, heads * hd), np.float32))
+        one(*(tvm.runtime.tensor(np.ascontiguousarray(x)) for x in (q[b:b + 1], ks[b][None, p:], vs[b][None, p:])),
+            kc, vc, tvm.runtime.tensor(np.array([p], np.int32)), tvm.runtime.tensor(pos[b:b + 1]), cos, sin, out)
+        want_k.append(kc.numpy())
+        want_v.append(vc.numpy())
+        want_out.append(out.numpy())
+    caches = [_filled_caches(ks[b], vs[b], ((0, p),), kvh, hd, cap, dtype) for b, p in enumerate(pasts)]
+    kc, vc = (tvm.runtime.tensor(np.concatenate([c[i].numpy() for c in caches])) for i in (0, 1))
+    out = tvm.runtime.tensor(np.zeros(q.shape, np.float32))
+    many(tvm.runtime.tensor(q), *(tvm.runtime.tensor(np.stack([x[b][p:] for b, p in enumerate(pasts)]))
+                                  for x in (ks, vs)),
+         kc, vc, tvm.runtime.tensor(np.array(pasts, np.int32)), tvm.runtime.tensor(pos), cos, sin, out)
+    np.testing.assert_array_equal(kc.numpy(), np.concatenate(want_k))
+    np.testing.assert_array_equal(vc.numpy(), np.concatenate(want_v))
+    np.testing.assert_array_equal(out.numpy(), np.concatenate(want_out))
+
+
+@pytest.mark.parametrize("heads, kvh, hd, per_task", [(14, 2, 64, None), (4, 2, 32, 1)])
+@pytest.mark.parametrize("pasts", [(3, 20, 7), (1020, 40, 1300)])
+@pytest.mark.parametrize("dtype", ["float16", "q8_0"])
+@pytest.mark.parametrize("split", [None, 512])
+def test_decode_attention_over_segments_is_each_decode_tokens_step(heads, kvh, hd, per_task, pasts, dtype, split):
+    """decode_attention(segments=True) in a mixed step (a decode token of rows 0 and 2, a
+    3-token chunk of row 1 between them), given the queries as the rotary kernel rotates them
+    and the caches with the tokens' keys and values in: each decode token's output is its
+    decode step's, bit for bit (the step's online output for the chunk left as it was)."""
+    import tvm
+
+    from qwc.compiler.kernels import attention, generic
+
+    scale = float(1 / np.sqrt(hd))
+    cap = -(-(max(pasts) + 4) // 16) * 16 + 16
+    rng = np.random.default_rng(sum(pasts))
+    angles = np.arange(cap + 8)[:, None] * 10000.0 ** (-np.arange(hd // 2) / (hd // 2))
+    cos, sin = (tvm.runtime.tensor(f(angles).astype(np.float32)) for f in (np.cos, np.sin))
+    args = (heads, kvh, hd, scale, "int64", None, "plain", per_task, dtype, (32, 64), split)
+    one, seg = _host_kernel(attention.decode_attention(*args)), _host_kernel(attention.decode_attention(*args, segments=True))
+    rotary = _host_kernel(generic.rotary_halves(heads * hd, heads, "int64"))
+    positions = np.array([[pasts[0], pasts[1], pasts[1] + 1, pasts[1] + 2, pasts[2]]], np.int64)
+    q = rng.standard_normal((1, 5, heads * hd), dtype=np.float32)
+    caches, want = [], {}
+    for b, tok in ((0, 0), (1, None), (2, 4)):
+        k, v = (rng.standard_normal((pasts[b] + 1, kvh * hd), dtype=np.float32) for _ in range(2))
+        kc, vc = _filled_caches(k, v, ((0, pasts[b]),), kvh, hd, cap, dtype)
+        if tok is not None:   # the decode step, which also writes the token's key and value
+            out = tvm.runtime.tensor(np.zeros((1, 1, heads * hd), np.float32))
+            one(tvm.runtime.tensor(np.ascontiguousarray(q[:, tok:tok + 1])), *(tvm.runtime.tensor(x[None, -1:])
+                                                                               for x in (k, v)),
+                kc, vc, tvm.runtime.tensor(np.array([pasts[b]], np.int32)),
+                tvm.runtime.tensor(positions[:, tok:tok + 1]), cos, sin, out)
+            want[tok] = out.numpy()[0, 0]
+        caches.append((kc.numpy(), vc.numpy()))
+    rotated = tvm.runtime.tensor(np.zeros(q.shape, np.float32))
+    rotary(tvm.runtime.tensor(q), tvm.runtime.tensor(positions), cos, sin, rotated)
+    before = rng.standard_normal(q.shape, dtype=np.float32)   # the online kernel's output
+    out = tvm.runtime.tensor(before)
+    segments = np.array([[0, 0, 1], [1, 1, 3], [2, 4, 1]], np.int64)
+    seg(rotated, *(tvm.runtime.tensor(np.concatenate([c[i] for c in caches])) for i in (0, 1)),
+        tvm.runtime.tensor(segments), tvm.runtime.tensor(positions), out)
+    got = out.numpy()[0]
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[4], want[4])
+    np.testing.assert_array_equal(got[1:4], before[0, 1:4])
+
+
 def test_attention_rejects_a_cache_capacity_off_the_tile():
     import tvm
 
