@@ -1269,24 +1269,14 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             attend_segments(q, kc, vc, cap, count, segs, pos, out)
         return hand_scheduled(kernel)
 
-    if rows:
+    if rows or queries:
         @T.prim_func(private=True, check_well_formed=False)
         def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
                    var_seqlens: T.handle, var_pos: T.handle, var_cos: T.handle, var_sin: T.handle,
                    var_out: T.handle):
             cap, positions, items = T.int64(), T.int64(), T.int64()
             items_body(var_q, var_k, var_v, var_kc, var_vc, var_seqlens, var_pos, var_cos, var_sin, var_out, cap,
-                       positions, items, items, T.int64(1))
-        return hand_scheduled(kernel)
-
-    if queries:
-        @T.prim_func(private=True, check_well_formed=False)
-        def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
-                   var_seqlens: T.handle, var_pos: T.handle, var_cos: T.handle, var_sin: T.handle,
-                   var_out: T.handle):
-            cap, positions, items = T.int64(), T.int64(), T.int64()
-            items_body(var_q, var_k, var_v, var_kc, var_vc, var_seqlens, var_pos, var_cos, var_sin, var_out, cap,
-                       positions, items, T.int64(1), items)
+                       positions, items, items if rows else T.int64(1), T.int64(1) if rows else items)
         return hand_scheduled(kernel)
 
     if quantize:
