@@ -22,7 +22,8 @@ call, its launches included. qwc's runner keeps only the last logits (run_engine
 How threads and launches are seen (bench/icount/phases.c):
 - qwc (TVM's pool): a launch begins where the main thread enters TVMBackendParallelLaunch
   (a global epoch: every thread's counts go to the launch in progress) and ends where it
-  is back in the kernel that called it (the `*_compute_` functions of lib.so: their parallel
+  is back in the kernel that called it (the `*_compute_` functions of lib.so, or the exported
+  `__tvm_ffi_*` kernels where LLVM inlined those: their parallel
   bodies are unnamed code after them). A thread's work in a launch is its instructions in
   lib.so; the pool's own code (queues, waking and waiting) is left out. The main thread's
   instructions outside launches (the VM, serial kernels, the Engine's Python) are serial.
@@ -103,12 +104,15 @@ def _dynamic_symbol(elf: str, name: str) -> int:
 # --- qwc ----------------------------------------------------------------------------------------
 
 def qwc_marks(lib: str, env: dict) -> list[str]:
-    """A launch at TVMBackendParallelLaunch's entry; a return in every `*_compute_` function."""
+    """A launch at TVMBackendParallelLaunch's entry; a return in every function that calls it:
+    the `*_compute_` functions, and the exported `__tvm_ffi_*` kernels, into which LLVM may
+    inline them (it did once the module had a verify entry point: no `*_compute_` symbol was
+    left but the VM's, and every launch would have run on to the next)."""
     runtime = Path(env["QWC_ARM64_SITE"]) / "tvm" / "lib" / "libtvm_runtime.so"
     entry = file_offset(str(runtime), _dynamic_symbol(str(runtime), "TVMBackendParallelLaunch"))
     marks = [f"launch:{runtime.name}:{entry:#x}"]
     for start, size, name in _symbols(lib):
-        if name.endswith("_compute_") and size:
+        if (name.endswith("_compute_") or name.startswith("__tvm_ffi_")) and size:
             lo = file_offset(lib, start)
             marks.append(f"return:{Path(lib).name}:{lo:#x}-{lo + size:#x}")
     return marks

@@ -233,10 +233,12 @@ def test_yitian_library_uses_sdot_smmla_and_sve(arm64_env, builds):
     assert len(re.findall(r"\ssmmla\s", asm)) > 0             # prefill GEMM (i8mm)
     assert len(re.findall(r"\bz\d+\.[bhsd]\b", asm)) > 0        # SVE vector registers
     # decode attention a task per query head, rotary, cache writes and the o projection's
-    # quantizer in it; the VM's entry points native code (targets.Target.vm_exec_mode)
-    assert "<decode_attention_3pass_heads_q8_arm" in asm and "<decode_attention_online" not in asm
-    assert "<decode_rotary" not in asm and "<decode_k_cache_write" not in asm
-    assert "<__vmtir__decode" in asm and "<__vmtir__prefill" in asm
+    # quantizer in it; the VM's entry points native code (targets.Target.vm_exec_mode). A
+    # kernel is its exported `__tvm_ffi_` wrapper and, unless LLVM inlined it, `*_compute_`.
+    kernels = set(re.findall(r"<(?:__tvm_ffi_)?(\w+?)(?:_compute_)?>:", asm))
+    assert "decode_attention_3pass_heads_q8_arm_float16" in kernels, sorted(kernels)
+    assert not {k for k in kernels if re.match(r"decode_(attention_online|rotary|k_cache_write)", k)}
+    assert {"__vmtir__decode", "__vmtir__prefill", "__vmtir__verify"} <= kernels
 
 
 def test_neon_library_uses_sdot_and_no_sve(arm64_env, builds):
