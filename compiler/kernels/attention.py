@@ -902,8 +902,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             dst[T.ramp(at + (c + hc) * LANES, 1, LANES)] = hi * cs + lo * sn
 
     # decode_attention's steps, run by one task per kv head (kvh) in `attend` (and per item in
-    # attend_items and attend_segments: a verify call's tokens, a batched step's rows, a mixed
-    # step's decode tokens)
+    # attend_items: a verify call's tokens, a batched step's rows, a mixed step's decode tokens)
     @T.macro
     def write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh, slot, row, tok):
         """0: the kv head's new key (token `tok` of row `row` of k and v), rotated (kept in kr),
@@ -1130,53 +1129,68 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                 merge(part, out, aq, ad, off, spans, task // subs * group + task % subs * g, task * spans, T.int64(0),
                       T.int64(0))
 
-    def item(i):
-        """Item i of a `queries` or `rows` call: (its cache row, its token)."""
-        return (i, T.int64(0)) if rows else (T.int64(0), i)
+    def item(i, segs):
+        """Item i of a call: (its row of q, its token there, its cache row)."""
+        if segments:
+            return T.int64(0), segs[i, 1], segs[i, 0]
+        return (i, T.int64(0), i) if rows else (T.int64(0), i, T.int64(0))
+
+    def item_slot(i, seqlens, first, segs, pos):
+        """Item i's slot, the last key it attends to: a verify call's seqlens[0] + 1 - t + i, row
+        b's seqlens[b], a step segment's position."""
+        if segments:
+            return T.Cast("int64", pos[T.int64(0), segs[i, 1]])
+        return T.Cast("int64", seqlens[i]) if rows else first + i
+
+    def item_taken(i, segs):
+        """Whether item i attends here (a step's one-token segments only)."""
+        return segs[i, 2] == T.int64(1) if segments else T.bool(True)
 
     @T.macro
-    def attend_items(q, k, v, kc, vc, cap, items, seqlens, pos, cos, sin, out):
-        """`queries` (t tokens of row 0) or `rows` (a token of each of B rows): every item's new
-        key and value written first, then each item's tasks as its own decode step's (its keys
-        up to its slot: seqlens[0] + 1 - t + i, or row b's seqlens[b])."""
-        first = T.bind(T.Cast("int64", seqlens[0]) + T.int64(1) - items)   # queries: the first token's slot
+    def attend_items(q, k, v, kc, vc, cap, items, seqlens, segs, pos, cos, sin, out):
+        """`queries` (t tokens of row 0), `rows` (a token of each of B rows) or `segments` (a
+        step's one-token segments): every item's new key and value written first (segments:
+        the step's kernels wrote them), then each item's tasks as its own decode step's (its
+        keys up to its slot)."""
+        first = T.bind(T.int64(0) if segments else T.Cast("int64", seqlens[0]) + T.int64(1) - items)
         most = T.decl_buffer((1,), "int64", scope="global")   # the last slot of any item
-        most[0] = T.Cast("int64", seqlens[0])
-        if rows:
-            for b in range(items):
-                most[0] = T.max(most[0], T.Cast("int64", seqlens[b]))
+        most[0] = T.int64(0)
+        for i in range(items):
+            if item_taken(i, segs):
+                most[0] = T.max(most[0], item_slot(i, seqlens, first, segs, pos))
         spans = T.bind(span_count(T, (most[0] + T.int64(kt)) // T.int64(kt)))   # an item's at most
         per = T.bind(kv_heads * subs * spans)              # tasks an item
         part = T.alloc_buffer((items * kv_heads * subs * (cap // T.int64(span_keys(cap)) + T.int64(1)), g,
                                head_dim + 2), "float32")
         k16, v16 = scales_view(T, kc, kv_dtype), scales_view(T, vc, kv_dtype)
-        for kvh in T.parallel(kv_heads):   # every new key and value before any task reads them
-            kr = T.decl_buffer((head_dim,), "float32", scope="global")
-            for i in range(items):
-                write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh,
-                                T.Cast("int64", seqlens[i]) if rows else first + i, item(i)[0], item(i)[1])
+        if not segments:
+            for kvh in T.parallel(kv_heads):   # every new key and value before any task reads them
+                kr = T.decl_buffer((head_dim,), "float32", scope="global")
+                for i in range(items):
+                    write_new_token(k, v, kc, vc, k16, v16, kr, cos, sin, pos, kvh,
+                                    item_slot(i, seqlens, first, segs, pos), item(i, segs)[0], item(i, segs)[1])
         for task in T.parallel(items * per):
             i = T.bind(task // per)
-            keys = T.bind((T.Cast("int64", seqlens[i]) if rows else first + i) + T.int64(1))
+            keys = T.bind(item_slot(i, seqlens, first, segs, pos) + T.int64(1))
             tiles = T.bind((keys + T.int64(kt - 1)) // T.int64(kt))
             own = T.bind(span_count(T, tiles))   # the item's spans (fewer than the most)
             r = T.bind(task % per)
             kvh = T.bind(r // (subs * spans))
             h0 = T.bind(kvh * group + r // spans % subs * g)
             t0 = T.bind(r % spans * T.int64(span_tiles))
-            if r % spans < own:
+            if item_taken(i, segs) and r % spans < own:
                 n = T.bind(span_tile_count(T, tiles, t0))
                 span_task(q, k, v, kc, vc, k16, v16, cap, pos, cos, sin, out, None, None, None, part, task,
-                          item(i)[0], item(i)[1], item(i)[0], kvh, h0, keys, t0, n, own, False, None)
+                          item(i, segs)[0], item(i, segs)[1], item(i, segs)[2], kvh, h0, keys, t0, n, own, False,
+                          None)
         if spans > T.int64(1):
             for task in T.parallel(items * kv_heads * subs):
                 i = T.bind(task // (kv_heads * subs))
-                own = T.bind(span_count(T, ((T.Cast("int64", seqlens[i]) if rows else first + i) + T.int64(kt))
-                                        // T.int64(kt)))
-                if own > T.int64(1):
+                own = T.bind(span_count(T, (item_slot(i, seqlens, first, segs, pos) + T.int64(kt)) // T.int64(kt)))
+                if item_taken(i, segs) and own > T.int64(1):
                     # the group's spans are part rows task * spans .. (the loop above's task order)
                     merge(part, out, None, None, None, own, task % (kv_heads * subs) // subs * group
-                          + task % subs * g, task * spans, item(i)[0], item(i)[1])
+                          + task % subs * g, task * spans, item(i, segs)[0], item(i, segs)[1])
 
     @T.macro
     def kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off):
@@ -1200,42 +1214,6 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             attend(q, k, v, kc, vc, cap, seqlens, pos, cos, sin, out, aq, ad, off)
 
     @T.macro
-    def attend_segments(q, kc, vc, cap, count, segs, pos, out):
-        """`segments`: each one-token segment's token attends as its decode step would (its keys:
-        its row's slots 0 .. its position)."""
-        most = T.decl_buffer((1,), "int64", scope="global")   # the latest position of any of them
-        most[0] = T.int64(0)
-        for i in range(count):
-            if segs[i, 2] == T.int64(1):
-                most[0] = T.max(most[0], T.Cast("int64", pos[T.int64(0), segs[i, 1]]))
-        spans = T.bind(span_count(T, (most[0] + T.int64(kt)) // T.int64(kt)))
-        per = T.bind(kv_heads * subs * spans)
-        part = T.alloc_buffer((count * kv_heads * subs * (cap // T.int64(span_keys(cap)) + T.int64(1)), g,
-                               head_dim + 2), "float32")
-        k16, v16 = scales_view(T, kc, kv_dtype), scales_view(T, vc, kv_dtype)
-        for task in T.parallel(count * per):
-            i = T.bind(task // per)
-            keys = T.bind(T.Cast("int64", pos[T.int64(0), segs[i, 1]]) + T.int64(1))
-            tiles = T.bind((keys + T.int64(kt - 1)) // T.int64(kt))
-            own = T.bind(span_count(T, tiles))
-            r = T.bind(task % per)
-            kvh = T.bind(r // (subs * spans))
-            h0 = T.bind(kvh * group + r // spans % subs * g)
-            t0 = T.bind(r % spans * T.int64(span_tiles))
-            if segs[i, 2] == T.int64(1) and r % spans < own:
-                n = T.bind(span_tile_count(T, tiles, t0))
-                span_task(q, None, None, kc, vc, k16, v16, cap, pos, None, None, out, None, None, None, part, task,
-                          T.int64(0), segs[i, 1], segs[i, 0], kvh, h0, keys, t0, n, own, False, None)
-        if spans > T.int64(1):
-            for task in T.parallel(count * kv_heads * subs):
-                i = T.bind(task // (kv_heads * subs))
-                own = T.bind(span_count(T, (T.Cast("int64", pos[T.int64(0), segs[i, 1]]) + T.int64(kt))
-                                        // T.int64(kt)))
-                if segs[i, 2] == T.int64(1) and own > T.int64(1):
-                    merge(part, out, None, None, None, own, task % (kv_heads * subs) // subs * group
-                          + task % subs * g, task * spans, T.int64(0), segs[i, 1])
-
-    @T.macro
     def items_body(var_q, var_k, var_v, var_kc, var_vc, var_seqlens, var_pos, var_cos, var_sin, var_out, cap,
                    positions, items, b, t):
         """`queries` / `rows`: q [b, t, ...] with b = 1, t = items or b = items, t = 1."""
@@ -1251,7 +1229,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         sin = T.match_buffer(var_sin, (positions, head_dim // 2), "float32")
         out = T.match_buffer(var_out, (b, t, heads * head_dim), "float32")
         assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
-        attend_items(q, k, v, kc, vc, cap, items, seqlens, pos, cos, sin, out)
+        attend_items(q, k, v, kc, vc, cap, items, seqlens, None, pos, cos, sin, out)
 
     if segments:
         @T.prim_func(private=True, check_well_formed=False)
@@ -1266,7 +1244,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             pos = T.match_buffer(var_pos, (T.int64(1), t), pos_dtype)
             out = T.match_buffer(var_out, (T.int64(1), t, heads * head_dim), "float32")
             assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
-            attend_segments(q, kc, vc, cap, count, segs, pos, out)
+            attend_items(q, None, None, kc, vc, cap, count, None, segs, pos, None, None, out)
         return hand_scheduled(kernel)
 
     if rows or queries:
