@@ -3,8 +3,8 @@
 request at a time on real weights:
 
     .venv/bin/python bench/speculate.py [ART.qwc] [--rounds 3] [--max-tokens 160] [--threads N]
-                                        [--draft-max 8] [--lookup-min 3] [--draft SMALL.qwc] [--json F]
-    .venv/bin/python bench/speculate.py ART.qwc --costs 0.6,0.8,0.9 [--depth 256] [--draft-max 8] [...]
+                                        [--draft-max 7] [--lookup-min 3] [--draft SMALL.qwc] [--json F]
+    .venv/bin/python bench/speculate.py ART.qwc --costs 0.6,0.8,0.9 [--depth 256] [--draft-max 7] [...]
 
 Four kinds of reply, three prompts each, from Pride and Prejudice (`qwc data fetch`) and a
 few lines of Python:
@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from qwc.eval.data import novel, read_text
+from qwc.limits import DRAFT_MAX
 from qwc.runtime.chat import ChatTemplate
 from qwc.runtime.engine import Engine
 from qwc.runtime.sampling import SamplingParams
@@ -181,7 +182,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="rounds (medians are reported)")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--draft-max", type=int, default=8)
+    p.add_argument("--draft-max", type=int, default=DRAFT_MAX)
     p.add_argument("--lookup-min", type=int, default=3)
     p.add_argument("--draft", help="a draft model's artifact (the same tokenizer) instead of prompt lookup")
     p.add_argument("--costs", help="Q,...: verify calls' cost by draft length, and the speed-up at acceptance Q")

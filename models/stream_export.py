@@ -120,6 +120,9 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
 
     def linear(x: str, module: str, bias: bool = False) -> str:
         path = "/" + module.replace(".", "/")
+        # a Llama file has no q/k/v biases (Checkpoint.zero_biases): no add of zeros, which
+        # the few-token GEMMs would run as kernels of their own (3 launches a layer)
+        bias = bias and not (ckpt.zero_biases and module + ".bias" not in ckpt.shapes)
         q = blocks(module + ".weight")
         if q is not None:
             n, k = ckpt.shapes[module + ".weight"]

@@ -14,7 +14,7 @@ import time
 from . import __version__, interrupts, memory_check, progress
 from .atomic import check_destination
 from .errors import QwcError
-from .limits import KV_TYPES, MAX_BATCH, max_threads
+from .limits import DRAFT_MAX, KV_TYPES, MAX_BATCH, max_threads
 
 # -- option types: a bad value is one line `qwc: error: argument --x: ...`, exit 2 ----------
 
@@ -568,8 +568,9 @@ def _speculation_options(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding with a draft model: a smaller artifact with the same tokenizer "
                         "(the 0.5B for a 7B, say) proposes tokens by greedy decoding, the model verifies "
                         "them in one call (instead of --speculate ngram)")
-    p.add_argument("--draft-max", type=_positive, default=8, metavar="N",
-                   help="tokens a draft proposes at most (default 8; a draft after a miss is shorter)")
+    p.add_argument("--draft-max", type=_positive, default=DRAFT_MAX, metavar="N",
+                   help=f"tokens a draft proposes at most (default {DRAFT_MAX}: a verify call of 8 tokens; "
+                        "a draft after a miss is shorter)")
     p.add_argument("--lookup-min", type=_positive, default=3, metavar="N",
                    help="the shortest n-gram of the context a draft is looked up by (default 3; from 4 down to it)")
 

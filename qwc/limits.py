@@ -9,6 +9,11 @@ MAX_BATCH = 256   # `qwc compile --max-batch`: sequences one batched decode step
 # `qwc compile --kv-dtype` (llama.cpp's -ctk / -ctv names) -> the KV cache's format, as the
 # manifest records it (q8_0: llama.cpp's blocks of 32 int8 and a float16 scale)
 KV_TYPES = {"f32": "float32", "f16": "float16", "q8_0": "q8_0"}
+# `--draft-max`'s default: tokens a speculative draft proposes at most. With the token before it
+# a verify call then has 8 tokens, the most the x86 GEMM takes in decode's streams (x86/vnni.py:
+# FEW_TOKENS); a ninth token puts the call on prefill's tiles, at 1.4x the time of 8 tokens
+# (runtime/speculate.py has the costs).
+DRAFT_MAX = 7
 
 
 def cache_row(fmt: str, head_dim: int) -> tuple[str, int]:

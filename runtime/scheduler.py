@@ -39,7 +39,7 @@ prefilling the prompt again.
 Engine.generate (`qwc run`) goes through this same loop, in a scheduler of one slot.
 
 Speculative decoding (`speculate`: a drafter per request, runtime/speculate.py): where at most
-`spec_batch` sequences decode, each that has a draft verifies it in one `score` call (its
+`spec_batch` sequences decode, each that has a draft verifies it in one `verify` call (its
 last token and the draft) instead of taking a decode step, and keeps every draft token its own
 sampler draws, plus the one it draws where they part (Scheduler._verify). Where more decode,
 the batched step reads the weights once for all of them, which a call per sequence would not.
@@ -62,14 +62,19 @@ from .engine import next_chunk
 from .sampling import Sampler, SamplingParams, logprobs
 from .speculate import ModelDrafter, NgramDrafter
 
-# A draft is verified in one call, which costs more than a decode step: 2.4 decode steps of
-# Qwen2.5-0.5B at 5 tokens, 4.7 of SmolLM2 (x86, 2 threads; docs/results.md). A request whose
-# verify calls (with the draft model's steps, where one drafts) take longer a cache position
-# than a decode step takes stops drafting for a number of steps that doubles each time (up to
-# the last figure), then tries again: what is worth drafting changes along a reply (a quote,
-# then free text).
-SPEC_BACKOFF = (8, 128)
-SPEC_AVERAGE = 0.5   # weight of the newest call in the running averages of call times
+# A draft is verified in one call, which costs more than a decode step: 1.4 decode steps of
+# SmolLM2 at 2 tokens, 2.4 at 5, 3.2 at 8 (x86, 2 threads; docs/results.md). A request whose
+# last verify call (with the draft model's steps, where one drafts) took longer a cache
+# position than a decode step takes stops drafting for a number of steps that doubles with each
+# such call (up to the last figure), then tries again: what is worth drafting changes along a
+# reply (a quote, then free text). Short waits, judged on the last call alone: a reply that
+# copies does so in bursts, and a miss before a burst cost it the burst. SmolLM2, prompt lookup
+# (bench/speculate.py): waits of 8-128 steps on a running average gave 1.79x / 1.15x / 1.05x /
+# 1.01x on the quote, rewrite, code and story replies; 2-32 on the last call 1.88x / 1.37x /
+# 1.04x / 1.01x; never waiting 1.91x / 1.38x / 1.02x / 1.02x (but a draft model's steps are
+# not free, and a slow verify call must still stop it).
+SPEC_BACKOFF = (2, 32)
+SPEC_AVERAGE = 0.5   # weight of the newest decode step in the running average of their times
 
 
 class QueueFull(QwcError):
@@ -117,7 +122,7 @@ class _Running:
         self.pending: int | None = None  # a token sampled and emitted, not yet in the cache
         self.drafter = None              # runtime/speculate.py, where the scheduler speculates
         self.draft_time = 0.0            # seconds the last draft took to make (a draft model's steps)
-        self.spec_cost: float | None = None   # seconds a cache position in its verify calls (average)
+        self.spec_cost: float | None = None   # seconds a cache position in its last verify call
         self.spec_wait = 0               # decode steps to take before drafting again
         self.backoff = SPEC_BACKOFF[0]
 
@@ -445,7 +450,7 @@ class Scheduler:
         self.accepted += kept
         run.drafter.kept(kept)
         # the call advanced the cache by tok and the kept draft tokens
-        run.spec_cost = _average(run.spec_cost, took / (1 + kept))
+        run.spec_cost = took / (1 + kept)
         if self.spec_backoff and self.decode_time is not None and run.spec_cost > self.decode_time:
             run.spec_wait, run.backoff = run.backoff, min(2 * run.backoff, SPEC_BACKOFF[1])
         else:

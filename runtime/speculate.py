@@ -17,13 +17,13 @@ from __future__ import annotations
 import numpy as np
 
 from qwc.errors import QwcError
+from qwc.limits import DRAFT_MAX
 
-# A verify call of k + 1 tokens costs 1.2 decode steps at k = 1, 2.0 at k = 4 and 3.5 at k = 8 on
-# the Qwen2.5-0.5B shape (x86, 2 threads, 256 cached), 1.8 / 3.0 / 6.0 on SmolLM2-135M, whose
-# decode step is short: a draft of a few tokens pays where each is right with a probability
-# above ~0.2-0.5 on the former. docs/results.md, "Greedy replies with drafts are the replies
-# without".
-DRAFT_MAX = 8      # tokens a draft proposes at most
+# A verify call of k + 1 tokens costs 1.4 decode steps at k = 1, 2.4 at k = 4, 3.2 at k = 7 and
+# 4.6 at k = 8 on SmolLM2-135M (x86, 2 threads, 256 cached; QWC_COSTS_0_5B): each token adds
+# about 0.2 of a step until the ninth leaves decode's streams for prefill's tiles, hence
+# DRAFT_MAX (qwc/limits.py). A draft pays where each of its tokens is right with a probability
+# above ~0.4-0.6. docs/results.md, "Verify calls without the VM's per-layer views".
 NGRAM_MAX = 4      # the longest context suffix looked up first
 NGRAM_MIN = 3      # the shortest (2-grams matched more often and were right less often, in a trial on SmolLM2)
 

@@ -4,6 +4,7 @@ written by the test, exported, and compared with torch on the original weights."
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from gguf import GGMLQuantizationType, TokenType
@@ -121,6 +122,10 @@ def test_gguf_round_trip(tmp_path, arch):
     out = tmp_path / f"{arch}.onnx"
     assert main(["-q", "export", str(path), "-o", str(out)]) == 0
     _compare_export(out, ref, ModelConfig.load(sidecar_paths(out)[0]))
+    # a Llama file's q/k/v have no bias: the graph adds none (a Qwen2 file's are its own)
+    g = onnx.load(str(out), load_external_data=False).graph
+    biased = [n for n in g.node if any(i.endswith("proj.bias") for i in n.input)]
+    assert (len(biased) == 0) == (arch == "llama"), [n.name for n in biased][:3]
 
 
 def test_gguf_llama_matches_transformers_own_loader(tmp_path):

@@ -249,6 +249,25 @@ def test_decode_builds_each_planned_view_once(tiny_host_artifact):
     assert len(re.findall(r"vm\.builtin\.make_tuple", decode)) == 1
 
 
+@pytest.mark.parametrize("entry", ["prefill", "score", "verify"])
+def test_entry_points_of_any_length_build_each_view_once(tiny_host_artifact, entry):
+    """compiler/view_reuse.py on symbolic shapes: a function of `seq` tokens builds each view
+    (storage, offset, shape) once a call, not once a layer (a 2-token verify call of SmolLM2
+    ran ~3,000 VM builtins against 511 kernels before)."""
+    import tvm
+    from tvm import relax
+
+    text = relax.VMExecutable(tvm.runtime.load_module(str(tiny_host_artifact / "lib.so"))).as_text()
+    body = text.split(f"@{entry}:")[1].split("\n@")[0]
+    # a view's shape is a register a make_shape call filled: read it as that call's operands
+    shapes = dict((dst, ins) for ins, dst in re.findall(r"vm\.builtin\.make_shape in: (.*) dst: (%\d+)", body))
+    views = [tuple(shapes.get(a.strip(), a.strip()) for a in ins.split(","))
+             for ins in re.findall(r"call\s+vm\.builtin\.alloc_tensor in: (.*) dst:", body)]
+    assert views and any("%" in v[2] or "i" in v[2] for v in views)
+    assert len(views) == len(set(views)), sorted(v for v in views if views.count(v) > 1)[:4]
+    assert len(re.findall(r"vm\.builtin\.make_tuple", body)) == 1
+
+
 def test_engine_loads_tvm_without_torch_and_torch_still_imports_after(tiny_host_artifact):
     """TVM's FFI imports torch when installed (~200 MiB of RSS); the engine hides it while TVM
     first loads. torch must stay importable and the engine must keep working alongside it."""

@@ -213,7 +213,7 @@ def test_a_draft_past_the_spec_batch_takes_the_batched_step(engine, reference):
 def test_drafting_that_costs_more_than_it_saves_backs_off(engine, reference):
     """A drafter whose drafts take 50 ms to make (a decode step of the tiny model: ~1 ms): after
     one decode step timed, the first draft's cost a position is past a step's, so the request
-    stops drafting for 8 steps, then 16 (SPEC_BACKOFF): 3 drafts in 24 tokens, not 23."""
+    stops drafting for 2 steps, then 4, 8, 16 (SPEC_BACKOFF): 4 drafts in 24 tokens, not 23."""
     class Slow(_Script):
         calls = 0
 
@@ -224,7 +224,7 @@ def test_drafting_that_costs_more_than_it_saves_backs_off(engine, reference):
 
     req, _, _ = _generate(engine, lambda: Slow(lambda j: 0), backoff=True)
     assert req.generated == reference
-    assert 1 <= Slow.calls <= 3
+    assert 1 <= Slow.calls <= 4
 
 
 def test_scheduler_refuses_a_bad_spec_batch(engine):
