@@ -18,7 +18,10 @@ runs with `--reuse-prefix 0` (the row "qwc, no reuse") to show what reuse is wor
 server and client count: aggregate generated tok/s (all tokens / wall time), time to first token
 p50/p99, inter-token latency p50/p99 (each request's mean over its tokens), failed requests. Both servers get as many slots as clients
 (`--max-batch N` / `-np N`, llama-server's continuous batching on). The servers run one at a
-time, alternating per client count. Artifacts come from bench/peers.py's work dir
+time, alternating per client count. Last, the rate the Engine's calls alone would give (a
+prefill of the mean prompt and the decode steps of N sequences per request, back to back; a
+shared prefix left out): on a machine where one prefill keeps every core busy, the batching
+gain a server can reach in the prompt-heavy mix. Artifacts come from bench/peers.py's work dir
 (~/.cache/qwc/bench); llama-server from bench/llamacpp.sh x86.
 """
 
@@ -160,6 +163,23 @@ def decode_steps(eng, counts: list[int], depth: int = 64) -> dict:
     return steps
 
 
+def calls_alone(eng, steps: dict, lengths: tuple[int, int], max_tokens: int) -> dict:
+    """Generated tok/s per client count if the Engine's calls ran back to back with nothing
+    else: each request a prefill of the mix's mean prompt (the median of 3) and `max_tokens`
+    decode steps of as many sequences as clients (`steps`). Where one call already keeps every
+    thread busy (a prompt's prefill on 2 cores), that is about what a server can reach; its
+    ratio between client counts bounds the batching gain."""
+    mean = (lengths[0] + lengths[1]) // 2
+    ts = []
+    for _ in range(3):
+        eng.reset()
+        t0 = time.perf_counter()
+        eng.prefill([100 + i % 1000 for i in range(mean)])
+        ts.append(time.perf_counter() - t0)
+    prefill = float(np.median(ts))
+    return {b: b * max_tokens / (b * prefill + max_tokens * ms / 1000) for b, ms in steps.items()} | {"prefill_s": prefill}
+
+
 async def load(base: str, model: str, clients: int, requests: int, max_tokens: int, seed: int, shared: int,
                lengths: tuple[int, int]) -> dict:
     import httpx
@@ -290,6 +310,14 @@ def main() -> None:
     print("\n| sequences | decode step ms (Engine, no server) | tok/s | x one sequence |\n| ---: | ---: | ---: | ---: |")
     for b, ms in steps.items():
         print(f"| {b} | {ms:.2f} | {1000 * b / ms:.1f} | {b * steps[min(steps)] / ms / min(steps):.2f} |")
+    alone = calls_alone(eng, steps, lengths, a.max_tokens)
+    first = min(steps)
+    print(f"\nThe Engine's calls alone, back to back (a prefill of {sum(lengths) // 2} tokens, "
+          f"{alone['prefill_s'] * 1000:.0f} ms, and {a.max_tokens} decode steps a request):\n\n"
+          "| clients | gen tok/s | x at 1 client | qwc serve / this |\n| ---: | ---: | ---: | ---: |")
+    for b in steps:
+        served = results["qwc"].get(b, {}).get("tok_s", float("nan"))
+        print(f"| {b} | {alone[b]:.1f} | {alone[b] / alone[first]:.2f} | {served / alone[b]:.2f} |")
     base_ms = float(np.mean(around)) if around else float("nan")
     if 1 in results["qwc"]:
         itl = results["qwc"][1]["itl_p50"]
@@ -299,7 +327,7 @@ def main() -> None:
               f"ITL p50 {itl:.2f} ms, {itl * tg / 1000:.3f}x qwc bench's, {itl / base_ms:.3f}x the Engine's (mean)")
     if a.json:
         a.json.write_text(json.dumps({"qwc_bench_tg": tg, "qwc_alone_ms": base_ms, "qwc_alone_around_ms": around,
-                                      "decode_step_ms": steps, **results},
+                                      "decode_step_ms": steps, "calls_alone": alone, **results},
                                      indent=1))
     if a.png:
         import matplotlib
