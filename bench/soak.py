@@ -3,9 +3,15 @@ budgets and cancellations; no request may be lost or fail, and the server's memo
 grow once warm:
 
     .venv/bin/python bench/soak.py [--minutes 10] [--clients 16] [--cancel 0.2] [--shared 0.5]
+                                   [--structured 0.3]
 
 Each client loops until time is up: a completion of 16-400 random prompt tokens (seeded) and
-8-128 new tokens, streamed; with probability --cancel it hangs up after a few tokens. With
+8-128 new tokens, streamed; with probability --structured a chat completion instead, half of
+them with a json_schema `response_format`, half with `tools` and `tool_choice: required`
+(up to 256 tokens); with probability --cancel it hangs up after a few tokens. A structured
+reply that ends by itself must hold JSON valid against its schema (the message's content, or
+every tool call's arguments), else it counts as failed; one cut by its token budget counts as
+cut (the random-weight model writes JSON's optional whitespace at length). With
 probability --shared the prompt begins with one of three fixed "system prompts" (32, 96 and
 200 tokens), so the server's prefix reuse (cache hits, slots swapped down, partial matches)
 runs all along; the prompt tokens it served from cache are reported. A request
@@ -39,18 +45,58 @@ def rss_mib(pid: int) -> float:
 
 
 SYSTEM_PROMPTS = [[random.Random(1000 + n).randrange(100, 4000) for _ in range(n)] for n in (32, 96, 200)]
+# the structured requests' schema: a tool's parameters, or the reply itself
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+          "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast for a city",
+                                           "parameters": SCHEMA}}]
 
 
-async def client(http, url: str, rng: random.Random, deadline: float, cancel: float, shared: float,
-                 tally: dict) -> None:
+def structured_body(rng: random.Random) -> dict:
+    """A streamed chat completion asking for JSON of SCHEMA: as its reply, or as a tool call."""
+    body = {"model": "m", "messages": [{"role": "user", "content": f"What is the weather in city {rng.randrange(999)}?"}],
+            "max_tokens": 256, "temperature": 0.7, "stream": True}
+    if rng.random() < 0.5:
+        return body | {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA,
+                                                                                  "strict": True}}}
+    return body | {"tools": TOOLS, "tool_choice": "required"}
+
+
+def structured_problem(body: dict, content: str, calls: dict, finish: str) -> str | None:
+    """What is wrong with a structured reply that ended by itself (None: valid)."""
+    import jsonschema
+
+    try:
+        if "tools" in body:
+            if finish != "tool_calls" or not calls:
+                return f"tool_choice required, finished {finish!r} with {len(calls)} tool calls"
+            for c in calls.values():
+                if c["name"] != "get_weather":
+                    return f"tool call of {c['name']!r}"
+                jsonschema.validate(json.loads(c["arguments"]), SCHEMA)
+        else:
+            jsonschema.validate(json.loads(content), SCHEMA)
+    except (ValueError, jsonschema.ValidationError) as e:
+        return f"invalid JSON: {str(e).splitlines()[0][:120]}"
+    return None
+
+
+async def client(http, base: str, rng: random.Random, deadline: float, a, tally: dict) -> None:
     while time.monotonic() < deadline:
-        prompt = [rng.randrange(100, 4000) for _ in range(rng.randint(16, 400))]
-        if rng.random() < shared:
-            prompt = rng.choice(SYSTEM_PROMPTS) + prompt[:200]
-        body = {"model": "m", "prompt": prompt, "max_tokens": rng.randint(8, 128), "temperature": 0.7,
-                "stream": True}
-        hang_up = rng.random() < cancel and rng.randint(1, 6)
+        structured = rng.random() < a.structured
+        if structured:
+            body, url = structured_body(rng), base + "/v1/chat/completions"
+        else:
+            prompt = [rng.randrange(100, 4000) for _ in range(rng.randint(16, 400))]
+            if rng.random() < a.shared:
+                prompt = rng.choice(SYSTEM_PROMPTS) + prompt[:200]
+            body = {"model": "m", "prompt": prompt, "max_tokens": rng.randint(8, 128), "temperature": 0.7,
+                    "stream": True}
+            url = base + "/v1/completions"
+        hang_up = rng.random() < a.cancel and rng.randint(1, 6)
         pieces, finish, done = 0, None, False
+        content, calls = "", {}
         try:
             async with http.stream("POST", url, json=body) as r:
                 if r.status_code != 200:
@@ -63,6 +109,12 @@ async def client(http, url: str, rng: random.Random, deadline: float, cancel: fl
                     elif line.startswith("data: "):
                         choice = json.loads(line[6:])["choices"][0]
                         finish = choice.get("finish_reason") or finish
+                        delta = choice.get("delta") or {}
+                        content += delta.get("content") or ""
+                        for c in delta.get("tool_calls") or []:
+                            call = calls.setdefault(c["index"], {"name": "", "arguments": ""})
+                            call["name"] += c.get("function", {}).get("name") or ""
+                            call["arguments"] += c.get("function", {}).get("arguments") or ""
                         pieces += 1
                         if hang_up and pieces >= hang_up:
                             break
@@ -72,8 +124,14 @@ async def client(http, url: str, rng: random.Random, deadline: float, cancel: fl
             continue
         if hang_up and pieces >= hang_up and not done:
             tally["cancelled"] += 1
+        elif done and finish and structured and finish == "length":
+            tally["structured_cut"] += 1
+        elif done and finish and structured and (problem := structured_problem(body, content, calls, finish)):
+            tally["failed"] += 1
+            tally["errors"].append(problem)
         elif done and finish:
             tally["completed"] += 1
+            tally["structured_valid"] += structured
         else:
             tally["failed"] += 1
             tally["errors"].append(f"stream ended without finish ({pieces} pieces, done={done})")
@@ -89,14 +147,12 @@ async def watch(pid: int, deadline: float, samples: list) -> None:
 async def soak(base: str, pid: int, a) -> dict:
     import httpx
 
-    tally = {"completed": 0, "cancelled": 0, "failed": 0, "errors": []}
+    tally = {"completed": 0, "cancelled": 0, "failed": 0, "structured_valid": 0, "structured_cut": 0, "errors": []}
     samples: list = []
     deadline = time.monotonic() + a.minutes * 60
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=a.clients + 4)) as http:
         await asyncio.gather(watch(pid, deadline, samples),
-                             *(client(http, base + "/v1/completions", random.Random(i), deadline, a.cancel, a.shared,
-                                      tally)
-                               for i in range(a.clients)))
+                             *(client(http, base, random.Random(i), deadline, a, tally) for i in range(a.clients)))
         await asyncio.sleep(1.5)   # the server notices the last hang-ups at its next step
         metrics = (await http.get(base + "/metrics")).text
     gauge = (lambda name: float(re.search(rf"^{name} (\S+)$", metrics, re.M)[1]))
@@ -116,6 +172,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--cancel", type=float, default=0.2, help="share of requests hung up mid-stream")
     ap.add_argument("--shared", type=float, default=0.5, help="share of prompts that begin with a system prompt")
+    ap.add_argument("--structured", type=float, default=0.3,
+                    help="share of requests that are chat completions with a json_schema or required tool call")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "bench")
@@ -136,11 +194,13 @@ def main() -> None:
     finally:
         stop(proc)
     print(f"\nqwc serve soak: {a.minutes:g} min, {a.clients} clients, {a.cancel:.0%} hung up mid-stream, "
-          f"{a.shared:.0%} with a system prompt, Qwen2.5-0.5B shape, {a.threads} threads\n")
-    print("| completed | cancelled by the client | failed | prompt tokens from cache | RSS at 1 min | halfway | "
+          f"{a.shared:.0%} with a system prompt, {a.structured:.0%} structured (json_schema or a required tool "
+          f"call), Qwen2.5-0.5B shape, {a.threads} threads\n")
+    print("| completed | of them structured, valid | structured, cut by max_tokens | cancelled by the client | failed | "
+          "prompt tokens from cache | RSS at 1 min | halfway | "
           "at the end | peak after 1 min | growth | in flight at the end | running at the end |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {r['completed']} | {r['cancelled']} | {r['failed']} | "
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {r['completed']} | {r['structured_valid']} | {r['structured_cut']} | {r['cancelled']} | {r['failed']} | "
           f"{r['prompt_tokens_cached']:.0f} of {r['prompt_tokens']:.0f} | {r['rss_at_1min_mib']:.0f} MiB | "
           f"{r['rss_at_half_mib']:.0f} MiB | {r['rss_at_end_mib']:.0f} MiB | {r['rss_peak_after_mib']:.0f} MiB | "
           f"{r['rss_growth']:+.1%} | {r['in_flight']:.0f} | {r['running']:.0f} |")

@@ -23,8 +23,8 @@ The artifact needs a tokenizer and a chat template: the README's SmolLM2 build (
 build/smollm2.qwc).
 
 --costs Q,...: for a model size with no real weights here (the 0.5B-7B shapes of
-bench/peers.py, random weights): a verify call's time against a decode step's at draft lengths
-1, 2, 4, 8 (16) after --depth cached tokens (default 256), measured (and a score call's, which
+bench/peers.py, random weights): a verify call's time against a decode step's at every draft
+length up to --draft-max after --depth cached tokens (default 256), measured (and a score call's, which
 verified drafts before the verify entry point, with how far each one's logits are from the
 decode steps'), and from them (a model, labelled so) the per-token acceptance q at which
 drafting breaks even and the speed-up at each q given. The first table's kept / verified
@@ -143,7 +143,7 @@ def costs(args, engine: Engine, rates: list[float]) -> None:
             best = min(best, (time.perf_counter() - t0) / n)
         return best
 
-    lengths = [k for k in (1, 2, 4, 8, 16) if k <= max(args.draft_max, 1)]
+    lengths = list(range(1, max(args.draft_max, 1) + 1))   # every draft length up to --draft-max
     t_dec = timed(lambda: engine.decode(5, seq=seq))
     t_ver = {k: timed(lambda k=k: engine.verify([5] * (k + 1), seq=seq)) for k in lengths}
     t_score = {k: timed(lambda k=k: engine.score([5] * (k + 1), seq=seq)) for k in lengths}
