@@ -15,7 +15,11 @@ import os
 import platform
 import sys
 
-TUNABLE = "glibc.malloc.tcache_count=65535"   # glibc's maximum since 2.30
+# Not glibc's maximum (65535): a block freed on another thread than the one that allocated it
+# stays in the freeing thread's cache, so with no bound a server whose threads pass objects
+# along (the grammar worker's masks, the event loop's requests) grew ~250 KB a tool-call
+# request for good (bench/soak.py: +7.7% in 10 minutes); 512 a size holds a step's objects.
+TUNABLE = "glibc.malloc.tcache_count=512"
 RUNS_ARTIFACTS = frozenset({"run", "serve", "bench", "eval"})
 
 

@@ -511,8 +511,14 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
     return app
 
 
+# Characters JSON may hold raw that str.splitlines() (httpx's aiter_lines, many SSE readers)
+# takes for line ends: escaped, so an event is one line for every client. A random-weight
+# model wrote them in the soak's JSON replies, and its client read broken events.
+_LINE_ENDS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_ENDS)}\n\n"
 
 
 class _Shape:

@@ -424,3 +424,16 @@ def test_serve_refuses_a_busy_port_and_a_missing_artifact(artifact, tmp_path):
     r = subprocess.run([sys.executable, "-m", "qwc", "serve", str(tmp_path / "none.qwc"), "--port", "0"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
+
+
+def test_a_streamed_event_is_one_line_whatever_the_text():
+    """Unicode line separators JSON may hold raw (U+0085, U+2028, U+2029) are escaped in the
+    events, so a client that splits the stream with str.splitlines (httpx's aiter_lines)
+    reads each event whole; the text decodes to what it was."""
+    from qwc.runtime.server import _sse
+
+    text = "a\u2028b\x85c\u2029d é"
+    event = _sse({"choices": [{"delta": {"content": text}}]})
+    lines = event.splitlines()
+    assert lines[0].startswith("data: ") and lines[1:] == [""]
+    assert json.loads(lines[0][6:])["choices"][0]["delta"]["content"] == text
