@@ -2,8 +2,8 @@
 budgets and cancellations; no request may be lost or fail, and the server's memory must not
 grow once warm:
 
-    .venv/bin/python bench/soak.py [--minutes 10] [--clients 16] [--cancel 0.2] [--shared 0.5]
-                                   [--structured 0.3]
+    .venv/bin/python bench/soak.py [--minutes 10] [--warmup 2] [--clients 16] [--cancel 0.2]
+                                   [--shared 0.5] [--structured 0.3]
 
 Each client loops until time is up: a completion of 16-400 random prompt tokens (seeded) and
 8-128 new tokens, streamed; with probability --structured a chat completion instead, half of
@@ -17,7 +17,10 @@ probability --shared the prompt begins with one of three fixed "system prompts" 
 runs all along; the prompt tokens it served from cache are reported. A request
 that was not cancelled must end with a finish_reason and [DONE]; anything else (an HTTP error,
 a broken stream, a missing finish) counts as failed. The server's RSS is read from /proc every
-2 s; the table compares the peak after the first minute with the RSS at one minute. At the end
+2 s. Memory is judged over --minutes after --warmup minutes (arenas, pools and caches fill
+while the load ramps up): the peak of that span's second half against its first half's
+(peaks, because RSS moves with the batch of the moment; a single sample as the baseline made
+any later high look like growth), and the least-squares slope in MiB a minute. At the end
 /metrics must show no request in flight and no sequence running (no slot leaked). Uses the
 artifact bench/serve.py uses (~/.cache/qwc/bench, compiled with --max-batch).
 """
@@ -144,36 +147,48 @@ async def watch(pid: int, deadline: float, samples: list) -> None:
         await asyncio.sleep(2)
 
 
+def rss_growth(samples: list, warmup_s: float) -> dict:
+    """The RSS samples (seconds, MiB) after the warm-up, halved: the second half's peak against
+    the first's, and the slope of a least-squares line through them all (MiB a minute)."""
+    import numpy as np
+
+    warm = [(t, r) for t, r in samples if t >= warmup_s] or samples[-2:]
+    half = warm[0][0] + (warm[-1][0] - warm[0][0]) / 2
+    first = max(r for t, r in warm if t <= half)
+    second = max((r for t, r in warm if t > half), default=first)
+    t, r = np.array(warm).T
+    slope = float(np.polyfit(t / 60, r, 1)[0]) if len(warm) > 1 else 0.0
+    return {"rss_at_start_mib": samples[0][1], "rss_after_warmup_mib": warm[0][1], "rss_peak_first_half_mib": first,
+            "rss_peak_second_half_mib": second, "rss_at_end_mib": samples[-1][1], "rss_growth": second / first - 1,
+            "rss_slope_mib_per_min": slope, "rss_samples": samples}
+
+
 async def soak(base: str, pid: int, a) -> dict:
     import httpx
 
     tally = {"completed": 0, "cancelled": 0, "failed": 0, "structured_valid": 0, "structured_cut": 0, "errors": []}
     samples: list = []
-    deadline = time.monotonic() + a.minutes * 60
+    deadline = time.monotonic() + (a.warmup + a.minutes) * 60
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=a.clients + 4)) as http:
         await asyncio.gather(watch(pid, deadline, samples),
                              *(client(http, base, random.Random(i), deadline, a, tally) for i in range(a.clients)))
         await asyncio.sleep(1.5)   # the server notices the last hang-ups at its next step
         metrics = (await http.get(base + "/metrics")).text
     gauge = (lambda name: float(re.search(rf"^{name} (\S+)$", metrics, re.M)[1]))
-    warm = [r for t, r in samples if t >= 60] or [samples[-1][1]]
-    at_minute = warm[0]
-    at = (lambda m: next((r for t, r in samples if t >= m * 60), samples[-1][1]))
-    return {**tally, "rss_at_1min_mib": at_minute, "rss_at_half_mib": at(a.minutes / 2),
-            "rss_at_end_mib": samples[-1][1], "rss_peak_after_mib": max(warm),
-            "rss_growth": max(warm) / at_minute - 1, "in_flight": gauge("qwc_requests_in_flight"),
+    return {**tally, **rss_growth(samples, a.warmup * 60), "in_flight": gauge("qwc_requests_in_flight"),
             "running": gauge("qwc_running_sequences"), "prompt_tokens": gauge("qwc_prompt_tokens_total"),
-            "prompt_tokens_cached": gauge("qwc_prompt_tokens_cached_total"), "rss_samples": samples}
+            "prompt_tokens_cached": gauge("qwc_prompt_tokens_cached_total")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=10)
+    ap.add_argument("--minutes", type=float, default=10, help="minutes judged, after the warm-up")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--cancel", type=float, default=0.2, help="share of requests hung up mid-stream")
     ap.add_argument("--shared", type=float, default=0.5, help="share of prompts that begin with a system prompt")
     ap.add_argument("--structured", type=float, default=0.3,
                     help="share of requests that are chat completions with a json_schema or required tool call")
+    ap.add_argument("--warmup", type=float, default=2, help="minutes of load before those judged for memory growth")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "bench")
@@ -193,17 +208,18 @@ def main() -> None:
         r = asyncio.run(soak(base, proc.pid, a))
     finally:
         stop(proc)
-    print(f"\nqwc serve soak: {a.minutes:g} min, {a.clients} clients, {a.cancel:.0%} hung up mid-stream, "
+    print(f"\nqwc serve soak: {a.minutes:g} min after {a.warmup:g} of warm-up, {a.clients} clients, {a.cancel:.0%} hung up mid-stream, "
           f"{a.shared:.0%} with a system prompt, {a.structured:.0%} structured (json_schema or a required tool "
           f"call), Qwen2.5-0.5B shape, {a.threads} threads\n")
     print("| completed | of them structured, valid | structured, cut by max_tokens | cancelled by the client | failed | "
-          "prompt tokens from cache | RSS at 1 min | halfway | "
-          "at the end | peak after 1 min | growth | in flight at the end | running at the end |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"prompt tokens from cache | RSS at the start | after {a.warmup:g} min | peak, first half after | "
+          "peak, second half | at the end | growth (peak to peak) | slope | in flight at the end | running at the end |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     print(f"| {r['completed']} | {r['structured_valid']} | {r['structured_cut']} | {r['cancelled']} | {r['failed']} | "
-          f"{r['prompt_tokens_cached']:.0f} of {r['prompt_tokens']:.0f} | {r['rss_at_1min_mib']:.0f} MiB | "
-          f"{r['rss_at_half_mib']:.0f} MiB | {r['rss_at_end_mib']:.0f} MiB | {r['rss_peak_after_mib']:.0f} MiB | "
-          f"{r['rss_growth']:+.1%} | {r['in_flight']:.0f} | {r['running']:.0f} |")
+          f"{r['prompt_tokens_cached']:.0f} of {r['prompt_tokens']:.0f} | {r['rss_at_start_mib']:.0f} MiB | "
+          f"{r['rss_after_warmup_mib']:.0f} MiB | {r['rss_peak_first_half_mib']:.0f} MiB | "
+          f"{r['rss_peak_second_half_mib']:.0f} MiB | {r['rss_at_end_mib']:.0f} MiB | {r['rss_growth']:+.1%} | "
+          f"{r['rss_slope_mib_per_min']:+.2f} MiB/min | {r['in_flight']:.0f} | {r['running']:.0f} |")
     for e in r["errors"][:10]:
         print("failed:", e)
     if a.json:

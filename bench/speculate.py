@@ -4,7 +4,8 @@ request at a time on real weights:
 
     .venv/bin/python bench/speculate.py [ART.qwc] [--rounds 3] [--max-tokens 160] [--threads N]
                                         [--draft-max 7] [--lookup-min 3] [--draft SMALL.qwc] [--json F]
-    .venv/bin/python bench/speculate.py ART.qwc --costs 0.6,0.8,0.9 [--depth 256] [--draft-max 7] [...]
+    .venv/bin/python bench/speculate.py ART.qwc --costs 0.6,0.8,0.9 [--depth 256] [--draft-max 7] [--draft SMALL.qwc]
+    .venv/bin/python bench/speculate.py ART.qwc --oracle 0.5,0.7,0.9 --draft SMALL.qwc [--max-tokens 64]
 
 Four kinds of reply, three prompts each, from Pride and Prejudice (`qwc data fetch`) and a
 few lines of Python:
@@ -28,7 +29,17 @@ length up to --draft-max after --depth cached tokens (default 256), measured (an
 verified drafts before the verify entry point, with how far each one's logits are from the
 decode steps'), and from them (a model, labelled so) the per-token acceptance q at which
 drafting breaks even and the speed-up at each q given. The first table's kept / verified
-shares are what q is on real text.
+shares are what q is on real text. With --draft SMALL.qwc, the draft model's decode step is
+timed too (after the same depth) and a draft of k tokens is charged k of its steps (the first
+of which also feeds what the last verify kept): where a draft model pays on shapes with no
+real pair here, e.g. the 0.5B drafting for the 7B of bench/scale.py.
+
+--oracle Q,...: the same question end to end, through the scheduler and its draft-length and
+backoff policies, on shapes with no real pair: three prompts of random tokens; each draft token
+is the served model's own greedy one with probability Q (drawn independently), else a wrong
+one, and each draft of k tokens pays k decode steps of the --draft model (its time, not its
+tokens). The acceptance is set, so the ratio is what a real pair keeping that share would get
+with these costs, not a measurement of any pair's acceptance.
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ from qwc.runtime.chat import ChatTemplate
 from qwc.runtime.engine import Engine
 from qwc.runtime.sampling import SamplingParams
 from qwc.runtime.scheduler import Request, Scheduler
-from qwc.runtime.speculate import NGRAM_MAX, DraftModel, NgramDrafter
+from qwc.runtime.speculate import NGRAM_MAX, DraftModel, NgramDrafter, next_length
 
 REPO = Path(__file__).resolve().parent.parent
 CODE = ['''def mean(values):
@@ -145,11 +156,25 @@ def costs(args, engine: Engine, rates: list[float]) -> None:
 
     lengths = list(range(1, max(args.draft_max, 1) + 1))   # every draft length up to --draft-max
     t_dec = timed(lambda: engine.decode(5, seq=seq))
+    c_draft, t_draft = 0.0, None
+    if args.draft:   # the draft model's step, after as many cached tokens
+        small = Engine(args.draft, ctx=max(2048, args.depth + 64), threads=args.threads)
+        dseq = small.sequence()
+        small.prefill(rng.integers(0, small.sample_limit, args.depth).tolist(), seq=dseq)
+        dbase = dseq.pos
+
+        def draft_step():
+            dseq.pos = dbase
+            small.decode(5, seq=dseq)
+        t_draft = timed(draft_step)
+        c_draft = t_draft / t_dec
     t_ver = {k: timed(lambda k=k: engine.verify([5] * (k + 1), seq=seq)) for k in lengths}
     t_score = {k: timed(lambda k=k: engine.score([5] * (k + 1), seq=seq)) for k in lengths}
     name = Path(args.artifact).name
+    drafted_by = (f"; drafts by {Path(args.draft).name}, whose step is {t_draft * 1e3:.2f} ms ({c_draft:.3f} of the "
+                  "target's), k of its steps charged to a draft of k (the speed-ups are a model)" if args.draft else "")
     print(f"\nVerify calls against decode steps, {name}, {args.threads} threads, after {args.depth} cached tokens "
-          f"(best of {args.rounds + 1} x 12 calls); decode step {t_dec * 1e3:.2f} ms\n")
+          f"(best of {args.rounds + 1} x 12 calls); decode step {t_dec * 1e3:.2f} ms{drafted_by}\n")
     print("| draft tokens k | verify call ms | / decode step | score call / decode step | break-even q | "
           + " | ".join(f"speed-up at q = {q:g}" for q in rates) + " |")
     print("| ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in rates) + " |")
@@ -159,21 +184,94 @@ def costs(args, engine: Engine, rates: list[float]) -> None:
 
     rows = []
     for k in lengths:
-        c = t_ver[k] / t_dec
+        c = t_ver[k] / t_dec + k * c_draft   # a round's cost in the target's decode steps
         lo, hi = 0.0, 1.0   # the q at which a call advances as far as it costs in decode steps
         for _ in range(40):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if advance(mid, k) < c else (lo, mid)
         even = hi if advance(1.0, k) >= c else None
         gains = [advance(q, k) / c for q in rates]
-        rows.append({"k": k, "verify_ms": t_ver[k] * 1e3, "ratio": c, "score_ratio": t_score[k] / t_dec,
+        rows.append({"k": k, "verify_ms": t_ver[k] * 1e3, "ratio": t_ver[k] / t_dec, "round_cost": c,
+                     "score_ratio": t_score[k] / t_dec,
                      "break_even_q": even, "speedup": gains})
-        print(f"| {k} | {t_ver[k] * 1e3:.2f} | {c:.2f} | {t_score[k] / t_dec:.2f} | {'-' if even is None else f'{even:.2f}'} | "
+        print(f"| {k} | {t_ver[k] * 1e3:.2f} | {t_ver[k] / t_dec:.2f} | {t_score[k] / t_dec:.2f} | {'-' if even is None else f'{even:.2f}'} | "
               + " | ".join(f"{g:.2f}x" for g in gains) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"artifact": args.artifact, "threads": args.threads,
-                                               "decode_ms": t_dec * 1e3, "logits_apart": apart, "costs": rows},
+                                               "decode_ms": t_dec * 1e3, "draft": args.draft,
+                                               "draft_step_ms": None if t_draft is None else t_draft * 1e3,
+                                               "logits_apart": apart, "costs": rows},
                                               indent=1))
+
+
+class OracleDrafter:
+    """Drafts the served model's greedy reply (`ref`, after a prompt of `start` tokens), each
+    token right with probability q, paying a draft model's decode steps for each (oracle mode)."""
+
+    def __init__(self, small: Engine, seq, ref: list[int], start: int, q: float, rng, draft_max: int):
+        self.small, self.seq, self.ref, self.start, self.q, self.rng = small, seq, ref, start, q, rng
+        self.draft_max = self.length = draft_max
+
+    def draft(self, history, limit=None):
+        k = self.length if limit is None else min(self.length, limit)
+        at = len(history) - self.start        # the next token's index in the reply
+        out = []
+        for j in range(min(k, len(self.ref) - at)):
+            self.seq.pos = 64                 # a decode step at a fixed depth: its time, not its tokens
+            self.small.decode(5, seq=self.seq)
+            right = self.ref[at + j]
+            out.append(right if self.rng.random() < self.q else (right + 1) % self.small.sample_limit)
+        return out
+
+    def kept(self, n):
+        self.length = next_length(self.draft_max, n)
+
+
+def oracle(args, engine: Engine, qs: list[float]) -> None:
+    small = Engine(args.draft, ctx=256, threads=args.threads)
+    sseq = small.sequence()
+    small.prefill(list(range(64)), seq=sseq)
+    rng = np.random.default_rng(2)
+    prompts_ = [rng.integers(0, engine.sample_limit, 64).tolist() for _ in range(3)]
+    refs = [run(engine, p, args.max_tokens, None)[0] for p in prompts_]
+    rows = []
+    for q in qs:
+        ratios, rates, kept = [], {"off": [], "on": []}, [0, 0]
+        for r in range(args.rounds):
+            secs = {"off": 0.0, "on": 0.0}
+            toks = {"off": 0, "on": 0}
+            for i, (prompt, ref) in enumerate(zip(prompts_, refs)):
+                drng = np.random.default_rng(100 * r + i)
+                for mode in (["off", "on"] if r % 2 == 0 else ["on", "off"]):
+                    factory = (None if mode == "off" else
+                               lambda: OracleDrafter(small, sseq, ref, len(prompt), q, drng, args.draft_max))
+                    gen, took, d, a = run(engine, prompt, args.max_tokens, factory)
+                    if gen != ref:
+                        raise SystemExit(f"speculate: the reply with drafts (q={q}) is not the greedy one")
+                    secs[mode] += took
+                    toks[mode] += len(gen) - 1
+                    if mode == "on":
+                        kept[0] += d
+                        kept[1] += a
+            for mode in secs:
+                rates[mode].append(toks[mode] / secs[mode])
+            ratios.append(rates["on"][-1] / rates["off"][-1])
+            print(f"  q={q:g} round {r + 1}: off {rates['off'][-1]:.2f} tok/s, drafts {rates['on'][-1]:.2f} tok/s "
+                  f"({ratios[-1]:.2f}x)", flush=True)
+        rows.append({"q": q, "off": float(np.median(rates["off"])), "on": float(np.median(rates["on"])),
+                     "ratio": float(np.median(ratios)), "ratios": ratios, "drafted": kept[0], "kept": kept[1]})
+    print(f"\nA draft model's costs end to end, {Path(args.artifact).name} with {Path(args.draft).name}'s decode steps, "
+          f"{args.threads} threads, one request at a time, greedy, {args.max_tokens} tokens after 64 random ones; "
+          f"draft tokens right with probability q (set, not measured); medians of {args.rounds} rounds\n")
+    print("| q | tok/s, off | tok/s, drafts | drafts / off | draft tokens kept / verified | replies the greedy one |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        d, a = row["drafted"], row["kept"]
+        print(f"| {row['q']:g} | {row['off']:.2f} | {row['on']:.2f} | {row['ratio']:.2f}x | "
+              f"{a} / {d} ({a / d if d else 0:.0%}) | {len(prompts_)} of {len(prompts_)} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"artifact": args.artifact, "draft": args.draft, "threads": args.threads,
+                                               "oracle": rows}, indent=1))
 
 
 def main():
@@ -187,20 +285,30 @@ def main():
     p.add_argument("--draft", help="a draft model's artifact (the same tokenizer) instead of prompt lookup")
     p.add_argument("--costs", help="Q,...: verify calls' cost by draft length, and the speed-up at acceptance Q")
     p.add_argument("--depth", type=int, default=256, help="--costs: cached tokens before the calls (default 256)")
+    p.add_argument("--oracle", help="Q,...: drafts of the served model's own reply, each token right with probability "
+                                    "Q, costing --draft's decode steps")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     if args.rounds < 1 or args.max_tokens < 2:
         p.error("--rounds must be at least 1 and --max-tokens at least 2")
-    try:
-        qs = [float(x) for x in args.costs.split(",")] if args.costs else []
-    except ValueError:
-        p.error(f"--costs {args.costs!r}: a comma-separated list of probabilities")
-    if any(not 0 <= x <= 1 for x in qs):
-        p.error("--costs: probabilities are in [0, 1]")
+
+    def probabilities(flag: str, text: str | None) -> list[float]:
+        try:
+            out = [float(x) for x in text.split(",")] if text else []
+        except ValueError:
+            p.error(f"{flag} {text!r}: a comma-separated list of probabilities")
+        if any(not 0 <= x <= 1 for x in out):
+            p.error(f"{flag}: probabilities are in [0, 1]")
+        return out
+    qs, oracle_qs = probabilities("--costs", args.costs), probabilities("--oracle", args.oracle)
+    if oracle_qs and not args.draft:
+        p.error("--oracle needs --draft SMALL.qwc (whose decode steps the drafts cost)")
 
     engine = Engine(args.artifact, ctx=max(2048, args.depth + 64), threads=args.threads)
     if qs:
         return costs(args, engine, qs)
+    if oracle_qs:
+        return oracle(args, engine, oracle_qs)
     kinds = prompts(engine)
     on = "draft" if args.draft else "ngram"
     modes = {"off": None,

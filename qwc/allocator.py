@@ -6,8 +6,13 @@ by default; the rest go through its bins, whose slow path (sorting, coalescing) 
 0.5B decode step 0.7-2.5M instructions on the calling thread under qemu, varying with the
 heap's history: at 64-128 threads more than the step's matrix work per thread
 (bench/arm_threads.py, docs/design.md). The cache's size can only be set before the process
-starts (`GLIBC_TUNABLES`), so the commands that run an artifact start themselves once more
-with it. A program that embeds `runtime.Engine` sets it itself (`TUNABLE`)."""
+starts (`GLIBC_TUNABLES`), so on aarch64 the commands that run an artifact start themselves
+once more with it. A program that embeds `runtime.Engine` there sets it itself (`TUNABLE`).
+
+Not on x86: its decode and prefill speed did not move with it (SmolLM2 and the 0.5B shape, 2
+threads, alternating runs within their noise), and a larger cache holds memory for good in a
+server (below: `qwc serve` under structured requests grew 1.8 MiB a minute with 512, 0.05
+with glibc's 7; bench/soak.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +23,12 @@ import sys
 # Not glibc's maximum (65535): a block freed on another thread than the one that allocated it
 # stays in the freeing thread's cache, so with no bound a server whose threads pass objects
 # along (the grammar worker's masks, the event loop's requests) grew ~250 KB a tool-call
-# request for good (bench/soak.py: +7.7% in 10 minutes); 512 a size holds a step's objects.
+# request for good (bench/soak.py: +7.7% in 10 minutes); 512 a size holds a step's objects,
+# and still keeps up to 512 a size of what other threads free (a bounded hoard, but it grew a
+# structured-output server 1.8 MiB a minute for minutes on x86, where it buys nothing).
 TUNABLE = "glibc.malloc.tcache_count=512"
 RUNS_ARTIFACTS = frozenset({"run", "serve", "bench", "eval"})
+WHERE = frozenset({"aarch64", "arm64"})   # platform.machine() of the machines it pays on
 
 
 def with_tunable(env: dict) -> dict:
@@ -33,9 +41,9 @@ def with_tunable(env: dict) -> dict:
 
 def restart_with_tunable(argv: list[str]) -> None:
     """Replace this process by `python -m qwc argv` with TUNABLE set, where the command runs
-    an artifact on glibc and the variable does not say it yet; otherwise return."""
+    an artifact on glibc on aarch64 and the variable does not say it yet; otherwise return."""
     command = next((a for a in argv if not a.startswith("-")), None)   # after -q / --quiet
-    if command not in RUNS_ARTIFACTS or platform.system() != "Linux":
+    if command not in RUNS_ARTIFACTS or platform.system() != "Linux" or platform.machine() not in WHERE:
         return
     if platform.libc_ver()[0] != "glibc" or os.environ.get("QWC_NO_RESTART"):
         return

@@ -75,6 +75,11 @@ from .speculate import ModelDrafter, NgramDrafter
 # not free, and a slow verify call must still stop it).
 SPEC_BACKOFF = (2, 32)
 SPEC_AVERAGE = 0.5   # weight of the newest decode step in the running average of their times
+# What a verify call costs grows with its length at a rate that depends on the model and the
+# machine: 0.1-0.25 of a decode step a token, then a jump where a call leaves decode's streams
+# (a 7B shape on 2 x86 cores: 1.03 / 1.09 / 1.21 / 1.32 / 1.68 steps at 1-5 draft tokens), so
+# the drafter's own length (runtime/speculate.py: next_length) is cut to the measured length
+# that advances the cache fastest at the acceptance seen so far (Scheduler._draft_length).
 
 
 class QueueFull(QwcError):
@@ -125,6 +130,8 @@ class _Running:
         self.spec_cost: float | None = None   # seconds a cache position in its last verify call
         self.spec_wait = 0               # decode steps to take before drafting again
         self.backoff = SPEC_BACKOFF[0]
+        self.spec_kept = self.spec_missed = 0   # draft tokens kept; drafts that ended at a wrong token
+        self.draft_step: float | None = None    # seconds a draft token takes to make (running average)
 
 
 class Scheduler:
@@ -148,6 +155,9 @@ class Scheduler:
         # False: verify every draft, whatever it costs (tests of the verification itself)
         self.spec_backoff = spec_backoff
         self.drafted = self.accepted = 0  # draft tokens verified, and those kept (for metrics)
+        self.verify_times: dict[int, float] = {}   # draft length -> seconds of its verify calls (running average)
+        self.verify_calls: dict[int, int] = {}     # draft length -> verify calls of it
+        self.missed = 0                   # drafts that ended at a wrong token
         self.decode_time: float | None = None   # seconds of a one-sequence decode step (average)
         self._free: list = self._allocate() if slots is None else list(slots)   # idle slots
         self._cached: dict[int, list[int]] = {}   # row -> the tokens its cache holds, for idle slots
@@ -365,6 +375,8 @@ class Scheduler:
                 # a verify call emits up to a token more than its draft: none past the request's
                 # budget, and no position past the context's end
                 room = min(run.req.max_tokens - len(run.req.generated) - 1, run.seq.capacity - run.seq.pos - 1)
+                if self.spec_backoff:
+                    room = min(room, self._draft_length(run))
                 t0 = time.perf_counter()
                 if draft := run.drafter.draft(run.history, room):
                     drafts[id(run)] = draft
@@ -431,7 +443,13 @@ class Scheduler:
         seq, base = run.seq, run.seq.pos
         t0 = time.perf_counter()
         logits = self.engine.verify([tok, *draft], seq=seq)
-        took = time.perf_counter() - t0 + run.draft_time   # what the tokens cost, drafting included
+        call = time.perf_counter() - t0
+        took = call + run.draft_time   # what the tokens cost, drafting included
+        k = len(draft)
+        self.verify_calls[k] = self.verify_calls.get(k, 0) + 1
+        if self.verify_calls[k] > 1:   # a first call of a length can be slow (buffers made, caches cold)
+            self.verify_times[k] = _average(self.verify_times.get(k), call)
+        run.draft_step = _average(run.draft_step, run.draft_time / len(draft))
         self.drafted += len(draft)
         kept = 0
         for i, want in enumerate(draft):
@@ -442,12 +460,15 @@ class Scheduler:
                 break                       # the request ended on this token
             if got != want:
                 run.pending = got
+                run.spec_missed += 1
+                self.missed += 1
                 break
             kept += 1
         else:
             seq.pos = base + 1 + len(draft)
             run.logits = logits[-1]
         self.accepted += kept
+        run.spec_kept += kept
         run.drafter.kept(kept)
         # the call advanced the cache by tok and the kept draft tokens
         run.spec_cost = took / (1 + kept)
@@ -455,6 +476,27 @@ class Scheduler:
             run.spec_wait, run.backoff = run.backoff, min(2 * run.backoff, SPEC_BACKOFF[1])
         else:
             run.backoff = SPEC_BACKOFF[0]
+
+    def _draft_length(self, run: _Running) -> int:
+        """The most draft tokens to ask `run`'s drafter for: its own next length, or a shorter one
+        whose verify calls (as timed here) with the drafting (the request's time a draft token)
+        advance the cache more a second, at the request's acceptance so far. Each draft token is
+        taken as kept with probability q = (kept + 2 q0) / (kept + misses + 2): the request's own
+        counts, with a start worth two drafts at q0, the rate of every request so far (so a
+        request's first drafts are judged on the others'). A call of k then advances
+        1 + q + ... + q^k positions. A length not timed yet
+        is asked for as it is (that is how lengths get timed; a length's first call, which can
+        be slow with buffers made and caches cold, is not counted)."""
+        wish = run.drafter.length
+        if wish not in self.verify_times:
+            return wish
+        q0 = (self.accepted + 1) / (self.accepted + self.missed + 2)
+        q = (run.spec_kept + 2 * q0) / (run.spec_kept + run.spec_missed + 2)
+        step = run.draft_step or 0.0
+
+        def rate(k: int) -> float:
+            return sum(q ** i for i in range(k + 1)) / (self.verify_times[k] + k * step)
+        return max((k for k in self.verify_times if k <= wish), key=rate)
 
     def _fork(self, run: _Running, lead: _Running | None) -> bool:
         """For one of n replies to a prompt (Request.fork_of): True while its leader's prompt is

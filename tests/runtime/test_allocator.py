@@ -1,5 +1,6 @@
-"""The commands that run an artifact start once more with glibc's small-block cache sized for
-a decode step (qwc/allocator.py); nothing else does, and a user's own setting is kept."""
+"""On aarch64 the commands that run an artifact start once more with glibc's small-block cache
+sized for a decode step (qwc/allocator.py); nothing else does, nothing does on x86, and a
+user's own setting is kept."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def execs(monkeypatch):
     monkeypatch.setattr(os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)))
     monkeypatch.delenv("QWC_NO_RESTART", raising=False)
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(allocator.platform, "machine", lambda: "aarch64")
     return calls
 
 
@@ -36,6 +38,12 @@ def test_other_commands_do_not_restart(execs, argv):
     assert execs == []
 
 
+def test_nothing_restarts_on_x86(execs, monkeypatch):
+    monkeypatch.setattr(allocator.platform, "machine", lambda: "x86_64")
+    allocator.restart_with_tunable(["serve", "m.qwc"])
+    assert execs == []
+
+
 def test_a_users_tunables_are_kept_and_no_second_restart(execs, monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.check=0")
     allocator.restart_with_tunable(["run", "m.qwc"])
@@ -50,10 +58,11 @@ def test_a_users_tunables_are_kept_and_no_second_restart(execs, monkeypatch):
 
 def test_the_qwc_command_really_restarts_with_it(tmp_path):
     """End to end: every Python process started prints its GLIBC_TUNABLES (a sitecustomize on
-    PYTHONPATH): `python -m qwc run` runs twice, the second time with the tunable; `qwc
-    compile` once, without it."""
+    PYTHONPATH, which also makes the machine aarch64 to Python): `python -m qwc run` runs
+    twice, the second time with the tunable; `qwc compile` once, without it."""
     (tmp_path / "sitecustomize.py").write_text(
-        "import os, sys\nprint('TUNABLES', os.environ.get('GLIBC_TUNABLES'), file=sys.stderr)\n")
+        "import os, platform, sys\nplatform.machine = lambda: 'aarch64'\n"
+        "print('TUNABLES', os.environ.get('GLIBC_TUNABLES'), file=sys.stderr)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "QWC_NO_RESTART")}
     env["PYTHONPATH"] = str(tmp_path)
     seen = {}
