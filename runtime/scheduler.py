@@ -156,7 +156,7 @@ class Scheduler:
         self.spec_backoff = spec_backoff
         self.drafted = self.accepted = 0  # draft tokens verified, and those kept (for metrics)
         self.verify_times: dict[int, float] = {}   # draft length -> seconds of its verify calls (running average)
-        self.verify_calls: dict[int, int] = {}     # draft length -> verify calls of it
+        self._verified: set[int] = set()           # draft lengths verified at least once
         self.missed = 0                   # drafts that ended at a wrong token
         self.decode_time: float | None = None   # seconds of a one-sequence decode step (average)
         self._free: list = self._allocate() if slots is None else list(slots)   # idle slots
@@ -446,9 +446,9 @@ class Scheduler:
         call = time.perf_counter() - t0
         took = call + run.draft_time   # what the tokens cost, drafting included
         k = len(draft)
-        self.verify_calls[k] = self.verify_calls.get(k, 0) + 1
-        if self.verify_calls[k] > 1:   # a first call of a length can be slow (buffers made, caches cold)
+        if k in self._verified:   # a first call of a length can be slow (buffers made, caches cold)
             self.verify_times[k] = _average(self.verify_times.get(k), call)
+        self._verified.add(k)
         run.draft_step = _average(run.draft_step, run.draft_time / len(draft))
         self.drafted += len(draft)
         kept = 0
@@ -484,9 +484,9 @@ class Scheduler:
         taken as kept with probability q = (kept + 2 q0) / (kept + misses + 2): the request's own
         counts, with a start worth two drafts at q0, the rate of every request so far (so a
         request's first drafts are judged on the others'). A call of k then advances
-        1 + q + ... + q^k positions. A length not timed yet
-        is asked for as it is (that is how lengths get timed; a length's first call, which can
-        be slow with buffers made and caches cold, is not counted)."""
+        1 + q + ... + q^k positions. A length not timed yet is asked for as it is (that is how
+        lengths get timed; a length's first call, which can be slow with buffers made and
+        caches cold, is not counted)."""
         wish = run.drafter.length
         if wish not in self.verify_times:
             return wish
