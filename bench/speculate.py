@@ -4,6 +4,7 @@ request at a time on real weights:
 
     .venv/bin/python bench/speculate.py [ART.qwc] [--rounds 3] [--max-tokens 160] [--threads N]
                                         [--draft-max 7] [--lookup-min 3] [--draft SMALL.qwc] [--json F]
+    .venv/bin/python bench/speculate.py ART.qwc --draft SMALL.qwc --peer ART.gguf --peer-draft SMALL.gguf
     .venv/bin/python bench/speculate.py ART.qwc --costs 0.6,0.8,0.9 [--depth 256] [--draft-max 7] [--draft SMALL.qwc]
     .venv/bin/python bench/speculate.py ART.qwc --oracle 0.5,0.7,0.9 --draft SMALL.qwc [--max-tokens 64]
 
@@ -22,6 +23,13 @@ requests run through `qwc serve`'s scheduler (runtime/scheduler.py) without HTTP
 is the same in both modes.
 The artifact needs a tokenizer and a chat template: the README's SmolLM2 build (default
 build/smollm2.qwc).
+
+--peer ART.gguf (the served model as llama.cpp runs it) with --peer-draft SMALL.gguf (the draft
+model's GGUF) adds llama-server (bench/llamacpp.sh x86) without and with `-md SMALL.gguf
+--spec-type draft-simple` (drafts of up to --draft-max tokens, its other settings its own), one
+request at a time on the same threads, each prompt's runs back to
+back: its tok/s from its own timings (predicted_per_second over the kind's prompts), its draft
+tokens kept, and qwc's tok/s with drafts over llama-server's with drafts.
 
 --costs Q,...: for a model size with no real weights here (the 0.5B-7B shapes of
 bench/peers.py, random weights): a verify call's time against a decode step's at every draft
@@ -47,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -123,6 +132,48 @@ def run(engine: Engine, prompt: list[int], max_tokens: int, drafter) -> tuple[li
         raise SystemExit(f"speculate: a request ended with {req.finish_reason}")
     took = (req.token_times[-1] - req.token_times[0]) if len(req.token_times) > 1 else 0.0
     return req.generated, took, sched.drafted, sched.accepted
+
+
+class Peer:
+    """llama-server on args.peer without drafts ("off") and with -md args.peer_draft ("draft"),
+    both started at once (only the one asked works at a time)."""
+
+    def __init__(self, args):
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from peers import llamacpp_tools
+        from serve import start, wait_ready
+
+        server = llamacpp_tools("x86") / "llama-server-0.3.36"
+        self.procs, self.base = {}, {}
+        # llama-server drafts only with --spec-type; at most as many tokens as qwc's drafts (of
+        # 3, 7 and 16 a draft, 7 was its fastest on SmolLM2's float target)
+        draft = ["-md", args.peer_draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(args.draft_max)]
+        for mode, extra in (("off", []), ("draft", draft)):
+            proc, line = start([str(server), "-m", args.peer, *extra, "-t", str(args.threads), "-c", "2048",
+                                "-np", "1", "--port", "0", "--host", "127.0.0.1"], r"listening on http")
+            self.procs[mode] = proc
+            self.base[mode] = re.search(r"(http://\S+)", line)[1].rstrip("/")
+            wait_ready(self.base[mode], proc)
+
+    def run(self, mode: str, prompt: list[int], max_tokens: int) -> tuple[str, int, float, int, int]:
+        """One greedy request: its text, tokens generated, their seconds, draft tokens made and kept."""
+        import httpx
+
+        r = httpx.post(self.base[mode] + "/completion", timeout=600,
+                       json={"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False})
+        r.raise_for_status()
+        out = r.json()
+        t = out["timings"]
+        return (out["content"], int(t["predicted_n"]), t["predicted_ms"] / 1e3, int(t.get("draft_n", 0)),
+                int(t.get("draft_n_accepted", 0)))
+
+    def stop(self):
+        from serve import stop
+
+        for proc in self.procs.values():
+            stop(proc)
 
 
 def costs(args, engine: Engine, rates: list[float]) -> None:
@@ -287,8 +338,12 @@ def main():
     p.add_argument("--depth", type=int, default=256, help="--costs: cached tokens before the calls (default 256)")
     p.add_argument("--oracle", help="Q,...: drafts of the served model's own reply, each token right with probability "
                                     "Q, costing --draft's decode steps")
+    p.add_argument("--peer", metavar="ART.gguf", help="llama-server on this GGUF of the served model beside qwc")
+    p.add_argument("--peer-draft", metavar="SMALL.gguf", help="--peer's draft model (llama-server -md)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
+    if bool(args.peer) != bool(args.peer_draft) or (args.peer and not args.draft):
+        p.error("--peer ART.gguf goes with --peer-draft SMALL.gguf and --draft SMALL.qwc")
     if args.rounds < 1 or args.max_tokens < 2:
         p.error("--rounds must be at least 1 and --max-tokens at least 2")
 
@@ -304,6 +359,7 @@ def main():
     if oracle_qs and not args.draft:
         p.error("--oracle needs --draft SMALL.qwc (whose decode steps the drafts cost)")
 
+    peer = Peer(args) if args.peer and not (qs or oracle_qs) else None   # before this process pins threads
     engine = Engine(args.artifact, ctx=max(2048, args.depth + 64), threads=args.threads)
     if qs:
         return costs(args, engine, qs)
@@ -320,27 +376,50 @@ def main():
     ratios = {k: [] for k in kinds}
     drafts = {k: [0, 0] for k in kinds}
     same = {k: 0 for k in kinds}
-    for r in range(args.rounds):
-        order = list(modes) if r % 2 == 0 else list(modes)[::-1]
-        for kind, ps in kinds.items():
-            toks, secs = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
-            for i, prompt in enumerate(ps):
-                got = {}
-                for mode in order:
-                    gen, took, d, a = run(engine, prompt, args.max_tokens, modes[mode])
-                    toks[mode] += len(gen) - 1
-                    secs[mode] += took
-                    got[mode] = gen
-                    if mode != "off" and r == 0:
-                        drafts[kind][0] += d
-                        drafts[kind][1] += a
-                if r == 0:
-                    same[kind] += got["off"] == got[on]
-            for mode in modes:
-                rates[kind, mode].append(toks[mode] / secs[mode] if secs[mode] else 0.0)
-            ratios[kind].append(rates[kind, on][-1] / rates[kind, "off"][-1])
-            print(f"  round {r + 1} {kind:7s} off {rates[kind, 'off'][-1]:7.1f} tok/s, {on} "
-                  f"{rates[kind, on][-1]:7.1f} tok/s ({ratios[kind][-1]:.2f}x)", flush=True)
+    peer_modes = ["off", "draft"] if peer else []
+    peer_rates = {(k, m): [] for k in kinds for m in peer_modes}
+    peer_drafts = {k: [0, 0] for k in kinds}
+    peer_same = {k: 0 for k in kinds}
+    try:
+        for r in range(args.rounds):
+            order = list(modes) if r % 2 == 0 else list(modes)[::-1]
+            for kind, ps in kinds.items():
+                toks, secs = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
+                ptoks, psecs = dict.fromkeys(peer_modes, 0), dict.fromkeys(peer_modes, 0.0)
+                for prompt in ps:
+                    got = {}
+                    for mode in order:
+                        gen, took, d, a = run(engine, prompt, args.max_tokens, modes[mode])
+                        toks[mode] += len(gen) - 1
+                        secs[mode] += took
+                        got[mode] = gen
+                        if mode != "off" and r == 0:
+                            drafts[kind][0] += d
+                            drafts[kind][1] += a
+                    if r == 0:
+                        same[kind] += got["off"] == got[on]
+                    texts = {}
+                    for mode in (peer_modes if r % 2 == 0 else peer_modes[::-1]):
+                        texts[mode], n, took, d, a = peer.run(mode, prompt, args.max_tokens)
+                        ptoks[mode] += n
+                        psecs[mode] += took
+                        if mode == "draft" and r == 0:
+                            peer_drafts[kind][0] += d
+                            peer_drafts[kind][1] += a
+                    if peer and r == 0:
+                        peer_same[kind] += texts["off"] == texts["draft"]
+                for mode in modes:
+                    rates[kind, mode].append(toks[mode] / secs[mode] if secs[mode] else 0.0)
+                for mode in peer_modes:
+                    peer_rates[kind, mode].append(ptoks[mode] / psecs[mode] if psecs[mode] else 0.0)
+                ratios[kind].append(rates[kind, on][-1] / rates[kind, "off"][-1])
+                print(f"  round {r + 1} {kind:7s} off {rates[kind, 'off'][-1]:7.1f} tok/s, {on} "
+                      f"{rates[kind, on][-1]:7.1f} tok/s ({ratios[kind][-1]:.2f}x)"
+                      + (f"; llama-server off {peer_rates[kind, 'off'][-1]:7.1f}, draft "
+                         f"{peer_rates[kind, 'draft'][-1]:7.1f}" if peer else ""), flush=True)
+    finally:
+        if peer:
+            peer.stop()
 
     name = Path(args.artifact).name
     how = (f"a draft model, {Path(args.draft).name}" if args.draft else
@@ -359,8 +438,25 @@ def main():
                      "drafted": d, "kept": a, "same_text": same[kind], "prompts": len(ps)})
         print(f"| {kind} | {off:.1f} | {with_drafts:.1f} | {ratio:.2f}x | {a} / {d} ({a / d if d else 0:.0%}) | "
               f"{same[kind]} of {len(ps)} |")
+    if peer:
+        print(f"\nThe same prompts on llama-server ({Path(args.peer).name}, -md {Path(args.peer_draft).name}, "
+              f"{args.threads} threads, drafts of up to {args.draft_max}), in the same rounds; medians\n")
+        print("| reply | llama-server tok/s, off | llama-server tok/s, draft | draft / off | draft tokens kept / made | "
+              "replies with the same text | qwc draft / llama-server draft |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for row in rows:
+            kind = row["reply"]
+            off, dr = (float(np.median(peer_rates[kind, m])) for m in ("off", "draft"))
+            ratio = float(np.median([b / a for a, b in zip(peer_rates[kind, "off"], peer_rates[kind, "draft"])]))
+            vs = float(np.median([q / lc for q, lc in zip(rates[kind, on], peer_rates[kind, "draft"])]))
+            d, a = peer_drafts[kind]
+            row["llama_server"] = {"off": off, "draft": dr, "ratio": ratio, "drafted": d, "kept": a,
+                                   "same_text": peer_same[kind], "qwc_over_llama_server": vs}
+            print(f"| {kind} | {off:.1f} | {dr:.1f} | {ratio:.2f}x | {a} / {d} ({a / d if d else 0:.0%}) | "
+                  f"{peer_same[kind]} of {row['prompts']} | {vs:.2f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps({"artifact": args.artifact, "draft": args.draft, "threads": args.threads,
+                                               "peer": args.peer, "peer_draft": args.peer_draft,
                                                "rows": rows}, indent=1))
 
 

@@ -98,14 +98,16 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
              held=sum(len(t.raw_data) for t in model.graph.initializer))
     quant = quant_summary(model)
     quant["activation_bits"] = act_bits
-    from .repack import half_gather_scales, q4_1_block_offsets, q8_0_nibble_halves, repack_weights
+    from .repack import float_column_blocks, half_gather_scales, q4_1_block_offsets, q8_0_nibble_halves, repack_weights
     with progress.stage("repacking weights for the target's kernels"):
         q8_0_nibble_halves(model, act_bits, target.features)
         q4_1_block_offsets(model, act_bits, target.features)
         repacked = repack_weights(model, act_bits, target.features)
         half_gather_scales(model)
-    if repacked:
-        quant["weight_layout"] = {"row_groups_16": repacked}
+        column_blocks = float_column_blocks(model, target.features)
+    layout = {**({"row_groups_16": repacked} if repacked else {}), **({"column_blocks": column_blocks} if column_blocks else {})}
+    if layout:
+        quant["weight_layout"] = layout
     if tuned:
         quant["tuned_kernels"] = tuned
     # `score` keeps every position's logits: the nodes as they are (copies: the rewrites below

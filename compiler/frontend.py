@@ -25,7 +25,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend as F
 
 from qwc.errors import QwcError
-from qwc.passes.graph import BLOCK_OFFSETS_ATTR, NIBBLE_HALVES_ATTR
+from qwc.passes.graph import BLOCK_OFFSETS_ATTR, COLUMN_BLOCKS_OP, NIBBLE_HALVES_ATTR
 from qwc.passes.last_position import GQA_STEP_INPUTS, STEP_LOGIT_TOKENS, STEP_SEGMENTS, STEP_TOKENS_OP
 
 from .kernels import attention as fast
@@ -303,6 +303,26 @@ class GroupQueryAttention(F.OnnxOpConverter):
         return relax.Tuple([out, kc, vc])
 
 
+class MatMulColumnBlocks(F.OnnxOpConverter):
+    """A float MatMul whose weight compiler/repack.py stored in column blocks [N / cols, K,
+    cols]: kernels/f32_matmul.py on [M, K] rows (M = 1: the decode form)."""
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        from .kernels import f32_matmul
+
+        a, w = inputs[0], inputs[1]
+        groups, k, cols = (int(d) for d in w.ty.shape)
+        n = groups * cols
+        lead = list(a.ty.shape)[:-1]
+        a2 = bb.emit(relax.op.reshape(a, [-1, k]))
+        m = a2.ty.shape[0]
+        one_token = getattr(m, "value", None) == 1
+        kernel = bb.add_func(f32_matmul.kernel(k, n, cols, one_token, vector_registers(_ctx().features)),
+                             _kname(f"f32_matmul_{'gemv' if one_token else 'gemm'}_{n}x{k}"))
+        y = bb.emit(relax.call_tir(kernel, [a2, w], relax.TensorType(shape=[m, n], dtype="float32")))
+        return bb.emit(relax.op.reshape(y, [*lead, n]))
+
+
 class StepTokens(F.OnnxOpConverter):
     """passes/last_position.py: the step entry point's tokens whose logits it returns (indices
     clipped: the runtime builds them, a wrong one must not read outside the buffer)."""
@@ -313,6 +333,7 @@ class StepTokens(F.OnnxOpConverter):
 
 _QWC_CONVERTERS = {
     STEP_TOKENS_OP: StepTokens,
+    COLUMN_BLOCKS_OP: MatMulColumnBlocks,
     "MatMulNBits": MatMulNBits,
     "GatherBlockQuantized": GatherBlockQuantized,
     "SimplifiedLayerNormalization": SimplifiedLayerNormalization,

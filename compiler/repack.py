@@ -6,7 +6,8 @@ Q4_1's block offsets beside the scales, Q8_0's row groups for the W8A8 kernels
 (row_groups.pack_int8), and the two rewrites that let the other weight formats take the Q4_0
 kernels with their values exact: Q4_1 as Q4_0 plus block offsets (q4_1_block_offsets), Q8_0 as
 two nibble halves where the target has no W8A8 kernels (q8_0_nibble_halves); both run before
-repack_weights. The
+repack_weights. Float linears (`--keep-float`) get their weights in blocks of columns
+(float_column_blocks, kernels/f32_matmul.py). The
 decision which kernel a matmul takes is `targets.q4_0_path`, the same one the importer makes,
 so the two cannot disagree. A tied embedding keeps reading the same (repacked) bytes: its
 GatherBlockQuantized is pointed at the repacked scales and imported with a gather for that
@@ -23,6 +24,7 @@ from onnx import helper
 
 from qwc.passes.graph import (
     BLOCK_OFFSETS_ATTR,
+    COLUMN_BLOCKS_OP,
     NIBBLE_HALVES_ATTR,
     Graph,
     has_block_offsets,
@@ -208,6 +210,44 @@ def half_gather_scales(model: onnx.ModelProto) -> int:
         if not np.array_equal(half.astype(np.float32), s):
             continue
         t.CopyFrom(new_tensor(half, name))
+        count += 1
+    return count
+
+
+def float_column_blocks(model: onnx.ModelProto, features) -> int:
+    """Give each float32 MatMul by a weight [K, N] the float kernel (kernels/f32_matmul.py): the
+    weight stored in blocks of columns, the node made a COLUMN_BLOCKS_OP. A weight that
+    anything else reads gets a packed copy of its own. A MatMul whose N is no multiple of the
+    target's vector stays for TVM's generic rule. Returns the nodes rewritten."""
+    from .kernels import f32_matmul
+    from .targets import vector_registers
+
+    graph = Graph(model)
+    inits, consumers = graph.inits, graph.consumers
+    registers = vector_registers(features)
+    packed: dict[str, str] = {}
+    count = 0
+    for node in model.graph.node:
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.input[1] not in inits:
+            continue
+        t = inits[node.input[1]]
+        if t.data_type != onnx.TensorProto.FLOAT or len(t.dims) != 2:
+            continue
+        cols = f32_matmul.columns(int(t.dims[1]), registers)
+        if cols is None:
+            continue
+        name = node.input[1]
+        if name not in packed:
+            w = f32_matmul.pack(tensor_array(t), cols)
+            if all(c.op_type == "MatMul" and c.input[1] == name and name not in c.input[:1]
+                   for c in consumers.get(name, [])):
+                inits[name].CopyFrom(new_tensor(w, name))   # into the compile's weight file
+                packed[name] = name
+            else:
+                packed[name] = name + ".qwc_column_blocks"
+                model.graph.initializer.append(new_tensor(w, packed[name]))
+        node.input[1] = packed[name]
+        node.op_type = COLUMN_BLOCKS_OP
         count += 1
     return count
 

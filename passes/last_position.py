@@ -13,8 +13,11 @@ from onnx import helper, numpy_helper
 
 from qwc.errors import QwcError
 from qwc.manifest import STEP_INPUTS
+from qwc.passes.graph import COLUMN_BLOCKS_OP
 
 SKIP_NORM = "SkipSimplifiedLayerNormalization"
+# A linear by a weight, position by position: Q4_0 / Q8_0 ones and the float ones in column blocks.
+LINEARS = {"MatMulNBits", COLUMN_BLOCKS_OP}
 
 
 def _add_constants(g):
@@ -131,7 +134,7 @@ def _last_layer_start(g, prod, head, inits: set[str]):
     norm = prod.get(final.input[0])
     if norm is None or norm.op_type != SKIP_NORM or len(norm.output) < 4 or norm.output[3] != final.input[0]:
         return None
-    branch = [i for i in (0, 1) if (p := prod.get(norm.input[i])) is not None and p.op_type == "MatMulNBits"
+    branch = [i for i in (0, 1) if (p := prod.get(norm.input[i])) is not None and p.op_type in LINEARS
               and len(readers.get(norm.input[i], [])) == 1]
     if len(branch) != 1:
         return None
@@ -142,7 +145,7 @@ def _last_layer_start(g, prod, head, inits: set[str]):
     # the nodes between the norm and the head: position-wise ops reading only each other,
     # constants and the norm's outputs, none of them a graph output
     between, frontier = {id(norm)}, [o for o in norm.output if o]
-    allowed = {"MatMulNBits", "Sigmoid", "Mul", "Add", SKIP_NORM}
+    allowed = {*LINEARS, "Sigmoid", "Mul", "Add", SKIP_NORM}
     made = set(frontier)
     while frontier:
         x = frontier.pop()

@@ -61,6 +61,15 @@ def tiny_q4(tiny_onnx, tiny_lm, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_float(tiny_onnx, tiny_lm, tmp_path_factory):
+    """The tiny export through the passes with every linear left in float (`--keep-float '*'`)."""
+    out = tmp_path_factory.mktemp("float") / "tiny.float.onnx"
+    m = optimize(onnx.load(str(tiny_onnx)), PassOptions(config=tiny_lm.config, keep_float=["*"]))
+    save_graph(m, out, tiny_lm.config, sidecar_paths(tiny_onnx)[1])
+    return out
+
+
 def torch_kv_logits(model, prompt: np.ndarray, steps: list[np.ndarray]) -> list[np.ndarray]:
     """Reference: transformers' own cache handling, prefill then one token per step."""
     from transformers.cache_utils import DynamicCache

@@ -102,6 +102,20 @@ def test_arm_logits_match_host(arm64_env, builds, tmp_path, target, act):
     assert [int(x.argmax()) for x in arm] == [int(x.argmax()) for x in host]
 
 
+@pytest.mark.parametrize("target", ["arm-yitian", "arm-neon"])
+def test_arm_float_linears_match_host(arm64_env, tiny_float, tmp_path, target):
+    """`--keep-float '*'`: the float column-block kernel on 4-lane NEON vectors, against the
+    host build's (16-lane) logits to 1e-5 of their range."""
+    art, host = tmp_path / f"{target}-float.qwc", tmp_path / "host-float.qwc"
+    compile_file(tiny_float, target, art, act_bits=32, kv_type="f32")
+    compile_file(tiny_float, "host", host, act_bits=32, kv_type="f32")
+    assert json.loads((art / "manifest.json").read_text())["quantization"]["weight_layout"]["column_blocks"] > 0
+    arm, ref = _run_arm(arm64_env, art, tmp_path), _host_logits(host)
+    assert arm.shape == ref.shape == (len(STEPS), 288)
+    assert np.abs(arm - ref).max() / np.abs(ref).max() < 1e-5
+    assert [int(x.argmax()) for x in arm] == [int(x.argmax()) for x in ref]
+
+
 def test_arm_decode_at_depth_splits_the_keys_and_matches_host(arm64_env, builds, tmp_path):
     """At depth the ARM decode attention splits the cached keys in spans of 512, a task each,
     merged after (targets.Kernels.decode_split_keys); the x86 host's takes them whole. 700
