@@ -38,8 +38,8 @@ def _run_kernel(k, n, m, registers, one_token=False, a=None, w=None):
 def test_the_float_kernel_takes_every_row_count(k, n, registers):
     """Every M from 1 to 17 (full tiles, then the leftover tiles of 4, 2 and 1 rows) and the
     decode form: every row written, each the numpy product to float32 rounding."""
-    for m in [*range(1, 18), 1]:
-        a, w, y = _run_kernel(k, n, m, registers, one_token=m == 1 and registers == REGISTERS[0])
+    for m, one_token in [*((m, False) for m in range(1, 18)), (1, True)]:
+        a, w, y = _run_kernel(k, n, m, registers, one_token)
         ref = a.astype(np.float64) @ w.astype(np.float64)
         np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * k ** 0.5 * np.abs(ref).max())
 
