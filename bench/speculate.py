@@ -56,6 +56,7 @@ import argparse
 import json
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -139,8 +140,6 @@ class Peer:
     both started at once (only the one asked works at a time)."""
 
     def __init__(self, args):
-        import sys
-
         sys.path.insert(0, str(Path(__file__).parent))
         from peers import llamacpp_tools
         from serve import start, wait_ready

@@ -105,7 +105,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
         repacked = repack_weights(model, act_bits, target.features)
         half_gather_scales(model)
         column_blocks = float_column_blocks(model, target.features)
-    layout = {**({"row_groups_16": repacked} if repacked else {}), **({"column_blocks": column_blocks} if column_blocks else {})}
+    layout = {k: v for k, v in (("row_groups_16", repacked), ("column_blocks", column_blocks)) if v}
     if layout:
         quant["weight_layout"] = layout
     if tuned:
