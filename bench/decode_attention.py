@@ -91,7 +91,7 @@ def measure(depth: int, dtype: str, rounds: int) -> dict[str, float]:
     seqlens = tvm.runtime.tensor(np.array([depth], np.int32))
     nb = HEADS * HEAD_DIM // 32
     outs = [tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in (
-        ((1, 1, HEADS * HEAD_DIM), np.float32), ((1, nb, 32), np.int8), ((1, nb), np.float32), ((1, nb), np.float32))]
+        ((1, 1, HEADS * HEAD_DIM), np.float32), ((1, nb, 32), np.int8), ((1, nb), np.float32), ((1, nb), np.int32))]
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
         for name, f in fns.items():

@@ -128,7 +128,7 @@ def qwc_stream(n: int, k: int, total: float = 290e6, rounds: int = 4) -> float |
                     target=target.tvm_target())["main"]
     rng = np.random.default_rng(2)
     act = [tvm.runtime.tensor(rng.integers(-127, 128, (1, nb, 32), dtype=np.int8)),
-           tvm.runtime.tensor(rng.random((1, nb), dtype=np.float32)), tvm.runtime.tensor(rng.random((1, nb), dtype=np.float32))]
+           tvm.runtime.tensor(rng.random((1, nb), dtype=np.float32)), tvm.runtime.tensor(rng.integers(-1000, 1000, (1, nb), dtype=np.int32))]
     y = tvm.runtime.tensor(np.zeros((1, n), np.float32))
     per_set = groups(n) * nb * (256 + 32)
     sets = [(tvm.runtime.tensor(rng.integers(0, 256, (groups(n), nb, 4, 64), dtype=np.uint8)),

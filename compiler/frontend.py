@@ -178,7 +178,7 @@ class MatMulNBits(F.OnnxOpConverter):
         scales = [m, nb, 2] if layout == "arm_pairs" else [m, nb]   # act_quant.fused_quantizer
         q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
               relax.TensorType(shape=scales, dtype="float32"),
-              relax.TensorType(shape=scales, dtype="float32" if layout == "plain" else "int32")]
+              relax.TensorType(shape=scales, dtype="int32")]
         quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token, layout=layout),
                             _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token, layout=layout)))
         parts = bb.emit(relax.call_tir(quant, [a2], q8))

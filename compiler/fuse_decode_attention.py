@@ -125,7 +125,7 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, l
                 nb = f["heads"] * f["head_dim"] // act_quant.BLOCK
                 q8 = [] if not quantize else [relax.TensorType(shape=[1, nb, act_quant.BLOCK], dtype="int8"),
                                               relax.TensorType(shape=[1, nb], dtype="float32"),
-                                              relax.TensorType(shape=[1, nb], dtype="float32" if layout == "plain" else "int32")]
+                                              relax.TensorType(shape=[1, nb], dtype="int32")]
                 # outputs: out (new), the two caches (in place), the Q8_0 blocks (new)
                 call = rw.emit(relax.call_tir_inplace(
                     gv, [rw.var(x) for x in f["inputs"]], [-1, 3, 4] + [-1] * len(q8),

@@ -109,12 +109,11 @@ def _a8_standin(n: int, nb: int, m: int, impl: str):
 
     ng = groups(n)
     layout = GEMM_LAYOUT[impl]                           # act_quant.fused_quantizer's
-    off_dtype = "float32" if layout == "plain" else "int32"
     scales = (m, nb, 2) if layout == "arm_pairs" else (m, nb)
 
     @T.prim_func(private=True, check_well_formed=False)
     def standin(aq: T.Buffer((m, nb, 32), "int8"), ad: T.Buffer(scales, "float32"),
-                off: T.Buffer(scales, off_dtype), w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
+                off: T.Buffer(scales, "int32"), w: T.Buffer((ng, nb, 4, 4 * ROWS), "uint8"),
                 ws: T.Buffer((ng, nb, ROWS), "float16"), y: T.Buffer((m, n), "float32")):
         with T.sblock("root"):
             y[0, 0] = T.float32(0)

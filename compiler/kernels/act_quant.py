@@ -56,9 +56,9 @@ def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int, flat=None):
     """Emit block b of row i (aq [., NB, 32], ad and off [., NB]) from its elements 0..15 and
     16..31 (two float32x16 values): the whole blocks' code, shared by the quantizer and by
     the decode GEMV that quantizes its own output (kernels/x86/vnni.py). T: TVMScript's or the
-    IR builder's tirx module. With `flat` (the ARM quantizers), aq, ad and off are flat int8,
-    float32 and int32 buffers and flat = (aq_at, scale_at): byte e of the block goes to
-    aq[aq_at(e)], the scale and the offset (an int32) to each index of scale_at."""
+    IR builder's tirx module. The offset is an int32. With `flat` (the ARM quantizers), aq, ad
+    and off are flat int8, float32 and int32 buffers and flat = (aq_at, scale_at): byte e of
+    the block goes to aq[aq_at(e)], the scale and the offset to each index of scale_at."""
     ev = _let(T, "ev", tirx.Shuffle([lo, hi], EVENS))
     od = _let(T, "od", tirx.Shuffle([lo, hi], ODDS))
     # |x| >= 0 orders like its bit pattern: an integer max reduces as a tree, where
@@ -82,7 +82,7 @@ def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int, flat=None):
     if flat is None:
         T.buffer_store(aq, T.Cast(f"int8x{HALF}", qe), [i, b, T.ramp(0, 1, HALF)])
         T.buffer_store(aq, T.Cast(f"int8x{HALF}", qo), [i, b, T.ramp(HALF, 1, HALF)])
-        T.buffer_store(off, T.Cast("float32", total) * T.float32(zero_point), [i, b])
+        T.buffer_store(off, total * T.int32(zero_point), [i, b])
         return
     aq_at, scale_at = flat
     for half, q in ((0, qe), (1, qo)):
@@ -115,8 +115,8 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     `parts` > 1 (an ARM decode RMSNorm): x comes as [parts, K], the parts of a decode GEMV
     that split its blocks (arm/dotprod.py), and the kernel also writes their sum h [1, K],
     the residual stream, as a fourth output.
-    `layout`: "plain" (x86: the offsets as float32), "arm" (int32 offsets, which the sdot and
-    smmla kernels start their accumulators from), "arm_pairs" (int32 offsets; everything
+    The offsets are int32: every W4A8 kernel starts its integer accumulators from them.
+    `layout`: "plain" (x86), "arm" (the flat layout of the sdot kernels), "arm_pairs" (everything
     block-major and rows pair-interleaved for the i8mm GEMM: pair_index; scales and offsets
     [M, NB, 2], each written twice: see flat).
 
@@ -141,7 +141,6 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     chunk = -(-full // RMS_TASKS) if split_rms else 0
     rms_tasks = -(-full // chunk) if split_rms else 0
     rows = T.int64()
-    off_dtype = "float32" if layout == "plain" else "int32"
     copies = 2 if layout == "arm_pairs" else 1
     scale_shape = (rows, nb, 2) if layout == "arm_pairs" else (rows, nb)
 
@@ -200,7 +199,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
                     st[0] > T.float32(0) and col < k,
                     x_at(a, g, u, i, T.min(col, k - 1), 1) / ad[i, b], T.float32(0)), 1))
                 st[1] = st[1] + T.Cast("float32", aq[i, b, t])
-            off[i, b] = st[1] * T.float32(zero_point)
+            off[i, b] = T.Cast("int32", st[1]) * T.int32(zero_point)
         else:   # the same at the ARM layouts' flat places (flat), the offset an int32
             ad[flat(i, b)[1][0]] = st[0] / T.float32(127)
             if copies == 2:
@@ -278,7 +277,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         aq3 = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
         ad2 = T.match_buffer(var_ad, scale_shape, "float32")
-        off2 = T.match_buffer(var_off, scale_shape, off_dtype)
+        off2 = T.match_buffer(var_off, scale_shape, "int32")
         with T.sblock("root"):   # relax's reshape-pattern analysis insists on one (single input)
             # the ARM layouts address the outputs flat (pair_index)
             aq = aq3 if layout == "plain" else T.decl_buffer((rows * nb * BLOCK,), "int8", data=aq3.data)

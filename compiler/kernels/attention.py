@@ -836,17 +836,16 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     segments [G, 3], positions [1, t], and out [1, t, ...] written in place at those tokens
     only.
 
-    `layout`: the o projection's activation layout (act_quant.LAYOUTS: "plain", float32
-    offsets, x86; "arm", int32 offsets, the sdot GEMV). `heads_per_task` (a divisor of the
-    group; default the whole group): fewer query heads a task and more tasks, for many-core
+    `layout`: the o projection's activation layout (act_quant.LAYOUTS: "plain", x86; "arm",
+    the sdot GEMV's). `heads_per_task` (a divisor of the group; default the whole group):
+    fewer query heads a task and more tasks, for many-core
     machines (ARM: one head a task, 14 tasks on a 0.5B where a task per kv head gives 2).
     Every task of a kv head then writes the same new key and value into the cache before it
     reads them, so whichever task's store a reader sees, the bytes are the ones it wrote.
 
     Arguments: q [1, 1, heads*head_dim] and k, v [1, 1, kv_heads*head_dim] before rotary, the
     K and V caches (of `kv_dtype`, written in place), seqlens [1], position_ids, cos, sin, then the outputs:
-    out (q's shape) and, with `zero_point`, aq [1, NB, 32], ad and off [1, NB] (off int32 in
-    the "arm" layout)."""
+    out (q's shape) and, with `zero_point`, aq [1, NB, 32], ad and off [1, NB] (off int32)."""
     from tvm.script import tirx as T
 
     from .act_quant import BLOCK, quantize_block
@@ -1258,13 +1257,11 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         return hand_scheduled(kernel)
 
     if quantize:
-        off_dtype = "float32" if layout == "plain" else "int32"
-
         @T.prim_func(private=True, check_well_formed=False)
         def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
                    seqlens: T.Buffer((1,), "int32"), pos: T.Buffer((1, 1), pos_dtype), var_cos: T.handle,
                    var_sin: T.handle, var_out: T.handle, aq: T.Buffer((1, nb, BLOCK), "int8"),
-                   ad: T.Buffer((1, nb), "float32"), off: T.Buffer((1, nb), off_dtype)):
+                   ad: T.Buffer((1, nb), "float32"), off: T.Buffer((1, nb), "int32")):
             kernel_body(var_q, var_k, var_v, var_kc, var_vc, seqlens, pos, var_cos, var_sin, var_out, aq, ad, off)
         return hand_scheduled(kernel)
 

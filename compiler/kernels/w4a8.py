@@ -35,13 +35,13 @@ def token_count(m: int | None):
     return tirx.Var("m", "int64") if m is None else m
 
 
-def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, off_dtype: str = "float32",
-                pair_scales: bool = False, chunks: int = 4, offsets: bool = False):
+def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: bool = False, chunks: int = 4,
+                offsets: bool = False):
     """The PrimFunc of a W4A8 matmul whose root block is the macro `body(w, aq, off, ws, ad, y,
-    wc)`. `off_dtype`: float32 (x86) or int32 (ARM: offsets start the integer accumulators);
-    `pair_scales`: ad and off are [M, NB, 2] (act_quant layout "arm_pairs"); `chunks`: the
-    weights' 64-byte chunks a block (8: Q8_0 codes, row_groups.pack_int8); `offsets`: Q4_1's
-    block offsets wc [G, NB, 16] float32 follow the scales (else wc is None)."""
+    wc)`. The offsets off are int32: they start the integer accumulators. `pair_scales`: ad and
+    off are [M, NB, 2] (act_quant layout "arm_pairs"); `chunks`: the weights' 64-byte chunks a
+    block (8: Q8_0 codes, row_groups.pack_int8); `offsets`: Q4_1's block offsets wc [G, NB, 16]
+    float32 follow the scales (else wc is None)."""
     ng = groups(n)
     act = (rows_in, nb, 2) if pair_scales else (rows_in, nb)
 
@@ -53,7 +53,7 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, off_dtype: str
             T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
             aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
             ad = T.match_buffer(var_ad, act, "float32")
-            off = T.match_buffer(var_off, act, off_dtype)
+            off = T.match_buffer(var_off, act, "int32")
             y = T.match_buffer(var_y, (rows_in, n), "float32")
             with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
                 body(w, aq, off, ws, ad, y, None)
@@ -66,7 +66,7 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, off_dtype: str
         T.func_attr({"tir.noalias": True, "op_pattern": 8})
         aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
         ad = T.match_buffer(var_ad, act, "float32")
-        off = T.match_buffer(var_off, act, off_dtype)
+        off = T.match_buffer(var_off, act, "int32")
         y = T.match_buffer(var_y, (rows_in, n), "float32")
         with T.sblock("root"):
             body(w, aq, off, ws, ad, y, wc)

@@ -155,7 +155,7 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
                 for i in range(rows_in // tm * tm, rows_in):
                     tile(w, aq, off, ws, ad, y, wc, gq // SLICES, gq % SLICES, i, 1)
 
-    return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32", chunks=chunks(bits), offsets=offsets)
+    return gemm_kernel(n, nb, scale_dtype, rows_in, body, chunks=chunks(bits), offsets=offsets)
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,

@@ -251,5 +251,5 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             if rows_in % 2 == 1:
                 last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1)
 
-    return gemm_kernel(n, nb, scale_dtype, rows_in, body, off_dtype="int32", pair_scales=True,
+    return gemm_kernel(n, nb, scale_dtype, rows_in, body, pair_scales=True,
                        chunks=chunks(bits), offsets=offsets)

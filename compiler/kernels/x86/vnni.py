@@ -31,9 +31,13 @@ from .. import DECODE_GEMV, SCHEDULED, dot_bits
 from ..row_groups import ROWS, chunks, groups
 from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 
-# Tokens per prefill tile, the hand value (`qwc tune` searches targets.W4A8.prefill_tokens):
-# see this module's docstring.
-DEFAULT_TOKENS = {"vnni": 4, "avx2": 4, "vnni8": 4}
+# Tokens per prefill tile, the hand value (`qwc tune` searches targets.W4A8.prefill_tokens).
+# A tile's block costs 8 vpdpbusd a token plus the per-token add, convert, scale and FMA (12
+# vector uops), and its unpacking (4 and + 4 shifts, the scales' convert: 10) once: 8 tokens
+# take that share from 2.5 uops a token to 1.25. AVX-512's 32 registers hold the 8 sums, the 8
+# unpacked vectors and the int32 chains (no spills); 8 over 4 with int32 offsets, 2 threads,
+# Intel Xeon: 1.03-1.11x (bench/prefill_gemm.py, docs/results.md). AVX2's 16 registers keep 4.
+DEFAULT_TOKENS = {"vnni": 8, "avx2": 4, "vnni8": 8}
 DECODE_EPILOGUES = frozenset({"bias", "silu_mul", "quantize"})   # decode_gemv's
 
 # Decode prefetches the weights 4 blocks (1 KiB) ahead into L1, in each of its STREAMS
@@ -64,14 +68,14 @@ def _block_dot(T, w, aq, off, g, b, t, dot: str = "vnni"):
         return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", aq.vload([t, b, 4 * j], "int8x4")), 16))
 
     if dot_bits(dot) == 8:   # Q8_0's u = q + 128: from 16 x (-8 x sum(a)), the codes as they are
-        lo = T.broadcast(T.Cast("int32", off[t, b] * T.float32(16)), 16)
+        lo = T.broadcast(off[t, b] * T.int32(16), 16)
         hi = T.broadcast(T.int32(0), 16)
         for i in range(4):
             lo = T.call_llvm_pure_intrin("int32x16", dp, lo, w.vload([g, b, i, 0], "uint8x64"), act(i))
             hi = T.call_llvm_pure_intrin("int32x16", dp, hi, w.vload([g, b, 4 + i, 0], "uint8x64"), act(4 + i))
         return lo + hi
 
-    lo = T.broadcast(T.Cast("int32", off[t, b]), 16)
+    lo = T.broadcast(off[t, b], 16)   # an int32 from memory: a broadcast load, no ALU work
     hi = T.broadcast(T.int32(0), 16)
     for i in range(4):
         lo = T.call_llvm_pure_intrin("int32x16", dp, lo, w.vload([g, b, i, 0], "uint8x64") & T.broadcast(T.uint8(15), 64), act(i))
@@ -100,14 +104,15 @@ def _block_dot_avx2(T, w, aq, off, g, b, t):
                 p = T.call_llvm_pure_intrin("int16x16", ubsw, q, act(j))
                 s16 = p if s16 is None else s16 + p
         halves.append(T.call_llvm_pure_intrin("int32x8", wd, s16, T.broadcast(T.int16(1), 16))
-                      + T.broadcast(T.Cast("int32", off[t, b]), 8))
+                      + T.broadcast(off[t, b], 8))
     return T.Shuffle(halves, list(range(16)))
 
 
 def _offsets_term(T, wc, ad, off, g, b, t):
     """float32x16: Q4_1's block offsets of the 16 rows times the activations' block sum (scale x
     sum of the codes, from the quantizer's offset): the minimum's term, one FMA a block."""
-    return wc.vload([g, b, 0], "float32x16") * T.broadcast(ad[t, b] * off[t, b] * T.float32(block_sum_factor()), ROWS)
+    return wc.vload([g, b, 0], "float32x16") * T.broadcast(
+        ad[t, b] * T.Cast("float32", off[t, b]) * T.float32(block_sum_factor()), ROWS)
 
 
 def _scales(T, ws, g, b, scale_dtype):
@@ -124,7 +129,7 @@ def _scales(T, ws, g, b, scale_dtype):
 # 0.5B shape, 2 threads, Zen 5, step ms at B = 1/2/4/6/8/12/16: the prefill form (4-token tiles,
 # leftovers one at a time) 6.54/7.55/7.81/9.78/11.64/18.43/21.83, this form
 # 6.34/6.62/7.65/9.46/9.96/15.08/18.71 (bench/decode_step.py; docs/results.md).
-BATCHED_DECODE_TOKENS = 8   # q4_matmul's leftover tiles (4, 2, 1) assume 8
+BATCHED_DECODE_TOKENS = 8
 
 # A few tokens (a batched decode step of few sequences, a speculative verify call, a short
 # prompt) read every weight once from DRAM for little arithmetic: memory-bound like decode, so
@@ -140,8 +145,22 @@ BATCHED_DECODE_TOKENS = 8   # q4_matmul's leftover tiles (4, 2, 1) assume 8
 #   32.4 / 37.4 / 32.2; 4 streams to 4 tokens 12.3 / 15.0 / 18.2 (4, 2, 1 streams: 13.0 / 17.8 /
 #   20.9); 2 streams at 5 22.3; 1 stream at 6-8 25.5 / 28.7 / 32.0 (2 at 6: 25.0).
 # docs/results.md, "Few tokens in decode's streams".
-FEW_STREAMS = (4, 4, 4, 4, 2, 1, 1, 1)
-FEW_TOKENS = len(FEW_STREAMS)
+# With 8-token tiles and int32 offsets (2026-11-28) a block's arithmetic at 5-8 tokens takes as
+# long as its weights take to arrive, and decode's 4 blocks ahead no longer hid that: AVX-512
+# prefetches FEW_AHEAD blocks ahead a thread, over its streams (4 streams: 4 each, as decode).
+# 24 layers' linears on distinct weights, 2 threads, Intel Xeon, ms at M = 6 / 8 / 12 / 16: 4
+# ahead 10.4 / 11.2 / 14.5 / 18.7, 16 ahead 8.1 / 8.8 / 12.7 / 16.9 (Q8_0 at M = 8: 16.3 ->
+# 15.7). At M = 5 one stream now beats two (7.11 / 7.26 ms; the 0.5B's batched step of 5
+# sequences 12.6 / 12.7 against 13.9 before); at M = 4 two streams were level with four (the
+# step 12.35 / 12.03 ms), so four stay. AVX2's (unmeasured on an AVX2 machine since) stay.
+FEW_STREAMS = {"vnni": (4, 4, 4, 4, 1, 1, 1, 1), "vnni8": (4, 4, 4, 4, 2, 1, 1, 1), "avx2": (4, 4, 4, 4, 2, 1, 1, 1)}
+FEW_TOKENS = 8
+FEW_AHEAD = {"vnni": 16, "vnni8": 16}
+
+
+def few_ahead(dot: str, streams: int) -> int:
+    """Blocks a stream of the few-token forms prefetches ahead (AVX2: decode's PREFETCH each)."""
+    return FEW_AHEAD[dot] // streams if dot in FEW_AHEAD else PREFETCH[0][0]
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
@@ -158,7 +177,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
     ng = groups(n)
     tm = BATCHED_DECODE_TOKENS if batched_decode else tokens or DEFAULT_TOKENS[dot]
     rows_in = token_count(m)
-    ahead, locality = PREFETCH[0]   # batched decode: the GEMV's (one) prefetch distance
+    locality = PREFETCH[0][1]
 
     @T.macro
     def tile(w, aq, off, ws, ad, y, wc, g, first, count, prefetch):
@@ -173,7 +192,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         for b in range(nb):
             if prefetch:   # decided when the kernel is built
                 for i in T.unroll(chunks(dot_bits(dot))):
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + ahead, i, 0]),
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + few_ahead(dot, 1), i, 0]),
                                                   T.int32(0), T.int32(locality), T.int32(1)))
             for t in T.unroll(count):
                 acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + T.Cast(
@@ -204,7 +223,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                     for h in T.unroll(streams):
                         for i in T.unroll(chunks(dot_bits(dot))):
                             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
-                                                          T.address_of(w[h * (ng // streams) + task, b + ahead, i, 0]),
+                                                          T.address_of(w[h * (ng // streams) + task, b + few_ahead(dot, streams), i, 0]),
                                                           T.int32(0), T.int32(locality), T.int32(1)))
                     for h in T.unroll(streams):
                         for t in T.unroll(count):
@@ -227,7 +246,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         for g in T.parallel(ng):
             for it in range(rows_in // tm):
                 tile(w, aq, off, ws, ad, y, wc, g, it * tm, tm, batched_decode)
-            if batched_decode:  # decided when the kernel is built
+            if tm == 8:  # decided when the kernel is built (batched decode's tiles, AVX-512 prefill's)
                 # the r = M mod 8 leftover tokens: one tile per set bit of r, largest first
                 if (rows_in % tm) // 4 % 2 == 1:
                     tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm, 4, False)
@@ -243,21 +262,21 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
     def body(w, aq, off, ws, ad, y, wc):
         if m is None and rows_in <= FEW_TOKENS:   # (a fixed M is `qwc tune` measuring tiles)
             if rows_in == 1:
-                streamed(w, aq, off, ws, ad, y, wc, 1, FEW_STREAMS[0])
+                streamed(w, aq, off, ws, ad, y, wc, 1, FEW_STREAMS[dot][0])
             elif rows_in == 2:
-                streamed(w, aq, off, ws, ad, y, wc, 2, FEW_STREAMS[1])
+                streamed(w, aq, off, ws, ad, y, wc, 2, FEW_STREAMS[dot][1])
             elif rows_in == 3:
-                streamed(w, aq, off, ws, ad, y, wc, 3, FEW_STREAMS[2])
+                streamed(w, aq, off, ws, ad, y, wc, 3, FEW_STREAMS[dot][2])
             elif rows_in == 4:
-                streamed(w, aq, off, ws, ad, y, wc, 4, FEW_STREAMS[3])
+                streamed(w, aq, off, ws, ad, y, wc, 4, FEW_STREAMS[dot][3])
             elif rows_in == 5:
-                streamed(w, aq, off, ws, ad, y, wc, 5, FEW_STREAMS[4])
+                streamed(w, aq, off, ws, ad, y, wc, 5, FEW_STREAMS[dot][4])
             elif rows_in == 6:
-                streamed(w, aq, off, ws, ad, y, wc, 6, FEW_STREAMS[5])
+                streamed(w, aq, off, ws, ad, y, wc, 6, FEW_STREAMS[dot][5])
             elif rows_in == 7:
-                streamed(w, aq, off, ws, ad, y, wc, 7, FEW_STREAMS[6])
+                streamed(w, aq, off, ws, ad, y, wc, 7, FEW_STREAMS[dot][6])
             else:
-                streamed(w, aq, off, ws, ad, y, wc, 8, FEW_STREAMS[7])
+                streamed(w, aq, off, ws, ad, y, wc, 8, FEW_STREAMS[dot][7])
         else:
             tiled(w, aq, off, ws, ad, y, wc)
 
@@ -379,7 +398,7 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
             T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True, **({} if silu_mul else {DECODE_GEMV: dot})})
             aq = T.arg("aq", T.buffer((1, nb, 32), "int8"))
             ad = T.arg("ad", T.buffer((1, nb), "float32"))
-            off = T.arg("off", T.buffer((1, nb), "float32"))
+            off = T.arg("off", T.buffer((1, nb), "int32"))
             weights = []
             for i, (n, has_bias, has_offsets) in enumerate(outputs):
                 w = T.arg(f"w{i}", T.buffer((groups(n), nb, chunks(dot_bits(dot)), 4 * ROWS), "uint8"))
@@ -391,7 +410,7 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
             n0 = outputs[0][0]
             if quantize is not None:   # the down projection's aq, ad, off
                 y = (T.arg("yq", T.buffer((1, n0 // BLOCK, BLOCK), "int8")),
-                     T.arg("yd", T.buffer((1, n0 // BLOCK), "float32")), T.arg("yoff", T.buffer((1, n0 // BLOCK), "float32")))
+                     T.arg("yd", T.buffer((1, n0 // BLOCK), "float32")), T.arg("yoff", T.buffer((1, n0 // BLOCK), "int32")))
             elif silu_mul:
                 y = T.arg("y", T.buffer((1, n0), "float32"))
             jobs = ([(n0, weights, y)] if silu_mul else
