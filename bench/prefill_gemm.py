@@ -118,6 +118,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    unknown = [s for s in args.sizes.split(",") if s not in SIZES]
+    if unknown:
+        ap.error(f"unknown size {unknown[0]!r} (known: {', '.join(SIZES)})")
     os.environ["TVM_NUM_THREADS"] = str(args.threads)   # before TVM's pool starts
 
     from qwc.compiler.kernels.x86 import vnni
