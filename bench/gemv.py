@@ -40,15 +40,16 @@ SHAPES = [("q_proj", 896, 896), ("k/v_proj", 128, 896), ("o_proj", 896, 896), ("
           ("down_proj", 896, 4864), ("lm_head", 151936, 896)]
 
 
-def gemv_graph(n: int, k: int, block: int = 32) -> onnx.ModelProto:
+def gemv_graph(n: int, k: int, block: int = 32, m: int = 1) -> onnx.ModelProto:
+    """onnxruntime's MatMulNBits alone: x [1, m, K] by random Q4_0-like weights [N, K]."""
     rng = np.random.default_rng(0)
     nb = (k + block - 1) // block
     w = rng.integers(0, 256, (n, nb, block // 2), dtype=np.uint8)
     s = (rng.random((n, nb), dtype=np.float32) * 0.01).astype(np.float32)
     node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
                             block_size=block)
-    g = helper.make_graph([node], "gemv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, n])],
+    g = helper.make_graph([node], "gemv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, m, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, m, n])],
                           [numpy_helper.from_array(w, "w"), numpy_helper.from_array(s, "s")])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)],
                              ir_version=10)
@@ -145,7 +146,9 @@ def qwc_stream(n: int, k: int, total: float = 290e6, rounds: int = 4) -> float |
     return best
 
 
-def ort_gemv(model, threads, accuracy_level):
+def ort_gemv(model, threads, accuracy_level, spin: bool = True):
+    """A call of `model` (gemv_graph's) in onnxruntime. `spin` False: its idle threads do not
+    spin after a call, taking the cores from whatever is timed next."""
     import onnxruntime as ort
 
     m = onnx.ModelProto()
@@ -154,9 +157,11 @@ def ort_gemv(model, threads, accuracy_level):
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
+    if not spin:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    k = model.graph.input[0].type.tensor_type.shape.dim[2].dim_value
-    x = np.random.default_rng(1).standard_normal((1, 1, k), dtype=np.float32)
+    x = np.random.default_rng(1).standard_normal(
+        [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim], dtype=np.float32)
     return lambda: sess.run(None, {"x": x})
 
 

@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gemv import gemv_graph, ort_gemv  # noqa: E402  (bench/gemv.py)
 
 # (d_model, d_ff) of the sizes users run
 SIZES = {"0.5b": (896, 4864), "1.5b": (1536, 8960), "3b": (2048, 11008), "7b": (3584, 18944)}
@@ -59,27 +64,9 @@ def qwc_gemm(n: int, k: int, m: int, tiles: int, dot: str, target):
 
 
 def ort_gemm(n: int, k: int, m: int, threads: int):
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    nb = k // 32
-    node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=32, accuracy_level=4)
-    g = helper.make_graph([node], "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, m, k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, m, n])],
-                          [numpy_helper.from_array(rng.integers(0, 256, (n, nb, 16), dtype=np.uint8), "w"),
-                           numpy_helper.from_array((rng.random((n, nb), dtype=np.float32) * 0.01), "s")])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)],
-                              ir_version=10)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    # idle threads that spin after a call would take the cores from the system timed next
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    x = rng.standard_normal((1, m, k), dtype=np.float32)
-    return lambda: sess.run(None, {"x": x})
+    """onnxruntime's MatMulNBits at int8 compute (accuracy_level 4), without spinning threads:
+    they would take the cores from the system timed next (qwc's first shape ran at 0.31x)."""
+    return ort_gemv(gemv_graph(n, k, m=m), threads, 4, spin=False)
 
 
 def vpdpbusd_peak(threads: int, target, iters: int = 20_000):
