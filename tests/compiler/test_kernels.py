@@ -3,6 +3,8 @@ of 32), N not a multiple of the row interleave, M = 1, 3, 17."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from tvm import relax
@@ -219,14 +221,16 @@ def test_w4a8_batched_decode_gemm_takes_every_token_count(dot):
             mod = bb.get()
         finally:
             _CONTEXT.reset(token)
-        # the form asked for is the one built: the batched tiles prefetch, the prefill ones do
-        # not (both share the streamed few-token branch, which does)
-        prefetches[batched] = mod.script().count("llvm.prefetch")
+        # the form asked for is the one built: the batched tiles prefetch their own weights into
+        # L1 (locality 3), the prefill ones the next groups' into L2 (2) in a group's first
+        # tile (both share the streamed few-token branch, which prefetches into L1)
+        script = mod.script()
+        prefetches[batched] = {loc: len(re.findall(rf"llvm\.prefetch\b.*, 0, {loc}, 1\)", script)) for loc in (2, 3)}
         vm = relax.VirtualMachine(build(mod, get_target("host")), tvm.cpu())
         for rows in range(1, 18):
             a = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
             outs[batched, rows] = (a, vm["main"](*(tvm.runtime.tensor(x) for x in (a, wr, dr))).numpy())
-    assert prefetches[True] > prefetches[False] > 0
+    assert prefetches[True][3] > prefetches[False][3] > 0 and prefetches[False][2] > 0 == prefetches[True][2]
     for rows in range(1, 18):
         a, got = outs[True, rows]
         np.testing.assert_array_equal(got, outs[False, rows][1])

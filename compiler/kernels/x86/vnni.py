@@ -57,30 +57,40 @@ PREFETCH = ((4, 3),)   # (blocks ahead, LLVM locality: 3 = L1, 2 = L2)
 STREAMS = 4
 def _block_dot(T, w, aq, off, g, b, t, dot: str = "vnni"):
     """int32x16: the 16 rows' dot(q - 8, a) for block b and token t, as one expression (named
-    temporaries would become per-thread allocations inside the parallel loop). Two chains
-    (low and high nibbles) halve the dependent vpdpbusd latency. `dot` "avx2": the same sums
+    temporaries would become per-thread allocations inside the parallel loop): decode's one
+    token. Two chains (low and high nibbles) halve the dependent vpdpbusd latency; the GEMMs'
+    tokens are their independent chains (q4_matmul: accumulate). `dot` "avx2": the same sums
     from AVX2's vpmaddubsw + vpmaddwd on each 256-bit half (rows 0-7, 8-15)."""
     if dot == "avx2":
         return _block_dot_avx2(T, w, aq, off, g, b, t)
     dp = "llvm.x86.avx512.vpdpbusd.512"
-
-    def act(j):   # activation bytes 4j..4j+3 in every lane
-        return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", aq.vload([t, b, 4 * j], "int8x4")), 16))
-
-    if dot_bits(dot) == 8:   # Q8_0's u = q + 128: from 16 x (-8 x sum(a)), the codes as they are
-        lo = T.broadcast(off[t, b] * T.int32(16), 16)
-        hi = T.broadcast(T.int32(0), 16)
-        for i in range(4):
-            lo = T.call_llvm_pure_intrin("int32x16", dp, lo, w.vload([g, b, i, 0], "uint8x64"), act(i))
-            hi = T.call_llvm_pure_intrin("int32x16", dp, hi, w.vload([g, b, 4 + i, 0], "uint8x64"), act(4 + i))
-        return lo + hi
-
-    lo = T.broadcast(off[t, b], 16)   # an int32 from memory: a broadcast load, no ALU work
+    lo = T.broadcast(_start(T, off, t, b, dot), 16)
     hi = T.broadcast(T.int32(0), 16)
     for i in range(4):
-        lo = T.call_llvm_pure_intrin("int32x16", dp, lo, w.vload([g, b, i, 0], "uint8x64") & T.broadcast(T.uint8(15), 64), act(i))
-        hi = T.call_llvm_pure_intrin("int32x16", dp, hi, w.vload([g, b, i, 0], "uint8x64") >> T.broadcast(T.uint8(4), 64), act(4 + i))
+        lo = T.call_llvm_pure_intrin("int32x16", dp, lo, _codes(T, w, g, b, i, False, dot), _act(T, aq, t, b, i))
+        hi = T.call_llvm_pure_intrin("int32x16", dp, hi, _codes(T, w, g, b, i, True, dot), _act(T, aq, t, b, 4 + i))
     return lo + hi
+
+
+def _start(T, off, t, b, dot: str):
+    """int32: where token t's block b sums start. Q4_0: the quantizer's -8 x sum(a), an int32
+    from memory (a broadcast load, no ALU work); Q8_0's u = q + 128: 16 times that."""
+    return off[t, b] * T.int32(16) if dot_bits(dot) == 8 else off[t, b]
+
+
+def _codes(T, w, g, b, i, high: bool, dot: str):
+    """uint8x64: the 16 rows' codes of block b that meet activation bytes 4j..4j+3, j = i (+ 4
+    if `high`): Q4_0's chunk i, its low or high nibbles; Q8_0's chunk j, as it is."""
+    if dot_bits(dot) == 8:
+        return w.vload([g, b, i + 4 if high else i, 0], "uint8x64")
+    if high:
+        return w.vload([g, b, i, 0], "uint8x64") >> T.broadcast(T.uint8(4), 64)
+    return w.vload([g, b, i, 0], "uint8x64") & T.broadcast(T.uint8(15), 64)
+
+
+def _act(T, aq, t, b, j):
+    """int8x64: activation bytes 4j..4j+3 of token t, block b, in every lane."""
+    return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", aq.vload([t, b, 4 * j], "int8x4")), 16))
 
 
 def _block_dot_avx2(T, w, aq, off, g, b, t):
@@ -157,6 +167,12 @@ FEW_STREAMS = {"vnni": (4, 4, 4, 4, 1, 1, 1, 1), "vnni8": (4, 4, 4, 4, 2, 1, 1, 
 FEW_TOKENS = len(FEW_STREAMS["vnni"])
 FEW_AHEAD = {"vnni": 16, "vnni8": 16}
 
+# Prefill reads a row group's weights from DRAM in its first tile and from L1 in the others;
+# that first tile prefetches the weights and scales of the group NEXT_GROUP on (the thread's
+# next but one) into L2. 4864 x 896 at 136 tokens on 120 distinct weights (266 MB, past the
+# L3), 2 threads, Intel Xeon: 339-347 -> 359-373 GMAC/s (1 group on, weights only: 359-362).
+NEXT_GROUP = 2
+
 
 def few_ahead(dot: str, streams: int) -> int:
     """Blocks a stream of the few-token forms prefetches ahead (AVX2: decode's PREFETCH each)."""
@@ -180,13 +196,54 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
     locality = PREFETCH[0][1]
 
     @T.macro
-    def tile(w, aq, off, ws, ad, y, wc, g, first, count, prefetch):
-        """Rows 16g .. 16g+15 of tokens first .. first+count-1 (in prefill the group's weights
-        are in cache after the first tile: no prefetch)."""
+    def accumulate(w, aq, off, ws, ad, wc, acc, dots, at, g, b, first, count):
+        """acc[16 (at + t) ..] += block b's term for rows 16g .. 16g+15 and token first + t, t <
+        count. VNNI: each code chunk's vpdpbusd for every token before the next chunk's, into
+        `dots` (count int32x16, started at the tokens' offsets): count independent chains of
+        8, and no add joining a token's two chains (_block_dot), 8 of a tile's 105 vector uops.
+        A token's chains one after the other left the out-of-order window waiting on their
+        latency: 4864 x 896 at 136 tokens, 2 threads, Intel Xeon, 350-355 -> 399-411 GMAC/s
+        (with NEXT_GROUP; Q8_0 332-336 -> 391; the few-token forms at M = 4 / 8 211 -> 239 /
+        349 -> 356). The integer sums are exact in any order: the same bits. AVX2 a token at a
+        time (_block_dot)."""
+        if dot == "avx2":   # decided when the kernel is built
+            for t in T.unroll(count):
+                acc[T.ramp((at + t) * ROWS, 1, ROWS)] = acc[T.ramp((at + t) * ROWS, 1, ROWS)] + T.Cast(
+                    "float32x16", _block_dot(T, w, aq, off, g, b, first + t, dot)) * (
+                    _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
+        else:
+            for t in T.unroll(count):
+                dots[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(_start(T, off, first + t, b, dot), ROWS)
+            for i in T.unroll(4):
+                for t in T.unroll(count):
+                    dots[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
+                        "int32x16", "llvm.x86.avx512.vpdpbusd.512", dots[T.ramp(t * ROWS, 1, ROWS)],
+                        _codes(T, w, g, b, i, False, dot), _act(T, aq, first + t, b, i))
+            for i in T.unroll(4):
+                for t in T.unroll(count):
+                    dots[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
+                        "int32x16", "llvm.x86.avx512.vpdpbusd.512", dots[T.ramp(t * ROWS, 1, ROWS)],
+                        _codes(T, w, g, b, i, True, dot), _act(T, aq, first + t, b, 4 + i))
+            for t in T.unroll(count):
+                acc[T.ramp((at + t) * ROWS, 1, ROWS)] = acc[T.ramp((at + t) * ROWS, 1, ROWS)] + T.Cast(
+                    "float32x16", dots[T.ramp(t * ROWS, 1, ROWS)]) * (
+                    _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
+        if wc is not None:   # decided when the kernel is built
+            for t in T.unroll(count):
+                acc[T.ramp((at + t) * ROWS, 1, ROWS)] = acc[T.ramp((at + t) * ROWS, 1, ROWS)] + _offsets_term(
+                    T, wc, ad, off, g, b, first + t)
+
+    @T.macro
+    def tile(w, aq, off, ws, ad, y, wc, g, first, count, prefetch, next_group):
+        """Rows 16g .. 16g+15 of tokens first .. first+count-1. `prefetch`: this group's
+        weights ahead into L1 (batched decode: from DRAM); `next_group`: those of group g +
+        NEXT_GROUP into L2 (prefill's first tile of a group; its later tiles find this group's
+        weights in L1)."""
         # "global", not "local": TVM places small constant-size global allocations on the stack
         # (LLVM then keeps them in registers) but serves every "local" one with a
         # TVMBackendAllocWorkspace call, here once per 16-row group.
         acc = T.decl_buffer((count * ROWS,), "float32", scope="global")
+        dots = T.decl_buffer((count * ROWS,), "int32", scope="global")
         for t in T.unroll(count):
             acc[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
         for b in range(nb):
@@ -194,13 +251,13 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                 for i in T.unroll(chunks(dot_bits(dot))):
                     T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + few_ahead(dot, 1), i, 0]),
                                                   T.int32(0), T.int32(locality), T.int32(1)))
-            for t in T.unroll(count):
-                acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + T.Cast(
-                    "float32x16", _block_dot(T, w, aq, off, g, b, first + t, dot)) * (
-                    _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
-                if wc is not None:   # decided when the kernel is built
-                    acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + _offsets_term(
-                        T, wc, ad, off, g, b, first + t)
+            if next_group:   # (past the last group: a prefetch does not fault)
+                for i in T.unroll(chunks(dot_bits(dot))):
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g + NEXT_GROUP, b, i, 0]),
+                                                  T.int32(0), T.int32(2), T.int32(1)))
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(ws[g + NEXT_GROUP, b, 0]),
+                                              T.int32(0), T.int32(2), T.int32(1)))
+            accumulate(w, aq, off, ws, ad, wc, acc, dots, 0, g, b, first, count)
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None)
 
@@ -217,6 +274,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         for task in T.parallel(_tasks(streams)):
             if task < ng // streams:
                 acc = T.decl_buffer((streams * count * ROWS,), "float32", scope="global")
+                dots = T.decl_buffer((count * ROWS,), "int32", scope="global")
                 for i in T.unroll(streams * count):
                     acc[T.ramp(i * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
                 for b in range(nb):
@@ -226,37 +284,35 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                                                           T.address_of(w[h * (ng // streams) + task, b + few_ahead(dot, streams), i, 0]),
                                                           T.int32(0), T.int32(locality), T.int32(1)))
                     for h in T.unroll(streams):
-                        for t in T.unroll(count):
-                            acc[T.ramp((h * count + t) * ROWS, 1, ROWS)] = acc[T.ramp((h * count + t) * ROWS, 1, ROWS)] + T.Cast(
-                                "float32x16", _block_dot(T, w, aq, off, h * (ng // streams) + task, b, t, dot)) * (
-                                _scales(T, ws, h * (ng // streams) + task, b, scale_dtype) * T.broadcast(ad[t, b], ROWS))
-                            if wc is not None:   # decided when the kernel is built
-                                acc[T.ramp((h * count + t) * ROWS, 1, ROWS)] = acc[
-                                    T.ramp((h * count + t) * ROWS, 1, ROWS)] + _offsets_term(
-                                    T, wc, ad, off, h * (ng // streams) + task, b, t)
+                        accumulate(w, aq, off, ws, ad, wc, acc, dots, h * count, h * (ng // streams) + task, b, 0, count)
                 for h in T.unroll(streams):
                     for t in T.unroll(count):
                         store_rows(y, t, (h * (ng // streams) + task) * ROWS, ROWS, n, acc, (h * count + t) * ROWS, None)
             else:
                 for g in range(ng // streams * streams, ng):
-                    tile(w, aq, off, ws, ad, y, wc, g, 0, count, True)
+                    tile(w, aq, off, ws, ad, y, wc, g, 0, count, True, False)
 
     @T.macro
     def tiled(w, aq, off, ws, ad, y, wc):
         for g in T.parallel(ng):
-            for it in range(rows_in // tm):
-                tile(w, aq, off, ws, ad, y, wc, g, it * tm, tm, batched_decode)
+            if batched_decode:   # decided when the kernel is built
+                for it in range(rows_in // tm):
+                    tile(w, aq, off, ws, ad, y, wc, g, it * tm, tm, True, False)
+            elif rows_in >= tm:
+                tile(w, aq, off, ws, ad, y, wc, g, 0, tm, False, True)
+                for it in range(1, rows_in // tm):
+                    tile(w, aq, off, ws, ad, y, wc, g, it * tm, tm, False, False)
             if tm == 8:  # decided when the kernel is built (batched decode's tiles, AVX-512 prefill's)
                 # the r = M mod 8 leftover tokens: one tile per set bit of r, largest first
                 if (rows_in % tm) // 4 % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm, 4, False)
+                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm, 4, False, False)
                 if (rows_in % tm) // 2 % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm + (rows_in % tm) // 4 * 4, 2, False)
+                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm + (rows_in % tm) // 4 * 4, 2, False, False)
                 if (rows_in % tm) % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm + (rows_in % tm) // 2 * 2, 1, False)
+                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm + (rows_in % tm) // 2 * 2, 1, False, False)
             elif tm > 1:
                 for i in range(rows_in // tm * tm, rows_in):
-                    tile(w, aq, off, ws, ad, y, wc, g, i, 1, False)
+                    tile(w, aq, off, ws, ad, y, wc, g, i, 1, False, False)
 
     @T.macro
     def body(w, aq, off, ws, ad, y, wc):
