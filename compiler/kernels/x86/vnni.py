@@ -170,7 +170,7 @@ FEW_AHEAD = {"vnni": 16, "vnni8": 16}
 # Prefill reads a row group's weights from DRAM in its first tile and from L1 in the others;
 # that first tile prefetches the weights and scales of the group NEXT_GROUP on (the thread's
 # next but one) into L2. 4864 x 896 at 136 tokens on 120 distinct weights (266 MB, past the
-# L3), 2 threads, Intel Xeon: 339-347 -> 359-373 GMAC/s (1 group on, weights only: 359-362).
+# L3), 2 threads, Intel Xeon: 339-347 -> 372-373 GMAC/s (1 group on, weights only: 359-362).
 NEXT_GROUP = 2
 
 
