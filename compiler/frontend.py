@@ -29,7 +29,7 @@ from qwc.passes.graph import BLOCK_OFFSETS_ATTR, COLUMN_BLOCKS_OP, NIBBLE_HALVES
 from qwc.passes.last_position import GQA_STEP_INPUTS, STEP_LOGIT_TOKENS, STEP_SEGMENTS, STEP_TOKENS_OP
 
 from .kernels import attention as fast
-from .kernels import generic, w4a8_gemm
+from .kernels import generic, prefill_bias, w4a8_gemm
 from .kernels.w4a8 import ZERO_POINT
 from .targets import kernels_for, q4_0_path, q8_0_path, vector_registers
 
@@ -141,7 +141,7 @@ class MatMulNBits(F.OnnxOpConverter):
         reading the row-group layout compile-time repacking wrote (kernels/row_groups.py), after
         the activation quantizer (the fusion passes give it the RMSNorm or SiLU·mul before it:
         fuse_quantizer_inputs.py). Returns y and the bias still to add (None when the kernel
-        added it: the decode GEMVs)."""
+        added it: the decode GEMVs, and the GEMMs of a kernel module with PREFILL_BIAS)."""
         from .kernels import act_quant
 
         if len(w.ty.shape) != 4:
@@ -165,9 +165,12 @@ class MatMulNBits(F.OnnxOpConverter):
         if has_c and len(offsets.ty.shape) != 3:
             raise QwcError(f"MatMulNBits {n}x{k}: the W4A8 kernels read block offsets repacked into row groups "
                            "(compiler/repack.py), got the plain layout")
-        if not one_token:
-            kernel = bb.add_func(w4a8_gemm(impl, n, nb, sdt, tokens, batched_decode=_ctx().batched, offsets=has_c),
-                                 _kname(f"{stem}_gemm_{impl}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"))
+        if not one_token:   # the bias in the GEMM's stores where it can (x86), not an add kernel after it
+            fused_bias = bias is not None and prefill_bias(impl)
+            kernel = bb.add_func(w4a8_gemm(impl, n, nb, sdt, tokens, batched_decode=_ctx().batched, offsets=has_c,
+                                           bias=fused_bias),
+                                 _kname(f"{stem}_gemm_{impl}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
+                                        f"{'_bias' if fused_bias else ''}"))
         else:   # several of these may become one launch (compiler/sibling_gemvs.py)
             from .kernels import decode_gemv
 

@@ -54,8 +54,16 @@ def _schedule_block(sch, info) -> None:
         lead.append(it.loop_rv)
     if not lead:
         return
-    fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
     injective = all(it.kind == "S" for it in info.iters)
+    if injective and len(lead) > 1 and _dynamic_rows(sch, lead):
+        # [M, N] with M a token count (a prefill or step's bias and residual adds): the fused
+        # extent is no constant to split by the vector width, but the row is. Fused whole, the
+        # loop stayed scalar: a mixed step's q bias add took 33 us a layer.
+        outer, inner = sch.split(lead[-1], [None, VECTOR_LANES])
+        sch.parallel(sch.fuse(*lead[:-1], outer))
+        sch.vectorize(inner)
+        return
+    fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
     ext = sch.get(fused).extent
     # Elementwise work below MIN_PARALLEL is too small to share; a reduction does K work per
     # output, so only a single output stays on the calling thread.
@@ -67,6 +75,15 @@ def _schedule_block(sch, info) -> None:
         sch.vectorize(inner)
     elif not small:
         sch.parallel(fused)
+
+
+def _dynamic_rows(sch, loops) -> bool:
+    """Whether the outer loops' extent is not a constant and the innermost one's is a multiple
+    of the vector width."""
+    extents = [sch.get(lp).extent for lp in loops]
+    last = extents[-1]
+    return (not all(isinstance(e, tirx.IntImm) for e in extents[:-1]) and isinstance(last, tirx.IntImm)
+            and last.value >= VECTOR_LANES and last.value % VECTOR_LANES == 0)
 
 
 @tvm.transform.module_pass(opt_level=0, name="qwc.GenericCPUSchedule")

@@ -38,13 +38,22 @@ def kernel_module(impl: str):
 
 
 def w4a8_gemm(impl: str, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
-              batched_decode: bool = False, offsets: bool = False):
+              batched_decode: bool = False, offsets: bool = False, bias: bool = False):
     """The W4A8 prefill GEMM `impl` for N rows, nb blocks of K; `tokens`: its tile width (None:
     the module's DEFAULT_TOKENS); `m`: a fixed token count; `batched_decode`: the form for one
     token of each of B sequences, where it has one (vnni, avx2); `offsets`: with Q4_1's block
-    offsets (an argument after the scales)."""
+    offsets (an argument after the scales); `bias`: adding a bias [N] (the argument after
+    those) as it stores, where `prefill_bias(impl)`."""
+    extra = {"bias": True} if bias else {}
+    if bias and not prefill_bias(impl):
+        raise ValueError(f"the {impl} prefill GEMM adds no bias")
     return kernel_module(impl).prefill_gemm(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode,
-                                            dot=impl, offsets=offsets)
+                                            dot=impl, offsets=offsets, **extra)
+
+
+def prefill_bias(impl: str) -> bool:
+    """Whether the prefill GEMM of `impl` can add a bias as it stores (its PREFILL_BIAS)."""
+    return getattr(kernel_module(impl), "PREFILL_BIAS", False)
 
 
 def gemv_dot(func) -> str:

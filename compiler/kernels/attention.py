@@ -12,10 +12,11 @@ Prefill (`attention`): one parallel task per block of a head's queries (query_bl
 of a chunk of s new tokens sits at position past + i (past = seqlens[0] + 1 - s) and attends
 to cache slots 0 .. past + i: the key loop is bounded by that, not by the buffer's capacity.
 Running max / sum / weighted-value accumulator (flash-attention style) updated once per span
-of 64 keys (per tile in a query's last, partial span), so no score row is stored; the
+of 64 keys (one query alone: per tile in its last, partial span), so no score row is stored; the
 block's queries take the keys span by span, so a span is read from memory once a block; exp
 is the vector polynomial of kernels/vector_math.py. Where the registers hold several queries'
-state (AVX-512), they take a span together, its keys widened to float32 once a block.
+state (AVX-512), they take a span together, its keys widened to float32 once a block, their
+last spans (the chunk's diagonal) included, masked at each query's keys.
 Decode (`decode_attention`): a task per kv head (x86) or per query head (ARM), three passes
 (scores, weights, values); on ARM, at depth, the keys split in spans over tasks as well,
 merged after.
@@ -198,11 +199,14 @@ def kv_cache_write(key_tiles: bool, batched: bool = False, dtype: str = "float32
     """In-place write of new K (or V) [1, s, kv_heads*head_dim] into the cache buffer
     [1, kv_heads, C, head_dim] of `dtype` at slots past .. past + s - 1, past = seqlens[0] + 1
     - s: in rows, or (`key_tiles`, K for the fast kernel) in the key-tile layout. `batched`: B
-    sequences, new [B, s, ...] into cache rows [B, ...] at each row's own seqlens[b]. q8_0
-    needs `head_dim` (its rows are cache_width wide); the others take any."""
+    sequences, new [B, s, ...] into cache rows [B, ...] at each row's own seqlens[b]. head_dim
+    is a constant of the kernel: a key's place in its tile divided by a head_dim read at run
+    time, two integer divisions an element (a 100-token prefill's K writes took 3-4 ms)."""
     from tvm.script import tirx as T
 
     _check_dtype(dtype)
+    if not head_dim:
+        raise ValueError("kv_cache_write needs the head_dim")
     if dtype == "q8_0":
         if not head_dim or head_dim % Q8:
             raise ValueError(f"a q8_0 cache needs a head_dim that is a multiple of {Q8}, not {head_dim}")
@@ -223,21 +227,21 @@ def kv_cache_write(key_tiles: bool, batched: bool = False, dtype: str = "float32
         @T.prim_func(private=True)
         def write_batch(var_cache: T.handle, var_new: T.handle, var_seqlens: T.handle):
             T.func_attr({"tir.noalias": True, "op_pattern": 8})
-            bsz, kvh, cap, hd, s = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-            cache = T.match_buffer(var_cache, (bsz, kvh, cap, hd), dtype)
-            new = T.match_buffer(var_new, (bsz, s, kvh * hd), "float32")
+            bsz, kvh, cap, s = T.int64(), T.int64(), T.int64(), T.int64()
+            cache = T.match_buffer(var_cache, (bsz, kvh, cap, head_dim), dtype)
+            new = T.match_buffer(var_new, (bsz, s, kvh * head_dim), "float32")
             seqlens = T.match_buffer(var_seqlens, (bsz,), "int32")
             for b in T.serial(bsz):
-                put(cache, new, b, seqlens[b], kvh, hd, s)
+                put(cache, new, b, seqlens[b], kvh, head_dim, s)
         return hand_scheduled(write_batch)
 
     @T.prim_func(private=True)
     def write(var_cache: T.handle, var_new: T.handle, seqlens: T.Buffer((1,), "int32")):
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-        kvh, cap, hd, s = T.int64(), T.int64(), T.int64(), T.int64()
-        cache = T.match_buffer(var_cache, (T.int64(1), kvh, cap, hd), dtype)
-        new = T.match_buffer(var_new, (T.int64(1), s, kvh * hd), "float32")
-        put(cache, new, T.int64(0), seqlens[0], kvh, hd, s)
+        kvh, cap, s = T.int64(), T.int64(), T.int64()
+        cache = T.match_buffer(var_cache, (T.int64(1), kvh, cap, head_dim), dtype)
+        new = T.match_buffer(var_new, (T.int64(1), s, kvh * head_dim), "float32")
+        put(cache, new, T.int64(0), seqlens[0], kvh, head_dim, s)
 
     return hand_scheduled(write)
 
@@ -320,10 +324,14 @@ def ragged_kv_cache_write(key_tiles: bool, dtype: str, head_dim: int):
     return hand_scheduled(write)
 
 
-def query_block(T, s, block: int = QUERY_BLOCK):
+def query_block(T, s, block: int = QUERY_BLOCK, groups: bool = False):
     """Queries a prefill task takes for a chunk of s: `block` in long chunks, fewer in short
     ones (s // 16, at least 1), so a 48-token chunk still makes 16 tasks a head for 64-128
-    threads."""
+    threads. `groups` (query groups, AVX-512): always `block`. A block widens each span once
+    for its groups, as much work as a group's pass over it: blocks of 4 at a 64-token chunk
+    took 1.6x the time of blocks of 18 at 128 cached tokens (one layer, 2 threads, Intel Xeon)."""
+    if groups:
+        return T.int64(block)
     return T.max(T.min(s // 16, T.int64(block)), T.int64(1))
 
 
@@ -567,11 +575,117 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                 out[b, q0 + r, ramp(h * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)]
 
     @T.macro
+    def widen_part(kc, vc, kf, vf, b, h, t0, n):
+        """widen_span for the span's first n (< SPAN) keys: K in whole tiles (a read stays below
+        the capacity, a multiple of 16; lanes past the keys are masked where they are scored),
+        the V rows below n only (past them a row may be unwritten: NaN times a zero weight)."""
+        ks = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
+        vs = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        ks16 = scales_view(T, ks, kv_dtype, SPAN * width // 2)
+        vs16 = scales_view(T, vs, kv_dtype, SPAN * width // 2)
+        for u in range((n + T.int64(kt - 1)) // T.int64(kt)):
+            for d in range(head_dim):
+                kf[ramp(u * kt * head_dim + d * kt, kt)] = key_elements(ks, ks16, u, d)
+        for j in range(n):
+            for c in T.unroll(chunks):
+                vf[ramp(j * head_dim + c * LANES)] = value_elements(vs, vs16, j, c)
+
+    @T.macro
+    def group_scores(ps, qrs, ks, count, nt):
+        """Unscaled-query scores of the span's first nt tiles for `count` queries (span_group's loop)."""
+        for d4 in range(head_dim // 4):
+            for d1 in T.unroll(4):
+                for u in T.unroll(nt):
+                    k = T.bind(key_elements(ks, None, u, d4 * 4 + d1, "float32"))
+                    for r in T.unroll(count):
+                        ps[ramp(r * SPAN + u * kt, kt)] = ps[ramp(r * SPAN + u * kt, kt)] + T.broadcast(
+                            qrs[r * head_dim + d4 * 4 + d1], kt) * k
+
+    @T.macro
+    def masked_group(q, out, accs, stats, ps, ws, qrs, ks, vs, b, q0, i0, h, count, n0):
+        """span_group for the `count` queries q0 .. (block entries i0 ..) of which query r takes
+        the span's first n0 + r keys (n0 >= 1; SPAN or more: all of them): the diagonal of a
+        chunk, a group at a time, where a query took its last span alone, tile by tile, each
+        with an online rescale (5.4 ns a key against 1.6 in a group's whole span, one layer,
+        2 threads, Intel Xeon). Each query gets the same arithmetic in any group and alone
+        (count 1), so a prompt's logits do not depend on its chunking, and its whole spans
+        span_group's bits:
+        - scores of the tiles below the group's last key (the others 0), then -inf past the
+          query's own keys;
+        - weights exp(score - max), 0 past the query's keys;
+        - the values below the group's last key, every query's own past its keys weighed 0 (a
+          value past the group's keys may be unwritten: not read)."""
+        n_last = T.bind(T.min(n0 + T.int64(count - 1), T.int64(SPAN)))   # keys the group reads
+        for r in T.unroll(count):
+            for c in T.unroll(chunks):
+                qrs[ramp(r * head_dim + c * LANES)] = q[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
+                    T.float32(scale), LANES)
+            for u in T.unroll(SPAN_TILES):
+                ps[ramp(r * SPAN + u * kt, kt)] = T.broadcast(T.float32(0), kt)
+        if n_last > T.int64(3 * kt):   # the tiles to score: a copy of the loop per count
+            group_scores(ps, qrs, ks, count, 4)
+        elif n_last > T.int64(2 * kt):
+            group_scores(ps, qrs, ks, count, 3)
+        elif n_last > T.int64(kt):
+            group_scores(ps, qrs, ks, count, 2)
+        else:
+            group_scores(ps, qrs, ks, count, 1)
+        for r in T.unroll(count):
+            for u in T.unroll(SPAN_TILES):
+                ps[ramp(r * SPAN + u * kt, kt)] = T.Select(_in_tile(T, T.int64(u), n0 + T.int64(r)), ps[ramp(
+                    r * SPAN + u * kt, kt)], T.broadcast(T.float32(NEG_INF), kt))
+            pr = [ps[ramp(r * SPAN + u * kt, kt)] for u in range(SPAN_TILES)]
+            m = T.bind(T.max(stats[2 * (i0 + r)], vector_math.reduce_max(T, _tree_max(T, pr), kt)))
+            rs = T.bind(vector_math.exp(T, stats[2 * (i0 + r)] - m, 1))
+            for u in T.unroll(SPAN_TILES):
+                ws[ramp(r * SPAN + u * kt, kt)] = T.Select(
+                    _in_tile(T, T.int64(u), n0 + T.int64(r)),
+                    vector_math.exp(T, ps[ramp(r * SPAN + u * kt, kt)] - T.broadcast(m, kt), kt),
+                    T.broadcast(T.float32(0), kt))
+            stats[2 * (i0 + r)] = m
+            stats[2 * (i0 + r) + 1] = stats[2 * (i0 + r) + 1] * rs + vector_math.reduce_sum(T, _tree_sum(
+                [ws[ramp(r * SPAN + u * kt, kt)] for u in range(SPAN_TILES)]), kt)
+            for c in T.unroll(chunks):
+                accs[ramp(r * head_dim + c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
+                    rs, LANES)
+        for j4 in range(n_last // 4):
+            for j1 in T.unroll(4):
+                for c in T.unroll(chunks):
+                    x = T.bind(vs[ramp((j4 * 4 + j1) * head_dim + c * LANES)])
+                    for r in T.unroll(count):
+                        accs[ramp(r * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)] + x * T.broadcast(
+                            ws[r * SPAN + j4 * 4 + j1], LANES)
+        for j in range(n_last // 4 * 4, n_last):
+            for c in T.unroll(chunks):
+                x = T.bind(vs[ramp(j * head_dim + c * LANES)])
+                for r in T.unroll(count):
+                    accs[ramp(r * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)] + x * T.broadcast(
+                        ws[r * SPAN + j], LANES)
+        for r in T.unroll(count):
+            for c in T.unroll(chunks):
+                out[b, q0 + r, ramp(h * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)]
+
+    @T.macro
     def span_group_cache(q, kc, vc, out, accs, stats, ps, ws, qrs, b, q0, i0, h, t0):
         """span_group over the span of keys from tile t0, read from float32 caches."""
         ks = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
         vs = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
         span_group(q, out, accs, stats, ps, ws, qrs, ks, vs, b, q0, i0, h)
+
+    @T.macro
+    def masked_group_cache(q, kc, vc, out, accs, stats, ps, ws, qrs, b, q0, i0, h, t0, count, n0):
+        """masked_group over the span of keys from tile t0, read from float32 caches."""
+        ks = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
+        vs = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        masked_group(q, out, accs, stats, ps, ws, qrs, ks, vs, b, q0, i0, h, count, n0)
+
+    @T.macro
+    def some_span(q, kc, vc, out, accs, stats, ps, ws, qrs, kf, vf, b, q0, i0, h, sp, count, n0):
+        """masked_group of the span sp, from the widened span or the float32 caches."""
+        if kv_dtype != "float32":
+            masked_group(q, out, accs, stats, ps, ws, qrs, kf, vf, b, q0, i0, h, count, n0)
+        else:
+            masked_group_cache(q, kc, vc, out, accs, stats, ps, ws, qrs, b, q0, i0, h, sp * SPAN_TILES, count, n0)
 
     @T.macro
     def one_query(q, kc, vc, out, acc, stat, stats, p, qr, k16, v16, b, q0, r, h, sp, past):
@@ -628,25 +742,32 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             ps = T.decl_buffer((nr * SPAN,), "float32", scope="global")
             ws = T.decl_buffer((nr * SPAN,), "float32", scope="global")
             qrs = T.decl_buffer((nr * head_dim,), "float32", scope="global")
-            if kv_dtype != "float32":   # the block's spans widened once (16 KiB each: workspace)
-                kf = T.decl_buffer((SPAN * head_dim,), "float32", scope="global")
-                vf = T.decl_buffer((SPAN * head_dim,), "float32", scope="global")
+            # the block's spans widened once (16 KiB each: workspace); the float32 caches read as they are
+            kf = T.decl_buffer((SPAN * head_dim if kv_dtype != "float32" else 1,), "float32", scope="global")
+            vf = T.decl_buffer((SPAN * head_dim if kv_dtype != "float32" else 1,), "float32", scope="global")
             for sp in range((last + SPAN - 1) // SPAN):
-                if kv_dtype != "float32":
-                    # some group takes it whole: the last whole group's first query does
-                    if nq >= nr and (sp + 1) * SPAN <= past + q0 + (nq // nr - 1) * nr + T.int64(1):
+                if kv_dtype != "float32":   # the keys the block's last query reaches
+                    if (sp + 1) * SPAN <= last:
                         widen_span(kc, vc, kf, vf, b, h, sp * SPAN_TILES)
+                    else:
+                        widen_part(kc, vc, kf, vf, b, h, sp * SPAN_TILES, last - sp * SPAN)
                 for g in range((nq + nr - 1) // nr):
-                    # the group's first query has the fewest keys: the span is below all of theirs
-                    if g * nr + nr <= nq and (sp + 1) * SPAN <= past + q0 + g * nr + T.int64(1):
+                    # its first query has the fewest keys: n0 of the span's (SPAN or more: all)
+                    n0 = T.bind(past + q0 + g * nr + T.int64(1) - sp * SPAN)
+                    if g * nr + nr <= nq and n0 >= T.int64(SPAN):
                         if kv_dtype != "float32":
                             span_group(q, out, accs, stats, ps, ws, qrs, kf, vf, b, q0 + g * nr, g * nr, h)
                         else:
                             span_group_cache(q, kc, vc, out, accs, stats, ps, ws, qrs, b, q0 + g * nr, g * nr, h,
                                              sp * SPAN_TILES)
-                    else:
+                    elif g * nr + nr <= nq and n0 >= T.int64(1):   # the diagonal: every query reaches in
+                        some_span(q, kc, vc, out, accs, stats, ps, ws, qrs, kf, vf, b, q0 + g * nr, g * nr, h, sp,
+                                  nr, n0)
+                    else:   # a ragged last group, or one whose first queries end before the span
                         for r in range(g * nr, T.min(g * nr + nr, nq)):
-                            one_query(q, kc, vc, out, acc, stat, stats, p, qr, k16, v16, b, q0, r, h, sp, past)
+                            if past + q0 + r + T.int64(1) > sp * SPAN:
+                                some_span(q, kc, vc, out, accs, stats, ps, ws, qrs, kf, vf, b, q0 + r, r, h, sp, 1,
+                                          past + q0 + r + T.int64(1) - sp * SPAN)
         for r in range(nq):
             for c in range(chunks):
                 out[b, q0 + r, ramp(h * head_dim + c * LANES)] = (
@@ -669,6 +790,21 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                        seqlens[bt // (heads * s)])
         return hand_scheduled(kernel_batch.with_attr(ONLINE_SCALE, float(scale)))
 
+    @T.macro
+    def segment_block(q, kc, vc, out, seg, pos, t, cap, sg, hh, q0, qb):
+        """`ragged`'s task: the block of segment sg's queries from q0, head hh (if it has one)."""
+        if q0 < seg[sg, 2] and seg[sg, 2] >= T.int64(1 if singles else 2):
+            # the segment's tokens and cache row as a one-sequence chunk's buffers
+            first, n = T.bind(seg[sg, 1]), T.bind(seg[sg, 2])
+            qs = T.decl_buffer((T.int64(1), t, heads * head_dim), "float32", data=T.bind(T.address_of(q[0, first, 0])))
+            outs = T.decl_buffer((T.int64(1), t, heads * head_dim), "float32",
+                                 data=T.bind(T.address_of(out[0, first, 0])))
+            kr = T.decl_buffer((T.int64(1), kv_heads, cap, width), element,
+                               data=T.bind(T.address_of(kc[seg[sg, 0], 0, 0, 0])))
+            vr = T.decl_buffer((T.int64(1), kv_heads, cap, width), element,
+                               data=T.bind(T.address_of(vc[seg[sg, 0], 0, 0, 0])))
+            attend(qs, kr, vr, outs, T.int64(0), hh, q0, T.min(qb, n - q0), n, pos[0, first + n - 1])
+
     if ragged:
         @T.prim_func(private=True)
         def kernel_ragged(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_seg: T.handle,
@@ -684,27 +820,23 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
             # blocks of prefill's size for a chunk of all t tokens (many tasks for many threads);
             # the most blocks a segment can have
-            qb = T.bind(query_block(T, t, block))
+            qb = T.bind(query_block(T, t, block, nr > 1))
             blocks = T.bind((t + qb - 1) // qb)
-            # block, then head, then segment: a long segment's tasks are every g-th, spread
-            # evenly over the threads' static ranges (segment-major put its heads' tasks in a
-            # few threads' ranges: 1.23x the separate calls' critical path at 64 threads)
-            for task in T.parallel(blocks * heads * g):
-                sg = T.bind(task % g)
-                q0 = T.bind(task // (g * heads) * qb)
-                if q0 < seg[sg, 2] and seg[sg, 2] >= T.int64(1 if singles else 2):
-                    # the segment's tokens and cache row as a one-sequence chunk's buffers
-                    first, n = T.bind(seg[sg, 1]), T.bind(seg[sg, 2])
-                    qs = T.decl_buffer((T.int64(1), t, heads * head_dim), "float32",
-                                       data=T.bind(T.address_of(q[0, first, 0])))
-                    outs = T.decl_buffer((T.int64(1), t, heads * head_dim), "float32",
-                                         data=T.bind(T.address_of(out[0, first, 0])))
-                    kr = T.decl_buffer((T.int64(1), kv_heads, cap, width), element,
-                                       data=T.bind(T.address_of(kc[seg[sg, 0], 0, 0, 0])))
-                    vr = T.decl_buffer((T.int64(1), kv_heads, cap, width), element,
-                                       data=T.bind(T.address_of(vc[seg[sg, 0], 0, 0, 0])))
-                    attend(qs, kr, vr, outs, T.int64(0), task // g % heads, q0, T.min(qb, n - q0), n,
-                           pos[0, first + n - 1])
+            if nr > 1:
+                # a task per head and block (head-major, as `kernel`), each over the segments in
+                # turn: query groups' blocks are whole, and a 64-token chunk beside 7 decode
+                # tokens made 448 tasks of which 56 had work, and each other one cost ~0.5 us
+                # (2 threads: 0.34 ms a layer where the chunk alone took 0.24)
+                for task in T.parallel(heads * blocks):
+                    for sg in range(g):
+                        segment_block(q, kc, vc, out, seg, pos, t, cap, sg, task // blocks, task % blocks * qb, qb)
+            else:
+                # block, then head, then segment: a long segment's tasks are every g-th, spread
+                # evenly over the threads' static ranges (segment-major put its heads' tasks in
+                # a few threads' ranges: 1.23x the separate calls' critical path at 64 threads)
+                for task in T.parallel(blocks * heads * g):
+                    segment_block(q, kc, vc, out, seg, pos, t, cap, task % g, task // g % heads,
+                                  task // (g * heads) * qb, qb)
         return hand_scheduled(kernel_ragged.with_attr(ONLINE_SCALE, float(scale)))
 
     @T.prim_func(private=True)
@@ -717,7 +849,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, width), element)
         out = T.match_buffer(var_out, (T.int64(1), s, heads * head_dim), "float32")
         assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
-        qb = T.bind(query_block(T, s, block))
+        qb = T.bind(query_block(T, s, block, nr > 1))
         blocks = T.bind((s + qb - 1) // qb)
         # a task per block of a head's queries, head-major: a thread's run of tasks shares K and V
         for task in T.parallel(heads * blocks):

@@ -17,7 +17,8 @@ Each ISA module (x86/vnni.py, arm/dotprod.py, arm/i8mm.py) exports the same inte
 kernels/__init__.py calls by the name compiler/targets.py's KERNEL_MODULES gives it:
 `prefill_gemm`, `decode_gemv` where it has a decode form (its outputs as (N, with bias, with
 block offsets), which kernels.decode_gemv completes), `DEFAULT_TOKENS` (the hand tile width per
-dot) and `DECODE_EPILOGUES` (what its decode GEMV can add as it stores).
+dot), `DECODE_EPILOGUES` (what its decode GEMV can add as it stores) and `PREFILL_BIAS`
+(whether its prefill GEMM can add a bias as it stores: `prefill_gemm(..., bias=True)`).
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ def token_count(m: int | None):
 
 
 def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: bool = False, chunks: int = 4,
-                offsets: bool = False):
+                offsets: bool = False, bias: bool = False):
     """The PrimFunc of a W4A8 matmul whose root block is the macro `body(w, aq, off, ws, ad, y,
     wc)`. The offsets off are int32: they start the integer accumulators. `pair_scales`: ad and
     off are [M, NB, 2] (act_quant layout "arm_pairs"); `chunks`: the weights' 64-byte chunks a
     block (8: Q8_0 codes, row_groups.pack_int8); `offsets`: Q4_1's block offsets wc [G, NB, 16]
-    float32 follow the scales (else wc is None)."""
+    float32 follow the scales (else wc is None); `bias`: a bias [N] float32 follows those, and
+    the body takes it last (`body(w, aq, off, ws, ad, y, wc, bias)`) to add as it stores."""
     ng = groups(n)
     act = (rows_in, nb, 2) if pair_scales else (rows_in, nb)
 
-    if not offsets:
+    if not offsets and not bias:
         @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
         def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
                    w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
@@ -59,18 +61,46 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
                 body(w, aq, off, ws, ad, y, None)
         return kernel
 
+    if not bias:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel_c(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
+                     w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
+                     wc: T.Buffer((ng, nb, ROWS), "float32"), var_y: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})
+            aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
+            ad = T.match_buffer(var_ad, act, "float32")
+            off = T.match_buffer(var_off, act, "int32")
+            y = T.match_buffer(var_y, (rows_in, n), "float32")
+            with T.sblock("root"):
+                body(w, aq, off, ws, ad, y, wc)
+        return kernel_c
+
+    if not offsets:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel_b(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
+                     w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
+                     bias: T.Buffer((n,), "float32"), var_y: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})
+            aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
+            ad = T.match_buffer(var_ad, act, "float32")
+            off = T.match_buffer(var_off, act, "int32")
+            y = T.match_buffer(var_y, (rows_in, n), "float32")
+            with T.sblock("root"):
+                body(w, aq, off, ws, ad, y, None, bias)
+        return kernel_b
+
     @T.prim_func(private=True, check_well_formed=False)
-    def kernel_c(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
-                 w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
-                 wc: T.Buffer((ng, nb, ROWS), "float32"), var_y: T.handle):
+    def kernel_cb(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
+                  w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
+                  wc: T.Buffer((ng, nb, ROWS), "float32"), bias: T.Buffer((n,), "float32"), var_y: T.handle):
         T.func_attr({"tir.noalias": True, "op_pattern": 8})
         aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
         ad = T.match_buffer(var_ad, act, "float32")
         off = T.match_buffer(var_off, act, "int32")
         y = T.match_buffer(var_y, (rows_in, n), "float32")
         with T.sblock("root"):
-            body(w, aq, off, ws, ad, y, wc)
-    return kernel_c
+            body(w, aq, off, ws, ad, y, wc, bias)
+    return kernel_cb
 
 
 def block_sum_factor(halved: bool = False) -> float:
@@ -82,18 +112,23 @@ def block_sum_factor(halved: bool = False) -> float:
 
 
 @T.macro
-def store_rows(y, t, row, lanes: int, n: int, acc, base, factor):
-    """y[t, row .. row + lanes - 1] = acc[base ..] (times `factor` unless None); where the rows
-    pass N (the ragged last group), only those below N, one at a time."""
+def store_rows(y, t, row, lanes: int, n: int, acc, base, factor, bias=None):
+    """y[t, row .. row + lanes - 1] = acc[base ..] (times `factor` unless None; plus bias[row
+    ..] unless None); where the rows pass N (the ragged last group), only those below N, one
+    at a time."""
     if n % ROWS == 0 or row + lanes <= n:
-        if factor is None:
+        if factor is None and bias is None:
             y[t, T.ramp(row, 1, lanes)] = acc[T.ramp(base, 1, lanes)]
-        else:
+        elif bias is None:
             y[t, T.ramp(row, 1, lanes)] = acc[T.ramp(base, 1, lanes)] * T.broadcast(T.float32(factor), lanes)
+        else:   # (no kernel has both)
+            y[t, T.ramp(row, 1, lanes)] = acc[T.ramp(base, 1, lanes)] + bias[T.ramp(row, 1, lanes)]
     else:
         for r in range(lanes):
             if row + r < n:
-                if factor is None:
+                if factor is None and bias is None:
                     y[t, row + r] = acc[base + r]
-                else:
+                elif bias is None:
                     y[t, row + r] = acc[base + r] * T.float32(factor)
+                else:
+                    y[t, row + r] = acc[base + r] + bias[row + r]

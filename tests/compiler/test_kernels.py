@@ -193,6 +193,39 @@ def test_x86_w4a8_kernels_at_the_extremes(dot):
 
 
 @pytest.mark.parametrize("dot", [*sorted(X86_DOTS), "vnni8"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_x86_gemm_adds_its_bias_as_it_stores(dot, batched):
+    """The x86 GEMMs' bias epilogue (PREFILL_BIAS: the q, k and v projections' bias in the
+    stores, not an add kernel after them): every token count up to 17 (the streamed few-token
+    forms, the tiles, the leftovers' tiles) and a ragged last row group give the GEMM without
+    it plus the bias, to the bit."""
+    import tvm
+
+    from qwc.compiler.kernels import prefill_bias, w4a8_gemm
+    from qwc.compiler.kernels.row_groups import groups
+
+    _run_needs(dot)
+    assert prefill_bias(dot)
+    n, nb = 16 * 9 + 8, 4
+    target = get_target(X86_DOTS.get(dot, "x86-avx512")).tvm_target()
+    plain, biased = (tvm.compile(tvm.IRModule({"main": w4a8_gemm(dot, n, nb, "float16", batched_decode=batched, bias=b)
+                                               .with_attr("global_symbol", "main")}), target=target)["main"]
+                     for b in (False, True))
+    rng = np.random.default_rng(5)
+    w = tvm.runtime.tensor(rng.integers(0, 255, (groups(n), nb, 8 if dot == "vnni8" else 4, 64)).astype("uint8"))
+    ws = tvm.runtime.tensor(rng.random((groups(n), nb, 16)).astype("float16"))
+    bias = rng.standard_normal(n).astype(np.float32)
+    for m in range(1, 18):
+        aq, ad, off = (tvm.runtime.tensor(x) for x in (rng.integers(-127, 128, (m, nb, 32)).astype("int8"),
+                                                       rng.random((m, nb)).astype("float32"),
+                                                       rng.integers(-4000, 4000, (m, nb)).astype("int32")))
+        y0, y1 = (tvm.runtime.tensor(np.full((m, n), np.nan, np.float32)) for _ in range(2))
+        plain(aq, ad, off, w, ws, y0)
+        biased(aq, ad, off, w, ws, tvm.runtime.tensor(bias), y1)
+        np.testing.assert_array_equal(y1.numpy(), y0.numpy() + bias, err_msg=f"{m} tokens")
+
+
+@pytest.mark.parametrize("dot", [*sorted(X86_DOTS), "vnni8"])
 def test_w4a8_batched_decode_gemm_takes_every_token_count(dot):
     """The x86 GEMMs for every token count up to 17: up to 8 tokens in decode's streams (4, 2
     and 1 of them, with the groups left over as one more task and a ragged last group), past
@@ -471,6 +504,31 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s, dtype, re
     k, v = (_cache_holds(x.reshape(-1, hd), dtype).reshape(x.shape) for x in (k, v))
     np.testing.assert_allclose(out.numpy(), _attention_reference(q, k, v, past, s, heads, kvh, hd, 0.125),
                                rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
+@pytest.mark.parametrize("registers", [(16, 32), (32, 64)])
+def test_attention_bits_do_not_depend_on_the_chunking(dtype, registers):
+    """A query's output is the same to the bit whichever chunk it comes in and wherever it falls
+    in its task's block and query groups (AVX-512: the diagonal's last spans in masked groups
+    of 3, or one by one): 150 tokens in one chunk, and after histories of 1, 5, 17, 64 and 70."""
+    import tvm
+
+    from qwc.compiler.kernels import attention
+
+    heads, kvh, hd, n = 14, 2, 64, 150
+    rng = np.random.default_rng(11)
+    k, v = (rng.standard_normal((n, kvh * hd), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((1, n, heads * hd), dtype=np.float32)
+    kernel = _host_kernel(attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype, registers=registers))
+    outs = {}
+    for past in (0, 1, 5, 17, 64, 70):
+        kc, vc = _filled_caches(k, v, ((0, past), (past, n)), kvh, hd, 160, dtype)
+        out = tvm.runtime.tensor(np.zeros((1, n - past, heads * hd), np.float32))
+        kernel(tvm.runtime.tensor(q[:, past:].copy()), kc, vc, tvm.runtime.tensor(np.array([n - 1], np.int32)), out)
+        outs[past] = out.numpy()
+        assert np.isfinite(outs[past]).all()
+        np.testing.assert_array_equal(outs[past], outs[0][:, past:], err_msg=f"after {past}")
 
 
 @pytest.mark.parametrize("segments", [

@@ -39,6 +39,7 @@ from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 # Intel Xeon: 1.03-1.11x (bench/prefill_gemm.py, docs/results.md). AVX2's 16 registers keep 4.
 DEFAULT_TOKENS = {"vnni": 8, "avx2": 4, "vnni8": 8}
 DECODE_EPILOGUES = frozenset({"bias", "silu_mul", "quantize"})   # decode_gemv's
+PREFILL_BIAS = True   # prefill_gemm(..., bias=True): the bias added as the rows are stored
 
 # Decode prefetches the weights 4 blocks (1 KiB) ahead into L1, in each of its STREAMS
 # streams. A GEMV's weights always come from DRAM, and the hardware streamer stops at every
@@ -181,13 +182,14 @@ def few_ahead(dot: str, streams: int) -> int:
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
 def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None,
-              batched_decode: bool = False, dot: str = "vnni", offsets: bool = False):
+              batched_decode: bool = False, dot: str = "vnni", offsets: bool = False, bias: bool = False):
     """Prefill: y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the
     -8 x sum offsets) and the packed weights, in tiles of `tokens` tokens per row group and
     leftovers one at a time. M is any number of tokens, or `m` (tuning measures at fixed M).
     `batched_decode`: the form for decode_batch (BATCHED_DECODE_TOKENS above; `tokens` unused).
     `dot`: "vnni" (AVX-512 VNNI), "avx2" (_block_dot) or "vnni8" (Q8_0 weights). `offsets`:
-    with Q4_1's block offsets (w4a8.gemm_kernel)."""
+    with Q4_1's block offsets (w4a8.gemm_kernel); `bias`: adds a bias [N] as it stores (the
+    q, k and v projections': an add kernel of their own a launch each, 72 a step at 24 layers)."""
     from tvm.script import tirx as T
 
     ng = groups(n)
@@ -234,7 +236,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                     T, wc, ad, off, g, b, first + t)
 
     @T.macro
-    def tile(w, aq, off, ws, ad, y, wc, g, first, count, prefetch, next_group):
+    def tile(w, aq, off, ws, ad, y, wc, bias, g, first, count, prefetch, next_group):
         """Rows 16g .. 16g+15 of tokens first .. first+count-1. `prefetch`: this group's
         weights ahead into L1 (batched decode: from DRAM); `next_group`: those of group g +
         NEXT_GROUP into L2 (prefill's first tile of a group; its later tiles find this group's
@@ -259,14 +261,14 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                                               T.int32(0), T.int32(2), T.int32(1)))
             accumulate(w, aq, off, ws, ad, wc, acc, dots, 0, g, b, first, count)
         for t in T.unroll(count):
-            store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None)
+            store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None, bias)
 
     def _tasks(streams):
         """streamed's tasks: a group of each stream, and the leftover groups as one more."""
         return ng // streams + (1 if ng % streams else 0)
 
     @T.macro
-    def streamed(w, aq, off, ws, ad, y, wc, count, streams):
+    def streamed(w, aq, off, ws, ad, y, wc, bias, count, streams):
         """All M = `count` tokens at once (FEW_STREAMS): with per = ng // streams, task i reads
         groups i, per + i, 2 per + i, ... in lockstep, block by block, prefetching ahead (past a
         group's last block into the stream's next group, the thread's next task); the groups
@@ -287,62 +289,73 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                         accumulate(w, aq, off, ws, ad, wc, acc, dots, h * count, h * (ng // streams) + task, b, 0, count)
                 for h in T.unroll(streams):
                     for t in T.unroll(count):
-                        store_rows(y, t, (h * (ng // streams) + task) * ROWS, ROWS, n, acc, (h * count + t) * ROWS, None)
+                        store_rows(y, t, (h * (ng // streams) + task) * ROWS, ROWS, n, acc, (h * count + t) * ROWS, None,
+                                   bias)
             else:
                 for g in range(ng // streams * streams, ng):
-                    tile(w, aq, off, ws, ad, y, wc, g, 0, count, True, False)
+                    tile(w, aq, off, ws, ad, y, wc, bias, g, 0, count, True, False)
 
     @T.macro
-    def tiled(w, aq, off, ws, ad, y, wc):
+    def tiled(w, aq, off, ws, ad, y, wc, bias):
         for g in T.parallel(ng):
             if batched_decode:   # decided when the kernel is built
                 for it in range(rows_in // tm):
-                    tile(w, aq, off, ws, ad, y, wc, g, it * tm, tm, True, False)
+                    tile(w, aq, off, ws, ad, y, wc, bias, g, it * tm, tm, True, False)
             elif rows_in >= tm:
-                tile(w, aq, off, ws, ad, y, wc, g, 0, tm, False, True)
+                tile(w, aq, off, ws, ad, y, wc, bias, g, 0, tm, False, True)
                 for it in range(1, rows_in // tm):
-                    tile(w, aq, off, ws, ad, y, wc, g, it * tm, tm, False, False)
+                    tile(w, aq, off, ws, ad, y, wc, bias, g, it * tm, tm, False, False)
             if tm == 8:  # decided when the kernel is built (batched decode's tiles, AVX-512 prefill's)
-                # the r = M mod 8 leftover tokens: one tile per set bit of r, largest first
+                # the r = M mod 8 leftover tokens: one tile per set bit of r, largest first (one
+                # tile of r, a copy of the tile per r, was 1-3% faster at r = 7 and made the
+                # 0.5B's compile 15% longer)
                 if (rows_in % tm) // 4 % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm, 4, False, False)
+                    tile(w, aq, off, ws, ad, y, wc, bias, g, rows_in // tm * tm, 4, False, False)
                 if (rows_in % tm) // 2 % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm + (rows_in % tm) // 4 * 4, 2, False, False)
+                    tile(w, aq, off, ws, ad, y, wc, bias, g, rows_in // tm * tm + (rows_in % tm) // 4 * 4, 2, False,
+                         False)
                 if (rows_in % tm) % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, wc, g, rows_in // tm * tm + (rows_in % tm) // 2 * 2, 1, False, False)
+                    tile(w, aq, off, ws, ad, y, wc, bias, g, rows_in // tm * tm + (rows_in % tm) // 2 * 2, 1, False,
+                         False)
             elif tm > 1:
                 for i in range(rows_in // tm * tm, rows_in):
-                    tile(w, aq, off, ws, ad, y, wc, g, i, 1, False, False)
+                    tile(w, aq, off, ws, ad, y, wc, bias, g, i, 1, False, False)
 
     @T.macro
-    def body(w, aq, off, ws, ad, y, wc):
+    def body(w, aq, off, ws, ad, y, wc, bias):
         if m is None and rows_in <= FEW_TOKENS:   # (a fixed M is `qwc tune` measuring tiles)
             if rows_in == 1:
-                streamed(w, aq, off, ws, ad, y, wc, 1, FEW_STREAMS[dot][0])
+                streamed(w, aq, off, ws, ad, y, wc, bias, 1, FEW_STREAMS[dot][0])
             elif rows_in == 2:
-                streamed(w, aq, off, ws, ad, y, wc, 2, FEW_STREAMS[dot][1])
+                streamed(w, aq, off, ws, ad, y, wc, bias, 2, FEW_STREAMS[dot][1])
             elif rows_in == 3:
-                streamed(w, aq, off, ws, ad, y, wc, 3, FEW_STREAMS[dot][2])
+                streamed(w, aq, off, ws, ad, y, wc, bias, 3, FEW_STREAMS[dot][2])
             elif rows_in == 4:
-                streamed(w, aq, off, ws, ad, y, wc, 4, FEW_STREAMS[dot][3])
+                streamed(w, aq, off, ws, ad, y, wc, bias, 4, FEW_STREAMS[dot][3])
             elif rows_in == 5:
-                streamed(w, aq, off, ws, ad, y, wc, 5, FEW_STREAMS[dot][4])
+                streamed(w, aq, off, ws, ad, y, wc, bias, 5, FEW_STREAMS[dot][4])
             elif rows_in == 6:
-                streamed(w, aq, off, ws, ad, y, wc, 6, FEW_STREAMS[dot][5])
+                streamed(w, aq, off, ws, ad, y, wc, bias, 6, FEW_STREAMS[dot][5])
             elif rows_in == 7:
-                streamed(w, aq, off, ws, ad, y, wc, 7, FEW_STREAMS[dot][6])
+                streamed(w, aq, off, ws, ad, y, wc, bias, 7, FEW_STREAMS[dot][6])
             else:
-                streamed(w, aq, off, ws, ad, y, wc, 8, FEW_STREAMS[dot][7])
+                streamed(w, aq, off, ws, ad, y, wc, bias, 8, FEW_STREAMS[dot][7])
         else:
-            tiled(w, aq, off, ws, ad, y, wc)
+            tiled(w, aq, off, ws, ad, y, wc, bias)
 
-    return gemm_kernel(n, nb, scale_dtype, rows_in, body, chunks=chunks(dot_bits(dot)), offsets=offsets)
+    @T.macro
+    def body_plain(w, aq, off, ws, ad, y, wc):
+        body(w, aq, off, ws, ad, y, wc, None)
+
+    return gemm_kernel(n, nb, scale_dtype, rows_in, body if bias else body_plain, chunks=chunks(dot_bits(dot)),
+                       offsets=offsets, bias=bias)
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
-                 batched_decode: bool = False, dot: str = "vnni", offsets: bool = False):
+                 batched_decode: bool = False, dot: str = "vnni", offsets: bool = False, bias: bool = False):
     """The registry's prefill GEMM (kernels/w4a8.py): q4_matmul."""
-    return q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode, dot=dot, offsets=offsets)
+    return q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode, dot=dot, offsets=offsets,
+                     bias=bias)
 
 
 @functools.cache
