@@ -235,7 +235,11 @@ def test_formats_on_arm_yitian_match_the_host(gguf_model, host_builds, tmp_path,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     arm, host = np.load(out), _compiled_logits(host_builds[act])
-    assert np.abs(arm - host).max() / np.abs(host).max() < 1e-4
+    # Float activations: float rounding. Q8_0 activations: the host's prefill attention takes a
+    # chunk's diagonal in AVX-512 query groups, ARM's one query and tile at a time (another
+    # rounding order, ~1e-6), and an activation on a rounding boundary moves by one step of its
+    # block's int8 scale (7e-3 of the logits' span here; a wrong kernel is off by O(1))
+    assert np.abs(arm - host).max() / np.abs(host).max() < (1e-4 if act == 32 else 2e-2)
     assert np.array_equal(arm.argmax(-1), host.argmax(-1))
 
 
