@@ -24,6 +24,13 @@ LANES = 16   # fp32 lanes of the squares (rms_eps)
 LAYOUTS = ("plain", "arm", "arm_pairs")   # see fused_quantizer
 PARALLEL_BLOCKS = 64   # fused_quantizer: one row's blocks run in parallel from this many on (ARM)
 RMS_TASKS = 4          # fused_quantizer: the tasks of one row's RMSNorm quantizer (ARM)
+ROW_GROUP = 4          # fused_quantizer: rows a task of a many-row RMSNorm quantizer (x86)
+# The x86 silu(gate) * up quantizer computes SILU_STAGE blocks' inputs (1 KiB, on the stack)
+# before it quantizes them. Each block's chain (exp, divide, then the block's max, scale and
+# rounding) is ~100 instructions long end to end, and one block after another the core's
+# scheduler held little more than one: 102 x 4864, 2 threads, Intel Xeon, 258 -> 203 us (4
+# blocks 207, 19 blocks 201), the same bits. ARM keeps a block at a time (unmeasured there).
+SILU_STAGE = 8
 # The attribute that marks fused_quantizer's kernels, with what built them ("kind": "plain",
 # "silu_mul" or "rms"; "layout"; "zero_point"; "eps" of an RMSNorm), for the import-time fusion passes
 QUANTIZER = "qwc.act_quantizer"
@@ -139,6 +146,8 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     split_blocks = one_row and layout != "plain" and rms_eps is None and full >= PARALLEL_BLOCKS
     split_rms = one_row and layout != "plain" and rms_eps is not None and full >= 2
     chunk = -(-full // RMS_TASKS) if split_rms else 0
+    row_groups = rms_eps is not None and not one_row and layout == "plain"   # rms_row_group
+    staged = silu_mul and layout == "plain"   # blocks: SILU_STAGE
     rms_tasks = -(-full // chunk) if split_rms else 0
     rows = T.int64()
     copies = 2 if layout == "arm_pairs" else 1
@@ -216,6 +225,16 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
                 off[flat(i, b)[1][1]] = T.Cast("int32", st[1]) * T.int32(zero_point)
 
     @T.macro
+    def squares(a, inv, i):
+        """inv[LANES + e] = a[i, e]^2: TOPI's rms_norm's squares, stored (a store between the
+        product and the sum keeps LLVM from contracting them into an FMA)."""
+        for c in range(k // LANES):
+            inv[T.ramp(LANES + c * LANES, 1, LANES)] = row(a, i, T.ramp(c * LANES, 1, LANES)) * row(
+                a, i, T.ramp(c * LANES, 1, LANES))
+        for e in range(k // LANES * LANES, k):
+            inv[LANES + e] = row(a, i, e) * row(a, i, e)
+
+    @T.macro
     def inv_rms(a, inv, i, r):
         """r[0] = 1 / sqrt(mean(a[i]^2) + eps) in TOPI's rms_norm order (the squares, stored
         from inv[LANES] on, then their sum one after another), so the fusion changes no bit: a
@@ -223,11 +242,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         1 / rms would flip. r is inv, or a stack slot of its own: a running sum stored through
         a view of a shared buffer was written back at every element (three instructions an
         element, against one SVE `fadda` for four)."""
-        for c in range(k // LANES):
-            inv[T.ramp(LANES + c * LANES, 1, LANES)] = row(a, i, T.ramp(c * LANES, 1, LANES)) * row(
-                a, i, T.ramp(c * LANES, 1, LANES))
-        for e in range(k // LANES * LANES, k):
-            inv[LANES + e] = row(a, i, e) * row(a, i, e)
+        squares(a, inv, i)
         r[0] = T.float32(0)
         for e in range(k):
             r[0] = r[0] + inv[LANES + e]
@@ -235,10 +250,48 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
 
     @T.macro
     def blocks(a, g, u, aq, ad, off, i):
-        for b in range(full):
-            block_vec(a, g, u, aq, ad, off, i, b)
+        if staged:   # decided when the kernel is built
+            xs = T.decl_buffer((SILU_STAGE * BLOCK,), "float32", scope="global")
+            for c in range(full // SILU_STAGE):
+                for v in range(SILU_STAGE * 2):
+                    xs[T.ramp(v * HALF, 1, HALF)] = x_at(a, g, u, i, T.ramp(c * SILU_STAGE * BLOCK + v * HALF, 1, HALF),
+                                                          HALF)
+                for b in range(SILU_STAGE):
+                    quantize_block(T, xs[T.ramp(b * BLOCK, 1, HALF)], xs[T.ramp(b * BLOCK + HALF, 1, HALF)], aq, ad,
+                                   off, i, c * SILU_STAGE + b, zero_point, flat(i, c * SILU_STAGE + b))
+            for b in range(full // SILU_STAGE * SILU_STAGE, full):
+                block_vec(a, g, u, aq, ad, off, i, b)
+        else:
+            for b in range(full):
+                block_vec(a, g, u, aq, ad, off, i, b)
         for b in range(full, nb):
             block_tail(a, g, u, aq, ad, off, i, b)
+
+    @T.macro
+    def rms_row_group(a, g, aq, ad, off, grp):
+        """Rows ROW_GROUP grp .. of the many-row RMSNorm quantizer (x86): each row's sum of
+        squares is TOPI's serial chain, as inv_rms's, but the group's chains run side by side,
+        an add of each row per element. A lone chain waits on the add's latency (K = 896: 60 us
+        of a 100-token step's 70 us RMSNorm quantizer, 2 threads); the same bits."""
+        sq = T.decl_buffer((ROW_GROUP * (LANES + k),), "float32", scope="global")
+        for r in range(ROW_GROUP):
+            own = T.decl_buffer((LANES + k,), "float32", data=sq.data, elem_offset=r * (LANES + k))
+            if grp * ROW_GROUP + r < rows:
+                squares(a, own, grp * ROW_GROUP + r)
+            else:   # past the last row: a sum of zeros, never used
+                for e in range(k):
+                    own[LANES + e] = T.float32(0)
+        s = T.decl_buffer((ROW_GROUP,), "float32", scope="global")   # stack slots: see inv_rms
+        for r in T.unroll(ROW_GROUP):
+            s[r] = T.float32(0)
+        for e in range(k):
+            for r in T.unroll(ROW_GROUP):
+                s[r] = s[r] + sq[r * (LANES + k) + LANES + e]
+        for r in range(ROW_GROUP):
+            if grp * ROW_GROUP + r < rows:
+                own = T.decl_buffer((LANES + k,), "float32", data=sq.data, elem_offset=r * (LANES + k))
+                own[0] = T.float32(1) / T.sqrt(s[r] / T.float32(k) + T.float32(rms_eps))
+                blocks(a, g, own, aq, ad, off, grp * ROW_GROUP + r)
 
     @T.macro
     def blocks_parallel(a, g, u, aq, ad, off, i):
@@ -272,6 +325,21 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
                 h[0, e] = row(a, i, e)
 
     @T.macro
+    def rows_each(a, g, u, aq, ad, off, h):
+        """A row a task (or serially, one_row)."""
+        for i in T.serial(rows) if one_row else T.parallel(rows):
+            if split_rms:
+                rms_blocks_parallel(a, g, aq, ad, off, i, h)
+            elif rms_eps is not None:
+                inv = T.decl_buffer((LANES + k,), "float32", scope="global")   # 1 / rms, the squares
+                inv_rms(a, inv, i, inv)
+                blocks(a, g, inv, aq, ad, off, i)
+            elif split_blocks:
+                blocks_parallel(a, g, u, aq, ad, off, i)
+            else:
+                blocks(a, g, u, aq, ad, off, i)
+
+    @T.macro
     def quantize_rows(a, g, u, var_aq, var_ad, var_off, h=None):
         """The kernels' body from their inputs and their three output handles."""
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
@@ -283,17 +351,11 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             aq = aq3 if layout == "plain" else T.decl_buffer((rows * nb * BLOCK,), "int8", data=aq3.data)
             ad = ad2 if layout == "plain" else T.decl_buffer((rows * nb * copies,), "float32", data=ad2.data)
             off = off2 if layout == "plain" else T.decl_buffer((rows * nb * copies,), "int32", data=off2.data)
-            for i in T.serial(rows) if one_row else T.parallel(rows):
-                if split_rms:
-                    rms_blocks_parallel(a, g, aq, ad, off, i, h)
-                elif rms_eps is not None:
-                    inv = T.decl_buffer((LANES + k,), "float32", scope="global")   # 1 / rms, the squares
-                    inv_rms(a, inv, i, inv)
-                    blocks(a, g, inv, aq, ad, off, i)
-                elif split_blocks:
-                    blocks_parallel(a, g, u, aq, ad, off, i)
-                else:
-                    blocks(a, g, u, aq, ad, off, i)
+            if row_groups:   # decided when the kernel is built
+                for grp in T.parallel((rows + ROW_GROUP - 1) // ROW_GROUP):
+                    rms_row_group(a, g, aq, ad, off, grp)
+            else:
+                rows_each(a, g, u, aq, ad, off, h)
 
     def mark(kernel, kind):
         eps = {} if rms_eps is None else {"eps": rms_eps}

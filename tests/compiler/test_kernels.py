@@ -852,6 +852,42 @@ def test_activation_quantizer_against_q8_0(k, mode, m):
     np.testing.assert_array_equal(off, -8 * aq.astype(np.int32).sum(-1))
 
 
+@pytest.mark.parametrize("k", [100, 300, 896])
+def test_x86_quantizer_row_groups_and_silu_stages_keep_the_row_bits(k, monkeypatch):
+    """The many-row x86 quantizers' two schedules: RMSNorm runs ROW_GROUP rows a task, their
+    sums of squares side by side, and must give each row the bits of the one-row kernel (a
+    lone serial sum), at every row count to 9 and a ragged 17; silu(gate) * up computes
+    SILU_STAGE blocks' inputs before quantizing them, and must give the bits of a block at a
+    time (a stage longer than the row). K = 100, 300: a partial last block; 300: a stage and
+    a leftover whole block."""
+    import tvm
+
+    from qwc.compiler.kernels import act_quant
+
+    nb, eps, m = (k + 31) // 32, 1e-6, 17
+    rng = np.random.default_rng(k)
+    x, u = rng.standard_normal((m, k), dtype=np.float32) * 3, rng.standard_normal((m, k), dtype=np.float32)
+    gamma = rng.random(k, dtype=np.float32) + 0.5
+
+    def run(kernel, *ins):
+        rows = ins[0].shape[0]
+        outs = [tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in
+                (((rows, nb, 32), np.int8), ((rows, nb), np.float32), ((rows, nb), np.int32))]
+        _host_kernel(kernel)(*(tvm.runtime.tensor(np.ascontiguousarray(a)) for a in ins), *outs)
+        return [o.numpy() for o in outs]
+
+    one = act_quant.fused_quantizer.__wrapped__(k, -8, True, rms_eps=eps)
+    alone = [run(one, x[i:i + 1], gamma) for i in range(m)]
+    grouped = act_quant.fused_quantizer.__wrapped__(k, -8, False, rms_eps=eps)
+    for rows in list(range(1, 10)) + [m]:
+        for got, want in zip(run(grouped, x[:rows], gamma), zip(*alone[:rows])):
+            np.testing.assert_array_equal(got, np.concatenate(want))
+    staged = run(act_quant.fused_quantizer.__wrapped__(k, -8, False, True), x, u)
+    monkeypatch.setattr(act_quant, "SILU_STAGE", 10 ** 6)
+    for got, want in zip(staged, run(act_quant.fused_quantizer.__wrapped__(k, -8, False, True), x, u)):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("k", [100, 896, 3584])
 def test_arm_rms_quantizer_over_tasks_keeps_the_serial_bits(k):
     """The ARM decode RMSNorm quantizer runs one row as RMS_TASKS parallel tasks, each taking
