@@ -37,6 +37,8 @@ from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 # take that share from 2.5 uops a token to 1.25. AVX-512's 32 registers hold the 8 sums, the 8
 # unpacked vectors and the int32 chains (no spills); 8 over 4 with int32 offsets, 2 threads,
 # Intel Xeon: 1.03-1.11x (bench/prefill_gemm.py, docs/results.md). AVX2's 16 registers keep 4.
+# With a token's sums in two chains (q4_matmul: accumulate) 7-token tiles were up to 0.93x the
+# time of 8 at 71-200 tokens, but 1.05-1.08x at 9-17 (more tiles for the same tokens): 8 stay.
 DEFAULT_TOKENS = {"vnni": 8, "avx2": 4, "vnni8": 8}
 DECODE_EPILOGUES = frozenset({"bias", "silu_mul", "quantize"})   # decode_gemv's
 PREFILL_BIAS = True   # prefill_gemm(..., bias=True): the bias added as the rows are stored
@@ -198,22 +200,42 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
     locality = PREFETCH[0][1]
 
     @T.macro
-    def accumulate(w, aq, off, ws, ad, wc, acc, dots, at, g, b, first, count):
+    def accumulate(w, aq, off, ws, ad, wc, acc, dots, highs, at, g, b, first, count):
         """acc[16 (at + t) ..] += block b's term for rows 16g .. 16g+15 and token first + t, t <
-        count. VNNI: each code chunk's vpdpbusd for every token before the next chunk's, into
-        `dots` (count int32x16, started at the tokens' offsets): count independent chains of
-        8, and no add joining a token's two chains (_block_dot), 8 of a tile's 105 vector uops.
+        count. VNNI: each code chunk's vpdpbusd for every token before the next chunk's, a
+        token's low codes into `dots` (started at its offset) and its high codes into `highs`,
+        joined by one add: 2 x count independent chains of 4 (the tiles); without `highs` (the
+        few-token forms) all into `dots`, count chains of 8.
         A token's chains one after the other left the out-of-order window waiting on their
         latency: 4864 x 896 at 136 tokens, 2 threads, Intel Xeon, 350-355 -> 399-411 GMAC/s
         (with NEXT_GROUP; Q8_0 332-336 -> 391; the few-token forms at M = 4 / 8 211 -> 239 /
-        349 -> 356). The integer sums are exact in any order: the same bits. AVX2 a token at a
-        time (_block_dot)."""
+        349 -> 356). One chain of 8 a token (no joining add) was still latency-bound in the
+        tiles: two of 4 take 0.95-0.99x its time at 9-200 tokens (4864 x 896 and 896 x 4864;
+        Q8_0 0.94-0.96x from 64 tokens). The few-token forms, bound by their weights' arrival,
+        were level at Q4_0 and 1.03x at Q8_0, so they keep one. The integer sums are exact in
+        any order: the same bits. AVX2 a token at a time (_block_dot)."""
         if dot == "avx2":   # decided when the kernel is built
             for t in T.unroll(count):
                 acc[T.ramp((at + t) * ROWS, 1, ROWS)] = acc[T.ramp((at + t) * ROWS, 1, ROWS)] + T.Cast(
                     "float32x16", _block_dot(T, w, aq, off, g, b, first + t, dot)) * (
                     _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
-        else:
+        elif highs is not None:   # decided when the kernel is built (the tiles)
+            for t in T.unroll(count):
+                dots[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(_start(T, off, first + t, b, dot), ROWS)
+                highs[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.int32(0), ROWS)
+            for i in T.unroll(4):
+                for t in T.unroll(count):
+                    dots[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
+                        "int32x16", "llvm.x86.avx512.vpdpbusd.512", dots[T.ramp(t * ROWS, 1, ROWS)],
+                        _codes(T, w, g, b, i, False, dot), _act(T, aq, first + t, b, i))
+                    highs[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
+                        "int32x16", "llvm.x86.avx512.vpdpbusd.512", highs[T.ramp(t * ROWS, 1, ROWS)],
+                        _codes(T, w, g, b, i, True, dot), _act(T, aq, first + t, b, 4 + i))
+            for t in T.unroll(count):
+                acc[T.ramp((at + t) * ROWS, 1, ROWS)] = acc[T.ramp((at + t) * ROWS, 1, ROWS)] + T.Cast(
+                    "float32x16", dots[T.ramp(t * ROWS, 1, ROWS)] + highs[T.ramp(t * ROWS, 1, ROWS)]) * (
+                    _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
+        else:   # the few-token forms (streamed): one chain of 8 a token
             for t in T.unroll(count):
                 dots[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(_start(T, off, first + t, b, dot), ROWS)
             for i in T.unroll(4):
@@ -245,7 +267,10 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         # (LLVM then keeps them in registers) but serves every "local" one with a
         # TVMBackendAllocWorkspace call, here once per 16-row group.
         acc = T.decl_buffer((count * ROWS,), "float32", scope="global")
+        # two buffers, not one of both: TVM puts a constant-size buffer on the stack only below
+        # 1 KiB, and with one of 1 KiB (8 tokens) every vpdpbusd went through memory (0.58x)
         dots = T.decl_buffer((count * ROWS,), "int32", scope="global")
+        highs = T.decl_buffer((count * ROWS,), "int32", scope="global")
         for t in T.unroll(count):
             acc[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
         for b in range(nb):
@@ -259,7 +284,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                                                   T.int32(0), T.int32(2), T.int32(1)))
                 T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(ws[g + NEXT_GROUP, b, 0]),
                                               T.int32(0), T.int32(2), T.int32(1)))
-            accumulate(w, aq, off, ws, ad, wc, acc, dots, 0, g, b, first, count)
+            accumulate(w, aq, off, ws, ad, wc, acc, dots, highs, 0, g, b, first, count)
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None, bias)
 
@@ -286,7 +311,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                                                           T.address_of(w[h * (ng // streams) + task, b + few_ahead(dot, streams), i, 0]),
                                                           T.int32(0), T.int32(locality), T.int32(1)))
                     for h in T.unroll(streams):
-                        accumulate(w, aq, off, ws, ad, wc, acc, dots, h * count, h * (ng // streams) + task, b, 0, count)
+                        accumulate(w, aq, off, ws, ad, wc, acc, dots, None, h * count, h * (ng // streams) + task, b, 0, count)
                 for h in T.unroll(streams):
                     for t in T.unroll(count):
                         store_rows(y, t, (h * (ng // streams) + task) * ROWS, ROWS, n, acc, (h * count + t) * ROWS, None,
