@@ -37,8 +37,8 @@ from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 # take that share from 2.5 uops a token to 1.25. AVX-512's 32 registers hold the 8 sums, the 8
 # unpacked vectors and the int32 chains (no spills); 8 over 4 with int32 offsets, 2 threads,
 # Intel Xeon: 1.03-1.11x (bench/prefill_gemm.py, docs/results.md). AVX2's 16 registers keep 4.
-# With a token's sums in two chains (q4_matmul: accumulate) 7-token tiles were up to 0.93x the
-# time of 8 at 71-200 tokens, but 1.05-1.08x at 9-17 (more tiles for the same tokens): 8 stay.
+# With a token's sums in two chains (q4_matmul: accumulate) 7-token tiles took 0.96-1.01x the
+# time of 8 at 71-200 tokens, but 1.05-1.09x at 9-17 (more tiles for the same tokens): 8 stay.
 DEFAULT_TOKENS = {"vnni": 8, "avx2": 4, "vnni8": 8}
 DECODE_EPILOGUES = frozenset({"bias", "silu_mul", "quantize"})   # decode_gemv's
 PREFILL_BIAS = True   # prefill_gemm(..., bias=True): the bias added as the rows are stored
