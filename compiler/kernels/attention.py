@@ -512,17 +512,20 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             out[b, qi, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
 
     @T.macro
-    def widen_span(kc, vc, kf, vf, b, h, t0):
+    def widen_span(kc, vc, kf, vf, b, h, t0, n=None):
         """The span of keys from tile t0 into kf (the K tile layout) and vf (rows) as float32,
-        q8_0's scales applied: once for a block, where each of its query groups widened them."""
+        q8_0's scales applied: once for a block, where each of its query groups widened them.
+        With `n` (< SPAN), its first n keys: K in whole tiles (a read stays below the capacity,
+        a multiple of 16; lanes past the keys are masked where they are scored), the V rows
+        below n only (past them a row may be unwritten: NaN times a zero weight)."""
         ks = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
         vs = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
         ks16 = scales_view(T, ks, kv_dtype, SPAN * width // 2)
         vs16 = scales_view(T, vs, kv_dtype, SPAN * width // 2)
-        for u in T.unroll(SPAN_TILES):
+        for u in T.unroll(SPAN_TILES) if n is None else T.serial((n + T.int64(kt - 1)) // T.int64(kt)):
             for d in range(head_dim):
                 kf[ramp(u * kt * head_dim + d * kt, kt)] = key_elements(ks, ks16, u, d)
-        for j in range(SPAN):
+        for j in range(SPAN if n is None else n):
             for c in T.unroll(chunks):
                 vf[ramp(j * head_dim + c * LANES)] = value_elements(vs, vs16, j, c)
 
@@ -573,22 +576,6 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         for r in T.unroll(nr):
             for c in T.unroll(chunks):
                 out[b, q0 + r, ramp(h * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)]
-
-    @T.macro
-    def widen_part(kc, vc, kf, vf, b, h, t0, n):
-        """widen_span for the span's first n (< SPAN) keys: K in whole tiles (a read stays below
-        the capacity, a multiple of 16; lanes past the keys are masked where they are scored),
-        the V rows below n only (past them a row may be unwritten: NaN times a zero weight)."""
-        ks = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
-        vs = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
-        ks16 = scales_view(T, ks, kv_dtype, SPAN * width // 2)
-        vs16 = scales_view(T, vs, kv_dtype, SPAN * width // 2)
-        for u in range((n + T.int64(kt - 1)) // T.int64(kt)):
-            for d in range(head_dim):
-                kf[ramp(u * kt * head_dim + d * kt, kt)] = key_elements(ks, ks16, u, d)
-        for j in range(n):
-            for c in T.unroll(chunks):
-                vf[ramp(j * head_dim + c * LANES)] = value_elements(vs, vs16, j, c)
 
     @T.macro
     def group_scores(ps, qrs, ks, count, nt):
@@ -750,7 +737,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                     if (sp + 1) * SPAN <= last:
                         widen_span(kc, vc, kf, vf, b, h, sp * SPAN_TILES)
                     else:
-                        widen_part(kc, vc, kf, vf, b, h, sp * SPAN_TILES, last - sp * SPAN)
+                        widen_span(kc, vc, kf, vf, b, h, sp * SPAN_TILES, last - sp * SPAN)
                 for g in range((nq + nr - 1) // nr):
                     # its first query has the fewest keys: n0 of the span's (SPAN or more: all)
                     n0 = T.bind(past + q0 + g * nr + T.int64(1) - sp * SPAN)

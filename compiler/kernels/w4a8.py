@@ -47,18 +47,27 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
     ng = groups(n)
     act = (rows_in, nb, 2) if pair_scales else (rows_in, nb)
 
+    @T.macro
+    def root(var_aq, var_ad, var_off, var_y, w, ws, wc, bias):
+        """Every variant's body: its activation and output buffers, and the body in the root block."""
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+        aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
+        ad = T.match_buffer(var_ad, act, "float32")
+        off = T.match_buffer(var_off, act, "int32")
+        y = T.match_buffer(var_y, (rows_in, n), "float32")
+        with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
+            if bias is None:   # decided when the kernel is built
+                body(w, aq, off, ws, ad, y, wc)
+            else:
+                body(w, aq, off, ws, ad, y, wc, bias)
+
+    # one variant a signature (a prim_func's arguments are fixed): offsets and bias, each or not
     if not offsets and not bias:
         @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
         def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
                    w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
                    var_y: T.handle):
-            T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
-            aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
-            ad = T.match_buffer(var_ad, act, "float32")
-            off = T.match_buffer(var_off, act, "int32")
-            y = T.match_buffer(var_y, (rows_in, n), "float32")
-            with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
-                body(w, aq, off, ws, ad, y, None)
+            root(var_aq, var_ad, var_off, var_y, w, ws, None, None)
         return kernel
 
     if not bias:
@@ -66,13 +75,7 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
         def kernel_c(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
                      w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
                      wc: T.Buffer((ng, nb, ROWS), "float32"), var_y: T.handle):
-            T.func_attr({"tir.noalias": True, "op_pattern": 8})
-            aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
-            ad = T.match_buffer(var_ad, act, "float32")
-            off = T.match_buffer(var_off, act, "int32")
-            y = T.match_buffer(var_y, (rows_in, n), "float32")
-            with T.sblock("root"):
-                body(w, aq, off, ws, ad, y, wc)
+            root(var_aq, var_ad, var_off, var_y, w, ws, wc, None)
         return kernel_c
 
     if not offsets:
@@ -80,26 +83,14 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
         def kernel_b(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
                      w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
                      bias: T.Buffer((n,), "float32"), var_y: T.handle):
-            T.func_attr({"tir.noalias": True, "op_pattern": 8})
-            aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
-            ad = T.match_buffer(var_ad, act, "float32")
-            off = T.match_buffer(var_off, act, "int32")
-            y = T.match_buffer(var_y, (rows_in, n), "float32")
-            with T.sblock("root"):
-                body(w, aq, off, ws, ad, y, None, bias)
+            root(var_aq, var_ad, var_off, var_y, w, ws, None, bias)
         return kernel_b
 
     @T.prim_func(private=True, check_well_formed=False)
     def kernel_cb(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
                   w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
                   wc: T.Buffer((ng, nb, ROWS), "float32"), bias: T.Buffer((n,), "float32"), var_y: T.handle):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8})
-        aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
-        ad = T.match_buffer(var_ad, act, "float32")
-        off = T.match_buffer(var_off, act, "int32")
-        y = T.match_buffer(var_y, (rows_in, n), "float32")
-        with T.sblock("root"):
-            body(w, aq, off, ws, ad, y, wc, bias)
+        root(var_aq, var_ad, var_off, var_y, w, ws, wc, bias)
     return kernel_cb
 
 

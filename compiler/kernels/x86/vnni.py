@@ -219,38 +219,35 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                 acc[T.ramp((at + t) * ROWS, 1, ROWS)] = acc[T.ramp((at + t) * ROWS, 1, ROWS)] + T.Cast(
                     "float32x16", _block_dot(T, w, aq, off, g, b, first + t, dot)) * (
                     _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
-        elif highs is not None:   # decided when the kernel is built (the tiles)
+        else:
             for t in T.unroll(count):
                 dots[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(_start(T, off, first + t, b, dot), ROWS)
-                highs[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.int32(0), ROWS)
-            for i in T.unroll(4):
-                for t in T.unroll(count):
-                    dots[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
-                        "int32x16", "llvm.x86.avx512.vpdpbusd.512", dots[T.ramp(t * ROWS, 1, ROWS)],
-                        _codes(T, w, g, b, i, False, dot), _act(T, aq, first + t, b, i))
-                    highs[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
-                        "int32x16", "llvm.x86.avx512.vpdpbusd.512", highs[T.ramp(t * ROWS, 1, ROWS)],
-                        _codes(T, w, g, b, i, True, dot), _act(T, aq, first + t, b, 4 + i))
+                if highs is not None:   # decided when the kernel is built (the tiles)
+                    highs[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.int32(0), ROWS)
+            if highs is not None:
+                for i in T.unroll(4):
+                    for t in T.unroll(count):
+                        dots[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
+                            "int32x16", "llvm.x86.avx512.vpdpbusd.512", dots[T.ramp(t * ROWS, 1, ROWS)],
+                            _codes(T, w, g, b, i, False, dot), _act(T, aq, first + t, b, i))
+                        highs[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
+                            "int32x16", "llvm.x86.avx512.vpdpbusd.512", highs[T.ramp(t * ROWS, 1, ROWS)],
+                            _codes(T, w, g, b, i, True, dot), _act(T, aq, first + t, b, 4 + i))
+            else:   # the few-token forms (streamed): one chain of 8 a token, low codes first
+                for i in T.unroll(4):
+                    for t in T.unroll(count):
+                        dots[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
+                            "int32x16", "llvm.x86.avx512.vpdpbusd.512", dots[T.ramp(t * ROWS, 1, ROWS)],
+                            _codes(T, w, g, b, i, False, dot), _act(T, aq, first + t, b, i))
+                for i in T.unroll(4):
+                    for t in T.unroll(count):
+                        dots[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
+                            "int32x16", "llvm.x86.avx512.vpdpbusd.512", dots[T.ramp(t * ROWS, 1, ROWS)],
+                            _codes(T, w, g, b, i, True, dot), _act(T, aq, first + t, b, 4 + i))
             for t in T.unroll(count):
                 acc[T.ramp((at + t) * ROWS, 1, ROWS)] = acc[T.ramp((at + t) * ROWS, 1, ROWS)] + T.Cast(
-                    "float32x16", dots[T.ramp(t * ROWS, 1, ROWS)] + highs[T.ramp(t * ROWS, 1, ROWS)]) * (
-                    _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
-        else:   # the few-token forms (streamed): one chain of 8 a token
-            for t in T.unroll(count):
-                dots[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(_start(T, off, first + t, b, dot), ROWS)
-            for i in T.unroll(4):
-                for t in T.unroll(count):
-                    dots[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
-                        "int32x16", "llvm.x86.avx512.vpdpbusd.512", dots[T.ramp(t * ROWS, 1, ROWS)],
-                        _codes(T, w, g, b, i, False, dot), _act(T, aq, first + t, b, i))
-            for i in T.unroll(4):
-                for t in T.unroll(count):
-                    dots[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
-                        "int32x16", "llvm.x86.avx512.vpdpbusd.512", dots[T.ramp(t * ROWS, 1, ROWS)],
-                        _codes(T, w, g, b, i, True, dot), _act(T, aq, first + t, b, 4 + i))
-            for t in T.unroll(count):
-                acc[T.ramp((at + t) * ROWS, 1, ROWS)] = acc[T.ramp((at + t) * ROWS, 1, ROWS)] + T.Cast(
-                    "float32x16", dots[T.ramp(t * ROWS, 1, ROWS)]) * (
+                    "float32x16", dots[T.ramp(t * ROWS, 1, ROWS)] if highs is None else
+                    dots[T.ramp(t * ROWS, 1, ROWS)] + highs[T.ramp(t * ROWS, 1, ROWS)]) * (
                     _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
         if wc is not None:   # decided when the kernel is built
             for t in T.unroll(count):
