@@ -93,6 +93,8 @@ def _cmd_export(args: argparse.Namespace) -> None:
         raise QwcError("--legacy-exporter is torch's older exporter; it does not go with --exporter stream")
     t0 = time.perf_counter()
     source = resolve_model(args.source)
+    if args.lora:
+        return _export_merged(args, source, t0)
     if source in PRESET_NAMES:
         if args.exporter == "stream":
             raise QwcError(f"{source} is a preset built in torch; --exporter stream reads checkpoints "
@@ -129,6 +131,30 @@ def _cmd_export(args: argparse.Namespace) -> None:
     yarn = (f", YaRN x{c.rope_scaling['factor']:g}: {c.context_length} positions" if c.rope_scaling else "")
     progress.info(f"[qwc] exported {c.name}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
                   f"vocab {c.vocab_size}{yarn} -> {out} ({how}) in {time.perf_counter() - t0:.1f}s")
+
+
+def _export_merged(args: argparse.Namespace, source: str, t0: float) -> None:
+    """`qwc export BASE --lora A[:S] ...`: the adapters merged into the base as it streams out."""
+    from qwc.models.adapters import read_adapter
+    from qwc.models.load import open_checkpoint
+    from qwc.models.lora_merge import checkpoint_of, merge
+    from qwc.models.presets import PRESET_NAMES
+    from qwc.models.stream_export import export_streaming, stream_memory
+
+    if args.exporter == "torch" or args.legacy_exporter:
+        raise QwcError("--lora merges as the graph streams out; it does not go with the torch exporter")
+    if source in PRESET_NAMES:
+        from qwc.models.presets import load_preset
+        ckpt = checkpoint_of(load_preset(source), f"preset:{source}")
+    else:
+        ckpt = open_checkpoint(source)
+    adapters = [read_adapter(spec, ckpt.config) for spec in args.lora]
+    merged = merge(ckpt, adapters)
+    memory_check.check("the streaming export", stream_memory(merged), "free some memory", skip=args.no_memory_check)
+    out = export_streaming(merged, args.output, requant=args.requant)
+    c = merged.config
+    progress.info(f"[qwc] exported {c.name} with {len(adapters)} adapter{'s' * (len(adapters) > 1)} merged: "
+                  f"{c.num_hidden_layers} layers, hidden {c.hidden_size} -> {out} in {time.perf_counter() - t0:.1f}s")
 
 
 def _cmd_data(args: argparse.Namespace) -> None:
@@ -605,6 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--requant", choices=("q8_0", "q4_0"), default="q8_0",
                    help="a GGUF's weights in a type qwc has no kernel for (K-quants, Q5, IQ) are written in this "
                         "one (default q8_0, the one that loses least); Q4_0, Q4_1 and Q8_0 are kept as they are")
+    e.add_argument("--lora", action="append", metavar="ADAPTER[:SCALE]",
+                   help="merge a LoRA adapter before quantization (repeatable): a PEFT directory or a llama.cpp "
+                        "GGUF adapter; a QA-LoRA adapter merges exactly into 4-bit blocks (Q4_1). SCALE: default 1")
     e.add_argument("--no-memory-check", action="store_true", help=_NO_MEMORY_CHECK)
     e.set_defaults(func=_cmd_export)
 

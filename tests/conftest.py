@@ -153,3 +153,40 @@ def edit_manifest(art, fn):
     m = json.loads(mf.read_text())
     fn(m)
     mf.write_text(json.dumps(m))
+
+
+# --- llama.cpp's Python converters, from the llama-cpp-python sdist on PyPI ---------------------
+
+LLAMACPP_VERSION = "0.3.36"   # bench/llamacpp.sh's
+
+
+@pytest.fixture(scope="session")
+def llamacpp_scripts():
+    """llama.cpp's own `convert_*.py` and its gguf-py, unpacked once from the sdist (a cache
+    outside the repo, as bench/llamacpp.sh keeps its builds): the reference for GGUF adapters."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+    from pathlib import Path
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwc" / f"llamacpp-scripts-{LLAMACPP_VERSION}"
+    if (cache / "convert_lora_to_gguf.py").is_file():
+        return cache
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache.parent) as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary=:all:",
+                            "-d", tmp, f"llama-cpp-python=={LLAMACPP_VERSION}"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        top = f"llama_cpp_python-{LLAMACPP_VERSION}/vendor/llama.cpp/"
+        keep = ("convert_lora_to_gguf.py", "convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+        stage = Path(tmp) / "scripts"
+        with tarfile.open(Path(tmp) / f"llama_cpp_python-{LLAMACPP_VERSION}.tar.gz") as t:
+            for m in t.getmembers():
+                rel = m.name[len(top):] if m.name.startswith(top) else None
+                if rel and rel.startswith(keep) and (m.isfile() or m.isdir()):
+                    m.name = rel
+                    t.extract(m, stage, filter="data")
+        os.replace(stage, cache)
+    return cache
