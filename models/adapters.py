@@ -34,10 +34,12 @@ from qwc.config import ModelConfig
 from qwc.errors import QwcError
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_BLOCK_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+BLOCK_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
+MARKER = "qwc_adapter.json"   # beside an adapter qwc lora wrote: how, and (QA-LoRA) the 4-bit base it trained on
+QA_GROUP = 32                 # QA-LoRA pools inputs over the base's 4-bit blocks
 # peft's keys: base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
 _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 _GGUF_KEY = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<t>\w+)\.weight\.lora_(?P<ab>[ab])$")
@@ -46,7 +48,7 @@ _GGUF_LINEARS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "at
 
 
 def weight_name(layer: int, linear: str) -> str:
-    return f"model.layers.{layer}.{_BLOCK_OF[linear]}.{linear}.weight"
+    return f"model.layers.{layer}.{BLOCK_OF[linear]}.{linear}.weight"
 
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -76,6 +78,7 @@ class Adapter:
     pairs: dict[str, LoraPair] = field(default_factory=dict)   # HF weight name -> its pair
     group: int | None = None                    # QA-LoRA: inputs pooled a group
     alpha: float = 0.0
+    base_sha256: str | None = None              # QA-LoRA by qwc lora: the 4-bit base's fingerprint
 
     @property
     def rank(self) -> int:
@@ -155,6 +158,13 @@ def _peft_config(folder: Path):
     return c
 
 
+def _recorded_base(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / MARKER).read_text()).get("qa_base_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _pattern_value(patterns: dict, module: str, default):
     """peft's rank_pattern / alpha_pattern: the value of the longest key the module path ends with."""
     hits = [k for k in patterns if re.match(rf"(.*\.)?({k})$", module)]
@@ -184,7 +194,7 @@ def _read_peft(folder: Path, user_scale: float) -> Adapter:
             raise QwcError(f"{weights}: tensor {k} is not a LoRA A or B weight")
         halves.setdefault(m["module"], {})[m["ab"]] = t
     ad = Adapter(str(folder), "qalora" if c.use_qalora else "lora", alpha=float(c.lora_alpha),
-                 group=int(c.qalora_group_size) if c.use_qalora else None)
+                 group=int(c.qalora_group_size) if c.use_qalora else None, base_sha256=_recorded_base(folder))
     for module, ab in halves.items():
         if set(ab) != {"A", "B"}:
             raise QwcError(f"{weights}: {module} has lora_{'A' if 'A' in ab else 'B'} but no "
@@ -201,7 +211,7 @@ def _read_peft(folder: Path, user_scale: float) -> Adapter:
 def _hf_weight(module: str, where) -> str:
     """peft's module path -> the HF weight name; anything but a Qwen2 linear is refused."""
     m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)", module)
-    if m is None or m[3] not in LINEARS or _BLOCK_OF[m[3]] != m[2]:
+    if m is None or m[3] not in LINEARS or BLOCK_OF[m[3]] != m[2]:
         raise QwcError(f"{where}: adapts {module}, which a Qwen2 model does not have as a linear "
                        f"(qwc adapts {', '.join(LINEARS)})")
     return module + ".weight"
@@ -263,9 +273,9 @@ def check_adapter(ad: Adapter, cfg: ModelConfig, max_rank: int | None = None) ->
     if not ad.pairs:
         raise QwcError(f"{ad.path}: the adapter holds no LoRA weights")
     shapes = linear_shapes(cfg)
-    if ad.kind == "qalora" and ad.group != 32:
-        raise QwcError(f"{ad.path}: QA-LoRA groups of {ad.group} inputs; the base's 4-bit blocks are 32 "
-                       "(qalora_group_size must be 32)")
+    if ad.kind == "qalora" and ad.group != QA_GROUP:
+        raise QwcError(f"{ad.path}: QA-LoRA groups of {ad.group} inputs; the base's 4-bit blocks are {QA_GROUP} "
+                       f"(qalora_group_size must be {QA_GROUP})")
     for name, p in sorted(ad.pairs.items()):
         if name not in shapes:
             layer = name.split(".")[2]

@@ -23,12 +23,10 @@ from qwc import progress
 from qwc.errors import QwcError
 from qwc.q4 import pack_nibbles, quantize_q4_0
 
-from .adapters import Adapter, linear_shapes
+from .adapters import QA_GROUP, Adapter, linear_shapes
 from .checkpoint import Checkpoint, expected_tensors
-from .gguf_blocks import Blocks, q4_1_mins
+from .gguf_blocks import Blocks, dequantize, q4_1_mins
 from .qwen2 import LoadedModel
-
-QA_GROUP = 32
 
 
 def checkpoint_of(lm: LoadedModel, source: str) -> Checkpoint:
@@ -97,6 +95,19 @@ def qa_per_weight(ad_pairs, k: int) -> np.ndarray:
     return sum(p.delta() for p in ad_pairs) * np.float32(nb / QA_GROUP)
 
 
+def check_bases(ckpt: Checkpoint, qa_adapters: list[Adapter]) -> None:
+    """A QA adapter that qwc lora trained records its 4-bit base; it merges into that base only
+    (another quantization of the same weights would move other blocks' minimums)."""
+    recorded = {ad.base_sha256 for ad in qa_adapters} - {None}
+    if not recorded:
+        return
+    have = base_fingerprint(ckpt, linear_shapes(ckpt.config))
+    for ad in qa_adapters:
+        if ad.base_sha256 not in (None, have):
+            raise QwcError(f"{ad.path}: this QA-LoRA adapter was trained on other 4-bit blocks than {ckpt.source}'s "
+                           "(another base, or another quantization of it)")
+
+
 def merge(ckpt: Checkpoint, adapters: list[Adapter]) -> Checkpoint:
     """`ckpt` with every adapter merged; nothing is read until the exporter asks."""
     shapes = linear_shapes(ckpt.config)
@@ -110,25 +121,30 @@ def merge(ckpt: Checkpoint, adapters: list[Adapter]) -> Checkpoint:
     if both:
         raise QwcError(f"{both[0]} has both a LoRA and a QA-LoRA adapter; QA-LoRA merges into 4-bit blocks, "
                        "LoRA into float weights: merge one kind at a time")
+    check_bases(ckpt, [ad for ad in adapters if ad.kind == "qalora"])
     for ad in adapters:
         progress.info(f"[qwc] merging {ad.describe()}")
     read_base, blocks_base = ckpt.tensor, ckpt.blocks
+    # with QA-LoRA every linear is the 4-bit base it trained against, adapted or not
+    as_trained = {n for n in shapes if n not in qa_pairs and n not in ckpt.quant_types} if qa_pairs else set()
     quant = {k: v for k, v in ckpt.quant_types.items() if k not in float_pairs}
     quant.update({k: "Q4_1" for k in qa_pairs})
+    quant.update({k: "Q4_0" for k in as_trained})
 
     def read_blocks(name: str) -> Blocks:
         if name in qa_pairs:
             return shift_minimums(qa_base_blocks(ckpt, name), qa_per_weight(qa_pairs[name], shapes[name][1]), name)
+        if name in as_trained:
+            return qa_base_blocks(ckpt, name)
         return blocks_base(name)
 
     def read(name: str) -> np.ndarray:
-        if name in qa_pairs:
-            from .gguf_blocks import dequantize
+        if name in qa_pairs or name in as_trained:
             return dequantize(read_blocks(name))
         w = read_base(name)
         for p in float_pairs.get(name, ()):
             w = w + p.delta()
         return w
 
-    return dataclasses.replace(ckpt, read=read, zero_biases=ckpt.zero_biases, quant_types=quant,
+    return dataclasses.replace(ckpt, read=read, quant_types=quant,
                                read_blocks=read_blocks if (qa_pairs or ckpt.read_blocks) else None)

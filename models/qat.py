@@ -40,7 +40,7 @@ from torch import nn
 from qwc import progress
 from qwc.atomic import check_destination
 from qwc.errors import QwcError
-from qwc.eval.data import read_text
+from qwc.text import read_text
 
 from .qwen2 import LoadedModel
 

@@ -119,7 +119,7 @@ def test_merge_into_a_gguf_base_keeps_the_other_blocks(tmp_path):
     floats = {n.name for n in g.graph.node if n.op_type == "MatMul"}
     assert {f"/model/layers/{i}/self_attn/q_proj/MatMul" for i in range(2)} <= floats
     assert {f"/model/layers/{i}/mlp/down_proj/MatMul" for i in range(2)} <= floats
-    assert f"/model/layers/1/self_attn/k_proj/MatMulNBits" in nbits and len(nbits) == 2 * 5 + 1   # + tied head
+    assert "/model/layers/1/self_attn/k_proj/MatMulNBits" in nbits and len(nbits) == 2 * 5 + 1   # + tied head
     ref = build_model(base.config)
     ref.load_state_dict(base.model.state_dict())
     _check_logits(out, _peft_merged(ref, folder))
