@@ -134,15 +134,13 @@ def _cmd_export(args: argparse.Namespace) -> None:
 
 
 def _export_merged(args: argparse.Namespace, source: str, t0: float) -> None:
-    """`qwc export BASE --lora A[:S] ...`: the adapters merged into the base as it streams out."""
+    """`qwc export BASE --lora A[:S] ...`: the adapters merged into the base a tensor at a time."""
     from qwc.models.adapters import read_adapter
     from qwc.models.load import open_checkpoint
     from qwc.models.lora_merge import checkpoint_of, merge
     from qwc.models.presets import PRESET_NAMES
     from qwc.models.stream_export import export_streaming, stream_memory
 
-    if args.exporter == "torch" or args.legacy_exporter:
-        raise QwcError("--lora merges as the graph streams out; it does not go with the torch exporter")
     if source in PRESET_NAMES:
         from qwc.models.presets import load_preset
         ckpt = checkpoint_of(load_preset(source), f"preset:{source}")
@@ -150,8 +148,18 @@ def _export_merged(args: argparse.Namespace, source: str, t0: float) -> None:
         ckpt = open_checkpoint(source)
     adapters = [read_adapter(spec, ckpt.config) for spec in args.lora]
     merged = merge(ckpt, adapters)
-    memory_check.check("the streaming export", stream_memory(merged), "free some memory", skip=args.no_memory_check)
-    out = export_streaming(merged, args.output, requant=args.requant)
+    if args.exporter == "torch" or args.legacy_exporter:   # float32 throughout (what --awq / --gptq need)
+        if any(ad.kind == "qalora" for ad in adapters):
+            raise QwcError("a QA-LoRA adapter merges into 4-bit blocks, which only the streaming exporter keeps; "
+                           "drop --exporter torch")
+        from qwc.models.export import export_onnx, torch_export_memory
+        from qwc.models.qwen2 import from_checkpoint
+        memory_check.check("the torch export", torch_export_memory(merged.n_params()),
+                           "--exporter stream writes the graph in bounded memory", skip=args.no_memory_check)
+        out = export_onnx(from_checkpoint(merged), args.output, dynamo=not args.legacy_exporter)
+    else:
+        memory_check.check("the streaming export", stream_memory(merged), "free some memory", skip=args.no_memory_check)
+        out = export_streaming(merged, args.output, requant=args.requant)
     c = merged.config
     progress.info(f"[qwc] exported {c.name} with {len(adapters)} adapter{'s' * (len(adapters) > 1)} merged: "
                   f"{c.num_hidden_layers} layers, hidden {c.hidden_size} -> {out} in {time.perf_counter() - t0:.1f}s")

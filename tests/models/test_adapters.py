@@ -85,6 +85,29 @@ def test_merge_matches_peft_merge_and_unload(tiny_lm, hf_base, peft_dir, tmp_pat
     assert np.abs(a - b).max() > 0.05 * (a.max() - a.min())
 
 
+def test_torch_exporter_route_is_the_same_merge(hf_base, peft_dir, tmp_path, capsys):
+    """`--exporter torch` (float32 throughout, what --awq needs) merges the same weights; a
+    QA-LoRA adapter, which merges into 4-bit blocks, is refused there."""
+    a, b = tmp_path / "s.onnx", tmp_path / "t.onnx"
+    assert main(["-q", "export", str(hf_base), "--lora", str(peft_dir), "-o", str(a)]) == 0
+    assert main(["-q", "export", str(hf_base), "--exporter", "torch", "--lora", str(peft_dir), "-o", str(b)]) == 0
+    c = ModelConfig.load(sidecar_paths(a)[0])
+    prompt = np.arange(9)[None]
+    x, y = ort_kv_logits(a, c, prompt, [])[0], ort_kv_logits(b, c, prompt, [])[0]
+    assert np.abs(x - y).max() <= 1e-4 * (x.max() - x.min())
+    qa = _copy_adapter(peft_dir, tmp_path / "qa")
+    cfg = json.loads((qa / "adapter_config.json").read_text())
+    cfg.update(use_qalora=True, qalora_group_size=32)
+    (qa / "adapter_config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file
+    t = load_file(qa / "adapter_model.safetensors")
+    save_file({k: (v[:, : v.shape[1] // 32].contiguous() if "lora_A" in k else v) for k, v in t.items()},
+              qa / "adapter_model.safetensors")
+    capsys.readouterr()
+    assert main(["export", str(hf_base), "--exporter", "torch", "--lora", str(qa), "-o", str(tmp_path / "q.onnx")]) == 2
+    assert "drop --exporter torch" in capsys.readouterr().err and not (tmp_path / "q.onnx").exists()
+
+
 def test_scale_and_two_adapters_and_rslora(tiny_lm, hf_base, peft_dir, tmp_path):
     second = tmp_path / "rs"
     _random_adapter(tiny_lm.model, second, r=8, alpha=4, seed=2, use_rslora=True)
