@@ -5,11 +5,13 @@
 The novel is split by lines: the first 90% is the training text, the last 10% is held out and
 scored (perplexity, ctx 512, every whole chunk). Rows, each through `qwc` commands:
   base            the GGUF's weights (Q4_1 dequantized), exported float, onnxruntime
-  base-ptq        the base through qwc's best PTQ (`qwc optimize --awq --gptq`, calibrated on Emma)
+  base-ptq        the base through qwc's best PTQ (`qwc optimize --awq --gptq --lm-head-bits 8`,
+                  calibrated on Emma; the tied embedding at Q8_0, as the GGUF has it)
   lora            `qwc lora` (float LoRA on the base), merged by `qwc export --lora`, float graph
   lora-ptq        the same merged model through the best PTQ: the route QA-LoRA replaces
   qalora          `qwc lora --qa` on the GGUF's own Q4_1 blocks, merged by `qwc export --lora`:
                   every linear Q4_1 with the file's codes and scales
+  qalora-qwc      the same optimized and compiled for this host (W4A8 kernels), scored by qwc's runtime
 The GGUF's Q4_1 blocks are the best 4-bit base there is for this model (its own source, and
 better than qwc's or llama.cpp's Q4_0 PTQ of it: docs/figures.md), so QA-LoRA starts from them.
 Intermediate files are cached in ~/.cache/qwc/lora-bench; delete it to start over.
@@ -67,7 +69,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--novel", default="prideprejudice")
-    ap.add_argument("--rows", default="base,base-ptq,lora,lora-ptq,qalora")
+    ap.add_argument("--rows", default="base,base-ptq,lora,lora-ptq,qalora,qalora-qwc")
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "qwc" / "lora-bench")
     a = ap.parse_args()
     from qwc.eval.data import smollm2_path
@@ -82,8 +84,13 @@ def main() -> None:
     def base() -> Path:
         return made(w / "base.onnx", "-q", "export", src, "--exporter", "torch", "-o", str(w / "base.onnx"))
 
-    def ptq(graph: Path, name: str) -> Path:
-        return made(w / f"{name}.q4.onnx", "-q", "optimize", str(graph), "--awq", "--gptq", "-o", str(w / f"{name}.q4.onnx"))
+    def ptq(graph: Path, name: str) -> Path:   # the tied embedding at Q8_0, as the GGUF and llama.cpp keep it
+        out = w / f"{name}.q4e8.onnx"
+        return made(out, "-q", "optimize", str(graph), "--awq", "--gptq", "--lm-head-bits", "8", "-o", str(out))
+
+    def compiled(graph: Path, name: str) -> Path:   # what is deployed: the passes, then the host's W4A8 kernels
+        q4 = made(w / f"{name}.opt.onnx", "-q", "optimize", str(graph), "-o", str(w / f"{name}.opt.onnx"))
+        return made(w / f"{name}.qwc", "-q", "compile", str(q4), "--act-bits", "8", "-o", str(w / f"{name}.qwc"))
 
     def lora_merged() -> Path:
         ad = made(w / f"lora-{tag}", "-q", "lora", src, *opts, "-o", str(w / f"lora-{tag}"))
@@ -100,10 +107,12 @@ def main() -> None:
         "lora": lambda: lora_merged(),
         "lora-ptq": lambda: ptq(lora_merged(), f"lora-{tag}"),
         "qalora": lambda: qalora_merged(),
+        "qalora-qwc": lambda: compiled(qalora_merged(), f"qalora-{tag}"),
     }
     what = {"base": "the GGUF's weights, float", "base-ptq": "base, `--awq --gptq` (Q4_0)",
             "lora": "LoRA merged, float", "lora-ptq": "LoRA merged, then `--awq --gptq` (Q4_0)",
-            "qalora": "QA-LoRA merged: the file's Q4_1 codes and scales, moved minimums"}
+            "qalora": "QA-LoRA merged: the file's Q4_1 codes and scales, moved minimums",
+            "qalora-qwc": "the same through `qwc optimize` and `qwc compile --act-bits 8` (host), qwc's runtime"}
     results = {}
     for name in a.rows.split(","):
         results[name] = perplexity(rows[name](), held, w, f"{name}-{tag}" if "lora" in name else name)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import functools
 import json
 import math
 import os
@@ -404,11 +403,12 @@ def _cmd_run(args: argparse.Namespace) -> None:
     from qwc.runtime.engine import Engine
     from qwc.runtime.sampling import SamplingParams
     from qwc.runtime.scheduler import check_speculation, speculation_warning
+    from qwc.runtime.serving import check_draft_options, drafter
 
-    _check_speculation(args)
+    check_draft_options(args)
     t0 = time.perf_counter()
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
-    speculate = _drafter(args, eng)
+    speculate = drafter(args, eng)
     check_speculation(eng, speculate)   # before the prompt is echoed
     if warning := speculation_warning(eng, speculate):
         print(f"qwc: warning: {warning}", file=sys.stderr, flush=True)
@@ -472,66 +472,13 @@ def _run_constraint(eng, args: argparse.Namespace):
     return vocab.constraint(grammar)
 
 
-def _check_speculation(args: argparse.Namespace) -> None:
-    if args.draft and args.speculate == "ngram":
-        raise QwcError("--draft and --speculate ngram are two ways of drafting: give one")
-
-
-def _drafter(args: argparse.Namespace, eng):
-    """The drafter factory --speculate / --draft ask for (None: no speculation)."""
-    from qwc.runtime.engine import Engine
-
-    if args.speculate == "ngram":
-        from qwc.runtime.speculate import NgramDrafter
-
-        return functools.partial(NgramDrafter, args.draft_max, ngram_min=args.lookup_min)
-    if args.draft:
-        from qwc.runtime.speculate import DraftModel
-
-        try:
-            small = Engine(args.draft, ctx=eng.ctx, threads=eng.threads)
-        except QwcError as e:
-            raise QwcError(f"--draft: {e}") from None
-        return DraftModel(small, eng, args.draft_max)
-    return None
-
-
-def _serve_needs() -> None:
-    import importlib.util
-
-    if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "prometheus_client")):
-        raise QwcError("qwc serve needs the serve extra: pip install 'qwc[serve]'")
-    if "tvm" not in sys.modules:
-        os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
-
-
-def server_parts(args: argparse.Namespace):
-    """What `qwc serve` runs, from its options: (engine, scheduler not yet started, the FastAPI
-    app, the model's name). A replica of `qwc serve --replicas` builds the same
-    (runtime/replicas.py)."""
-    from pathlib import Path
-
-    from qwc.runtime.engine import Engine
-    from qwc.runtime.scheduler import Scheduler, speculation_warning
-    from qwc.runtime.server import Settings, create_app
-
-    _serve_needs()
-    _check_speculation(args)
-    eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
-    drafter = _drafter(args, eng)
-    if warning := speculation_warning(eng, drafter):
-        print(f"qwc: warning: {warning}", file=sys.stderr, flush=True)
-    sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
-                      speculate=drafter, spec_batch=args.spec_batch, mixed_steps=not args.no_mixed_steps)
-    name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
-    return eng, sched, create_app(eng, sched, Settings(model_id=name, api_key=args.api_key)), name
-
-
 def _cmd_serve(args: argparse.Namespace) -> None:
     import socket
     from pathlib import Path
 
-    _serve_needs()
+    from qwc.runtime.serving import serve_needs, server_parts
+
+    serve_needs()
     if args.replica_cpus and args.ray is None and args.replicas == 1:
         raise QwcError("--replica-cpus pins replicas: give --replicas N (or --ray)")
     if args.ray is not None or args.replicas > 1:

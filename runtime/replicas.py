@@ -6,7 +6,7 @@ on Ray Serve (the optional extra `qwc[ray]`).
     loaded) -> EngineReplica x N (each the `qwc serve` app, engine and scheduler, in its own
     process, on any node of the cluster)
 
-- Each replica builds exactly what `qwc serve` runs (qwc.cli.server_parts) and answers the
+- Each replica builds exactly what `qwc serve` runs (runtime/serving.py: server_parts) and answers the
   request through that FastAPI app in its own process (an in-process ASGI call): the same
   routes, errors, streaming and metrics. Its response travels back as (status, headers, first
   chunk), then chunks.
@@ -72,7 +72,7 @@ class EngineReplica:
     def __init__(self, options: dict):
         from ray import serve
 
-        from qwc.cli import server_parts
+        from .serving import server_parts
 
         args = argparse.Namespace(**options)
         # TVM pins its pool's threads to cores by their index: every replica on a machine would

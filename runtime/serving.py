@@ -1,0 +1,66 @@
+"""What `qwc serve` runs, built from its options (an argparse namespace or the same fields):
+the engine, the scheduler and the HTTP app. `qwc serve` and each replica of `qwc serve
+--replicas` (replicas.py) build the same; `qwc run` shares the drafting options."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+from qwc.errors import QwcError
+
+
+def check_draft_options(args) -> None:
+    if args.draft and args.speculate == "ngram":
+        raise QwcError("--draft and --speculate ngram are two ways of drafting: give one")
+
+
+def drafter(args, eng):
+    """The drafter factory --speculate / --draft ask for (None: no speculation)."""
+    from .engine import Engine
+
+    if args.speculate == "ngram":
+        from .speculate import NgramDrafter
+
+        return functools.partial(NgramDrafter, args.draft_max, ngram_min=args.lookup_min)
+    if args.draft:
+        from .speculate import DraftModel
+
+        try:
+            small = Engine(args.draft, ctx=eng.ctx, threads=eng.threads)
+        except QwcError as e:
+            raise QwcError(f"--draft: {e}") from None
+        return DraftModel(small, eng, args.draft_max)
+    return None
+
+
+def serve_needs() -> None:
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "prometheus_client")):
+        raise QwcError("qwc serve needs the serve extra: pip install 'qwc[serve]'")
+    if "tvm" not in sys.modules:
+        os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+
+
+def server_parts(args):
+    """What `qwc serve` runs, from its options: (engine, scheduler not yet started, the FastAPI
+    app, the model's name). A replica of `qwc serve --replicas` builds the same
+    (runtime/replicas.py)."""
+    from pathlib import Path
+
+    from .engine import Engine
+    from .scheduler import Scheduler, speculation_warning
+    from .server import Settings, create_app
+
+    serve_needs()
+    check_draft_options(args)
+    eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
+    drafts = drafter(args, eng)
+    if warning := speculation_warning(eng, drafts):
+        print(f"qwc: warning: {warning}", file=sys.stderr, flush=True)
+    sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
+                      speculate=drafts, spec_batch=args.spec_batch, mixed_steps=not args.no_mixed_steps)
+    name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
+    return eng, sched, create_app(eng, sched, Settings(model_id=name, api_key=args.api_key)), name
