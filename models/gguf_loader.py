@@ -11,6 +11,7 @@ those rows are put back here: get that wrong and the text is garbage while nothi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGUFReader
@@ -21,7 +22,9 @@ from qwc.errors import QwcError
 
 from . import gguf_blocks
 from .checkpoint import Checkpoint
-from .qwen2 import LoadedModel, from_checkpoint
+
+if TYPE_CHECKING:
+    from .qwen2 import LoadedModel
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
@@ -200,4 +203,6 @@ def open_gguf(path: Path) -> Checkpoint:
 
 
 def load_gguf(path: Path) -> LoadedModel:
+    from .qwen2 import from_checkpoint
+
     return from_checkpoint(open_gguf(path), desc="dequantizing GGUF")

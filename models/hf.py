@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from huggingface_hub.errors import StrictDataclassError
@@ -16,7 +17,9 @@ from qwc.config import ModelConfig
 from qwc.errors import QwcError
 
 from .checkpoint import Checkpoint
-from .qwen2 import LoadedModel, from_checkpoint, model_config_from_hf
+
+if TYPE_CHECKING:
+    from .qwen2 import LoadedModel
 
 
 def _read_json(path: Path) -> dict:
@@ -52,7 +55,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
         gen_eos = _read_json(gen_path).get("eos_token_id")
         if gen_eos is not None:
             hf.eos_token_id = gen_eos
-    cfg = model_config_from_hf(hf, name=path.name, source=str(path))
+    cfg = ModelConfig.from_hf_dict(hf.to_dict(), name=path.name, source=str(path))
     tokenizer, cfg.chat_template = _load_tokenizer(path)
 
     files = sorted(path.glob("*.safetensors"))
@@ -86,6 +89,8 @@ def open_hf_dir(path: Path) -> Checkpoint:
 
 
 def load_hf_dir(path: Path) -> LoadedModel:
+    from .qwen2 import from_checkpoint
+
     return from_checkpoint(open_hf_dir(path), desc="reading safetensors")
 
 

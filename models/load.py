@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qwc.errors import QwcError
 
 from .checkpoint import Checkpoint
 from .presets import PRESET_NAMES, load_preset
-from .qwen2 import LoadedModel, from_checkpoint
+
+if TYPE_CHECKING:
+    from .qwen2 import LoadedModel
 
 # `qwc export --exporter auto` streams checkpoints from this size: the torch exporter holds
 # about 8 bytes a parameter (the float32 model and its folded transposes), 8 GB at 1B.
@@ -16,6 +19,8 @@ STREAM_FROM_PARAMS = 1_000_000_000
 
 
 def load_source(source: str) -> LoadedModel:
+    from .qwen2 import from_checkpoint  # torch: only where a model is built in it
+
     if source in PRESET_NAMES:
         return load_preset(source)
     return from_checkpoint(open_checkpoint(source))

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from qwc import progress
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
 
-from .qwen2 import LoadedModel, build_model
 from .tokenizer import CHATML_TEMPLATE, byte_level_tokenizer, special_ids
 
 # name -> (config fields, initializer std). Tiny's larger std gives logits with clear
@@ -60,6 +59,9 @@ _PRESETS: dict[str, tuple[dict, float]] = {
 
 PRESET_NAMES = tuple(_PRESETS)
 
+if TYPE_CHECKING:
+    from .qwen2 import LoadedModel
+
 
 def preset_config(name: str) -> ModelConfig:
     if name not in _PRESETS:
@@ -71,6 +73,10 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def load_preset(name: str, seed: int = 0) -> LoadedModel:
+    import torch  # here, not at import: a preset's name is checked where torch is not installed or loaded
+
+    from .qwen2 import LoadedModel, build_model
+
     cfg = preset_config(name)
     with progress.stage(f"building preset {name} (seed {seed})"):
         torch.manual_seed(seed)

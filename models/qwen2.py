@@ -42,10 +42,6 @@ def hf_config(cfg: ModelConfig, initializer_range: float = 0.02) -> Qwen2Config:
     return hf
 
 
-def model_config_from_hf(hf: Qwen2Config, name: str, source: str) -> ModelConfig:
-    return ModelConfig.from_hf_dict(hf.to_dict(), name=name, source=source)
-
-
 def build_model(cfg: ModelConfig, initializer_range: float = 0.02) -> Qwen2ForCausalLM:
     """A float32 model in eval mode with transformers' random initialisation."""
     model = Qwen2ForCausalLM(hf_config(cfg, initializer_range))
