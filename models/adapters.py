@@ -32,6 +32,7 @@ import numpy as np
 
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
+from qwc.text import read_json_object
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BLOCK_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -85,6 +86,10 @@ class Adapter:
         return max(p.a.shape[0] for p in self.pairs.values())
 
     @property
+    def nbytes(self) -> int:
+        return sum(p.a.nbytes + p.b.nbytes for p in self.pairs.values())
+
+    @property
     def modules(self) -> list[str]:
         return sorted({n.split(".")[-2] for n in self.pairs}, key=LINEARS.index)
 
@@ -132,12 +137,7 @@ def _peft_config(folder: Path):
     cfg_path = folder / PEFT_CONFIG
     if not cfg_path.is_file():
         raise QwcError(f"{folder}: not a PEFT adapter directory (no {PEFT_CONFIG})")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QwcError(f"{cfg_path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise QwcError(f"{cfg_path}: not a JSON object")
+    raw = read_json_object(cfg_path)
     if raw.get("peft_type", "LORA") != PeftType.LORA.value:
         raise QwcError(f"{cfg_path}: a {raw.get('peft_type')} adapter; qwc takes LoRA")
     try:

@@ -15,21 +15,12 @@ from transformers import Qwen2Config
 from qwc.atomic import replace_dir, staging_dir
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
+from qwc.text import read_json_object
 
 from .checkpoint import Checkpoint
 
 if TYPE_CHECKING:
     from .qwen2 import LoadedModel
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QwcError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise QwcError(f"{path}: not a JSON object")
-    return d
 
 
 def open_hf_dir(path: Path) -> Checkpoint:
@@ -39,7 +30,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise QwcError(f"{path}: not a Hugging Face model directory (no config.json)")
-    raw = _read_json(cfg_path)
+    raw = read_json_object(cfg_path)
     if raw.get("model_type") != "qwen2":
         raise QwcError(f"{path}: unsupported architecture {raw.get('model_type')!r} "
                        "(qwc compiles Qwen2 models)")
@@ -52,7 +43,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
         raise QwcError(f"{cfg_path}: transformers rejects it ({why[-1] if why else type(e).__name__})") from None
     gen_path = path / "generation_config.json"
     if gen_path.is_file():
-        gen_eos = _read_json(gen_path).get("eos_token_id")
+        gen_eos = read_json_object(gen_path).get("eos_token_id")
         if gen_eos is not None:
             hf.eos_token_id = gen_eos
     cfg = ModelConfig.from_hf_dict(hf.to_dict(), name=path.name, source=str(path))
@@ -111,7 +102,7 @@ def _load_tokenizer(path: Path) -> tuple[Tokenizer, str | None]:
     if (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text()
     elif (path / "tokenizer_config.json").is_file():
-        template = _read_json(path / "tokenizer_config.json").get("chat_template")
+        template = read_json_object(path / "tokenizer_config.json").get("chat_template")
     return tok, template
 
 

@@ -147,17 +147,19 @@ def _export_merged(args: argparse.Namespace, source: str, t0: float) -> None:
         ckpt = open_checkpoint(source)
     adapters = [read_adapter(spec, ckpt.config) for spec in args.lora]
     merged = merge(ckpt, adapters)
+    held = sum(ad.nbytes for ad in adapters)   # read whole; a weight's delta is made as it is written
     if args.exporter == "torch" or args.legacy_exporter:   # float32 throughout (what --awq / --gptq need)
         if any(ad.kind == "qalora" for ad in adapters):
             raise QwcError("a QA-LoRA adapter merges into 4-bit blocks, which only the streaming exporter keeps; "
                            "drop --exporter torch")
         from qwc.models.export import export_onnx, torch_export_memory
         from qwc.models.qwen2 import from_checkpoint
-        memory_check.check("the torch export", torch_export_memory(merged.n_params()),
+        memory_check.check("the torch export", torch_export_memory(merged.n_params()) + held,
                            "--exporter stream writes the graph in bounded memory", skip=args.no_memory_check)
         out = export_onnx(from_checkpoint(merged), args.output, dynamo=not args.legacy_exporter)
     else:
-        memory_check.check("the streaming export", stream_memory(merged), "free some memory", skip=args.no_memory_check)
+        memory_check.check("the streaming export", stream_memory(merged) + held, "free some memory",
+                           skip=args.no_memory_check)
         out = export_streaming(merged, args.output, requant=args.requant)
     c = merged.config
     progress.info(f"[qwc] exported {c.name} with {len(adapters)} adapter{'s' * (len(adapters) > 1)} merged: "
@@ -833,8 +835,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     lo = sub.add_parser("lora", help="train a LoRA (or QA-LoRA) adapter on CPU; writes a PEFT directory",
                         description="Fine-tune low-rank adapters with the base frozen (peft). The output is a PEFT "
-                                    "adapter directory that transformers + peft load, `qwc export BASE --lora DIR` "
-                                    "merges, and `qwc serve --lora` will serve. --qa trains QA-LoRA against the "
+                                    "adapter directory that transformers + peft load and `qwc export BASE --lora DIR` "
+                                    "merges. --qa trains QA-LoRA against the "
                                     "base's 4-bit blocks; its merge stays exactly 4-bit (Q4_1).")
     lo.add_argument("source", help="preset, HF directory, .gguf file, or smollm2 (the cached SmolLM2 GGUF)")
     lo.add_argument("--data", required=True, action="append", metavar="TEXT",

@@ -1,8 +1,9 @@
-"""Reading a user's text file: shared by training (models/) and evaluation (eval/), so neither
-imports the other."""
+"""Reading a user's text and JSON files: shared by training (models/) and evaluation (eval/), so
+neither imports the other."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .errors import QwcError
@@ -19,3 +20,14 @@ def read_text(path: Path) -> str:
     if "\0" in text:
         raise QwcError(f"{path}: not a text file (it holds NUL bytes)")
     return text
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding one object (a config), refusing anything else in one line."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise QwcError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise QwcError(f"{path}: not a JSON object")
+    return d

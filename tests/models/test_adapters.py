@@ -172,34 +172,32 @@ def _copy_adapter(src, dst):
     return dst
 
 
-def test_adapter_for_another_shape(capsys, tmp_path, hf_base):
-    folder = tmp_path / "other"
+def _hand_made(folder, target, tensors):
+    """An adapter directory written by hand: peft's config for `target`, these tensors."""
     folder.mkdir()
-    cfg = LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj"])
-    cfg.save_pretrained(folder)
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 896),
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(896, 2)},
-              folder / "adapter_model.safetensors")
+    LoraConfig(r=2, lora_alpha=2, target_modules=[target]).save_pretrained(folder)
+    save_file({f"base_model.model.{k}": v for k, v in tensors.items()}, folder / "adapter_model.safetensors")
+    return folder
+
+
+def test_adapter_for_another_shape(capsys, tmp_path, hf_base):
+    folder = _hand_made(tmp_path / "other", "q_proj", {
+        "model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 896),
+        "model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(896, 2)})
     _refused(capsys, tmp_path, hf_base, folder, ["q_proj", "another model"])
 
 
 def test_adapter_on_a_module_the_base_lacks(capsys, tmp_path, hf_base):
-    folder = tmp_path / "gpt2"
-    folder.mkdir()
-    LoraConfig(r=2, lora_alpha=2, target_modules=["c_attn"]).save_pretrained(folder)
-    save_file({"base_model.model.transformer.h.0.attn.c_attn.lora_A.weight": torch.ones(2, 128),
-               "base_model.model.transformer.h.0.attn.c_attn.lora_B.weight": torch.ones(384, 2)},
-              folder / "adapter_model.safetensors")
+    folder = _hand_made(tmp_path / "gpt2", "c_attn", {
+        "transformer.h.0.attn.c_attn.lora_A.weight": torch.ones(2, 128),
+        "transformer.h.0.attn.c_attn.lora_B.weight": torch.ones(384, 2)})
     _refused(capsys, tmp_path, hf_base, folder, ["c_attn", "does not have"])
 
 
 def test_layer_beyond_the_base(capsys, tmp_path, hf_base):
-    folder = tmp_path / "deep"
-    folder.mkdir()
-    LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj"]).save_pretrained(folder)
-    save_file({"base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": torch.ones(2, 128),
-               "base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight": torch.ones(128, 2)},
-              folder / "adapter_model.safetensors")
+    folder = _hand_made(tmp_path / "deep", "q_proj", {
+        "model.layers.7.self_attn.q_proj.lora_A.weight": torch.ones(2, 128),
+        "model.layers.7.self_attn.q_proj.lora_B.weight": torch.ones(128, 2)})
     _refused(capsys, tmp_path, hf_base, folder, ["layer 7", "2 layers"])
 
 
