@@ -44,8 +44,8 @@ def made(path: Path, *args: str) -> Path:
     return path
 
 
-def perplexity(model: Path, text: Path, work: Path, tag: str) -> dict:
-    out = work / f"ppl-{tag}.json"
+def perplexity(model: Path, text: Path, work: Path) -> dict:
+    out = work / f"ppl-{model.name}.json"   # keyed by what is scored: a changed route is scored anew
     if not out.exists():
         out.write_text(qwc("-q", "eval", str(model), "--ppl", str(text), "--ctx", "512", "--json"))
     return json.loads(out.read_text())["perplexity"]
@@ -109,13 +109,13 @@ def main() -> None:
         "qalora": lambda: qalora_merged(),
         "qalora-qwc": lambda: compiled(qalora_merged(), f"qalora-{tag}"),
     }
-    what = {"base": "the GGUF's weights, float", "base-ptq": "base, `--awq --gptq` (Q4_0)",
-            "lora": "LoRA merged, float", "lora-ptq": "LoRA merged, then `--awq --gptq` (Q4_0)",
+    what = {"base": "the GGUF's weights, float", "base-ptq": "base, `--awq --gptq --lm-head-bits 8` (Q4_0)",
+            "lora": "LoRA merged, float", "lora-ptq": "LoRA merged, then `--awq --gptq --lm-head-bits 8` (Q4_0)",
             "qalora": "QA-LoRA merged: the file's Q4_1 codes and scales, moved minimums",
             "qalora-qwc": "the same through `qwc optimize` and `qwc compile --act-bits 8` (host), qwc's runtime"}
     results = {}
     for name in a.rows.split(","):
-        results[name] = perplexity(rows[name](), held, w, f"{name}-{tag}" if "lora" in name else name)
+        results[name] = perplexity(rows[name](), held, w)
     print(f"\nSmolLM2-135M, trained on the first 90% of {a.novel} ({a.steps} steps, rank {a.rank}, lr {a.lr:g}), "
           "perplexity on the last 10% (ctx 512):\n")
     print("| row | model | perplexity | vs base |")
