@@ -20,7 +20,7 @@ from qwc.passes.pipeline import optimize, save_graph
 # The slowest files, slowest first (measured: `pytest --durations=0`, summed by file). pytest
 # runs on two workers a whole file each (pyproject.toml: --dist loadfile) in collection order:
 # a long file collected last would run alone at the end. The rest keep their order.
-SLOW_FILES = ["test_fuzz.py", "test_tune.py", "test_realdata.py", "test_arm.py", "test_kernels.py",
+SLOW_FILES = ["test_fuzz.py", "test_tune.py", "test_realdata.py", "test_lora_realdata.py", "test_arm.py", "test_kernels.py",
               "test_arm_threads.py", "test_compile.py", "test_engine.py", "test_serve.py", "test_replicas.py",
               "test_structured.py", "test_stream_export.py",
               "test_load.py"]
