@@ -114,7 +114,7 @@ def parse_spec(spec: str) -> tuple[str, float]:
     return spec, 1.0
 
 
-def read_adapter(spec: str, cfg: ModelConfig, max_rank: int | None = None) -> Adapter:
+def read_adapter(spec: str, cfg: ModelConfig) -> Adapter:
     """The adapter at `spec` (`PATH[:SCALE]`: a PEFT directory or a GGUF adapter file), checked
     against a base of `cfg`: every tensor paired, of the base's shapes, finite."""
     path, user_scale = parse_spec(spec)
@@ -127,7 +127,7 @@ def read_adapter(spec: str, cfg: ModelConfig, max_rank: int | None = None) -> Ad
         raise QwcError(f"{path}: not a PEFT adapter directory or a GGUF adapter file")
     else:
         raise QwcError(f"{path}: no such adapter")
-    check_adapter(ad, cfg, max_rank)
+    check_adapter(ad, cfg)
     return ad
 
 
@@ -268,8 +268,8 @@ def _read_gguf(path: Path, cfg: ModelConfig, user_scale: float) -> Adapter:
     return ad
 
 
-def check_adapter(ad: Adapter, cfg: ModelConfig, max_rank: int | None = None) -> None:
-    """Shapes against the base, the rank's bounds, finite values, QA-LoRA's group."""
+def check_adapter(ad: Adapter, cfg: ModelConfig) -> None:
+    """Shapes against the base, a rank of at least 1, finite values, QA-LoRA's group."""
     if not ad.pairs:
         raise QwcError(f"{ad.path}: the adapter holds no LoRA weights")
     shapes = linear_shapes(cfg)
@@ -285,8 +285,6 @@ def check_adapter(ad: Adapter, cfg: ModelConfig, max_rank: int | None = None) ->
         r = p.a.shape[0]
         if r < 1:
             raise QwcError(f"{ad.path}: {name} has rank 0")
-        if max_rank is not None and r > max_rank:
-            raise QwcError(f"{ad.path}: rank {r} is above --max-lora-rank {max_rank}")
         cols = k // ad.group if ad.kind == "qalora" else k
         if p.a.shape != (r, cols) or p.b.shape != (out, r):
             what = f"[{r}, {cols}] and [{out}, {r}]"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,7 +27,9 @@ from qwc.q4 import pack_nibbles, quantize_q4_0
 from .adapters import QA_GROUP, Adapter, linear_shapes
 from .checkpoint import Checkpoint, expected_tensors
 from .gguf_blocks import Blocks, dequantize, q4_1_mins
-from .qwen2 import LoadedModel
+
+if TYPE_CHECKING:
+    from .qwen2 import LoadedModel
 
 
 def checkpoint_of(lm: LoadedModel, source: str) -> Checkpoint:

@@ -290,10 +290,11 @@ def train(lm: LoadedModel, ckpt: Checkpoint, source: str, data_paths: list[Path]
     model = lm.model
     model.config._attn_implementation = "sdpa"   # training speed; export reads the weights, not this module
     if s.qa:
+        from .lora_merge import base_fingerprint
+        # before attach_qalora: a preset's checkpoint reads the model's own tensors, which it rewrites
+        base_sha = base_fingerprint(ckpt, linear_shapes(lm.config))
         layers = attach_qalora(model, ckpt, s)
         trainable = {f"{p}.lora_{ab}": getattr(m, f"lora_{ab}") for p, m in layers.items() for ab in "AB"}
-        from .lora_merge import base_fingerprint
-        base_sha = base_fingerprint(ckpt, linear_shapes(lm.config))
     else:
         model = attach_lora(model, source, s)
         trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}

@@ -7,8 +7,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 TOP = ("bench", "compiler", "docs", "eval", "models", "passes", "qwc", "runtime", "scripts", "tests", ".ci")
@@ -93,7 +91,17 @@ def test_figures_page_is_one_page_with_a_command_a_row():
         assert "`" in command or command == "the same", row
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/design.md"])
-def test_links_to_figures_resolve(doc):
-    for target in re.findall(r"\]\(((?:docs/)?figures\.md)(?:#[\w-]+)?\)", (ROOT / doc).read_text()):
-        assert (ROOT / (target if target.startswith("docs/") else "docs/" + target)).is_file()
+def _slug(heading: str) -> str:
+    """A Markdown heading's anchor as GitHub makes it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_and_its_anchor_resolves():
+    headings = {d: {_slug(h) for h in re.findall(r"^#+ (.+)$", d.read_text(), re.M)} for d in DOCS}
+    bad = []
+    for doc in DOCS:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?(?:#([\w-]+))?\)", doc.read_text()):
+            f = (doc.parent / target).resolve() if target else doc
+            if f not in headings or (anchor and anchor not in headings[f]):
+                bad.append(f"{doc.name} -> {target}#{anchor}")
+    assert bad == []
