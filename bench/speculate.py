@@ -63,9 +63,9 @@ from pathlib import Path
 
 import numpy as np
 
+from qwc.chat_template import ChatTemplate
 from qwc.eval.data import novel, read_text
 from qwc.limits import DRAFT_MAX
-from qwc.runtime.chat import ChatTemplate
 from qwc.runtime.engine import Engine
 from qwc.runtime.sampling import SamplingParams
 from qwc.runtime.scheduler import Request, Scheduler

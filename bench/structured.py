@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qwc.runtime.chat import ChatTemplate
+from qwc.chat_template import ChatTemplate
 from qwc.runtime.engine import Engine
 from qwc.runtime.grammar import TokenVocab
 from qwc.runtime.sampling import SamplingParams

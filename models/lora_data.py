@@ -51,7 +51,7 @@ def read_training_data(paths: list[Path], tokenizer, chat_template: str | None, 
 
 
 def _chat_stream(path: Path, text: str, tokenizer, chat_template: str | None):
-    from qwc.runtime.chat import ChatTemplate
+    from qwc.chat_template import ChatTemplate
 
     if not chat_template:
         raise QwcError(f"{path}: chat data needs the model's chat template, and this model has none")

@@ -552,7 +552,7 @@ def _check_utf8(text: str, what: str) -> None:
 
 
 def _chat(eng, sp, max_new_tokens: int, speculate=None) -> None:
-    from qwc.runtime.chat import ChatTemplate
+    from qwc.chat_template import ChatTemplate
 
     if not eng.model.chat_template:
         raise QwcError("this model has no chat template; use --prompt")

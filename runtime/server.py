@@ -311,7 +311,7 @@ class Api:
                 one["tool_call_id"] = m["tool_call_id"]
             clean.append(one)
         if self._chat is None:
-            from .chat import ChatTemplate
+            from qwc.chat_template import ChatTemplate
 
             try:
                 self._chat = ChatTemplate(self.engine.model.chat_template)

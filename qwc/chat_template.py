@@ -1,10 +1,10 @@
 """The model's chat template (Jinja, from its GGUF / tokenizer config, kept in the manifest),
-rendered in a sandbox as Hugging Face's tokenizers do: `qwc run --chat` and `qwc serve`'s
-/v1/chat/completions share it."""
+rendered in a sandbox as Hugging Face's tokenizers do: `qwc run --chat`, `qwc serve`'s
+/v1/chat/completions and `qwc lora`'s chat data share it."""
 
 from __future__ import annotations
 
-from qwc.errors import QwcError
+from .errors import QwcError
 
 
 class ChatTemplate:
