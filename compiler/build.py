@@ -57,16 +57,20 @@ BY_REFERENCE_BYTES = LARGE_TENSOR_BYTES
 def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
              score_nodes: list | None = None, tuned: dict | None = None,
              max_batch: int = 1, prefill_nodes: list | None = None,
-             kv_dtype: str = "float32", step_nodes: list | None = None) -> tuple[tvm.IRModule, list[str], dict]:
+             kv_dtype: str = "float32", step_nodes: list | None = None,
+             lora_chunks: int = 0) -> tuple[tvm.IRModule, list[str], dict]:
     """The module, the param names in call order, and the param values (numpy arrays or, for
     the large ones, the model's TensorProtos: compiler/artifact.py reads each as it writes it).
     `model` gives prefill and decode (and, with `max_batch` >= 2, decode_batch for up to that
     many sequences); `score_nodes`, where given, are the nodes of `score` (every position's
     logits) and of `verify`; `prefill_nodes`, where given, replace model's nodes for prefill
     (passes/last_position.py: prefill_nodes); `kv_dtype` the cache buffers' element type;
-    `step_nodes`, with `max_batch` >= 2, the step entry point's (last_position.step_nodes)."""
+    `step_nodes`, with `max_batch` >= 2, the step entry point's (last_position.step_nodes).
+    `lora_chunks` >= 1: the graph has adapter slots (compiler/lora_slots.py) of up to that many
+    chunks of ranks, inputs after the cache."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
-    n_inputs = N_INPUTS_BEFORE_CACHE + n_cache
+    n_lora = sum(1 for i in model.graph.input if i.name.startswith("qwc_lora_"))
+    n_inputs = N_INPUTS_BEFORE_CACHE + n_cache + n_lora
     skeleton, by_ref = _by_reference(model)
     funcs = {}
     names = params = signature = None
@@ -82,6 +86,11 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
               "decode_batch": {"batch": max_batch},
               "step": {"seq": MAX_TOKENS_PER_CALL, "batch": max_batch, "segments": max_batch,
                        "outputs": max_batch}}
+    if lora_chunks:   # the padded rank bounds the shrink's output: one buffer for every call
+        for b in bounds.values():
+            b["lora_chunks"] = lora_chunks
+        for name, *_ in entries:
+            bounds.setdefault(name, {"lora_chunks": lora_chunks})
     for name, seq, nodes, batched in entries:
         step = name == "step"
         extra = STEP_INPUTS if step else ()

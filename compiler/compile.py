@@ -14,7 +14,7 @@ from qwc import progress
 from qwc.atomic import check_destination
 from qwc.config import load_for_graph, tokenizer_for_graph
 from qwc.errors import QwcError
-from qwc.limits import KV_TYPES, MAX_BATCH
+from qwc.limits import KV_TYPES, MAX_BATCH, MAX_LORA_RANK
 from qwc.passes.last_position import last_position_logits, prefill_nodes, step_nodes
 from qwc.passes.pipeline import load_canonical
 
@@ -50,10 +50,13 @@ def compile_memory(model: onnx.ModelProto) -> int:
 
 
 def compile_file(src, target_name: str, out, options=None, act_bits: int | None = None, tuning_db=None,
-                 max_batch: int = 1, memory_check: bool = True, kv_type: str | None = None) -> dict:
+                 max_batch: int = 1, memory_check: bool = True, kv_type: str | None = None,
+                 max_lora_rank: int = 0) -> dict:
     """`act_bits` None: the target's default (targets.default_act_bits). `max_batch` >= 2 adds
     the decode_batch entry point (compiler/build.py) for up to that many sequences. `kv_type`:
-    the KV cache's element type by its KV_TYPES name (None: targets.default_kv_dtype)."""
+    the KV cache's element type by its KV_TYPES name (None: targets.default_kv_dtype).
+    `max_lora_rank` >= 1: adapter slots for LoRA adapters of up to that rank, served unmerged
+    (compiler/lora_slots.py)."""
     target = get_target(target_name)
     if act_bits not in (None, 8, 32):
         raise QwcError(f"--act-bits {act_bits} is not supported (8 or 32)")
@@ -61,6 +64,8 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
         raise QwcError(f"--kv-dtype {kv_type!r} is not supported ({' or '.join(KV_TYPES)})")
     if not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
         raise QwcError(f"--max-batch {max_batch!r}: must be an integer from 1 to {MAX_BATCH}")
+    if not isinstance(max_lora_rank, int) or not 0 <= max_lora_rank <= MAX_LORA_RANK:
+        raise QwcError(f"--max-lora-rank {max_lora_rank!r}: must be an integer from 1 to {MAX_LORA_RANK} (0: no slots)")
     check_destination(out, folder=True, foreign=foreign_files)
     config = load_for_graph(src)   # cheap checks first: TVM takes seconds to import
     if kv_type == "q8_0" and config.head_dim % 32:
@@ -72,10 +77,11 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     # written as they are made and read back one at a time for params.bin.
     with staging_dir(Path(out), folder=True, foreign=foreign_files) as scratch, weights_to(scratch / "weights.bin"):
         return _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check,
-                        KV_TYPES[kv_type] if kv_type else default_kv_dtype(target))
+                        KV_TYPES[kv_type] if kv_type else default_kv_dtype(target), max_lora_rank)
 
 
-def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check, kv_dtype) -> dict:
+def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check, kv_dtype,
+             max_lora_rank) -> dict:
     from .artifact import write_artifact
     from .build import MAX_TOKENS_PER_CALL, VERIFY_TOKENS, build, to_relax
     from .kernels.attention import KEY_TILE, supports
@@ -93,6 +99,9 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     t0 = time.perf_counter()
     model = load_canonical(src, config, options, memory_check=memory_check, by_reference=True)
     times["passes"] = time.perf_counter() - t0
+    if max_lora_rank:
+        from .lora_slots import check_inputs_unscaled
+        check_inputs_unscaled(model, src)
     from qwc import memory_check as mc
     mc.check(f"compiling {Path(src).name}", compile_memory(model), "free some memory", skip=not memory_check,
              held=sum(len(t.raw_data) for t in model.graph.initializer))
@@ -117,11 +126,29 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     prefill = prefill_nodes(model)
     step = step_nodes(model, list(full.node)) if max_batch > 1 else None
     model = last_position_logits(model)
+    score = list(full.node)
+    lora = None
+    if max_lora_rank:
+        from qwc.models.adapters import linear_shapes
+
+        from .kernels.lora import CHUNK
+        from .lora_slots import LORA_SLOT, add_slot_inputs, with_slots
+        shapes = linear_shapes(config)
+        linears = add_slot_inputs(model, shapes)
+        score = with_slots(score, linears, shapes)
+        prefill = with_slots(prefill, linears, shapes) if prefill is not None else None
+        step = with_slots(step, linears, shapes) if step is not None else None
+        decode = with_slots(list(model.graph.node), linears, shapes)
+        del model.graph.node[:]
+        model.graph.node.extend(decode)
+        lora = {"max_rank": -(-max_lora_rank // CHUNK) * CHUNK, "chunk": CHUNK, "slot_input": LORA_SLOT,
+                "linears": linears}
     t0 = time.perf_counter()
     with progress.stage("importing into TVM Relax"):
         mod, names, params = to_relax(model, act_bits=act_bits, features=target.features,
-                                      score_nodes=list(full.node), prefill_nodes=prefill, tuned=tuned,
-                                      max_batch=max_batch, kv_dtype=kv_dtype, step_nodes=step)
+                                      score_nodes=score, prefill_nodes=prefill, tuned=tuned,
+                                      max_batch=max_batch, kv_dtype=kv_dtype, step_nodes=step,
+                                      lora_chunks=lora["max_rank"] // lora["chunk"] if lora else 0)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):
@@ -149,6 +176,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
         # rounds the buffers' capacity up to a multiple of this.
         "cache_capacity_multiple": KEY_TILE if key_tiles else 1,
         "k_cache_layout": f"key_tiles_{KEY_TILE}" if key_tiles else "rows",
+        **({"lora": lora} if lora else {}),
         "outputs": ["logits [1, 1, vocab] (last position; score: [1, seq, vocab])"] + [c.replace("past_key_values", "present") for c in cache],
     }
     t0 = time.perf_counter()

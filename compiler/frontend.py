@@ -31,6 +31,9 @@ from qwc.passes.last_position import GQA_STEP_INPUTS, STEP_LOGIT_TOKENS, STEP_SE
 from .kernels import attention as fast
 from .kernels import generic, prefill_bias, w4a8_gemm
 from .kernels.w4a8 import ZERO_POINT
+from .lora_slots import LORA_SLOT
+from .lora_slots import OP as LORA_OP
+from .relax_match import call_of
 from .targets import kernels_for, q4_0_path, q8_0_path, vector_registers
 
 
@@ -326,6 +329,50 @@ class MatMulColumnBlocks(F.OnnxOpConverter):
         return bb.emit(relax.op.reshape(y, [*lead, n]))
 
 
+class LoraAdd(F.OnnxOpConverter):
+    """compiler/lora_slots.py: y + B[slot]·(A[slot]·x), each token its own adapter slot."""
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        from .kernels import lora
+
+        y, x, slot, a, b = (v if isinstance(v, relax.Var) else bb.emit(v) for v in inputs[:5])
+        k, n = int(a.ty.shape[1]), int(b.ty.shape[3])
+        # compiler/lora_slots.py: x may be the gate (input 5 the up projection) or the sum an
+        # RMSNorm normalises (input 5 its gamma)
+        prologue = attr.get("prologue", b"plain")
+        prologue = prologue.decode() if isinstance(prologue, bytes) else str(prologue)
+        x2, y2 = (cls._rows(bb, v, d) for v, d in ((x, k), (y, n)))
+        extra = inputs[5] if len(inputs) > 5 else None
+        if prologue == "silu_mul":
+            extra = cls._rows(bb, extra, k)
+        elif prologue == "rms":
+            extra = extra if isinstance(extra, relax.Var) else bb.emit(extra)
+        s2 = bb.emit(relax.op.reshape(slot, [-1]))
+        m, chunks = x2.ty.shape[0], a.ty.shape[2]
+        eps = float(attr.get("epsilon", 0.0))
+        tag = "" if prologue == "plain" else f"_{prologue}"
+        shrink = bb.add_func(lora.shrink(k, prologue, eps), _kname(f"lora_shrink_{k}{tag}"))
+        ins = [x2] + ([extra] if prologue != "plain" else [])
+        t = bb.emit(relax.call_tir(shrink, [*ins, s2, a],
+                                   relax.TensorType(shape=[m, chunks, lora.CHUNK], dtype="float32")))
+        expand = bb.add_func(lora.expand_add(n), _kname(f"lora_expand_add_{n}"))
+        out = bb.emit(relax.call_tir_inplace(expand, [y2, t, s2, b], 0, y2.ty))   # y2 has no other reader
+        return bb.emit(relax.op.reshape(out, y.ty.shape))
+
+
+    @staticmethod
+    def _rows(bb, v, width: int):
+        """v as [rows, width]: the tensor v is a reshape of where it is one already (a reshape
+        of a reshape lowers to a copy kernel)."""
+        e = bb.lookup_binding(v) if isinstance(v, relax.Var) else None
+        if call_of(e, "relax.reshape"):
+            src = e.args[0]
+            if isinstance(src, relax.Var) and src.ty.ndim == 2 and isinstance(src.ty.shape[1], tirx.IntImm) \
+                    and int(src.ty.shape[1]) == width:
+                return src
+        return bb.emit(relax.op.reshape(v, [-1, width]))
+
+
 class StepTokens(F.OnnxOpConverter):
     """passes/last_position.py: the step entry point's tokens whose logits it returns (indices
     clipped: the runtime builds them, a wrong one must not read outside the buffer)."""
@@ -335,6 +382,7 @@ class StepTokens(F.OnnxOpConverter):
 
 
 _QWC_CONVERTERS = {
+    LORA_OP: LoraAdd,
     STEP_TOKENS_OP: StepTokens,
     COLUMN_BLOCKS_OP: MatMulColumnBlocks,
     "MatMulNBits": MatMulNBits,
@@ -389,6 +437,13 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
                                 STEP_SEGMENTS: [tirx.Var("segments", "int64"), 3],
                                 STEP_LOGIT_TOKENS: [tirx.Var("outputs", "int64")]}.items() if k in present}
     dtypes = {k: "int64" for k in (STEP_SEGMENTS, STEP_LOGIT_TOKENS) if k in present}
+    if LORA_SLOT in present:   # compiler/lora_slots.py: each token's slot, and every slot's A and B
+        shapes[LORA_SLOT], dtypes[LORA_SLOT] = [tokens_batch, seq_dim], "int64"
+        slots, chunks = tirx.Var("lora_slots", "int64"), tirx.Var("lora_chunks", "int64")
+        for i in model.graph.input:
+            if i.name.startswith("qwc_lora_") and i.name != LORA_SLOT:
+                dims = [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
+                shapes[i.name] = [slots if d == "lora_slots" else chunks if d == "lora_chunks" else d for d in dims]
     for i in model.graph.input:
         if i.name.startswith("past_key_values."):
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]

@@ -31,7 +31,7 @@ import onnx
 from qwc import progress
 from qwc.q4 import fake_quantize_q4_0
 
-from .graph import Graph
+from .graph import Graph, mark_rescaled_inputs
 from .options import PassOptions
 
 ALPHAS = tuple(i / 10 for i in range(11))   # the search grid (the AWQ paper searches 20 points)
@@ -175,4 +175,6 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
     progress.info(f"[qwc]   AWQ: {len(chosen)} groups scaled, alpha median {np.median(chosen):.1f} "
                   f"(0 for {chosen.count(0)} of them)")
     g.commit()
+    if any(chosen):
+        mark_rescaled_inputs(model, "awq")
     return model

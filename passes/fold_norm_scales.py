@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from .graph import Graph
+from .graph import Graph, mark_rescaled_inputs
 from .options import PassOptions
 
 _NORMS = {("", "SimplifiedLayerNormalization"): 1, ("com.microsoft", "SkipSimplifiedLayerNormalization"): 2}
@@ -29,6 +29,7 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
     if not options.fold_norm_gains:   # the default: PassOptions.fold_norm_gains says why
         return model
     g = Graph(model)
+    folded = False
     for n in list(g.g.node):
         k = _NORMS.get((n.domain, n.op_type))
         if k is None:
@@ -55,7 +56,10 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
         for c, w in plan:
             c.input[1] = g.add_init((gamma[:, None] * w).astype(np.float32), c.input[1] + "_folded")
         n.input[k] = g.add_init(np.ones_like(gamma, dtype=np.float32), n.input[k] + "_ones")
+        folded = True
     g.commit()
+    if folded:
+        mark_rescaled_inputs(model, "fold_norm_gains")
     return model
 
 

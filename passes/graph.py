@@ -320,6 +320,22 @@ NIBBLE_HALVES_ATTR = "qwc_nibble_halves"
 # ... and the op it puts in a float MatMul's place, its weight in blocks of columns: (a [..., K],
 # w [N / cols, K, cols]) -> [..., N] (repack.float_column_blocks, kernels/f32_matmul.py).
 COLUMN_BLOCKS_OP = "QwcMatMulColumnBlocks"
+# Graph metadata: the passes that scaled some linear's input channels (the weights' rows
+# scaled back), comma-separated (passes/awq.py, fold_norm_scales.py). A LoRA adapter's A reads
+# the checkpoint's input, so adapters served unmerged need it unscaled (compiler/lora_slots.py).
+RESCALED_INPUTS_KEY = "qwc.rescaled_linear_inputs"
+
+
+def mark_rescaled_inputs(model, by: str) -> None:
+    """Record in `model`'s metadata that the pass `by` scaled linear inputs."""
+    props = {p.key: p for p in model.metadata_props}
+    if RESCALED_INPUTS_KEY in props:
+        have = props[RESCALED_INPUTS_KEY].value.split(",")
+        if by not in have:
+            props[RESCALED_INPUTS_KEY].value = ",".join(have + [by])
+        return
+    p = model.metadata_props.add()
+    p.key, p.value = RESCALED_INPUTS_KEY, by
 
 
 def has_block_offsets(n: onnx.NodeProto) -> bool:

@@ -13,7 +13,7 @@ import time
 from . import __version__, interrupts, memory_check, progress
 from .atomic import check_destination
 from .errors import QwcError
-from .limits import DRAFT_MAX, KV_TYPES, MAX_BATCH, max_threads
+from .limits import DRAFT_MAX, KV_TYPES, MAX_BATCH, MAX_LORA_RANK, max_threads
 
 # -- option types: a bad value is one line `qwc: error: argument --x: ...`, exit 2 ----------
 
@@ -350,7 +350,8 @@ def _cmd_compile(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     times = compile_file(args.model, args.target, args.output, act_bits=args.act_bits, tuning_db=args.tuning_db,
-                         max_batch=args.max_batch, memory_check=not args.no_memory_check, kv_type=args.kv_dtype)
+                         max_batch=args.max_batch, memory_check=not args.no_memory_check, kv_type=args.kv_dtype,
+                         max_lora_rank=args.max_lora_rank or 0)
     parts = ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
     progress.info(f"[qwc] compiled {args.model} for {args.target} -> {args.output} in "
                   f"{time.perf_counter() - t0:.1f}s ({parts})")
@@ -410,6 +411,14 @@ def _cmd_run(args: argparse.Namespace) -> None:
     check_draft_options(args)
     t0 = time.perf_counter()
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
+    adapter = None
+    if args.lora:
+        from qwc.runtime.adapters import load_adapters
+
+        eng.load_adapters(load_adapters([("lora", args.lora)], eng.model), args.max_lora_rank)
+        adapter = "lora"
+    elif args.max_lora_rank:
+        raise QwcError("--max-lora-rank bounds the adapter of --lora: give --lora PATH")
     speculate = drafter(args, eng)
     check_speculation(eng, speculate)   # before the prompt is echoed
     if warning := speculation_warning(eng, speculate):
@@ -417,12 +426,14 @@ def _cmd_run(args: argparse.Namespace) -> None:
     weights = eng.manifest.weight_bytes
     progress.info(f"[qwc] loaded {args.model} ({weights / 2**30:.2f} GiB of weights) in {time.perf_counter() - t0:.1f}s; "
                   f"{eng.kv_summary()}")
+    if adapter:
+        progress.info(f"[qwc] {eng.adapters.describe()}")
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                         frequency_penalty=args.frequency_penalty,
                         seed=None if args.seed == -1 else args.seed)   # -1: random, as llama.cpp
     if args.chat:
-        _chat(eng, sp, args.max_new_tokens, speculate)
+        _chat(eng, sp, args.max_new_tokens, speculate, adapter)
         return
     if args.prompt is None:
         raise QwcError("give --prompt TEXT (or --chat)")
@@ -430,7 +441,7 @@ def _cmd_run(args: argparse.Namespace) -> None:
     constraint = _run_constraint(eng, args)
     sys.stdout.write(args.prompt)
     for piece in eng.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sp, constraint=constraint,
-                              speculate=speculate):
+                              speculate=speculate, adapter=adapter):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -505,6 +516,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     progress.info(f"[qwc] serving {name!r} at http://{host}:{port}/v1 ({args.max_batch} sequences of up to "
                   f"{eng.ctx} tokens, {eng.threads} threads{', API key required' if args.api_key else ''}; "
                   f"{eng.kv_summary()}{spec})")
+    if eng.adapters is not None and eng.adapters.names:
+        progress.info(f"[qwc] {eng.adapters.describe()}")
     sched.start()
     try:
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
@@ -551,7 +564,7 @@ def _check_utf8(text: str, what: str) -> None:
         raise QwcError(f"{what} is not valid UTF-8 text") from None
 
 
-def _chat(eng, sp, max_new_tokens: int, speculate=None) -> None:
+def _chat(eng, sp, max_new_tokens: int, speculate=None, adapter: str | None = None) -> None:
     from qwc.chat_template import ChatTemplate
 
     if not eng.model.chat_template:
@@ -572,7 +585,8 @@ def _chat(eng, sp, max_new_tokens: int, speculate=None) -> None:
         messages.append({"role": "user", "content": line})
         prompt = template.render(messages)
         reply = ""   # the earlier turns are in the cache already: only the new ones are prefilled
-        for piece in eng.generate(prompt, max_new_tokens=max_new_tokens, sampling=sp, speculate=speculate):
+        for piece in eng.generate(prompt, max_new_tokens=max_new_tokens, sampling=sp, speculate=speculate,
+                                  adapter=adapter):
             reply += piece
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -692,6 +706,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "at depth (llama.cpp's default); q8_0 (llama.cpp's blocks of 32 int8 and a scale) takes "
                         "0.27x f32's memory; f32 for comparisons at full precision. Default: f16 where the "
                         "target converts it as it loads (every AVX2 x86, every aarch64), else f32")
+    c.add_argument("--max-lora-rank", type=_int_in(1, MAX_LORA_RANK), metavar="R",
+                   help="adapter slots: `qwc serve --lora` and `qwc run --lora` then serve LoRA adapters of up "
+                        "to rank R (rounded up to a multiple of 16) unmerged, any number of them, each request "
+                        "its own (default: none; merge an adapter with `qwc export --lora` instead)")
     c.add_argument("--no-memory-check", action="store_true", help=_NO_MEMORY_CHECK)
     c.set_defaults(func=_cmd_compile)
 
@@ -736,6 +754,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the reply is JSON valid under this JSON Schema (inline; '{}': any JSON object), as llama.cpp's")
     r.add_argument("--grammar-file", metavar="FILE", help="the reply follows this GBNF grammar (llama.cpp's format)")
     r.add_argument("--threads", type=_threads, default=None, help="worker threads (default: every usable CPU)")
+    r.add_argument("--lora", metavar="PATH[:SCALE]",
+                   help="a LoRA adapter (a PEFT directory or a llama.cpp GGUF adapter) applied unmerged, its "
+                        "weights times SCALE (default 1); needs an artifact compiled with --max-lora-rank")
+    r.add_argument("--max-lora-rank", type=_int_in(1, MAX_LORA_RANK), metavar="R",
+                   help="refuse an adapter above rank R (default: the artifact's bound)")
     _speculation_options(r)
     r.set_defaults(func=_cmd_run)
 
@@ -764,6 +787,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--threads", type=_threads, default=None)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     sv.add_argument("--model-name", help="the model id clients name (default: the artifact folder's name without .qwc)")
+    sv.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
+                    help="serve a LoRA adapter (a PEFT directory or a llama.cpp GGUF adapter) unmerged beside the "
+                         "base: a request whose model is NAME gets it; repeatable, and one batch mixes adapters "
+                         "and the base. Needs an artifact compiled with --max-lora-rank")
+    sv.add_argument("--max-lora-rank", type=_int_in(1, MAX_LORA_RANK), metavar="R",
+                    help="refuse adapters above rank R (default: the artifact's bound)")
     sv.add_argument("--replicas", type=_positive, default=1, metavar="N",
                     help="N copies of the server behind one endpoint on Ray Serve, each its own process with its "
                          "own engine and scheduler; a request goes to the replica that saw its prompt's beginning "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 import os
 
+MAX_LORA_RANK = 256   # `qwc compile --max-lora-rank`: the largest adapter rank slots take
 MAX_BATCH = 256   # `qwc compile --max-batch`: sequences one batched decode step may carry
 # `qwc compile --kv-dtype` (llama.cpp's -ctk / -ctv names) -> the KV cache's format, as the
 # manifest records it (q8_0: llama.cpp's blocks of 32 int8 and a float16 scale)

@@ -17,7 +17,7 @@ import numpy as np
 
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
-from qwc.limits import KV_TYPES, MAX_BATCH, is_int
+from qwc.limits import KV_TYPES, MAX_BATCH, MAX_LORA_RANK, is_int
 
 FORMAT_VERSION = 1
 ALIGN = 64                       # every parameter's offset in params.bin
@@ -53,6 +53,20 @@ class Param:
 
 
 @dataclass(frozen=True)
+class LoraSlots:
+    """Adapter slots (`qwc compile --max-lora-rank`, compiler/lora_slots.py): after the cache
+    the library takes each token's slot (shaped as input_ids), then A [S, in, C, chunk] and
+    B [S, C, chunk, out] of every adapted linear, for any S slots and C <= max_rank / chunk."""
+    max_rank: int
+    chunk: int
+    slot_input: str
+    linears: tuple[tuple[str, int, int], ...]   # (HF weight name, in, out), in argument order
+
+    def input_names(self) -> list[str]:
+        return [self.slot_input] + [f"qwc_lora_{ab}_{i}" for i in range(len(self.linears)) for ab in "ab"]
+
+
+@dataclass(frozen=True)
 class Functions:
     """The library's entry points and what the runtime must hand them."""
     entry_points: dict                   # name -> what it does ("prefill", "decode", ...)
@@ -64,6 +78,7 @@ class Functions:
     max_batch: int = 1                   # sequences a decode_batch step takes (1: no such step)
     max_tokens_per_call: int | None = None   # prefill / score; the runtime chunks longer input
     verify_tokens: int | None = None         # the verify entry point's; None: no such entry point
+    lora: LoraSlots | None = None            # adapter slots; None: adapters only merged (`qwc export --lora`)
     extra: dict = field(default_factory=dict)   # descriptive fields (outputs, cache layout)
 
 
@@ -89,7 +104,8 @@ class Manifest:
         config = check_manifest(m, where)
         t, f = m["target"], m["functions"]
         known = {"entry_points", "inputs", "cache", "cache_shape", "cache_capacity_multiple", "cache_dtype",
-                 "max_batch", "max_tokens_per_call", "verify_tokens"}
+                 "max_batch", "max_tokens_per_call", "verify_tokens", "lora"}
+        lora = f.get("lora")
         return cls(
             target=ArtifactTarget(t["name"], t["arch"], t["triple"], t["mcpu"], tuple(t.get("features", [])),
                                   tuple(t.get("mattr", []))),
@@ -98,6 +114,9 @@ class Manifest:
                                 tuple(f["cache_shape"]), f.get("cache_capacity_multiple", 1),
                                 f.get("cache_dtype", "float32"), f.get("max_batch", 1),
                                 f.get("max_tokens_per_call"), f.get("verify_tokens"),
+                                None if lora is None else LoraSlots(
+                                    lora["max_rank"], lora["chunk"], lora["slot_input"],
+                                    tuple((d["name"], d["in"], d["out"]) for d in lora["linears"])),
                                 {k: v for k, v in f.items() if k not in known}),
             params=tuple(Param(p["name"], p["dtype"], tuple(p["shape"]), p["offset"], p["nbytes"]) for p in m["params"]),
             files=dict(m["files"]), quantization=dict(m["quantization"]), qwc_version=m.get("qwc_version"),
@@ -113,6 +132,9 @@ class Manifest:
             functions["max_tokens_per_call"] = f.max_tokens_per_call
         if f.verify_tokens is not None:
             functions["verify_tokens"] = f.verify_tokens
+        if f.lora is not None:
+            functions["lora"] = {"max_rank": f.lora.max_rank, "chunk": f.lora.chunk, "slot_input": f.lora.slot_input,
+                                 "linears": [{"name": n, "in": k, "out": o} for n, k, o in f.lora.linears]}
         t = self.target
         return {"format_version": self.format_version, "qwc_version": self.qwc_version,
                 "target": {"name": t.name, "arch": t.arch, "triple": t.triple, "mcpu": t.mcpu,
@@ -205,6 +227,8 @@ def check_manifest(m, where: str = "manifest.json") -> ModelConfig:
         bad(f"functions.verify_tokens {verify!r} must be an integer in [1, 256], given exactly when there is a "
             f"verify entry point")
 
+    _check_lora(f.get("lora"), bad)
+
     end, names = 0, set()
     for i, p in enumerate(m["params"]):
         if not isinstance(p, dict) or not isinstance(p.get("name"), str):
@@ -238,11 +262,27 @@ def check_manifest(m, where: str = "manifest.json") -> ModelConfig:
     return cfg
 
 
+def _check_lora(lora, bad) -> None:
+    if lora is None:
+        return
+    if not isinstance(lora, dict) or not isinstance(lora.get("slot_input"), str):
+        bad("functions.lora must be an object naming its slot_input")
+    chunk, rank = lora.get("chunk"), lora.get("max_rank")
+    if not is_int(chunk, 1) or not is_int(rank, 1) or rank % chunk or rank > MAX_LORA_RANK:
+        bad(f"functions.lora: max_rank {rank!r} must be a positive multiple of chunk {chunk!r}, at most {MAX_LORA_RANK}")
+    linears = lora.get("linears")
+    if not isinstance(linears, list) or not linears or not all(
+            isinstance(d, dict) and isinstance(d.get("name"), str) and is_int(d.get("in"), 1) and is_int(d.get("out"), 1)
+            for d in linears):
+        bad("functions.lora.linears must list objects with a name and positive in and out sizes")
+
+
 def check_library(vm_arity, vm_param_name, manifest: Manifest, where: str) -> None:
     """The library's own signature (the parameter names its entry points were compiled with)
     must be the manifest's inputs, cache and parameters, in order."""
     f = manifest.functions
-    rest = [c.replace(".", "_") for c in f.cache] + [p.name for p in manifest.params]
+    lora = f.lora.input_names() if f.lora else []
+    rest = [c.replace(".", "_") for c in f.cache] + lora + [p.name for p in manifest.params]
     for fn in ("prefill", "decode", "score", "verify", "decode_batch", "step"):
         if fn not in f.entry_points:
             continue

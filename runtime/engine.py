@@ -37,6 +37,7 @@ class Sequence:
     def __init__(self, cache: list, capacity: int, pool: "Pool | None" = None, row: int = 0):
         self.cache, self.capacity, self.pos = cache, capacity, 0
         self.pool, self.row = pool, row
+        self.adapter = 0   # its adapter's slot (runtime/adapters.py); 0: the base
         self.writes = 0   # calls that wrote it (Engine.generate: is what it last left still there?)
 
 
@@ -58,7 +59,8 @@ class Pool:
     def __init__(self, arrays: list, inputs: tuple, capacity: int, to_tensor, tile: int = 1):
         self.arrays, self.capacity, self._to_tensor = arrays, capacity, to_tensor
         self.tile = tile    # the K layout's key tile (manifest cache_capacity_multiple)
-        self.ids, self.positions, self.mask = inputs    # [slots, 1], [slots, 1], flat: slots * (ctx + 1)
+        # [slots, 1], [slots, 1], flat: slots * (ctx + 1), each row's adapter slot [slots, 1]
+        self.ids, self.positions, self.mask, self.adapter_slots = inputs
         self.seqs = tuple(Sequence([to_tensor(a[r:r + 1]) for a in arrays], capacity, self, r)
                           for r in range(arrays[0].shape[0]))
         self._views: dict[int, list] = {}
@@ -187,8 +189,9 @@ class Engine:
         # The inputs' memory, reused: a step builds its inputs as views (~1 us) where fresh
         # tensors cost ~50 us, 0.5% of a 0.5B decode step.
         rows = self.max_batch
-        arena = memory.arena_for([((1, self.ctx), np.int64)] * 3 + [((rows, 3), np.int64), ((rows,), np.int64)])
-        self._ids, self._mask, self._positions = (arena.take((1, self.ctx), np.int64) for _ in range(3))
+        arena = memory.arena_for([((1, self.ctx), np.int64)] * 4 + [((rows, 3), np.int64), ((rows,), np.int64)])
+        self._ids, self._mask, self._positions, self._adapter_slots = (arena.take((1, self.ctx), np.int64)
+                                                                       for _ in range(4))
         self._segments, self._logit_tokens = arena.take((rows, 3), np.int64), arena.take((rows,), np.int64)
         self._mask[:] = 1
         self.seq = self.sequence()
@@ -206,6 +209,9 @@ class Engine:
                 raise QwcError(f"{self.path}: tokenizer.json cannot be read ({str(e).splitlines()[0]})") from None
         self.vocab_size = self.model.vocab_size
         self.eos = set(self.model.eos_token_ids or [])
+        self.adapters = None   # runtime/adapters.py: AdapterSlots, where the artifact has slots
+        if functions.lora is not None:
+            self.load_adapters([])
         self._probe()
         # Ids the tokenizer has: the only ones sampled (qwc/vocab.py). After the probe: a
         # corrupt artifact gets its one error line, not a warning first.
@@ -216,6 +222,35 @@ class Engine:
             warning = mismatch(self.vocab_size, span)
             if warning:
                 print(f"qwc: warning: {self.path.name}: {warning}", file=sys.stderr, flush=True)
+
+    def load_adapters(self, adapters: list, max_rank: int | None = None) -> None:
+        """Serve `adapters` ((name, models.adapters.Adapter), from runtime/adapters.load_adapters)
+        unmerged, in the artifact's adapter slots; each sequence picks one by its `adapter`
+        slot (AdapterSlots.slot_of). Replaces what was loaded before."""
+        from .adapters import AdapterSlots
+
+        spec = self.manifest.functions.lora
+        if spec is None:
+            raise QwcError(f"{self.path}: the artifact has no adapter slots (compile it with "
+                           "qwc compile --max-lora-rank R to serve adapters unmerged, or merge one with "
+                           "qwc export --lora)")
+        self.adapters = AdapterSlots(spec, adapters, max_rank, self._tvm.runtime.from_dlpack)
+
+    def adapter_slot(self, name: str | None) -> int:
+        """The slot of the loaded adapter `name` (None: the base, 0)."""
+        if name is None:
+            return 0
+        if self.adapters is None or name not in self.adapters.names:
+            have = ", ".join(self.adapters.names) if self.adapters and self.adapters.names else "none"
+            raise QwcError(f"no adapter named {name!r} is loaded (loaded: {have})")
+        return self.adapters.slot_of(name)
+
+    def _adapter_args(self, slots: np.ndarray) -> list:
+        """The library's adapter inputs: each token's slot (`slots`, shaped as input_ids), then
+        every linear's A and B (none where the artifact has no slots)."""
+        if self.adapters is None:
+            return []
+        return [self._tvm.runtime.from_dlpack(slots), *self.adapters.tensors]
 
     def sequence(self, ctx: int | None = None) -> Sequence:
         """A new, empty KV cache for `ctx` positions (default: the engine's), in huge pages as
@@ -243,7 +278,7 @@ class Engine:
             raise QwcError(f"a pool takes at least one slot, not {slots!r}")
         mult = self.manifest.functions.cache_capacity_multiple
         shape = (slots, self._kv_heads, -(-(ctx + 1) // mult) * mult, self._cache_width)
-        inputs = [((slots, 1), np.int64)] * 2 + [((slots * (ctx + 1),), np.int64)]
+        inputs = [((slots, 1), np.int64)] * 2 + [((slots * (ctx + 1),), np.int64), ((slots, 1), np.int64)]
         arena = memory.arena_for([(shape, self._kv_dtype)] * self._n_cache + inputs)
         arrays = [arena.take(shape, self._kv_dtype) for _ in range(self._n_cache)]
         if commit:
@@ -335,8 +370,10 @@ class Engine:
         self._ids[0, :s] = tokens[0]
         self._positions[0, :s] = np.arange(pos, pos + s)
         args = [tvm.runtime.from_dlpack(x) for x in (self._ids[:, :s], self._mask[:, :pos + s], self._positions[:, :s])]
+        slots = self._adapter_slots[:, :s]
+        slots[:] = seq.adapter
         try:
-            out = fn(*args, *seq.cache, *self.params)
+            out = fn(*args, *seq.cache, *self._adapter_args(slots), *self.params)
         except Exception as e:   # TVM's own error types: the library's checks of shapes and dtypes
             raise QwcError(f"{self.path}: the library refused its inputs "
                            f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
@@ -388,16 +425,19 @@ class Engine:
         self._size_pool()
         ids, positions = pool.ids[:rows], pool.positions[:rows]
         ids[:] = 0
+        slots = pool.adapter_slots[:rows]
+        slots[:] = 0
         lens = np.array([pool.seqs[r].pos for r in range(rows)], np.int64)
         for t, s in zip(tokens, seqs):
             ids[s.row, 0] = t
+            slots[s.row, 0] = s.adapter
         positions[:, 0] = lens
         total = int(lens.max()) + 1
         mask = pool.mask[:rows * total].reshape(rows, total)
         np.less_equal(np.arange(total), lens[:, None], out=mask, casting="unsafe")   # row b: lens[b] + 1 ones
         args = [tvm.runtime.from_dlpack(x) for x in (ids, mask, positions)]
         try:
-            out = self._decode_batch(*args, *pool.cache(rows), *self.params)
+            out = self._decode_batch(*args, *pool.cache(rows), *self._adapter_args(slots), *self.params)
         except Exception as e:   # TVM's own error types
             raise QwcError(f"{self.path}: the library refused its inputs "
                            f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
@@ -439,17 +479,19 @@ class Engine:
         self._size_pool()
         ids, positions = self._ids[:, :total], self._positions[:, :total]
         segments, last = self._segments[:len(parts)], self._logit_tokens[:len(parts)]
+        slots = self._adapter_slots[:, :total]
         at = 0
         for g, (s, t) in enumerate(zip(seqs, tokens)):
             n = t.shape[1]
             ids[0, at:at + n] = t[0]
+            slots[0, at:at + n] = s.adapter
             positions[0, at:at + n] = np.arange(s.pos, s.pos + n)
             segments[g] = s.row, at, n
             at += n
         np.add(segments[:, 1], segments[:, 2] - 1, out=last)
         args = [tvm.runtime.from_dlpack(x) for x in (ids, self._mask[:, :1], positions, segments, last)]
         try:
-            out = self._step(*args, *pool.cache(rows), *self.params)
+            out = self._step(*args, *pool.cache(rows), *self._adapter_args(slots), *self.params)
         except Exception as e:   # TVM's own error types
             raise QwcError(f"{self.path}: the library refused its inputs "
                            f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
@@ -522,14 +564,15 @@ class Engine:
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32,
                  sampling: SamplingParams | None = None, stop: set[int] | None = None,
-                 constraint=None, speculate=None) -> Iterator[str]:
+                 constraint=None, speculate=None, adapter: str | None = None) -> Iterator[str]:
         """Stream decoded text pieces for `prompt`, in the engine's own sequence, through the
         server's loop (runtime/scheduler.py: Scheduler.drive): with a `constraint`
         (runtime/grammar.py) only what its grammar allows, ending where it does; with
         `speculate` (a drafter factory, as `qwc serve` takes) drafts verified in one call. The
         cache is reused where it holds the prompt's beginning from the last generate (a
         chat's earlier turns), unless the sequence was written since; `stats` gives counts and
-        times, as llama.cpp prints them."""
+        times, as llama.cpp prints them. `adapter`: the name of a LoRA adapter loaded with
+        load_adapters (None: the base)."""
         from .scheduler import Request, Scheduler
 
         if not is_int(max_new_tokens):
@@ -539,6 +582,7 @@ class Engine:
         ids = self.encode(prompt) if isinstance(prompt, str) else self._token_ids(prompt, "generate")[0].tolist()
         if not ids:
             raise QwcError("generate needs at least one prompt token")
+        slot = self.adapter_slot(adapter)
         self.stats = {"prompt_tokens": len(ids), "cached_tokens": 0, "prompt_s": 0.0, "generated": 0,
                       "generate_s": 0.0}
         if max_new_tokens == 0:
@@ -548,14 +592,15 @@ class Engine:
             self.stats["prompt_s"] = time.perf_counter() - t0
             return
         if self._driver is None or self._driver.speculate is not speculate:
-            held = self._driver._cached if self._driver is not None else {}
+            old = self._driver
             self._driver = Scheduler(self, max_running=1, max_queue=0, prefill_chunk=self.ctx, min_reuse=1,
                                      speculate=speculate, slots=[self.seq])
-            self._driver._cached = held
+            if old is not None:
+                self._driver._cached, self._driver._cached_adapter = old._cached, old._cached_adapter
         if self.seq.writes != self._driver_writes:   # written outside generate: what it held is gone
             self._driver._cached.clear()
         req = Request(ids, max_new_tokens, sampling or SamplingParams(), None,
-                      stop_tokens=None if stop is None else frozenset(stop), constraint=constraint)
+                      stop_tokens=None if stop is None else frozenset(stop), constraint=constraint, adapter=slot)
         try:
             for kind, value in self._driver.drive(req):
                 if kind == "text":

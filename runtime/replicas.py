@@ -252,6 +252,7 @@ def serve_replicas(args: argparse.Namespace) -> None:
     threads = args.threads or max(1, cores // args.replicas)
     options = {k: v for k, v in vars(args).items() if k != "func"}
     options["model"] = os.path.abspath(args.model)
+    options["lora"] = [f"{n}={os.path.abspath(p)}" for n, _, p in (s.partition("=") for s in args.lora)]
     options["threads"] = threads
     port = args.port or _free_port(args.host)
     try:

@@ -98,6 +98,7 @@ class Request:
     logprobs: int | None = None       # None: off; k: each token's logprob and the k likeliest
     fork_of: "Request | None" = None  # one of n > 1 replies to a prompt: copies this one's prompt cache
     stop_tokens: frozenset[int] | None = None   # tokens that end it (None: the model's end tokens)
+    adapter: int = 0                  # its LoRA adapter's slot (runtime/adapters.py); 0: the base
     # filled in by the scheduler
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -161,6 +162,9 @@ class Scheduler:
         self.decode_time: float | None = None   # seconds of a one-sequence decode step (average)
         self._free: list = self._allocate() if slots is None else list(slots)   # idle slots
         self._cached: dict[int, list[int]] = {}   # row -> the tokens its cache holds, for idle slots
+        # row -> the adapter those tokens were computed with: a prefix is reused only by the same
+        # adapter (every layer's keys and values depend on it)
+        self._cached_adapter: dict[int, int] = {}
         self._used: dict[int, int] = {}           # row -> when it last finished a request (a count)
         self._finished = 0
         self._waiting: collections.deque[Request] = collections.deque()
@@ -226,10 +230,12 @@ class Scheduler:
         self._free.remove(seq)
         keep = 0
         if self.min_reuse is not None:
-            src = max([seq, *self._free], key=lambda s: _common(self._cached.get(s.row, ()), req.prompt))
+            def held(s) -> list[int]:
+                return self._cached.get(s.row, ()) if self._cached_adapter.get(s.row, 0) == req.adapter else ()
+            src = max([seq, *self._free], key=lambda s: _common(held(s), req.prompt))
             # at least two prompt tokens are prefilled (engine.next_chunk: one alone would run
             # decode's kernels): the last one's logits give the first new token
-            n = min(_common(self._cached.get(src.row, ()), req.prompt), len(req.prompt) - 2)
+            n = min(_common(held(src), req.prompt), len(req.prompt) - 2)
             if n >= self.min_reuse:
                 keep = n
                 if src is not seq:   # the prefix comes down to this slot, what it held goes up
@@ -237,14 +243,18 @@ class Scheduler:
         if not keep:
             self._keep_elsewhere(seq)
         self._cached.pop(seq.row, None)
+        self._cached_adapter.pop(seq.row, None)
         self.engine.reset(seq)
         seq.pos = keep
+        seq.adapter = req.adapter
         return seq, keep
 
     def _swap(self, a, b) -> None:
         ta, tb = self._cached.get(a.row, []), self._cached.get(b.row, [])
         a.pool.swap_rows(a.row, b.row, max(len(ta), len(tb)))
         self._cached[a.row], self._cached[b.row] = tb, ta
+        ad = self._cached_adapter
+        ad[a.row], ad[b.row] = ad.get(b.row, 0), ad.get(a.row, 0)
         self._used[a.row], self._used[b.row] = self._used.get(b.row, -1), self._used.get(a.row, -1)
         a.pos, b.pos = len(tb), len(ta)   # a free row's placeholder token goes past what it holds
 
@@ -259,6 +269,7 @@ class Scheduler:
         if age(other) < self._used[seq.row]:
             seq.pool.copy_row(seq.row, other.row, len(mine))
             self._cached[other.row], self._used[other.row], other.pos = mine, self._used[seq.row], len(mine)
+            self._cached_adapter[other.row] = self._cached_adapter.get(seq.row, 0)
 
     def _finish(self, run: _Running, reason: str) -> None:
         run.req.finish_reason = reason
@@ -268,6 +279,7 @@ class Scheduler:
             run.drafter.close()
         if not reason.startswith("error"):   # after a failed step the cache's contents are unknown
             self._cached[run.seq.row] = (run.req.prompt + run.req.generated)[:run.seq.pos]
+            self._cached_adapter[run.seq.row] = run.req.adapter
             self._finished += 1
             self._used[run.seq.row] = self._finished
         run.req.emit("done", reason)

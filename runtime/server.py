@@ -2,9 +2,10 @@
 
 /v1/completions and /v1/chat/completions (streaming as server-sent events, or one JSON reply),
 /v1/models, /health, and Prometheus /metrics. Errors are OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}: 400 for a bad request (malformed JSON, an
-unknown model, a prompt longer than the context, sampling values out of range, options this
-server does not implement), 401 without the --api-key, 503 when the queue is full.
+{"error": {"message", "type", "param", "code"}}: 400 for a bad request (malformed JSON, a
+prompt longer than the context, sampling values out of range, options this server does not
+implement), 404 for a model that is neither the base nor an adapter it serves (OpenAI's
+model_not_found), 401 without the --api-key, 503 when the queue is full.
 
 FastAPI / uvicorn / prometheus-client / llguidance are the optional extra `qwc[serve]`: the
 runtime's core (engine, scheduler) does not need them. Request fields follow OpenAI's defaults
@@ -140,8 +141,24 @@ class Api:
         self._vocab = None
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.settings.model_id, "object": "model",
-                                            "created": self.created, "owned_by": "qwc"}]}
+        """The base, then each adapter served on it (`qwc serve --lora NAME=PATH`), as vLLM lists
+        them: an adapter's `parent` is the base."""
+        base = {"id": self.settings.model_id, "object": "model", "created": self.created, "owned_by": "qwc"}
+        names = self.engine.adapters.names if self.engine.adapters is not None else []
+        return {"object": "list", "data": [base] + [{"id": n, "object": "model", "created": self.created,
+                                                    "owned_by": "qwc", "root": n, "parent": self.settings.model_id}
+                                                   for n in names]}
+
+    def adapter_slot(self, model) -> int:
+        """The slot of the model a request names: 0 for the base, an adapter's own; OpenAI's 404
+        for any other name."""
+        if model == self.settings.model_id:
+            return 0
+        names = self.engine.adapters.names if self.engine.adapters is not None else []
+        if isinstance(model, str) and model in names:
+            return self.engine.adapter_slot(model)
+        have = ", ".join(repr(m) for m in [self.settings.model_id, *names])
+        raise ApiError(404, f"model {model!r} does not exist; this server has {have}", "model", "model_not_found")
 
     def check_key(self, authorization: str | None) -> None:
         key = self.settings.api_key
@@ -160,10 +177,7 @@ class Api:
             raise ApiError(400, f"the request body is not valid JSON ({e})") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if model != self.settings.model_id:
-            raise ApiError(400, f"model {model!r} does not exist; this server has {self.settings.model_id!r}",
-                           "model", "model_not_found")
+        adapter = self.adapter_slot(body.get("model"))
         _unsupported(body, chat)
         top = _logprobs(body, chat)
         echo = body.get("echo", False)
@@ -216,12 +230,12 @@ class Api:
             reqs.append(Request(prompt=prompt, max_tokens=min(max_tokens, room), sampling=sp, emit=None,
                                 stop_strings=stops, ignore_eos=ignore_eos, logprobs=top,
                                 constraint=self.token_vocab().constraint(grammar) if grammar is not None else None,
-                                fork_of=reqs[0] if reqs else None))
+                                fork_of=reqs[0] if reqs else None, adapter=adapter))
         shown = None
         if echo:
             shown = body["prompt"] if isinstance(body.get("prompt"), str) else self.engine.tokenizer.decode(prompt)
-        return reqs, {"stream": stream, "include_usage": bool(opts.get("include_usage")), "echo": shown,
-                      "tools": bool(fns) and choice != "none"}
+        return reqs, {"model": body["model"], "stream": stream, "include_usage": bool(opts.get("include_usage")),
+                      "echo": shown, "tools": bool(fns) and choice != "none"}
 
     def _checked(self, lark: str, param: str) -> str:
         """A Lark grammar, checked against this tokenizer."""
@@ -402,7 +416,7 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
         events: asyncio.Queue = asyncio.Queue()
         api.submit(reqs, lambda i, kind, value: loop.call_soon_threadsafe(events.put_nowait, (i, kind, value)))
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        shape = _Shape(rid, settings.model_id, chat, reqs[0].logprobs,
+        shape = _Shape(rid, opts["model"], chat, reqs[0].logprobs,
                        api.token_vocab if reqs[0].logprobs is not None else None, len(opts["echo"] or ""),
                        opts["tools"])
         metrics.request_started()

@@ -35,6 +35,32 @@ def drafter(args, eng):
     return None
 
 
+def named_adapters(specs: list[str], base: str) -> list[tuple[str, str]]:
+    """`--lora NAME=PATH[:SCALE]` options -> (NAME, PATH[:SCALE]); a name is what a request's
+    `model` field gives, so it must differ from the base's and from the other adapters'."""
+    out = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path:
+            raise QwcError(f"--lora {spec}: expected NAME=PATH (the name requests give as their model)")
+        if name == base:
+            raise QwcError(f"--lora {spec}: {name!r} is the base model's name")
+        out.append((name, path))
+    return out
+
+
+def adapters(args, eng, base: str) -> None:
+    """Load `qwc serve --lora` adapters into the engine's slots (no option: none)."""
+    specs = getattr(args, "lora", None) or []
+    if not specs:
+        if getattr(args, "max_lora_rank", None):
+            raise QwcError("--max-lora-rank bounds the adapters of --lora: give --lora NAME=PATH")
+        return
+    from .adapters import load_adapters
+
+    eng.load_adapters(load_adapters(named_adapters(specs, base), eng.model), args.max_lora_rank)
+
+
 def serve_needs() -> None:
     import importlib.util
 
@@ -57,10 +83,11 @@ def server_parts(args):
     serve_needs()
     check_draft_options(args)
     eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
+    name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
+    adapters(args, eng, name)
     drafts = drafter(args, eng)
     if warning := speculation_warning(eng, drafts):
         print(f"qwc: warning: {warning}", file=sys.stderr, flush=True)
     sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
                       speculate=drafts, spec_batch=args.spec_batch, mixed_steps=not args.no_mixed_steps)
-    name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
     return eng, sched, create_app(eng, sched, Settings(model_id=name, api_key=args.api_key)), name

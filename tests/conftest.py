@@ -21,7 +21,7 @@ from qwc.passes.pipeline import optimize, save_graph
 # runs on two workers a whole file each (pyproject.toml: --dist loadfile) in collection order:
 # a long file collected last would run alone at the end. The rest keep their order.
 SLOW_FILES = ["test_fuzz.py", "test_tune.py", "test_realdata.py", "test_lora_realdata.py", "test_arm.py", "test_kernels.py",
-              "test_arm_threads.py", "test_compile.py", "test_engine.py", "test_serve.py", "test_replicas.py",
+              "test_arm_threads.py", "test_compile.py", "test_engine.py", "test_serve.py", "test_serve_lora.py", "test_replicas.py",
               "test_structured.py", "test_stream_export.py",
               "test_load.py"]
 
@@ -126,6 +126,27 @@ def greedy_against_onnxruntime(art, q4, cfg, prompt, n_steps: int, ctx: int, tol
     for r, g in zip(ref, logits):
         assert np.abs(r - g).max() / np.abs(r).max() < tol
     return eng, ref, logits
+
+
+def random_peft_adapter(model, folder, r=4, alpha=None, seed=1, target=None, **config):
+    """A PEFT adapter of `model` (by default on all seven linears, alpha 2 x r) with non-zero A
+    and B (peft starts B at zero), saved to `folder`; returns the peft model."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from qwc.models.adapters import LINEARS
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=r, lora_alpha=2 * r if alpha is None else alpha, target_modules=list(target or LINEARS),
+                     lora_dropout=0.0, init_lora_weights=False, **config)
+    pm = get_peft_model(copy.deepcopy(model), cfg)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.1)
+    pm.save_pretrained(folder)
+    return pm
 
 
 @pytest.fixture

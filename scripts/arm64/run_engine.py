@@ -8,6 +8,7 @@ prefill then decode steps, logits saved to a .npy file. Only the runtime is impo
     run_engine.py REPO ARTIFACT OUT.npy '{"steps": [[prompt ids], next_id, ...], "last": true}'
     run_engine.py REPO ARTIFACT OUT.npy '{"steps": [...], "fill": N, "last": true}'
     run_engine.py REPO ARTIFACT OUT.npy '{"mixed": [[prompt ids], ...], "chunk": N}'
+    run_engine.py REPO ARTIFACT OUT.npy '{"lora": "ADAPTER.npz", "steps": [[prompt ids], next_id, ...]}'
 
 Prints the machine, the number of logits rows and the threads TVM's pool ran kernels on.
 The third prefills the prompt N times, each from an empty cache (bench/arm_threads.py: two
@@ -21,7 +22,9 @@ reuse it. "fill": N positions of the cache count as filled (with zeros) before t
 no prefill: decode steps then attend over N + the prompt's positions, as after an N-token
 prompt, without emulating that prompt (bench/arm_icount.py --depth: its instructions would
 cancel in the difference of two runs anyway, and take most of an hour at N = 4096). "mixed":
-mixed_and_separate's two runs, logits [2, steps, prompts, vocab].
+mixed_and_separate's two runs, logits [2, steps, prompts, vocab]. "lora": lora_runs' four runs
+of the steps, logits [4, steps, vocab] (an artifact with adapter slots; the adapter's pairs in
+an .npz, as save_adapter writes them: the guest has no peft or torch to read a PEFT directory).
 """
 
 import importlib.util
@@ -68,6 +71,10 @@ def main() -> None:
         eng.prefill(prompt, one)
         eng.prefill(prompt, many)
         logits = [np.stack([eng.decode(t, one).copy() for t in new]), eng.verify(new, many)]
+    elif isinstance(steps, dict) and "lora" in steps:
+        eng = Engine(artifact, ctx=64, oversubscribe=True)
+        _load_package("qwc.models", repo / "models")
+        logits = lora_runs(eng, steps["lora"], steps["steps"])
     elif isinstance(steps, dict) and "batch" in steps:
         eng = Engine(artifact, ctx=64, oversubscribe=True)
         logits = greedy_alone_and_batched(eng, steps["batch"], steps["tokens"])
@@ -83,6 +90,49 @@ def main() -> None:
     if os.environ.get("QWC_DUMP_MAPS"):   # where each library was mapped, for bench/arm_icount.py's attribution
         Path(os.environ["QWC_DUMP_MAPS"]).write_text(Path("/proc/self/maps").read_text())
     print(platform.machine(), len(logits), eng.threads_in_use())
+
+
+def save_adapter(ad, path) -> None:
+    """A models.adapters.Adapter's pairs into an .npz that lora_runs reads."""
+    import numpy as np
+
+    arrays = {}
+    for i, (name, p) in enumerate(sorted(ad.pairs.items())):
+        arrays[f"{i}.a"], arrays[f"{i}.b"] = p.a, p.b
+        arrays[f"{i}.meta"] = np.array([name, repr(p.scale)])
+    np.savez(path, kind=np.array(ad.kind), **arrays)
+
+
+def lora_runs(eng, npz, steps):
+    """The steps (a prompt, then tokens one at a time) with the adapter of `npz` in slot 1:
+    on the base alone, on the adapter alone, then both at once (decode_many's rows of one pool:
+    the base's and the adapter's); logits [4, steps, vocab]."""
+    import numpy as np
+
+    from qwc.models.adapters import Adapter, LoraPair
+
+    f = np.load(npz)
+    ad = Adapter(str(npz), str(f["kind"]))
+    i = 0
+    while f"{i}.a" in f:
+        name, scale = f[f"{i}.meta"]
+        ad.pairs[str(name)] = LoraPair(f[f"{i}.a"], f[f"{i}.b"], float(scale))
+        i += 1
+    eng.load_adapters([("a", ad)])
+    out = []
+    for slot in (0, 1):
+        eng.reset()
+        eng.seq.adapter = slot
+        out.append([eng.prefill(steps[0]).copy()] + [eng.decode(t).copy() for t in steps[1:]])
+    seqs = list(eng.pool(2).seqs)
+    rows = [[], []]
+    for s, slot in zip(seqs, (0, 1)):
+        s.adapter = slot
+        rows[slot].append(eng.prefill(steps[0], s).copy())
+    for t in steps[1:]:
+        for slot, lg in enumerate(eng.decode_many([t, t], seqs)):
+            rows[slot].append(lg.copy())
+    return [np.array(x) for x in out + rows]
 
 
 def greedy_alone_and_batched(eng, prompts, n):

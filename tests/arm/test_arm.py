@@ -316,3 +316,34 @@ def test_host_target_compiles_its_integer_gemm_on_an_arm_python(arm64_env, qemu_
     assert r.returncode == 0, r.stderr[-2000:]
     features, picked, found = r.stdout.split()
     assert picked == gemm and instruction in found.split(",")
+
+
+def test_yitian_adapter_slots_match_host(arm64_env, tiny_q4, tiny_lm, tmp_path):
+    """An adapter served unmerged (`--max-lora-rank`) on arm-yitian under qemu: the base's and
+    the adapter's logits, alone and as two rows of one batched step, are the host build's
+    within the usual tolerance, and the adapter changes them."""
+    from run_engine import lora_runs, save_adapter
+
+    from qwc.models.adapters import read_adapter
+
+    from conftest import random_peft_adapter
+
+    random_peft_adapter(tiny_lm.model, tmp_path / "ad", r=8, seed=4)
+    npz = tmp_path / "ad.npz"
+    save_adapter(read_adapter(str(tmp_path / "ad"), tiny_lm.config), npz)
+    arts = {}
+    for target in ("host", "arm-yitian"):
+        arts[target] = tmp_path / f"{target}-lora.qwc"
+        compile_file(tiny_q4, target, arts[target], max_batch=2, max_lora_rank=16)
+    out = tmp_path / "lora.npy"
+    steps = {"lora": str(npz), "steps": STEPS}
+    r = subprocess.run(emulation.engine_command(arm64_env, arts["arm-yitian"], out, json.dumps(steps)),
+                       env=arm64_env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    arm = np.load(out)
+    host = np.array(lora_runs(Engine(arts["host"], ctx=64), str(npz), STEPS))
+    assert arm.shape == host.shape == (4, len(STEPS), 288)
+    for a, h in zip(arm.reshape(-1, 288), host.reshape(-1, 288)):
+        assert np.abs(a - h).max() / np.abs(h).max() < 1e-3
+    assert np.abs(host[1] - host[0]).max() > 0.1 * np.abs(host[0]).max()   # the adapter matters
+    assert np.abs(arm[2:] - arm[:2]).max() <= 1e-5 * np.abs(arm).max()    # batched rows = each alone

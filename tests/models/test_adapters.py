@@ -11,30 +11,20 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 from safetensors.torch import save_file
 
 from qwc.cli import main
 from qwc.config import ModelConfig, sidecar_paths
 from qwc.models.adapters import LINEARS
 
-from conftest import ort_kv_logits, torch_kv_logits
+from conftest import ort_kv_logits, random_peft_adapter, torch_kv_logits
 
 REL_TOL = 1e-3   # the issue's bound: merged float graph in onnxruntime against peft, relative to the logits' range
 
 
 def _random_adapter(model, folder, r=4, alpha=8, seed=1, target=LINEARS, **config):
-    """A PEFT adapter (by default on all seven linears) with non-zero A and B (peft starts B at zero)."""
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target), lora_dropout=0.0,
-                     init_lora_weights=False, **config)
-    pm = get_peft_model(copy.deepcopy(model), cfg)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.1)
-    pm.save_pretrained(folder)
-    return pm
+    return random_peft_adapter(model, folder, r=r, alpha=alpha, seed=seed, target=target, **config)
 
 
 @pytest.fixture(scope="module")

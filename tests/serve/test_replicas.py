@@ -195,7 +195,7 @@ def test_replicas_serve_the_api_with_the_openai_client(replicas, artifact):
     again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=6, temperature=0)
     assert again.choices[0].message.content == text
-    with pytest.raises(openai.BadRequestError, match="does not exist"):   # the replica's own errors
+    with pytest.raises(openai.NotFoundError, match="does not exist"):   # the replica's own errors
         client.completions.create(model="other", prompt="x", max_tokens=2)
     metrics = httpx.get(replicas.base + "/metrics", timeout=30).text
     assert {f'replica="{p}"' for p in h["pids"]} <= set(re.findall(r'replica="\d+"', metrics))

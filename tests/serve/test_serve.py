@@ -325,7 +325,7 @@ def test_cancelled_stream_frees_its_slot(server):
 @pytest.mark.parametrize("path, body, status, code, words", [
     ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
     ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 400, "model_not_found", "does not exist"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model_not_found", "does not exist"),
     ("/v1/completions", {"model": "tiny", "prompt": "a " * 1100}, 400, "context_length_exceeded", "context"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": 5}, 400, None, "'temperature'"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 0}, 400, None, "'top_p'"),
