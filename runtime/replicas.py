@@ -33,6 +33,12 @@ from qwc.errors import QwcError
 from .affinity import merge_metrics, prefix_key
 from .server import ApiError, _sse
 
+# Serve's controller gives a new HTTP proxy 5 s to answer its first ready check, counted from the
+# check and so including the proxy's process start. On a busy node that start alone can take
+# longer; the controller then kills the proxy and serve.start fails. Its own variable lets the
+# controller wait as long as serve.start itself does (60 s).
+PROXY_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+
 APP = "qwc"
 RETRIES = 3          # replicas a request is offered to before a 503
 REPLICA_HEADER = "x-qwc-replica"   # which replica answered (its process id): for tests and logs
@@ -266,7 +272,8 @@ def serve_replicas(args: argparse.Namespace) -> None:
     except Exception as e:
         raise QwcError(f"cannot start or reach Ray ({str(e).splitlines()[0][:200]})") from None
     try:
-        serve.start(http_options={"host": args.host, "port": port}, logging_config={"log_level": "WARNING"})
+        serve.start(http_options={"host": args.host, "port": port}, logging_config={"log_level": "WARNING"},
+                    controller_options={"runtime_env": {"env_vars": PROXY_START_ENV}})
         engine = serve.deployment(EngineReplica, name="engine").options(
             num_replicas=args.replicas, max_ongoing_requests=args.max_batch + args.max_queue,
             ray_actor_options={"num_cpus": threads},
