@@ -109,20 +109,30 @@ def main() -> None:
         if not d.is_dir():
             sys.exit(f"lora replies: {d} is missing: run bench/lora.py first (it trains both adapters)")
 
-    def build(name: str, *export: str, compile_opts=()) -> Path:
-        onnx = made(w / f"{name}.onnx", "-q", "export", gguf, *export, "-o", str(w / f"{name}.onnx"))
-        opt = made(w / f"{name}.opt.onnx", "-q", "optimize", str(onnx), "-o", str(w / f"{name}.opt.onnx"))
+    def build(name: str, *export: str, graph: str = "", optimize_opts=(), compile_opts=()) -> Path:
+        graph = graph or name
+        onnx = made(w / f"{graph}.onnx", "-q", "export", gguf, *export, "-o", str(w / f"{graph}.onnx"))
+        opt = made(w / f"{name}.opt.onnx", "-q", "optimize", str(onnx), *optimize_opts,
+                   "-o", str(w / f"{name}.opt.onnx"))
         return made(w / f"{name}.qwc", "-q", "compile", str(opt), "--act-bits", "8", *compile_opts,
                     "-o", str(w / f"{name}.qwc"))
 
     slots = build("gguf-slots", compile_opts=("--max-lora-rank", "16", "--max-batch", "4"))
     merged = {k: build(f"gguf-merged-{k}", "--lora", str(d)) for k, d in ads.items()}
+    # The float LoRA merged with its adapted linears at 8 bits (`qwc optimize --bits 8`), the
+    # GGUF's Q4_1 blocks elsewhere: the merge then adds s·B·A to the same base the served adapter
+    # runs on, and only rounds the sum finely, where Q4_0 re-quantizes the whole linear.
+    merged["lora, merged at 8 bits"] = build("gguf-merged-lora-q8", "--lora", str(ads["lora"]),
+                                             graph="gguf-merged-lora", optimize_opts=("--bits", "8"))
     texts = prompts(a.prompts)
     got = served(slots, ["base", *ads], texts, a.tokens, *(f"--lora={k}={d}" for k, d in ads.items()))
-    want = {k: served(merged[k], ["base"], texts, a.tokens)["base"] for k in ads}
+    got["lora, merged at 8 bits"] = got["lora"]
+    want = {k: served(m, ["base"], texts, a.tokens)["base"] for k, m in merged.items()}
     print(f"\nSmolLM2-135M (its Q4_1 GGUF), greedy, {a.tokens} tokens after each of {len(texts)} prompts from Emma; "
           "served = `qwc serve BASE --lora`, merged = the adapter's merged build served alone\n")
     forced = {k: teacher_forced(slots, merged[k], d, texts, a.tokens) for k, d in ads.items()}
+    forced["lora, merged at 8 bits"] = teacher_forced(slots, merged["lora, merged at 8 bits"], ads["lora"],
+                                                      texts, a.tokens)
     # the float LoRA without 4-bit: the base's and the merged model's linears all in float
     # (`--keep-float '*'`), so the served product and the merge differ by rounding only
     def float_build(name: str, graph: str, *compile_opts: str) -> Path:
@@ -142,7 +152,7 @@ def main() -> None:
     print("| adapter | prompt | served reply's tokens = merged build's | the same, each given the merged build's prefix "
           "| served differs from the base |")
     print("| --- | ---: | ---: | ---: | --- |")
-    for k in ads:
+    for k in merged:
         for i in range(len(texts)):
             same = sum(x == y for x, y in zip(got[k][i], want[k][i]))
             print(f"| {k} | {i + 1} | {same} of {a.tokens} | {forced[k][i]} of {a.tokens} | "
