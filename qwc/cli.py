@@ -134,7 +134,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
 
 def _export_merged(args: argparse.Namespace, source: str, t0: float) -> None:
     """`qwc export BASE --lora A[:S] ...`: the adapters merged into the base a tensor at a time."""
-    from qwc.models.adapters import read_adapter
+    from qwc.adapter_files import read_adapter
     from qwc.models.load import open_checkpoint
     from qwc.models.lora_merge import checkpoint_of, merge
     from qwc.models.presets import PRESET_NAMES
@@ -209,8 +209,8 @@ def _cmd_qat(args: argparse.Namespace) -> None:
 
 
 def _cmd_lora(args: argparse.Namespace) -> None:
+    from qwc.adapter_files import LINEARS
     from qwc.eval.data import resolve_model, resolve_text
-    from qwc.models.adapters import LINEARS
     from qwc.models.lora_data import read_training_data
     from qwc.models.lora_train import LoraSettings, foreign_files, train, train_memory
     from qwc.models.presets import PRESET_NAMES
@@ -405,8 +405,8 @@ def _cmd_run(args: argparse.Namespace) -> None:
         os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # the runtime alone: faster start, less memory
     from qwc.runtime.engine import Engine
     from qwc.runtime.sampling import SamplingParams
-    from qwc.runtime.scheduler import check_speculation, speculation_warning
     from qwc.runtime.serving import check_draft_options, drafter
+    from qwc.runtime.spec_policy import check_speculation, speculation_warning
 
     check_draft_options(args)
     t0 = time.perf_counter()
@@ -449,9 +449,8 @@ def _cmd_run(args: argparse.Namespace) -> None:
     st = eng.stats
     rate = (lambda n, s: f"{n / s:.1f} tok/s" if s > 0 and n else "-")
     spec = ""
-    if speculate is not None and eng._driver is not None:
-        d = eng._driver
-        spec = f", {d.accepted} of {d.drafted} draft tokens kept"
+    if speculate is not None:
+        spec = f", {st['draft_tokens_kept']} of {st['draft_tokens']} draft tokens kept"
     progress.info(f"[qwc] prompt {st['prompt_tokens']} tokens at {rate(st['prompt_tokens'], st['prompt_s'])}, "
                   f"generated {st['generated']} at {rate(st['generated'], st['generate_s'])} "
                   f"({eng.threads} threads, {eng.pos} tokens in context{spec})")

@@ -23,6 +23,7 @@ from qwc.manifest import Manifest, check_library, read_manifest
 from qwc.vocab import mismatch, token_span
 
 from . import memory
+from .prefill_chunks import next_chunk
 from .sampling import SamplingParams
 
 PREFILL_CHUNK = 256
@@ -39,16 +40,6 @@ class Sequence:
         self.pool, self.row = pool, row
         self.adapter = 0   # its adapter's slot (runtime/adapters.py); 0: the base
         self.writes = 0   # calls that wrote it (Engine.generate: is what it last left still there?)
-
-
-def next_chunk(remaining: int, most: int) -> int:
-    """How many of `remaining` prompt tokens the next prefill call takes, at most `most`:
-    never a lone token where it can be helped. One token runs decode's kernels (three-pass
-    attention), a chunk the prefill kernels (online attention), whose rounding differs; so
-    without this a prompt's logits, and a greedy reply, would depend on where its chunks fall
-    (a prompt of 257 tokens in calls of 256, the rest of a prefix-cache hit)."""
-    n = min(remaining, most)
-    return n - 1 if remaining - n == 1 and n > 2 else n
 
 
 class Pool:
@@ -224,7 +215,7 @@ class Engine:
                 print(f"qwc: warning: {self.path.name}: {warning}", file=sys.stderr, flush=True)
 
     def load_adapters(self, adapters: list, max_rank: int | None = None) -> None:
-        """Serve `adapters` ((name, models.adapters.Adapter), from runtime/adapters.load_adapters)
+        """Serve `adapters` ((name, adapter_files.Adapter), from runtime/adapters.load_adapters)
         unmerged, in the artifact's adapter slots; each sequence picks one by its `adapter`
         slot (AdapterSlots.slot_of). Replaces what was loaded before."""
         from .adapters import AdapterSlots
@@ -452,6 +443,18 @@ class Engine:
         return min(self._chunk, self.ctx)
 
     @property
+    def verifies_drafts(self) -> bool:
+        """Whether verify() can check a draft: the library has the verify entry point, or the
+        score one that older artifacts verify with (verifies_exactly)."""
+        return self._score is not None
+
+    @property
+    def verifies_exactly(self) -> bool:
+        """Whether verify() gives the decode step's logits to the bit (the verify entry point):
+        score's rounding differs, so a greedy reply could part from the one without drafts."""
+        return self._verify is not None
+
+    @property
     def mixes_steps(self) -> bool:
         """Whether step() takes several sequences' tokens in one call (the library has the
         step entry point: artifacts compiled with --max-batch >= 2)."""
@@ -584,7 +587,7 @@ class Engine:
             raise QwcError("generate needs at least one prompt token")
         slot = self.adapter_slot(adapter)
         self.stats = {"prompt_tokens": len(ids), "cached_tokens": 0, "prompt_s": 0.0, "generated": 0,
-                      "generate_s": 0.0}
+                      "generate_s": 0.0, "draft_tokens": 0, "draft_tokens_kept": 0}
         if max_new_tokens == 0:
             t0 = time.perf_counter()
             self.reset()
@@ -596,23 +599,35 @@ class Engine:
             self._driver = Scheduler(self, max_running=1, max_queue=0, prefill_chunk=self.ctx, min_reuse=1,
                                      speculate=speculate, slots=[self.seq])
             if old is not None:
-                self._driver._cached, self._driver._cached_adapter = old._cached, old._cached_adapter
+                self._driver.prefix_cache = old.prefix_cache
         if self.seq.writes != self._driver_writes:   # written outside generate: what it held is gone
-            self._driver._cached.clear()
+            self._driver.prefix_cache.forget()
         req = Request(ids, max_new_tokens, sampling or SamplingParams(), None,
                       stop_tokens=None if stop is None else frozenset(stop), constraint=constraint, adapter=slot)
+        drafts = (self._driver.drafted, self._driver.accepted)
         try:
             for kind, value in self._driver.drive(req):
                 if kind == "text":
-                    self._update_stats(req)
+                    self._update_stats(req, drafts)
                     if value:
                         yield value
         finally:
             self._driver_writes = self.seq.writes
-            self._update_stats(req)
+            self._update_stats(req, drafts)
 
-    def _update_stats(self, req) -> None:
+    @property
+    def generated_cache(self) -> list[int]:
+        """The tokens the last generate left in the engine's own cache, which the next one reuses
+        where its prompt begins with them ([] where the sequence was written since)."""
+        if self._driver is None or self.seq.writes != self._driver_writes:
+            return []
+        return list(self._driver.prefix_cache.held(self.seq.row))
+
+    def _update_stats(self, req, drafts: tuple[int, int]) -> None:
+        """`drafts`: the driver's draft counts (made, kept) when this generate began."""
         done = req.t_prompt
-        self.stats.update(cached_tokens=req.cached_tokens, generated=len(req.generated),
+        self.stats.update(draft_tokens=self._driver.drafted - drafts[0],
+                          draft_tokens_kept=self._driver.accepted - drafts[1],
+                          cached_tokens=req.cached_tokens, generated=len(req.generated),
                           prompt_s=(done - req.t_submit) if done else 0.0,
                           generate_s=(req.token_times[-1] - done) if done and req.token_times else 0.0)

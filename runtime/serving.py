@@ -77,8 +77,9 @@ def server_parts(args):
     from pathlib import Path
 
     from .engine import Engine
-    from .scheduler import Scheduler, speculation_warning
+    from .scheduler import Scheduler
     from .server import Settings, create_app
+    from .spec_policy import speculation_warning
 
     serve_needs()
     check_draft_options(args)

@@ -17,7 +17,8 @@ from run_engine import (  # scripts/arm64 (also run under qemu by test_arm.py)
 
 from qwc.compiler.compile import compile_file
 from qwc.errors import QwcError
-from qwc.runtime.engine import Engine, next_chunk
+from qwc.runtime.engine import Engine
+from qwc.runtime.prefill_chunks import next_chunk
 from qwc.runtime.sampling import SamplingParams
 from qwc.runtime.scheduler import Request, Scheduler
 
@@ -53,7 +54,7 @@ def test_nine_sequences_take_every_tile_of_the_batched_gemm(engine):
                                                     (129, 128, [127, 2]), (300, 128, [128, 128, 44]),
                                                     (3, 2, [2, 1])])
 def test_prompt_chunks_leave_no_lone_token(remaining, most, want):
-    """engine.next_chunk: a prompt's calls, none of one token where it can be helped (a call of
+    """prefill_chunks.next_chunk: a prompt's calls, none of one token where it can be helped (a call of
     one runs decode's kernels); with calls of 2 at most a lone token is left."""
     got = []
     while remaining:
@@ -171,7 +172,7 @@ def test_prefix_reuse_prefills_only_the_new_tokens(engine):
         assert _serve(sched, a) == (_alone(engine, a), 0)
         assert _serve(sched, b) == (_alone(engine, b), 30)        # the system prompt came from a's slot
         assert _serve(sched, c) == (_alone(engine, c), 0)         # nothing in common
-        # all but the two tokens that give the logits (engine.next_chunk: one alone would run
+        # all but the two tokens that give the logits (prefill_chunks.next_chunk: one alone would run
         # decode's kernels, and the reply could differ from a fresh prefill's)
         assert _serve(sched, b) == (_alone(engine, b), len(b) - 2)
         # the slot that held c was the other one: a request sharing 16+ tokens with b's still finds it

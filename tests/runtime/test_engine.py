@@ -58,7 +58,7 @@ def test_generate_reuses_what_its_last_call_left_in_the_cache(tiny_host_artifact
     eng = Engine(tiny_host_artifact, ctx=64)
     first = [72, 105, 33, 10]
     list(eng.generate(first, max_new_tokens=6, stop=set()))   # no end token: 6 tokens
-    said = eng._driver._cached[0]
+    said = eng.generated_cache
     assert said[:4] == first and len(said) == eng.pos == 4 + 6 - 1   # the last token is not fed
     turn = said + [7, 8, 9]
     pieces = list(eng.generate(turn, max_new_tokens=5, stop=set()))
@@ -66,10 +66,11 @@ def test_generate_reuses_what_its_last_call_left_in_the_cache(tiny_host_artifact
     # the same calls on a fresh engine: the first prompt, the first reply's steps, the new turn
     fresh = Engine(tiny_host_artifact, ctx=64)
     want = _greedy(fresh, [first, *said[4:], [7, 8, 9]], 5)
-    assert eng._driver._cached[0] == turn + want[:4]   # all but the last token went into the cache
+    assert eng.generated_cache == turn + want[:4]   # all but the last token went into the cache
     # the text, but for a last partial UTF-8 sequence, held back as the stream holds it
     assert fresh.tokenizer.decode(want).startswith("".join(pieces)) and "".join(pieces)
     eng.prefill([3, 4])   # the sequence moves on outside generate
+    assert eng.generated_cache == []
     list(eng.generate(turn, max_new_tokens=2, stop=set()))
     assert eng.stats["cached_tokens"] == 0 and eng.stats["generated"] == 2
 

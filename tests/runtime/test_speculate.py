@@ -17,6 +17,7 @@ from qwc.errors import QwcError
 from qwc.runtime.engine import Engine
 from qwc.runtime.sampling import SamplingParams
 from qwc.runtime.scheduler import Request, Scheduler
+from qwc.runtime.spec_policy import draft_length
 from qwc.runtime.speculate import DraftModel, NgramDrafter, same_vocabulary
 
 PROMPT = [5, 9, 13, 17, 21, 25, 29, 33]
@@ -227,20 +228,16 @@ def test_drafting_that_costs_more_than_it_saves_backs_off(engine, reference):
     assert 1 <= Slow.calls <= 4
 
 
-def test_the_draft_length_is_the_timed_one_that_advances_fastest(engine):
+def test_the_draft_length_is_the_timed_one_that_advances_fastest():
     """Verify calls of 1 / 2 / 4 / 7 draft tokens timed at 1.0 / 1.1 / 1.3 / 3.0 (a jump past 4,
     as on the 7B shape): a request whose drafts are all kept asks for 4, not its drafter's 7;
     one whose drafts all miss asks for 1; drafting that costs a decode step a token asks for 1;
     a length never timed is asked for as the drafter wants it; nothing past the drafter's."""
-    from types import SimpleNamespace
-
-    sched = Scheduler(engine, speculate=NgramDrafter)
-    sched.verify_times = {1: 1.0, 2: 1.1, 4: 1.3, 7: 3.0}
-    sched.accepted = sched.missed = 0          # no request's counts yet: q0 = 1/2
+    times = {1: 1.0, 2: 1.1, 4: 1.3, 7: 3.0}
+    totals = [0, 0]   # no request's counts yet: q0 = 1/2
 
     def length(wish, kept, missed, step=0.0):
-        return sched._draft_length(SimpleNamespace(drafter=SimpleNamespace(length=wish), spec_kept=kept,
-                                                   spec_missed=missed, draft_step=step))
+        return draft_length(wish, times, *totals, kept, missed, step)
     assert length(7, kept=50, missed=0) == 4
     assert length(7, kept=0, missed=5) == 1
     assert length(7, kept=50, missed=0, step=1.0) == 1
@@ -248,9 +245,9 @@ def test_the_draft_length_is_the_timed_one_that_advances_fastest(engine):
     assert length(2, kept=50, missed=0) == 2
     # a request's first draft, judged on the others': most kept, or most missed
     assert length(7, kept=0, missed=0) == 2
-    sched.accepted, sched.missed = 95, 5
+    totals[:] = 95, 5
     assert length(7, kept=0, missed=0) == 4
-    sched.accepted, sched.missed = 5, 95
+    totals[:] = 5, 95
     assert length(7, kept=0, missed=0) == 1
 
 
