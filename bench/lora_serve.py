@@ -54,7 +54,7 @@ def random_adapter(folder: Path, cfg, rank: int, seed: int) -> Path:
     """A PEFT directory (peft's config and safetensors names) with A and B of N(0, 0.02)."""
     from safetensors.numpy import save_file
 
-    from qwc.models.adapters import linear_shapes
+    from qwc.adapter_files import linear_shapes
 
     if (folder / "adapter_model.safetensors").is_file():
         return folder

@@ -129,7 +129,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     score = list(full.node)
     lora = None
     if max_lora_rank:
-        from qwc.models.adapters import linear_shapes
+        from qwc.adapter_files import linear_shapes
 
         from .kernels.lora import CHUNK
         from .lora_slots import LORA_SLOT, add_slot_inputs, with_slots

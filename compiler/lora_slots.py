@@ -42,7 +42,7 @@ def input_names(i: int) -> tuple[str, str]:
 
 def adapted_linears(nodes, shapes: dict[str, tuple[int, int]]) -> list[tuple[onnx.NodeProto, str]]:
     """(node, HF weight name) of every decoder linear among `nodes`, in graph order; `shapes`
-    maps weight names to [out, in] (models/adapters.py: linear_shapes)."""
+    maps weight names to [out, in] (qwc/adapter_files.py: linear_shapes)."""
     found = []
     for n in nodes:
         if n.op_type not in LINEAR_OPS:

@@ -19,6 +19,7 @@ from gguf.quants import dequantize
 
 from qwc.config import ModelConfig, yarn_parameters
 from qwc.errors import QwcError
+from qwc.rotary import unpermute_rotary_rows
 
 from . import gguf_blocks
 from .checkpoint import Checkpoint
@@ -56,13 +57,6 @@ def hf_name(gguf_name: str) -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
     return None
-
-
-def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves)."""
-    rows = w.shape[0]
-    rest = w.shape[1:]
-    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
 def _open(path: Path) -> GGUFReader:

@@ -4,7 +4,7 @@
   an adapter touches becomes float (the passes quantize it); the others stay as the file has them.
 - QA-LoRA: the base is its 4-bit blocks (a GGUF's Q4_0 / Q4_1, or qwc's Q4_0 of a float
   weight: `qa_base_blocks`, what `qwc lora --qa` trained against). The adapter adds one number
-  to every weight of a block (models/adapters.py), so the merge moves each block's minimum m of
+  to every weight of a block (qwc/adapter_files.py), so the merge moves each block's minimum m of
   w = d·q + m and nothing else: the codes and scales stay byte for byte and every adapted linear
   is Q4_1. A Q4_0 block is the Q4_1 block with m = -8·d (exact in float16: a power-of-two
   multiple of d). The new m is rounded to float16, as Q4_1 stores it: the merge's only loss.
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from qwc import progress
+from qwc.adapter_files import QA_GROUP, Adapter, linear_shapes
 from qwc.errors import QwcError
 from qwc.q4 import pack_nibbles, quantize_q4_0
 
-from .adapters import QA_GROUP, Adapter, linear_shapes
 from .checkpoint import Checkpoint, expected_tensors
 from .gguf_blocks import Blocks, dequantize, q4_1_mins
 

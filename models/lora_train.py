@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwc import progress
+from qwc.adapter_files import BLOCK_OF, LINEARS, MARKER, PEFT_CONFIG, PEFT_WEIGHTS, QA_GROUP, linear_shapes
 from qwc.atomic import check_destination, replace_dir, staging_dir
 from qwc.errors import QwcError
 
-from .adapters import BLOCK_OF, LINEARS, MARKER, PEFT_CONFIG, PEFT_WEIGHTS, QA_GROUP, linear_shapes
 from .checkpoint import Checkpoint
 from .qwen2 import LoadedModel
 

@@ -221,7 +221,7 @@ def _read_gguf(path: Path, cfg: ModelConfig, user_scale: float) -> Adapter:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from .gguf_loader import unpermute_rotary_rows
+    from qwc.rotary import unpermute_rotary_rows
 
     try:
         reader = GGUFReader(path)

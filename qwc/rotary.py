@@ -67,3 +67,11 @@ def rotary_caches(head_dim: int, theta: float, max_pos: int, scaling: dict | Non
 def model_rotary_caches(cfg) -> tuple[np.ndarray, np.ndarray]:
     """The tables of a ModelConfig: every position it serves (context_length), its YaRN if any."""
     return rotary_caches(cfg.head_dim, cfg.rope_theta, cfg.context_length, cfg.rope_scaling)
+
+
+def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves): GGUF
+    stores q and k rows, and an adapter's B rows for them, in its rotary layout."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)

@@ -23,7 +23,7 @@ class AdapterSlots:
     """The adapter inputs of every call: A and B of each linear for the loaded adapters."""
 
     def __init__(self, spec: LoraSlots, adapters: list, max_rank: int | None, to_tensor):
-        """`adapters`: (name, models.adapters.Adapter) in slot order; `max_rank`: the largest rank
+        """`adapters`: (name, adapter_files.Adapter) in slot order; `max_rank`: the largest rank
         served (None: the artifact's)."""
         self.spec = spec
         limit = spec.max_rank if max_rank is None else max_rank
@@ -51,7 +51,7 @@ class AdapterSlots:
         self.nbytes = sum(a.nbytes for a in self.arrays)
 
     def _write(self, slot: int, ad) -> None:
-        from qwc.models.adapters import QA_GROUP
+        from qwc.adapter_files import QA_GROUP
 
         c16 = self.arrays[0].shape[2] * self.spec.chunk
         for i, (name, k, n) in enumerate(self.spec.linears):
@@ -83,9 +83,9 @@ class AdapterSlots:
 
 
 def load_adapters(specs: list[tuple[str, str]], config) -> list:
-    """(name, models.adapters.Adapter) for each (name, PATH[:SCALE]), read and checked against
+    """(name, adapter_files.Adapter) for each (name, PATH[:SCALE]), read and checked against
     the artifact's model config; names must be distinct."""
-    from qwc.models.adapters import read_adapter
+    from qwc.adapter_files import read_adapter
 
     seen = set()
     out = []

@@ -135,7 +135,7 @@ def random_peft_adapter(model, folder, r=4, alpha=None, seed=1, target=None, **c
 
     from peft import LoraConfig, get_peft_model
 
-    from qwc.models.adapters import LINEARS
+    from qwc.adapter_files import LINEARS
 
     torch.manual_seed(seed)
     cfg = LoraConfig(r=r, lora_alpha=2 * r if alpha is None else alpha, target_modules=list(target or LINEARS),

@@ -93,7 +93,7 @@ def main() -> None:
 
 
 def save_adapter(ad, path) -> None:
-    """A models.adapters.Adapter's pairs into an .npz that lora_runs reads."""
+    """A adapter_files.Adapter's pairs into an .npz that lora_runs reads."""
     import numpy as np
 
     arrays = {}
@@ -109,7 +109,7 @@ def lora_runs(eng, npz, steps):
     the base's and the adapter's); logits [4, steps, vocab]."""
     import numpy as np
 
-    from qwc.models.adapters import Adapter, LoraPair
+    from qwc.adapter_files import Adapter, LoraPair
 
     f = np.load(npz)
     ad = Adapter(str(npz), str(f["kind"]))

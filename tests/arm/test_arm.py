@@ -324,7 +324,7 @@ def test_yitian_adapter_slots_match_host(arm64_env, tiny_q4, tiny_lm, tmp_path):
     within the usual tolerance, and the adapter changes them."""
     from run_engine import lora_runs, save_adapter
 
-    from qwc.models.adapters import read_adapter
+    from qwc.adapter_files import read_adapter
 
     from conftest import random_peft_adapter
 

@@ -14,9 +14,9 @@ import torch
 from peft import LoraConfig, PeftModel
 from safetensors.torch import save_file
 
+from qwc.adapter_files import LINEARS
 from qwc.cli import main
 from qwc.config import ModelConfig, sidecar_paths
-from qwc.models.adapters import LINEARS
 
 from conftest import ort_kv_logits, random_peft_adapter, torch_kv_logits
 
@@ -141,7 +141,7 @@ def test_merge_into_a_gguf_base_keeps_the_other_blocks(tmp_path):
 def _gguf_linears():
     from test_gguf_formats import _config
 
-    from qwc.models.adapters import linear_shapes
+    from qwc.adapter_files import linear_shapes
     return list(linear_shapes(_config()))
 
 

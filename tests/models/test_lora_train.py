@@ -15,10 +15,10 @@ from onnx import numpy_helper
 from peft import PeftModel
 from safetensors.torch import load_file
 
+from qwc.adapter_files import LINEARS, MARKER
 from qwc.cli import main
 from qwc.config import ModelConfig, sidecar_paths
 from qwc.models import lora_train
-from qwc.models.adapters import LINEARS, MARKER
 from qwc.passes.verify import run_steps, session
 
 QUICK = ["--steps", "12", "--seq-len", "48", "--batch", "2", "--rank", "4"]
@@ -206,7 +206,7 @@ def test_qalora_merge_is_exact_but_for_the_minimums_float16(tiny_lm):
     """The merged block is the base's codes and scale with m moved by the adapter's block sum,
     rounded once to float16: each dequantized weight is within half a float16 ulp of m of the
     unmerged weight plus the adapter's per-weight term."""
-    from qwc.models.adapters import LoraPair
+    from qwc.adapter_files import LoraPair
     from qwc.models.gguf_blocks import dequantize
     from qwc.models.lora_merge import block_minimums, checkpoint_of, qa_base_blocks, qa_per_weight, shift_minimums
 

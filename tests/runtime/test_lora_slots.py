@@ -13,12 +13,12 @@ from onnx import helper, numpy_helper
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
+from qwc.adapter_files import LINEARS, linear_shapes
 from qwc.cli import main
 from qwc.compiler.compile import compile_file
 from qwc.compiler.lora_slots import adapted_linears
 from qwc.config import ModelConfig, sidecar_paths
 from qwc.errors import QwcError
-from qwc.models.adapters import LINEARS, linear_shapes
 from qwc.passes.verify import run_steps, session
 from qwc.runtime.adapters import load_adapters
 from qwc.runtime.engine import Engine

@@ -1,0 +1,91 @@
+"""The package's import graph, read from the sources (every import, at module level or inside a
+function): no module imports itself through others, and the stages import only earlier ones,
+so a runtime-only install needs none of the compiler's dependencies and nothing of the CLI."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _modules() -> dict[str, Path]:
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    out = {}
+    for pkg, d in dirs.items():
+        for f in (ROOT / d).rglob("*.py"):
+            rel = f.relative_to(ROOT / d).with_suffix("").parts
+            if pkg == "qwc" and len(rel) > 1:   # the other stages' folders are their own packages
+                continue
+            parts = [p for p in rel if p != "__init__"]
+            out[".".join([pkg, *parts])] = f
+    return out
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    graph = {}
+    for name, f in mods.items():
+        here = name.split(".") if f.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+                deps.update(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names)
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                comp.append(w)
+            if comp:
+                out.append(sorted([v, *comp]))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_itself_through_others():
+    graph = import_graph(_modules())
+    assert len(graph) > 100 and "qwc.runtime.scheduler" in graph["qwc.runtime.engine"]   # the graph was read
+    assert cycles(graph) == []
+
+
+def test_a_planted_cycle_is_found():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_stages_import_only_earlier_ones():
+    """models/ and passes/ import no compiler, runtime or CLI; runtime/ imports no compiler,
+    models, passes or CLI (what it runs was compiled elsewhere)."""
+    graph = import_graph(_modules())
+    later = {"qwc.models": ("qwc.compiler", "qwc.runtime", "qwc.cli", "qwc.eval"),
+             "qwc.passes": ("qwc.compiler", "qwc.runtime", "qwc.cli", "qwc.eval"),
+             "qwc.runtime": ("qwc.compiler", "qwc.models", "qwc.passes", "qwc.cli", "qwc.eval")}
+    wrong = sorted((m, d) for m, deps in graph.items() for stage, banned in later.items()
+                   if m.startswith(stage + ".") for d in deps if d.startswith(banned))
+    assert wrong == []
