@@ -420,99 +420,12 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
                        api.token_vocab if reqs[0].logprobs is not None else None, len(opts["echo"] or ""),
                        opts["tools"])
         metrics.request_started()
-
-        def cancel():
-            for r in reqs:
-                r.cancel()
-
-        async def watch():
-            # notice a client that went away (a task of its own: a timeout on every token's wait
-            # cost the event loop a task per token, CPU the decode threads want)
-            while any(r.finish_reason is None for r in reqs):
-                await asyncio.sleep(0.5)
-                if await request.is_disconnected():
-                    cancel()
-                    return
-
-        watcher = asyncio.create_task(watch())
-        next_event = events.get
-        n = len(reqs)
-
+        reply = _Reply(reqs, opts, shape, chat, metrics, events.get, request.is_disconnected)
         if opts["stream"]:
-            async def sse():
-                done, lps, left, outcome = False, [[] for _ in reqs], n, None
-                calls = [CallStream() for _ in reqs] if opts["tools"] else None   # hold back <tool_call>s
-                try:
-                    for i in range(n):
-                        if chat:
-                            yield _sse(shape.chunk({"role": "assistant", "content": ""}, None, index=i))
-                        elif opts["echo"] is not None:
-                            yield _sse(shape.chunk(opts["echo"], None, index=i))
-                    while left:
-                        i, kind, value = await next_event()
-                        if kind == "logprob":
-                            lps[i].append(value)
-                            continue
-                        if kind == "text":
-                            if calls:
-                                value = calls[i].feed(value)
-                            yield _sse(shape.chunk({"content": value} if chat else value, None, lps[i], i))
-                            lps[i] = []
-                            continue
-                        left -= 1
-                        if value.startswith("error"):   # the other replies end with it
-                            cancel()
-                            outcome = value
-                            yield _sse(ApiError(500, value, kind="server_error").body())
-                            break
-                        if value != "cancelled" and calls:
-                            rest, made = calls[i].finish()
-                            if rest:
-                                yield _sse(shape.chunk({"content": rest}, None, index=i))
-                            if made:
-                                yield _sse(shape.chunk({"tool_calls": [dict(c, index=k) for k, c in enumerate(made)]},
-                                                       None, index=i))
-                                value = "tool_calls"
-                        if value != "cancelled":
-                            yield _sse(shape.chunk({} if chat else "", value, lps[i], i))
-                    done = True
-                    if outcome is None:
-                        outcome = reqs[0].finish_reason
-                        if opts["include_usage"]:
-                            yield _sse(shape.usage_chunk(reqs))
-                    yield "data: [DONE]\n\n"
-                    metrics.request_done(outcome, 200, reqs)
-                finally:
-                    watcher.cancel()
-                    if not done:          # the client went away mid-stream
-                        cancel()
-                        metrics.request_done("cancelled", 499, reqs)
-
-            return StreamingResponse(sse(), media_type="text/event-stream",
+            return StreamingResponse(reply.stream(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        texts, lps, finish = [[opts["echo"] or ""] for _ in reqs], [[] for _ in reqs], [None] * n
-        try:
-            while None in finish:
-                i, kind, value = await next_event()
-                if kind == "text":
-                    texts[i].append(value)
-                elif kind == "logprob":
-                    lps[i].append(value)
-                else:
-                    finish[i] = value
-                    if value.startswith("error"):
-                        break
-        finally:
-            watcher.cancel()
-            if any(r.finish_reason is None for r in reqs):
-                cancel()
-        err = next((f for f in finish if f and f.startswith("error")), None)
-        if err:
-            metrics.request_done(err, 500, reqs)
-            return JSONResponse(ApiError(500, err, kind="server_error").body(), status_code=500)
-        metrics.request_done(finish[0], 200, reqs)
-        return shape.whole(["".join(t) for t in texts], finish, reqs, lps)
+        status, body = await reply.whole()
+        return JSONResponse(body, status_code=status)
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest):
@@ -523,6 +436,114 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
         return await complete(request, chat=True)
 
     return app
+
+
+class _Reply:
+    """One completion request's replies on their way back to the client: their events from the
+    scheduler (`next_event`: (reply index, kind, value)), as one JSON body or as server-sent
+    events, and the client's presence (`disconnected`), polled so a client that went away
+    cancels its requests."""
+
+    def __init__(self, reqs: list[Request], opts: dict, shape: "_Shape", chat: bool, metrics,
+                 next_event, disconnected):
+        self.reqs, self.opts, self.shape, self.chat, self.metrics = reqs, opts, shape, chat, metrics
+        self.next_event, self.disconnected = next_event, disconnected
+        self.watcher = asyncio.create_task(self._watch())
+
+    def cancel(self) -> None:
+        for r in self.reqs:
+            r.cancel()
+
+    async def _watch(self) -> None:
+        # a task of its own: a timeout on every token's wait cost the event loop a task per
+        # token, CPU the decode threads want
+        while any(r.finish_reason is None for r in self.reqs):
+            await asyncio.sleep(0.5)
+            if await self.disconnected():
+                self.cancel()
+                return
+
+    async def stream(self):
+        """The server-sent events, up to `data: [DONE]`."""
+        reqs, opts, shape, chat, n = self.reqs, self.opts, self.shape, self.chat, len(self.reqs)
+        done, lps, left, outcome = False, [[] for _ in reqs], n, None
+        calls = [CallStream() for _ in reqs] if opts["tools"] else None   # hold back <tool_call>s
+        try:
+            for i in range(n):
+                if chat:
+                    yield _sse(shape.chunk({"role": "assistant", "content": ""}, None, index=i))
+                elif opts["echo"] is not None:
+                    yield _sse(shape.chunk(opts["echo"], None, index=i))
+            while left:
+                i, kind, value = await self.next_event()
+                if kind == "logprob":
+                    lps[i].append(value)
+                    continue
+                if kind == "text":
+                    if calls:
+                        value = calls[i].feed(value)
+                    yield _sse(shape.chunk({"content": value} if chat else value, None, lps[i], i))
+                    lps[i] = []
+                    continue
+                left -= 1
+                if value.startswith("error"):   # the other replies end with it
+                    self.cancel()
+                    outcome = value
+                    yield _sse(ApiError(500, value, kind="server_error").body())
+                    break
+                if value != "cancelled" and calls:
+                    for chunk, value in self._tool_calls(calls[i], i, value):
+                        yield _sse(chunk)
+                if value != "cancelled":
+                    yield _sse(shape.chunk({} if chat else "", value, lps[i], i))
+            done = True
+            if outcome is None:
+                outcome = reqs[0].finish_reason
+                if opts["include_usage"]:
+                    yield _sse(shape.usage_chunk(reqs))
+            yield "data: [DONE]\n\n"
+            self.metrics.request_done(outcome, 200, reqs)
+        finally:
+            self.watcher.cancel()
+            if not done:          # the client went away mid-stream
+                self.cancel()
+                self.metrics.request_done("cancelled", 499, reqs)
+
+    def _tool_calls(self, calls: CallStream, i: int, finish: str):
+        """At reply i's end: (chunk, finish reason) for the text its tool-call parser held back
+        and for the calls it found (whose reply then finishes with "tool_calls")."""
+        rest, made = calls.finish()
+        if rest:
+            yield self.shape.chunk({"content": rest}, None, index=i), finish
+        if made:
+            yield (self.shape.chunk({"tool_calls": [dict(c, index=k) for k, c in enumerate(made)]}, None, index=i),
+                   "tool_calls")
+
+    async def whole(self) -> tuple[int, dict]:
+        """The HTTP status and body of the replies, once all have ended."""
+        reqs, opts, n = self.reqs, self.opts, len(self.reqs)
+        texts, lps, finish = [[opts["echo"] or ""] for _ in reqs], [[] for _ in reqs], [None] * n
+        try:
+            while None in finish:
+                i, kind, value = await self.next_event()
+                if kind == "text":
+                    texts[i].append(value)
+                elif kind == "logprob":
+                    lps[i].append(value)
+                else:
+                    finish[i] = value
+                    if value.startswith("error"):
+                        break
+        finally:
+            self.watcher.cancel()
+            if any(r.finish_reason is None for r in reqs):
+                self.cancel()
+        err = next((f for f in finish if f and f.startswith("error")), None)
+        if err:
+            self.metrics.request_done(err, 500, reqs)
+            return 500, ApiError(500, err, kind="server_error").body()
+        self.metrics.request_done(finish[0], 200, reqs)
+        return 200, self.shape.whole(["".join(t) for t in texts], finish, reqs, lps)
 
 
 # Characters JSON may hold raw that str.splitlines() (httpx's aiter_lines, many SSE readers)
