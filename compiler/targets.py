@@ -150,9 +150,9 @@ class Kernels:
     decode_attention: str
     # decode attention's keys split in spans of this many, a task each, merged after ("split-K"):
     # at depth every thread of a many-core machine gets work, where a 2-kv-head model had 2
-    # (x86) or 14 (ARM) tasks. None: one task takes all of its heads' keys (x86: the split
-    # costs 1-9% at 1-2 threads, bench/decode_attention.py: 2 kv heads already fill 2 cores; a
-    # many-core x86 would want it)
+    # (x86) or 14 (ARM) tasks. None: one task takes all of its heads' keys (x86: at 1-2 threads
+    # 2 kv heads already fill the cores and the split's merge only costs, bench/decode_attention.py;
+    # a many-core x86 would want it)
     decode_split_keys: int | None = None
     # the threads a decode step's launches are sized for: a residual GEMV of fewer row groups
     # splits its blocks into parts (compiler/split_residual_gemv.py). ARM: a Yitian 710 has 128
@@ -161,8 +161,8 @@ class Kernels:
     # a mixed step's decode tokens attend in decode_attention's segments form, a launch a layer
     # after the online kernel's, so that their logits are decode's to the bit (design.md, "One
     # arithmetic for a token"). Only where the linears agree to the bit too (x86): on ARM the
-    # decode GEMVs' split sums differ from the GEMM's anyway, and the launch cost the mixed
-    # step 7% of its critical path at 64 threads (results.md).
+    # decode GEMVs' split sums differ from the GEMM's anyway, and the launch lengthened the
+    # mixed step's critical path at 64 threads (docs/results/arm.md).
     exact_step_decode: bool = True
 
 
@@ -179,9 +179,9 @@ KERNEL_MODULES = {"vnni": "x86.vnni", "avx2": "x86.vnni", "sdot": "arm.dotprod",
                   "vnni8": "x86.vnni", "sdot8": "arm.dotprod", "smmla8": "arm.i8mm"}
 
 KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
-    # Decode attention: three passes on x86, 1.5x the online kernel at 512 cached tokens; on
-    # ARM a task per query head, so the kernels it absorbs are no serial work between launches
-    # on a 64-128-core machine (results.md).
+    # Decode attention: three passes on x86, faster than the online kernel at depth; on ARM a
+    # task per query head, so the kernels it absorbs are no serial work between launches on a
+    # 64-128-core machine (docs/results/long-context.md, docs/results/arm.md).
     (frozenset({"dotprod", "i8mm"}), Kernels(_SMMLA, "three_pass_heads", 512, 128, exact_step_decode=False)),
     (frozenset({"dotprod"}), Kernels(_SDOT, "three_pass_heads", 512, 128, exact_step_decode=False)),
     (frozenset({"neon"}), Kernels(None, "three_pass_heads", 512, exact_step_decode=False)),

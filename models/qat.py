@@ -134,7 +134,7 @@ class QatSettings:
     teacher: str | None = None            # a model spec; None: no distillation
     kd_weight: float = 0.5                # loss = (1 - w) CE + w KD
     kd_temperature: float = 1.0
-    bf16: bool = False                    # bf16 autocast for the matmuls (~2x faster with AVX512-BF16 / AMX)
+    bf16: bool = False                    # bf16 autocast for the matmuls (for CPUs with AVX512-BF16 / AMX)
 
     def validate(self) -> None:
         if self.steps < 1:

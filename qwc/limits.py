@@ -12,8 +12,8 @@ MAX_BATCH = 256   # `qwc compile --max-batch`: sequences one batched decode step
 KV_TYPES = {"f32": "float32", "f16": "float16", "q8_0": "q8_0"}
 # `--draft-max`'s default: tokens a speculative draft proposes at most. With the token before it
 # a verify call then has 8 tokens, the most the x86 GEMM takes in decode's streams (x86/vnni.py:
-# FEW_TOKENS); a ninth token puts the call on prefill's tiles, at 1.4x the time of 8 tokens
-# (runtime/speculate.py has the costs).
+# FEW_TOKENS); a ninth token puts the call on prefill's tiles, which cost a step more
+# (docs/results/serving.md has the costs).
 DRAFT_MAX = 7
 
 

@@ -177,8 +177,8 @@ class Engine:
         self._kv_format = functions.cache_dtype
         element, self._cache_width = cache_row(self._kv_format, self._head_dim)
         self._kv_dtype = np.dtype(element)
-        # The inputs' memory, reused: a step builds its inputs as views (~1 us) where fresh
-        # tensors cost ~50 us, 0.5% of a 0.5B decode step.
+        # The inputs' memory, reused: a step builds its inputs as views of it, where fresh
+        # tensors a step cost a visible share of a small model's decode step.
         rows = self.max_batch
         arena = memory.arena_for([((1, self.ctx), np.int64)] * 4 + [((rows, 3), np.int64), ((rows,), np.int64)])
         self._ids, self._mask, self._positions, self._adapter_slots = (arena.take((1, self.ctx), np.int64)

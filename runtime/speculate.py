@@ -19,11 +19,10 @@ import numpy as np
 from qwc.errors import QwcError
 from qwc.limits import DRAFT_MAX
 
-# A verify call of k + 1 tokens costs 1.4 decode steps at k = 1, 2.4 at k = 4, 3.2 at k = 7 and
-# 4.6 at k = 8 on SmolLM2-135M, 1.1 / 1.7 / 2.1 / 3.2 on the Qwen2.5-0.5B shape (x86, 2 threads,
-# 256 cached): each token adds 0.1-0.2 of a step until the ninth leaves decode's streams for
-# prefill's tiles, hence DRAFT_MAX (qwc/limits.py). A draft pays where each of its tokens is
-# right with a probability above ~0.2-0.5. docs/results.md, "Prompt lookup at 1.4-1.9x".
+# A verify call of k + 1 tokens costs more than a decode step and grows with k, slowly until
+# the ninth token leaves decode's streams for prefill's tiles, hence DRAFT_MAX (qwc/limits.py).
+# So a draft pays only where its tokens are often right (docs/results/serving.md, "Prompt
+# lookup").
 NGRAM_MAX = 4      # the longest context suffix looked up first
 NGRAM_MIN = 3      # the shortest (2-grams matched more often and were right less often, in a trial on SmolLM2)
 

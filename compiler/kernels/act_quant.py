@@ -28,8 +28,9 @@ ROW_GROUP = 4          # fused_quantizer: rows a task of a many-row RMSNorm quan
 # The x86 silu(gate) * up quantizer computes SILU_STAGE blocks' inputs (1 KiB, on the stack)
 # before it quantizes them. Each block's chain (exp, divide, then the block's max, scale and
 # rounding) is ~100 instructions long end to end, and one block after another the core's
-# scheduler held little more than one: 102 x 4864, 2 threads, Intel Xeon, 258 -> 203 us (4
-# blocks 207, 19 blocks 201), the same bits. ARM keeps a block at a time (unmeasured there).
+# scheduler held little more than one; staged, it overlaps several, with the same bits
+# (docs/results/serving.md, "Latency chains on x86"). ARM keeps a block at a time (unmeasured
+# there).
 SILU_STAGE = 8
 # The attribute that marks fused_quantizer's kernels, with what built them ("kind": "plain",
 # "silu_mul" or "rms"; "layout"; "zero_point"; "eps" of an RMSNorm), for the import-time fusion passes

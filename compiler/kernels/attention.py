@@ -34,10 +34,9 @@ CHAINS = 8       # independent FMA chains per tile's scores (latency, not throug
 # Decode attention reads each K tile and V row once, from DRAM, at what one core can pull
 # (13-16 GB/s): its passes are reads. So the scores keep several streams in flight, each with
 # a software prefetch 1 KiB ahead into L1 (a tile of keys is one 4 KiB page, where the
-# hardware streamer restarts). Cycle stamps per pass in a decode-like stream of kernels, 512
-# cached tokens: scores 34.5K -> 27.4K cycles (docs/design.md); 8 or 32 K lines ahead were
-# no faster. The values pass reads V a block at a time, the next block prefetched while the
-# first tile of this one runs (two blocks ahead, or none: 5-25% slower, 4k tokens, AVX2).
+# hardware streamer restarts), which shortened the scores pass in cycle stamps (docs/design.md);
+# 8 or 32 lines ahead were no faster. The values pass reads V a block at a time, the next block
+# prefetched while the first tile of this one runs (two blocks ahead, or none, were slower).
 SCORE_STREAMS = 2        # K tiles scored at once (if their accumulators fit the registers)
 K_PREFETCH_LINES = 16    # 1 KiB ahead in each K stream
 V_BLOCK = 64             # keys a block of the values pass (8 KiB of f16 V at head_dim 64: in L1)
@@ -64,7 +63,7 @@ def supports(head_dim: int) -> bool:
 
 
 # The cache's formats: float32, float16 (half the memory and the bytes a step reads at depth),
-# or q8_0 (llama.cpp's: blocks of 32 int8 with a float16 scale, 0.27x float32's bytes). The
+# or q8_0 (llama.cpp's: blocks of 32 int8 with a float16 scale, 34 bytes a block). The
 # kernels compute in float32 whatever the format: an element is widened as it is loaded (F16C's
 # vcvtph2ps, NEON's fcvtl; q8_0's int8 converted and times its block's scale) and rounded to
 # nearest (q8_0: quantized per block) as it is stored.
@@ -811,16 +810,17 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             blocks = T.bind((t + qb - 1) // qb)
             if nr > 1:
                 # a task per head and block (head-major, as `kernel`), each over the segments in
-                # turn: query groups' blocks are whole, and a 64-token chunk beside 7 decode
-                # tokens made 448 tasks of which 56 had work, and each other one cost ~0.5 us
-                # (2 threads: 0.34 ms a layer where the chunk alone took 0.24)
+                # turn: query groups' blocks are whole, so a task per segment too would make
+                # mostly empty tasks (a short chunk beside a few decode tokens: one in eight
+                # with work), each of which still costs a launch's share
                 for task in T.parallel(heads * blocks):
                     for sg in range(g):
                         segment_block(q, kc, vc, out, seg, pos, t, cap, sg, task // blocks, task % blocks * qb, qb)
             else:
                 # block, then head, then segment: a long segment's tasks are every g-th, spread
                 # evenly over the threads' static ranges (segment-major put its heads' tasks in
-                # a few threads' ranges: 1.23x the separate calls' critical path at 64 threads)
+                # a few threads' ranges, and the critical path at 64 threads grew past the
+                # separate calls')
                 for task in T.parallel(blocks * heads * g):
                     segment_block(q, kc, vc, out, seg, pos, t, cap, task % g, task // g % heads,
                                   task // (g * heads) * qb, qb)

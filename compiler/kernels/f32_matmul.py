@@ -21,7 +21,7 @@ MAX_ROWS = 8         # a tile's rows (unrolled): each load of w feeds up to 8 ro
 MIN_GROUPS = 16      # column blocks to share among the threads: narrower blocks below this
 STACK_BYTES = 1024   # TVM puts an allocation on the stack (LLVM's registers) only below this
 # A tile of several rows spends longer on each row of w than a decode GEMV does, and reads
-# 7-12% faster (x86, 2-5 rows) prefetching this far ahead in its block; a GEMV gains nothing.
+# faster prefetching this far ahead in its block (bench/f32_matmul.py); a GEMV gains nothing.
 PREFETCH_BYTES = 4096
 
 

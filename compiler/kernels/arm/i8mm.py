@@ -220,8 +220,8 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         adf = T.decl_buffer((rows_in * nb * 2,), "float32", data=ad.data)
         offf = T.decl_buffer((rows_in * nb * 2,), "int32", data=off.data)
         # One leftover pair after whole tiles of 5 is taken with the last of them as a tile
-        # of 6 (0.092 instructions a multiply-add, where a 1-pair tile costs 0.19; llvm-mca
-        # puts the two ways within 4% in N2 cycles, the tile of 6 ahead); other leftovers below.
+        # of 6: half the instructions a multiply-add of a 1-pair tile, and ahead in llvm-mca's
+        # N2 cycles too (docs/results/arm.md); other leftovers below.
         # T.bind: a name assigned plainly in a macro becomes a one-element buffer, which TVM
         # gives a workspace allocation (a call, per task for those inside the loop)
         merge = T.bind(merge_last(rows_in))

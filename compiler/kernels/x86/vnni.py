@@ -35,10 +35,10 @@ from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 # A tile's block costs 8 vpdpbusd a token plus the per-token add, convert, scale and FMA (12
 # vector uops), and its unpacking (4 and + 4 shifts, the scales' convert: 10) once: 8 tokens
 # take that share from 2.5 uops a token to 1.25. AVX-512's 32 registers hold the 8 sums, the 8
-# unpacked vectors and the int32 chains (no spills); 8 over 4 with int32 offsets, 2 threads,
-# Intel Xeon: 1.03-1.11x (bench/prefill_gemm.py, docs/results.md). AVX2's 16 registers keep 4.
-# With a token's sums in two chains (q4_matmul: accumulate) 7-token tiles took 0.96-1.01x the
-# time of 8 at 71-200 tokens, but 1.05-1.09x at 9-17 (more tiles for the same tokens): 8 stay.
+# unpacked vectors and the int32 chains (no spills), and 8 beat 4 (bench/prefill_gemm.py,
+# docs/results/x86-speed.md). AVX2's 16 registers keep 4. With a token's sums in two chains
+# (q4_matmul: accumulate) 7-token tiles were level with 8 on long prompts and slower on short
+# ones (more tiles for the same tokens): 8 stay.
 DEFAULT_TOKENS = {"vnni": 8, "avx2": 4, "vnni8": 8}
 DECODE_EPILOGUES = frozenset({"bias", "silu_mul", "quantize"})   # decode_gemv's
 PREFILL_BIAS = True   # prefill_gemm(..., bias=True): the bias added as the rows are stored
@@ -46,11 +46,10 @@ PREFILL_BIAS = True   # prefill_gemm(..., bias=True): the bias added as the rows
 # Decode prefetches the weights 4 blocks (1 KiB) ahead into L1, in each of its STREAMS
 # streams. A GEMV's weights always come from DRAM, and the hardware streamer stops at every
 # 4 KiB page and restarts slowly. With one stream a thread a far L2 prefetch kept misses in
-# flight across those restarts (decode, 0.5B shape: L1 only (6 blocks) 62-69 tok/s, L2 only
-# (32) 72-89, both 83-90). With four streams (below) whose restarts fall at different times
-# it no longer pays: L1 at 4 blocks alone decodes 2.6-3.4% faster than 8 blocks into L1 plus
-# 32 into L2, and 2 blocks is slower (docs/design.md). Non-temporal was 40% worse;
-# prefetching the scale stream too cost 10%.
+# flight across those restarts. With four streams (below) whose restarts fall at different
+# times it no longer pays: L1 at 4 blocks alone decodes faster than 8 blocks into L1 plus 32
+# into L2, and 2 blocks is slower; non-temporal prefetches, and prefetching the scale stream
+# too, were slower still (docs/design.md, docs/results/x86-speed.md).
 PREFETCH = ((4, 3),)   # (blocks ahead, LLVM locality: 3 = L1, 2 = L2)
 # Decode reads STREAMS far-apart row groups in lockstep, block by block: each thread then has
 # STREAMS sequential streams in flight whose page crossings fall at different times, so one
@@ -138,34 +137,24 @@ def _scales(T, ws, g, b, scale_dtype):
 # The batched decode step (one token of each of B <= 16 sequences) reads every weight from
 # DRAM, as decode does, for a few tokens: its GEMM takes 8-token tiles that prefetch as
 # decode_gemv does (PREFETCH; past a group's last block into the next group's first) and the
-# leftover tokens in tiles of 4, 2 and 1 without prefetch (at B = 4 the prefetch cost 4%).
-# 0.5B shape, 2 threads, Zen 5, step ms at B = 1/2/4/6/8/12/16: the prefill form (4-token tiles,
-# leftovers one at a time) 6.54/7.55/7.81/9.78/11.64/18.43/21.83, this form
-# 6.34/6.62/7.65/9.46/9.96/15.08/18.71 (bench/decode_step.py; docs/results.md).
+# leftover tokens in tiles of 4, 2 and 1 without prefetch (where a prefetch cost more than it
+# hid). It beat the prefill form (4-token tiles, leftovers one at a time) at every batch size
+# (bench/decode_step.py; docs/results/serving.md).
 BATCHED_DECODE_TOKENS = 8
 
 # A few tokens (a batched decode step of few sequences, a speculative verify call, a short
 # prompt) read every weight once from DRAM for little arithmetic: memory-bound like decode, so
 # they take decode's streams (decode_gemv: far-apart row groups in lockstep, each prefetched
 # into L1) rather than tiles that read one group after another. A stream holds a 16-row
-# accumulator a token, so fewer streams at more tokens: FEW_STREAMS[M - 1], measured on the
-# 0.5B shape, 2 threads, Intel Xeon (decode_batch ms at B = 2 / 3 / 4 / 5 / 6 / 7 / 8; tiles:
-# the form before, 8-token tiles and leftovers in tiles of 4, 2, 1):
-# - AVX-512 VNNI: tiles 17.0 / 19.3 / 20.4 / 23.0 / 25.1 / 27.6 / 21.2; 4 streams to 4 tokens
-#   11.0 / 11.6 / 13.7; 2 streams at 5 16.2 (1: 17.7); 1 stream at 6-8 18.3 / 19.8 / 21.6
-#   (2: 20.9 / 22.6 / 27.9);
-# - AVX2 (its 16-row accumulator is two of its 16 registers): tiles 19.9 / 23.6 / 23.6 / 27.9 /
-#   32.4 / 37.4 / 32.2; 4 streams to 4 tokens 12.3 / 15.0 / 18.2 (4, 2, 1 streams: 13.0 / 17.8 /
-#   20.9); 2 streams at 5 22.3; 1 stream at 6-8 25.5 / 28.7 / 32.0 (2 at 6: 25.0).
-# docs/results.md, "Few tokens in decode's streams".
-# With 8-token tiles and int32 offsets (2026-11-28) a block's arithmetic at 5-8 tokens takes as
-# long as its weights take to arrive, and decode's 4 blocks ahead no longer hid that: AVX-512
-# prefetches FEW_AHEAD blocks ahead a thread, over its streams (4 streams: 4 each, as decode).
-# 24 layers' linears on distinct weights, 2 threads, Intel Xeon, ms at M = 6 / 8 / 12 / 16: 4
-# ahead 10.4 / 11.2 / 14.5 / 18.7, 16 ahead 8.1 / 8.8 / 12.7 / 16.9 (Q8_0 at M = 8: 16.3 ->
-# 15.7). At M = 5 one stream now beats two (7.11 / 7.26 ms; the 0.5B's batched step of 5
-# sequences 12.6 / 12.7 against 13.9 before); at M = 4 two streams were level with four (the
-# step 12.35 / 12.03 ms), so four stay. AVX2's (unmeasured on an AVX2 machine since) stay.
+# accumulator a token, so fewer streams at more tokens: FEW_STREAMS[M - 1], each entry the
+# fastest count measured on the 0.5B shape for AVX-512 VNNI and for AVX2 (whose 16-row
+# accumulator is two of its 16 registers), against each other and against 8-token tiles
+# (docs/results/serving.md, "Few tokens in decode's streams").
+# With 8-token tiles and int32 offsets a block's arithmetic at 5-8 tokens takes as long as its
+# weights take to arrive, and decode's 4 blocks ahead no longer hid that: AVX-512 prefetches
+# FEW_AHEAD blocks ahead a thread, over its streams (4 streams: 4 each, as decode); then one
+# stream beat two at M = 5, and two were only level with four at M = 4, so four stay there.
+# AVX2's counts (not measured on an AVX2 machine since) stay.
 FEW_STREAMS = {"vnni": (4, 4, 4, 4, 1, 1, 1, 1), "vnni8": (4, 4, 4, 4, 2, 1, 1, 1), "avx2": (4, 4, 4, 4, 2, 1, 1, 1)}
 FEW_TOKENS = len(FEW_STREAMS["vnni"])
 FEW_AHEAD = {"vnni": 16, "vnni8": 16}
@@ -265,7 +254,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         # TVMBackendAllocWorkspace call, here once per 16-row group.
         acc = T.decl_buffer((count * ROWS,), "float32", scope="global")
         # two buffers, not one of both: TVM puts a constant-size buffer on the stack only below
-        # 1 KiB, and with one of 1 KiB (8 tokens) every vpdpbusd went through memory (0.58x)
+        # 1 KiB, and with one of 1 KiB (8 tokens) every vpdpbusd went through memory
         dots = T.decl_buffer((count * ROWS,), "int32", scope="global")
         highs = T.decl_buffer((count * ROWS,), "int32", scope="global")
         for t in T.unroll(count):
@@ -329,8 +318,8 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                     tile(w, aq, off, ws, ad, y, wc, bias, g, it * tm, tm, False, False)
             if tm == 8:  # decided when the kernel is built (batched decode's tiles, AVX-512 prefill's)
                 # the r = M mod 8 leftover tokens: one tile per set bit of r, largest first (one
-                # tile of r, a copy of the tile per r, was 1-3% faster at r = 7 and made the
-                # 0.5B's compile 15% longer)
+                # tile of r, a copy of the tile per r, was barely faster and made compiles
+                # markedly longer)
                 if (rows_in % tm) // 4 % 2 == 1:
                     tile(w, aq, off, ws, ad, y, wc, bias, g, rows_in // tm * tm, 4, False, False)
                 if (rows_in % tm) // 2 % 2 == 1:
