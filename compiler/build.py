@@ -181,7 +181,7 @@ def _nodes_swapped(model: onnx.ModelProto, nodes):
 
 
 def build(mod: tvm.IRModule, target: Target):
-    from .schedule import cpu_pipeline
+    from .pipeline import lowering
 
     t = target.tvm_target()
-    return relax.build(mod, target=t, relax_pipeline=cpu_pipeline(t), exec_mode=target.vm_exec_mode)
+    return relax.build(mod, target=t, relax_pipeline=lowering(t), exec_mode=target.vm_exec_mode)

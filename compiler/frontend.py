@@ -33,6 +33,7 @@ from .kernels import generic, prefill_bias, w4a8_gemm
 from .kernels.w4a8 import ZERO_POINT
 from .lora_slots import LORA_SLOT
 from .lora_slots import OP as LORA_OP
+from .pipeline import fusions
 from .relax_match import call_of
 from .targets import kernels_for, q4_0_path, q8_0_path, vector_registers
 
@@ -459,33 +460,4 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
                               sanitize_input_names=True)
     finally:
         _CONTEXT.reset(token)
-    return fusion_passes(ctx)(mod) if fuse else mod
-
-
-def fusion_passes(ctx: ImportContext):
-    """The fusions across the converters' kernels, in the order their docstrings require. The
-    kernels they replace stay in the module until the CPU pipeline's dead-code elimination."""
-    import tvm
-
-    from .fuse_decode_attention import fuse_decode_attention
-    from .fuse_gate_up import fuse_gate_up
-    from .fuse_quantizer_inputs import fuse_quantizer_inputs
-    from .fuse_residual_gemv import fuse_residual_gemv
-    from .split_residual_gemv import split_residual_gemv
-
-    passes = [fuse_residual_gemv, fuse_quantizer_inputs(ctx.kname), fuse_gate_up(ctx.kname)]
-    kernels = kernels_for(ctx.features)
-    if kernels.decode_attention != "online" and not ctx.step:   # a step's attention is ragged
-        # with W4A8 decode GEMVs the attention also writes the o projection's Q8_0, in the
-        # layout they read
-        # (a verify call's and a batched step's o projection is a GEMM, reading the quantizer
-        # kernel's blocks)
-        w4a8_path = (q4_0_path(32, 4, ctx.act_bits, ctx.features) not in (None, "f32")
-                     and not ctx.verify and not ctx.batched)
-        passes.append(fuse_decode_attention(
-            ctx.kname, dict(ctx.rotary_kernels), ZERO_POINT if w4a8_path else None,
-            kernels.w4a8.decode_layout if w4a8_path else "plain", kernels.decode_attention == "three_pass_heads",
-            vector_registers(ctx.features), kernels.decode_split_keys, queries=ctx.verify, rows=ctx.batched))
-    if kernels.decode_threads and kernels.w4a8 and ctx.act_bits == 8:
-        passes.append(split_residual_gemv(ctx.kname, kernels.decode_threads))
-    return tvm.transform.Sequential(passes)
+    return fusions(ctx)(mod) if fuse else mod

@@ -9,11 +9,14 @@ kernels (GEMV/GEMM, attention) with hand-scheduled ones; this keeps everything e
 
 from __future__ import annotations
 
+import os
 import sys
 
 import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
+
+from qwc.errors import QwcError
 
 from .kernels import SCHEDULED, hand_scheduled
 
@@ -40,10 +43,17 @@ def schedule_func(func: tirx.PrimFunc, name: str = "kernel") -> tirx.PrimFunc:
     return sch.mod["main"]
 
 
+# Set to "error" (the test suite does), an unscheduled kernel stops the build instead of warning.
+STRICT_ENV = "QWC_UNSCHEDULED"
+
+
 def _unscheduled(name: str, why: str) -> None:
-    """Loud, not silent: an unscheduled kernel runs single-threaded scalar loops (seconds a token
-    if it is a hot one)."""
-    print(f"qwc: warning: kernel {name} left unscheduled (serial, scalar): {why}", file=sys.stderr, flush=True)
+    """Loud, not silent: an unscheduled kernel runs single-threaded scalar loops (a hot one would
+    be most of a step's time)."""
+    msg = f"kernel {name} left unscheduled (serial, scalar): {why}"
+    if os.environ.get(STRICT_ENV) == "error":
+        raise QwcError(msg)
+    print(f"qwc: warning: {msg}", file=sys.stderr, flush=True)
 
 
 def _schedule_block(sch, info) -> None:
@@ -95,35 +105,3 @@ def generic_cpu_schedule(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     for gv, fn in updates.items():
         mod[gv] = fn
     return mod
-
-
-def cpu_pipeline(target):
-    """TVM's CPU pipeline with qwc's schedule after operator fusion."""
-    from tvm import relax
-    from tvm.relax.backend.cpu_generic import pipeline as P
-
-    from .sibling_gemvs import merge_sibling_gemvs
-    from .view_reuse import reuse_views
-
-    # The VM builds each kernel output's view once a call, not once a layer (view_reuse.py):
-    # after the views are lowered to storages, before the pass that drops them after last use.
-    finalize = list(P.finalize_passes(target))
-    at = [p.info.name for p in finalize].index("LowerAllocTensor") + 1
-    finalize[at:at] = [reuse_views]
-
-    @tvm.transform.module_pass(opt_level=0, name="qwc.CPUPipeline")
-    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        with target:
-            seq = tvm.transform.Sequential(
-                # q, k and v (and gate, up) read the same activations: quantize them once;
-                # q, k and v's decode GEMVs then become one launch (compiler/sibling_gemvs.py;
-                # gate and up already are one, compiler/fuse_gate_up.py). DCE drops what a
-                # fused kernel made unused (the SiLU·mul and RMSNorm the quantizers compute
-                # themselves, the GEMVs a merged or fused one replaced).
-                [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination(), merge_sibling_gemvs,
-                 relax.transform.DeadCodeElimination()]
-                + P.library_dispatch_passes(target) + P.legalize_passes(target)
-                + [generic_cpu_schedule] + P.dataflow_lower_passes(target) + finalize)
-            return seq(mod)
-
-    return _pipeline

@@ -11,7 +11,7 @@ gives the quantizer the parts: it sums them, writes the sum (the residual stream
 next residual GEMV reads as its bias) and quantizes it, in the launch it had anyway. No
 launch is added and none waits on a reduction.
 
-Where it runs: last of the import-time fusions (frontend.fusion_passes), on targets whose
+Where it runs: last of the import-time fusions (pipeline.fusions), on targets whose
 kernel rule sizes decode for a thread count (targets.Kernels.decode_threads).
 """
 

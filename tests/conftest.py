@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from qwc import progress
+from qwc.compiler.schedule import STRICT_ENV
 from qwc.config import sidecar_paths
 from qwc.models.export import export_onnx
 from qwc.models.presets import load_preset
@@ -34,6 +36,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def _quiet():
     progress.set_quiet(True)
+
+
+# Every kernel a test compiles (here or in a `qwc` it runs) is scheduled: one left to TVM's
+# serial scalar loops fails the build rather than warn (compiler/schedule.py).
+os.environ[STRICT_ENV] = "error"
 
 
 @pytest.fixture(scope="session")
@@ -185,7 +192,6 @@ LLAMACPP_VERSION = "0.3.36"   # bench/llamacpp.sh's
 def llamacpp_scripts():
     """llama.cpp's own `convert_*.py` and its gguf-py, unpacked once from the sdist (a cache
     outside the repo, as bench/llamacpp.sh keeps its builds): the reference for GGUF adapters."""
-    import os
     import subprocess
     import sys
     import tarfile

@@ -12,7 +12,8 @@ import pytest
 import tvm
 from tvm import relax
 
-from qwc.compiler.frontend import ImportContext, fusion_passes, import_graph
+from qwc.compiler.frontend import ImportContext, import_graph
+from qwc.compiler.pipeline import fusions
 from qwc.compiler.repack import repack_weights
 from qwc.compiler.targets import get_target
 
@@ -99,7 +100,7 @@ def test_without_the_passes_the_converters_emit_each_op_alone(graph):
             ctx.rotary_kernels[e.args[0].name_hint] = int(e.args[1].fields[0].ty.shape[2]) // 32
 
     relax.analysis.post_order_visit(mod["main"], record)
-    fused = _kernels(fusion_passes(ctx)(mod))
+    fused = _kernels(fusions(ctx)(mod))
     assert _has(fused, r"decode_attention_3pass_q8") == 2 and _has(fused, r".*silu_mul_q8.*") == 2
 
 
