@@ -36,7 +36,10 @@ from .server import ApiError, _sse
 # Serve's controller gives a new HTTP proxy 5 s to answer its first ready check, counted from the
 # check and so including the proxy's process start. On a busy node that start alone can take
 # longer; the controller then kills the proxy and serve.start fails. Its own variable lets the
-# controller wait as long as serve.start itself does (60 s).
+# controller wait as long as serve.start itself does (60 s). Ray's processes read it from the
+# environment they start in: a Ray that qwc starts inherits it; a cluster given by --ray needs
+# it set where its nodes start (a runtime_env would give the controller, and every actor it
+# starts, workers of their own, each slower to start than Ray's pre-started ones).
 PROXY_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
 
 APP = "qwc"
@@ -265,6 +268,8 @@ def serve_replicas(args: argparse.Namespace) -> None:
         if started:
             # Ray runs its workers at nice 15 by default; here they are the server's engines
             os.environ.setdefault("RAY_worker_niceness", "0")
+            for k, v in PROXY_START_ENV.items():
+                os.environ.setdefault(k, v)
             ray.init(num_cpus=max(cores, threads * args.replicas), include_dashboard=False,
                      log_to_driver=False, configure_logging=False)
         else:
@@ -272,8 +277,7 @@ def serve_replicas(args: argparse.Namespace) -> None:
     except Exception as e:
         raise QwcError(f"cannot start or reach Ray ({str(e).splitlines()[0][:200]})") from None
     try:
-        serve.start(http_options={"host": args.host, "port": port}, logging_config={"log_level": "WARNING"},
-                    controller_options={"runtime_env": {"env_vars": PROXY_START_ENV}})
+        serve.start(http_options={"host": args.host, "port": port}, logging_config={"log_level": "WARNING"})
         engine = serve.deployment(EngineReplica, name="engine").options(
             num_replicas=args.replicas, max_ongoing_requests=args.max_batch + args.max_queue,
             ray_actor_options={"num_cpus": threads},

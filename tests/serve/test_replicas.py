@@ -19,7 +19,7 @@ from replicas import SYSTEMS, requests_across_a_kill  # bench/replicas.py (pypro
 from qwc.compiler.compile import compile_file
 from qwc.errors import QwcError
 from qwc.runtime.affinity import IMBALANCE, Homes, merge_metrics, prefix_key, rank
-from qwc.runtime.replicas import REPLICA_HEADER, cpu_sets
+from qwc.runtime.replicas import PROXY_START_ENV, REPLICA_HEADER, cpu_sets
 
 CTX = 2048
 
@@ -116,6 +116,8 @@ def cluster():
     # stays on 127.0.0.1.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        for k, v in PROXY_START_ENV.items():   # as `qwc serve --replicas` sets it for a Ray it starts
+            mp.setenv(k, v)
         from ray.cluster_utils import Cluster
 
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
