@@ -492,7 +492,8 @@ class _Reply:
                     yield _sse(ApiError(500, value, kind="server_error").body())
                     break
                 if value != "cancelled" and calls:
-                    for chunk, value in self._tool_calls(calls[i], i, value):
+                    chunks, value = self._tool_calls(calls[i], i, value)
+                    for chunk in chunks:
                         yield _sse(chunk)
                 if value != "cancelled":
                     yield _sse(shape.chunk({} if chat else "", value, lps[i], i))
@@ -509,15 +510,16 @@ class _Reply:
                 self.cancel()
                 self.metrics.request_done("cancelled", 499, reqs)
 
-    def _tool_calls(self, calls: CallStream, i: int, finish: str):
-        """At reply i's end: (chunk, finish reason) for the text its tool-call parser held back
-        and for the calls it found (whose reply then finishes with "tool_calls")."""
+    def _tool_calls(self, calls: CallStream, i: int, finish: str) -> tuple[list[dict], str]:
+        """At reply i's end: the chunks of the text its tool-call parser held back and of the
+        calls it found, and the reply's finish reason ("tool_calls" where it found any)."""
         rest, made = calls.finish()
-        if rest:
-            yield self.shape.chunk({"content": rest}, None, index=i), finish
+        chunks = [self.shape.chunk({"content": rest}, None, index=i)] if rest else []
         if made:
-            yield (self.shape.chunk({"tool_calls": [dict(c, index=k) for k, c in enumerate(made)]}, None, index=i),
-                   "tool_calls")
+            chunks.append(self.shape.chunk({"tool_calls": [dict(c, index=k) for k, c in enumerate(made)]},
+                                           None, index=i))
+            finish = "tool_calls"
+        return chunks, finish
 
     async def whole(self) -> tuple[int, dict]:
         """The HTTP status and body of the replies, once all have ended."""
