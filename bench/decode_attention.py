@@ -1,4 +1,4 @@
-"""The decode attention kernel alone at depth (kernels/attention.py: decode_attention), in
+"""The decode attention kernel alone at depth (kernels/decode_attention.py), in
 variants side by side, on this machine: the Qwen2.5-0.5B shape (14 heads, 2 kv heads, head
 dim 64), 24 layers' caches (so the cache is read from DRAM, as a decode step reads it):
 
@@ -60,13 +60,13 @@ def kernels(dtype: str):
     """{name: compiled kernel}."""
     import tvm
 
-    from qwc.compiler.kernels import attention, w4a8
+    from qwc.compiler.kernels import decode_attention, w4a8
     from qwc.compiler.targets import get_target
 
     target = get_target("host").tvm_target()
     out = {}
     for name, (regs, split) in variants().items():
-        f = attention.decode_attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, "int64", w4a8.ZERO_POINT,
+        f = decode_attention.decode_attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, "int64", w4a8.ZERO_POINT,
                                        "plain", None, dtype, regs, split)
         out[name] = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=target)
     return out

@@ -69,8 +69,8 @@ def main() -> None:
             fn(xt, packed[0], y)
             np.testing.assert_allclose(y.numpy(), x @ plain[0], rtol=1e-3, atol=1e-3 * np.abs(x @ plain[0]).max())
             tx = torch.from_numpy(x)
-            ours = best(lambda w: fn(xt, w, y), packed)
-            theirs = best(lambda w: tx @ w, tw)
+            ours = best(lambda w, fn=fn, xt=xt, y=y: fn(xt, w, y), packed)
+            theirs = best(lambda w, tx=tx: tx @ w, tw)
             gb = 4 * n * k / 1e9
             print(f"| {name} ({n} x {k}) | {m} | {ours * 1e6:.1f} ({gb / ours:.1f}) | {theirs * 1e6:.1f} "
                   f"({gb / theirs:.1f}) | {ours / theirs:.2f}x |", flush=True)

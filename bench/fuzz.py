@@ -1004,7 +1004,7 @@ def _flag_expectation(flag: str, value: str) -> tuple[str, ...]:
         return ("error",)
     import math
 
-    from qwc.limits import max_threads
+    from qwc.cpu import max_threads
     ok = {"--temperature": lambda: math.isfinite(v) and 0 <= v <= 1e4,
           "--top-p": lambda: math.isfinite(v) and 0 < v <= 1,
           "--repetition-penalty": lambda: math.isfinite(v) and 0 < v <= 1e4,

@@ -124,7 +124,7 @@ def qwc_stream(n: int, k: int, total: float = 290e6, rounds: int = 4) -> float |
     if q4_0_path(32, 4, 8, target.features) != "x86":
         return None
     nb = (k + 31) // 32
-    gemv = decode_gemv(((n, False),), nb, dot=kernels_for(target.features).w4a8.decode)
+    gemv = decode_gemv(((n, False),), nb, dot=kernels_for(target.features).int_dots.decode)
     f = tvm.compile(tvm.IRModule({"main": gemv.with_attr("global_symbol", "main")}),
                     target=target.tvm_target())["main"]
     rng = np.random.default_rng(2)
@@ -220,7 +220,7 @@ def read_bandwidth(reps: int = 3) -> float:
             (_prefetching_reader(*r), (ROWS, 16)) for r in READERS]:
         lib = tvm.compile(f, target=target)
         y = tvm.runtime.tensor(np.zeros(out, np.int32))
-        dt = min(time_call(lambda: lib(x, y), 1.0) for _ in range(reps))
+        dt = min(time_call(lambda lib=lib, y=y: lib(x, y), 1.0) for _ in range(reps))
         best = max(best, ROWS * COLS * 4 / dt / 1e9)
     return best
 

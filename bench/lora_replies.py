@@ -105,7 +105,7 @@ def main() -> None:
 
     gguf, w = str(smollm2_path()), a.work
     ads = {k: w / f"{k}-prideprejudice-r16-s200-lr0.0004" for k in ("lora", "qalora")}
-    for k, d in ads.items():
+    for d in ads.values():
         if not d.is_dir():
             sys.exit(f"lora replies: {d} is missing: run bench/lora.py first (it trains both adapters)")
 

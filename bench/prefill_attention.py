@@ -1,4 +1,4 @@
-"""The prefill attention kernel alone (kernels/attention.py: attention), one query at a time
+"""The prefill attention kernel alone (kernels/prefill_attention.py: attention), one query at a time
 against the host's query groups, on the Qwen2.5-0.5B shape (14 heads, 2 kv heads, head dim 64):
 
     .venv/bin/python bench/prefill_attention.py [--chunk 512] [--depths 0,3584,15872]
@@ -40,15 +40,15 @@ def caches(dtype: str, n: int, rng):
     """K (key tiles) and V caches holding n random tokens, through the kernels' own writers."""
     import tvm
 
-    from qwc.compiler.kernels import attention
+    from qwc.compiler.kernels import kv_cache
     from qwc.compiler.targets import get_target
 
     target = get_target("host").tvm_target()
     cap = -(-n // 16) * 16
-    shape = (1, KV_HEADS, cap, attention.cache_width(dtype, HEAD_DIM))
-    kc, vc = (tvm.runtime.tensor(np.zeros(shape, attention.cache_element(dtype))) for _ in range(2))
+    shape = (1, KV_HEADS, cap, kv_cache.cache_width(dtype, HEAD_DIM))
+    kc, vc = (tvm.runtime.tensor(np.zeros(shape, kv_cache.cache_element(dtype))) for _ in range(2))
     for cache, tiles in ((kc, True), (vc, False)):
-        f = attention.kv_cache_write(tiles, dtype=dtype, head_dim=HEAD_DIM)
+        f = kv_cache.kv_cache_write(tiles, dtype=dtype, head_dim=HEAD_DIM)
         write = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=target)
         x = rng.standard_normal((1, n, KV_HEADS * HEAD_DIM), dtype=np.float32)
         write(cache, tvm.runtime.tensor(x), tvm.runtime.tensor(np.array([n - 1], np.int32)))
@@ -59,13 +59,13 @@ def measure(depth: int, chunk: int, dtype: str, rounds: int) -> list[tuple[str, 
     """[(variant, best ms, max |difference| from the first variant's output)]."""
     import tvm
 
-    from qwc.compiler.kernels import attention
+    from qwc.compiler.kernels import prefill_attention
     from qwc.compiler.targets import get_target
 
     target = get_target("host").tvm_target()
     fns = {}
     for name, regs in variants().items():
-        f = attention.attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, kv_dtype=dtype, registers=regs)
+        f = prefill_attention.attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, kv_dtype=dtype, registers=regs)
         fns[name] = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=target)
     rng = np.random.default_rng(0)
     kc, vc = caches(dtype, depth + chunk, rng)

@@ -114,7 +114,7 @@ def main():
     from qwc.compiler.targets import get_target, kernels_for
 
     target = get_target("host")
-    w4a8 = kernels_for(target.features).w4a8
+    w4a8 = kernels_for(target.features).int_dots
     if w4a8 is None or w4a8.isa != "x86":
         raise SystemExit("bench/prefill_gemm.py: the host has no x86 W4A8 kernels (AVX2 or AVX-512 VNNI)")
     dot = w4a8.prefill

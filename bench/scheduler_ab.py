@@ -49,7 +49,7 @@ def one_round(mod, eng, prompts: list[list[int]], max_tokens: int) -> tuple[floa
 
     sched = mod.Scheduler(eng, max_running=len(prompts), min_reuse=None)
     done = [threading.Event() for _ in prompts]
-    reqs = [mod.Request(p, max_tokens, SamplingParams(), (lambda d: lambda kind, _: kind == "done" and d.set())(d),
+    reqs = [mod.Request(p, max_tokens, SamplingParams(), lambda kind, _, d=d: kind == "done" and d.set(),
                         ignore_eos=True) for p, d in zip(prompts, done)]
     sched.start()
     t0 = time.perf_counter()

@@ -53,6 +53,7 @@ with these costs, not a measurement of any pair's acceptance.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -293,8 +294,8 @@ def oracle(args, engine: Engine, qs: list[float]) -> None:
             for i, (prompt, ref) in enumerate(zip(prompts_, refs)):
                 drng = np.random.default_rng(100 * r + i)
                 for mode in (["off", "on"] if r % 2 == 0 else ["on", "off"]):
-                    factory = (None if mode == "off" else
-                               lambda: OracleDrafter(small, sseq, ref, len(prompt), q, drng, args.draft_max))
+                    factory = None if mode == "off" else functools.partial(
+                        OracleDrafter, small, sseq, ref, len(prompt), q, drng, args.draft_max)
                     gen, took, d, a = run(engine, prompt, args.max_tokens, factory)
                     if gen != ref:
                         raise SystemExit(f"speculate: the reply with drafts (q={q}) is not the greedy one")

@@ -24,13 +24,13 @@ from qwc.atomic import replace_dir, staging_dir, temp_files_in
 from qwc.checksum import sha256
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
-from qwc.manifest import ALIGN, FORMAT_VERSION, Manifest
+from qwc.manifest import ALIGN, ArtifactTarget, Functions, Manifest, Param, Quantization
 from qwc.passes.graph import tensor_array
 
 LIB_SPACE = 64 << 20   # lib.so and its object files: ~1-6 MiB for the presets
 
 
-def write_params(path: Path, names: list[str], values: dict) -> list[dict]:
+def write_params(path: Path, names: list[str], values: dict) -> list[Param]:
     index, offset = [], 0
     with open(path, "wb") as f:
         for name in names:
@@ -42,14 +42,13 @@ def write_params(path: Path, names: list[str], values: dict) -> list[dict]:
             f.write(b"\0" * pad)
             offset += pad
             f.write(a.tobytes())
-            index.append({"name": name, "dtype": str(a.dtype), "shape": list(a.shape), "offset": offset,
-                          "nbytes": a.nbytes})
+            index.append(Param(name, str(a.dtype), tuple(a.shape), offset, a.nbytes))
             offset += a.nbytes
     return index
 
 
 def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_names, params,
-                   tokenizer: Path | None, signature: dict, quant: dict) -> None:
+                   tokenizer: Path | None, functions: Functions, quantization: Quantization) -> None:
     out = Path(out)
     with staging_dir(out, folder=True, foreign=foreign_files) as tmp:
         art = tmp / out.name
@@ -72,20 +71,15 @@ def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_
         if tokenizer is not None:
             shutil.copyfile(tokenizer, art / "tokenizer.json")
             files.append("tokenizer.json")
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "qwc_version": __version__,
-            "target": {"name": target.name, "arch": target.arch, "triple": target.triple, "mcpu": target.mcpu,
-                       "mattr": list(target.mattr), "features": sorted(target.features)},
-            "model": json.loads(config.to_json()),
-            "quantization": quant,
-            "functions": signature,
-            "params": index,
-            "files": {f: sha256(art / f) for f in files},
-        }
-        # through the reader's schema: what is written is what the runtime will accept
-        manifest = Manifest.from_dict(manifest, where=f"the manifest qwc wrote for {out}")
-        (art / "manifest.json").write_text(json.dumps(manifest.to_dict(), indent=1) + "\n")
+        manifest = Manifest(ArtifactTarget(target.name, target.arch, target.triple, target.mcpu,
+                                           tuple(sorted(target.features)), tuple(target.mattr)),
+                            config, functions, tuple(index), {f: sha256(art / f) for f in files}, quantization,
+                            __version__)
+        # through the reader's checks: what is written is what the runtime will accept
+        written = manifest.to_dict()
+        if Manifest.from_dict(written, where=f"the manifest qwc wrote for {out}") != manifest:
+            raise AssertionError(f"the manifest for {out} does not read back as written")
+        (art / "manifest.json").write_text(json.dumps(written, indent=1) + "\n")
         replace_dir(art, out, foreign_files)
 
 

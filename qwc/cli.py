@@ -12,8 +12,10 @@ import time
 
 from . import __version__, interrupts, memory_check, progress
 from .atomic import check_destination
+from .cpu import max_threads
 from .errors import QwcError
-from .limits import DRAFT_MAX, KV_TYPES, MAX_BATCH, MAX_LORA_RANK, max_threads
+from .kv_formats import KV_TYPES
+from .limits import DRAFT_MAX, MAX_BATCH, MAX_LORA_RANK
 
 # -- option types: a bad value is one line `qwc: error: argument --x: ...`, exit 2 ----------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -84,3 +85,13 @@ def features() -> frozenset[str] | None:
 
 def has(feature: str) -> bool:
     return feature in (features() or ())
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def max_threads() -> int:
+    """The most worker threads qwc starts. TVM's pool spins while it waits, so every thread past
+    the cores slows a step down (16 threads on 2 cores: 9x slower; 256 never finish)."""
+    return max(8, 4 * usable_cpus())

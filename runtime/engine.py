@@ -17,8 +17,10 @@ import numpy as np
 
 from qwc import cpu
 from qwc.checksum import sha256
+from qwc.cpu import max_threads
 from qwc.errors import QwcError
-from qwc.limits import KV_TYPES, cache_row, is_int, max_threads
+from qwc.kv_formats import KV_TYPES, cache_row
+from qwc.limits import is_int
 from qwc.manifest import Manifest, check_library, read_manifest
 from qwc.vocab import mismatch, token_span
 

@@ -22,7 +22,7 @@ speed, not output (to rounding, where decode steps wrote them). Each request's t
 only on its own prompt, cache and sampler, not on what else runs beside it: a token decoded
 alone (decode), in a batched step (decode_batch), beside a prompt chunk (step) or in a verify
 call gets the same logits to the bit (on x86: each runs the decode step's attention,
-kernels/attention.py: decode_attention), and a prompt's chunks never leave a lone token
+kernels/decode_attention.py), and a prompt's chunks never leave a lone token
 (prefill_chunks.next_chunk), so its logits do not depend on where they fall.
 
 Callers get events through `Request.emit` (called on the scheduler's thread):

@@ -20,6 +20,7 @@ grammar and temperature, as OpenAI and vLLM report them): chat's `logprobs` / `t
 
 
 import asyncio
+import functools
 import json
 import math
 import secrets
@@ -358,7 +359,7 @@ class Api:
         done: list[Request] = []
         try:
             for i, req in enumerate(reqs):
-                req.emit = (lambda i: lambda kind, value: emit(i, kind, value))(i)
+                req.emit = functools.partial(emit, i)
                 done.append(self.scheduler.submit(req))
         except (QueueFull, QwcError) as e:
             for r in done:

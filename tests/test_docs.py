@@ -63,9 +63,10 @@ def test_every_cited_path_and_name_exists():
 
 def test_a_planted_stale_path_is_found(tmp_path):
     doc = tmp_path / "planted.md"
-    doc.write_text("See `compiler/kernels/attention_old.py` and `attention.widen_part`, "
-                   "beside `compiler/kernels/attention.py` and `attention.widen_span`.\n")
-    assert stale_citations([doc]) == ["planted.md: compiler/kernels/attention_old.py", "planted.md: attention.widen_part"]
+    doc.write_text("See `compiler/kernels/attention_old.py` and `prefill_attention.widen_part`, "
+                   "beside `compiler/kernels/prefill_attention.py` and `prefill_attention.widen_span`.\n")
+    assert stale_citations([doc]) == ["planted.md: compiler/kernels/attention_old.py",
+                                      "planted.md: prefill_attention.widen_part"]
 
 
 def test_readme_status_cells_are_short():

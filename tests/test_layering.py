@@ -89,3 +89,15 @@ def test_the_stages_import_only_earlier_ones():
     wrong = sorted((m, d) for m, deps in graph.items() for stage, banned in later.items()
                    if m.startswith(stage + ".") for d in deps if d.startswith(banned))
     assert wrong == []
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists the packages one by one (the stage folders install under qwc.): a
+    new folder of modules (an ISA's kernels, say) must be listed there, or an installed qwc
+    lacks it while the tests, run from the checkout, still pass."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    folders = {".".join([pkg, *f.parent.relative_to(ROOT / d).parts])
+               for pkg, d in tool["package-dir"].items() for f in (ROOT / d).rglob("*.py")
+               if not (pkg == "qwc" and f.parent != ROOT / d)}
+    assert folders - listed == set()

@@ -25,35 +25,43 @@ def hand_scheduled(func):
     return func.with_attr(SCHEDULED, True)
 
 
-def kernel_module(impl: str):
-    """The ISA module that builds the W4A8 kernel `impl` ("vnni", "avx2", "sdot", "smmla"):
-    compiler/targets.py's KERNEL_MODULES names it; its interface is kernels/w4a8.py's."""
+def kernel_module(dot: str):
+    """The ISA module that builds the W4A8 kernel `dot` ("vnni", "avx2", "sdot", "smmla"):
+    compiler/targets.py's KERNEL_MODULES names it; it must have kernels/w4a8.py's KernelModule
+    interface."""
     import importlib
 
     from ..targets import KERNEL_MODULES
+    from .w4a8 import KernelModule
 
-    if impl not in KERNEL_MODULES:
-        raise ValueError(f"unknown W4A8 kernel {impl!r} (known: {', '.join(KERNEL_MODULES)})")
-    return importlib.import_module(f"{__name__}.{KERNEL_MODULES[impl]}")
+    if dot not in KERNEL_MODULES:
+        raise ValueError(f"unknown W4A8 kernel {dot!r} (known: {', '.join(KERNEL_MODULES)})")
+    mod = importlib.import_module(f"{__name__}.{KERNEL_MODULES[dot]}")
+    if not isinstance(mod, KernelModule):
+        missing = [m for m in ("DEFAULT_TOKENS", "DECODE_EPILOGUES", "PREFILL_BIAS", "prefill_gemm", "decode_gemv")
+                   if not hasattr(mod, m)]
+        raise TypeError(f"{mod.__name__} (W4A8 kernel {dot!r}) lacks {', '.join(missing)} of kernels/w4a8.py's "
+                        f"KernelModule")
+    return mod
 
 
-def w4a8_gemm(impl: str, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
+def w4a8_gemm(dot: str, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
               batched_decode: bool = False, offsets: bool = False, bias: bool = False):
-    """The W4A8 prefill GEMM `impl` for N rows, nb blocks of K; `tokens`: its tile width (None:
+    """The W4A8 prefill GEMM `dot` for N rows, nb blocks of K; `tokens`: its tile width (None:
     the module's DEFAULT_TOKENS); `m`: a fixed token count; `batched_decode`: the form for one
     token of each of B sequences, where it has one (vnni, avx2); `offsets`: with Q4_1's block
     offsets (an argument after the scales); `bias`: adding a bias [N] (the argument after
-    those) as it stores, where `prefill_bias(impl)`."""
+    those) as it stores, where `prefill_bias(dot)`."""
     extra = {"bias": True} if bias else {}
-    if bias and not prefill_bias(impl):
-        raise ValueError(f"the {impl} prefill GEMM adds no bias")
-    return kernel_module(impl).prefill_gemm(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode,
-                                            dot=impl, offsets=offsets, **extra)
+    if bias and not prefill_bias(dot):
+        raise ValueError(f"the {dot} prefill GEMM adds no bias")
+    return kernel_module(dot).prefill_gemm(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode,
+                                            dot=dot, offsets=offsets, **extra)
 
 
-def prefill_bias(impl: str) -> bool:
-    """Whether the prefill GEMM of `impl` can add a bias as it stores (its PREFILL_BIAS)."""
-    return getattr(kernel_module(impl), "PREFILL_BIAS", False)
+def prefill_bias(dot: str) -> bool:
+    """Whether the prefill GEMM of `dot` can add a bias as it stores (its PREFILL_BIAS)."""
+    return kernel_module(dot).PREFILL_BIAS
 
 
 def gemv_dot(func) -> str:

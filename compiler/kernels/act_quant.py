@@ -17,21 +17,13 @@ import functools
 from tvm import tirx
 
 from . import vector_math
+from .arm import PARALLEL_BLOCKS, RMS_TASKS
+from .x86 import ROW_GROUP, SILU_STAGE
 
 BLOCK = 32
 HALF = BLOCK // 2
 LANES = 16   # fp32 lanes of the squares (rms_eps)
 LAYOUTS = ("plain", "arm", "arm_pairs")   # see fused_quantizer
-PARALLEL_BLOCKS = 64   # fused_quantizer: one row's blocks run in parallel from this many on (ARM)
-RMS_TASKS = 4          # fused_quantizer: the tasks of one row's RMSNorm quantizer (ARM)
-ROW_GROUP = 4          # fused_quantizer: rows a task of a many-row RMSNorm quantizer (x86)
-# The x86 silu(gate) * up quantizer computes SILU_STAGE blocks' inputs (1 KiB, on the stack)
-# before it quantizes them. Each block's chain (exp, divide, then the block's max, scale and
-# rounding) is ~100 instructions long end to end, and one block after another the core's
-# scheduler held little more than one; staged, it overlaps several, with the same bits
-# (docs/results/serving.md, "Latency chains on x86"). ARM keeps a block at a time (unmeasured
-# there).
-SILU_STAGE = 8
 # The attribute that marks fused_quantizer's kernels, with what built them ("kind": "plain",
 # "silu_mul" or "rms"; "layout"; "zero_point"; "eps" of an RMSNorm), for the import-time fusion passes
 QUANTIZER = "qwc.act_quantizer"

@@ -126,7 +126,7 @@ def rotary(x, pos, cos, sin, *, heads: int):
 def attention(q, kc, vc, seqlens, *, heads: int, kv_heads: int, head_dim: int, scale: float):
     """Causal attention of q [1, s, heads*head_dim] over the cache buffers [1, kv_heads, C,
     head_dim]. Query i sits at position past + i, past = seqlens[0] + 1 - s; it sees cache
-    slots 0 .. past + i. The caches may be float16 (kernels/attention.py: KV_DTYPES)."""
+    slots 0 .. past + i. The caches may be float16 (kernels/kv_cache.py: KV_DTYPES)."""
     s = q.shape[1]
     cap = kc.shape[2]
     group = heads // kv_heads

@@ -13,15 +13,14 @@ arm/i8mm.py) holds only its dot product and its tiling.
 - the store of a vector of rows with the ragged last row group (N not a multiple of 16) row
   by row;
 
-Each ISA module (x86/vnni.py, arm/dotprod.py, arm/i8mm.py) exports the same interface, which
-kernels/__init__.py calls by the name compiler/targets.py's KERNEL_MODULES gives it:
-`prefill_gemm`, `decode_gemv` where it has a decode form (its outputs as (N, with bias, with
-block offsets), which kernels.decode_gemv completes), `DEFAULT_TOKENS` (the hand tile width per
-dot), `DECODE_EPILOGUES` (what its decode GEMV can add as it stores) and `PREFILL_BIAS`
-(whether its prefill GEMM can add a bias as it stores: `prefill_gemm(..., bias=True)`).
+Each ISA module (x86/vnni.py, arm/dotprod.py, arm/i8mm.py) exports the same interface,
+`KernelModule`, which kernels/__init__.py checks as it loads the module by the name
+compiler/targets.py's KERNEL_MODULES gives it.
 """
 
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -29,6 +28,24 @@ from tvm.script import tirx as T
 from .row_groups import ROWS, groups
 
 ZERO_POINT = -8
+
+
+@runtime_checkable
+class KernelModule(Protocol):
+    """The interface of an ISA's W4A8 module."""
+
+    DEFAULT_TOKENS: dict[str, int]     # the hand-scheduled GEMM's tile width, per kernel name it builds
+    DECODE_EPILOGUES: frozenset[str]   # what its decode GEMV adds as it stores (kernels.decode_epilogues)
+    PREFILL_BIAS: bool                 # whether prefill_gemm(..., bias=True) adds a bias as it stores
+
+    def prefill_gemm(self, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
+                     batched_decode: bool = False, dot: str = "", offsets: bool = False, **epilogue):
+        """The prefill GEMM for N rows and nb blocks of K (this module's signature above)."""
+
+    def decode_gemv(self, outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str = "float16",
+                    silu_mul: bool = False, quantize: int | None = None, dot: str = "", **epilogue):
+        """The multi-output decode GEMV (outputs: (N, with bias, with block offsets)); a
+        prefill-only module raises ValueError."""
 
 
 def token_count(m: int | None):

@@ -83,8 +83,8 @@ def main(argv=None) -> int:
     rows = []
     for i, t in enumerate(threads):
         row = {"threads": t}
-        runs = [("qwc", lambda: qwc_rates(qwc, a.model, t, a.p, a.n, a.r)),
-                ("llama.cpp", lambda: llama_rates(bench, a.gguf, t, a.p, a.n, a.r))]
+        runs = [("qwc", lambda t=t: qwc_rates(qwc, a.model, t, a.p, a.n, a.r)),
+                ("llama.cpp", lambda t=t: llama_rates(bench, a.gguf, t, a.p, a.n, a.r))]
         for name, run in runs if i % 2 == 0 else runs[::-1]:   # alternate who goes first
             row[name] = run()
             print(f"board_bench: T={t} {name}: " + ", ".join(f"{k} {v:,.2f} tok/s" for k, v in row[name].items()),

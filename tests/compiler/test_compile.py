@@ -176,7 +176,7 @@ def test_vnni_library_from_any_x86_host(tiny_q4, tmp_path, capsys):
     assert "decode_attention_3pass" in syms and "decode_attention_online" not in syms
     assert "prefill_attention_online" in syms
     # ...which rotates q and k, writes the cache and quantizes its output for the o projection
-    # itself (kernels/attention.py: decode_attention): decode has no rotary or cache writer
+    # itself (kernels/decode_attention.py): decode has no rotary or cache writer
     assert "decode_attention_3pass_q8" in syms
     assert not re.search(r"decode_(rotary|k_cache_write|kv_cache_write)", syms) and "prefill_rotary" in syms
     # ...and the residual reaches the o and down GEMVs through one reshape (a view), not two

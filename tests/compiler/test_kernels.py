@@ -464,10 +464,10 @@ def _filled_caches(k, v, chunks, kvh, hd, cap, dtype="float32"):
     NaN (q8_0: bytes 0x7e, codes of 126 with float16 NaN scales)."""
     import tvm
 
-    from qwc.compiler.kernels import attention
+    from qwc.compiler.kernels import kv_cache
 
-    write_k, write_v = (_host_kernel(attention.kv_cache_write(tiles, dtype=dtype, head_dim=hd)) for tiles in (True, False))
-    shape, element = (1, kvh, cap, attention.cache_width(dtype, hd)), attention.cache_element(dtype)
+    write_k, write_v = (_host_kernel(kv_cache.kv_cache_write(tiles, dtype=dtype, head_dim=hd)) for tiles in (True, False))
+    shape, element = (1, kvh, cap, kv_cache.cache_width(dtype, hd)), kv_cache.cache_element(dtype)
     fill = 0x7E if dtype == "q8_0" else np.nan
     kc, vc = (tvm.runtime.tensor(np.full(shape, fill, element)) for _ in range(2))
     for lo, hi in chunks:
@@ -492,7 +492,7 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s, dtype, re
     a span below all of a group's keys taken by the group, the others one by one)."""
     import tvm
 
-    from qwc.compiler.kernels import attention
+    from qwc.compiler.kernels import prefill_attention
 
     heads, kvh, hd, cap = 14, 2, 64, max(64, -(-(past + s) // 16) * 16)
     rng = np.random.default_rng(past * 31 + s)
@@ -500,7 +500,7 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s, dtype, re
     q = rng.standard_normal((1, s, heads * hd), dtype=np.float32)
     kc, vc = _filled_caches(k, v, ((0, past), (past, past + s)), kvh, hd, cap, dtype)  # the history, then the chunk
     out = tvm.runtime.tensor(np.zeros_like(q))
-    _host_kernel(attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype, registers=registers))(
+    _host_kernel(prefill_attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype, registers=registers))(
         tvm.runtime.tensor(q), kc, vc, tvm.runtime.tensor(np.array([past + s - 1], np.int32)), out)
     k, v = (_cache_holds(x.reshape(-1, hd), dtype).reshape(x.shape) for x in (k, v))
     np.testing.assert_allclose(out.numpy(), _attention_reference(q, k, v, past, s, heads, kvh, hd, 0.125),
@@ -515,13 +515,13 @@ def test_attention_bits_do_not_depend_on_the_chunking(dtype, registers):
     of 3, or one by one): 150 tokens in one chunk, and after histories of 1, 5, 17, 64 and 70."""
     import tvm
 
-    from qwc.compiler.kernels import attention
+    from qwc.compiler.kernels import prefill_attention
 
     heads, kvh, hd, n = 14, 2, 64, 150
     rng = np.random.default_rng(11)
     k, v = (rng.standard_normal((n, kvh * hd), dtype=np.float32) for _ in range(2))
     q = rng.standard_normal((1, n, heads * hd), dtype=np.float32)
-    kernel = _host_kernel(attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype, registers=registers))
+    kernel = _host_kernel(prefill_attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype, registers=registers))
     outs = {}
     for past in (0, 1, 5, 17, 64, 70):
         kc, vc = _filled_caches(k, v, ((0, past), (past, n)), kvh, hd, 160, dtype)
@@ -543,14 +543,14 @@ def test_attention_bits_do_not_depend_on_the_chunking(dtype, registers):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
 @pytest.mark.parametrize("registers", [(16, 32), (32, 64)])
 def test_ragged_attention_attends_each_segment_to_its_own_row(segments, dtype, registers):
-    """A mixed step's attention (kernels/attention.py, `ragged`): the tokens of several
+    """A mixed step's attention (kernels/prefill_attention.py, `ragged`): the tokens of several
     segments in one buffer, each written by ragged_kv_cache_write into its own cache row after
     that row's history (written by the one-sequence writer), and attending to that row's
     cache as a prefill chunk does; against numpy's causal attention a row at a time, and
     with the row not in any segment untouched (NaN stays NaN)."""
     import tvm
 
-    from qwc.compiler.kernels import attention
+    from qwc.compiler.kernels import kv_cache, prefill_attention
 
     heads, kvh, hd, cap, rows = 14, 2, 64, 1024, 4
     rng = np.random.default_rng(len(segments) * 7 + segments[0][1])
@@ -570,9 +570,9 @@ def test_ragged_attention_attends_each_segment_to_its_own_row(segments, dtype, r
     q = rng.standard_normal((1, total, heads * hd), dtype=np.float32)
     seg_t, pos_t = tvm.runtime.tensor(seg), tvm.runtime.tensor(pos)
     for tiles, c, new in ((True, kc, new_k), (False, vc, new_v)):
-        _host_kernel(attention.ragged_kv_cache_write(tiles, dtype, hd))(c, tvm.runtime.tensor(new.copy()), seg_t, pos_t)
+        _host_kernel(kv_cache.ragged_kv_cache_write(tiles, dtype, hd))(c, tvm.runtime.tensor(new.copy()), seg_t, pos_t)
     out = tvm.runtime.tensor(np.zeros_like(q))
-    _host_kernel(attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype, registers=registers, ragged=True))(
+    _host_kernel(prefill_attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype, registers=registers, ragged=True))(
         tvm.runtime.tensor(q), kc, vc, seg_t, pos_t, out)
     got = out.numpy()
     for (r, past, s), (_, first, _) in zip(segments, seg):
@@ -640,7 +640,7 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
     the keys whole, or split in spans of 512 or 64 keys (a task each, then merged)."""
     import tvm
 
-    from qwc.compiler.kernels import act_quant, attention
+    from qwc.compiler.kernels import act_quant, decode_attention
 
     cap, scale = -(-(past + 1) // 16) * 16 + 16, 1 / np.sqrt(hd)
     pos = np.array([[past + 3]], np.int64)
@@ -655,7 +655,7 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
     nb = heads * hd // 32
     out, aq, ad, off = (tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in (
         (q.shape, np.float32), ((1, nb, 32), np.int8), ((1, nb), np.float32), ((1, nb), np.int32)))
-    kernel = _host_kernel(attention.decode_attention(heads, kvh, hd, float(scale), "int64", w4a8.ZERO_POINT,
+    kernel = _host_kernel(decode_attention.decode_attention(heads, kvh, hd, float(scale), "int64", w4a8.ZERO_POINT,
                                                      layout, per_task, dtype, registers, split))
     kernel(*(tvm.runtime.tensor(x) for x in (q, k[None, past:], v[None, past:])), kc, vc,
            tvm.runtime.tensor(np.array([past], np.int32)), *(tvm.runtime.tensor(x) for x in (pos, cos, sin)),
@@ -683,7 +683,7 @@ def test_decode_attention_over_queries_is_each_tokens_decode_step(heads, kvh, hd
     tokens straddle a span's end (1020 + 7) or are past several (1300)."""
     import tvm
 
-    from qwc.compiler.kernels import attention
+    from qwc.compiler.kernels import decode_attention
 
     cap, scale = -(-(past + t) // 16) * 16 + 16, float(1 / np.sqrt(hd))
     rng = np.random.default_rng(past * 7 + t)
@@ -692,9 +692,9 @@ def test_decode_attention_over_queries_is_each_tokens_decode_step(heads, kvh, hd
     pos = np.arange(past, past + t, dtype=np.int64)[None] + 3
     angles = np.arange(past + t + 8)[:, None] * 10000.0 ** (-np.arange(hd // 2) / (hd // 2))
     cos, sin = (tvm.runtime.tensor(f(angles).astype(np.float32)) for f in (np.cos, np.sin))
-    one = _host_kernel(attention.decode_attention(heads, kvh, hd, scale, "int64", None, "plain", per_task, dtype,
+    one = _host_kernel(decode_attention.decode_attention(heads, kvh, hd, scale, "int64", None, "plain", per_task, dtype,
                                                   (32, 64), split))
-    many = _host_kernel(attention.decode_attention(heads, kvh, hd, scale, "int64", None, "plain", per_task, dtype,
+    many = _host_kernel(decode_attention.decode_attention(heads, kvh, hd, scale, "int64", None, "plain", per_task, dtype,
                                                    (32, 64), split, queries=True))
     kc1, vc1 = _filled_caches(k, v, ((0, past),), kvh, hd, cap, dtype)
     outs = []
@@ -725,7 +725,7 @@ def test_decode_attention_over_rows_is_each_rows_decode_step(heads, kvh, hd, per
     several (split)."""
     import tvm
 
-    from qwc.compiler.kernels import attention
+    from qwc.compiler.kernels import decode_attention
 
     n, scale = len(pasts), float(1 / np.sqrt(hd))
     cap = -(-(max(pasts) + 1) // 16) * 16 + 16
@@ -736,7 +736,7 @@ def test_decode_attention_over_rows_is_each_rows_decode_step(heads, kvh, hd, per
     angles = np.arange(cap + 8)[:, None] * 10000.0 ** (-np.arange(hd // 2) / (hd // 2))
     cos, sin = (tvm.runtime.tensor(f(angles).astype(np.float32)) for f in (np.cos, np.sin))
     args = (heads, kvh, hd, scale, "int64", None, "plain", per_task, dtype, (32, 64), split)
-    one, many = _host_kernel(attention.decode_attention(*args)), _host_kernel(attention.decode_attention(*args, rows=True))
+    one, many = _host_kernel(decode_attention.decode_attention(*args)), _host_kernel(decode_attention.decode_attention(*args, rows=True))
     want_k, want_v, want_out = [], [], []
     for b, p in enumerate(pasts):
         kc, vc = _filled_caches(ks[b], vs[b], ((0, p),), kvh, hd, cap, dtype)
@@ -768,7 +768,7 @@ def test_decode_attention_over_segments_is_each_decode_tokens_step(heads, kvh, h
     decode step's, bit for bit (the step's online output for the chunk left as it was)."""
     import tvm
 
-    from qwc.compiler.kernels import attention, generic
+    from qwc.compiler.kernels import decode_attention, generic
 
     scale = float(1 / np.sqrt(hd))
     cap = -(-(max(pasts) + 4) // 16) * 16 + 16
@@ -776,7 +776,7 @@ def test_decode_attention_over_segments_is_each_decode_tokens_step(heads, kvh, h
     angles = np.arange(cap + 8)[:, None] * 10000.0 ** (-np.arange(hd // 2) / (hd // 2))
     cos, sin = (tvm.runtime.tensor(f(angles).astype(np.float32)) for f in (np.cos, np.sin))
     args = (heads, kvh, hd, scale, "int64", None, "plain", per_task, dtype, (32, 64), split)
-    one, seg = _host_kernel(attention.decode_attention(*args)), _host_kernel(attention.decode_attention(*args, segments=True))
+    one, seg = _host_kernel(decode_attention.decode_attention(*args)), _host_kernel(decode_attention.decode_attention(*args, segments=True))
     rotary = _host_kernel(generic.rotary_halves(heads * hd, heads, "int64"))
     positions = np.array([[pasts[0], pasts[1], pasts[1] + 1, pasts[1] + 2, pasts[2]]], np.int64)
     q = rng.standard_normal((1, 5, heads * hd), dtype=np.float32)
@@ -808,9 +808,9 @@ def test_decode_attention_over_segments_is_each_decode_tokens_step(heads, kvh, h
 def test_attention_rejects_a_cache_capacity_off_the_tile():
     import tvm
 
-    from qwc.compiler.kernels import attention
+    from qwc.compiler.kernels import prefill_attention
 
-    f = _host_kernel(attention.attention(2, 1, 16, 0.25))
+    f = _host_kernel(prefill_attention.attention(2, 1, 16, 0.25))
     args = [np.zeros((1, 1, 32), np.float32), np.zeros((1, 1, 20, 16), np.float32),
             np.zeros((1, 1, 20, 16), np.float32), np.array([0], np.int32), np.zeros((1, 1, 32), np.float32)]
     with pytest.raises(Exception, match="multiple of 16"):

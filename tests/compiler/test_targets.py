@@ -21,11 +21,11 @@ def test_each_target_selects_its_kernels(name, isa, decode, prefill, layouts, at
     assert k.decode_threads == (128 if isa == "arm" else None)
     assert targets.vector_registers(get_target(name).features) == registers
     if isa is None:
-        assert k.w4a8 is None and default_act_bits(get_target(name).features) == 32
+        assert k.int_dots is None and default_act_bits(get_target(name).features) == 32
         assert q4_0_path(32, 4, 8, get_target(name).features) is None
         return
-    assert (k.w4a8.isa, k.w4a8.decode, k.w4a8.prefill) == (isa, decode, prefill)
-    assert (k.w4a8.decode_layout, k.w4a8.prefill_layout) == layouts
+    assert (k.int_dots.isa, k.int_dots.decode, k.int_dots.prefill) == (isa, decode, prefill)
+    assert (k.int_dots.decode_layout, k.int_dots.prefill_layout) == layouts
     assert default_act_bits(get_target(name).features) == 8
     assert q4_0_path(32, 4, 8, get_target(name).features) == isa
     assert q4_0_path(32, 4, 32, get_target(name).features) == "f32"
@@ -34,38 +34,50 @@ def test_each_target_selects_its_kernels(name, isa, decode, prefill, layouts, at
 
 def test_vnni_needs_all_three_avx512_features():
     full = {"avx512_vnni", "avx512bw", "avx512f", "avx2", "fma"}
-    assert kernels_for(full).w4a8.prefill == "vnni"
-    assert kernels_for(full - {"avx512bw"}).w4a8.prefill == "avx2"   # the AVX2 form of the same dots
-    assert kernels_for({"avx512_vnni", "avx512bw", "avx512f"}).w4a8.prefill == "vnni"
-    assert kernels_for({"sse4_2"}).w4a8 is None and default_act_bits({"sse4_2"}) == 32
+    assert kernels_for(full).int_dots.prefill == "vnni"
+    assert kernels_for(full - {"avx512bw"}).int_dots.prefill == "avx2"   # the AVX2 form of the same dots
+    assert kernels_for({"avx512_vnni", "avx512bw", "avx512f"}).int_dots.prefill == "vnni"
+    assert kernels_for({"sse4_2"}).int_dots is None and default_act_bits({"sse4_2"}) == 32
 
 
 def test_rules_end_with_a_catch_all_and_tiles_are_per_gemm():
     assert targets.KERNEL_RULES[-1][0] == frozenset()
-    assert kernels_for(set()).w4a8 is None
-    assert set(GEMM_TILES) == set(GEMM_LAYOUT) == {"vnni", "avx2", "sdot", "smmla"}
+    assert kernels_for(set()).int_dots is None
+    assert set(GEMM_TILES) == set(GEMM_LAYOUT) == {k.int_dots.prefill for _, k in targets.KERNEL_RULES if k.int_dots}
     assert GEMM_LAYOUT["smmla"] == "arm_pairs" and all(t % 2 == 0 for t in GEMM_TILES["smmla"])
 
 
 def test_every_kernel_a_rule_names_has_a_module_with_the_interface():
     """The registry (design.md, "Adding an ISA kernel"): each name a rule gives resolves to a
-    module exporting kernels/w4a8.py's interface, with a tile default for it; the decode
+    module with kernels/w4a8.py's KernelModule interface, with a tile default for it; the decode
     kernels build a GEMV carrying their dot, and asking one for an epilogue it lacks fails."""
     from qwc.compiler.kernels import DECODE_GEMV, decode_epilogues, decode_gemv, kernel_module
+    from qwc.compiler.kernels.w4a8 import KernelModule
 
     for _, k in targets.KERNEL_RULES:
-        if k.w4a8 is None:
+        if k.int_dots is None:
             continue
-        for impl in (k.w4a8.decode, k.w4a8.prefill):
-            mod = kernel_module(impl)
-            assert callable(mod.prefill_gemm) and impl in mod.DEFAULT_TOKENS
-        assert "bias" in decode_epilogues(k.w4a8.decode)
-        gemv = decode_gemv(((32, True), (48, False)), 2, dot=k.w4a8.decode)
-        assert str(gemv.attrs[DECODE_GEMV]) == k.w4a8.decode
+        for dot in (k.int_dots.decode, k.int_dots.prefill, k.int_dots.q8_decode, k.int_dots.q8_prefill):
+            if dot is None:
+                continue
+            mod = kernel_module(dot)
+            assert isinstance(mod, KernelModule) and dot in mod.DEFAULT_TOKENS
+        assert "bias" in decode_epilogues(k.int_dots.decode)
+        gemv = decode_gemv(((32, True), (48, False)), 2, dot=k.int_dots.decode)
+        assert str(gemv.attrs[DECODE_GEMV]) == k.int_dots.decode
     assert decode_epilogues("vnni") >= {"silu_mul", "quantize"}
     with pytest.raises(ValueError, match="sdot decode GEMV has no quantize, silu_mul epilogue"):
         decode_gemv(((64, False), (64, False)), 2, silu_mul=True, quantize=-8, dot="sdot")
     with pytest.raises(ValueError, match="unknown W4A8 kernel 'svdot'"):
+        kernel_module("svdot")
+
+
+def test_a_module_without_the_interface_is_refused_as_it_loads(monkeypatch):
+    from qwc.compiler.kernels import kernel_module
+
+    monkeypatch.setitem(targets.KERNEL_MODULES, "svdot", "vector_math")   # a kernels module, not an ISA's
+    with pytest.raises(TypeError, match="vector_math .W4A8 kernel 'svdot'. lacks DEFAULT_TOKENS, DECODE_EPILOGUES, "
+                                        "PREFILL_BIAS, prefill_gemm, decode_gemv"):
         kernel_module("svdot")
 
 
@@ -76,9 +88,9 @@ def test_tuning_tasks_take_the_tables_gemm(tiny_q4):
     from qwc.compiler.tuning import extract_tasks
 
     model = onnx.load(str(tiny_q4))
-    for name, impl in (("arm-yitian", "smmla"), ("arm-neon", "sdot")):
+    for name, dot in (("arm-yitian", "smmla"), ("arm-neon", "sdot")):
         tasks = extract_tasks(model, 8, get_target(name).features)
-        assert tasks and {t.impl for t in tasks} == {impl}
+        assert tasks and {t.dot for t in tasks} == {dot}
 
 
 @pytest.mark.parametrize("arch, have, named", [
@@ -100,7 +112,7 @@ def test_host_target_has_the_features_of_the_named_target_with_them(monkeypatch,
         assert set(host.mattr) == set(get_target(named).mattr) - {"+v8.2a"}
     else:   # SVE2 at another length: the NEON code and its i8mm GEMM, no SVE in the build
         assert host.features == {"neon", "dotprod", "i8mm", "bf16"}
-        assert "+sve2" not in host.mattr and kernels_for(host.features).w4a8.prefill == "smmla"
+        assert "+sve2" not in host.mattr and kernels_for(host.features).int_dots.prefill == "smmla"
 
 
 def test_cpu_features_of_this_machine_match_proc_cpuinfo():

@@ -22,7 +22,7 @@ from qwc.compiler.kernels import w4a8_gemm  # noqa: E402
 from qwc.compiler.targets import get_target, kernels_for  # noqa: E402
 
 target = get_target("host")
-w = kernels_for(target.features).w4a8
+w = kernels_for(target.features).int_dots
 if w is None:
     print(",".join(sorted(target.features)), "none")
     sys.exit(0)

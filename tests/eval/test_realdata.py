@@ -24,7 +24,7 @@ def austen():
     return data.austen_dir()
 
 
-def test_rdata_extractor_returns_the_six_novels(austen):
+def test_r_lazyload_reader_returns_the_six_novels(austen):
     for name, digest in data.NOVELS.items():
         assert data.sha256(austen / f"{name}.txt") == digest
     pp = (austen / "prideprejudice.txt").read_text().splitlines()

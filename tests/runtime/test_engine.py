@@ -173,7 +173,7 @@ def test_the_manifest_is_typed_and_round_trips(tiny_host_artifact):
     m = read_manifest(tiny_host_artifact)
     assert m.to_dict() == raw and Manifest.from_dict(m.to_dict()) == m
     assert isinstance(m.model, ModelConfig) and m.functions.max_batch == 1
-    assert m.functions.cache_capacity_multiple == 16 and m.functions.extra["k_cache_layout"] == "key_tiles_16"
+    assert m.functions.cache_capacity_multiple == 16 and m.functions.k_cache_layout == "key_tiles_16"
     assert [p.name for p in m.params] == [p["name"] for p in raw["params"]]
     assert m.weight_bytes == sum(p["nbytes"] for p in raw["params"]) and isinstance(m.params[0].shape, tuple)
     eng = Engine(tiny_host_artifact, ctx=16)

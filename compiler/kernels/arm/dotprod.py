@@ -40,6 +40,7 @@ SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
 DEFAULT_TOKENS = {"sdot": 4, "sdot8": 4}      # prefill tile width (arm-neon), as x86/vnni.py's
 # decode_gemv's: a task holds 16 rows, a Q8_0 block 32 (no quantize); "split": parts of the blocks
 DECODE_EPILOGUES = frozenset({"bias", "split"})
+PREFILL_BIAS = False   # a bias is its own kernel after the GEMM
 
 
 def halved_float(T, v):

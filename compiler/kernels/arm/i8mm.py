@@ -49,6 +49,7 @@ MERGE_INTO = 5     # tile pairs after which a lone leftover pair merges into a 6
 SMMLA = "llvm.aarch64.neon.smmla.v4i32.v16i8"
 DEFAULT_TOKENS = {"smmla": 10, "smmla8": 10}   # 5 token pairs a prefill tile: see this module's docstring
 DECODE_EPILOGUES = frozenset()     # prefill only: decode runs arm/dotprod.py's GEMV
+PREFILL_BIAS = False   # a bias is its own kernel after the GEMM
 
 
 def _rows(T, w, g, b, q, k, rp, bits: int = 4):
@@ -123,6 +124,12 @@ def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m
                  batched_decode: bool = False, dot: str = "smmla", offsets: bool = False):
     """The registry's prefill GEMM (kernels/w4a8.py): q4_gemm."""
     return q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m, bits=dot_bits(dot), offsets=offsets)
+
+
+def decode_gemv(outputs, nb: int, scale_dtype: str = "float16", silu_mul: bool = False, quantize: int | None = None,
+                dot: str = "smmla"):
+    """Refused: decode runs arm/dotprod.py's GEMV (the rules name sdot for decode)."""
+    raise ValueError(f"{dot} is a prefill GEMM only: its targets decode with sdot")
 
 
 @functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow

@@ -461,7 +461,7 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
                         quantize_block(T, *half, *y, 0, task, quantize)
                         continue
                     for h, g in enumerate(gs):
-                        def value(i, lanes, h=h, g=g):
+                        def value(i, lanes, h=h, g=g, acc=acc, gs=gs):
                             a = acc[T.ramp(h * ROWS, 1, ROWS) if lanes > 1 else h * ROWS + i]
                             if silu_mul:   # gate's accumulators first, then up's
                                 u = acc[T.ramp((len(gs) + h) * ROWS, 1, ROWS) if lanes > 1 else (len(gs) + h) * ROWS + i]

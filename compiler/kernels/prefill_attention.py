@@ -1,0 +1,621 @@
+"""Prefill attention over the KV-cache buffers with an online softmax (one pass over the keys).
+
+One parallel task per block of a head's queries (query_block). Query i of a chunk of s new
+tokens sits at position past + i (past = seqlens[0] + 1 - s) and attends to cache slots 0 ..
+past + i: the key loop is bounded by that, not by the buffer's capacity. Running max / sum /
+weighted-value accumulator (flash-attention style) updated once per span of 64 keys (one query
+alone: per tile in its last, partial span), so no score row is stored; the block's queries take
+the keys span by span, so a span is read from memory once a block; exp is the vector polynomial
+of kernels/vector_math.py. Where the registers hold several queries' state (AVX-512), they take
+a span together, its keys widened to float32 once a block, their last spans (the chunk's
+diagonal) included, masked at each query's keys.
+
+The macros take their task's buffers as bundles (_Task, _Single, _Groups): the call's tensors
+and cache row, and the scratch of the one-query and the query-group paths.
+
+The cache formats and the K layout this reads: kernels/kv_cache.py. Decode's kernel:
+kernels/decode_attention.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+from . import hand_scheduled, vector_math
+from .kv_cache import (
+    KEY_TILE,
+    LANES,
+    NEG_INF,
+    Q8,
+    STACK_BYTES,
+    cache_element,
+    cache_width,
+    check_dtype,
+    in_tile,
+    k_row_col,
+    k_scales,
+    scales_view,
+    supports_format,
+    value_weight,
+    widen,
+)
+
+CHAINS = 8       # independent FMA chains per tile's scores (latency, not throughput, bound)
+# A task takes up to QUERY_BLOCK queries of one head (rounded up to whole groups of
+# span_queries), and they take the keys in spans of SPAN in turn: a span's K and V (32 KiB at
+# head_dim 64) are read from DRAM or L3 once and from L1 or L2 for the other queries (a task
+# per query read every key once per query). A span is also the online softmax's step: one
+# rescale and one exp of the running max per 64 keys, and 4 tiles' scores computed side by side.
+QUERY_BLOCK = 16
+SPAN_TILES = 4
+SPAN = SPAN_TILES * KEY_TILE
+ONLINE_SCALE = "qwc.attention_scale"    # marks `attention` with its score scale (compiler/fuse_decode_attention.py)
+
+
+class _Task(NamedTuple):
+    """A task's tensors: the call's queries, caches and output, the caches' q8_0 scale views
+    (None for float caches), and the task's cache row b and head h."""
+    q: Any
+    kc: Any
+    vc: Any
+    out: Any
+    k16: Any
+    v16: Any
+    b: Any
+    h: Any
+
+
+class _Single(NamedTuple):
+    """The one-query path's scratch: accumulator, running (max, sum), scores, scaled query, and
+    the block's running stats."""
+    acc: Any
+    stat: Any
+    p: Any
+    qr: Any
+    stats: Any
+
+
+class _Groups(NamedTuple):
+    """The query groups' scratch: accumulators, the block's running stats, scores, weights,
+    scaled queries, and the span widened to float32 (kf, vf; float caches: unused)."""
+    accs: Any
+    stats: Any
+    ps: Any
+    ws: Any
+    qrs: Any
+    kf: Any
+    vf: Any
+
+
+def query_block(T, s, block: int = QUERY_BLOCK, groups: bool = False):
+    """Queries a prefill task takes for a chunk of s: `block` in long chunks, fewer in short
+    ones (s // 16, at least 1), so a 48-token chunk still makes 16 tasks a head for 64-128
+    threads. `groups` (query groups, AVX-512): always `block`. A block widens each span once
+    for its groups, as much work as a group's pass over it: blocks of 4 at a 64-token chunk
+    took 1.6x the time of blocks of 18 at 128 cached tokens (one layer, 2 threads, Intel Xeon)."""
+    if groups:
+        return T.int64(block)
+    return T.max(T.min(s // 16, T.int64(block)), T.int64(1))
+
+
+def _tree_sum(xs):
+    while len(xs) > 1:
+        xs = [xs[i] + xs[i + 1] if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
+    return xs[0]
+
+
+def _tree_max(T, xs):
+    while len(xs) > 1:
+        xs = [T.max(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
+    return xs[0]
+
+
+def _tile_scores(T, q_at, kc, kvh, t, head_dim, dtype, b=None, k16=None):
+    """Tile t's 16 unscaled scores of one query (element d: q_at(d)) against kv head kvh of
+    cache row b (default 0, of `dtype`; q8_0: k16 its scales_view): sum over d of q[d] * (16
+    keys' element d), in CHAINS independent FMA chains."""
+    b = T.int64(0) if b is None else b
+    width = cache_width(dtype, head_dim)
+
+    def part(c):
+        terms = []
+        for d in range(c, head_dim, CHAINS):
+            row, col = k_row_col(t * KEY_TILE, d, head_dim, width)   # t * KEY_TILE: the tile's first key
+            k = widen(T, kc[b, kvh, row, T.ramp(col, 1, KEY_TILE)], dtype, KEY_TILE)
+            if dtype == "q8_0":
+                k = k * k_scales(T, k16, kc, b, kvh, t * KEY_TILE, d // Q8, head_dim)
+            terms.append(T.broadcast(q_at(d), KEY_TILE) * k)
+        acc = terms[0]
+        for x in terms[1:]:
+            acc = acc + x
+        return acc
+    return _tree_sum([part(c) for c in range(CHAINS)])
+
+
+def span_queries(head_dim: int, registers: tuple[int, int]) -> int:
+    """Queries of a prefill block that take a whole span together (`attention`): as many as
+    half the target's vector registers hold the scores and value accumulators of (the other
+    half for the span's widened keys and values, loaded once for all of them), and whose
+    buffers stay under TVM's stack limit. AVX-512's 32 x 64 B: 3; AVX2's and NEON's files
+    hold one query's 16 (AVX2: 8 + 8 halves) and keep the one-query kernel."""
+    per_query = max(SPAN, head_dim) * 4
+    return max(1, min(registers[0] * registers[1] // 2 // per_query, (STACK_BYTES - 1) // per_query))
+
+
+@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
+def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: bool = False,
+              kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32), ragged: bool = False,
+              singles: bool = True):
+    """`batched`: B sequences (q, out [B, s, ...], caches [B, ...], seqlens [B]), each row
+    attending to its own cache row up to its own seqlens[b]; one task per (row, head, query).
+    `ragged`: the tokens of G segments one after another (q, out [1, t, ...], caches [B, ...];
+    segments [G, 3]: cache row, first token, count; positions [1, t]), each segment's tokens
+    attending to its row's cache as a prefill chunk does; a task per (block of a segment's
+    queries, head, segment); `singles` False: not the one-token segments (a step's decode
+    tokens, which decode_attention's segments form takes). `kv_dtype`: the caches' element
+    type (KV_DTYPES). `registers`:
+    the target's vector registers (targets.vector_registers), which size the query groups
+    (span_queries)."""
+    from tvm.script import tirx as T
+
+    check_dtype(kv_dtype)
+
+    group = heads // kv_heads
+    nr = 1 if batched else span_queries(head_dim, registers)   # batched: a task per query
+    block = -(-QUERY_BLOCK // nr) * nr   # queries a task: whole groups
+    chunks = head_dim // LANES
+    kt = KEY_TILE
+    q8 = kv_dtype == "q8_0"
+    width, element = cache_width(kv_dtype, head_dim), cache_element(kv_dtype)
+    if not supports_format(kv_dtype, head_dim):
+        raise ValueError(f"attention: a {kv_dtype} cache of head_dim {head_dim}")
+
+    def key_elements(ks, ks16, u, d, dtype=kv_dtype):
+        """float32x16: element d of the 16 keys of tile u of a span (ks: its keys in `dtype`,
+        ks16: their scales' view), q8_0's times their block's scales."""
+        w = cache_width(dtype, head_dim)
+        k = widen(T, ks[T.ramp(u * kt * w + d * kt, 1, kt)], dtype, kt)
+        if dtype == "q8_0":
+            k = k * T.Cast("float32x16", ks16[T.ramp((u * kt * w + kt * head_dim) // 2 + d // Q8 * kt, 1, kt)])
+        return k
+
+    def value_elements(vs, vs16, j, c, dtype=kv_dtype):
+        """float32x16: elements c * 16 .. of the span's value j (q8_0's times their block's scale)."""
+        w = cache_width(dtype, head_dim)
+        x = widen(T, vs[T.ramp(j * w + c * LANES, 1, LANES)], dtype, LANES)
+        if dtype == "q8_0":
+            x = x * T.broadcast(T.Cast("float32", vs16[(j * w + head_dim) // 2 + c * LANES // Q8]), LANES)
+        return x
+
+    def span_weight(vs16, w, j, c):
+        """The span's value j's weight w for its elements from chunk c (q8_0: times their scale)."""
+        return w * T.Cast("float32", vs16[(j * width + head_dim) // 2 + c * LANES // Q8]) if q8 else w
+
+    def ramp(at, lanes=LANES):
+        return T.ramp(at, 1, lanes)
+
+    def span_tiles(p):
+        """The span's SPAN_TILES 16-lane pieces of p."""
+        return [p[ramp(u * kt, kt)] for u in range(SPAN_TILES)]
+
+    def tile_scores(q, kc, k16, b, qi, h, keys, t, masked):
+        """Tile t's 16 scaled scores of query qi of head h; `masked`: -inf past `keys`."""
+        sc = _tile_scores(T, lambda d: q[b, qi, h * head_dim + d], kc, h // group, t, head_dim, kv_dtype, b,
+                          k16) * T.broadcast(T.float32(scale), kt)
+        return T.Select(in_tile(T, t, keys), sc, T.broadcast(T.float32(NEG_INF), kt)) if masked else sc
+
+    @T.macro
+    def tile(io, one, qi, keys, t, masked):
+        """Keys 16t .. 16t+15 of cache row b into the running state of query qi of head h;
+        `masked`: only those below `keys`."""
+        q, kc, vc, k16, v16, b, h = T.meta_var((io.q, io.kc, io.vc, io.k16, io.v16, io.b, io.h))
+        acc, stat, p = T.meta_var((one.acc, one.stat, one.p))
+        # the scores go to p as one expression: a name assigned twice in a macro becomes a
+        # buffer, which TVM allocates from its workspace per task
+        p[ramp(0, kt)] = tile_scores(q, kc, k16, b, qi, h, keys, t, masked)
+        m = T.bind(T.max(stat[0], vector_math.reduce_max(T, p[ramp(0, kt)], kt)))
+        r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
+        p[ramp(0, kt)] = vector_math.exp(T, p[ramp(0, kt)] - T.broadcast(m, kt), kt)   # masked keys: ~1e-38
+        stat[0] = m
+        stat[1] = stat[1] * r + vector_math.reduce_sum(T, p[ramp(0, kt)], kt)
+        for c in range(chunks):
+            acc[ramp(c * LANES)] = acc[ramp(c * LANES)] * T.broadcast(r, LANES)
+        for j in T.unroll(kt):
+            if not masked or t * kt + j < keys:
+                for c in T.unroll(chunks):
+                    acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + widen(T, vc[
+                        b, h // group, t * kt + j, ramp(c * LANES)], kv_dtype, LANES) * T.broadcast(
+                            value_weight(T, p[j], kv_dtype, v16, vc, b, h // group, t * kt + j, c * LANES, head_dim),
+                            LANES)
+
+    @T.macro
+    def span(io, one, qi, t0):
+        """Keys 16 t0 .. 16 t0 + SPAN - 1 (all below the query's count) into its running state
+        with one rescale: the tiles' scores first (a broadcast of q[d] serves SPAN_TILES tiles;
+        SPAN_TILES x 16 lanes of independent FMA chains), then their weights, then the values.
+        Per key that is ~25 instructions on AVX2, 17 of them FMAs, where a tile at a time took
+        ~38 with spills."""
+        q, kc, vc, out, b, h = T.meta_var((io.q, io.kc, io.vc, io.out, io.b, io.h))
+        acc, stat, p, qr = T.meta_var((one.acc, one.stat, one.p, one.qr))
+        # The span's keys and values through pointers to their first element: every access is
+        # that plus a constant, which the loads' addressing takes. Indexed from the caches,
+        # LLVM computed ~1000 addresses of a span ahead of the task's loop and spilled them
+        # (~2K instructions a task on ARM).
+        ks = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
+        vs = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        ks16 = scales_view(T, ks, kv_dtype, SPAN * width // 2)   # q8_0's scales
+        vs16 = scales_view(T, vs, kv_dtype, SPAN * width // 2)
+        for c in T.unroll(chunks):   # the scaled query, where its broadcasts load it from
+            qr[ramp(c * LANES)] = q[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(T.float32(scale), LANES)
+        for u in T.unroll(SPAN_TILES):
+            p[ramp(u * kt, kt)] = T.broadcast(T.float32(0), kt)
+        for d in T.unroll(head_dim):
+            for u in T.unroll(SPAN_TILES):   # key tile u, element d: 16 keys (the K layout)
+                p[ramp(u * kt, kt)] = p[ramp(u * kt, kt)] + T.broadcast(qr[d], kt) * key_elements(ks, ks16, u, d)
+        m = T.bind(T.max(stat[0], vector_math.reduce_max(T, _tree_max(T, span_tiles(p)), kt)))
+        r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
+        for u in T.unroll(SPAN_TILES):
+            p[ramp(u * kt, kt)] = vector_math.exp(T, p[ramp(u * kt, kt)] - T.broadcast(m, kt), kt)
+        stat[0] = m
+        stat[1] = stat[1] * r + vector_math.reduce_sum(T, _tree_sum(span_tiles(p)), kt)
+        # The query's accumulators (its output row) are read only now, after the scores: held
+        # through them, they and the scores' 16 vectors overflowed NEON's 32 registers. They
+        # are updated in `acc`, a local buffer LLVM keeps in registers (updated in place in
+        # the output, every FMA was followed by a store: the parallel task's pointers do not
+        # carry the arguments' noalias).
+        for c in T.unroll(chunks):
+            acc[ramp(c * LANES)] = out[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(r, LANES)
+        for j in T.unroll(SPAN):
+            for c in T.unroll(chunks):
+                acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + widen(T, vs[ramp(j * width + c * LANES)], kv_dtype,
+                                                                    LANES) * T.broadcast(span_weight(vs16, p[j], j, c),
+                                                                                         LANES)
+        for c in T.unroll(chunks):
+            out[b, qi, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
+
+    @T.macro
+    def widen_span(io, grp, t0, n=None):
+        """The span of keys from tile t0 into kf (the K tile layout) and vf (rows) as float32,
+        q8_0's scales applied: once for a block, where each of its query groups widened them.
+        With `n` (< SPAN), its first n keys: K in whole tiles (a read stays below the capacity,
+        a multiple of 16; lanes past the keys are masked where they are scored), the V rows
+        below n only (past them a row may be unwritten: NaN times a zero weight)."""
+        kc, vc, b, h = T.meta_var((io.kc, io.vc, io.b, io.h))
+        kf, vf = T.meta_var((grp.kf, grp.vf))
+        ks = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
+        vs = T.decl_buffer((SPAN * width,), element, data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        ks16 = scales_view(T, ks, kv_dtype, SPAN * width // 2)
+        vs16 = scales_view(T, vs, kv_dtype, SPAN * width // 2)
+        for u in T.unroll(SPAN_TILES) if n is None else T.serial((n + T.int64(kt - 1)) // T.int64(kt)):
+            for d in range(head_dim):
+                kf[ramp(u * kt * head_dim + d * kt, kt)] = key_elements(ks, ks16, u, d)
+        for j in range(SPAN if n is None else n):
+            for c in T.unroll(chunks):
+                vf[ramp(j * head_dim + c * LANES)] = value_elements(vs, vs16, j, c)
+
+    @T.macro
+    def span_group(io, grp, ks, vs, q0, i0):
+        """`span` for the nr queries q0 .. q0 + nr - 1 (block entries i0 ..) that all take the
+        whole span, its keys ks (the K tile layout) and values vs (rows) in float32: each key
+        and value vector is loaded once for the nr queries, their scores and accumulators side
+        by side in registers (nr x SPAN_TILES, then nr x chunks vectors)."""
+        q, out, b, h = T.meta_var((io.q, io.out, io.b, io.h))
+        accs, stats, ps, ws, qrs = T.meta_var((grp.accs, grp.stats, grp.ps, grp.ws, grp.qrs))
+        for r in T.unroll(nr):
+            for c in T.unroll(chunks):
+                qrs[ramp(r * head_dim + c * LANES)] = q[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
+                    T.float32(scale), LANES)
+            for u in T.unroll(SPAN_TILES):
+                ps[ramp(r * SPAN + u * kt, kt)] = T.broadcast(T.float32(0), kt)
+        # d in a loop (4 at a time): qrs, indexed by it, stays in memory and its elements are
+        # broadcast as they load (unrolled, LLVM held the queries in registers and broadcast
+        # each element with a shuffle, on the port the FMAs need); so are the weights below
+        for d4 in range(head_dim // 4):
+            for d1 in T.unroll(4):
+                for u in T.unroll(SPAN_TILES):
+                    k = T.bind(key_elements(ks, None, u, d4 * 4 + d1, "float32"))
+                    for r in T.unroll(nr):
+                        ps[ramp(r * SPAN + u * kt, kt)] = ps[ramp(r * SPAN + u * kt, kt)] + T.broadcast(
+                            qrs[r * head_dim + d4 * 4 + d1], kt) * k
+        for r in T.unroll(nr):
+            pr = [ps[ramp(r * SPAN + u * kt, kt)] for u in range(SPAN_TILES)]
+            m = T.bind(T.max(stats[2 * (i0 + r)], vector_math.reduce_max(T, _tree_max(T, pr), kt)))
+            rs = T.bind(vector_math.exp(T, stats[2 * (i0 + r)] - m, 1))
+            for u in T.unroll(SPAN_TILES):
+                ps[ramp(r * SPAN + u * kt, kt)] = vector_math.exp(T, ps[ramp(r * SPAN + u * kt, kt)] - T.broadcast(
+                    m, kt), kt)
+            stats[2 * (i0 + r)] = m
+            stats[2 * (i0 + r) + 1] = stats[2 * (i0 + r) + 1] * rs + vector_math.reduce_sum(T, _tree_sum(
+                [ps[ramp(r * SPAN + u * kt, kt)] for u in range(SPAN_TILES)]), kt)
+            for c in T.unroll(chunks):
+                accs[ramp(r * head_dim + c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
+                    rs, LANES)
+            for u in T.unroll(SPAN_TILES):
+                ws[ramp(r * SPAN + u * kt, kt)] = ps[ramp(r * SPAN + u * kt, kt)]
+        for j4 in range(SPAN // 4):
+            for j1 in T.unroll(4):
+                for c in T.unroll(chunks):
+                    x = T.bind(vs[ramp((j4 * 4 + j1) * head_dim + c * LANES)])
+                    for r in T.unroll(nr):
+                        accs[ramp(r * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)] + x * T.broadcast(
+                            ws[r * SPAN + j4 * 4 + j1], LANES)
+        for r in T.unroll(nr):
+            for c in T.unroll(chunks):
+                out[b, q0 + r, ramp(h * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)]
+
+    @T.macro
+    def group_scores(ps, qrs, ks, count, nt):
+        """Unscaled-query scores of the span's first nt tiles for `count` queries (span_group's loop)."""
+        for d4 in range(head_dim // 4):
+            for d1 in T.unroll(4):
+                for u in T.unroll(nt):
+                    k = T.bind(key_elements(ks, None, u, d4 * 4 + d1, "float32"))
+                    for r in T.unroll(count):
+                        ps[ramp(r * SPAN + u * kt, kt)] = ps[ramp(r * SPAN + u * kt, kt)] + T.broadcast(
+                            qrs[r * head_dim + d4 * 4 + d1], kt) * k
+
+    @T.macro
+    def masked_group(io, grp, ks, vs, q0, i0, count, n0):
+        """span_group for the `count` queries q0 .. (block entries i0 ..) of which query r takes
+        the span's first n0 + r keys (n0 >= 1; SPAN or more: all of them): the diagonal of a
+        chunk, a group at a time, where a query took its last span alone, tile by tile, each
+        with an online rescale (5.4 ns a key against 1.6 in a group's whole span, one layer,
+        2 threads, Intel Xeon). Each query gets the same arithmetic in any group and alone
+        (count 1), so a prompt's logits do not depend on its chunking, and its whole spans
+        span_group's bits:
+        - scores of the tiles below the group's last key (the others 0), then -inf past the
+          query's own keys;
+        - weights exp(score - max), 0 past the query's keys;
+        - the values below the group's last key, every query's own past its keys weighed 0 (a
+          value past the group's keys may be unwritten: not read)."""
+        q, out, b, h = T.meta_var((io.q, io.out, io.b, io.h))
+        accs, stats, ps, ws, qrs = T.meta_var((grp.accs, grp.stats, grp.ps, grp.ws, grp.qrs))
+        n_last = T.bind(T.min(n0 + T.int64(count - 1), T.int64(SPAN)))   # keys the group reads
+        for r in T.unroll(count):
+            for c in T.unroll(chunks):
+                qrs[ramp(r * head_dim + c * LANES)] = q[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
+                    T.float32(scale), LANES)
+            for u in T.unroll(SPAN_TILES):
+                ps[ramp(r * SPAN + u * kt, kt)] = T.broadcast(T.float32(0), kt)
+        if n_last > T.int64(3 * kt):   # the tiles to score: a copy of the loop per count
+            group_scores(ps, qrs, ks, count, 4)
+        elif n_last > T.int64(2 * kt):
+            group_scores(ps, qrs, ks, count, 3)
+        elif n_last > T.int64(kt):
+            group_scores(ps, qrs, ks, count, 2)
+        else:
+            group_scores(ps, qrs, ks, count, 1)
+        for r in T.unroll(count):
+            for u in T.unroll(SPAN_TILES):
+                ps[ramp(r * SPAN + u * kt, kt)] = T.Select(in_tile(T, T.int64(u), n0 + T.int64(r)), ps[ramp(
+                    r * SPAN + u * kt, kt)], T.broadcast(T.float32(NEG_INF), kt))
+            pr = [ps[ramp(r * SPAN + u * kt, kt)] for u in range(SPAN_TILES)]
+            m = T.bind(T.max(stats[2 * (i0 + r)], vector_math.reduce_max(T, _tree_max(T, pr), kt)))
+            rs = T.bind(vector_math.exp(T, stats[2 * (i0 + r)] - m, 1))
+            for u in T.unroll(SPAN_TILES):
+                ws[ramp(r * SPAN + u * kt, kt)] = T.Select(
+                    in_tile(T, T.int64(u), n0 + T.int64(r)),
+                    vector_math.exp(T, ps[ramp(r * SPAN + u * kt, kt)] - T.broadcast(m, kt), kt),
+                    T.broadcast(T.float32(0), kt))
+            stats[2 * (i0 + r)] = m
+            stats[2 * (i0 + r) + 1] = stats[2 * (i0 + r) + 1] * rs + vector_math.reduce_sum(T, _tree_sum(
+                [ws[ramp(r * SPAN + u * kt, kt)] for u in range(SPAN_TILES)]), kt)
+            for c in T.unroll(chunks):
+                accs[ramp(r * head_dim + c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
+                    rs, LANES)
+        for j4 in range(n_last // 4):
+            for j1 in T.unroll(4):
+                for c in T.unroll(chunks):
+                    x = T.bind(vs[ramp((j4 * 4 + j1) * head_dim + c * LANES)])
+                    for r in T.unroll(count):
+                        accs[ramp(r * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)] + x * T.broadcast(
+                            ws[r * SPAN + j4 * 4 + j1], LANES)
+        for j in range(n_last // 4 * 4, n_last):
+            for c in T.unroll(chunks):
+                x = T.bind(vs[ramp(j * head_dim + c * LANES)])
+                for r in T.unroll(count):
+                    accs[ramp(r * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)] + x * T.broadcast(
+                        ws[r * SPAN + j], LANES)
+        for r in T.unroll(count):
+            for c in T.unroll(chunks):
+                out[b, q0 + r, ramp(h * head_dim + c * LANES)] = accs[ramp(r * head_dim + c * LANES)]
+
+    @T.macro
+    def span_group_cache(io, grp, q0, i0, t0):
+        """span_group over the span of keys from tile t0, read from float32 caches."""
+        kc, vc, b, h = T.meta_var((io.kc, io.vc, io.b, io.h))
+        ks = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
+        vs = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        span_group(io, grp, ks, vs, q0, i0)
+
+    @T.macro
+    def masked_group_cache(io, grp, q0, i0, t0, count, n0):
+        """masked_group over the span of keys from tile t0, read from float32 caches."""
+        kc, vc, b, h = T.meta_var((io.kc, io.vc, io.b, io.h))
+        ks = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(kc[b, h // group, t0 * kt, 0])))
+        vs = T.decl_buffer((SPAN * head_dim,), "float32", data=T.bind(T.address_of(vc[b, h // group, t0 * kt, 0])))
+        masked_group(io, grp, ks, vs, q0, i0, count, n0)
+
+    @T.macro
+    def some_span(io, grp, q0, i0, sp, count, n0):
+        """masked_group of the span sp, from the widened span or the float32 caches."""
+        if kv_dtype != "float32":
+            masked_group(io, grp, grp.kf, grp.vf, q0, i0, count, n0)
+        else:
+            masked_group_cache(io, grp, q0, i0, sp * SPAN_TILES, count, n0)
+
+    @T.macro
+    def one_query(io, one, q0, r, sp, past):
+        """Span sp into query q0 + r's running state (stats[2r ..]): the whole span, or its
+        keys up to the query's (whole tiles, then a masked one)."""
+        out, b, h = T.meta_var((io.out, io.b, io.h))
+        acc, stat, stats = T.meta_var((one.acc, one.stat, one.stats))
+        keys = T.bind(past + q0 + r + T.int64(1))
+        if sp * SPAN < keys:
+            stat[0] = stats[2 * r]
+            stat[1] = stats[2 * r + 1]
+            if (sp + 1) * SPAN <= keys:
+                span(io, one, q0 + r, sp * SPAN_TILES)
+            else:   # the query's last span: whole tiles, then a masked one
+                for c in T.unroll(chunks):
+                    acc[ramp(c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)]
+                for t in range(sp * SPAN_TILES, keys // kt):
+                    tile(io, one, q0 + r, keys, t, False)
+                if keys % kt != 0:
+                    tile(io, one, q0 + r, keys, keys // kt, True)
+                for c in T.unroll(chunks):
+                    out[b, q0 + r, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
+            stats[2 * r] = stat[0]
+            stats[2 * r + 1] = stat[1]
+
+    @T.macro
+    def attend(q, kc, vc, out, b, h, q0, nq, s, seqlen):
+        """Queries q0 .. q0 + nq - 1 (nq <= block) of head h of row b, over that row's keys in
+        spans of SPAN: every query of the block takes a span in turn, so the span's K and V
+        come from DRAM once and from L1 or L2 for the others. A query's keys are whole spans,
+        then tiles (the last one masked). Groups of nr queries take a span below all of
+        their keys together (span_group), the others one by one."""
+        # The block's accumulators are its output rows (normalised at the end): every buffer
+        # of a task then fits TVM's 1 KiB stack limit, where a larger one is a workspace
+        # allocation per task (~2.5K instructions a task on ARM).
+        stats = T.decl_buffer((block * 2,), "float32", scope="global")   # running max, sum
+        acc = T.decl_buffer((head_dim,), "float32", scope="global")   # the query in turn: registers
+        stat = T.decl_buffer((2,), "float32", scope="global")
+        p = T.decl_buffer((SPAN,), "float32", scope="global")    # scores, then weights
+        qr = T.decl_buffer((head_dim,), "float32", scope="global")
+        k16, v16 = scales_view(T, kc, kv_dtype), scales_view(T, vc, kv_dtype)   # q8_0's scales
+        io = T.meta_var(_Task(q, kc, vc, out, k16, v16, b, h))
+        for r in T.unroll(block):   # all of them: TVM sizes the buffer by what is written
+            stats[2 * r] = T.float32(NEG_INF)
+            stats[2 * r + 1] = T.float32(0)
+        for r in range(nq):
+            for c in range(chunks):
+                out[b, q0 + r, ramp(h * head_dim + c * LANES)] = T.broadcast(T.float32(0), LANES)
+        past = T.bind(T.Cast("int64", seqlen) + T.int64(1) - s)   # the chunk's first position
+        last = T.bind(past + q0 + nq)   # keys the block's last query attends to
+        if nr == 1:   # the one-query kernel as it was (AVX2, NEON)
+            for sp in range((last + SPAN - 1) // SPAN):
+                for r in range(nq):
+                    one_query(io, _Single(acc, stat, p, qr, stats), q0, r, sp, past)
+        else:
+            accs = T.decl_buffer((nr * head_dim,), "float32", scope="global")   # a group's: registers
+            ps = T.decl_buffer((nr * SPAN,), "float32", scope="global")
+            ws = T.decl_buffer((nr * SPAN,), "float32", scope="global")
+            qrs = T.decl_buffer((nr * head_dim,), "float32", scope="global")
+            # the block's spans widened once (16 KiB each: workspace); the float32 caches read as they are
+            kf = T.decl_buffer((SPAN * head_dim if kv_dtype != "float32" else 1,), "float32", scope="global")
+            vf = T.decl_buffer((SPAN * head_dim if kv_dtype != "float32" else 1,), "float32", scope="global")
+            grp = T.meta_var(_Groups(accs, stats, ps, ws, qrs, kf, vf))
+            for sp in range((last + SPAN - 1) // SPAN):
+                if kv_dtype != "float32":   # the keys the block's last query reaches
+                    if (sp + 1) * SPAN <= last:
+                        widen_span(io, grp, sp * SPAN_TILES)
+                    else:
+                        widen_span(io, grp, sp * SPAN_TILES, last - sp * SPAN)
+                for g in range((nq + nr - 1) // nr):
+                    # its first query has the fewest keys: n0 of the span's (SPAN or more: all)
+                    n0 = T.bind(past + q0 + g * nr + T.int64(1) - sp * SPAN)
+                    if g * nr + nr <= nq and n0 >= T.int64(SPAN):
+                        if kv_dtype != "float32":
+                            span_group(io, grp, kf, vf, q0 + g * nr, g * nr)
+                        else:
+                            span_group_cache(io, grp, q0 + g * nr, g * nr, sp * SPAN_TILES)
+                    elif g * nr + nr <= nq and n0 >= T.int64(1):   # the diagonal: every query reaches in
+                        some_span(io, grp, q0 + g * nr, g * nr, sp, nr, n0)
+                    else:   # a ragged last group, or one whose first queries end before the span
+                        for r in range(g * nr, T.min(g * nr + nr, nq)):
+                            if past + q0 + r + T.int64(1) > sp * SPAN:
+                                some_span(io, grp, q0 + r, r, sp, 1, past + q0 + r + T.int64(1) - sp * SPAN)
+        for r in range(nq):
+            for c in range(chunks):
+                out[b, q0 + r, ramp(h * head_dim + c * LANES)] = (
+                    out[b, q0 + r, ramp(h * head_dim + c * LANES)] / T.broadcast(stats[2 * r + 1], LANES))
+
+    if batched:
+        @T.prim_func(private=True)
+        def kernel_batch(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_seqlens: T.handle,
+                         var_out: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})
+            bsz, s, cap = T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(var_q, (bsz, s, heads * head_dim), "float32")
+            kc = T.match_buffer(var_k, (bsz, kv_heads, cap, width), element)
+            vc = T.match_buffer(var_v, (bsz, kv_heads, cap, width), element)
+            seqlens = T.match_buffer(var_seqlens, (bsz,), "int32")
+            out = T.match_buffer(var_out, (bsz, s, heads * head_dim), "float32")
+            assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
+            for bt in T.parallel(bsz * heads * s):   # a task per query: a decode step's s is 1
+                attend(q, kc, vc, out, bt // (heads * s), bt % (heads * s) // s, bt % s, T.int64(1), s,
+                       seqlens[bt // (heads * s)])
+        return hand_scheduled(kernel_batch.with_attr(ONLINE_SCALE, float(scale)))
+
+    @T.macro
+    def segment_block(call, seg, pos, t, cap, sg, hh, q0, qb):
+        """`ragged`'s task: the block of segment sg's queries from q0, head hh (if it has one);
+        call: the kernel's (q, kc, vc, out)."""
+        q, kc, vc, out = T.meta_var(call)
+        if q0 < seg[sg, 2] and seg[sg, 2] >= T.int64(1 if singles else 2):
+            # the segment's tokens and cache row as a one-sequence chunk's buffers
+            first, n = T.bind(seg[sg, 1]), T.bind(seg[sg, 2])
+            qs = T.decl_buffer((T.int64(1), t, heads * head_dim), "float32", data=T.bind(T.address_of(q[0, first, 0])))
+            outs = T.decl_buffer((T.int64(1), t, heads * head_dim), "float32",
+                                 data=T.bind(T.address_of(out[0, first, 0])))
+            kr = T.decl_buffer((T.int64(1), kv_heads, cap, width), element,
+                               data=T.bind(T.address_of(kc[seg[sg, 0], 0, 0, 0])))
+            vr = T.decl_buffer((T.int64(1), kv_heads, cap, width), element,
+                               data=T.bind(T.address_of(vc[seg[sg, 0], 0, 0, 0])))
+            attend(qs, kr, vr, outs, T.int64(0), hh, q0, T.min(qb, n - q0), n, pos[0, first + n - 1])
+
+    if ragged:
+        @T.prim_func(private=True)
+        def kernel_ragged(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_seg: T.handle,
+                          var_pos: T.handle, var_out: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})
+            bsz, t, g, cap = T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(var_q, (T.int64(1), t, heads * head_dim), "float32")
+            kc = T.match_buffer(var_k, (bsz, kv_heads, cap, width), element)
+            vc = T.match_buffer(var_v, (bsz, kv_heads, cap, width), element)
+            seg = T.match_buffer(var_seg, (g, T.int64(3)), "int64")
+            pos = T.match_buffer(var_pos, (T.int64(1), t), "int64")
+            out = T.match_buffer(var_out, (T.int64(1), t, heads * head_dim), "float32")
+            assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
+            # blocks of prefill's size for a chunk of all t tokens (many tasks for many threads);
+            # the most blocks a segment can have
+            qb = T.bind(query_block(T, t, block, nr > 1))
+            blocks = T.bind((t + qb - 1) // qb)
+            if nr > 1:
+                # a task per head and block (head-major, as `kernel`), each over the segments in
+                # turn: query groups' blocks are whole, so a task per segment too would make
+                # mostly empty tasks (a short chunk beside a few decode tokens: one in eight
+                # with work), each of which still costs a launch's share
+                for task in T.parallel(heads * blocks):
+                    for sg in range(g):
+                        segment_block((q, kc, vc, out), seg, pos, t, cap, sg, task // blocks, task % blocks * qb, qb)
+            else:
+                # block, then head, then segment: a long segment's tasks are every g-th, spread
+                # evenly over the threads' static ranges (segment-major put its heads' tasks in
+                # a few threads' ranges, and the critical path at 64 threads grew past the
+                # separate calls')
+                for task in T.parallel(blocks * heads * g):
+                    segment_block((q, kc, vc, out), seg, pos, t, cap, task % g, task // g % heads,
+                                  task // (g * heads) * qb, qb)
+        return hand_scheduled(kernel_ragged.with_attr(ONLINE_SCALE, float(scale)))
+
+    @T.prim_func(private=True)
+    def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, seqlens: T.Buffer((1,), "int32"),
+               var_out: T.handle):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
+        s, cap = T.int64(), T.int64()
+        q = T.match_buffer(var_q, (T.int64(1), s, heads * head_dim), "float32")
+        kc = T.match_buffer(var_k, (T.int64(1), kv_heads, cap, width), element)
+        vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, width), element)
+        out = T.match_buffer(var_out, (T.int64(1), s, heads * head_dim), "float32")
+        assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
+        qb = T.bind(query_block(T, s, block, nr > 1))
+        blocks = T.bind((s + qb - 1) // qb)
+        # a task per block of a head's queries, head-major: a thread's run of tasks shares K and V
+        for task in T.parallel(heads * blocks):
+            attend(q, kc, vc, out, T.int64(0), task // blocks, task % blocks * qb,
+                   T.min(qb, s - task % blocks * qb), s, seqlens[0])
+
+    return hand_scheduled(kernel.with_attr(ONLINE_SCALE, float(scale)))
