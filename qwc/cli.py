@@ -547,13 +547,13 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     quant = eng.manifest.quantization
     if args.json:
         print(json.dumps({"model": m.name, "target": t.name, "threads": eng.threads,
-                          "params_bytes": size, "quantization": quant, "results": rows}, indent=1))
+                          "params_bytes": size, "quantization": quant.to_dict(), "results": rows}, indent=1))
         return
     w = max(6, *(len(r["test"]) for r in rows))
     print(f"| {'model':14s} | {'size':>10s} | {'target':10s} | {'act':>4s} | {'threads':>7s} | {'test':>{w}s} | {'t/s':>16s} |")
     print(f"| {'-' * 14} | {'-' * 10}: | {'-' * 10} | {'-' * 4}: | {'-' * 7}: | {'-' * w}: | {'-' * 16}: |")
     for r in rows:
-        print(f"| {m.name[:14]:14s} | {size / 2**20:6.1f} MiB | {t.name:10s} | {quant.get('activation_bits', 32):4d}"
+        print(f"| {m.name[:14]:14s} | {size / 2**20:6.1f} MiB | {t.name:10s} | {quant.activation_bits:4d}"
               f" | {eng.threads:7d} | {r['test']:>{w}s} | {r['tps']:9.2f} ± {r['std']:5.2f} |")
 
 

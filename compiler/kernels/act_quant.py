@@ -12,12 +12,11 @@ over 4864 floats a token, nor a libm exp per element (kernels/vector_math.py).
 
 from __future__ import annotations
 
-import functools
-
 from tvm import tirx
 
 from . import vector_math
 from .arm import PARALLEL_BLOCKS, RMS_TASKS
+from .kernel_cache import cached_kernel
 from .x86 import ROW_GROUP, SILU_STAGE
 
 BLOCK = 32
@@ -100,7 +99,7 @@ def quantizer_name(k: int, zero_point: int, one_row: bool, kind: str = "plain", 
     return f"act_q8_{stem}{k}_{int(one_row)}_sum{-zero_point}" + ("" if layout == "plain" else f"_{layout}")
 
 
-@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = False, rms_eps: float | None = None,
                     layout: str = "plain", parts: int = 1):
     """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB],

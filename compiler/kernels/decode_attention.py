@@ -43,10 +43,10 @@ The macros take their call's tensors as one bundle (_Call) and a task's scratch 
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 from . import hand_scheduled, vector_math
+from .kernel_cache import cached_kernel
 from .kv_cache import (
     KEY_TILE,
     KV_DTYPES,
@@ -166,7 +166,7 @@ def _value_tile(g: int, head_dim: int, registers, kv_dtype: str) -> tuple[int, i
     return best[1:]
 
 
-@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos_dtype: str,
                      zero_point: int | None = None, layout: str = "plain", heads_per_task: int | None = None,
                      kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32),

@@ -7,11 +7,10 @@ gather, rotary embedding, and attention over the KV-cache buffer.
 
 from __future__ import annotations
 
-import functools
-
 from tvm import te, tirx
 
 from . import hand_scheduled
+from .kernel_cache import cached_kernel
 
 
 def _q4(byte, k):
@@ -252,7 +251,7 @@ def matmul_nbits_a8(a, w, s, zp=None, *, k: int, n: int, block: int, bits: int):
 ROTARY_LANES = 4   # fp32 lanes of the narrowest vector (NEON); wider targets widen in LLVM
 
 
-@functools.cache   # the same kernel per layer; TVMScript parsing is slow
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def rotary_halves(width: int, heads: int, pos_dtype: str):
     """`rotary` as TIR over the two halves of each head: one vector load of the low half, the
     high half and cos / sin each, two vector FMAs, two stores. The TE form indexes every

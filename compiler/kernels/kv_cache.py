@@ -18,9 +18,8 @@ The readers are kernels/prefill_attention.py and kernels/decode_attention.py.
 
 from __future__ import annotations
 
-import functools
-
 from . import hand_scheduled, vector_math
+from .kernel_cache import cached_kernel
 
 KEY_TILE = 16    # keys per tile of the K layout and per online-softmax step
 LANES = 16       # fp32 lanes of the value accumulator's vectors
@@ -166,7 +165,7 @@ def in_tile(T, t, keys):
     return T.broadcast(t * KEY_TILE, KEY_TILE) + T.ramp(T.int64(0), T.int64(1), KEY_TILE) < T.broadcast(keys, KEY_TILE)
 
 
-@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def kv_cache_write(key_tiles: bool, batched: bool = False, dtype: str = "float32", head_dim: int | None = None):
     """In-place write of new K (or V) [1, s, kv_heads*head_dim] into the cache buffer
     [1, kv_heads, C, head_dim] of `dtype` at slots past .. past + s - 1, past = seqlens[0] + 1
@@ -218,7 +217,7 @@ def kv_cache_write(key_tiles: bool, batched: bool = False, dtype: str = "float32
     return hand_scheduled(write)
 
 
-@functools.cache
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def _q8_cache_write(key_tiles: bool, batched: bool, head_dim: int):
     """kv_cache_write for a q8_0 cache of head_dim (its rows cache_width wide): each new key's
     or value's blocks of 32 quantized (q8_store)."""
@@ -258,7 +257,7 @@ def _q8_cache_write(key_tiles: bool, batched: bool, head_dim: int):
     return hand_scheduled(write)
 
 
-@functools.cache
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def ragged_kv_cache_write(key_tiles: bool, dtype: str, head_dim: int):
     """kv_cache_write for the tokens of G segments one after another (new [1, t, ...];
     segments [G, 3]: cache row, first token, count): token i of a segment into its row of

@@ -19,10 +19,10 @@ kernels/decode_attention.py.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 from . import hand_scheduled, vector_math
+from .kernel_cache import cached_kernel
 from .kv_cache import (
     KEY_TILE,
     LANES,
@@ -143,7 +143,7 @@ def span_queries(head_dim: int, registers: tuple[int, int]) -> int:
     return max(1, min(registers[0] * registers[1] // 2 // per_query, (STACK_BYTES - 1) // per_query))
 
 
-@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: bool = False,
               kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32), ragged: bool = False,
               singles: bool = True):

@@ -26,11 +26,10 @@ slice with nothing unpacked, started from 0 (the codes are signed: no offset).
 
 from __future__ import annotations
 
-import functools
-
 from tvm import tirx
 
 from .. import DECODE_GEMV, SCHEDULED, dot_bits
+from ..kernel_cache import cached_kernel
 from ..row_groups import INT8_CHUNKS, ROWS, chunks, groups
 from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 
@@ -90,7 +89,7 @@ def _scales(T, ws, g, b, q):
     return ws.vload([g, b, LANES * q], "float32x4")
 
 
-@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None,
            m: int | None = None, bits: int = 4, offsets: bool = False):
     """y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the -8 x sum
@@ -189,7 +188,7 @@ def block_split(n: int, nb: int, threads: int) -> int:
     return split
 
 
-@functools.cache
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str, split: int = 1,
                  dot: str = "sdot"):
     """Decode: one token through several weights that read the same activations, in one

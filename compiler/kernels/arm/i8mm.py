@@ -34,11 +34,10 @@ from 0 instead of the offsets.
 
 from __future__ import annotations
 
-import functools
-
 from tvm import tirx
 
 from .. import dot_bits
+from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, chunks, groups
 from ..w4a8 import block_sum_factor, gemm_kernel, token_count
 from .dotprod import halved_float
@@ -132,7 +131,7 @@ def decode_gemv(outputs, nb: int, scale_dtype: str = "float16", silu_mul: bool =
     raise ValueError(f"{dot} is a prefill GEMM only: its targets decode with sdot")
 
 
-@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None,
             bits: int = 4, offsets: bool = False):
     """y [M, N] (M >= 1, any, or `m` for tuning) from the pair-interleaved int8 activations

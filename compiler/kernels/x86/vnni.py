@@ -25,9 +25,8 @@ vpmaddubsw pair sums of u x a overflow int16); there Q8_0 runs as two 4-bit halv
 
 from __future__ import annotations
 
-import functools
-
 from .. import DECODE_GEMV, SCHEDULED, dot_bits
+from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, chunks, groups
 from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 
@@ -171,7 +170,7 @@ def few_ahead(dot: str, streams: int) -> int:
     return FEW_AHEAD[dot] // streams if dot in FEW_AHEAD else PREFETCH[0][0]
 
 
-@functools.cache   # a model asks for the same kernel per layer; TVMScript parsing is slow
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None,
               batched_decode: bool = False, dot: str = "vnni", offsets: bool = False, bias: bool = False):
     """Prefill: y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the
@@ -369,7 +368,7 @@ def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m
                      bias=bias)
 
 
-@functools.cache
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str = "float16",
                 silu_mul: bool = False, quantize: int | None = None, dot: str = "vnni"):
     """Decode: one token through several weights that read the same activations (q, k and v;
