@@ -129,7 +129,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     from qwc import memory_check as mc
     mc.check(f"compiling {Path(src).name}", compile_memory(model), "free some memory", skip=not memory_check,
              held=sum(len(t.raw_data) for t in model.graph.initializer))
-    linears, embedding_bits = weight_formats(model)
+    formats, embedding_bits = weight_formats(model)
     from .repack import float_column_blocks, half_gather_scales, q4_1_block_offsets, q8_0_nibble_halves, repack_weights
     with progress.stage("repacking weights for the target's kernels"):
         q8_0_nibble_halves(model, act_bits, target.features)
@@ -138,7 +138,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
         half_gather_scales(model)
         column_blocks = float_column_blocks(model, target.features)
     layout = {k: v for k, v in (("row_groups_16", repacked), ("column_blocks", column_blocks)) if v}
-    quant = Quantization(linears, act_bits, embedding_bits, weight_layout=layout, tuned_kernels=tuned)
+    quant = Quantization(formats, act_bits, embedding_bits, weight_layout=layout, tuned_kernels=tuned)
     # `score` keeps every position's logits: the nodes as they are (copies: the rewrites below
     # edit nodes in place). Nodes only; every entry point shares the one model's weights.
     full = onnx.GraphProto()
