@@ -58,10 +58,12 @@ def _entry(builder, args: tuple, kwargs: dict) -> Path | None:
 
 
 def _load(path: Path):
-    import tvm
+    # Not tvm.ir.load_json: its upgrade from older TVMs' schemas re-encodes the whole graph in
+    # Python, and an entry's key already names the TVM that wrote it.
+    from tvm.ir.base import from_json_graph_str
 
     try:
-        return tvm.ir.load_json(path.read_text())
+        return from_json_graph_str(path.read_text())
     except Exception:  # absent, or unreadable (a partial copy, another TVM's format): rebuild it
         return None
 
