@@ -26,13 +26,14 @@ from .targets import default_act_bits, default_kv_dtype, get_target
 
 def weight_formats(model: onnx.ModelProto) -> tuple[tuple[LinearFormat, ...], int | None]:
     """The linears' formats, each with its count, and the quantized embedding's bits (None: float)."""
-    from qwc.passes.graph import has_zero_points, matmul_nbits_dims
+    from qwc.passes.graph import block_mins_form, has_zero_points, matmul_nbits_dims
 
     blocks = Counter()
     for n in model.graph.node:
         if n.op_type == "MatMulNBits":
             _, _, block, bits = matmul_nbits_dims(n)
-            fmt = "q8_0" if bits == 8 else "q4_1" if has_zero_points(n) else "q4_0"   # block 32: llama.cpp's names
+            fmt = ("q8_0" if bits == 8 else "q4_0" if not has_zero_points(n)   # block 32: llama.cpp's names
+                   else "q4_k" if block_mins_form(n) == "q4_k" else "q4_1")
             blocks[(bits, block, fmt)] += 1
     gbq = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
     emb_bits = int(next((helper.get_attribute_value(a) for a in gbq[0].attribute if a.name == "bits"), 4)) if gbq else None

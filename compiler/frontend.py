@@ -75,8 +75,10 @@ class MatMulNBits(F.OnnxOpConverter):
         zp = inputs[3] if len(inputs) > 3 else None
         k, n, block, bits = int(attr["K"]), int(attr["N"]), int(attr["block_size"]), int(attr.get("bits", 4))
         bias = inputs[5] if len(inputs) > 5 else None
-        if zp is not None and attr.get(BLOCK_OFFSETS_ATTR):   # Q4_1 as Q4_0 plus offsets (repack.py)
+        if zp is not None and attr.get(BLOCK_OFFSETS_ATTR):   # Q4_1 / Q4_K as Q4_0 plus offsets (repack.py)
             path = q4_0_path(block, bits, _ctx().act_bits, _ctx().features)
+            if path is None:   # no Q4_0 kernel here: the generic one, and the offsets' own pair
+                return cls.q4_0_matmul(bb, a, w, s, k, n, "generic", bias=bias, offsets=zp)
             return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias, offsets=zp)
         if attr.get(NIBBLE_HALVES_ATTR):   # Q8_0 as two Q4_0 halves (repack.q8_0_nibble_halves)
             path = q4_0_path(block, 4, _ctx().act_bits, _ctx().features)
@@ -101,7 +103,8 @@ class MatMulNBits(F.OnnxOpConverter):
     def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str, features=None, bias=None, offsets=None,
                     zero_offset: bool = False, bits: int = 4):
         """a [..., K] (+ bias [N]) through one of qwc's Q4_0 kernels on [M, K] rows ("f32":
-        W4A32; "x86", "arm": W4A8 integer dots; with `bits` 8, the target's W8A8 kernels for
+        W4A32; "x86", "arm": W4A8 integer dots; "generic": the TE kernels, for block offsets on
+        a target without the others; with `bits` 8, the target's W8A8 kernels for
         Q8_0 codes); M = 1 selects the decode form. `offsets` (Q4_1, compiler/repack.py:
         q4_1_block_offsets): plus each block's offset times the activations' block sum, inside
         the W4A8 kernels (offsets in row groups, row_groups.pack_offsets); for W4A32 ([N, K/32])
@@ -114,6 +117,9 @@ class MatMulNBits(F.OnnxOpConverter):
         one_token = getattr(m, "value", None) == 1
         if path == "f32":
             y = cls._f32(bb, a2, m, one_token, w, s, k, n)
+        elif path == "generic":
+            kernel = generic.matmul_nbits_a8 if _ctx().act_bits == 8 else generic.matmul_nbits
+            y = bb.emit_te(kernel, a2, w, s, k=k, n=n, block=32, bits=bits, primfunc_name_hint=_kname("matmul_nbits"))
         else:
             y, bias = cls._int8_dot(bb, a2, m, one_token, w, s, k, n,
                                     _ctx().features if features is None else features, bias, zero_offset, bits,

@@ -27,6 +27,7 @@ from qwc.passes.graph import (
     COLUMN_BLOCKS_OP,
     NIBBLE_HALVES_ATTR,
     Graph,
+    block_mins_form,
     has_block_offsets,
     has_zero_points,
     matmul_nbits_dims,
@@ -150,15 +151,17 @@ def q8_0_nibble_halves(model: onnx.ModelProto, act_bits: int, features) -> int:
 
 
 def q4_1_block_offsets(model: onnx.ModelProto, act_bits: int, features) -> int:
-    """Give each Q4_1 MatMulNBits (4-bit codes, float zero points, block 32) the Q4_0 kernels'
-    form where the target has them: w = d q + m = d (q - 8) + (m + 8 d), so the codes and scales
-    are read as Q4_0 and each block adds its offset c = m + 8 d times the activations' block sum
-    (frontend: MatMulNBits.q4_0_matmul with `offsets`: one FMA a block inside the W4A8 kernels).
-    The zero points' input becomes c (float32, [N, K/32]; repack_weights lays it out in row
-    groups for the W4A8 kernels) and the node is marked (graph.BLOCK_OFFSETS_ATTR). A tensor
-    whose c is not exact in float32 for every block keeps the generic kernels. Returns the nodes
-    converted."""
-    from qwc.models.gguf_blocks import q4_1_mins
+    """Give each MatMulNBits with float zero points (4-bit codes, block 32: Q4_1, Q4_K's
+    sub-blocks) the Q4_0 kernels' form: w = d q + m = d (q - 8) + (m + 8 d), so the codes and
+    scales are read as Q4_0 and each block adds its offset c = m + 8 d times the activations'
+    block sum (frontend: MatMulNBits.q4_0_matmul with `offsets`: one FMA a block inside the W4A8
+    kernels). The zero points' input becomes c (float32, [N, K/32]; repack_weights lays it out
+    in row groups for the W4A8 kernels) and the node is marked (graph.BLOCK_OFFSETS_ATTR).
+    m comes back from (d, zp) in the node's form (gguf_blocks.block_mins). A Q4_1 tensor whose
+    c is not exact in float32 for every block keeps the generic kernels, which read m itself;
+    a Q4_K one always converts (the generic kernels know only Q4_1's form), its c within half
+    an ulp of m + 8 d. Returns the nodes converted."""
+    from qwc.models.gguf_blocks import block_mins
 
     inits = Graph(model).inits
     count = 0
@@ -166,14 +169,15 @@ def q4_1_block_offsets(model: onnx.ModelProto, act_bits: int, features) -> int:
         if node.op_type != "MatMulNBits" or not has_zero_points(node):
             continue
         _, _, block, bits = matmul_nbits_dims(node)
-        if q4_0_path(block, bits, act_bits, features) is None:
+        form = block_mins_form(node)
+        if q4_0_path(block, bits, act_bits, features) is None and form == "fp16":
             continue
         if node.input[2] not in inits or node.input[3] not in inits:
             continue
         d, zp = tensor_array(inits[node.input[2]]).astype(np.float32), tensor_array(inits[node.input[3]])
-        m = q4_1_mins(d, zp)
-        c = m + np.float32(8) * d
-        if not np.array_equal(c.astype(np.float64), m.astype(np.float64) + 8 * d.astype(np.float64)):
+        m = block_mins(d, zp, form)
+        c = (m.astype(np.float64) + 8 * d.astype(np.float64)).astype(np.float32)
+        if form == "fp16" and not np.array_equal(c.astype(np.float64), m.astype(np.float64) + 8 * d.astype(np.float64)):
             continue
         old, name = node.input[3], node.input[3] + ".qwc_offsets"
         model.graph.initializer.append(new_tensor(c, name))

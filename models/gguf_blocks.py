@@ -1,22 +1,31 @@
 """A GGUF tensor's quantized blocks as the canonical graph holds them, bit for bit.
 
-llama.cpp's Q4_0, Q4_1 and Q8_0 are blocks of 32 weights along a row with float16 scales:
+llama.cpp's Q4_0, Q4_1, Q8_0 and Q5_0 are blocks of 32 weights along a row with float16 scales:
 
 - Q4_0: d, then 16 bytes of codes q (0..15); w = d * (q - 8);
 - Q4_1: d, m, then 16 bytes of codes; w = d * q + m;
-- Q8_0: d, then 32 signed bytes q; w = d * q.
+- Q8_0: d, then 32 signed bytes q; w = d * q;
+- Q5_0: d, 4 bytes of fifth bits, 16 bytes of low nibbles; w = d * (q - 16), q in 0..31.
+
+Q4_K is super-blocks of 256: an fp16 d and dmin, 12 bytes holding 8 six-bit scales sc and mins
+mn (one pair per sub-block of 32), then 128 bytes of codes; w = d sc q - dmin mn. Each sub-block
+is a Q4_1 block with scale d sc and minimum -dmin mn, both exact in float32 (an fp16 times a
+6-bit integer has at most 17 significant bits).
 
 onnxruntime's MatMulNBits / GatherBlockQuantized hold the same numbers in their own layout:
 codes packed low-first along the row (llama.cpp packs element j with element j + 16, so
 the nibbles are reordered, not changed), float32 scales (each the fp16 d exactly), 8-bit
-codes as uint8 with the default zero point 128 (q + 128), and Q4_1 as float32 zero points,
-w = d * (q - zp) with zp = -m / d. `q4_1_mins` takes m back from (d, zp): it is the fp16
-nearest -zp * d, which `from_gguf` checks for every block of the file before anything is
-written. A Q4_1 block with d = 0 (all its weights m) is written as d = 1, zp = -m when its
-codes are all 0, the only form llama.cpp's quantizer writes; any other is refused.
+codes as uint8 with the default zero point 128 (q + 128; Q5_0's q - 16 + 128, so it runs as
+Q8_0 does), and Q4_1 / Q4_K as float32 zero points, w = d * (q - zp) with zp = -m / d.
+`block_mins` takes m back from (d, zp): for Q4_1 the fp16 nearest -zp * d, for Q4_K -zp * d
+rounded to 17 significant bits (a node marks which: passes/graph.py MINS_KEY); `from_gguf`
+checks that for every block of the file before anything is written. A block with d = 0 (all
+its weights m) is written as d = 1, zp = -m, codes 0: Q4_1's quantizer writes codes 0 there,
+and a Q4_K sub-block's codes of scale 0 weigh nothing.
 
-Other GGUF types (K-quants, IQ, Q5) have no kernel here: they are dequantized and quantized
-again to the format the user names (`--requant`, Q8_0 by default: the one that loses least).
+Other GGUF types (Q5_1, Q5_K, Q6_K, IQ) have no kernel here yet: they are dequantized and
+quantized again to the format the user names (`--requant`, Q8_0 by default: the one that loses
+least).
 """
 
 from __future__ import annotations
@@ -29,23 +38,30 @@ from qwc.errors import QwcError
 from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 
 BLOCK = 32
-# GGUF type name -> bytes a block
-KEPT = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+SUPER = 256
+# GGUF type name -> (weights, bytes) a block (a super-block for the K-quants)
+KEPT = {"Q4_0": (BLOCK, 18), "Q4_1": (BLOCK, 20), "Q8_0": (BLOCK, 34), "Q5_0": (BLOCK, 22), "Q4_K": (SUPER, 144)}
 REQUANT_CHOICES = ("q8_0", "q4_0")
+K_MIN_BITS = 17   # significant bits of a Q4_K minimum dmin * mn: an fp16 times a 6-bit integer
 
 
 @dataclass
 class Blocks:
     """One [N, K] weight as MatMulNBits takes it: codes [N, K/32, 16 or 32] uint8, scales
     [N, K/32] float32, zero points [N, K/32] float32 (Q4_1 only)."""
-    fmt: str                       # "Q4_0", "Q4_1", "Q8_0"
+    fmt: str                       # a KEPT type: "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K"
     codes: np.ndarray
     scales: np.ndarray
     zero_points: np.ndarray | None = None
 
     @property
     def bits(self) -> int:
-        return 8 if self.fmt == "Q8_0" else 4
+        return 8 if self.fmt in ("Q8_0", "Q5_0") else 4
+
+    @property
+    def mins(self) -> str:
+        """How m comes back from (d, zp): "fp16" (Q4_1) or "q4_k" (block_mins)."""
+        return "q4_k" if self.fmt == "Q4_K" else "fp16"
 
 
 def _halves(raw: np.ndarray, at: int) -> np.ndarray:
@@ -61,34 +77,86 @@ def _gguf_nibbles(qs: np.ndarray) -> np.ndarray:
 def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int], name: str) -> Blocks:
     """`raw`: the tensor's bytes, [N, K/32 * bytes-a-block] (GGUFReader's view) or flat."""
     n, k = shape
-    if k % BLOCK:
-        raise QwcError(f"{name}: {fmt} rows of {k} are not whole blocks of {BLOCK}")
-    nb = k // BLOCK
-    raw = np.asarray(raw, np.uint8).reshape(n, nb, KEPT[fmt])
+    per, size = KEPT[fmt]
+    if k % per:
+        raise QwcError(f"{name}: {fmt} rows of {k} are not whole blocks of {per}")
+    raw = np.asarray(raw, np.uint8)
+    if raw.size != n * (k // per) * size:
+        raise QwcError(f"{name}: {raw.size} bytes are not {n} rows of {k // per} {fmt} blocks ({size} bytes each)")
+    raw = raw.reshape(n, k // per, size)
     d = _halves(raw, 0)
+    if fmt == "Q4_K":
+        return _q4_k(raw, d, _halves(raw, 2), name)
+    _finite(d, fmt, name)
     if fmt == "Q8_0":
         codes = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return Blocks(fmt, codes, d)
+    if fmt == "Q5_0":
+        fifth = np.unpackbits(raw[..., 2:6], axis=-1, bitorder="little")   # bit j of the uint32: element j
+        return Blocks(fmt, (_gguf_nibbles(raw[..., 6:]) + 16 * fifth + 112).astype(np.uint8), d)   # q - 16 + 128
     if fmt == "Q4_0":
         return Blocks(fmt, pack_nibbles(_gguf_nibbles(raw[..., 2:])), d)
     m = _halves(raw, 2)
-    q = _gguf_nibbles(raw[..., 4:])
+    _finite(m, fmt, name)
+    return _with_zero_points(fmt, _gguf_nibbles(raw[..., 4:]), d, m, name)
+
+
+def _finite(x: np.ndarray, fmt: str, name: str) -> None:
+    if not np.isfinite(x).all():
+        raise QwcError(f"{name}: {int((~np.isfinite(x)).sum())} {fmt} scales are NaN or infinite")
+
+
+def _q4_k(raw: np.ndarray, d: np.ndarray, dmin: np.ndarray, name: str) -> Blocks:
+    """Q4_K super-blocks [N, K/256, 144] as Q4_1-like blocks of 32 with float32 d sc and -dmin mn."""
+    _finite(d, "Q4_K", name)
+    _finite(dmin, "Q4_K", name)
+    s = raw[..., 4:16].astype(np.uint8)
+    lo, hi, mixed = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    # sub-blocks 0-3: six bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: a nibble of bytes
+    # 8-11 plus the top two bits of bytes 0-3 (scales) or 4-7 (mins)
+    sc = np.concatenate([lo & 63, (mixed & 15) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([hi & 63, (mixed >> 4) | ((hi >> 6) << 4)], axis=-1)
+    qs = raw[..., 16:].reshape(*raw.shape[:2], 4, 32)           # 32 bytes for each pair of sub-blocks
+    q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(raw.shape[0], -1, BLOCK)   # [N, K/32, 32]
+    n = raw.shape[0]
+    scales = (d[..., None] * sc).reshape(n, -1).astype(np.float32)      # exact: 11 x 6 bits
+    mins = -(dmin[..., None] * mn).reshape(n, -1).astype(np.float32)
+    return _with_zero_points("Q4_K", q, scales, mins, name)
+
+
+def _with_zero_points(fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, name: str) -> Blocks:
+    """Codes q [N, K/32, 32] (0..15) with w = d q + m, as MatMulNBits' (codes, d, zp)."""
     flat = d == 0
     if flat.any():
-        if q[flat].any():
+        if fmt == "Q4_1" and q[flat].any():
             raise QwcError(f"{name}: a Q4_1 block has scale 0 and non-zero codes (not written by llama.cpp)")
-        d = np.where(flat, np.float32(1), d)   # every weight m: 1 * (0 - (-m))
+        q = np.where(flat[..., None], np.uint8(0), q)       # the codes of a scale 0 weigh nothing
+        d = np.where(flat, np.float32(1), d)                 # every weight m: 1 * (0 - (-m))
     zp = (-m / d).astype(np.float32)
-    back = q4_1_mins(d, zp)
+    b = Blocks(fmt, pack_nibbles(q.astype(np.uint8)), d, zp)
+    back = block_mins(d, zp, b.mins)
     if not np.array_equal(back.view(np.uint32), m.view(np.uint32)):
         bad = int((back.view(np.uint32) != m.view(np.uint32)).sum())
-        raise QwcError(f"{name}: {bad} Q4_1 block minimums do not survive as float zero points")
-    return Blocks(fmt, pack_nibbles(q), d, zp)
+        raise QwcError(f"{name}: {bad} {fmt} block minimums do not survive as float zero points")
+    return b
 
 
 def q4_1_mins(d: np.ndarray, zp: np.ndarray) -> np.ndarray:
     """m of Q4_1 blocks held as (d, zp): the fp16 nearest -zp * d, as float32."""
     return (-(zp.astype(np.float32) * d.astype(np.float32))).astype(np.float16).astype(np.float32)
+
+
+def block_mins(d: np.ndarray, zp: np.ndarray, kind: str = "fp16") -> np.ndarray:
+    """m of blocks held as (d, zp), float32: Q4_1's (`kind` "fp16": q4_1_mins) or Q4_K's
+    ("q4_k": -zp * d, exact in float64, rounded to K_MIN_BITS significant bits, where a
+    float32 zp's relative error of 2^-24 is far inside half a step of the minimum's grid)."""
+    if kind == "fp16":
+        return q4_1_mins(d, zp)
+    if kind != "q4_k":
+        raise QwcError(f"unknown block minimum form {kind!r}")
+    p = -(zp.astype(np.float64) * d.astype(np.float64))
+    mant, exp = np.frexp(p)
+    return np.ldexp(np.rint(np.ldexp(mant, K_MIN_BITS)), exp - K_MIN_BITS).astype(np.float32)
 
 
 def requantize(w: np.ndarray, to: str) -> Blocks:
@@ -113,5 +181,5 @@ def dequantize(b: Blocks) -> np.ndarray:
             q -= 8
     w = q * b.scales[..., None]
     if b.zero_points is not None:
-        w += q4_1_mins(b.scales, b.zero_points)[..., None]
+        w += block_mins(b.scales, b.zero_points, b.mins)[..., None]
     return w.reshape(w.shape[0], -1)
