@@ -132,15 +132,18 @@ def config_from_gguf(reader: GGUFReader, path: Path) -> tuple[ModelConfig, str]:
     return cfg, arch
 
 
-def _tokenizer(path: Path):
+def _tokenizer(reader: GGUFReader, path: Path):
     # transformers' GGUF tokenizer builder rebuilds the exact fast tokenizer (vocab, merges,
-    # pre-tokenizer split regex, special tokens) from llama.cpp's metadata keys.
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+    # pre-tokenizer split regex, special tokens) from llama.cpp's metadata keys. Its own reader
+    # of those keys imports torch, which a GGUF's export must not need: the file is open here,
+    # so its fields are handed over under the names the builder reads.
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     try:
-        arch, tok_dict, _ = get_gguf_tokenizer(str(path))
+        tok_dict = {name: reader.fields[f"tokenizer.{key}"].contents()
+                    for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items() if f"tokenizer.{key}" in reader.fields}
         if "tokens" not in tok_dict:
             raise QwcError(f"{path}: GGUF file has no tokenizer vocabulary")
-        tokenizer, _ = convert_gguf_tokenizer(arch, tok_dict)
+        tokenizer, _ = convert_gguf_tokenizer(_field(reader, "general.architecture"), tok_dict)
     except QwcError:
         raise
     except Exception as e:
@@ -154,7 +157,7 @@ def open_gguf(path: Path) -> Checkpoint:
     path = Path(path)
     reader = _open(path)
     cfg, arch = config_from_gguf(reader, path)
-    tokenizer = _tokenizer(path)
+    tokenizer = _tokenizer(reader, path)
     tensors, shapes = {}, {}
     for t in reader.tensors:
         name = hf_name(t.name)

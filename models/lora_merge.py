@@ -49,7 +49,7 @@ def qa_base_blocks(ckpt: Checkpoint, name: str) -> Blocks:
         return Blocks("Q4_0", pack_nibbles(q), d)
     if kind not in ("Q4_0", "Q4_1"):
         raise QwcError(f"{ckpt.source}: {name} is {kind}; QA-LoRA needs a 4-bit base of Q4_0 or Q4_1 blocks "
-                       "(export with --requant q4_0, or start from a float checkpoint)")
+                       "(a GGUF whose linears are Q4_0 or Q4_1, or a float checkpoint)")
     return ckpt.blocks(name)
 
 

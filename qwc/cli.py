@@ -920,6 +920,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# What pyproject.toml's extras install, by top-level module: a command that reaches one the
+# install lacks says which extra to add, in one line.
+EXTRA_OF_MODULE = {"torch": "torch", "onnxscript": "torch", "peft": "torch", "accelerate": "torch",
+                   "fastapi": "serve", "uvicorn": "serve", "llguidance": "serve", "prometheus_client": "serve",
+                   "ray": "ray", "matplotlib": "bench"}
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:   # the `qwc` command itself (not a caller's main([...])): qwc/allocator.py
         from .allocator import restart_with_tunable
@@ -949,6 +956,13 @@ def main(argv: list[str] | None = None) -> int:
             (f"{e.filename}: " if e.filename else "")
         what = "no space left on the device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
         print(f"qwc: error: {where}{what}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in EXTRA_OF_MODULE:
+            raise
+        print(f"qwc: error: qwc {args.command} needs {top}, which this install lacks: "
+              f"pip install 'qwc[{EXTRA_OF_MODULE[top]}]'", file=sys.stderr)
         return 2
     except Exception:
         # Ctrl-C inside a TVM pass comes back as TVM's own error type, not KeyboardInterrupt.
