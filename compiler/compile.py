@@ -26,7 +26,8 @@ from .targets import default_act_bits, default_kv_dtype, get_target
 
 def weight_formats(model: onnx.ModelProto) -> tuple[tuple[LinearFormat, ...], int | None]:
     """The linears' formats, each with its count, and the quantized embedding's bits (None: float)."""
-    from qwc.passes.graph import block_mins_form, has_zero_points, matmul_nbits_dims
+    from qwc.models.gguf_blocks import block_mins_form
+    from qwc.passes.graph import has_zero_points, matmul_nbits_dims
 
     blocks = Counter()
     for n in model.graph.node:

@@ -27,7 +27,6 @@ from qwc.passes.graph import (
     COLUMN_BLOCKS_OP,
     NIBBLE_HALVES_ATTR,
     Graph,
-    block_mins_form,
     has_block_offsets,
     has_zero_points,
     matmul_nbits_dims,
@@ -161,7 +160,7 @@ def q4_1_block_offsets(model: onnx.ModelProto, act_bits: int, features) -> int:
     c is not exact in float32 for every block keeps the generic kernels, which read m itself;
     a Q4_K one always converts (the generic kernels know only Q4_1's form), its c within half
     an ulp of m + 8 d. Returns the nodes converted."""
-    from qwc.models.gguf_blocks import block_mins
+    from qwc.models.gguf_blocks import block_mins, block_mins_form
 
     inits = Graph(model).inits
     count = 0

@@ -18,7 +18,7 @@ the nibbles are reordered, not changed), float32 scales (each the fp16 d exactly
 codes as uint8 with the default zero point 128 (q + 128; Q5_0's q - 16 + 128, so it runs as
 Q8_0 does), and Q4_1 / Q4_K as float32 zero points, w = d * (q - zp) with zp = -m / d.
 `block_mins` takes m back from (d, zp): for Q4_1 the fp16 nearest -zp * d, for Q4_K -zp * d
-rounded to 17 significant bits (a node marks which: passes/graph.py MINS_KEY); `from_gguf`
+rounded to 17 significant bits (the node's metadata says which: MINS_KEY); `from_gguf`
 checks that for every block of the file before anything is written. A block with d = 0 (all
 its weights m) is written as d = 1, zp = -m, codes 0: Q4_1's quantizer writes codes 0 there,
 and a Q4_K sub-block's codes of scale 0 weigh nothing.
@@ -48,7 +48,7 @@ K_MIN_BITS = 17   # significant bits of a Q4_K minimum dmin * mn: an fp16 times 
 @dataclass
 class Blocks:
     """One [N, K] weight as MatMulNBits takes it: codes [N, K/32, 16 or 32] uint8, scales
-    [N, K/32] float32, zero points [N, K/32] float32 (Q4_1 only)."""
+    [N, K/32] float32, zero points [N, K/32] float32 (Q4_1, Q4_K)."""
     fmt: str                       # a KEPT type: "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K"
     codes: np.ndarray
     scales: np.ndarray
@@ -110,12 +110,12 @@ def _q4_k(raw: np.ndarray, d: np.ndarray, dmin: np.ndarray, name: str) -> Blocks
     """Q4_K super-blocks [N, K/256, 144] as Q4_1-like blocks of 32 with float32 d sc and -dmin mn."""
     _finite(d, "Q4_K", name)
     _finite(dmin, "Q4_K", name)
-    s = raw[..., 4:16].astype(np.uint8)
-    lo, hi, mixed = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    # sub-blocks 0-3: six bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: a nibble of bytes
-    # 8-11 plus the top two bits of bytes 0-3 (scales) or 4-7 (mins)
-    sc = np.concatenate([lo & 63, (mixed & 15) | ((lo >> 6) << 4)], axis=-1)
-    mn = np.concatenate([hi & 63, (mixed >> 4) | ((hi >> 6) << 4)], axis=-1)
+    s = raw[..., 4:16]
+    sc_bytes, mn_bytes, mixed = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    # sub-blocks 0-3: the low six bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: a nibble of
+    # bytes 8-11 (low: scale, high: min) under the top two bits of bytes 0-3 or 4-7
+    sc = np.concatenate([sc_bytes & 63, (mixed & 15) | ((sc_bytes >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mn_bytes & 63, (mixed >> 4) | ((mn_bytes >> 6) << 4)], axis=-1)
     qs = raw[..., 16:].reshape(*raw.shape[:2], 4, 32)           # 32 bytes for each pair of sub-blocks
     q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(raw.shape[0], -1, BLOCK)   # [N, K/32, 32]
     n = raw.shape[0]
@@ -157,6 +157,22 @@ def block_mins(d: np.ndarray, zp: np.ndarray, kind: str = "fp16") -> np.ndarray:
     p = -(zp.astype(np.float64) * d.astype(np.float64))
     mant, exp = np.frexp(p)
     return np.ldexp(np.rint(np.ldexp(mant, K_MIN_BITS)), exp - K_MIN_BITS).astype(np.float32)
+
+
+# Node metadata of a MatMulNBits with float zero points in the canonical graph: its minimums'
+# form for block_mins, absent for Q4_1's ("fp16"). Metadata, not an attribute: onnxruntime
+# refuses attributes MatMulNBits does not define, and ignores metadata.
+MINS_KEY = "qwc.block_mins"
+
+
+def block_mins_form(node) -> str:
+    """A MatMulNBits node's minimums' form (block_mins' `kind`)."""
+    return next((p.value for p in node.metadata_props if p.key == MINS_KEY), "fp16")
+
+
+def set_block_mins_form(node, form: str) -> None:
+    p = node.metadata_props.add()
+    p.key, p.value = MINS_KEY, form
 
 
 def requantize(w: np.ndarray, to: str) -> Blocks:

@@ -13,7 +13,7 @@ embedding of a 7B: ~3.3 GB).
 A GGUF's quantized weights are written as the canonical graph's ops, not as float:
 MatMulNBits (and GatherBlockQuantized for the embedding) on the file's own blocks where they
 are Q4_0, Q4_1, Q8_0, Q5_0 or Q4_K (models/gguf_blocks.py; a Q4_K node is marked with how its
-minimums come back, passes/graph.py MINS_KEY), or on `--requant`'s blocks for a type qwc has
+minimums come back, gguf_blocks.MINS_KEY), or on `--requant`'s blocks for a type qwc has
 no kernel for. The passes quantize only what is still float, so these reach the artifact
 bit for bit; the graph still runs in onnxruntime.
 
@@ -35,7 +35,6 @@ from qwc import progress
 from qwc.atomic import publish, staging_dir
 from qwc.config import foreign_graph_files, sidecar_paths
 from qwc.errors import QwcError
-from qwc.passes.graph import set_block_mins
 from qwc.rotary import model_rotary_caches
 from qwc.weight_file import WeightFile
 
@@ -120,7 +119,7 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         y = node("MatMulNBits", inputs, [out], path + "/MatMulNBits", domain=MS_DOMAIN,
                  K=k, N=n, bits=bits, block_size=gguf_blocks.BLOCK)
         if zp and mins != "fp16":
-            set_block_mins(nodes[-1], mins)
+            gguf_blocks.set_block_mins_form(nodes[-1], mins)
         return y
 
     def linear(x: str, module: str, bias: bool = False) -> str:

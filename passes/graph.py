@@ -338,22 +338,6 @@ def mark_rescaled_inputs(model, by: str) -> None:
     p.key, p.value = RESCALED_INPUTS_KEY, by
 
 
-# Node metadata of a MatMulNBits with float zero points: how its block minimums m come back from
-# (scale d, zero point zp), models/gguf_blocks.block_mins: absent for Q4_1's ("fp16": the fp16
-# nearest -zp d), "q4_k" for Q4_K's (-zp d rounded to 17 significant bits). Metadata, not an
-# attribute: onnxruntime refuses attributes MatMulNBits does not define, and ignores metadata.
-MINS_KEY = "qwc.block_mins"
-
-
-def block_mins_form(n: onnx.NodeProto) -> str:
-    return next((p.value for p in n.metadata_props if p.key == MINS_KEY), "fp16")
-
-
-def set_block_mins(n: onnx.NodeProto, form: str) -> None:
-    p = n.metadata_props.add()
-    p.key, p.value = MINS_KEY, form
-
-
 def has_block_offsets(n: onnx.NodeProto) -> bool:
     return any(a.name == BLOCK_OFFSETS_ATTR and a.i for a in n.attribute)
 

@@ -33,11 +33,12 @@ FORMATS = {"q_proj": Q.Q4_1, "k_proj": Q.Q8_0, "v_proj": Q.Q4_0, "o_proj": Q.Q4_
 STEPS = [np.array([[72, 101, 108, 108, 111, 44, 32, 119]]), np.array([[5]]), np.array([[6]]), np.array([[7]])]
 
 
-def _config() -> ModelConfig:
+def _config(name: str = "tiny-formats", hidden: int = 64, intermediate: int = 96) -> ModelConfig:
+    """Two layers of 4 heads (2 KV heads) over the byte-level vocabulary, tied."""
     tok = byte_level_tokenizer()
     return ModelConfig(
-        name="tiny-formats", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+        name=name, vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, rope_theta=10000.0,
         rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=256,
         eos_token_ids=[258], chat_template="{{ messages }}")
 
@@ -45,25 +46,39 @@ def _config() -> ModelConfig:
 def write_model(path: Path, formats: dict, embedding=Q.Q8_0, seed: int = 0) -> dict[str, tuple[np.ndarray, Q]]:
     """A random tied qwen2 GGUF with each linear in `formats`' type; returns what it holds
     (HF name -> (raw bytes, type))."""
-    from qwc.models.checkpoint import expected_tensors
-
-    cfg = _config()
-    rng = np.random.default_rng(seed)
-    tok = byte_level_tokenizer()
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    types = [TokenType.CONTROL if t in SPECIAL_TOKENS else TokenType.NORMAL for t, _ in vocab]
-    tensors = {}
-    for name, shape in expected_tensors(cfg).items():
-        if len(shape) == 1:
-            v = (rng.uniform(0.5, 1.5, shape) if name.endswith("norm.weight") else 0.1 * rng.standard_normal(shape))
-            tensors[name] = (v.astype(np.float32), None)
-            continue
+    def matrix(rng, name, shape):
         kind = embedding if "embed" in name else FORMATS[name.split(".")[-2]] if formats is FORMATS else formats[name]
         w = (0.1 * rng.standard_normal(shape)).astype(np.float32)
         w[0, :32] = 0.02      # one block of equal weights (a Q4_1 block of scale 0)
-        tensors[name] = (quantize(w, kind), kind)
-    write_gguf(path, "qwen2", cfg, [t for t, _ in vocab], types, tensors)
+        return quantize(w, kind), kind
+
+    return write_random_model(path, _config(), matrix, seed)
+
+
+def write_random_model(path: Path, cfg: ModelConfig, matrix, seed: int) -> dict[str, tuple[np.ndarray, Q]]:
+    """A random GGUF of `cfg`: norms' gains around 1, small biases, and each matrix as
+    `matrix(rng, HF name, shape)` gives it (bytes, type); returns what it holds."""
+    from qwc.models.checkpoint import expected_tensors
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in expected_tensors(cfg).items():
+        if len(shape) > 1:
+            tensors[name] = matrix(rng, name, shape)
+            continue
+        v = rng.uniform(0.5, 1.5, shape) if name.endswith("norm.weight") else 0.1 * rng.standard_normal(shape)
+        tensors[name] = (v.astype(np.float32), None)
+    write_byte_level_gguf(path, cfg, tensors)
     return tensors
+
+
+def write_byte_level_gguf(path: Path, cfg: ModelConfig, tensors: dict) -> None:
+    """A qwen2 GGUF of `tensors` (HF name -> (array or raw blocks, type)) with the byte-level
+    tokenizer qwc's presets use."""
+    tok = byte_level_tokenizer()
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    types = [TokenType.CONTROL if t in SPECIAL_TOKENS else TokenType.NORMAL for t, _ in vocab]
+    write_gguf(path, "qwen2", cfg, [t for t, _ in vocab], types, tensors)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +147,11 @@ def test_q4_1_block_of_scale_zero_with_codes_is_refused():
 
 
 def test_exported_graph_runs_in_onnxruntime_as_the_float_reference(gguf_model):
-    d, _ = gguf_model
+    assert_graph_follows_the_float_reference(gguf_model[0])
+
+
+def assert_graph_follows_the_float_reference(d: Path) -> None:
+    """d/m.onnx (the file's blocks) in onnxruntime against d/float.onnx (its dequantized weights)."""
     cfg = ModelConfig.load(sidecar_paths(d / "m.onnx")[0])
     ours = ort_kv_logits(d / "m.onnx", cfg, STEPS[0], STEPS[1:])
     ref = ort_kv_logits(d / "float.onnx", cfg, STEPS[0], STEPS[1:])
@@ -147,15 +166,19 @@ def _compiled_logits(art) -> np.ndarray:
     return np.stack([eng.prefill(STEPS[0][0])] + [eng.decode(int(t[0, 0])) for t in STEPS[1:]])
 
 
-@pytest.fixture(scope="module")
-def host_builds(gguf_model):
-    d, _ = gguf_model
+def compile_host_builds(d: Path) -> dict[int, Path]:
+    """d/m.onnx compiled for the host with float and with Q8_0 activations (an f32 cache)."""
     out = {}
     for act in (32, 8):
         out[act] = d / f"host-a{act}.qwc"
         assert main(["-q", "compile", str(d / "m.onnx"), "--act-bits", str(act), "--kv-dtype", "f32",
                      "-o", str(out[act])]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def host_builds(gguf_model):
+    return compile_host_builds(gguf_model[0])
 
 
 def _params(art: Path) -> dict[str, np.ndarray]:

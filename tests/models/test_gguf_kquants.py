@@ -12,33 +12,27 @@ import numpy as np
 import onnx
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf import TokenType
 from gguf.quants import dequantize, quantize
+from test_gguf_formats import (
+    STEPS,
+    _compiled_logits,
+    _config,
+    assert_graph_follows_the_float_reference,
+    compile_host_builds,
+    write_random_model,
+)
 
 from qwc.cli import main
 from qwc.config import ModelConfig, sidecar_paths
 from qwc.errors import QwcError
 from qwc.models import gguf_blocks
-from qwc.models.gguf_writer import write_gguf
-from qwc.models.tokenizer import SPECIAL_TOKENS, byte_level_tokenizer
-from qwc.passes.graph import block_mins_form
 from qwc.q4 import unpack_nibbles
 
 from conftest import one_line, ort_kv_logits
 
-STEPS = [np.array([[72, 101, 108, 108, 111, 44, 32, 119]]), np.array([[5]]), np.array([[6]]), np.array([[7]])]
 # rows of 256 (hidden) and 512 (intermediate): whole Q4_K super-blocks
 FORMATS = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q5_0, "o_proj": Q.Q4_K,
            "gate_proj": Q.Q4_K, "up_proj": Q.Q4_K, "down_proj": Q.Q5_0}
-
-
-def _config() -> ModelConfig:
-    tok = byte_level_tokenizer()
-    return ModelConfig(
-        name="tiny-kquants", vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=512,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
-        rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=256,
-        eos_token_ids=[258], chat_template="{{ messages }}")
 
 
 def random_q4_k(rng, n: int, k: int) -> np.ndarray:
@@ -53,26 +47,13 @@ def random_q4_k(rng, n: int, k: int) -> np.ndarray:
 
 
 def write_model(path, formats=None, embedding=Q.Q8_0, seed: int = 0) -> dict[str, tuple[np.ndarray, Q]]:
-    from qwc.models.checkpoint import expected_tensors
-
-    cfg = _config()
-    rng = np.random.default_rng(seed)
-    tok = byte_level_tokenizer()
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    types = [TokenType.CONTROL if t in SPECIAL_TOKENS else TokenType.NORMAL for t, _ in vocab]
-    tensors = {}
-    for name, shape in expected_tensors(cfg).items():
-        if len(shape) == 1:
-            v = (rng.uniform(0.5, 1.5, shape) if name.endswith("norm.weight") else 0.1 * rng.standard_normal(shape))
-            tensors[name] = (v.astype(np.float32), None)
-            continue
+    def matrix(rng, name, shape):
         kind = embedding if "embed" in name else (formats or FORMATS)[name.split(".")[-2]]
         if kind == Q.Q4_K:
-            tensors[name] = (random_q4_k(rng, *shape), kind)
-        else:
-            tensors[name] = (quantize((0.1 * rng.standard_normal(shape)).astype(np.float32), kind), kind)
-    write_gguf(path, "qwen2", cfg, [t for t, _ in vocab], types, tensors)
-    return tensors
+            return random_q4_k(rng, *shape), kind
+        return quantize((0.1 * rng.standard_normal(shape)).astype(np.float32), kind), kind
+
+    return write_random_model(path, _config("tiny-kquants", hidden=256, intermediate=512), matrix, seed)
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +173,7 @@ def test_graph_holds_the_files_codes_and_scales(k_model):
             assert flat[0, 0]
             assert np.array_equal(codes.reshape(q.shape)[~flat], q[~flat]) and not codes.reshape(q.shape)[flat].any()
             assert np.array_equal(scales[~flat], dd[~flat]) and np.all(scales[flat] == 1), hf
-            assert block_mins_form(node) == "q4_k"
+            assert gguf_blocks.block_mins_form(node) == "q4_k"
             back = gguf_blocks.block_mins(scales, inits[node.input[3]], "q4_k")
             assert np.array_equal(back, mins), hf
         seen[kind] += 1
@@ -200,30 +181,12 @@ def test_graph_holds_the_files_codes_and_scales(k_model):
 
 
 def test_graph_runs_in_onnxruntime_as_the_float_reference(k_model):
-    d, _ = k_model
-    cfg = ModelConfig.load(sidecar_paths(d / "m.onnx")[0])
-    ours = ort_kv_logits(d / "m.onnx", cfg, STEPS[0], STEPS[1:])
-    ref = ort_kv_logits(d / "float.onnx", cfg, STEPS[0], STEPS[1:])
-    for a, r in zip(ours, ref):
-        assert np.abs(a - r).max() / np.abs(r).max() < 1e-5
-
-
-def _compiled_logits(art) -> np.ndarray:
-    from qwc.runtime.engine import Engine
-
-    eng = Engine(art, ctx=64)
-    return np.stack([eng.prefill(STEPS[0][0])] + [eng.decode(int(t[0, 0])) for t in STEPS[1:]])
+    assert_graph_follows_the_float_reference(k_model[0])
 
 
 @pytest.fixture(scope="module")
 def host_builds(k_model):
-    d, _ = k_model
-    out = {}
-    for act in (32, 8):
-        out[act] = d / f"host-a{act}.qwc"
-        assert main(["-q", "compile", str(d / "m.onnx"), "--act-bits", str(act), "--kv-dtype", "f32",
-                     "-o", str(out[act])]) == 0
-    return out
+    return compile_host_builds(k_model[0])
 
 
 @pytest.mark.slow
