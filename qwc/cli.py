@@ -923,6 +923,9 @@ def build_parser() -> argparse.ArgumentParser:
 # What pyproject.toml's extras install, by top-level module: a command that reaches one the
 # install lacks says which extra to add, in one line.
 EXTRA_OF_MODULE = {"torch": "torch", "onnxscript": "torch", "peft": "torch", "accelerate": "torch",
+                   "onnx": "compile", "onnx_ir": "compile", "onnxruntime": "compile", "transformers": "compile",
+                   "safetensors": "compile", "gguf": "compile", "cloudpickle": "compile", "psutil": "compile",
+                   "tornado": "compile",
                    "fastapi": "serve", "uvicorn": "serve", "llguidance": "serve", "prometheus_client": "serve",
                    "ray": "ray", "matplotlib": "bench"}
 

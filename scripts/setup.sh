@@ -17,7 +17,7 @@ fi
 # ARM server has no use for: everything but the torch extra (pyproject.toml) is installed.
 arch=$(uname -m)
 if [ "$arch" = aarch64 ] || [ "$arch" = arm64 ]; then
-    extras="serve,ray,bench,test"
+    extras="compile,serve,ray,bench,test"
     echo "setup: $arch: installing qwc without the torch extra (presets, qwc qat / lora, --awq / --gptq," \
          "PEFT adapters need it: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu," \
          "then .venv/bin/pip install -e '.[torch]')"

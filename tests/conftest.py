@@ -9,15 +9,16 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-import torch
 
 from qwc import progress
 from qwc.compiler.schedule import STRICT_ENV
 from qwc.config import sidecar_paths
-from qwc.models.export import export_onnx
-from qwc.models.presets import load_preset
 from qwc.passes.options import PassOptions
 from qwc.passes.pipeline import optimize, save_graph
+
+# torch (and the exporters and presets built on it) is imported where a fixture needs it: an
+# install without the torch extra, an ARM server's (scripts/arm64/native.sh), still collects
+# and runs the tests that need none.
 
 # The slowest files, slowest first (measured: `pytest --durations=0`, summed by file). pytest
 # runs on two workers a whole file each (pyproject.toml: --dist loadfile) in collection order:
@@ -45,17 +46,23 @@ os.environ[STRICT_ENV] = "error"
 
 @pytest.fixture(scope="session")
 def tiny_lm():
+    from qwc.models.presets import load_preset
+
     return load_preset("tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_onnx(tiny_lm, tmp_path_factory):
+    from qwc.models.export import export_onnx
+
     return export_onnx(tiny_lm, tmp_path_factory.mktemp("tiny") / "tiny.onnx")
 
 
 @pytest.fixture(scope="session")
 def tiny_legacy_onnx(tiny_lm, tmp_path_factory):
     """The same model through torch's older TorchScript exporter (dynamo=False)."""
+    from qwc.models.export import export_onnx
+
     return export_onnx(tiny_lm, tmp_path_factory.mktemp("tiny_legacy") / "tiny.onnx", dynamo=False)
 
 
@@ -79,6 +86,7 @@ def tiny_float(tiny_onnx, tiny_lm, tmp_path_factory):
 
 def torch_kv_logits(model, prompt: np.ndarray, steps: list[np.ndarray]) -> list[np.ndarray]:
     """Reference: transformers' own cache handling, prefill then one token per step."""
+    import torch
     from transformers.cache_utils import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -140,6 +148,7 @@ def random_peft_adapter(model, folder, r=4, alpha=None, seed=1, target=None, **c
     and B (peft starts B at zero), saved to `folder`; returns the peft model."""
     import copy
 
+    import torch
     from peft import LoraConfig, get_peft_model
 
     from qwc.adapter_files import LINEARS
