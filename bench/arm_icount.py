@@ -2,7 +2,8 @@
 same QEMU CPU and the same counting plugin): the deterministic proxy for ARM work where
 emulated wall time means nothing.
 
-    .venv/bin/python bench/arm_icount.py model.qwc [--peer] [--attribution] [--mca] [--json F]
+    .venv/bin/python bench/arm_icount.py model.qwc [--peer [--peer-builds repack,kleidiai]] [--attribution]
+        [--mca] [--json F]
 
 Per token = difference of two runs divided by the difference in tokens, so start-up cancels:
 - decode: a 4-token prompt with 2 and with 6 decode steps; with --depth N also with N
@@ -21,8 +22,10 @@ Per token = difference of two runs divided by the difference in tokens, so start
   and of N / 2 more tokens (llama.cpp: its saved state of N / 2 tokens, then the rest of
   prompts of N / 2 + 1 and N tokens).
 
---peer adds llama.cpp's rows: llama-bench cross-built for the Yitian's ISA
-(bench/llamacpp.sh arm64: static, armv9-a+sve2+i8mm+dotprod, Q4_0 repack on), run on GGUFs
+--peer adds llama.cpp's rows: llama-bench cross-built for the Yitian's ISA, in two builds
+(--peer-builds): `repack` (bench/llamacpp.sh arm64: static, armv9-a+sve2+i8mm+dotprod, Q4_0
+repack on) and `kleidiai` (arm64-kleidiai: the same with Arm's KleidiAI kernels, whose source
+KLEIDIAI_SRC names), and a last row against the stronger of them per metric; run on GGUFs
 written from the same random weights as the artifact's preset (every linear Q4_0; the tied
 embedding/output Q4_0, as qwc's default, and Q8_0, as llama.cpp's own quantizer keeps it).
 The artifact must be compiled from that preset (`qwc export qwen2.5-0.5b`); its shapes are
@@ -68,7 +71,9 @@ PREFILL = {"prefill": (4, 12), "prefill_steady": (24, 48)}
 RUN_TIMEOUT = 4 * 3600
 # llama.cpp's matrix kernels on this build (4x8 repack: dotprod GEMV, i8mm GEMM) and the
 # quantizer of its activations; the Q8_0 output runs through the generic vec-dot
-MATRIX_RE = re.compile(r"(q[48]_gemv|q[48]_gemm|ggml_gemv_|ggml_gemm_|vec_dot_q8_0|vec_dot_q4_0)")
+MATRIX_RE = re.compile(r"(q[48]_gemv|q[48]_gemm|ggml_gemv_|ggml_gemm_|vec_dot_q8_0|vec_dot_q4_0|kai_run_matmul)")
+# llama.cpp's aarch64 builds (bench/llamacpp.sh): the Q4_0 repack's, and KleidiAI's kernels
+PEER_BUILDS = {"repack": "arm64", "kleidiai": "arm64-kleidiai"}
 
 
 # --- running under the plugin -------------------------------------------------------------
@@ -180,13 +185,44 @@ def _segments(elf: str):
             if f and f[0] == "LOAD"]
 
 
+def parallel_bodies(lib: str) -> list[tuple[int, int, str]]:
+    """TVM's parallel loop bodies in an artifact's lib.so: unnamed functions, which LLVM may
+    place together after every named one. Each kernel hands its body's address to
+    TVMBackendParallelLaunch (adrp + add): the body is named after the kernel, as
+    "KERNEL (parallel body)", so its instructions count as that kernel's."""
+    out = subprocess.run(["aarch64-linux-gnu-objdump", "-d", "--no-show-raw-insn", lib], capture_output=True,
+                         text=True, check=True).stdout
+    syms = _symbols(lib)
+    covered = [(a, a + n) for a, n, _ in syms if n]
+    text = next((v, v + sz) for _, v, sz in _segments(lib) if v <= covered[0][0] < v + sz)
+    bodies: dict[int, str] = {}
+    func, pages = None, {}
+    for line in out.splitlines():
+        head = re.match(r"^[0-9a-f]+ <([^>+]+)>:$", line)
+        if head:
+            func, pages = head.group(1), {}
+            continue
+        if not func or not (func.startswith("__tvm_ffi_") or func.endswith("_compute_")):
+            continue
+        m = re.match(r"^[ \t]*[0-9a-f]+:[ \t]+adrp[ \t]+(x\d+), ([0-9a-f]+)", line)
+        if m:
+            pages[m.group(1)] = int(m.group(2), 16)
+            continue
+        m = re.match(r"^[ \t]*[0-9a-f]+:[ \t]+add[ \t]+x\d+, (x\d+), #(0x[0-9a-f]+)$", line)
+        if m and m.group(1) in pages:
+            target = pages[m.group(1)] + int(m.group(2), 16)
+            if text[0] <= target < text[1] and not any(lo <= target < hi for lo, hi in covered):
+                bodies.setdefault(target, func)
+    return [(a, 0, f"{name} (parallel body)") for a, name in bodies.items()]
+
+
 class Attributor:
     """Per-function instruction counts of one ELF (the artifact's lib.so, or the static
     llama-bench), everything else grouped per mapped file."""
 
     def __init__(self, elf: str, static: bool):
         self.elf, self.static = elf, static
-        self.syms = _symbols(elf)
+        self.syms = _symbols(elf) if static else sorted(_symbols(elf) + parallel_bodies(elf))
         self.starts = [s[0] for s in self.syms]
         self.segs = _segments(elf)
 
@@ -352,9 +388,14 @@ def main():
                    help="with --depth: only decode_dN, not the short decode and prefill metrics")
     p.add_argument("--parallel", action="store_true",
                    help="each metric's two runs at once, on two cores (the counts do not change)")
+    p.add_argument("--peer-builds", default="repack,kleidiai",
+                   help="llama.cpp's aarch64 builds to count (bench/llamacpp.sh arm64, arm64-kleidiai; KleidiAI's "
+                        "source: KLEIDIAI_SRC); the stronger per metric is the peer")
     p.add_argument("--only-q4-output", action="store_true",
                    help="llama.cpp with the Q4_0 output only (qwc's default), not also the Q8_0 one")
     args = p.parse_args()
+    if not set(args.peer_builds.split(",")) <= set(PEER_BUILDS):
+        p.error(f"--peer-builds {args.peer_builds!r}: a comma-separated list of {', '.join(PEER_BUILDS)}")
     if args.long and args.long < 2:
         p.error("--long must be at least 2")
     if args.depth < 0:
@@ -392,24 +433,46 @@ def main():
     rows["qwc"], splits["qwc"] = measure("qwc", qwc_run, prefill, decode, args.parallel)
 
     if args.peer:
-        tools = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "arm64"], check=True,
-                               stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
-        bench = str(Path(tools) / "llama-bench-0.3.36")
-        completion = str(Path(tools) / "llama-completion-0.3.36")
-        x86_tools = Path(subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "x86"], check=True, stdout=subprocess.PIPE,
-                                        text=True).stdout.strip().splitlines()[-1]) if args.depth or args.long else None
-        c_attr = Attributor(completion, static=True)
-        ggufs = ({"file": args.gguf} if args.gguf else checkpoint_gguf(manifest, args.checkpoint) if args.checkpoint
-                 else peer_ggufs(manifest))
-        l_attr = Attributor(bench, static=True)
+        count_peers(args, env, plug, work, manifest, prefill, decode, (rows, splits, attributors))
+
+    report = {"artifact": str(art), "per_token": rows}
+    print_main(rows)
+    if args.attribution or args.mca:
+        report["attribution"] = attribution_tables(manifest, rows, splits, attributors, args.mca)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def peer_tools(build: str) -> Path:
+    """The folder of llama.cpp's aarch64 tools of `build` (bench/llamacpp.sh builds it once)."""
+    r = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), build], stdout=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        sys.exit(f"arm_icount: bench/llamacpp.sh {build} failed"
+                 + (" (set KLEIDIAI_SRC, or --peer-builds repack)" if build == "arm64-kleidiai" else ""))
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
+def count_peers(args, env, plug, work: Path, manifest, prefill, decode, tables) -> None:
+    """llama.cpp's rows, one per build of --peer-builds and per output format, into `tables`
+    (rows, splits, attributors)."""
+    rows, splits, attributors = tables
+    x86_tools = peer_tools("x86") if args.depth or args.long else None
+    ggufs = ({"file": args.gguf} if args.gguf else checkpoint_gguf(manifest, args.checkpoint) if args.checkpoint
+             else peer_ggufs(manifest))
+    for build in args.peer_builds.split(","):
+        tools = peer_tools(PEER_BUILDS[build])
+        bench, completion = str(tools / "llama-bench-0.3.36"), str(tools / "llama-completion-0.3.36")
+        l_attr, c_attr = Attributor(bench, static=True), Attributor(completion, static=True)
         for head, gguf in ggufs.items():
             if args.only_q4_output and head != "Q4_0":
                 continue
-            name = f"llama.cpp ({head} output)" if head != "file" else f"llama.cpp ({args.gguf.name})"
+            name = f"llama.cpp {build} ({head} output)" if head != "file" else f"llama.cpp {build} ({args.gguf.name})"
             attributors[name] = l_attr
 
-            def l_run(tag, prompt, steps, fill=0, gguf=gguf, head=head):
-                out = work / f"llama_{head}_{tag}"
+            def l_run(tag, prompt, steps, fill=0, gguf=gguf, head=head, build=build, bench=bench,
+                      completion=completion, c_attr=c_attr, l_attr=l_attr):
+                out = work / f"llama_{build}_{head}_{tag}"
                 if fill and steps:   # decode at depth: from a saved state (llama_session), as qwc's runner fills
                     tokens = fill + prompt
                     ctx = tokens + DECODE[2] + 64
@@ -429,15 +492,6 @@ def main():
 
             print(f"counting {name} ...", file=sys.stderr)
             rows[name], splits[name] = measure(name, l_run, prefill, decode, args.parallel)
-            continue
-
-    report = {"artifact": str(art), "per_token": rows}
-    print_main(rows)
-    if args.attribution or args.mca:
-        report["attribution"] = attribution_tables(manifest, rows, splits, attributors, args.mca)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    shutil.rmtree(work, ignore_errors=True)
 
 
 def peer_ggufs(manifest) -> dict[str, Path]:
@@ -489,6 +543,10 @@ def print_main(rows):
     for name, r in rows.items():
         if name != "qwc":
             print(f"| qwc / {name} | " + " | ".join(f"{q[m] / r[m]:.3f}x" for m in metrics) + " |")
+    peers = [r for name, r in rows.items() if name != "qwc"]
+    if len(peers) > 1:   # the peer of every ARM criterion: the fewest instructions per metric
+        print("| qwc / the stronger llama.cpp | " + " | ".join(f"{q[m] / min(r[m] for r in peers):.3f}x"
+                                                            for m in metrics) + " |")
 
 
 def attribution_tables(manifest, rows, splits, attributors, with_mca: bool):
@@ -519,7 +577,7 @@ def attribution_tables(manifest, rows, splits, attributors, with_mca: bool):
                 macs = None
                 if name == "qwc":
                     macs = qwc_kernel_macs(fn, shapes, head, decode)
-                elif "ggml_gem" in fn:   # every linear; the output too where it is Q4_0 (decode)
+                elif "ggml_gem" in fn or "kai_run_matmul" in fn:   # every linear; the output too where it is Q4_0 (decode)
                     macs = total_macs[metric] - (head[2] if decode and "Q8_0" in name else 0)
                 cyc = None
                 if with_mca and MATRIX_RE.search(fn):

@@ -2,8 +2,9 @@
 llama.cpp, in guest instructions under qemu (which runs each guest thread as a vCPU of its
 own, so counts per vCPU are counts per thread, whatever the host's 2 cores do).
 
-    .venv/bin/python bench/arm_threads.py model.qwc [--threads 1,8,32,64,128] [--peer]
-        [--engines qwc,llama.cpp] [--only decode|prefill|mixed] [--json F] [--plot F.png]
+    .venv/bin/python bench/arm_threads.py model.qwc [--threads 1,8,32,64,128]
+        [--engines qwc,llama.cpp] [--peer-builds repack,kleidiai] [--only decode|prefill|mixed]
+        [--json F] [--plot F.png]
 
 Per token, at each thread count T (figures of waiting left out, see below):
 - work: every thread's instructions;
@@ -44,9 +45,12 @@ to run while 7 sequences decode, as one Engine.step call ("mixed") and as decode
 prefill ("separate"); per step = the difference of runs of MIXED[2] and MIXED[1] such steps,
 over their difference (scripts/arm64/run_engine.py: mixed_and_separate).
 
-llama.cpp's rows come from its aarch64 build (bench/llamacpp.sh arm64, the one bench/arm_icount.py
-uses) on a GGUF of the same preset's weights, every linear and the output Q4_0 (as qwc's
-default); -t T. --plot F.png also writes F-n2.png, the model of Neoverse-N2 time
+llama.cpp's rows come from its aarch64 builds (--peer-builds: bench/llamacpp.sh arm64, with the
+Q4_0 repack and OpenMP, and arm64-kleidiai, with Arm's KleidiAI kernels and ggml's own thread
+pool; the ones bench/arm_icount.py uses) on a GGUF of the same preset's weights, every linear
+and the output Q4_0 (as qwc's default); -t T. In the pool build a thread's epoch advances at
+ggml_barrier, at each copy of it clang inlined into ggml_graph_compute_thread, and at that
+function's entry; the inlined copies' spin loops and the idle workers' polling are waiting. --plot F.png also writes F-n2.png, the model of Neoverse-N2 time
 (bench/n2_model.py) whose table follows the measured one.
 """
 
@@ -69,7 +73,16 @@ sys.path.insert(0, str(REPO / "scripts" / "arm64"))
 sys.path.insert(0, str(REPO / "bench"))
 import emulation  # noqa: E402  (scripts/arm64/emulation.py)
 import n2_model  # noqa: E402
-from arm_icount import CACHE, MATRIX_RE, Attributor, _segments, _symbols, arm_manifest, plugin  # noqa: E402
+from arm_icount import (  # noqa: E402
+    CACHE,
+    MATRIX_RE,
+    PEER_BUILDS,
+    Attributor,
+    _segments,
+    _symbols,
+    arm_manifest,
+    plugin,
+)
 
 THREADS = (1, 8, 32, 64, 128)
 DECODE = (4, 2, 6)          # prompt, steps a, steps b
@@ -77,10 +90,14 @@ PREFILL = 48                # prompt tokens of the prefill call
 MIXED = (32, 1, 3)          # chunk tokens, steps a, steps b (7 decoding sequences beside the chunk)
 RECORD = np.dtype([("vcpu", "<u4"), ("epoch", "<u4"), ("phase", "<u4"), ("pad", "<u4"),
                    ("vaddr", "<u8"), ("count", "<u8")])
+# ggml's own pool (no OpenMP): its workers poll for the next graph in
+# ggml_graph_compute_secondary_thread, and sleep on a condition variable
 LLAMA_WAIT = re.compile(r"^(GOMP_|gomp_|ggml_barrier|sched_yield|__sched_yield|futex|__futex|__lll_|"
-                        r"pthread_cond|__pthread_cond|syscall|__GI___|nanosleep|__nanosleep|clock_nanosleep)")
-# llama.cpp's chunked matrix kernels (dynamic over threads)
-LLAMA_DYNAMIC = re.compile(r"(ggml_gemv_|ggml_gemm_|vec_dot_|forward_mul_mat_one_chunk|mul_mat_one_chunk)")
+                        r"pthread_cond|__pthread_cond|___pthread_cond|syscall|__GI___|nanosleep|__nanosleep|"
+                        r"clock_nanosleep|ggml_graph_compute_secondary_thread)")
+# llama.cpp's chunked matrix kernels (dynamic over threads; KleidiAI's too: kleidiai.cpp hands
+# out column chunks with ggml_threadpool_chunk_add)
+LLAMA_DYNAMIC = re.compile(r"(ggml_gemv_|ggml_gemm_|vec_dot_|forward_mul_mat_one_chunk|mul_mat_one_chunk|kai_run_matmul)")
 METRICS = ("work", "critical", "launches", "serial", "waiting")
 
 
@@ -183,9 +200,43 @@ def hot_loop_cpi(attributor: Attributor, blocks: dict[int, int]) -> float | None
 # --- llama.cpp ------------------------------------------------------------------------------------
 
 def llama_marks(bench: str) -> list[str]:
+    """Where each llama.cpp thread's epoch advances: OpenMP's barrier and the start of a
+    thread's part of the graph's parallel region; or, in a build on ggml's own pool (no OpenMP:
+    the KleidiAI build), ggml_barrier's entry, each copy of it inlined in
+    ggml_graph_compute_thread (the block that enters it) and that function's entry."""
     syms = {name: start for start, _, name in _symbols(bench)}
     name = Path(bench).name
-    return [f"barrier:{name}:{file_offset(bench, syms[s]):#x}" for s in ("GOMP_barrier", "ggml_graph_compute._omp_fn.0")]
+    if "GOMP_barrier" in syms:
+        return [f"barrier:{name}:{file_offset(bench, syms[s]):#x}" for s in ("GOMP_barrier", "ggml_graph_compute._omp_fn.0")]
+    starts = [syms["ggml_barrier"], syms["ggml_graph_compute_thread"]] + [b for b, _ in inlined_barriers(bench)]
+    return [f"barrier:{name}:{file_offset(bench, a):#x}" for a in starts]
+
+
+def inlined_barriers(bench: str) -> list[tuple[int, tuple[int, int]]]:
+    """ggml_barrier's copies inlined in ggml_graph_compute_thread (ggml's own pool), as (the
+    start of the block that enters it, [start, end) of its spin-wait loop). Its shape: an
+    `ldaddal` on the arrival count, `cmp`, and a `b.ne` to a loop that ends in `yield; b`."""
+    start, size = next((a, n) for a, n, name in _symbols(bench) if name == "ggml_graph_compute_thread")
+    out = subprocess.run(["aarch64-linux-gnu-objdump", "-d", "--no-show-raw-insn", f"--start-address={start:#x}",
+                          f"--stop-address={start + size:#x}", bench], capture_output=True, text=True, check=True).stdout
+    insns = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
+             re.finditer(r"^[ \t]*([0-9a-f]+):[ \t]+(\S+)[ \t]*(.*)$", out, re.M)]
+    branch = re.compile(r"^(b|b\..*|bl|blr|br|ret|cbn?z|tbn?z)$")
+    found = []
+    for i, (_, op, _) in enumerate(insns):
+        if op != "ldaddal" or i + 2 >= len(insns) or insns[i + 1][1] != "cmp" or insns[i + 2][1] != "b.ne":
+            continue
+        j = i
+        while j > 0 and not branch.match(insns[j - 1][1]):
+            j -= 1
+        spin = int(insns[i + 2][2].split()[0], 16)
+        k = next(k for k, ins in enumerate(insns) if ins[0] == spin)
+        while insns[k][1] != "yield":
+            k += 1
+        found.append((insns[j][0], (spin, insns[k + 1][0] + 4)))
+    if not found:
+        sys.exit(f"arm_threads: no inlined ggml_barrier found in {bench}'s ggml_graph_compute_thread")
+    return found
 
 
 def run_llama(env, plug, marks, bench, gguf, args, threads, out: Path) -> np.ndarray:
@@ -200,11 +251,35 @@ def run_llama(env, plug, marks, bench, gguf, args, threads, out: Path) -> np.nda
     return np.fromfile(out.with_suffix(".rec"), RECORD)
 
 
+def llama_runner(build: str, env, plug, gguf: Path):
+    """run(kind, n, threads, out) for llama.cpp's aarch64 `build` (bench/llamacpp.sh)."""
+    r = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), build], stdout=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        sys.exit(f"arm_threads: bench/llamacpp.sh {build} failed"
+                 + (" (set KLEIDIAI_SRC, or --peer-builds repack)" if build == "arm64-kleidiai" else ""))
+    bench = str(Path(r.stdout.strip().splitlines()[-1]) / "llama-bench-0.3.36")
+    classes, lmarks, lattr = SymbolClasses(bench), llama_marks(bench), Attributor(bench, static=True)
+
+    def llama_run(kind, n, t, out):
+        a = (["-p", "0", "-n", "0", "-pg", f"{DECODE[0]},{n}", "-r", "1"] if kind == "decode"
+             else ["-p", str(PREFILL), "-n", "0", "-r", str(n)])
+        rec = run_llama(env, plug, lmarks, bench, gguf, a, t, out)
+        return llama_figures(rec, classes, t), lambda: hot_loop_cpi(lattr, elf_blocks(rec, bench, None))
+
+    return llama_run
+
+
 class SymbolClasses:
-    """Each block address of a static binary as waiting / dynamic-chunk kernel / other."""
+    """Each block address of a static binary as waiting / dynamic-chunk kernel / other. In a
+    build on ggml's own pool, the spin loops of the barriers inlined in
+    ggml_graph_compute_thread are waiting too (pseudo-symbols over their address ranges)."""
 
     def __init__(self, elf: str):
         syms = _symbols(elf)
+        if not any(name == "GOMP_barrier" for _, _, name in syms):
+            for _, (lo, hi) in inlined_barriers(elf):
+                syms += [(lo, hi - lo, "ggml_barrier.inlined_spin"), (hi, 0, "ggml_graph_compute_thread")]
+            syms.sort()
         self.starts = np.array([s[0] for s in syms], np.uint64)
         self.names = [s[2] for s in syms]
         self.wait = np.array([bool(LLAMA_WAIT.match(n)) for n in self.names])
@@ -268,6 +343,9 @@ def main():
     p.add_argument("artifact")
     p.add_argument("--threads", default=",".join(map(str, THREADS)), help="thread counts (default 1,8,32,64,128)")
     p.add_argument("--engines", default="qwc,llama.cpp", help="qwc, llama.cpp or both (default)")
+    p.add_argument("--peer-builds", default="repack,kleidiai",
+                   help="llama.cpp's aarch64 builds (bench/llamacpp.sh arm64, arm64-kleidiai; KleidiAI's source: "
+                        "KLEIDIAI_SRC); qwc's ratio is to the stronger at each row")
     p.add_argument("--only", choices=("decode", "prefill", "mixed"),
                    help="one of the two measurements, or (qwc) mixed steps against separate calls")
     p.add_argument("--json", help="write every figure here")
@@ -282,6 +360,8 @@ def main():
         sys.exit(f"arm_threads: --threads {args.threads!r}: a comma-separated list of integers")
     if any(not 1 <= t <= 1024 for t in threads):
         sys.exit("arm_threads: --threads: each count from 1 to 1024")
+    if not set(args.peer_builds.split(",")) <= set(PEER_BUILDS):
+        sys.exit(f"arm_threads: --peer-builds {args.peer_builds!r}: a comma-separated list of {', '.join(PEER_BUILDS)}")
 
     if args.only == "mixed" and ("step" not in manifest.get("functions", {}).get("entry_points", {})
                                  or manifest["functions"].get("max_batch", 1) < 8):
@@ -319,20 +399,10 @@ def main():
         runners["qwc"] = qwc_run
         inputs["qwc"] = {"cpi": {}, "bytes": n2_model.qwc_decode_bytes(art)}
     if "llama.cpp" in engines:
-        tools = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), "arm64"], check=True,
-                               stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
-        bench = str(Path(tools) / "llama-bench-0.3.36")
         gguf = peer_gguf(manifest)
-        classes, lmarks, lattr = SymbolClasses(bench), llama_marks(bench), Attributor(bench, static=True)
-
-        def llama_run(kind, n, t, out):
-            a = (["-p", "0", "-n", "0", "-pg", f"{DECODE[0]},{n}", "-r", "1"] if kind == "decode"
-                 else ["-p", str(PREFILL), "-n", "0", "-r", str(n)])
-            rec = run_llama(env, plug, lmarks, bench, gguf, a, t, out)
-            return llama_figures(rec, classes, t), lambda: hot_loop_cpi(lattr, elf_blocks(rec, bench, None))
-
-        runners["llama.cpp"] = llama_run
-        inputs["llama.cpp"] = {"cpi": {}, "bytes": n2_model.gguf_decode_bytes(gguf)}
+        for build in args.peer_builds.split(","):
+            runners[f"llama.cpp {build}"] = llama_runner(PEER_BUILDS[build], env, plug, gguf)
+            inputs[f"llama.cpp {build}"] = {"cpi": {}, "bytes": n2_model.gguf_decode_bytes(gguf)}
 
     rows: dict = {}
     for engine, run in runners.items():
@@ -341,7 +411,7 @@ def main():
                 # decode: 2 and 6 steps; prefill: one call and two; mixed, separate: per step
                 na, nb, tokens = {"decode": (DECODE[1], DECODE[2], DECODE[2] - DECODE[1]), "prefill": (1, 2, PREFILL)}.get(
                     kind, (MIXED[1], MIXED[2], MIXED[2] - MIXED[1]))
-                out = work / f"{engine.replace('.', '')}_{kind}_{t}"   # no dot: Path.with_suffix
+                out = work / f"{engine.replace('.', '').replace(' ', '_')}_{kind}_{t}"   # no dot: Path.with_suffix
                 fa, _ = run(kind, na, t, out.with_name(out.name + "_a"))
                 fb, cpi = run(kind, nb, t, out.with_name(out.name + "_b"))
                 if kind not in inputs[engine]["cpi"]:
@@ -381,17 +451,21 @@ def efficiency(r: dict, t: int) -> float:
 
 
 def print_table(rows, threads, kinds):
+    """One row per engine, step and T; qwc's holds its critical path over the stronger
+    llama.cpp build's there (the peer of every ARM criterion)."""
+    engines = list(dict.fromkeys(e for e, _, _ in rows))
     print("\n| engine | step | T | work / token | critical path / token | launches / token | serial / token "
-          "| efficiency | critical path, qwc / llama.cpp |")
+          "| efficiency | critical path, qwc / the stronger llama.cpp |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for kind in kinds:
         for t in threads:
-            for engine in ("qwc", "llama.cpp"):
+            peers = [(rows[e, kind, t]["critical"], e) for e in engines if e != "qwc" and (e, kind, t) in rows]
+            for engine in engines:
                 r = rows.get((engine, kind, t))
                 if not r:
                     continue
-                peer = rows.get(("llama.cpp", kind, t))
-                ratio = f"{r['critical'] / peer['critical']:.3f}x" if engine == "qwc" and peer else ""
+                ratio = (f"{r['critical'] / min(peers)[0]:.3f}x ({min(peers)[1]})" if engine == "qwc" and peers
+                         else "")
                 print(f"| {engine} | {kind} | {t} | {r['work']:,.0f} | {r['critical']:,.0f} | {r['launches']:,.1f} | "
                       f"{r['serial']:,.0f} | {100 * efficiency(r, t):.1f}% | {ratio} |")
 

@@ -11,6 +11,12 @@
 #   x86-gcc    GCC 12, -march=native without AMX (what a default build from source gives).
 #   arm64      cross-built, static, for the Yitian 710's ISA (Armv9 SVE2, i8mm, dotprod) with the
 #              Q4_0 repack on, run under qemu by bench/arm_icount.py.
+#   arm64-kleidiai  the same with Arm's KleidiAI kernels on (-DGGML_CPU_KLEIDIAI=ON), the other
+#              strong aarch64 build. llama.cpp's CMake downloads KleidiAI, which cannot be done
+#              here: KLEIDIAI_SRC names the source (the v1.24.0 tarball or its unpacked folder, the
+#              tag this llama.cpp asks for). clang 14 cross-compiles it (GCC 12 stops with an
+#              internal compiler error on one KleidiAI file); it finds no aarch64 OpenMP, so ggml
+#              runs its own thread pool.
 #
 # DIR defaults to ${XDG_CACHE_HOME:-~/.cache}/qwc/llamacpp-BUILD (x86: -BUILD-<hash of this CPU's
 # flags>, so a cached native build never runs on another CPU). Builds (~20 min each on 2 cores)
@@ -18,7 +24,7 @@
 # DIR last.
 set -euo pipefail
 VERSION=0.3.36
-BUILD=${1:?usage: bench/llamacpp.sh x86|x86-gcc|arm64 [DIR]}
+BUILD=${1:?usage: bench/llamacpp.sh x86|x86-gcc|arm64|arm64-kleidiai [DIR]}
 cpu=
 [[ $BUILD == x86* ]] && cpu=-$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-8)
 DIR=${2:-${XDG_CACHE_HOME:-$HOME/.cache}/qwc/llamacpp-$BUILD$cpu}
@@ -59,7 +65,35 @@ TC
     FLAGS=("-DCMAKE_TOOLCHAIN_FILE=$DIR/toolchain.cmake" -DGGML_NATIVE=OFF
       -DGGML_CPU_ARM_ARCH=armv9-a+sve2+i8mm+dotprod+fp16+bf16 -DGGML_CPU_REPACK=ON -DBUILD_SHARED_LIBS=OFF
       -DCMAKE_EXE_LINKER_FLAGS=-static "-DOpenMP_gomp_LIBRARY=$(aarch64-linux-gnu-gcc -print-file-name=libgomp.a)") ;;
-  *) echo "llamacpp.sh: unknown build '$BUILD' (x86, x86-gcc or arm64)" >&2; exit 2 ;;
+  arm64-kleidiai)
+    TOOLS="llama-bench llama-completion"
+    need cmake ninja-build clang-14 g++-aarch64-linux-gnu binutils-aarch64-linux-gnu
+    kai=$DIR/kleidiai
+    if [[ ! -f $kai/CMakeLists.txt ]]; then
+      [[ -n ${KLEIDIAI_SRC:-} ]] || { echo "llamacpp.sh: arm64-kleidiai needs KLEIDIAI_SRC=<KleidiAI v1.24.0 source, .tar.gz or folder> (llama.cpp's CMake would download it)" >&2; exit 2; }
+      rm -rf "$kai.partial" && mkdir -p "$kai.partial"
+      if [[ -d $KLEIDIAI_SRC ]]; then cp -r "$KLEIDIAI_SRC/." "$kai.partial/"
+      else tar -C "$kai.partial" -xzf "$KLEIDIAI_SRC"; fi
+      # a tarball holds one top folder
+      top=$(find "$kai.partial" -mindepth 1 -maxdepth 1)
+      [[ $(wc -l <<<"$top") == 1 && -f $top/CMakeLists.txt ]] && { mv "$top" "$kai.top"; rm -rf "$kai.partial"; mv "$kai.top" "$kai.partial"; }
+      [[ -f $kai.partial/CMakeLists.txt ]] || { echo "llamacpp.sh: $KLEIDIAI_SRC holds no KleidiAI source (no CMakeLists.txt)" >&2; exit 2; }
+      mv "$kai.partial" "$kai"
+    fi
+    cat >"$DIR/toolchain.cmake" <<TC
+set(CMAKE_SYSTEM_NAME Linux)
+set(CMAKE_SYSTEM_PROCESSOR aarch64)
+set(CMAKE_C_COMPILER clang-14)
+set(CMAKE_CXX_COMPILER clang++-14)
+set(CMAKE_C_COMPILER_TARGET aarch64-linux-gnu)
+set(CMAKE_CXX_COMPILER_TARGET aarch64-linux-gnu)
+set(CMAKE_ASM_COMPILER clang-14)
+set(CMAKE_ASM_COMPILER_TARGET aarch64-linux-gnu)
+TC
+    FLAGS=("-DCMAKE_TOOLCHAIN_FILE=$DIR/toolchain.cmake" -DGGML_NATIVE=OFF
+      -DGGML_CPU_ARM_ARCH=armv9-a+sve2+i8mm+dotprod+fp16+bf16 -DGGML_CPU_REPACK=ON -DGGML_CPU_KLEIDIAI=ON
+      "-DFETCHCONTENT_SOURCE_DIR_KLEIDIAI=$kai" -DBUILD_SHARED_LIBS=OFF -DCMAKE_EXE_LINKER_FLAGS=-static) ;;
+  *) echo "llamacpp.sh: unknown build '$BUILD' (x86, x86-gcc, arm64 or arm64-kleidiai)" >&2; exit 2 ;;
 esac
 todo=()
 for t in $TOOLS; do [[ -x $DIR/$t-$VERSION ]] || todo+=("$t"); done

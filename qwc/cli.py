@@ -17,6 +17,10 @@ from .errors import QwcError
 from .kv_formats import KV_TYPES
 from .limits import DRAFT_MAX, MAX_BATCH, MAX_LORA_RANK
 
+# transformers (configs, tokenizers) advises at import that it found no torch, which an install
+# without the torch extra is meant to be: its advice is not qwc's users' business.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 # -- option types: a bad value is one line `qwc: error: argument --x: ...`, exit 2 ----------
 
 def _int_at_least(lo: int, what: str = ""):
