@@ -11,7 +11,10 @@
 #   x86-gcc    GCC 12, -march=native without AMX (what a default build from source gives).
 #   arm64      cross-built, static, for the Yitian 710's ISA (Armv9 SVE2, i8mm, dotprod) with the
 #              Q4_0 repack on, run under qemu by bench/arm_icount.py.
-#   arm64-kleidiai  the same with Arm's KleidiAI kernels on (-DGGML_CPU_KLEIDIAI=ON), the other
+#   arm64-native  built on an aarch64 machine itself (the ARM server, or scripts/arm64/native.sh's
+#              root): GCC, -DGGML_NATIVE=ON (-mcpu=native: that CPU's SVE2 / i8mm / dotprod),
+#              OpenMP, the repack on. For scripts/arm64/board_bench.py there.
+#   arm64-kleidiai  the same as arm64 with Arm's KleidiAI kernels on (-DGGML_CPU_KLEIDIAI=ON), the other
 #              strong aarch64 build. llama.cpp's CMake downloads KleidiAI, which cannot be done
 #              here: KLEIDIAI_SRC names the source (the v1.24.0 tarball or its unpacked folder, the
 #              tag this llama.cpp asks for). clang 14 cross-compiles it (GCC 12 stops with an
@@ -21,12 +24,13 @@
 # DIR defaults to ${XDG_CACHE_HOME:-~/.cache}/qwc/llamacpp-BUILD (x86: -BUILD-<hash of this CPU's
 # flags>, so a cached native build never runs on another CPU). Builds (~20 min each on 2 cores)
 # are cached there as TOOL-VERSION (x86: linked to the shared libraries in DIR/build/bin); prints
-# DIR last.
+# DIR last. PYTHON: the interpreter whose pip fetches the sdist (default python3).
 set -euo pipefail
 VERSION=0.3.36
-BUILD=${1:?usage: bench/llamacpp.sh x86|x86-gcc|arm64|arm64-kleidiai [DIR]}
+BUILD=${1:?usage: bench/llamacpp.sh x86|x86-gcc|arm64|arm64-native|arm64-kleidiai [DIR]}
 cpu=
 [[ $BUILD == x86* ]] && cpu=-$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-8)
+[[ $BUILD == arm64-native ]] && cpu=-$(grep -m1 '^Features' /proc/cpuinfo | sha256sum | cut -c1-8)
 DIR=${2:-${XDG_CACHE_HOME:-$HOME/.cache}/qwc/llamacpp-$BUILD$cpu}
 say() { echo "[llama.cpp $BUILD] $*" >&2; }
 need() {   # Debian packages, installed when missing
@@ -65,6 +69,11 @@ TC
     FLAGS=("-DCMAKE_TOOLCHAIN_FILE=$DIR/toolchain.cmake" -DGGML_NATIVE=OFF
       -DGGML_CPU_ARM_ARCH=armv9-a+sve2+i8mm+dotprod+fp16+bf16 -DGGML_CPU_REPACK=ON -DBUILD_SHARED_LIBS=OFF
       -DCMAKE_EXE_LINKER_FLAGS=-static "-DOpenMP_gomp_LIBRARY=$(aarch64-linux-gnu-gcc -print-file-name=libgomp.a)") ;;
+  arm64-native)
+    [[ $(uname -m) == aarch64 ]] || { echo "llamacpp.sh: arm64-native builds on an aarch64 machine (this is $(uname -m))" >&2; exit 2; }
+    TOOLS="llama-bench"
+    FLAGS=(-DGGML_NATIVE=ON -DGGML_CPU_REPACK=ON)
+    need cmake ninja-build g++ ;;
   arm64-kleidiai)
     TOOLS="llama-bench llama-completion"
     need cmake ninja-build clang-14 g++-aarch64-linux-gnu binutils-aarch64-linux-gnu
@@ -93,7 +102,7 @@ TC
     FLAGS=("-DCMAKE_TOOLCHAIN_FILE=$DIR/toolchain.cmake" -DGGML_NATIVE=OFF
       -DGGML_CPU_ARM_ARCH=armv9-a+sve2+i8mm+dotprod+fp16+bf16 -DGGML_CPU_REPACK=ON -DGGML_CPU_KLEIDIAI=ON
       "-DFETCHCONTENT_SOURCE_DIR_KLEIDIAI=$kai" -DBUILD_SHARED_LIBS=OFF -DCMAKE_EXE_LINKER_FLAGS=-static) ;;
-  *) echo "llamacpp.sh: unknown build '$BUILD' (x86, x86-gcc, arm64 or arm64-kleidiai)" >&2; exit 2 ;;
+  *) echo "llamacpp.sh: unknown build '$BUILD' (x86, x86-gcc, arm64, arm64-native or arm64-kleidiai)" >&2; exit 2 ;;
 esac
 todo=()
 for t in $TOOLS; do [[ -x $DIR/$t-$VERSION ]] || todo+=("$t"); done
@@ -102,7 +111,7 @@ if ((${#todo[@]})); then
   if [[ ! -d $src/vendor/llama.cpp ]]; then
     say "fetching the llama-cpp-python $VERSION sdist"
     rm -rf "$DIR/sdist" && mkdir -p "$DIR/sdist"
-    python3 -m pip download -q --no-deps --no-binary=:all: -d "$DIR/sdist" "llama-cpp-python==$VERSION" \
+    "${PYTHON:-python3}" -m pip download -q --no-deps --no-binary=:all: -d "$DIR/sdist" "llama-cpp-python==$VERSION" \
       2> >(grep -v "is ignored: it is neither" >&2)
     rm -rf "$src.partial" && mkdir -p "$src.partial"
     tar -C "$src.partial" --strip-components=1 -xzf "$DIR"/sdist/llama_cpp_python-$VERSION.tar.gz

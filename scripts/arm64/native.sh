@@ -4,7 +4,7 @@
 # process inside, pip's and the compiler's children too, is aarch64. It proves installs and
 # behaviour, not speed. Not part of CI (about an hour); its results go in docs/results/arm-native.md.
 #
-#   scripts/arm64/native.sh [--tests 'PYTEST ARGS' | --no-tests]
+#   scripts/arm64/native.sh [--tests 'PYTEST ARGS' | --no-tests] [--board-bench]
 #
 # Inside the root, with QEMU_CPU=max,sve128=on (a Neoverse-N2-like CPU: SVE2 at 128 bits,
 # dotprod, i8mm, bf16), from a fresh clone of this checkout's HEAD:
@@ -16,7 +16,11 @@
 #      (the openai client gets an answer);
 #   4. QEMU_CPU=neoverse-n1 (no i8mm, no SVE): that artifact is refused in one line, and
 #      `qwc targets` picks arm-neon for `host`;
-#   5. the test subset (TESTS below) in the root's venv.
+#   5. the test subset (TESTS below) in the root's venv;
+#   6. with --board-bench (an hour more: llama.cpp is compiled under emulation), the board
+#      benchmark as on a board: llama.cpp built in the root by bench/llamacpp.sh arm64-native,
+#      and scripts/arm64/board_bench.py on the copied artifact and the GGUF it came from
+#      (correctness of the harness, not speed).
 # One summary line at the end; the full log is in $CACHE/native.log.
 #
 # Cached in ${XDG_CACHE_HOME:-~/.cache}/qwc/arm64-native: QEMU 10's static binaries and the
@@ -40,10 +44,12 @@ TESTS=${QWC_NATIVE_TESTS:-tests/models/test_torch_free.py tests/runtime/test_sam
   tests/compiler/test_kernel_cache.py tests/test_layering.py tests/test_code_shape.py tests/test_docs.py}
 TESTS=$(echo $TESTS)   # one line
 RUN_TESTS=1
+BOARD=0
 while (($#)); do
   case $1 in
     --tests) TESTS=$2; shift 2 ;;
     --no-tests) RUN_TESTS=0; shift ;;
+    --board-bench) BOARD=1; shift ;;
     -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "native: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -260,6 +266,22 @@ neoverse_n1() {
   check n1-host-is-arm-neon $r
 }
 
+# 6. The board benchmark in the root: llama.cpp built there, both engines on the same model.
+board_bench() {
+  local t0 rc=0 tools; t0=$(date +%s)
+  say "building llama.cpp in the root (bench/llamacpp.sh arm64-native; about an hour emulated)"
+  tools=$(in_root "cd $CLONE && PYTHON=$CLONE/.venv/bin/python bash bench/llamacpp.sh arm64-native" 2>>"$LOG" | tail -1) || rc=$?
+  local built; built=$(since "$t0")
+  if ((rc == 0)); then
+    in_root "cd $CLONE && .venv/bin/python scripts/arm64/board_bench.py $ART/smollm2.qwc \$(.venv/bin/qwc -q data fetch | awk '\$1 == \"smollm2\" {print \$2}') \
+             --threads 1,2 -p 16 -n 4 -r 1 --qwc /opt/qwc-runtime/bin/qwc --llama-bench $tools/llama-bench-0.3.36" \
+      >"$CACHE/board.out" 2>>"$LOG" || rc=$?
+    cat "$CACHE/board.out" >>"$LOG"
+    grep -q '^| 2 |' "$CACHE/board.out" || rc=1
+  fi
+  check board-bench $rc "llama.cpp built in ${built}s; $(grep -c '^| [0-9]' "$CACHE/board.out" 2>/dev/null || echo 0) rows"
+}
+
 # 5. The test subset, in the venv the README's command made (the torch-free tests).
 test_subset() {
   local t0 rc=0; t0=$(date +%s)
@@ -296,6 +318,7 @@ main() {
   runtime_only_route
   neoverse_n1
   ((RUN_TESTS)) && test_subset
+  ((BOARD)) && board_bench
   local line item
   line="native: $( ((FAILED)) && echo FAILED || echo passed) in $(since "$T0")s"
   for item in "${SUMMARY[@]}"; do line+="; $item"; done
