@@ -259,10 +259,14 @@ def llama_runner(build: str, env, plug, gguf: Path):
                  + (" (set KLEIDIAI_SRC, or --peer-builds repack)" if build == "arm64-kleidiai" else ""))
     bench = str(Path(r.stdout.strip().splitlines()[-1]) / "llama-bench-0.3.36")
     classes, lmarks, lattr = SymbolClasses(bench), llama_marks(bench), Attributor(bench, static=True)
+    # ggml's own pool: idle workers sleep between graphs instead of polling (the OpenMP build's
+    # OMP_WAIT_POLICY=passive); polling is waiting either way, left out of every figure, but
+    # under emulation it takes the host's cores from the threads that work
+    poll = [] if "GOMP_barrier" in {name for _, _, name in _symbols(bench)} else ["--poll", "0"]
 
     def llama_run(kind, n, t, out):
-        a = (["-p", "0", "-n", "0", "-pg", f"{DECODE[0]},{n}", "-r", "1"] if kind == "decode"
-             else ["-p", str(PREFILL), "-n", "0", "-r", str(n)])
+        a = poll + (["-p", "0", "-n", "0", "-pg", f"{DECODE[0]},{n}", "-r", "1"] if kind == "decode"
+                    else ["-p", str(PREFILL), "-n", "0", "-r", str(n)])
         rec = run_llama(env, plug, lmarks, bench, gguf, a, t, out)
         return llama_figures(rec, classes, t), lambda: hot_loop_cpi(lattr, elf_blocks(rec, bench, None))
 
@@ -509,7 +513,7 @@ def peer_gguf(manifest) -> Path:
 
     name = manifest.get("model", {}).get("name")
     if name not in PRESET_NAMES:
-        sys.exit(f"arm_threads: --peer compares the same weights; {name!r} is not a preset")
+        sys.exit(f"arm_threads: llama.cpp's rows compare the same weights, so the artifact must be a preset's; {name!r} is not")
     path = CACHE / f"{name}-q4_0.gguf"
     if not path.is_file():
         CACHE.mkdir(parents=True, exist_ok=True)

@@ -2,13 +2,14 @@
 # qwc as a user of an ARM server meets it, on this x86 machine: an arm64 Debian 12 userland
 # (debootstrap) run through QEMU 10's qemu-aarch64 registered with binfmt_misc, so that every
 # process inside, pip's and the compiler's children too, is aarch64. It proves installs and
-# behaviour, not speed. Not part of CI (about an hour); its results go in docs/results/arm-native.md.
+# behaviour, not speed. Not part of CI (about half an hour, an hour more with --board-bench); its
+# results go in docs/results/arm-native.md.
 #
 #   scripts/arm64/native.sh [--tests 'PYTEST ARGS' | --no-tests] [--board-bench]
 #
 # Inside the root, with QEMU_CPU=max,sve128=on (a Neoverse-N2-like CPU: SVE2 at 128 bits,
 # dotprod, i8mm, bf16), from a fresh clone of this checkout's HEAD:
-#   1. the README's first command, which must end in " Paris.", with no torch imported;
+#   1. the README's first command, which must end in " Paris.", with no torch installed;
 #   2. `qwc targets`: `host` must be the arm-yitian kernels;
 #   3. the route "compile elsewhere, copy": this machine's qwc compiles the same model with
 #      --target arm-yitian, and a runtime-only install (`pip install '.[runtime]'`) in the root
@@ -50,7 +51,7 @@ while (($#)); do
     --tests) TESTS=$2; shift 2 ;;
     --no-tests) RUN_TESTS=0; shift ;;
     --board-bench) BOARD=1; shift ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "native: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -101,7 +102,7 @@ register_binfmt() {
 
 MOUNTS=()
 cleanup() {
-  local m
+  local i
   for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do umount -l "${MOUNTS[i]}" 2>/dev/null || true; done
   [[ -n ${SERVER_PID:-} ]] && kill "$SERVER_PID" 2>/dev/null || true
   [[ -e $BINFMT/$HANDLER ]] && echo -1 >"$BINFMT/$HANDLER" || true
@@ -266,6 +267,14 @@ neoverse_n1() {
   check n1-host-is-arm-neon $r
 }
 
+# 5. The test subset, in the venv the README's command made (the torch-free tests).
+test_subset() {
+  local t0 rc=0; t0=$(date +%s)
+  in_root "cd $CLONE && .venv/bin/python -m pytest -p no:cacheprovider -q $TESTS" >"$CACHE/tests.out" 2>&1 || rc=$?
+  cat "$CACHE/tests.out" >>"$LOG"
+  check tests $rc "$(tail -1 "$CACHE/tests.out"), $(since "$t0")s, $(wc -w <<<"$TESTS") files"
+}
+
 # 6. The board benchmark in the root: llama.cpp built there, both engines on the same model.
 board_bench() {
   local t0 rc=0 tools; t0=$(date +%s)
@@ -282,20 +291,12 @@ board_bench() {
   check board-bench $rc "llama.cpp built in ${built}s; $(grep -c '^| [0-9]' "$CACHE/board.out" 2>/dev/null || echo 0) rows"
 }
 
-# 5. The test subset, in the venv the README's command made (the torch-free tests).
-test_subset() {
-  local t0 rc=0; t0=$(date +%s)
-  in_root "cd $CLONE && .venv/bin/python -m pytest -p no:cacheprovider -q $TESTS" >"$CACHE/tests.out" 2>&1 || rc=$?
-  cat "$CACHE/tests.out" >>"$LOG"
-  check tests $rc "$(tail -1 "$CACHE/tests.out"), $(since "$t0")s, $(wc -w <<<"$TESTS") files"
-}
-
 # Runs a bash command inside the root as its root user, with the environment of a login there.
 in_root() {
   chroot "$ROOT" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     LANG=C.UTF-8 QEMU_CPU="${QEMU_CPU:-max,sve128=on}" SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 \
-    ${QWC_DATA_DIR:+QWC_DATA_DIR=$QWC_DATA_DIR} bash -c "$1"
+    bash -c "$1"
 }
 
 # Everything runs from this function, read whole before it starts: editing the script during a
