@@ -172,6 +172,13 @@ PROMPT="The capital of France is"
 SUMMARY=()
 check() {  # check NAME CONDITION-RESULT DETAIL
   if [[ $2 == 0 ]]; then SUMMARY+=("$1: ok${3:+ ($3)}"); else SUMMARY+=("$1: FAILED${3:+ ($3)}"); FAILED=1; fi
+  say "${SUMMARY[-1]}"
+}
+summary() {
+  local line item
+  line="native: $( ((FAILED)) && echo FAILED || echo passed) in $(since "$T0")s"
+  for item in "${SUMMARY[@]}"; do line+="; $item"; done
+  echo "$line"
 }
 FAILED=0
 
@@ -313,6 +320,8 @@ main() {
 
   T0=$(date +%s)
   readme_first_command
+  # everything after uses the venv and the ONNX graph that command made
+  if ((FAILED)); then summary; return 1; fi
   r=0
   host_target_is w4a8-sdot w4a8-smmla || r=1
   check host-is-arm-yitian $r
@@ -320,10 +329,7 @@ main() {
   neoverse_n1
   ((RUN_TESTS)) && test_subset
   ((BOARD)) && board_bench
-  local line item
-  line="native: $( ((FAILED)) && echo FAILED || echo passed) in $(since "$T0")s"
-  for item in "${SUMMARY[@]}"; do line+="; $item"; done
-  echo "$line"
+  summary
   return $FAILED
 }
 
