@@ -5,7 +5,7 @@
 # behaviour, not speed. Not part of CI (about half an hour, an hour more with --board-bench); its
 # results go in docs/results/arm-native.md.
 #
-#   scripts/arm64/native.sh [--tests 'PYTEST ARGS' | --no-tests] [--board-bench]
+#   scripts/arm64/native.sh [--tests 'PYTEST ARGS' | --no-tests] [--board-bench [native|cross]]
 #
 # Inside the root, with QEMU_CPU=max,sve128=on (a Neoverse-N2-like CPU: SVE2 at 128 bits,
 # dotprod, i8mm, bf16), from a fresh clone of this checkout's HEAD:
@@ -18,10 +18,11 @@
 #   4. QEMU_CPU=neoverse-n1 (no i8mm, no SVE): that artifact is refused in one line, and
 #      `qwc targets` picks arm-neon for `host`;
 #   5. the test subset (TESTS below) in the root's venv;
-#   6. with --board-bench (an hour more: llama.cpp is compiled under emulation), the board
-#      benchmark as on a board: llama.cpp built in the root by bench/llamacpp.sh arm64-native,
-#      and scripts/arm64/board_bench.py on the copied artifact and the GGUF it came from
-#      (correctness of the harness, not speed).
+#   6. with --board-bench, the board benchmark as on a board: scripts/arm64/board_bench.py in
+#      the root on the copied artifact and the GGUF it came from (correctness of the harness,
+#      not speed), with llama.cpp built in the root by bench/llamacpp.sh arm64-native (`native`,
+#      the default: more than an hour, as its compiler runs under emulation) or this machine's
+#      cross-built bench/llamacpp.sh arm64 copied in (`cross`: minutes).
 # One summary line at the end; the full log is in $CACHE/native.log.
 #
 # Cached in ${XDG_CACHE_HOME:-~/.cache}/qwc/arm64-native: QEMU 10's static binaries and the
@@ -45,12 +46,14 @@ TESTS=${QWC_NATIVE_TESTS:-tests/models/test_torch_free.py tests/runtime/test_sam
   tests/compiler/test_kernel_cache.py tests/test_layering.py tests/test_code_shape.py tests/test_docs.py}
 TESTS=$(echo $TESTS)   # one line
 RUN_TESTS=1
-BOARD=0
+BOARD=
 while (($#)); do
   case $1 in
     --tests) TESTS=$2; shift 2 ;;
     --no-tests) RUN_TESTS=0; shift ;;
-    --board-bench) BOARD=1; shift ;;
+    --board-bench)
+      BOARD=native; shift
+      if [[ ${1:-} == native || ${1:-} == cross ]]; then BOARD=$1; shift; fi ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "native: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -282,11 +285,18 @@ test_subset() {
   check tests $rc "$(tail -1 "$CACHE/tests.out"), $(since "$t0")s, $(wc -w <<<"$TESTS") files"
 }
 
-# 6. The board benchmark in the root: llama.cpp built there, both engines on the same model.
+# 6. The board benchmark in the root: both engines on the same model, llama.cpp built there
+# (native) or here (cross).
 board_bench() {
   local t0 rc=0 tools; t0=$(date +%s)
-  say "building llama.cpp in the root (bench/llamacpp.sh arm64-native; about an hour emulated)"
-  tools=$(in_root "cd $CLONE && PYTHON=$CLONE/.venv/bin/python bash bench/llamacpp.sh arm64-native" 2>>"$LOG" | tail -1) || rc=$?
+  if [[ $BOARD == cross ]]; then
+    local here; here=$(bash "$REPO/bench/llamacpp.sh" arm64 2>>"$LOG" | tail -1)
+    tools=/opt/llama-cross
+    mkdir -p "$ROOT$tools" && cp "$here/llama-bench-0.3.36" "$ROOT$tools/"
+  else
+    say "building llama.cpp in the root (bench/llamacpp.sh arm64-native; more than an hour emulated)"
+    tools=$(in_root "cd $CLONE && PYTHON=$CLONE/.venv/bin/python bash bench/llamacpp.sh arm64-native" 2>>"$LOG" | tail -1) || rc=$?
+  fi
   local built; built=$(since "$t0")
   if ((rc == 0)); then
     in_root "cd $CLONE && .venv/bin/python scripts/arm64/board_bench.py $ART/smollm2.qwc \$(.venv/bin/qwc -q data fetch | awk '\$1 == \"smollm2\" {print \$2}') \
@@ -295,7 +305,7 @@ board_bench() {
     cat "$CACHE/board.out" >>"$LOG"
     grep -q '^| 2 |' "$CACHE/board.out" || rc=1
   fi
-  check board-bench $rc "llama.cpp built in ${built}s; $(grep -c '^| [0-9]' "$CACHE/board.out" 2>/dev/null || echo 0) rows"
+  check board-bench $rc "llama.cpp ($BOARD) ready in ${built}s; $(grep -c '^| [0-9]' "$CACHE/board.out" 2>/dev/null || echo 0) rows"
 }
 
 # Runs a bash command inside the root as its root user, with the environment of a login there.
@@ -328,7 +338,7 @@ main() {
   runtime_only_route
   neoverse_n1
   ((RUN_TESTS)) && test_subset
-  ((BOARD)) && board_bench
+  [[ -n $BOARD ]] && board_bench
   summary
   return $FAILED
 }
