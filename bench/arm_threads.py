@@ -219,8 +219,16 @@ def inlined_barriers(bench: str) -> list[tuple[int, tuple[int, int]]]:
     start, size = next((a, n) for a, n, name in _symbols(bench) if name == "ggml_graph_compute_thread")
     out = subprocess.run(["aarch64-linux-gnu-objdump", "-d", "--no-show-raw-insn", f"--start-address={start:#x}",
                           f"--stop-address={start + size:#x}", bench], capture_output=True, text=True, check=True).stdout
+    found = barrier_sites(out)
+    if not found:
+        sys.exit(f"arm_threads: no inlined ggml_barrier found in {bench}'s ggml_graph_compute_thread")
+    return found
+
+
+def barrier_sites(disassembly: str) -> list[tuple[int, tuple[int, int]]]:
+    """inlined_barriers' search, in objdump's text of one function."""
     insns = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
-             re.finditer(r"^[ \t]*([0-9a-f]+):[ \t]+(\S+)[ \t]*(.*)$", out, re.M)]
+             re.finditer(r"^[ \t]*([0-9a-f]+):[ \t]+(\S+)[ \t]*(.*)$", disassembly, re.M)]
     branch = re.compile(r"^(b|b\..*|bl|blr|br|ret|cbn?z|tbn?z)$")
     found = []
     for i, (_, op, _) in enumerate(insns):
@@ -230,12 +238,10 @@ def inlined_barriers(bench: str) -> list[tuple[int, tuple[int, int]]]:
         while j > 0 and not branch.match(insns[j - 1][1]):
             j -= 1
         spin = int(insns[i + 2][2].split()[0], 16)
-        k = next(k for k, ins in enumerate(insns) if ins[0] == spin)
-        while insns[k][1] != "yield":
-            k += 1
-        found.append((insns[j][0], (spin, insns[k + 1][0] + 4)))
-    if not found:
-        sys.exit(f"arm_threads: no inlined ggml_barrier found in {bench}'s ggml_graph_compute_thread")
+        k = next((k for k, ins in enumerate(insns) if ins[0] == spin), None)
+        loop = [] if k is None else [n for n in range(k, min(k + 8, len(insns) - 1)) if insns[n][1] == "yield"]
+        if loop:   # the spin: from the b.ne's target to the `b` back after its `yield`
+            found.append((insns[j][0], (spin, insns[loop[0] + 1][0] + 4)))
     return found
 
 

@@ -347,3 +347,20 @@ def test_yitian_adapter_slots_match_host(arm64_env, tiny_q4, tiny_lm, tmp_path):
         assert np.abs(a - h).max() / np.abs(h).max() < 1e-3
     assert np.abs(host[1] - host[0]).max() > 0.1 * np.abs(host[0]).max()   # the adapter matters
     assert np.abs(arm[2:] - arm[:2]).max() <= 1e-5 * np.abs(arm).max()    # batched rows = each alone
+
+
+def test_icount_attribution_names_the_parallel_bodies_after_their_kernels(builds):
+    """bench/arm_icount.py: lib.so's parallel loop bodies are unnamed code placed after the
+    named functions; each is named after a kernel that launches it, so a kernel's work is not
+    counted under whatever symbol precedes the bodies."""
+    import arm_icount  # bench/arm_icount.py
+
+    lib = str(builds["arm-yitian", 8] / "lib.so")
+    named = {name for _, _, name in arm_icount._symbols(lib)}
+    bodies = arm_icount.parallel_bodies(lib)
+    kernels = {name.removesuffix(" (parallel body)") for _, _, name in bodies}
+    assert any("gemv" in k for k in kernels) and any("gemm" in k for k in kernels), sorted(kernels)[:10]
+    assert kernels <= named
+    attr = arm_icount.Attributor(lib, static=False)
+    for start, _, name in bodies:
+        assert attr._name(start) == name

@@ -97,3 +97,34 @@ def test_tiny_decode_under_qemu_splits_the_same_work_over_four_threads(tiny_q4, 
     assert four["work"] == pytest.approx(one["work"], rel=0.05)
     assert four["work"] / 4 < four["critical"] < one["critical"]
     assert 0 < four["serial"] < four["critical"]
+
+
+# objdump's text of ggml_graph_compute_thread's node loop in llama.cpp's KleidiAI build (clang
+# 14, ggml's own pool): the copy of ggml_barrier inlined after a node, as the disassembler
+# prints it
+POOL_LOOP = """
+  935f90:\tb.eq\t935ef4 <ggml_graph_compute_thread+0x18c>  // b.none
+  935f94:\tadd\tx11, x8, #0x80
+  935f98:\tldr\tw9, [x8, #192]
+  935f9c:\tldaddal\tw23, w11, [x11]
+  935fa0:\tcmp\tw11, w10
+  935fa4:\tb.ne\t935fb8 <ggml_graph_compute_thread+0x250>  // b.any
+  935fa8:\tadd\tx9, x8, #0xc0
+  935fac:\tstr\twzr, [x8, #128]
+  935fb0:\tldaddal\tw23, w8, [x9]
+  935fb4:\tb\t935ef4 <ggml_graph_compute_thread+0x18c>
+  935fb8:\tldr\tw10, [x8, #192]
+  935fbc:\tcmp\tw10, w9
+  935fc0:\tb.ne\t935ef0 <ggml_graph_compute_thread+0x188>  // b.any
+  935fc4:\tyield
+  935fc8:\tb\t935fb8 <ggml_graph_compute_thread+0x250>
+  935fcc:\tldrb\tw12, [x28, #48]
+"""
+
+
+def test_the_inlined_pool_barrier_is_found_with_its_spin_loop():
+    """The block that enters the barrier (after the last branch before its arrival `ldaddal`)
+    advances a thread's epoch; its spin loop, up to and with the `b` back after `yield`, is
+    waiting. The departing `ldaddal` (no cmp / b.ne after it) is no barrier of its own."""
+    assert arm_threads.barrier_sites(POOL_LOOP) == [(0x935f94, (0x935fb8, 0x935fcc))]
+    assert arm_threads.barrier_sites(POOL_LOOP.replace("yield", "nop")) == []   # an atomic add, no barrier
