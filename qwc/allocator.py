@@ -40,7 +40,7 @@ def with_tunable(env: dict) -> dict:
 
 
 def restart_with_tunable(argv: list[str]) -> None:
-    """Replace this process by `python -m qwc argv` with TUNABLE set, where the command runs
+    """Replace this process by `python -P -m qwc argv` with TUNABLE set, where the command runs
     an artifact on glibc on aarch64 and the variable does not say it yet; otherwise return."""
     command = next((a for a in argv if not a.startswith("-")), None)   # after -q / --quiet
     if command not in RUNS_ARTIFACTS or platform.system() != "Linux" or platform.machine() not in WHERE:
@@ -53,4 +53,6 @@ def restart_with_tunable(argv: list[str]) -> None:
     env["QWC_NO_RESTART"] = "1"   # never twice, whatever glibc made of the variable
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "qwc", *argv], env)
+    # -P: not the working directory first on the path, where a clone of this repository (its
+    # own qwc/ folder, which has no runtime/) would shadow the installed package
+    os.execve(sys.executable, [sys.executable, "-P", "-m", "qwc", *argv], env)

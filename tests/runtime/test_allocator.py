@@ -28,7 +28,7 @@ def execs(monkeypatch):
 def test_artifact_commands_restart_with_the_tunable(execs, command, quiet):
     allocator.restart_with_tunable([*quiet, command, "m.qwc", "--threads", "2"])
     (exe, argv, env), = execs
-    assert argv == [sys.executable, "-m", "qwc", *quiet, command, "m.qwc", "--threads", "2"]
+    assert argv == [sys.executable, "-P", "-m", "qwc", *quiet, command, "m.qwc", "--threads", "2"]
     assert env["GLIBC_TUNABLES"] == allocator.TUNABLE and env["QWC_NO_RESTART"] == "1"
 
 
@@ -58,17 +58,23 @@ def test_a_users_tunables_are_kept_and_no_second_restart(execs, monkeypatch):
 
 def test_the_qwc_command_really_restarts_with_it(tmp_path):
     """End to end: every Python process started prints its GLIBC_TUNABLES (a sitecustomize on
-    PYTHONPATH, which also makes the machine aarch64 to Python): `python -m qwc run` runs
-    twice, the second time with the tunable; `qwc compile` once, without it."""
+    PYTHONPATH, which also makes the machine aarch64 to Python): `qwc run` runs twice, the
+    second time with the tunable; `qwc compile` once, without it."""
     (tmp_path / "sitecustomize.py").write_text(
         "import os, platform, sys\nplatform.machine = lambda: 'aarch64'\n"
         "print('TUNABLES', os.environ.get('GLIBC_TUNABLES'), file=sys.stderr)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "QWC_NO_RESTART")}
     env["PYTHONPATH"] = str(tmp_path)
+    # run where a folder named qwc (a clone of this repository's own, which has no runtime/)
+    # would shadow the installed package if the restart put the working directory on the path
+    (tmp_path / "cwd" / "qwc").mkdir(parents=True)
+    (tmp_path / "cwd" / "qwc" / "__init__.py").write_text("")
+    (tmp_path / "cwd" / "qwc" / "__main__.py").write_text("raise SystemExit('the working directory shadowed qwc')")
     seen = {}
     for command in ("run", "compile"):
-        r = subprocess.run([sys.executable, "-m", "qwc", command, str(tmp_path / "missing")], env=env,
-                           capture_output=True, text=True, timeout=120)
+        # -P: as the `qwc` console script starts, without the working directory on the path
+        r = subprocess.run([sys.executable, "-P", "-m", "qwc", command, str(tmp_path / "missing")], env=env,
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path / "cwd")
         assert r.returncode != 0 and "qwc: error:" in r.stderr   # the command itself ran, and refused
         seen[command] = [line for line in r.stderr.splitlines() if line.startswith("TUNABLES")]
     assert seen["run"] == ["TUNABLES None", f"TUNABLES {allocator.TUNABLE}"]
