@@ -244,8 +244,11 @@ runtime_only_route() {
 
 SERVER_PID=
 serve_answers_openai() {
-  local port=18437
-  in_root "exec /opt/qwc-runtime/bin/qwc serve $ART/smollm2.qwc --port $port --ctx 256" >>"$LOG" 2>&1 &
+  local port
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # exec all the way down (chroot, env, bash, qwc's own restart), so SERVER_PID is the server's
+  (root_command; exec "${ROOT_CMD[@]}" "exec /opt/qwc-runtime/bin/qwc serve $ART/smollm2.qwc --port $port --ctx 256") \
+    >>"$LOG" 2>&1 &
   SERVER_PID=$!
   local client="
 import sys, time, openai
@@ -308,13 +311,13 @@ board_bench() {
   check board-bench $rc "llama.cpp ($BOARD) ready in ${built}s; $(grep -c '^| [0-9]' "$CACHE/board.out" 2>/dev/null || echo 0) rows"
 }
 
-# Runs a bash command inside the root as its root user, with the environment of a login there.
-in_root() {
-  chroot "$ROOT" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    LANG=C.UTF-8 QEMU_CPU="${QEMU_CPU:-max,sve128=on}" SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
-    PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 \
-    bash -c "$1"
+# ROOT_CMD: `bash -c` inside the root as its root user, with the environment of a login there.
+root_command() {
+  ROOT_CMD=(chroot "$ROOT" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+    LANG=C.UTF-8 "QEMU_CPU=${QEMU_CPU:-max,sve128=on}" SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 bash -c)
 }
+in_root() { root_command; "${ROOT_CMD[@]}" "$1"; }
 
 # Everything runs from this function, read whole before it starts: editing the script during a
 # run (an hour) cannot change the run.
