@@ -448,7 +448,7 @@ def peer_tools(build: str) -> Path:
     """The folder of llama.cpp's aarch64 tools of `build` (bench/llamacpp.sh builds it once)."""
     r = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), build], stdout=subprocess.PIPE, text=True)
     if r.returncode != 0:
-        sys.exit(f"arm_icount: bench/llamacpp.sh {build} failed"
+        sys.exit(f"{Path(sys.argv[0]).stem}: bench/llamacpp.sh {build} failed"
                  + (" (set KLEIDIAI_SRC, or --peer-builds repack)" if build == "arm64-kleidiai" else ""))
     return Path(r.stdout.strip().splitlines()[-1])
 

@@ -81,6 +81,7 @@ from arm_icount import (  # noqa: E402
     _segments,
     _symbols,
     arm_manifest,
+    peer_tools,
     plugin,
 )
 
@@ -259,11 +260,7 @@ def run_llama(env, plug, marks, bench, gguf, args, threads, out: Path) -> np.nda
 
 def llama_runner(build: str, env, plug, gguf: Path):
     """run(kind, n, threads, out) for llama.cpp's aarch64 `build` (bench/llamacpp.sh)."""
-    r = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), build], stdout=subprocess.PIPE, text=True)
-    if r.returncode != 0:
-        sys.exit(f"arm_threads: bench/llamacpp.sh {build} failed"
-                 + (" (set KLEIDIAI_SRC, or --peer-builds repack)" if build == "arm64-kleidiai" else ""))
-    bench = str(Path(r.stdout.strip().splitlines()[-1]) / "llama-bench-0.3.36")
+    bench = str(peer_tools(build) / "llama-bench-0.3.36")
     classes, lmarks, lattr = SymbolClasses(bench), llama_marks(bench), Attributor(bench, static=True)
     # ggml's own pool: idle workers sleep between graphs instead of polling (the OpenMP build's
     # OMP_WAIT_POLICY=passive); polling is waiting either way, left out of every figure, but
