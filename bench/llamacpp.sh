@@ -24,7 +24,9 @@
 # DIR defaults to ${XDG_CACHE_HOME:-~/.cache}/qwc/llamacpp-BUILD (x86: -BUILD-<hash of this CPU's
 # flags>, so a cached native build never runs on another CPU). Builds (~20 min each on 2 cores)
 # are cached there as TOOL-VERSION (x86: linked to the shared libraries in DIR/build/bin); prints
-# DIR last. PYTHON: the interpreter whose pip fetches the sdist (default python3).
+# DIR last. PYTHON: the interpreter whose pip fetches the sdist (default python3). LLAMACPP_SDIST:
+# that sdist already fetched (its .tar.gz), for a machine where pip is slow: under emulation it
+# takes longer than fetching it outside and copying it in.
 set -euo pipefail
 VERSION=0.3.36
 BUILD=${1:?usage: bench/llamacpp.sh x86|x86-gcc|arm64|arm64-native|arm64-kleidiai [DIR]}
@@ -110,11 +112,16 @@ if ((${#todo[@]})); then
   src=$DIR/src
   if [[ ! -d $src/vendor/llama.cpp ]]; then
     say "fetching the llama-cpp-python $VERSION sdist"
-    rm -rf "$DIR/sdist" && mkdir -p "$DIR/sdist"
-    "${PYTHON:-python3}" -m pip download -q --no-deps --no-binary=:all: -d "$DIR/sdist" "llama-cpp-python==$VERSION" \
-      2> >(grep -v "is ignored: it is neither" >&2)
+    sdist=${LLAMACPP_SDIST:-$DIR/sdist/llama_cpp_python-$VERSION.tar.gz}
+    if [[ -z ${LLAMACPP_SDIST:-} ]]; then
+      rm -rf "$DIR/sdist" && mkdir -p "$DIR/sdist"
+      "${PYTHON:-python3}" -m pip download -q --no-deps --no-binary=:all: -d "$DIR/sdist" "llama-cpp-python==$VERSION" \
+        2> >(grep -v "is ignored: it is neither" >&2)
+    fi
+    [[ $sdist == */llama_cpp_python-$VERSION.tar.gz && -f $sdist ]] \
+      || { echo "llamacpp.sh: $sdist is not the llama-cpp-python $VERSION sdist (llama_cpp_python-$VERSION.tar.gz)" >&2; exit 2; }
     rm -rf "$src.partial" && mkdir -p "$src.partial"
-    tar -C "$src.partial" --strip-components=1 -xzf "$DIR"/sdist/llama_cpp_python-$VERSION.tar.gz
+    tar -C "$src.partial" --strip-components=1 -xzf "$sdist"
     mv "$src.partial" "$src"
   fi
   say "building ${todo[*]} (about 20 minutes)"

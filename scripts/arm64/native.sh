@@ -297,8 +297,17 @@ board_bench() {
     tools=/opt/llama-cross
     mkdir -p "$ROOT$tools" && cp "$here/llama-bench-0.3.36" "$ROOT$tools/"
   else
+    # pip under emulation takes many minutes to fetch the sdist; this machine's fetches it (it
+    # is the same file on every platform) and the root's build reads it from /opt
+    local sdist=$CACHE/sdist/llama_cpp_python-0.3.36.tar.gz
+    if [[ ! -f $sdist ]]; then
+      mkdir -p "$CACHE/sdist"
+      python3 -m pip download -q --no-deps --no-binary=:all: -d "$CACHE/sdist" llama-cpp-python==0.3.36 2>>"$LOG" \
+        || die "could not fetch the llama-cpp-python sdist (see $LOG)"
+    fi
+    mkdir -p "$ROOT/opt/sdist" && cp "$sdist" "$ROOT/opt/sdist/"
     say "building llama.cpp in the root (bench/llamacpp.sh arm64-native; more than an hour emulated)"
-    tools=$(in_root "cd $CLONE && PYTHON=$CLONE/.venv/bin/python bash bench/llamacpp.sh arm64-native" 2>>"$LOG" | tail -1) || rc=$?
+    tools=$(in_root "cd $CLONE && LLAMACPP_SDIST=/opt/sdist/${sdist##*/} bash bench/llamacpp.sh arm64-native" 2>>"$LOG" | tail -1) || rc=$?
   fi
   local built; built=$(since "$t0")
   if ((rc == 0)); then
