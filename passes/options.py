@@ -26,6 +26,13 @@ class PassOptions:
     awq_calibration: object = None
     # The same for GPTQ (passes/gptq.py): Q4_0 codes chosen against the calibration activations
     gptq_calibration: object = None
+    # The weight format: "q4_0" (every linear Q4_0, or --bits 8) or "q4_k_m" (llama.cpp's
+    # Q4_K_M mix, passes/kquant_mix.py, its blocks searched by qwc/kquants.py)
+    format: str = "q4_0"
+    # Importance matrix for the K-quant search: {module name: [K]} read from llama-imatrix's
+    # file (passes/imatrix.py), or token ids of calibration text to compute it from; None: none
+    importance: dict | None = None
+    imatrix_calibration: object = None
     fold_limit: int = 4096              # largest constant (elements) canonicalize folds: shape math, never weights
 
     def require_config(self, why: str) -> ModelConfig:
@@ -46,5 +53,25 @@ class PassOptions:
                            f"{self.block_size}")
         if self.lm_head_bits not in (4, 8):
             raise QwcError(f"lm-head bits {self.lm_head_bits} is not supported (4 or 8)")
+        self._validate_format()
         if self.untie_lm_head and not self.fold_norm_gains:
             raise QwcError("--untie-lm-head only changes anything with --fold-norm-gains (it lets the final norm's gain fold)")
+
+    def _validate_format(self) -> None:
+        from qwc.errors import QwcError
+
+        from .kquant_mix import FORMATS
+        if self.format not in FORMATS:
+            raise QwcError(f"--format {self.format!r} is not one of {', '.join(FORMATS)} (Q5_K and Q6_K have no "
+                           "kernels yet)")
+        weighted = self.importance is not None or self.imatrix_calibration is not None
+        if self.format == "q4_0":
+            if weighted:
+                raise QwcError("--imatrix weighs the K-quant search: it needs --format q4_k_m")
+            return
+        for bad, why in ((self.bits == 8, "--bits 8"), (self.block_size != 32, f"--block-size {self.block_size}"),
+                         (bool(self.q8), "--q8"), (self.gptq_calibration is not None, "--gptq (it writes Q4_0 codes)")):
+            if bad:
+                raise QwcError(f"--format {self.format} sets every linear's format; it does not combine with {why}")
+        if self.importance is not None and self.awq_calibration is not None:
+            raise QwcError("an --imatrix file measured the model before --awq's scales; with --awq use --imatrix calib")

@@ -69,7 +69,7 @@ def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
     options.validate()
     schemas.register()
     calibrated = [flag for flag, ids in (("--awq", options.awq_calibration), ("--gptq", options.gptq_calibration))
-                  if ids is not None]
+                  if ids is not None] + ([f"--format {options.format}"] if options.format != "q4_0" else [])
     if calibrated and any(n.op_type == "MatMulNBits" for n in model.graph.node):
         raise QwcError(f"{' and '.join(calibrated)} work on float weights, and this graph's linears are quantized "
                        "already (a GGUF's weights kept as given); export it with --exporter torch for float weights")

@@ -8,7 +8,9 @@ that shape): GatherBlockQuantized quantizes along its last axis and returns
 through an Unsqueeze to [vocab, blocks, 1].
 
 4 bits: Q4_0 (zero point 8). 8 bits (`--lm-head-bits 8`, llama.cpp's default for a tied
-Qwen2.5 output matrix): Q8_0 stored as uint8 with onnxruntime's default zero point 128.
+Qwen2.5 output matrix): Q8_0 stored as uint8 with onnxruntime's default zero point 128. Under
+`--format q4_k_m` a tied embedding is the output matrix, which that mix gives Q6_K, so Q8_0
+here (passes/kquant_mix.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
             continue
         vocab, hidden = e.shape
         check_quantizable(e, "the embedding")
+        if options.format != "q4_0" and _tied(g, n.input[0]):
+            bits = 8
         if bits == 4:
             q, d = quantize_q4_0(e, EMBED_BLOCK)
             data = pack_nibbles(q)
@@ -65,3 +69,8 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
     g.commit()
     ensure_ms_opset(model)
     return model
+
+
+def _tied(g: Graph, name: str) -> bool:
+    """Whether the embedding `name` is also the lm_head (read through a Transpose)."""
+    return any(t.op_type == "Transpose" for t in g.consumers.get(name, []))

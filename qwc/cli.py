@@ -312,15 +312,24 @@ def _cmd_optimize(args: argparse.Namespace) -> None:
 
     opts = PassOptions(block_size=args.block_size, lm_head_bits=args.lm_head_bits, bits=args.bits, q8=args.q8 or [],
                        keep_float=args.keep_float or [], untie_lm_head=args.untie_lm_head,
-                       fold_norm_gains=args.fold_norm_gains)
+                       fold_norm_gains=args.fold_norm_gains, format=args.format)
+    if args.imatrix not in (None, "calib"):
+        from qwc.passes.imatrix import read_llamacpp
+
+        opts.importance = read_llamacpp(args.imatrix)
+    # placeholders while the options are validated, before any calibration text is read
+    opts.awq_calibration = () if args.awq else None
+    opts.gptq_calibration = () if args.gptq else None
+    opts.imatrix_calibration = () if args.imatrix == "calib" else None
     opts.validate()
-    if args.awq or args.gptq:
+    if args.awq or args.gptq or args.imatrix == "calib":
         from qwc.config import tokenizer_for_graph
         from qwc.eval.data import calibration_ids
 
         ids = calibration_ids(args.calib, tokenizer_for_graph(args.model), args.calib_tokens)
         opts.awq_calibration = ids if args.awq else None
         opts.gptq_calibration = ids if args.gptq else None
+        opts.imatrix_calibration = ids if args.imatrix == "calib" else None
     t0 = time.perf_counter()
     r = optimize_file(args.model, args.output, opts, verify=args.verify, memory_check=not args.no_memory_check)
     print(f"{'op':34s} {'before':>7s} {'after':>7s}")
@@ -681,7 +690,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--gptq", action="store_true",
                    help="GPTQ: Q4_0 codes chosen against calibration activations, each channel's rounding error "
                         "moved onto the channels after it (with --awq: after its scales); the output stays plain Q4_0")
-    _calibration_options(o, " for --awq and --gptq", 4096)
+    o.add_argument("--format", default="q4_0", choices=("q4_0", "q4_k_m"),
+                   help="weight format: q4_0 (the default) or q4_k_m, llama.cpp's Q4_K_M mix (Q4_K, Q5_0 where "
+                        "rows are not whole super-blocks of 256; Q8_0 in its Q6_K places) with searched block "
+                        "scales")
+    o.add_argument("--imatrix", metavar="FILE|calib",
+                   help="with --format q4_k_m: weigh the search by an importance matrix, llama-imatrix's file "
+                        "(GGUF or .dat) or 'calib' to compute one on the --calib text")
+    _calibration_options(o, " for --awq, --gptq and --imatrix calib", 4096)
     o.add_argument("--untie-lm-head", action="store_true",
                    help="with --fold-norm-gains: give the lm_head its own weight so the final norm's gain folds into it")
     o.add_argument("--verify", action="store_true",

@@ -1,0 +1,196 @@
+"""qwc's own quantizers for llama.cpp's Q4_K and Q5_0 (`qwc optimize --format q4_k_m`): float
+weights [N, K] -> the GGUF bytes of those formats, bit for bit what llama.cpp reads
+(models/gguf_blocks.py turns them into the canonical graph's blocks, as it does a
+downloaded file's).
+
+Round-to-nearest from a block's extremes wastes codes: one outlier sets the step for all 32
+weights. Both quantizers search instead, per block of 32, for the scale (and Q4_K's minimum)
+that leaves the smallest error weighted by each input channel's importance: the importance
+matrix, the mean square of that channel's activations on calibration text, so the error
+minimised is the expected error of the linear's output (each weight's error times its
+input). Without one every channel weighs the same (the weights' own squared error).
+
+- Q4_K: per sub-block of 32, a grid of steps around (max - min) / 15, each with codes rounded
+  and then scale and minimum refitted by weighted least squares (the minimum held at or below
+  zero, as the format stores it); the 8 sub-block scales and minimums then take 6-bit codes
+  under one fp16 d and dmin per super-block of 256, and the weights are rounded again against
+  the values the file will hold.
+- Q5_0: per block, a grid of steps around max / -16 (Q5_0's own rule: the largest magnitude
+  maps to -16), each refitted by weighted least squares, the best kept as fp16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 32
+SUPER = 256
+# Steps searched, as multiples of the round-to-nearest step: a grid wide enough to let an
+# outlier clip when that lowers the weighted error.
+STEP_FACTORS = np.linspace(0.8, 1.15, 15)
+# Rows a chunk: the search's float64 temporaries are ~10x a chunk of 2^20 weights (80 MB each).
+CHUNK_ELEMENTS = 1 << 20
+
+
+def _row_chunks(n: int, k: int):
+    rows = max(1, CHUNK_ELEMENTS // k)
+    for r in range(0, n, rows):
+        yield slice(r, min(r + rows, n))
+
+
+def _fp16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _q4_k_sub_blocks(x: np.ndarray, imp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each sub-block's scale s >= 0 and minimum m >= 0 (x ~ s q - m, q in 0..15), searched:
+    x, imp [B, 32] float64."""
+    lo = np.minimum(x.min(axis=1), 0)
+    span = x.max(axis=1) - lo
+    flat = span <= 0
+    span = np.where(flat, 1, span)
+    best_s, best_m = span / 15, -lo
+    best_err = np.full(len(x), np.inf)
+    sw = imp.sum(axis=1)
+    swx = (imp * x).sum(axis=1)
+    for f in STEP_FACTORS:
+        step = span / 15 * f
+        q = np.clip(np.rint((x - lo[:, None]) / step[:, None]), 0, 15)
+        swq, swqq, swqx = (imp * q).sum(axis=1), (imp * q * q).sum(axis=1), (imp * q * x).sum(axis=1)
+        det = sw * swqq - swq * swq
+        ok = det > 0
+        det = np.where(ok, det, 1)
+        s = np.where(ok, (sw * swqx - swq * swx) / det, step)
+        b = np.where(ok, (swqq * swx - swq * swqx) / det, lo)   # x ~ s q + b
+        pos = b > 0                                              # the format's minimum is <= 0
+        s = np.where(pos, swqx / np.where(swqq > 0, swqq, 1), s)
+        b = np.where(pos, 0, b)
+        s = np.maximum(s, 0)
+        err = (imp * (x - s[:, None] * q - b[:, None]) ** 2).sum(axis=1)
+        better = err < best_err
+        best_s, best_m, best_err = np.where(better, s, best_s), np.where(better, -b, best_m), np.where(better, err, best_err)
+    best_s = np.where(flat, 0, best_s)
+    best_m = np.where(flat, -lo, best_m)
+    return best_s, best_m
+
+
+def _six_bit(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[S, 8] non-negative values -> fp16 super-block factor [S] and 6-bit codes [S, 8]."""
+    d = _fp16(v.max(axis=1) / 63)
+    codes = np.clip(np.rint(v / np.where(d > 0, d, 1)[:, None]), 0, 63)
+    return d, np.where(d[:, None] > 0, codes, 0).astype(np.uint8)
+
+
+def _q4_k_codes(x: np.ndarray, d: np.ndarray, sc: np.ndarray, dmin: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Codes [B, 32] (0..15) nearest x against what the file holds: steps d sc, minimums dmin mn."""
+    step = (d[:, None] * sc).reshape(-1)
+    low = (dmin[:, None] * mn).reshape(-1)
+    q = np.clip(np.rint((x + low[:, None]) / np.where(step > 0, step, 1)[:, None]), 0, 15)
+    return np.where(step[:, None] > 0, q, 0)
+
+
+def _refit_super(x, imp, q, d, sc, dmin, mn) -> tuple[np.ndarray, np.ndarray]:
+    """d and dmin of each super-block refitted by weighted least squares to its codes (x ~
+    d (sc q) - dmin mn over 256 weights), as fp16; kept where the fit does not lower the error."""
+    a = (sc[:, :, None] * q.reshape(-1, 8, BLOCK)).reshape(len(d), -1)        # d's column
+    c = -np.repeat(mn, BLOCK, axis=1).astype(np.float64)                     # dmin's column
+    xs, ws = x.reshape(len(d), -1), imp.reshape(len(d), -1)
+    saa, scc, sac = (ws * a * a).sum(1), (ws * c * c).sum(1), (ws * a * c).sum(1)
+    sax, scx = (ws * a * xs).sum(1), (ws * c * xs).sum(1)
+    det = saa * scc - sac * sac
+    ok = det > 0
+    det = np.where(ok, det, 1)
+    nd = _fp16(np.where(ok, (scc * sax - sac * scx) / det, d))
+    ndmin = _fp16(np.where(ok, (saa * scx - sac * sax) / det, dmin))
+    ok &= (nd >= 0) & (ndmin >= 0)
+
+    def err(dd, mm):
+        return (ws * (xs - dd[:, None] * a - mm[:, None] * c) ** 2).sum(1)
+
+    keep = ~ok | (err(nd, ndmin) >= err(d, dmin))
+    return np.where(keep, d, nd), np.where(keep, dmin, ndmin)
+
+
+def _q4_k_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
+    n, k = w.shape
+    x = w.astype(np.float64).reshape(-1, BLOCK)
+    im = np.broadcast_to(imp.reshape(1, k // BLOCK, BLOCK), (n, k // BLOCK, BLOCK)).reshape(-1, BLOCK)
+    s, m = _q4_k_sub_blocks(x, im)
+    d, sc = _six_bit(s.reshape(-1, 8))
+    dmin, mn = _six_bit(m.reshape(-1, 8))
+    q = _q4_k_codes(x, d, sc, dmin, mn)
+    d, dmin = _refit_super(x, im, q, d, sc, dmin, mn)
+    q = _q4_k_codes(x, d, sc, dmin, mn).astype(np.uint8).reshape(-1, 4, 2, BLOCK)
+    nsup = len(d)
+    raw = np.zeros((nsup, 144), np.uint8)
+    raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(nsup, 2)
+    raw[:, 2:4] = dmin.astype(np.float16).view(np.uint8).reshape(nsup, 2)
+    # sub-blocks 0-3: six bits each in bytes 4-7 (scales) and 8-11 (minimums); 4-7: their low
+    # nibbles in bytes 12-15 (scale low, minimum high), their top two bits above bytes 4-11's
+    raw[:, 4:8] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    raw[:, 8:12] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    raw[:, 12:16] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    raw[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(nsup, 128)   # a byte: sub-block 2p low, 2p + 1 high
+    return raw.reshape(n, -1)
+
+
+def quantize_q4_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    """w [N, K] (K a multiple of 256) -> Q4_K bytes [N, K/256 * 144]; `importance` [K] >= 0."""
+    n, k = w.shape
+    if k % SUPER:
+        raise ValueError(f"Q4_K rows hold whole super-blocks of {SUPER}, not {k}")
+    imp = _importance(importance, k)
+    out = np.empty((n, k // SUPER * 144), np.uint8)
+    for rows in _row_chunks(n, k):
+        out[rows] = _q4_k_rows(w[rows], imp)
+    return out
+
+
+def _q5_0_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
+    n, k = w.shape
+    x = w.astype(np.float64).reshape(-1, BLOCK)
+    im = np.broadcast_to(imp.reshape(1, k // BLOCK, BLOCK), (n, k // BLOCK, BLOCK)).reshape(-1, BLOCK)
+    peak = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)[:, 0]   # signed
+    base = np.where(peak != 0, peak / -16, 1)
+    best_d, best_err = base, np.full(len(x), np.inf)
+    for f in STEP_FACTORS:
+        q = np.clip(np.rint(x / (base * f)[:, None]), -16, 15)
+        sqq = (im * q * q).sum(axis=1)
+        d = np.where(sqq > 0, (im * q * x).sum(axis=1) / np.where(sqq > 0, sqq, 1), base * f)
+        err = (im * (x - d[:, None] * q) ** 2).sum(axis=1)
+        better = err < best_err
+        best_d, best_err = np.where(better, d, best_d), np.where(better, err, best_err)
+    d = _fp16(np.where(peak != 0, best_d, 0))
+    q = np.clip(np.rint(x / np.where(d != 0, d, 1)[:, None]), -16, 15)
+    u = (np.where(d[:, None] != 0, q, 0) + 16).astype(np.uint8)   # 0..31
+    nb = len(d)
+    raw = np.zeros((nb, 22), np.uint8)
+    raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    raw[:, 2:6] = np.packbits((u >> 4).astype(np.uint8), axis=1, bitorder="little")   # bit j: element j's fifth
+    raw[:, 6:] = (u[:, :16] & 15) | ((u[:, 16:] & 15) << 4)
+    return raw.reshape(n, -1)
+
+
+def quantize_q5_0(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    """w [N, K] (K a multiple of 32) -> Q5_0 bytes [N, K/32 * 22]; `importance` [K] >= 0."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"Q5_0 rows hold whole blocks of {BLOCK}, not {k}")
+    imp = _importance(importance, k)
+    out = np.empty((n, k // BLOCK * 22), np.uint8)
+    for rows in _row_chunks(n, k):
+        out[rows] = _q5_0_rows(w[rows], imp)
+    return out
+
+
+def _importance(importance: np.ndarray | None, k: int) -> np.ndarray:
+    """Per-channel weights of the error, [K] float64: all ones without an importance matrix. A
+    channel the calibration never saw (0) keeps a small weight, so its weights are still
+    rounded sensibly rather than left to whatever the other channels prefer."""
+    if importance is None:
+        return np.ones(k)
+    imp = np.asarray(importance, np.float64).reshape(-1)
+    if imp.shape != (k,) or not np.isfinite(imp).all() or (imp < 0).any():
+        raise ValueError(f"an importance vector must hold {k} finite non-negative values")
+    floor = imp.mean() * 1e-3 if imp.any() else 1.0
+    return np.maximum(imp, floor)
