@@ -17,6 +17,11 @@ Rows (every one through `qwc` commands or llama.cpp's own tools, so the table is
   awq, awq-emb8    the same two with activation-aware scales (`--awq`, calibrated on Emma)
   gptq, gptq-emb8, awq-gptq, awq-gptq-emb8  GPTQ (`--gptq`, the same calibration), alone and after AWQ
   bits8          `--bits 8 --lm-head-bits 8`: every matrix Q8_0
+  llamacpp-q4_k_m  `llama-quantize ... Q4_K_M`; -imatrix with the importance matrix above; -imatrix-q8
+                 the same with Q8_0 where Q4_K_M has Q6_K (qwc's mix: the same format per tensor)
+  q4_k_m         `qwc optimize --format q4_k_m` (the same mix, Q8_0 in Q6_K's places, searched
+                 block scales); -imatrix with `--imatrix calib` (computed on Emma, as --awq's);
+                 -llama-imatrix with llama-imatrix's file, the one llama.cpp's rows use
   ft             control: float fine-tune on the training text and steps, scored in float (torch):
                  what fine-tuning on Austen gains by itself; ft+ptq the same, then PTQ
   qat            `qwc qat --quantize-embedding`, then `qwc optimize` (lossless), onnxruntime
@@ -40,6 +45,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kquant_error import q6_k_overrides  # noqa: E402
 
 QWC = [sys.executable, "-m", "qwc"]
 
@@ -108,10 +117,10 @@ def llamacpp_imatrix(tools: Path, src: Path, out: Path, threads: int) -> Path:
     return out
 
 
-def llamacpp_quantized(tools: Path, src: Path, out: Path, *opt: str) -> Path:
+def llamacpp_quantized(tools: Path, src: Path, out: Path, *opt: str, kind: str = "Q4_0") -> Path:
     if not out.exists():
         tmp = out.with_suffix(".partial")
-        cmd = [str(tools / "llama-quantize-0.3.36"), "--allow-requantize", *opt, str(src), str(tmp), "Q4_0"]
+        cmd = [str(tools / "llama-quantize-0.3.36"), "--allow-requantize", *opt, str(src), str(tmp), kind]
         r = subprocess.run(cmd, text=True, capture_output=True)
         if r.returncode != 0:
             sys.exit(f"accuracy: {' '.join(cmd)} failed: {r.stderr.strip()[-400:]}")
@@ -122,7 +131,8 @@ def llamacpp_quantized(tools: Path, src: Path, out: Path, *opt: str) -> Path:
 PRUNED = (2, 4, 6)   # blocks removed of SmolLM2's 30
 ROWS = ("float", "llamacpp-float", "llamacpp-q4_0", "llamacpp-q4_0-q4out", "llamacpp-q4_0-imatrix",
         "llamacpp-q4_0-imatrix-q4out", "ptq", "ptq-emb8", "fold", "fold-emb8", "awq", "awq-emb8", "gptq", "gptq-emb8",
-        "awq-gptq", "awq-gptq-emb8", "bits8", "ft", "ft+ptq", "qat", "qat-kd",
+        "awq-gptq", "awq-gptq-emb8", "bits8", "llamacpp-q4_k_m", "llamacpp-q4_k_m-imatrix",
+        "llamacpp-q4_k_m-imatrix-q8", "q4_k_m", "q4_k_m-imatrix", "q4_k_m-llama-imatrix", "ft", "ft+ptq", "qat", "qat-kd",
         *(f"sleb{n}{how}" for n in PRUNED for how in ("", "+ptq-emb8", "+qat-kd")))
 DEFAULT_ROWS = tuple(r for r in ROWS if not r.startswith("fold"))   # the fold is the old default, measured once
 
@@ -170,7 +180,7 @@ def main() -> None:
 
     from qwc.eval.data import smollm2_path
 
-    tools = llamacpp_tools() if any(r.startswith("llamacpp") for r in wanted) else None
+    tools = llamacpp_tools() if any(r.startswith("llamacpp") or r == "q4_k_m-llama-imatrix" for r in wanted) else None
     q4out = ("--output-tensor-type", "q4_0", "--token-embedding-type", "q4_0")
     floats = {"float": lambda: "smollm2", "ft": lambda: trained("ft", "--fake-quant-after", str(a.qat_steps)),
               **{f"sleb{n}": (lambda n=n: pruned(n)) for n in PRUNED}}
@@ -181,9 +191,17 @@ def main() -> None:
                 "llamacpp-q4_0-imatrix": lambda: llamacpp_quantized(
                     tools, smollm2_path(), w / "llamacpp-q4_0-imatrix.gguf", "--imatrix", str(imatrix())),
                 "llamacpp-q4_0-imatrix-q4out": lambda: llamacpp_quantized(
-                    tools, smollm2_path(), w / "llamacpp-q4_0-imatrix-q4out.gguf", "--imatrix", str(imatrix()), *q4out)}
+                    tools, smollm2_path(), w / "llamacpp-q4_0-imatrix-q4out.gguf", "--imatrix", str(imatrix()), *q4out),
+                "llamacpp-q4_k_m": lambda: llamacpp_quantized(tools, smollm2_path(), w / "llamacpp-q4_k_m.gguf",
+                                                              kind="Q4_K_M"),
+                "llamacpp-q4_k_m-imatrix": lambda: llamacpp_quantized(
+                    tools, smollm2_path(), w / "llamacpp-q4_k_m-imatrix.gguf", "--imatrix", str(imatrix()), kind="Q4_K_M"),
+                "llamacpp-q4_k_m-imatrix-q8": lambda: llamacpp_quantized(
+                    tools, smollm2_path(), w / "llamacpp-q4_k_m-imatrix-q8.gguf", "--imatrix", str(imatrix()),
+                    *q6_k_overrides(smollm2_path()), kind="Q4_K_M")}
     emb8, fold, awq = ("--lm-head-bits", "8"), ("--fold-norm-gains",), ("--awq", "--calib", "austen:emma")
     gptq = ("--gptq", "--calib", "austen:emma")
+    kfmt = ("--format", "q4_k_m")
 
     def imatrix() -> Path:
         return llamacpp_imatrix(tools, smollm2_path(), w / "smollm2-emma.imatrix.dat", a.threads)
@@ -194,6 +212,9 @@ def main() -> None:
                "gptq": lambda: ("smollm2", gptq), "gptq-emb8": lambda: ("smollm2", gptq + emb8),
                "awq-gptq": lambda: ("smollm2", awq + ("--gptq",)), "awq-gptq-emb8": lambda: ("smollm2", awq + ("--gptq",) + emb8),
                "bits8": lambda: ("smollm2", ("--bits", "8") + emb8),
+               "q4_k_m": lambda: ("smollm2", kfmt),
+               "q4_k_m-imatrix": lambda: ("smollm2", kfmt + ("--imatrix", "calib", "--calib", "austen:emma")),
+               "q4_k_m-llama-imatrix": lambda: ("smollm2", kfmt + ("--imatrix", str(imatrix()))),
                "ft+ptq": lambda: (trained("ft", "--fake-quant-after", str(a.qat_steps)), ()),
                "qat": lambda: (trained("qat", "--quantize-embedding"), ()),
                "qat-kd": lambda: (trained("qat-kd", *kd), ()),

@@ -74,11 +74,24 @@ def _q4_k_sub_blocks(x: np.ndarray, imp: np.ndarray) -> tuple[np.ndarray, np.nda
     return best_s, best_m
 
 
-def _six_bit(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[S, 8] non-negative values -> fp16 super-block factor [S] and 6-bit codes [S, 8]."""
-    d = _fp16(v.max(axis=1) / 63)
-    codes = np.clip(np.rint(v / np.where(d > 0, d, 1)[:, None]), 0, 63)
-    return d, np.where(d[:, None] > 0, codes, 0).astype(np.uint8)
+def _six_bit(v: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[S, 8] non-negative values -> fp16 super-block factor [S] and 6-bit codes [S, 8]: the
+    factor searched, as the sub-blocks' steps are, for the smallest error of the values
+    weighted by `weight` [S, 8] (how much an error in each value costs the weights: a scale's
+    sum of importance x q^2, a minimum's sum of importance), then refitted by least squares."""
+    top = v.max(axis=1)
+    best_d, best_err = _fp16(top / 63), np.full(len(v), np.inf)
+    for f in STEP_FACTORS:
+        d = top / 63 * f
+        codes = np.clip(np.rint(v / np.where(d > 0, d, 1)[:, None]), 0, 63)
+        scc = (weight * codes * codes).sum(axis=1)
+        d = _fp16(np.where(scc > 0, (weight * codes * v).sum(axis=1) / np.where(scc > 0, scc, 1), d))
+        codes = np.clip(np.rint(v / np.where(d > 0, d, 1)[:, None]), 0, 63)
+        err = (weight * (v - d[:, None] * codes) ** 2).sum(axis=1)
+        better = err < best_err
+        best_d, best_err = np.where(better, d, best_d), np.where(better, err, best_err)
+    codes = np.clip(np.rint(v / np.where(best_d > 0, best_d, 1)[:, None]), 0, 63)
+    return best_d, np.where(best_d[:, None] > 0, codes, 0).astype(np.uint8)
 
 
 def _q4_k_codes(x: np.ndarray, d: np.ndarray, sc: np.ndarray, dmin: np.ndarray, mn: np.ndarray) -> np.ndarray:
@@ -116,8 +129,9 @@ def _q4_k_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
     x = w.astype(np.float64).reshape(-1, BLOCK)
     im = np.broadcast_to(imp.reshape(1, k // BLOCK, BLOCK), (n, k // BLOCK, BLOCK)).reshape(-1, BLOCK)
     s, m = _q4_k_sub_blocks(x, im)
-    d, sc = _six_bit(s.reshape(-1, 8))
-    dmin, mn = _six_bit(m.reshape(-1, 8))
+    q = np.clip(np.rint((x + m[:, None]) / np.where(s > 0, s, 1)[:, None]), 0, 15)
+    d, sc = _six_bit(s.reshape(-1, 8), (im * q * q).sum(axis=1).reshape(-1, 8))
+    dmin, mn = _six_bit(m.reshape(-1, 8), im.sum(axis=1).reshape(-1, 8))
     q = _q4_k_codes(x, d, sc, dmin, mn)
     d, dmin = _refit_super(x, im, q, d, sc, dmin, mn)
     q = _q4_k_codes(x, d, sc, dmin, mn).astype(np.uint8).reshape(-1, 4, 2, BLOCK)

@@ -180,8 +180,9 @@ def test_cli_format_q4_k_m_with_calibrated_importance_end_to_end(tiny_onnx, tiny
     Q5_0 and Q8_0 (v and down of its last layer, and the tied lm_head); the graph's logits
     are nearer the float export's than the default Q4_0 graph's, and the compiled artifact
     computes what onnxruntime does."""
-    from conftest import greedy_against_onnxruntime
     from qwc.compiler.compile import compile_file
+
+    from conftest import greedy_against_onnxruntime
 
     out = tmp_path / "k.onnx"
     code = main(["optimize", str(tiny_onnx), "-o", str(out), "--format", "q4_k_m", "--imatrix", "calib",
