@@ -12,8 +12,8 @@
 #   arm64      cross-built, static, for the Yitian 710's ISA (Armv9 SVE2, i8mm, dotprod) with the
 #              Q4_0 repack on, run under qemu by bench/arm_icount.py.
 #   arm64-native  built on an aarch64 machine itself (the ARM server, or scripts/arm64/native.sh's
-#              root): GCC, -DGGML_NATIVE=ON (-mcpu=native: that CPU's SVE2 / i8mm / dotprod),
-#              OpenMP, the repack on. For scripts/arm64/board_bench.py there.
+#              root): GCC, -march from that CPU's /proc/cpuinfo features (SVE2, i8mm, dotprod,
+#              fp16, bf16), OpenMP, the repack on. For scripts/arm64/board_bench.py there.
 #   arm64-kleidiai  the same as arm64 with Arm's KleidiAI kernels on (-DGGML_CPU_KLEIDIAI=ON), the other
 #              strong aarch64 build. llama.cpp's CMake downloads KleidiAI, which cannot be done
 #              here: KLEIDIAI_SRC names the source (the v1.24.0 tarball or its unpacked folder, the
@@ -74,7 +74,16 @@ TC
   arm64-native)
     [[ $(uname -m) == aarch64 ]] || { echo "llamacpp.sh: arm64-native builds on an aarch64 machine (this is $(uname -m))" >&2; exit 2; }
     TOOLS="llama-bench"
-    FLAGS=(-DGGML_NATIVE=ON -DGGML_CPU_REPACK=ON)
+    # The ISA from this CPU's own feature list, not GGML_NATIVE: ggml's native probe gave GCC 12
+    # "-march=armv8-a+...+nodotprod+noi8mm+sve" in the emulated root, which it refuses (an
+    # extension added after one removed), though the CPU has both.
+    feats=" $(grep -m1 '^Features' /proc/cpuinfo | cut -d: -f2) "
+    arch=armv8.2-a
+    [[ $feats == *" sve2 "* ]] && arch=armv9-a
+    for f in asimddp:dotprod asimdhp:fp16 i8mm:i8mm bf16:bf16 sve2:sve2; do
+      [[ $feats == *" ${f%%:*} "* ]] && arch+=+${f#*:}
+    done
+    FLAGS=(-DGGML_NATIVE=OFF "-DGGML_CPU_ARM_ARCH=$arch" -DGGML_CPU_REPACK=ON)
     need cmake ninja-build g++ ;;
   arm64-kleidiai)
     TOOLS="llama-bench llama-completion"

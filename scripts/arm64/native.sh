@@ -292,6 +292,7 @@ test_subset() {
 # (native) or here (cross).
 board_bench() {
   local t0 rc=0 tools; t0=$(date +%s)
+  rm -f "$CACHE/board.out"   # a failed build must not count an earlier run's rows
   if [[ $BOARD == cross ]]; then
     local here; here=$(bash "$REPO/bench/llamacpp.sh" arm64 2>>"$LOG" | tail -1)
     tools=/opt/llama-cross
