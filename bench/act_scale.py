@@ -8,16 +8,16 @@ fake-quantized), and each linear's input quantized as the compiled W4A8 graph wo
             its matmul_clamp_f32_qai8dxp_qsi4c32p kernels)
 
     .venv/bin/python bench/act_scale.py [--chunks 40] [--calib-windows 4] [--threads 2]
-                                        [--threshold 0.01]
+                                        [--auto row:0.01,row-asym:0.02]
 
 Prints two tables:
 1. per linear kind (q/k/v share an input, gate/up share one) and layer: the relative error of the
    linear's output, ||W q(x) - W x|| / ||W x||, on calibration text (Emma, windows of 512), for
    each format: what `auto` decides on;
 2. perplexity on Pride and Prejudice (ctx 512, `--chunks` chunks, bench/accuracy.py's protocol)
-   with every linear's input in each format, and with `auto`: rows where a linear's row error
-   exceeds its block error by at most `--threshold` (absolute, in relative-error units), blocks
-   elsewhere.
+   with every linear's input in each format, and with each `--auto` MODE:T: MODE's rows where
+   a linear's error in them exceeds its block error by at most T (absolute, in relative-error
+   units), blocks elsewhere.
 A simulation in float (torch), labelled so: the compiled kernels' rounding differs in the last
 bits, not in the quantization grids.
 """
@@ -146,12 +146,13 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=40)
     ap.add_argument("--calib-windows", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--threshold", type=float, default=0.01)
+    ap.add_argument("--auto", default="row:0.01,row-asym:0.01,row-asym:0.02",
+                    help="auto rules MODE:T, comma-separated (MODE row or row-asym)")
     a = ap.parse_args()
     import torch
 
-    from qwc.eval.data import calibration_ids
     from qwc import progress
+    from qwc.eval.data import calibration_ids
 
     progress.set_quiet(True)
     torch.set_num_threads(a.threads)
@@ -173,19 +174,24 @@ def main() -> None:
     down = sorted((layer, e) for layer, e in by_kind.get("down", []))
     print("\ndown_proj by layer: row error / block error")
     print(" ".join(f"{layer}:{e['row'] / e['block']:.1f}" for layer, e in down))
-    auto = {n: ("row" if e["row"] <= e["block"] + a.threshold else "block") for n, e in errs.items()}
-    plans = {"weights only (float activations)": {},
-             **{f"all {m}": {n: m for n in errs} for m in MODES},
-             f"auto (rows where row error <= block error + {a.threshold})": auto}
+    autos = {}
+    for rule in a.auto.split(","):
+        mode, t = rule.split(":")
+        autos[f"auto: {mode} where its error <= block's + {t}"] = {
+            n: (mode if e[mode] <= e["block"] + float(t) else "block") for n, e in errs.items()}
+    plans = {"weights only (float activations)": {}, **{f"all {m}": {n: m for n in errs} for m in MODES}, **autos}
     print(f"\nperplexity, Pride and Prejudice, ctx 512, {a.chunks} chunks (torch simulation)")
     print("| activations | linears on rows | PPL |")
     print("| --- | ---: | ---: |")
     for label, plan in plans.items():
         rows = sum(1 for m in plan.values() if m.startswith("row"))
         print(f"| {label} | {rows} / {len(errs)} | {perplexity_with(s, plan, a.chunks):.3f} |", flush=True)
-    kept = sorted({kind_of(n)[0] for n, m in auto.items() if m == "block"})
-    print(f"\nauto keeps blocks for: {', '.join(kept) or 'none'} "
-          f"({sum(1 for m in auto.values() if m == 'block')} linears)")
+    for label, plan in autos.items():
+        rows = {}
+        for n, m in plan.items():
+            rows.setdefault(kind_of(n)[0], [0, 0])[m != "block"] += 1
+        print(f"\n{label}: rows / linears by input: "
+              + ", ".join(f"{k} {r} / {b + r}" for k, (b, r) in rows.items()))
 
 
 if __name__ == "__main__":

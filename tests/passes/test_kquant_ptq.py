@@ -214,3 +214,15 @@ def test_bad_format_options_get_one_line(tiny_onnx, tmp_path, capsys, args, expe
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and expect in err[0], err
     assert not list(tmp_path.iterdir())
+
+
+def test_an_imatrix_of_another_model_or_before_awq_is_refused(tiny_onnx, tmp_path, capsys):
+    imat = tmp_path / "other.imatrix.gguf"
+    _imatrix_gguf(imat, {"blk.0.ffn_gate.weight": (np.ones(576), 1)})
+    for extra, expect in (([], "model.layers.0.mlp.gate_proj has 576 importances for 128 inputs"),
+                          (["--awq"], "with --awq use --imatrix calib")):
+        code = main(["-q", "optimize", str(tiny_onnx), "-o", str(tmp_path / "bad.onnx"), "--format", "q4_k_m",
+                     "--imatrix", str(imat), *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and expect in err[0], err
+        assert not list(tmp_path.glob("bad*"))
