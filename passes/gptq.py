@@ -78,15 +78,8 @@ def block_scale(wb: np.ndarray, importance: np.ndarray) -> np.ndarray:
 
 def quantize(w_nk: np.ndarray, hessian: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ of W [N, K] with H [K, K] -> Q4_0 codes q (0..15) [N, K/32, 32] and scales [N, K/32]."""
-    w = w_nk.astype(np.float64).copy()
+    w, h, hinv = _prepared(w_nk, hessian)
     n, k = w.shape
-    h = hessian.astype(np.float64).copy()
-    dead = np.diag(h) == 0                       # channels the calibration never saw
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    h[np.diag_indices(k)] += DAMP * np.mean(np.diag(h))
-    # the upper Cholesky factor of H^-1: row i holds how channel i's error spreads to the later ones
-    hinv = np.linalg.cholesky(np.linalg.inv(h)).T
     codes = np.zeros((n, k // BLOCK, BLOCK), np.uint8)
     scales = np.zeros((n, k // BLOCK), np.float32)
     for c0 in range(0, k, LAZY):
@@ -108,10 +101,76 @@ def quantize(w_nk: np.ndarray, hessian: np.ndarray) -> tuple[np.ndarray, np.ndar
     return codes, scales
 
 
+def quantize_k(w_nk: np.ndarray, hessian: np.ndarray, fmt: str) -> np.ndarray:
+    """GPTQ of W [N, K] with H [K, K] into a K-quant mix's format ("Q4_K" or "Q5_0") -> the
+    GGUF bytes [N, ...] (qwc/kquants.py). A group's parameters are searched when GPTQ reaches
+    it, from its weights as they stand then, with the Hessian's diagonal as the importance (a
+    Q4_K super-block of 256 columns: the 8 sub-blocks' steps and minimums; a Q5_0 block of 32:
+    its scale); the codes then follow column by column, each rounding error moved on as in
+    `quantize`."""
+    from qwc import kquants
+
+    group = kquants.SUPER if fmt == "Q4_K" else BLOCK
+    w, h, hinv = _prepared(w_nk, hessian)
+    n, k = w.shape
+    diag = np.diag(h)
+    codes = np.zeros((n, k), np.int16)
+    params, step, low = [], None, None
+    for c0 in range(0, k, LAZY):
+        c1 = min(c0 + LAZY, k)
+        wb = w[:, c0:c1].copy()
+        err = np.zeros_like(wb)
+        for i in range(c1 - c0):
+            col = c0 + i
+            if col % group == 0:   # a group starts: its parameters from its weights as they stand now
+                cols = slice(col, col + group)
+                ahead = np.concatenate([wb[:, i:], w[:, c1:col + group]], axis=1)[:, :group]
+                if fmt == "Q4_K":
+                    p = kquants.q4_k_params(ahead, diag[cols])
+                    step, low = (a.reshape(n, 8) for a in kquants.q4_k_steps(*p))
+                else:
+                    p = (kquants.q5_0_scales(ahead, diag[cols]),)
+                params.append(p)
+            x = wb[:, i]
+            if fmt == "Q4_K":
+                s, m = step[:, (col % group) // BLOCK], low[:, (col % group) // BLOCK]
+                q = np.where(s > 0, np.clip(np.rint((x + m) / np.where(s > 0, s, 1)), 0, 15), 0)
+                deq = q * s - m
+            else:
+                d = params[-1][0]
+                q = np.where(d != 0, np.clip(np.rint(x / np.where(d != 0, d, 1)), -16, 15), 0)
+                deq = q * d
+            codes[:, col] = q
+            e = (x - deq) / hinv[col, col]
+            wb[:, i + 1:] -= np.outer(e, hinv[col, col + 1:c1])
+            err[:, i] = e
+        w[:, c1:] -= err @ hinv[c0:c1, c1:]
+    if fmt == "Q4_K":
+        d, dmin, sc, mn = (np.stack([p[j] for p in params], axis=1) for j in range(4))   # [N, S(, 8)]
+        raw = kquants.pack_q4_k(d.reshape(-1), dmin.reshape(-1), sc.reshape(-1, 8), mn.reshape(-1, 8),
+                                codes.reshape(-1, kquants.SUPER))
+    else:
+        d = np.stack([p[0] for p in params], axis=1)   # [N, K/32]
+        raw = kquants.pack_q5_0(d.reshape(-1), codes.reshape(-1, BLOCK))
+    return raw.reshape(n, -1)
+
+
+def _prepared(w_nk: np.ndarray, hessian: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """W as float64 with the channels calibration never saw zeroed, H damped, and the upper
+    Cholesky factor of H^-1 (row i: how channel i's error spreads to the later ones)."""
+    w = w_nk.astype(np.float64).copy()
+    h = hessian.astype(np.float64).copy()
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h[np.diag_indices(len(h))] += DAMP * np.mean(np.diag(h))
+    return w, h, np.linalg.cholesky(np.linalg.inv(h)).T
+
+
 def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:
     options = options or PassOptions()
-    if options.gptq_calibration is None:
-        return model
+    if options.gptq_calibration is None or options.format != "q4_0":
+        return model   # a K-quant mix runs its GPTQ as it quantizes (quantize_linears)
     g = Graph(model)
     todo = []
     for n in g.g.node:

@@ -23,7 +23,7 @@ import re
 FORMATS = ("q4_0", "q4_k_m")
 SUPER = 256   # a K-quant super-block
 # bits a weight of each format, with its scales (the summary's bits-per-weight figure)
-BITS = {"Q4_0": 4.5, "Q4_K": 4.5, "Q5_0": 5.5, "Q8_0": 8.5, "Q6_K": 6.5625}
+BITS = {"Q4_K": 4.5, "Q5_0": 5.5, "Q8_0": 8.5}
 
 
 def more_bits(layer: int, layers: int) -> bool:

@@ -70,8 +70,10 @@ class PassOptions:
                 raise QwcError("--imatrix weighs the K-quant search: it needs --format q4_k_m")
             return
         for bad, why in ((self.bits == 8, "--bits 8"), (self.block_size != 32, f"--block-size {self.block_size}"),
-                         (bool(self.q8), "--q8"), (self.gptq_calibration is not None, "--gptq (it writes Q4_0 codes)")):
+                         (bool(self.q8), "--q8")):
             if bad:
                 raise QwcError(f"--format {self.format} sets every linear's format; it does not combine with {why}")
+        if weighted and self.gptq_calibration is not None:
+            raise QwcError("--gptq weighs its search by the calibration's own Hessian diagonal: drop --imatrix")
         if self.importance is not None and self.awq_calibration is not None:
             raise QwcError("an --imatrix file measured the model before --awq's scales; with --awq use --imatrix calib")

@@ -65,15 +65,17 @@ def _k_quantize(g: Graph, model: onnx.ModelProto, todo: list, options: PassOptio
     from qwc.kquants import quantize_q4_k, quantize_q5_0
     from qwc.models import gguf_blocks
 
-    from . import imatrix
+    from . import gptq, imatrix
     from .kquant_mix import BITS, linear_format
 
     layers = options.require_config(f"--format {options.format}").num_hidden_layers
     importance = options.importance or {}
+    tensors = sorted({n.input[0] for n, _ in todo})
     if options.imatrix_calibration is not None:
-        by_tensor = imatrix.from_calibration(model, sorted({n.input[0] for n, _ in todo}),
-                                             options.imatrix_calibration, options)
+        by_tensor = imatrix.from_calibration(model, tensors, options.imatrix_calibration, options)
         importance = {name: by_tensor[n.input[0]] for n, name in todo}
+    hessians = gptq.hessians(model, tensors, options.gptq_calibration, options) \
+        if options.gptq_calibration is not None else None
     counts: dict[str, int] = {}
     weights = bits = 0.0
     for n, name in progress.bar(todo, desc=f"--format {options.format}", unit="linear"):
@@ -88,7 +90,10 @@ def _k_quantize(g: Graph, model: onnx.ModelProto, todo: list, options: PassOptio
             q8, d = quantize_q8_0(w, 32)
             b = gguf_blocks.Blocks("Q8_0", (q8.astype(np.int16) + 128).astype(np.uint8), d)
         else:
-            raw = (quantize_q4_k if fmt == "Q4_K" else quantize_q5_0)(w, imp)
+            if hessians is not None:   # GPTQ in the format: each group searched as GPTQ reaches it
+                raw = gptq.quantize_k(w, hessians[n.input[0]], fmt)
+            else:
+                raw = (quantize_q4_k if fmt == "Q4_K" else quantize_q5_0)(w, imp)
             b = gguf_blocks.from_gguf(raw, fmt, (nn, k), name)
         packed = g.add_init(b.codes, f"{name}.qweight")
         scales = g.add_init(b.scales, f"{name}.scales")
@@ -106,7 +111,7 @@ def _k_quantize(g: Graph, model: onnx.ModelProto, todo: list, options: PassOptio
                       "searched unweighted")
     progress.info(f"[qwc]   --format {options.format}: " + ", ".join(f"{c} {f}" for f, c in sorted(counts.items()))
                   + f"; {bits / max(weights, 1):.2f} bits a weight over the linears"
-                  + (" (importance-weighted)" if importance else ""))
+                  + (" (GPTQ)" if hessians is not None else " (importance-weighted)" if importance else ""))
 
 
 def emit_matmul_nbits(g: Graph, n: onnx.NodeProto, w_nk: np.ndarray, block: int, name: str,

@@ -124,7 +124,9 @@ def _refit_super(x, imp, q, d, sc, dmin, mn) -> tuple[np.ndarray, np.ndarray]:
     return np.where(keep, d, nd), np.where(keep, dmin, ndmin)
 
 
-def _q4_k_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
+def q4_k_params(w: np.ndarray, imp: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The searched super-block parameters of rows w [N, 256 S] (importance [256 S]): d, dmin
+    [N S] (fp16 values) and the 6-bit sc, mn [N S, 8]."""
     n, k = w.shape
     x = w.astype(np.float64).reshape(-1, BLOCK)
     im = np.broadcast_to(imp.reshape(1, k // BLOCK, BLOCK), (n, k // BLOCK, BLOCK)).reshape(-1, BLOCK)
@@ -134,7 +136,18 @@ def _q4_k_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
     dmin, mn = _six_bit(m.reshape(-1, 8), im.sum(axis=1).reshape(-1, 8))
     q = _q4_k_codes(x, d, sc, dmin, mn)
     d, dmin = _refit_super(x, im, q, d, sc, dmin, mn)
-    q = _q4_k_codes(x, d, sc, dmin, mn).astype(np.uint8).reshape(-1, 4, 2, BLOCK)
+    return d, dmin, sc, mn
+
+
+def q4_k_steps(d, dmin, sc, mn) -> tuple[np.ndarray, np.ndarray]:
+    """Each sub-block's step d sc and minimum dmin mn [N S, 8], as the file's values give them."""
+    return d[:, None] * sc, dmin[:, None] * mn
+
+
+def pack_q4_k(d, dmin, sc, mn, q: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks [S', 144] from their fp16 d, dmin [S'], 6-bit sc, mn [S', 8] and codes
+    q [S', 256] (0..15, sub-block by sub-block)."""
+    q = q.astype(np.uint8).reshape(-1, 4, 2, BLOCK)
     nsup = len(d)
     raw = np.zeros((nsup, 144), np.uint8)
     raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(nsup, 2)
@@ -145,7 +158,14 @@ def _q4_k_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
     raw[:, 8:12] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
     raw[:, 12:16] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
     raw[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(nsup, 128)   # a byte: sub-block 2p low, 2p + 1 high
-    return raw.reshape(n, -1)
+    return raw
+
+
+def _q4_k_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
+    n, k = w.shape
+    d, dmin, sc, mn = q4_k_params(w, imp)
+    q = _q4_k_codes(w.astype(np.float64).reshape(-1, BLOCK), d, sc, dmin, mn)
+    return pack_q4_k(d, dmin, sc, mn, q).reshape(n, -1)
 
 
 def quantize_q4_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
@@ -160,7 +180,8 @@ def quantize_q4_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.nda
     return out
 
 
-def _q5_0_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
+def q5_0_scales(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
+    """The searched fp16 scale of each block of rows w [N, 32 B] (importance [32 B]): [N B]."""
     n, k = w.shape
     x = w.astype(np.float64).reshape(-1, BLOCK)
     im = np.broadcast_to(imp.reshape(1, k // BLOCK, BLOCK), (n, k // BLOCK, BLOCK)).reshape(-1, BLOCK)
@@ -174,15 +195,30 @@ def _q5_0_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
         err = (im * (x - d[:, None] * q) ** 2).sum(axis=1)
         better = err < best_err
         best_d, best_err = np.where(better, d, best_d), np.where(better, err, best_err)
-    d = _fp16(np.where(peak != 0, best_d, 0))
+    return _fp16(np.where(peak != 0, best_d, 0))
+
+
+def q5_0_codes(x: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Codes q - 16 in -16..15 of blocks x [B, 32] with scales d [B] (0: all zero)."""
     q = np.clip(np.rint(x / np.where(d != 0, d, 1)[:, None]), -16, 15)
-    u = (np.where(d[:, None] != 0, q, 0) + 16).astype(np.uint8)   # 0..31
+    return np.where(d[:, None] != 0, q, 0)
+
+
+def pack_q5_0(d: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks [B, 22] from fp16 scales d [B] and codes q [B, 32] (-16..15)."""
+    u = (q + 16).astype(np.uint8)   # 0..31
     nb = len(d)
     raw = np.zeros((nb, 22), np.uint8)
     raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
     raw[:, 2:6] = np.packbits((u >> 4).astype(np.uint8), axis=1, bitorder="little")   # bit j: element j's fifth
     raw[:, 6:] = (u[:, :16] & 15) | ((u[:, 16:] & 15) << 4)
-    return raw.reshape(n, -1)
+    return raw
+
+
+def _q5_0_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
+    n, _ = w.shape
+    d = q5_0_scales(w, imp)
+    return pack_q5_0(d, q5_0_codes(w.astype(np.float64).reshape(-1, BLOCK), d)).reshape(n, -1)
 
 
 def quantize_q5_0(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:

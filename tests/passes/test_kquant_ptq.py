@@ -76,6 +76,38 @@ def test_the_search_beats_one_step_and_importance_lowers_the_weighted_error(fmt,
     assert _error(weighted, w, imp) < 0.95 * _error(searched, w, imp)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_0"])
+def test_gptq_in_the_format_with_no_correlation_is_the_weighted_search(fmt):
+    """A diagonal Hessian moves no error between channels: GPTQ's groups are the plain search's
+    with the (damped) diagonal as the importance, byte for byte."""
+    from qwc.passes import gptq
+
+    rng = np.random.default_rng(3)
+    w = _weights(rng, 16, 512)
+    imp = rng.gamma(0.5, 1.0, 512)
+    raw = gptq.quantize_k(w, np.diag(imp), fmt)
+    want = QUANTIZERS[fmt][0](w, imp + gptq.DAMP * imp.mean())
+    assert np.array_equal(raw, want)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_0"])
+def test_gptq_in_the_format_lowers_the_output_error_of_correlated_activations(fmt):
+    from qwc.passes import gptq
+
+    rng = np.random.default_rng(4)
+    w = _weights(rng, 32, 512)
+    x = rng.standard_normal((4096, 512)) @ rng.standard_normal((512, 512)) / 20   # channels correlated
+    h = x.T @ x / len(x)
+    fn, qt = QUANTIZERS[fmt]
+    g = gguf_dequantize(gptq.quantize_k(w, h, fmt), qt).reshape(w.shape)
+    plain = gguf_dequantize(fn(w, np.diag(h)), qt).reshape(w.shape)
+
+    def err(a):
+        return float(np.mean((x @ (a - w).T) ** 2))
+
+    assert err(g) < 0.8 * err(plain)
+
+
 def test_quantizers_refuse_rows_they_cannot_hold_and_bad_importance():
     w = np.zeros((2, 288), np.float32)
     with pytest.raises(ValueError, match="super-blocks of 256"):
@@ -203,7 +235,7 @@ def test_cli_format_q4_k_m_with_calibrated_importance_end_to_end(tiny_onnx, tiny
 
 
 @pytest.mark.parametrize("args, expect", [
-    (["--format", "q4_k_m", "--gptq"], "does not combine with --gptq"),
+    (["--format", "q4_k_m", "--gptq", "--imatrix", "calib"], "drop --imatrix"),
     (["--format", "q4_k_m", "--bits", "8"], "does not combine with --bits 8"),
     (["--imatrix", "calib"], "needs --format q4_k_m"),
     (["--format", "q4_k_m", "--imatrix", "/nonexistent/x.gguf"], "no such file"),
@@ -226,3 +258,26 @@ def test_an_imatrix_of_another_model_or_before_awq_is_refused(tiny_onnx, tmp_pat
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and expect in err[0], err
         assert not list(tmp_path.glob("bad*"))
+
+
+def test_cli_format_q4_k_m_with_gptq(tiny_onnx, tiny_q4, tmp_path, capsys, calib_text):
+    """`--format q4_k_m --gptq`: GPTQ in the mix's formats, logits nearer the float export's
+    than the default Q4_0 graph's."""
+    from qwc import progress
+
+    out = tmp_path / "g.onnx"
+    progress.set_quiet(False)
+    try:
+        code = main(["optimize", str(tiny_onnx), "-o", str(out), "--format", "q4_k_m", "--gptq",
+                     "--calib", str(calib_text), "--calib-tokens", "512"])
+    finally:
+        progress.set_quiet(True)
+    cap = capsys.readouterr()
+    assert code == 0, cap.err
+    assert "--format q4_k_m: 12 Q5_0, 2 Q8_0;" in cap.err and "(GPTQ)" in cap.err
+    cfg = ModelConfig.load(str(out).replace(".onnx", ".config.json"))
+    prompt = np.array([[1, 5, 9, 2, 7, 3]])
+    ref = ort_kv_logits(tiny_onnx, cfg, prompt, [])[0]
+    got = ort_kv_logits(out, cfg, prompt, [])[0]
+    q4_0 = ort_kv_logits(tiny_q4, cfg, prompt, [])[0]
+    assert np.square(got - ref).mean() < 0.5 * np.square(q4_0 - ref).mean()
