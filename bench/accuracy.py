@@ -21,7 +21,8 @@ Rows (every one through `qwc` commands or llama.cpp's own tools, so the table is
                  the same with Q8_0 where Q4_K_M has Q6_K (qwc's mix: the same format per tensor)
   q4_k_m         `qwc optimize --format q4_k_m` (the same mix, Q8_0 in Q6_K's places, searched
                  block scales); -imatrix with `--imatrix calib` (computed on Emma, as --awq's);
-                 -llama-imatrix with llama-imatrix's file, the one llama.cpp's rows use
+                 -llama-imatrix with llama-imatrix's file, the one llama.cpp's rows use; -gptq
+                 GPTQ in those formats (`--gptq`), awq-q4_k_m-gptq after AWQ's scales
   ft             control: float fine-tune on the training text and steps, scored in float (torch):
                  what fine-tuning on Austen gains by itself; ft+ptq the same, then PTQ
   qat            `qwc qat --quantize-embedding`, then `qwc optimize` (lossless), onnxruntime
@@ -132,7 +133,8 @@ PRUNED = (2, 4, 6)   # blocks removed of SmolLM2's 30
 ROWS = ("float", "llamacpp-float", "llamacpp-q4_0", "llamacpp-q4_0-q4out", "llamacpp-q4_0-imatrix",
         "llamacpp-q4_0-imatrix-q4out", "ptq", "ptq-emb8", "fold", "fold-emb8", "awq", "awq-emb8", "gptq", "gptq-emb8",
         "awq-gptq", "awq-gptq-emb8", "bits8", "llamacpp-q4_k_m", "llamacpp-q4_k_m-imatrix",
-        "llamacpp-q4_k_m-imatrix-q8", "q4_k_m", "q4_k_m-imatrix", "q4_k_m-llama-imatrix", "ft", "ft+ptq", "qat", "qat-kd",
+        "llamacpp-q4_k_m-imatrix-q8", "q4_k_m", "q4_k_m-imatrix", "q4_k_m-llama-imatrix", "q4_k_m-gptq",
+        "awq-q4_k_m-gptq", "ft", "ft+ptq", "qat", "qat-kd",
         *(f"sleb{n}{how}" for n in PRUNED for how in ("", "+ptq-emb8", "+qat-kd")))
 DEFAULT_ROWS = tuple(r for r in ROWS if not r.startswith("fold"))   # the fold is the old default, measured once
 
@@ -215,6 +217,8 @@ def main() -> None:
                "q4_k_m": lambda: ("smollm2", kfmt),
                "q4_k_m-imatrix": lambda: ("smollm2", kfmt + ("--imatrix", "calib", "--calib", "austen:emma")),
                "q4_k_m-llama-imatrix": lambda: ("smollm2", kfmt + ("--imatrix", str(imatrix()))),
+               "q4_k_m-gptq": lambda: ("smollm2", kfmt + gptq),
+               "awq-q4_k_m-gptq": lambda: ("smollm2", kfmt + awq + ("--gptq",)),
                "ft+ptq": lambda: (trained("ft", "--fake-quant-after", str(a.qat_steps)), ()),
                "qat": lambda: (trained("qat", "--quantize-embedding"), ()),
                "qat-kd": lambda: (trained("qat-kd", *kd), ()),
