@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from qwc.config import ModelConfig, yarn_parameters
@@ -59,9 +59,24 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+class _TypeNamingReader(GGUFReader):
+    """GGUFReader that names the tensor whose type id no GGML type has (gguf's own error gives
+    only the number). Hooks its tensor-table step, `_build_tensors` (gguf 0.19.0, pinned)."""
+
+    def _build_tensors(self, start_offs, fields) -> None:
+        known = {int(t) for t in GGMLQuantizationType}
+        for field in fields:
+            type_id = int(field.parts[4][0])
+            if type_id not in known:
+                name = bytes(field.parts[1]).decode(errors="replace")
+                raise ValueError(f"tensor {name} has type id {type_id}, which is no GGML type this gguf package "
+                                 "knows (a newer format?)")
+        super()._build_tensors(start_offs, fields)
+
+
 def _open(path: Path) -> GGUFReader:
     try:
-        return GGUFReader(path)
+        return _TypeNamingReader(path)
     except FileNotFoundError:
         raise QwcError(f"{path}: no such file") from None
     except (ValueError, IndexError, KeyError, OSError) as e:

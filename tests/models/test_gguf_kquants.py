@@ -249,3 +249,16 @@ def test_kept_formats_on_arm_yitian_match_the_host(k_model, host_builds, tmp_pat
     # block's scale between the two ISAs' kernels (see test_gguf_formats' ARM test)
     assert np.abs(arm - host).max() / np.abs(host).max() < 2e-2
     assert np.array_equal(arm.argmax(-1), host.argmax(-1))
+
+
+def test_an_unknown_type_id_fails_the_export_naming_the_tensor(tmp_path, capsys):
+    write_model(tmp_path / "m.gguf")
+    data = bytearray((tmp_path / "m.gguf").read_bytes())
+    name = b"blk.1.attn_v.weight"   # its tensor info: name, n_dims (u32), dims (u64 each), type (u32)
+    at = data.find(name) + len(name)
+    at += 4 + 8 * int.from_bytes(data[at:at + 4], "little")
+    data[at:at + 4] = (77).to_bytes(4, "little")
+    (tmp_path / "m.gguf").write_bytes(bytes(data))
+    code = main(["-q", "export", str(tmp_path / "m.gguf"), "-o", str(tmp_path / "m.onnx")])
+    one_line(capsys, code, "tensor blk.1.attn_v.weight has type id 77, which is no GGML type")
+    assert not (tmp_path / "m.onnx").exists()
