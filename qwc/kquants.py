@@ -38,6 +38,26 @@ def _row_chunks(n: int, k: int):
         yield slice(r, min(r + rows, n))
 
 
+def _by_chunks(w: np.ndarray, out: np.ndarray, rows_fn, imp: np.ndarray) -> np.ndarray:
+    """out[rows] = rows_fn(w[rows], imp) over chunks of rows, on a thread per core: numpy's
+    array arithmetic releases the GIL, so the chunks' searches overlap."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(rows):
+        out[rows] = rows_fn(w[rows], imp)
+
+    chunks = list(_row_chunks(*w.shape))
+    workers = min(len(chunks), len(os.sched_getaffinity(0)))
+    if workers <= 1:
+        for rows in chunks:
+            one(rows)
+        return out
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, chunks))
+    return out
+
+
 def _fp16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float32)
 
@@ -174,10 +194,7 @@ def quantize_q4_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.nda
     if k % SUPER:
         raise ValueError(f"Q4_K rows hold whole super-blocks of {SUPER}, not {k}")
     imp = _importance(importance, k)
-    out = np.empty((n, k // SUPER * 144), np.uint8)
-    for rows in _row_chunks(n, k):
-        out[rows] = _q4_k_rows(w[rows], imp)
-    return out
+    return _by_chunks(w, np.empty((n, k // SUPER * 144), np.uint8), _q4_k_rows, imp)
 
 
 def q5_0_scales(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
@@ -227,10 +244,7 @@ def quantize_q5_0(w: np.ndarray, importance: np.ndarray | None = None) -> np.nda
     if k % BLOCK:
         raise ValueError(f"Q5_0 rows hold whole blocks of {BLOCK}, not {k}")
     imp = _importance(importance, k)
-    out = np.empty((n, k // BLOCK * 22), np.uint8)
-    for rows in _row_chunks(n, k):
-        out[rows] = _q5_0_rows(w[rows], imp)
-    return out
+    return _by_chunks(w, np.empty((n, k // BLOCK * 22), np.uint8), _q5_0_rows, imp)
 
 
 def _importance(importance: np.ndarray | None, k: int) -> np.ndarray:
