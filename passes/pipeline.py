@@ -21,6 +21,7 @@ from . import (
     fuse_rotary,
     gptq,
     quantize_embedding,
+    quantize_kquants,
     quantize_linears,
     schemas,
 )
@@ -37,6 +38,7 @@ PASSES = [
     ("GPTQ", gptq.run),                     # only with --gptq; after AWQ's scales
     ("quantize embedding", quantize_embedding.run),
     ("quantize linears", quantize_linears.run),
+    ("quantize linears in a K-quant mix", quantize_kquants.run),   # only with --format q4_k_m
     ("clean up", canonicalize.run),
 ]
 

@@ -3,9 +3,7 @@ constant bias [N]) -> com.microsoft MatMulNBits (bits 4, symmetric: no zero-poin
 so onnxruntime uses 8; block 32 or 128), Q4_0-exact (qwc.q4); with `--bits 8`, or for the
 linears `--q8` names, Q8_0 (bits 8, uint8 q + 128, block 32).
 
-With `--format q4_k_m` each linear takes the format passes/kquant_mix.py gives it (Q4_K, Q5_0
-or Q8_0), its blocks searched by qwc/kquants.py against the importance matrix
-(passes/imatrix.py) and written as a GGUF's blocks of that format are (models/gguf_blocks.py).
+With `--format q4_k_m` this pass leaves the linears to passes/quantize_kquants.py.
 
 Linears whose module name matches a pattern in `options.keep_float` stay in float.
 The tied lm_head (MatMul(x, Transpose(embedding))) is left to the embedding pass, which
@@ -29,9 +27,23 @@ from .options import PassOptions
 
 def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:
     options = options or PassOptions()
+    if options.format != "q4_0":
+        return model   # passes/quantize_kquants.py quantizes them
     g = Graph(model)
-    # Largest weight first: its float32 copy and temporaries then coexist with few quantized
-    # weights (a 7B's lm_head is 2.2 GB in float32, its whole model 4.3 GB in Q4_0).
+    for n, name in linears_to_quantize(g, options):
+        w = g.const(n.input[1])
+        bits = 8 if options.bits == 8 or any(fnmatch.fnmatch(name, pat) for pat in options.q8) else 4
+        emit_matmul_nbits(g, n, w.T, options.block_size, name, bits=bits)   # a view: quantized in row chunks
+        del w
+    g.commit()
+    ensure_ms_opset(model)
+    return model
+
+
+def linears_to_quantize(g: Graph, options: PassOptions) -> list[tuple[onnx.NodeProto, str]]:
+    """(MatMul, module name) of every linear with a constant 2-D weight that `--keep-float`
+    does not name, largest weight first: its float32 copy and temporaries then coexist with few
+    quantized weights (a 7B's lm_head is 2.2 GB in float32, its whole model 4.3 GB in Q4_0)."""
     matmuls = [n for n in g.g.node if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")]
     matmuls.sort(key=lambda n: -tensor_bytes(g.inits[n.input[1]]) if n.input[1] in g.inits else 0)
     todo = []
@@ -43,75 +55,7 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
         if not any(fnmatch.fnmatch(name, pat) for pat in options.keep_float):
             todo.append((n, name))
         del w
-    if options.format != "q4_0":
-        _k_quantize(g, model, todo, options)
-        g.commit()
-        ensure_ms_opset(model)
-        return model
-    for n, name in todo:
-        w = g.const(n.input[1])
-        bits = 8 if options.bits == 8 or any(fnmatch.fnmatch(name, pat) for pat in options.q8) else 4
-        emit_matmul_nbits(g, n, w.T, options.block_size, name, bits=bits)   # a view: quantized in row chunks
-        del w
-    g.commit()
-    ensure_ms_opset(model)
-    return model
-
-
-def _k_quantize(g: Graph, model: onnx.ModelProto, todo: list, options: PassOptions) -> None:
-    """The linears `todo` [(node, module name)] in the --format mix, searched against the
-    importance matrix (a file's, or computed now from the float graph on calibration text)."""
-    from qwc import progress
-    from qwc.kquants import quantize_q4_k, quantize_q5_0
-    from qwc.models import gguf_blocks
-
-    from . import gptq, imatrix
-    from .kquant_mix import BITS, linear_format
-
-    layers = options.require_config(f"--format {options.format}").num_hidden_layers
-    importance = options.importance or {}
-    tensors = sorted({n.input[0] for n, _ in todo})
-    if options.imatrix_calibration is not None:
-        by_tensor = imatrix.from_calibration(model, tensors, options.imatrix_calibration, options)
-        importance = {name: by_tensor[n.input[0]] for n, name in todo}
-    hessians = gptq.hessians(model, tensors, options.gptq_calibration, options) \
-        if options.gptq_calibration is not None else None
-    counts: dict[str, int] = {}
-    weights = bits = 0.0
-    for n, name in progress.bar(todo, desc=f"--format {options.format}", unit="linear"):
-        w = g.const(n.input[1]).T                      # [N, K], a view
-        nn, k = w.shape
-        fmt = linear_format(name, k, layers)
-        check_quantizable(w, name)
-        imp = importance.get(name)
-        if imp is not None and np.shape(imp) != (k,):
-            raise QwcError(f"--imatrix: {name} has {np.shape(imp)[0]} importances for {k} inputs (another model's?)")
-        if fmt == "Q8_0":
-            q8, d = quantize_q8_0(w, 32)
-            b = gguf_blocks.Blocks("Q8_0", (q8.astype(np.int16) + 128).astype(np.uint8), d)
-        else:
-            if hessians is not None:   # GPTQ in the format: each group searched as GPTQ reaches it
-                raw = gptq.quantize_k(w, hessians[n.input[0]], fmt)
-            else:
-                raw = (quantize_q4_k if fmt == "Q4_K" else quantize_q5_0)(w, imp)
-            b = gguf_blocks.from_gguf(raw, fmt, (nn, k), name)
-        packed = g.add_init(b.codes, f"{name}.qweight")
-        scales = g.add_init(b.scales, f"{name}.scales")
-        zp = g.add_init(b.zero_points, f"{name}.zero_points") if b.zero_points is not None else None
-        node = emit_matmul_nbits(g, n, w, 32, name, packed=packed, scales=scales, bits=b.bits, zero_points=zp)
-        if zp is not None and b.mins != "fp16":
-            gguf_blocks.set_block_mins_form(node, b.mins)
-        counts[fmt] = counts.get(fmt, 0) + 1
-        weights += w.size
-        bits += w.size * BITS[fmt]
-        del w, b
-    missing = [name for _, name in todo if name not in importance] if importance else []
-    if missing:
-        progress.info(f"[qwc]   --imatrix has no entry for {len(missing)} linears ({missing[0]}, ...): "
-                      "searched unweighted")
-    progress.info(f"[qwc]   --format {options.format}: " + ", ".join(f"{c} {f}" for f, c in sorted(counts.items()))
-                  + f"; {bits / max(weights, 1):.2f} bits a weight over the linears"
-                  + (" (GPTQ)" if hessians is not None else " (importance-weighted)" if importance else ""))
+    return todo
 
 
 def emit_matmul_nbits(g: Graph, n: onnx.NodeProto, w_nk: np.ndarray, block: int, name: str,

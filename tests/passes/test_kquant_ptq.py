@@ -20,7 +20,7 @@ from qwc.cli import main
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
 from qwc.models import gguf_blocks
-from qwc.passes import imatrix, quantize_linears
+from qwc.passes import imatrix, quantize_kquants
 from qwc.passes.graph import MS_DOMAIN
 from qwc.passes.kquant_mix import linear_format, more_bits
 from qwc.passes.options import PassOptions
@@ -197,7 +197,7 @@ def test_a_q4_k_linear_runs_in_onnxruntime_as_the_file_decodes(tiny_lm):
     name = "model.layers.3.self_attn.q_proj"
     model = _one_linear_graph(np.ascontiguousarray(w.T), name)
     opts = PassOptions(config=tiny_lm.config, format="q4_k_m", importance={name: imp})
-    model = quantize_linears.run(model, opts)
+    model = quantize_kquants.run(model, opts)
     (node,) = model.graph.node
     assert node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN and len(node.input) == 4
     assert gguf_blocks.block_mins_form(node) == "q4_k"
