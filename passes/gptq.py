@@ -170,7 +170,7 @@ def _prepared(w_nk: np.ndarray, hessian: np.ndarray) -> tuple[np.ndarray, np.nda
 def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:
     options = options or PassOptions()
     if options.gptq_calibration is None or options.format != "q4_0":
-        return model   # a K-quant mix runs its GPTQ as it quantizes (quantize_linears)
+        return model   # a K-quant mix runs its GPTQ as it quantizes (quantize_kquants.py)
     g = Graph(model)
     todo = []
     for n in g.g.node:

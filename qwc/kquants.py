@@ -28,7 +28,8 @@ SUPER = 256
 # Steps searched, as multiples of the round-to-nearest step: a grid wide enough to let an
 # outlier clip when that lowers the weighted error.
 STEP_FACTORS = np.linspace(0.8, 1.15, 15)
-# Rows a chunk: the search's float64 temporaries are ~10x a chunk of 2^20 weights (80 MB each).
+# Weights a chunk of rows: the search holds about ten float64 temporaries of a chunk (8 MB each
+# at 2^20 weights), one chunk a thread.
 CHUNK_ELEMENTS = 1 << 20
 
 
