@@ -665,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = sub.add_parser("optimize", help="raise an exported graph to qwc's canonical int4 graph",
                        description="Fuse RMSNorm, rotary and attention into onnxruntime's LLM ops and "
-                                   "quantize weights to Q4_0 "
+                                   "quantize weights to Q4_0, or llama.cpp's Q4_K_M mix with --format q4_k_m "
                                    "(MatMulNBits / GatherBlockQuantized). The result runs in onnxruntime.")
     o.add_argument("model", help="exported .onnx (with its .config.json beside it)")
     o.add_argument("-o", "--output", required=True, help="output .onnx path")
