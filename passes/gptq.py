@@ -78,27 +78,20 @@ def block_scale(wb: np.ndarray, importance: np.ndarray) -> np.ndarray:
 
 def quantize(w_nk: np.ndarray, hessian: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ of W [N, K] with H [K, K] -> Q4_0 codes q (0..15) [N, K/32, 32] and scales [N, K/32]."""
-    w, h, hinv = _prepared(w_nk, hessian)
-    n, k = w.shape
-    codes = np.zeros((n, k // BLOCK, BLOCK), np.uint8)
+    n, k = w_nk.shape
     scales = np.zeros((n, k // BLOCK), np.float32)
-    for c0 in range(0, k, LAZY):
-        c1 = min(c0 + LAZY, k)
-        wb = w[:, c0:c1].copy()
-        err = np.zeros_like(wb)
-        for i in range(c1 - c0):
-            col = c0 + i
-            if col % BLOCK == 0:   # a block starts: its scale from its weights as they stand now
-                scales[:, col // BLOCK] = block_scale(wb[:, i:i + BLOCK], np.diag(h)[col:col + BLOCK])
-            d = scales[:, col // BLOCK].astype(np.float64)
-            inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0)
-            q = np.clip(np.floor(wb[:, i] * inv + 8.5), 0, 15)          # Q4_0's rounding
-            codes[:, col // BLOCK, col % BLOCK] = q
-            e = (wb[:, i] - (q - 8) * d) / hinv[col, col]
-            wb[:, i + 1:] -= np.outer(e, hinv[col, col + 1:c1])
-            err[:, i] = e
-        w[:, c1:] -= err @ hinv[c0:c1, c1:]
-    return codes, scales
+
+    def start(col, ahead, importance):   # a block: its scale from its weights as they stand now
+        scales[:, col // BLOCK] = block_scale(ahead, importance)
+
+    def round_column(col, x):
+        d = scales[:, col // BLOCK].astype(np.float64)
+        inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0)
+        q = np.clip(np.floor(x * inv + 8.5), 0, 15)          # Q4_0's rounding
+        return q, (q - 8) * d
+
+    codes = _columns(w_nk, hessian, BLOCK, start, round_column)
+    return codes.reshape(n, k // BLOCK, BLOCK).astype(np.uint8), scales
 
 
 def quantize_k(w_nk: np.ndarray, hessian: np.ndarray, fmt: str) -> np.ndarray:
@@ -106,45 +99,31 @@ def quantize_k(w_nk: np.ndarray, hessian: np.ndarray, fmt: str) -> np.ndarray:
     GGUF bytes [N, ...] (qwc/kquants.py). A group's parameters are searched when GPTQ reaches
     it, from its weights as they stand then, with the Hessian's diagonal as the importance (a
     Q4_K super-block of 256 columns: the 8 sub-blocks' steps and minimums; a Q5_0 block of 32:
-    its scale); the codes then follow column by column, each rounding error moved on as in
-    `quantize`."""
+    its scale); the codes then follow column by column."""
     from qwc import kquants
 
-    group = kquants.SUPER if fmt == "Q4_K" else BLOCK
-    w, h, hinv = _prepared(w_nk, hessian)
-    n, k = w.shape
-    diag = np.diag(h)
-    codes = np.zeros((n, k), np.int16)
-    params, step, low = [], None, None
-    for c0 in range(0, k, LAZY):
-        c1 = min(c0 + LAZY, k)
-        wb = w[:, c0:c1].copy()
-        err = np.zeros_like(wb)
-        for i in range(c1 - c0):
-            col = c0 + i
-            if col % group == 0:   # a group starts: its parameters from its weights as they stand now
-                cols = slice(col, col + group)
-                ahead = np.concatenate([wb[:, i:], w[:, c1:col + group]], axis=1)[:, :group]
-                if fmt == "Q4_K":
-                    p = kquants.q4_k_params(ahead, diag[cols])
-                    step, low = (a.reshape(n, 8) for a in kquants.q4_k_steps(*p))
-                else:
-                    p = (kquants.q5_0_scales(ahead, diag[cols]),)
-                params.append(p)
-            x = wb[:, i]
-            if fmt == "Q4_K":
-                s, m = step[:, (col % group) // BLOCK], low[:, (col % group) // BLOCK]
-                q = np.where(s > 0, np.clip(np.rint((x + m) / np.where(s > 0, s, 1)), 0, 15), 0)
-                deq = q * s - m
-            else:
-                d = params[-1][0]
-                q = np.where(d != 0, np.clip(np.rint(x / np.where(d != 0, d, 1)), -16, 15), 0)
-                deq = q * d
-            codes[:, col] = q
-            e = (x - deq) / hinv[col, col]
-            wb[:, i + 1:] -= np.outer(e, hinv[col, col + 1:c1])
-            err[:, i] = e
-        w[:, c1:] -= err @ hinv[c0:c1, c1:]
+    n, k = w_nk.shape
+    params: list[tuple] = []
+    steps: list[np.ndarray] = []   # the current Q4_K super-block's steps and minimums, [N, 8] each
+
+    def start(col, ahead, importance):
+        if fmt == "Q4_K":
+            params.append(kquants.q4_k_params(ahead, importance))
+            steps[:] = [a.reshape(n, 8) for a in kquants.q4_k_steps(*params[-1])]
+        else:
+            params.append((kquants.q5_0_scales(ahead, importance),))
+
+    def round_column(col, x):
+        if fmt == "Q4_K":
+            sub = (col % kquants.SUPER) // BLOCK
+            s, m = steps[0][:, sub], steps[1][:, sub]
+            q = np.where(s > 0, np.clip(np.rint((x + m) / np.where(s > 0, s, 1)), 0, 15), 0)
+            return q, q * s - m
+        d = params[-1][0]
+        q = np.where(d != 0, np.clip(np.rint(x / np.where(d != 0, d, 1)), -16, 15), 0)
+        return q, q * d
+
+    codes = _columns(w_nk, hessian, kquants.SUPER if fmt == "Q4_K" else BLOCK, start, round_column)
     if fmt == "Q4_K":
         d, dmin, sc, mn = (np.stack([p[j] for p in params], axis=1) for j in range(4))   # [N, S(, 8)]
         raw = kquants.pack_q4_k(d.reshape(-1), dmin.reshape(-1), sc.reshape(-1, 8), mn.reshape(-1, 8),
@@ -153,6 +132,33 @@ def quantize_k(w_nk: np.ndarray, hessian: np.ndarray, fmt: str) -> np.ndarray:
         d = np.stack([p[0] for p in params], axis=1)   # [N, K/32]
         raw = kquants.pack_q5_0(d.reshape(-1), codes.reshape(-1, BLOCK))
     return raw.reshape(n, -1)
+
+
+def _columns(w_nk: np.ndarray, hessian: np.ndarray, group: int, start, round_column) -> np.ndarray:
+    """GPTQ's column loop, in lazy batches of LAZY columns: at each group's first column
+    `start(col, its weights [N, group] as they stand now, their importance [group])`; each
+    column's codes and values from `round_column(col, x [N]) -> (q, dequantized)`, and its
+    rounding error moved onto the columns not yet quantized. Returns the codes [N, K]."""
+    w, h, hinv = _prepared(w_nk, hessian)
+    n, k = w.shape
+    diag = np.diag(h)
+    codes = np.zeros((n, k), np.int16)
+    for c0 in range(0, k, LAZY):
+        c1 = min(c0 + LAZY, k)
+        wb = w[:, c0:c1].copy()
+        err = np.zeros_like(wb)
+        for i in range(c1 - c0):
+            col = c0 + i
+            if col % group == 0:
+                ahead = np.concatenate([wb[:, i:], w[:, c1:col + group]], axis=1)[:, :group]
+                start(col, ahead, diag[col:col + group])
+            q, deq = round_column(col, wb[:, i])
+            codes[:, col] = q
+            e = (wb[:, i] - deq) / hinv[col, col]
+            wb[:, i + 1:] -= np.outer(e, hinv[col, col + 1:c1])
+            err[:, i] = e
+        w[:, c1:] -= err @ hinv[c0:c1, c1:]
+    return codes
 
 
 def _prepared(w_nk: np.ndarray, hessian: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
