@@ -191,11 +191,15 @@ def _q4_k_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
 
 def quantize_q4_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     """w [N, K] (K a multiple of 256) -> Q4_K bytes [N, K/256 * 144]; `importance` [K] >= 0."""
+    return _quantize(w, importance, SUPER, 144, _q4_k_rows, "Q4_K rows hold whole super-blocks")
+
+
+def _quantize(w: np.ndarray, importance, per: int, size: int, rows_fn, what: str) -> np.ndarray:
+    """w [N, K] in blocks of `per` weights, `size` bytes each, by `rows_fn` a chunk at a time."""
     n, k = w.shape
-    if k % SUPER:
-        raise ValueError(f"Q4_K rows hold whole super-blocks of {SUPER}, not {k}")
-    imp = _importance(importance, k)
-    return _by_chunks(w, np.empty((n, k // SUPER * 144), np.uint8), _q4_k_rows, imp)
+    if k % per:
+        raise ValueError(f"{what} of {per}, not {k}")
+    return _by_chunks(w, np.empty((n, k // per * size), np.uint8), rows_fn, _importance(importance, k))
 
 
 def q5_0_scales(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
@@ -241,11 +245,7 @@ def _q5_0_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
 
 def quantize_q5_0(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     """w [N, K] (K a multiple of 32) -> Q5_0 bytes [N, K/32 * 22]; `importance` [K] >= 0."""
-    n, k = w.shape
-    if k % BLOCK:
-        raise ValueError(f"Q5_0 rows hold whole blocks of {BLOCK}, not {k}")
-    imp = _importance(importance, k)
-    return _by_chunks(w, np.empty((n, k // BLOCK * 22), np.uint8), _q5_0_rows, imp)
+    return _quantize(w, importance, BLOCK, 22, _q5_0_rows, "Q5_0 rows hold whole blocks")
 
 
 def _importance(importance: np.ndarray | None, k: int) -> np.ndarray:

@@ -207,6 +207,18 @@ def test_a_q4_k_linear_runs_in_onnxruntime_as_the_file_decodes(tiny_lm):
     assert np.abs(y - x @ want.T).max() < 1e-4 * np.abs(x @ want.T).max()
 
 
+def _nearer_float_than_q4_0(out, tiny_onnx, tiny_q4) -> ModelConfig:
+    """The graph `out`'s prefill logits are nearer the float export's than the default Q4_0
+    graph's (half the mean squared difference or less); returns its config."""
+    cfg = ModelConfig.load(str(out).replace(".onnx", ".config.json"))
+    prompt = np.array([[1, 5, 9, 2, 7, 3]])
+    ref = ort_kv_logits(tiny_onnx, cfg, prompt, [])[0]
+    got = ort_kv_logits(out, cfg, prompt, [])[0]
+    q4_0 = ort_kv_logits(tiny_q4, cfg, prompt, [])[0]
+    assert np.square(got - ref).mean() < 0.5 * np.square(q4_0 - ref).mean()
+    return cfg
+
+
 def test_cli_format_q4_k_m_with_calibrated_importance_end_to_end(tiny_onnx, tiny_q4, tmp_path, capsys, calib_text):
     """`qwc optimize --format q4_k_m --imatrix calib`: the tiny model's rows (128, 320) are all
     Q5_0 and Q8_0 (v and down of its last layer, and the tied lm_head); the graph's logits
@@ -223,15 +235,10 @@ def test_cli_format_q4_k_m_with_calibrated_importance_end_to_end(tiny_onnx, tiny
     m = onnx.load(str(out), load_external_data=False)
     bits = sorted(next(a.i for a in n.attribute if a.name == "bits") for n in m.graph.node if n.op_type == "MatMulNBits")
     assert bits == [8] * 15   # Q5_0 and Q8_0 are both 8-bit codes in the graph
-    cfg = ModelConfig.load(str(out).replace(".onnx", ".config.json"))
-    prompt = np.array([[1, 5, 9, 2, 7, 3]])
-    ref = ort_kv_logits(tiny_onnx, cfg, prompt, [])[0]
-    got = ort_kv_logits(out, cfg, prompt, [])[0]
-    q4_0 = ort_kv_logits(tiny_q4, cfg, prompt, [])[0]
-    assert np.square(got - ref).mean() < 0.5 * np.square(q4_0 - ref).mean()
+    cfg = _nearer_float_than_q4_0(out, tiny_onnx, tiny_q4)
     art = tmp_path / "k.qwc"
     compile_file(out, "host", art, act_bits=32, kv_type="f32")
-    greedy_against_onnxruntime(art, out, cfg, prompt, 3, 64)
+    greedy_against_onnxruntime(art, out, cfg, np.array([[1, 5, 9, 2, 7, 3]]), 3, 64)
 
 
 @pytest.mark.parametrize("args, expect", [
@@ -275,9 +282,4 @@ def test_cli_format_q4_k_m_with_gptq(tiny_onnx, tiny_q4, tmp_path, capsys, calib
     cap = capsys.readouterr()
     assert code == 0, cap.err
     assert "--format q4_k_m: 12 Q5_0, 2 Q8_0;" in cap.err and "(GPTQ)" in cap.err
-    cfg = ModelConfig.load(str(out).replace(".onnx", ".config.json"))
-    prompt = np.array([[1, 5, 9, 2, 7, 3]])
-    ref = ort_kv_logits(tiny_onnx, cfg, prompt, [])[0]
-    got = ort_kv_logits(out, cfg, prompt, [])[0]
-    q4_0 = ort_kv_logits(tiny_q4, cfg, prompt, [])[0]
-    assert np.square(got - ref).mean() < 0.5 * np.square(q4_0 - ref).mean()
+    _nearer_float_than_q4_0(out, tiny_onnx, tiny_q4)
