@@ -133,7 +133,7 @@ if ((${#todo[@]})); then
     tar -C "$src.partial" --strip-components=1 -xzf "$sdist"
     mv "$src.partial" "$src"
   fi
-  say "building ${todo[*]} (about 20 minutes)"
+  say "building ${todo[*]} (about 20 minutes on 2 cores; an hour under emulation)"
   cmake -S "$src/vendor/llama.cpp" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${FLAGS[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_TOOLS=ON >"$DIR/cmake.log" 2>&1 || { tail -20 "$DIR/cmake.log" >&2; exit 1; }
