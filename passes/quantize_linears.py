@@ -48,13 +48,16 @@ def linears_to_quantize(g: Graph, options: PassOptions) -> list[tuple[onnx.NodeP
     matmuls.sort(key=lambda n: -tensor_bytes(g.inits[n.input[1]]) if n.input[1] in g.inits else 0)
     todo = []
     for n in matmuls:
-        w = g.const(n.input[1])
-        if w is None or w.ndim != 2 or g.const(n.input[0]) is not None:
+        # the weight's rank from its initializer's dims: reading a lazily loaded graph's weights
+        # here as well would read every one twice
+        t = g.inits.get(n.input[1])
+        w = None if t is not None else g.const(n.input[1])
+        dims = tuple(t.dims) if t is not None else None if w is None else w.shape
+        if dims is None or len(dims) != 2 or g.const(n.input[0]) is not None:
             continue
         name = module_name(n)
         if not any(fnmatch.fnmatch(name, pat) for pat in options.keep_float):
             todo.append((n, name))
-        del w
     return todo
 
 
