@@ -35,6 +35,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peers import llamacpp_tools  # noqa: E402
 
 WORK = Path.home() / ".cache" / "qwc" / "kquant_error"
 QWC = [sys.executable, "-m", "qwc", "-q"]
@@ -44,13 +47,6 @@ def run(cmd: list[str], what: str) -> None:
     r = subprocess.run(cmd, text=True, capture_output=True)
     if r.returncode != 0:
         sys.exit(f"kquant_error: {what} failed: {(r.stdout + r.stderr).strip()[-600:]}")
-
-
-def tools() -> Path:
-    r = subprocess.run(["bash", str(Path(__file__).parent / "llamacpp.sh"), "x86"], text=True, stdout=subprocess.PIPE)
-    if r.returncode != 0:
-        sys.exit("kquant_error: bench/llamacpp.sh x86 failed")
-    return Path(r.stdout.strip().splitlines()[-1])
 
 
 def make_cut(path: Path, for_qwc: Path) -> None:
@@ -193,7 +189,7 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2,cut")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    t = tools()
+    t = llamacpp_tools("x86")
     for name in a.models.split(","):
         d = WORK / name
         d.mkdir(parents=True, exist_ok=True)
