@@ -33,8 +33,8 @@ def weight_formats(model: onnx.ModelProto) -> tuple[tuple[LinearFormat, ...], in
     for n in model.graph.node:
         if n.op_type == "MatMulNBits":
             _, _, block, bits = matmul_nbits_dims(n)
-            fmt = ("q8_0" if bits == 8 else "q4_0" if not has_zero_points(n)   # block 32: llama.cpp's names
-                   else "q4_k" if block_mins_form(n) == "q4_k" else "q4_1")
+            fmt = ("q6_k" if bits == 8 and block == 16 else "q8_0" if bits == 8   # llama.cpp's names
+                   else "q4_0" if not has_zero_points(n) else "q4_k" if block_mins_form(n) == "q4_k" else "q4_1")
             blocks[(bits, block, fmt)] += 1
     gbq = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
     emb_bits = int(next((helper.get_attribute_value(a) for a in gbq[0].attribute if a.name == "bits"), 4)) if gbq else None
@@ -131,6 +131,10 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     from qwc import memory_check as mc
     mc.check(f"compiling {Path(src).name}", compile_memory(model), "free some memory", skip=not memory_check,
              held=sum(len(t.raw_data) for t in model.graph.initializer))
+    from .repack_q6_k import is_q6_k, q6_k_linears
+    if any(is_q6_k(n) for n in model.graph.node):   # first: where they become Q8_0, the manifest says so
+        with progress.stage("Q6_K weights for the target's kernels"):
+            q6_k_linears(model, act_bits, target.features)
     formats, embedding_bits = weight_formats(model)
     from .repack import float_column_blocks, half_gather_scales, q4_1_block_offsets, q8_0_nibble_halves, repack_weights
     with progress.stage("repacking weights for the target's kernels"):

@@ -25,7 +25,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend as F
 
 from qwc.errors import QwcError
-from qwc.passes.graph import BLOCK_OFFSETS_ATTR, COLUMN_BLOCKS_OP, NIBBLE_HALVES_ATTR
+from qwc.passes.graph import BLOCK_OFFSETS_ATTR, COLUMN_BLOCKS_OP, NIBBLE_HALVES_ATTR, Q6_K_ATTR
 from qwc.passes.last_position import GQA_STEP_INPUTS, STEP_LOGIT_TOKENS, STEP_SEGMENTS, STEP_TOKENS_OP
 
 from .kernels import decode_attention, generic, kv_cache, prefill_attention, prefill_bias, w4a8_gemm
@@ -75,6 +75,8 @@ class MatMulNBits(F.OnnxOpConverter):
         zp = inputs[3] if len(inputs) > 3 else None
         k, n, block, bits = int(attr["K"]), int(attr["N"]), int(attr["block_size"]), int(attr.get("bits", 4))
         bias = inputs[5] if len(inputs) > 5 else None
+        if attr.get(Q6_K_ATTR):   # repacked for the Q6_K kernel (repack_q6_k.py)
+            return cls.q6_k_matmul(bb, a, w, s, inputs[6], k, n, bias)
         if zp is not None and attr.get(BLOCK_OFFSETS_ATTR):   # Q4_1 / Q4_K as Q4_0 plus offsets (repack.py)
             path = q4_0_path(block, bits, _ctx().act_bits, _ctx().features)
             if path is None:   # no Q4_0 kernel here: the generic one, and the offsets' own pair
@@ -132,6 +134,37 @@ class MatMulNBits(F.OnnxOpConverter):
             y = bb.emit(relax.op.add(y, term))
         y = bb.emit(relax.op.reshape(y, [*lead, n]))
         return y if bias is None else bb.emit(relax.op.add(y, bias))
+
+    @staticmethod
+    def q6_k_matmul(bb, a, w, sc, d, k: int, n: int, bias=None):
+        """a [..., K] (+ bias [N]) through the Q6_K kernel (kernels/x86/q6_k.py) on the weights
+        compile-time repacking wrote (codes w, sub-block scales sc, super-block scales d): the
+        activation quantizer (which the fusion passes give the RMSNorm or SiLU·mul before it),
+        the sub-blocks' chain starts, then the matmul with the bias as it stores."""
+        from .kernels import act_quant
+        from .kernels.x86 import q6_k
+
+        if len(w.ty.shape) != 4:
+            raise QwcError(f"MatMulNBits {n}x{k}: the Q6_K kernel reads weights repacked into row groups "
+                           "(compiler/repack_q6_k.py), got the plain layout")
+        lead = list(a.ty.shape)[:-1]
+        a2 = bb.emit(relax.op.reshape(a, [-1, k]))
+        m = a2.ty.shape[0]
+        one_token = getattr(m, "value", None) == 1
+        nb = k // act_quant.BLOCK
+        q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
+              relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="int32")]
+        quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token),
+                            _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token)))
+        parts = bb.emit(relax.call_tir(quant, [a2], q8))
+        aq, ad, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
+        starts = bb.add_func(q6_k.q6_k_starts(nb, one_token), _kname(f"q6_k_starts_{nb}_{int(one_token)}"))
+        st = bb.emit(relax.call_tir(starts, [aq, off], relax.TensorType(shape=[m, nb, 2], dtype="int32")))
+        kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, bias=bias is not None),
+                             _kname(f"q6_k_matmul_{n}x{nb}{'_bias' if bias is not None else ''}"))
+        y = bb.emit(relax.call_tir(kernel, [aq, ad, st, w, sc, d] + ([bias] if bias is not None else []),
+                                   relax.TensorType(shape=[m, n], dtype="float32")))
+        return bb.emit(relax.op.reshape(y, [*lead, n]))
 
     @staticmethod
     def _f32(bb, a2, m, one_token: bool, w, s, k: int, n: int):

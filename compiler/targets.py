@@ -140,6 +140,10 @@ class IntDots:
     # vpmaddubsw sums of 8-bit codes would overflow)
     q8_decode: str | None = None
     q8_prefill: str | None = None
+    # llama.cpp's Q6_K weights (8-bit codes, an int8 scale a sub-block of 16) on their own
+    # kernel ("vnni": kernels/x86/q6_k.py), or None: Q6_K becomes Q8_0 at compile time
+    # (compiler/repack_q6_k.py), close but not exact
+    q6_k: str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,7 @@ class Kernels:
     exact_step_decode: bool = True
 
 
-_VNNI = IntDots("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8")
+_VNNI = IntDots("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8", "vnni")
 # The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
 # (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
 _AVX2 = IntDots("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8))
@@ -222,6 +226,15 @@ def q8_0_path(block: int, bits: int, act_bits: int, features) -> str | None:
     return w.isa if w and w.q8_decode else None
 
 
+def q6_k_path(block: int, bits: int, act_bits: int, features) -> str | None:
+    """"x86" when a MatMulNBits of 8-bit codes in blocks of 16 (llama.cpp's Q6_K sub-blocks,
+    models/gguf_blocks.py) takes the target's own Q6_K kernel (IntDots.q6_k), else None."""
+    if bits != 8 or block != 16 or act_bits != 8:
+        return None
+    w = kernels_for(features).int_dots
+    return w.isa if w and w.q6_k else None
+
+
 def vector_registers(features) -> tuple[int, int]:
     """(count, bytes) of the vector registers a target's kernels compile to: the file a
     kernel's register tile (accumulators, and the loads and broadcasts feeding them) must
@@ -256,8 +269,9 @@ def kernel_summary(target: Target) -> dict[str, str]:
     w = k.int_dots
     # Q8_0 weights: native W8A8 (decode/prefill), else as two 4-bit halves (repack.py)
     q8 = (f"w8a8-{w.q8_decode}/{w.q8_prefill}" if w.q8_decode else "2x w4a8") if w else "2x w4a32"
+    q6 = f"w6a8-{w.q6_k}" if w and w.q6_k else "as q8_0"
     return {"decode": f"w4a8-{w.decode}" if w else "w4a32", "prefill": f"w4a8-{w.prefill}" if w else "w4a32",
-            "attention": k.decode_attention, "q8_0": q8}
+            "attention": k.decode_attention, "q8_0": q8, "q6_k": q6}
 
 
 def describe_targets() -> list[tuple[Target, dict[str, str]]]:

@@ -12,6 +12,13 @@ mn (one pair per sub-block of 32), then 128 bytes of codes; w = d sc q - dmin mn
 is a Q4_1 block with scale d sc and minimum -dmin mn, both exact in float32 (an fp16 times a
 6-bit integer has at most 17 significant bits).
 
+Q6_K is super-blocks of 256 too: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+sub-block scales sc (one a sub-block of 16) and an fp16 d last; w = d sc (q - 32), q in 0..63.
+Each sub-block of 16 is an 8-bit block with scale d sc (exact in float32: 11 x 8 bits) and
+codes q - 32 + 128 = q + 96, which onnxruntime's MatMulNBits takes as bits 8, block_size 16.
+`q6_k_factors` takes (d, sc) back from those scales for the kernels, which apply sc in the
+integer domain (compiler/kernels/x86/q6_k.py).
+
 onnxruntime's MatMulNBits / GatherBlockQuantized hold the same numbers in their own layout:
 codes packed low-first along the row (llama.cpp packs element j with element j + 16, so
 the nibbles are reordered, not changed), float32 scales (each the fp16 d exactly), 8-bit
@@ -23,7 +30,7 @@ checks that for every block of the file before anything is written. A block with
 its weights m) is written as d = 1, zp = -m, codes 0: Q4_1's quantizer writes codes 0 there,
 and a Q4_K sub-block's codes of scale 0 weigh nothing.
 
-Other GGUF types (Q5_1, Q5_K, Q6_K, IQ) have no kernel here yet: they are dequantized and
+Other GGUF types (Q5_1, Q5_K, IQ) have no kernel here yet: they are dequantized and
 quantized again to the format the user names (`--requant`, Q8_0 by default: the one that loses
 least).
 """
@@ -40,23 +47,30 @@ from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 BLOCK = 32
 SUPER = 256
 # GGUF type name -> (weights, bytes) a block (a super-block for the K-quants)
-KEPT = {"Q4_0": (BLOCK, 18), "Q4_1": (BLOCK, 20), "Q8_0": (BLOCK, 34), "Q5_0": (BLOCK, 22), "Q4_K": (SUPER, 144)}
+KEPT = {"Q4_0": (BLOCK, 18), "Q4_1": (BLOCK, 20), "Q8_0": (BLOCK, 34), "Q5_0": (BLOCK, 22), "Q4_K": (SUPER, 144),
+        "Q6_K": (SUPER, 210)}
+Q6_K_BLOCK = 16   # Q6_K's sub-block: the MatMulNBits block_size of its nodes
 REQUANT_CHOICES = ("q8_0", "q4_0")
 K_MIN_BITS = 17   # significant bits of a Q4_K minimum dmin * mn: an fp16 times a 6-bit integer
 
 
 @dataclass
 class Blocks:
-    """One [N, K] weight as MatMulNBits takes it: codes [N, K/32, 16 or 32] uint8, scales
-    [N, K/32] float32, zero points [N, K/32] float32 (Q4_1, Q4_K)."""
-    fmt: str                       # a KEPT type: "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K"
+    """One [N, K] weight as MatMulNBits takes it: codes [N, K/block, 16 or 32] uint8 (4-bit
+    codes packed, 8-bit ones as bytes), scales [N, K/block] float32, zero points [N, K/block]
+    float32 (Q4_1, Q4_K). The block is 32 but for Q6_K's 16."""
+    fmt: str                       # a KEPT type: "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"
     codes: np.ndarray
     scales: np.ndarray
     zero_points: np.ndarray | None = None
 
     @property
     def bits(self) -> int:
-        return 8 if self.fmt in ("Q8_0", "Q5_0") else 4
+        return 8 if self.fmt in ("Q8_0", "Q5_0", "Q6_K") else 4
+
+    @property
+    def block(self) -> int:
+        return Q6_K_BLOCK if self.fmt == "Q6_K" else BLOCK
 
     @property
     def mins(self) -> str:
@@ -84,6 +98,8 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int], name: str) -> B
     if raw.size != n * (k // per) * size:
         raise QwcError(f"{name}: {raw.size} bytes are not {n} rows of {k // per} {fmt} blocks ({size} bytes each)")
     raw = raw.reshape(n, k // per, size)
+    if fmt == "Q6_K":
+        return _q6_k(raw, name)
     d = _halves(raw, 0)
     if fmt == "Q4_K":
         return _q4_k(raw, d, _halves(raw, 2), name)
@@ -122,6 +138,55 @@ def _q4_k(raw: np.ndarray, d: np.ndarray, dmin: np.ndarray, name: str) -> Blocks
     scales = (d[..., None] * sc).reshape(n, -1).astype(np.float32)      # exact: 11 x 6 bits
     mins = -(dmin[..., None] * mn).reshape(n, -1).astype(np.float32)
     return _with_zero_points("Q4_K", q, scales, mins, name)
+
+
+def _q6_k(raw: np.ndarray, name: str) -> Blocks:
+    """Q6_K super-blocks [N, K/256, 210] as 8-bit blocks of 16: codes q + 96, scales d sc."""
+    d = _halves(raw, 208)
+    _finite(d, "Q6_K", name)
+    n, sb = raw.shape[:2]
+    # each half of 128 weights: 64 bytes of ql, 32 of qh; weight 32 j + l of a half (j 0..3,
+    # l 0..31) takes nibble j // 2 of ql[32 (j % 2) + l] and bit pair j of qh[l]
+    ql = raw[..., :128].reshape(n, sb, 2, 1, 2, 32)
+    qh = raw[..., 128:192].reshape(n, sb, 2, 1, 32)
+    low = (ql >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1, 1)) & 15        # [n, sb, 2, 2 (j // 2), 2 (j % 2), 32]
+    low = low.reshape(n, sb, 2, 4, 32)
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3    # [n, sb, 2, 4 (j), 32]
+    q = (low | (high << 4)).reshape(n, sb * 16, Q6_K_BLOCK)
+    sc = raw[..., 192:208].view(np.int8).astype(np.float32)
+    scales = (d[..., None] * sc).reshape(n, -1)    # exact: an fp16 times an int8
+    return Blocks("Q6_K", (q + 96).astype(np.uint8), scales.astype(np.float32))
+
+
+def q6_k_factors(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K's scales d sc [N, K/16] -> (d [N, K/256] float32, sc [N, K/16] int8) with d sc the
+    same to the bit. llama.cpp's quantizer gives the sub-block of largest |d sc| sc = -128, so
+    d = that scale / -128 gives the file's own pair; where that does not hold (another writer),
+    d is the greatest common divisor of the super-block's scales (exact: they are d sc of one
+    fp16 d), and sc the quotients."""
+    n = scales.shape[0]
+    s = scales.astype(np.float32).reshape(n, -1, 16)
+    top = np.take_along_axis(s, np.abs(s).argmax(-1)[..., None], -1)[..., 0]
+    d = (top / np.float32(-128)).astype(np.float32)   # 0 for a super-block of zeros, as llama.cpp writes it
+    with np.errstate(invalid="ignore", divide="ignore"):
+        sc = np.where(d[..., None] != 0, s / d[..., None], 0)
+        ok = (sc == np.rint(sc)).all(-1) & (sc >= -128).all(-1) & (sc <= 127).all(-1)
+        if not ok.all():
+            d[~ok] = _scale_gcd(s[~ok])
+            sc = np.where(d[..., None] != 0, s / d[..., None], 0)
+    if not ((sc == np.rint(sc)) & (np.abs(sc) <= 128) & (sc != 128)).all():
+        raise QwcError("Q6_K scales that are not one float32 times int8 sub-block scales a super-block")
+    return d, sc.astype(np.int8).reshape(n, -1)
+
+
+def _scale_gcd(s: np.ndarray) -> np.ndarray:
+    """[R, 16] float32 -> [R]: the largest float32 g with every s / g an integer (never all zeros)."""
+    mant, exp = np.frexp(s.astype(np.float64))
+    nz = s != 0
+    t = np.where(nz, exp, 1 << 20).min(-1, keepdims=True) - 24     # every s = integer x 2^t
+    ints = np.where(nz, np.rint(np.ldexp(mant, exp - t)), 0).astype(np.int64)
+    g = np.gcd.reduce(np.abs(ints), axis=-1)
+    return np.where(g > 0, np.ldexp(g.astype(np.float64), t[..., 0]), 1.0).astype(np.float32)
 
 
 def _with_zero_points(fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, name: str) -> Blocks:
@@ -188,7 +253,7 @@ def requantize(w: np.ndarray, to: str) -> Blocks:
 
 def dequantize(b: Blocks) -> np.ndarray:
     """The float32 [N, K] weight `b` holds (what the kernels must compute with)."""
-    if b.bits == 8:
+    if b.bits == 8:   # Q8_0, Q5_0 (blocks of 32) and Q6_K (of 16)
         q = b.codes.astype(np.float32) - 128
     else:
         lo, hi = b.codes & 15, b.codes >> 4

@@ -12,9 +12,9 @@ embedding of a 7B: ~3.3 GB).
 
 A GGUF's quantized weights are written as the canonical graph's ops, not as float:
 MatMulNBits (and GatherBlockQuantized for the embedding) on the file's own blocks where they
-are Q4_0, Q4_1, Q8_0, Q5_0 or Q4_K (models/gguf_blocks.py; a Q4_K node is marked with how its
-minimums come back, gguf_blocks.MINS_KEY), or on `--requant`'s blocks for a type qwc has
-no kernel for. The passes quantize only what is still float, so these reach the artifact
+are Q4_0, Q4_1, Q8_0, Q5_0, Q4_K or Q6_K (models/gguf_blocks.py; a Q4_K node is marked with
+how its minimums come back, gguf_blocks.MINS_KEY; a Q6_K one has 8-bit blocks of 16), or on
+`--requant`'s blocks for a type qwc has no kernel for. The passes quantize only what is still float, so these reach the artifact
 bit for bit; the graph still runs in onnxruntime.
 
 Node names follow the module paths ("/model/layers/0/self_attn/q_proj/MatMul"), which is how
@@ -97,27 +97,27 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         """A GGUF-quantized weight as MatMulNBits inputs (codes, scales, zero points or "",
         bits) and its minimums' form: kept as it is, or in `requant` where qwc has no kernel
         for its type (and for a Q4_1 or Q4_K embedding: GatherBlockQuantized has no float zero
-        points). None: a float weight, which the passes quantize."""
+        points, nor Q6_K's blocks of 16). None: a float weight, which the passes quantize."""
         kind = ckpt.quant_types.get(hf)
         if kind is None:
             return None
-        b = ckpt.blocks(hf) if not (embedding and kind in ("Q4_1", "Q4_K")) else None
+        b = ckpt.blocks(hf) if not (embedding and kind in ("Q4_1", "Q4_K", "Q6_K")) else None
         if b is None:
             b = gguf_blocks.requantize(ckpt.tensor(hf), requant)
         formats[kind, b.fmt] += 1
         stem = hf.removesuffix(".weight")
         zp = w.add(stem + ".zero_points", b.zero_points) if b.zero_points is not None else ""
-        out = (w.add(stem + ".qweight", b.codes), w.add(stem + ".scales", b.scales), zp, b.bits, b.mins)
+        out = (w.add(stem + ".qweight", b.codes), w.add(stem + ".scales", b.scales), zp, b.bits, b.mins, b.block)
         del b
         bar.update(1)
         return out
 
-    def matmul_nbits(x: str, q: tuple[str, str, str, int, str], n: int, k: int, out: str, path: str,
+    def matmul_nbits(x: str, q: tuple[str, str, str, int, str, int], n: int, k: int, out: str, path: str,
                      bias: str | None = None) -> str:
-        codes, scales, zp, bits, mins = q
+        codes, scales, zp, bits, mins, block = q
         inputs = [x, codes, scales] + ([zp] if zp or bias else []) + (["", bias] if bias else [])
         y = node("MatMulNBits", inputs, [out], path + "/MatMulNBits", domain=MS_DOMAIN,
-                 K=k, N=n, bits=bits, block_size=gguf_blocks.BLOCK)
+                 K=k, N=n, bits=bits, block_size=block)
         if zp and mins != "fp16":
             gguf_blocks.set_block_mins_form(nodes[-1], mins)
         return y
@@ -141,7 +141,7 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         embed = weight("model.embed_tokens.weight")
         hidden = node("Gather", [embed, "input_ids"], ["embedding"], "/model/embed_tokens/Gather", axis=0)
     else:   # as passes/quantize_embedding.py writes it
-        codes, scales, _, bits, _ = embed_q
+        codes, scales, _, bits, _, _ = embed_q
         scales3 = node("Unsqueeze", [scales, w.add("axis_two", np.array([2], np.int64))],
                        ["embed_tokens.scales3"], "/model/embed_tokens/Unsqueeze")
         blocks_out = node("GatherBlockQuantized", [codes, "input_ids", scales3], ["embedding_blocks"],
@@ -204,7 +204,8 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         node("MatMul", [x, weight("lm_head.weight", transpose=True)], ["logits"], "/lm_head/MatMul")
     bar.close()
     if formats:
-        said = ", ".join(f"{c} {a}" + (f" -> {b}" if a != b else " (exact, as 8-bit codes)" if a == "Q5_0" else "")
+        said = ", ".join(f"{c} {a}" + (f" -> {b}" if a != b else " (exact, as 8-bit codes)" if a == "Q5_0" else
+                                       " (exact, 8-bit blocks of 16)" if a == "Q6_K" else "")
                          for (a, b), c in sorted(formats.items()))
         progress.info(f"[qwc] quantized weights as the file gives them: {said}"
                       + ("" if all(a == b for a, b in formats) else f" (--requant {requant})"))

@@ -317,6 +317,9 @@ def node_label(n: onnx.NodeProto) -> str:
 BLOCK_OFFSETS_ATTR = "qwc_block_offsets"
 # ... and a Q8_0 one it split into two Q4_0 halves (repack.q8_0_nibble_halves).
 NIBBLE_HALVES_ATTR = "qwc_nibble_halves"
+# ... and a Q6_K one repacked for its own kernel (compiler/repack_q6_k.py): inputs (x, codes,
+# sub-block scales sc, "", "", bias or "", super-block scales d).
+Q6_K_ATTR = "qwc_q6_k"
 # ... and the op it puts in a float MatMul's place, its weight in blocks of columns: (a [..., K],
 # w [N / cols, K, cols]) -> [..., N] (repack.float_column_blocks, kernels/f32_matmul.py).
 COLUMN_BLOCKS_OP = "QwcMatMulColumnBlocks"

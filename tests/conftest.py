@@ -174,6 +174,19 @@ def calib_text(tmp_path):
     return text
 
 
+def random_q6_k(rng, n: int, k: int, flat_row: bool = True) -> np.ndarray:
+    """[N, K/256 * 210] bytes of Q6_K super-blocks: random codes and int8 sub-block scales (the
+    extremes -128 and 127 among them), fp16 d of weights ~0.05 (|w| up to 0.4); with `flat_row`, row 0's first
+    super-block is all zero (d = 0), as llama.cpp writes a block of zeros."""
+    sb = k // 256
+    raw = rng.integers(0, 256, (n, sb, 210), dtype=np.uint8)
+    raw[..., 208:210] = rng.uniform(3e-5, 1e-4, (n, sb, 1)).astype(np.float16).view(np.uint8)
+    raw[0, 0, 192:194] = np.array([-128, 127], np.int8).view(np.uint8)
+    if flat_row:
+        raw[0, 0] = 0
+    return raw.reshape(n, -1)
+
+
 def one_line(capsys, code, expect):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and expect in err[0], err

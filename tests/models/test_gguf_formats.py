@@ -150,13 +150,14 @@ def test_exported_graph_runs_in_onnxruntime_as_the_float_reference(gguf_model):
     assert_graph_follows_the_float_reference(gguf_model[0])
 
 
-def assert_graph_follows_the_float_reference(d: Path) -> None:
-    """d/m.onnx (the file's blocks) in onnxruntime against d/float.onnx (its dequantized weights)."""
+def assert_graph_follows_the_float_reference(d: Path, tol: float = 1e-5) -> None:
+    """d/m.onnx (the file's blocks) in onnxruntime against d/float.onnx (its dequantized weights):
+    float rounding apart, which grows with the weights' range (`tol`, relative to the largest logit)."""
     cfg = ModelConfig.load(sidecar_paths(d / "m.onnx")[0])
     ours = ort_kv_logits(d / "m.onnx", cfg, STEPS[0], STEPS[1:])
     ref = ort_kv_logits(d / "float.onnx", cfg, STEPS[0], STEPS[1:])
     for a, r in zip(ours, ref):
-        assert np.abs(a - r).max() / np.abs(r).max() < 1e-5
+        assert np.abs(a - r).max() / np.abs(r).max() < tol
 
 
 def _compiled_logits(art) -> np.ndarray:

@@ -1,0 +1,158 @@
+"""llama.cpp's Q6_K weights on AVX-512 VNNI, exactly: w = d sc (q - 32), one int8 scale sc a
+sub-block of 16 weights and one float d a super-block of 256.
+
+The codes come in the W8A8 row-group layout (row_groups.pack_int8: u = q + 96 = (q - 32) + 128,
+unsigned, 8 chunks of 64 bytes a 32-block, chunk c meeting activation bytes 4c..4c+3 of the
+de-interleaved block). A 32-block holds two sub-blocks: elements 0-15 (A) and 16-31 (B). In the
+de-interleaved order A is positions 0-7 (its even elements) and 16-23 (its odd ones), so
+chunks 0, 1, 4 and 5; B is chunks 2, 3, 6 and 7. Each sub-block is its own chain of four
+vpdpbusd, started from -128 x its activations' sum (q6_k_starts: the quantizer gives only the
+block's), and the two meet in the integer domain as sc_A A + sc_B B (exact: at most 2 x 16 x
+32 x 127 x 128 < 2^24, so the float conversion is exact too), then one FMA by d x the
+activations' scale, as llama.cpp applies its scales.
+
+Scales: sc [G, NB, 32] int8 (A's 16 rows, then B's), d [G, NB/8, 16] float32 per super-block
+(models/gguf_blocks.py: q6_k_factors): 8.56 bits a weight against the file's 6.56, one byte a
+weight for the codes, which vpdpbusd reads as they are.
+
+One kernel serves prefill and decode: a task per row group; tiles of TOKENS tokens (leftovers
+one at a time) over all of the group's blocks; one token (decode) prefetches its weights
+PREFETCH blocks ahead, as the Q4_0 decode GEMV does (x86/vnni.py).
+"""
+
+from __future__ import annotations
+
+from .. import SCHEDULED
+from ..kernel_cache import cached_kernel
+from ..row_groups import INT8_CHUNKS, ROWS, groups
+from ..w4a8 import store_rows, token_count
+
+SUB = 16            # Q6_K's sub-block
+SUPER_BLOCKS = 8    # 32-blocks a super-block of 256
+TOKENS = 4          # a prefill tile: 4 accumulators and 8 integer chains in AVX-512's 32 registers
+PREFETCH = 4        # blocks ahead a decode token's weights are prefetched into L1
+VPDPBUSD = "llvm.x86.avx512.vpdpbusd.512"
+
+
+def _chunk(i, sub_b: bool):
+    """The i-th (0..3) 64-byte chunk of sub-block A (0, 1, 4, 5) or B (2, 3, 6, 7)."""
+    return i % 2 + (i // 2) * 4 + (2 if sub_b else 0)
+
+
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
+def q6_k_starts(nb: int, one_row: bool):
+    """(aq [M, NB, 32] int8, off [M, NB] int32: the quantizer's -8 x block sum) -> st [M, NB, 2]
+    int32: where sub-block A's and B's vpdpbusd chains start, -128 x the sum of each one's
+    activation codes (A: de-interleaved positions 0-7 and 16-23). `one_row` (decode) runs
+    serially: a launch of the thread pool would cost more than the 16 adds a block."""
+    from tvm.script import tirx as T
+
+    rows = T.int64()
+
+    @T.macro
+    def row(aq, off, st, i):
+        for b in range(nb):
+            a = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add.v8i32",
+                                        T.Cast("int32x8", aq.vload([i, b, 0], "int8x8"))
+                                        + T.Cast("int32x8", aq.vload([i, b, 16], "int8x8")))
+            st[i, b, 0] = a * T.int32(-128)
+            st[i, b, 1] = off[i, b] * T.int32(16) + a * T.int32(128)
+
+    @T.prim_func(private=True)
+    def kernel(var_aq: T.handle, var_off: T.handle, var_st: T.handle):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True})
+        aq = T.match_buffer(var_aq, (rows, nb, 32), "int8")
+        off = T.match_buffer(var_off, (rows, nb), "int32")
+        st = T.match_buffer(var_st, (rows, nb, 2), "int32")
+        if one_row:   # decided when the kernel is built
+            for i in T.serial(rows):
+                row(aq, off, st, i)
+        else:
+            for i in T.parallel(rows):
+                row(aq, off, st, i)
+
+    return kernel
+
+
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
+def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
+    """y [M, N] = the quantized activations (aq [M, NB, 32], their scales ad [M, NB] and the
+    chains' starts st [M, NB, 2]: q6_k_starts) times the Q6_K weights w [G, NB, 8, 64] with
+    sc [G, NB, 32] and d [G, NB/8, 16] (the module's docstring); `bias`: a bias [N] added as
+    the rows are stored. M any number of tokens, or `m` fixed."""
+    from tvm.script import tirx as T
+
+    if nb % SUPER_BLOCKS:
+        raise ValueError(f"Q6_K rows are whole super-blocks of 256, got {nb} blocks of 32")
+    ng = groups(n)
+    rows_in = token_count(m)
+
+    def act(aq, t, b, c):
+        """int8x64: activation bytes 4c..4c+3 of token t, block b, in every 32-bit lane."""
+        return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", aq.vload([t, b, 4 * c], "int8x4")), ROWS))
+
+    @T.macro
+    def tile(w, aq, st, ad, sc, d, y, bias_buf, g, first, count):
+        """Rows 16g .. 16g+15 of tokens first .. first + count - 1, over every block."""
+        # "global": small constant-size buffers go on the stack, into registers (x86/vnni.py)
+        acc = T.decl_buffer((count * ROWS,), "float32", scope="global")
+        lo = T.decl_buffer((count * ROWS,), "int32", scope="global")
+        hi = T.decl_buffer((count * ROWS,), "int32", scope="global")
+        for t in T.unroll(count):
+            acc[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+        for b in range(nb):
+            if count == 1:   # decided when the kernel is built: decode reads its weights from DRAM
+                for c in T.unroll(INT8_CHUNKS):
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + PREFETCH, c, 0]),
+                                                  T.int32(0), T.int32(3), T.int32(1)))
+            for t in T.unroll(count):
+                lo[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(st[first + t, b, 0], ROWS)
+                hi[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(st[first + t, b, 1], ROWS)
+            for i in T.unroll(4):
+                for t in T.unroll(count):
+                    lo[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
+                        "int32x16", VPDPBUSD, lo[T.ramp(t * ROWS, 1, ROWS)],
+                        w.vload([g, b, _chunk(i, False), 0], "uint8x64"), act(aq, first + t, b, _chunk(i, False)))
+                    hi[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
+                        "int32x16", VPDPBUSD, hi[T.ramp(t * ROWS, 1, ROWS)],
+                        w.vload([g, b, _chunk(i, True), 0], "uint8x64"), act(aq, first + t, b, _chunk(i, True)))
+            for t in T.unroll(count):
+                acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + T.Cast(
+                    "float32x16", lo[T.ramp(t * ROWS, 1, ROWS)] * T.Cast("int32x16", sc.vload([g, b, 0], "int8x16"))
+                    + hi[T.ramp(t * ROWS, 1, ROWS)] * T.Cast("int32x16", sc.vload([g, b, SUB], "int8x16"))) * (
+                    d.vload([g, b // SUPER_BLOCKS, 0], "float32x16") * T.broadcast(ad[first + t, b], ROWS))
+        for t in T.unroll(count):
+            store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None, bias_buf)
+
+    @T.macro
+    def body(w, aq, st, ad, sc, d, y, bias_buf):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True})   # opaque: FuseOps leaves it whole
+        for g in T.parallel(ng):
+            for it in range(rows_in // TOKENS):
+                tile(w, aq, st, ad, sc, d, y, bias_buf, g, it * TOKENS, TOKENS)
+            for i in range(rows_in // TOKENS * TOKENS, rows_in):
+                tile(w, aq, st, ad, sc, d, y, bias_buf, g, i, 1)
+
+    if bias:
+        @T.prim_func(private=True)
+        def kernel_b(var_aq: T.handle, var_ad: T.handle, var_st: T.handle,
+                     w: T.Buffer((ng, nb, INT8_CHUNKS, 4 * ROWS), "uint8"), sc: T.Buffer((ng, nb, 2 * SUB), "int8"),
+                     d: T.Buffer((ng, nb // SUPER_BLOCKS, ROWS), "float32"), bias_buf: T.Buffer((n,), "float32"),
+                     var_y: T.handle):
+            aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
+            ad = T.match_buffer(var_ad, (rows_in, nb), "float32")
+            st = T.match_buffer(var_st, (rows_in, nb, 2), "int32")
+            y = T.match_buffer(var_y, (rows_in, n), "float32")
+            body(w, aq, st, ad, sc, d, y, bias_buf)
+        return kernel_b
+
+    @T.prim_func(private=True)
+    def kernel(var_aq: T.handle, var_ad: T.handle, var_st: T.handle,
+               w: T.Buffer((ng, nb, INT8_CHUNKS, 4 * ROWS), "uint8"), sc: T.Buffer((ng, nb, 2 * SUB), "int8"),
+               d: T.Buffer((ng, nb // SUPER_BLOCKS, ROWS), "float32"), var_y: T.handle):
+        aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
+        ad = T.match_buffer(var_ad, (rows_in, nb), "float32")
+        st = T.match_buffer(var_st, (rows_in, nb, 2), "int32")
+        y = T.match_buffer(var_y, (rows_in, n), "float32")
+        body(w, aq, st, ad, sc, d, y, None)
+    return kernel

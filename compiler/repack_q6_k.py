@@ -1,0 +1,103 @@
+"""Compile-time handling of llama.cpp's Q6_K linears (MatMulNBits, 8-bit codes q + 96 in blocks
+of 16 with float32 scales d sc: models/gguf_blocks.py).
+
+Where the target has a Q6_K kernel (targets.q6_k_path: kernels/x86/q6_k.py) the weights go into
+its layout: the codes in the W8A8 row groups (row_groups.pack_int8, unsigned), the int8
+sub-block scales sc [G, NB, 32] and the super-block scales d [G, NB/8, 16] float32, the pair
+taken back from the products by gguf_blocks.q6_k_factors. The node is marked graph.Q6_K_ATTR
+with inputs (x, codes, sc, "", "", bias, d).
+
+Elsewhere (the ARM targets and AVX2 today, and float activations) each Q6_K weight is
+quantized again as Q8_0, which those targets run natively: the closest format they have, not
+the file's values. A message says so, naming the count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from qwc import progress
+from qwc.passes.graph import Q6_K_ATTR, Graph, matmul_nbits_dims, new_tensor, tensor_array
+
+from .targets import q6_k_path
+
+SUB = 16
+SUPER = 256
+
+
+def is_q6_k(node: onnx.NodeProto) -> bool:
+    """A MatMulNBits of Q6_K's sub-blocks: 8-bit codes in blocks of 16."""
+    if node.op_type != "MatMulNBits":
+        return False
+    _, _, block, bits = matmul_nbits_dims(node)
+    return bits == 8 and block == SUB
+
+
+def pack(u: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes u [N, K/16, 16] (q + 96) and scales d sc [N, K/16] -> the kernel's codes
+    [G, K/32, 8, 64], sc [G, K/32, 32] int8 and d [G, K/256, 16] float32. Rows past N are zeros."""
+    from qwc.models.gguf_blocks import q6_k_factors
+
+    from .kernels.row_groups import ROWS, groups, pack_int8
+
+    n, nsub, _ = u.shape
+    nb = nsub // 2
+    d, sc = q6_k_factors(s)
+    w, _ = pack_int8(u.reshape(n, nb, 32), np.ones((n, nb), np.float32), signed=False)
+    g = groups(n)
+    scp = np.zeros((g * ROWS, nb, 2), np.int8)
+    scp[:n] = sc.reshape(n, nb, 2)
+    scp = scp.reshape(g, ROWS, nb, 2).transpose(0, 2, 3, 1).reshape(g, nb, 2 * ROWS)   # [g, b, A rows, B rows]
+    dp = np.zeros((g * ROWS, nsub * SUB // SUPER), np.float32)
+    dp[:n] = d
+    dp = dp.reshape(g, ROWS, -1).transpose(0, 2, 1)
+    return w, np.ascontiguousarray(scp), np.ascontiguousarray(dp)
+
+
+def q6_k_linears(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, int]:
+    """Repack each Q6_K MatMulNBits for the target's kernel, or quantize it as Q8_0 where it
+    has none. Returns (kept, requantized)."""
+    from qwc.models.gguf_blocks import Q6_K_BLOCK
+    from qwc.q4 import quantize_q8_0
+
+    inits = Graph(model).inits
+    kept = requantized = 0
+    for node in model.graph.node:
+        if not is_q6_k(node) or node.input[1] not in inits or node.input[2] not in inits:
+            continue
+        k, n, _, _ = matmul_nbits_dims(node)
+        u, s = tensor_array(inits[node.input[1]]), tensor_array(inits[node.input[2]]).astype(np.float32)
+        if u.shape != (n, k // Q6_K_BLOCK, Q6_K_BLOCK) or k % SUPER:
+            continue   # the importer names what it cannot take
+        old = list(node.input[1:3])
+        bias = node.input[5] if len(node.input) > 5 else ""
+        stem = node.input[1]
+        del node.input[1:]
+        if q6_k_path(Q6_K_BLOCK, 8, act_bits, features):
+            w, sc, d = pack(u, s.reshape(n, -1))
+            names = [stem + ".qwc_q6_k", stem + ".qwc_q6_k_sc", stem + ".qwc_q6_k_d"]
+            for name, a in zip(names, (w, sc, d)):
+                model.graph.initializer.append(new_tensor(a, name))
+            node.input.extend([names[0], names[1], "", "", bias, names[2]])
+            node.attribute.append(helper.make_attribute(Q6_K_ATTR, 1))
+            kept += 1
+        else:
+            w = (u.astype(np.float32) - 128) * s.reshape(n, -1, 1)
+            q8, d = quantize_q8_0(w.reshape(n, k), 32)
+            names = [stem + ".qwc_q8_0", stem + ".qwc_q8_0_scales"]
+            model.graph.initializer.append(new_tensor((q8.astype(np.int16) + 128).astype(np.uint8), names[0]))
+            model.graph.initializer.append(new_tensor(d, names[1]))
+            node.input.extend(names + ([] if not bias else ["", "", bias]))
+            for a in node.attribute:
+                if a.name == "block_size":
+                    a.i = 32
+            requantized += 1
+        for name in old:
+            if not any(name in nd.input for nd in model.graph.node):
+                model.graph.initializer.remove(inits.pop(name))
+    if requantized:
+        progress.info(f"[qwc] {requantized} Q6_K linears as Q8_0: this target has no Q6_K kernel "
+                      "(close to the file's values, not exact)")
+    return kept, requantized
