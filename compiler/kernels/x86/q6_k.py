@@ -29,7 +29,7 @@ from ..w4a8 import store_rows, token_count
 
 SUB = 16            # Q6_K's sub-block
 SUPER_BLOCKS = 8    # 32-blocks a super-block of 256
-TOKENS = 4          # a prefill tile: 4 accumulators and 8 integer chains in AVX-512's 32 registers
+TOKENS = 4          # a prefill tile: 4 accumulators and 8 integer chains (8 tokens measured level: bench/q6_k.py)
 PREFETCH = 4        # blocks ahead a decode token's weights are prefetched into L1
 VPDPBUSD = "llvm.x86.avx512.vpdpbusd.512"
 
