@@ -63,7 +63,8 @@ def _run_q6_k(k: int, n: int, m: int, raw: np.ndarray, a: np.ndarray, bias: np.n
 
 
 @pytest.mark.parametrize("m", [1, 3, 9])
-@pytest.mark.parametrize("k, n, with_bias", [(256, 32, False), (512, 40, True)])
+# N = 150: decode's four streams of two row groups each, then the two left over (one ragged)
+@pytest.mark.parametrize("k, n, with_bias", [(256, 32, False), (512, 40, True), (256, 150, True)])
 def test_q6_k_kernel_computes_llama_cpps_w6a8(k, n, m, with_bias):
     """Decode (one token), a tile of 4 with leftovers, a ragged last row group (N = 40), against
     numpy in float64: the activations as Q8_0 blocks times the file's dequantized weights. The

@@ -15,9 +15,11 @@ Scales: sc [G, NB, 32] int8 (A's 16 rows, then B's), d [G, NB/8, 16] float32 per
 (models/gguf_blocks.py: q6_k_factors): 8.56 bits a weight against the file's 6.56, one byte a
 weight for the codes, which vpdpbusd reads as they are.
 
-One kernel serves prefill and decode: a task per row group; tiles of TOKENS tokens (leftovers
-one at a time) over all of the group's blocks; one token (decode) prefetches its weights
-PREFETCH blocks ahead, as the Q4_0 decode GEMV does (x86/vnni.py).
+One kernel serves prefill and decode. Prefill: a task per row group, tiles of TOKENS tokens
+(leftovers one at a time) over all of the group's blocks. One token (decode): STREAMS row
+groups a task in lockstep, prefetched PREFETCH blocks ahead, as the Q8_0 decode GEMV reads
+(x86/vnni.py); a lone group a task was 1.23x the Q8_0 GEMV's time on a 7B's output
+(bench/q6_k.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ SUB = 16            # Q6_K's sub-block
 SUPER_BLOCKS = 8    # 32-blocks a super-block of 256
 TOKENS = 4          # a prefill tile: 4 accumulators and 8 integer chains (8 tokens measured level: bench/q6_k.py)
 PREFETCH = 4        # blocks ahead a decode token's weights are prefetched into L1
+STREAMS = 4         # row groups a decode task reads in lockstep (x86/vnni.py's STREAMS)
 VPDPBUSD = "llvm.x86.avx512.vpdpbusd.512"
 
 
@@ -86,6 +89,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
         raise ValueError(f"Q6_K rows are whole super-blocks of 256, got {nb} blocks of 32")
     ng = groups(n)
     rows_in = token_count(m)
+    decode_tasks = ng // STREAMS + (1 if ng % STREAMS else 0)   # streamed's
 
     def act(aq, t, b, c):
         """int8x64: activation bytes 4c..4c+3 of token t, block b, in every 32-bit lane."""
@@ -125,13 +129,56 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None, bias_buf)
 
     @T.macro
+    def block_term(w, aq, st, ad, sc, d, acc, at, g, b, t):
+        """acc[16 at ..] += block b's term for rows 16g .. 16g+15 and token t: one stream of the
+        decode form, its two chains in one expression (no buffers inside the parallel loop)."""
+        lo = T.broadcast(st[t, b, 0], ROWS)
+        hi = T.broadcast(st[t, b, 1], ROWS)
+        for i in range(4):
+            lo = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, lo, w.vload([g, b, _chunk(i, False), 0], "uint8x64"),
+                                         act(aq, t, b, _chunk(i, False)))
+            hi = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, hi, w.vload([g, b, _chunk(i, True), 0], "uint8x64"),
+                                         act(aq, t, b, _chunk(i, True)))
+        acc[T.ramp(at * ROWS, 1, ROWS)] = acc[T.ramp(at * ROWS, 1, ROWS)] + T.Cast(
+            "float32x16", lo * T.Cast("int32x16", sc.vload([g, b, 0], "int8x16"))
+            + hi * T.Cast("int32x16", sc.vload([g, b, SUB], "int8x16"))) * (
+            d.vload([g, b // SUPER_BLOCKS, 0], "float32x16") * T.broadcast(ad[t, b], ROWS))
+
+    @T.macro
+    def streamed(w, aq, st, ad, sc, d, y, bias_buf):
+        """One token: task p reads groups p, per + p, 2 per + p, 3 per + p in lockstep, block by
+        block, each prefetched ahead (STREAMS streams whose DRAM page crossings fall at different
+        times, as the Q8_0 decode GEMV reads: x86/vnni.py); the groups left over are one more task."""
+        for task in T.parallel(decode_tasks):
+            if task < ng // STREAMS:
+                acc = T.decl_buffer((STREAMS * ROWS,), "float32", scope="global")
+                for h in T.unroll(STREAMS):
+                    acc[T.ramp(h * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+                for b in range(nb):
+                    for h in T.unroll(STREAMS):
+                        for c in T.unroll(INT8_CHUNKS):
+                            T.evaluate(T.call_llvm_intrin(
+                                "void", "llvm.prefetch.p0", T.address_of(w[h * (ng // STREAMS) + task, b + PREFETCH, c, 0]),
+                                T.int32(0), T.int32(3), T.int32(1)))
+                    for h in T.unroll(STREAMS):
+                        block_term(w, aq, st, ad, sc, d, acc, h, h * (ng // STREAMS) + task, b, 0)
+                for h in T.unroll(STREAMS):
+                    store_rows(y, 0, (h * (ng // STREAMS) + task) * ROWS, ROWS, n, acc, h * ROWS, None, bias_buf)
+            else:
+                for g in range(ng // STREAMS * STREAMS, ng):
+                    tile(w, aq, st, ad, sc, d, y, bias_buf, g, 0, 1)
+
+    @T.macro
     def body(w, aq, st, ad, sc, d, y, bias_buf):
         T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True})   # opaque: FuseOps leaves it whole
-        for g in T.parallel(ng):
-            for it in range(rows_in // TOKENS):
-                tile(w, aq, st, ad, sc, d, y, bias_buf, g, it * TOKENS, TOKENS)
-            for i in range(rows_in // TOKENS * TOKENS, rows_in):
-                tile(w, aq, st, ad, sc, d, y, bias_buf, g, i, 1)
+        if rows_in == 1:
+            streamed(w, aq, st, ad, sc, d, y, bias_buf)
+        else:
+            for g in T.parallel(ng):
+                for it in range(rows_in // TOKENS):
+                    tile(w, aq, st, ad, sc, d, y, bias_buf, g, it * TOKENS, TOKENS)
+                for i in range(rows_in // TOKENS * TOKENS, rows_in):
+                    tile(w, aq, st, ad, sc, d, y, bias_buf, g, i, 1)
 
     if bias:
         @T.prim_func(private=True)
