@@ -34,7 +34,7 @@ from .lora_slots import LORA_SLOT
 from .lora_slots import OP as LORA_OP
 from .pipeline import fusions
 from .relax_match import call_of
-from .targets import kernels_for, q4_0_path, q8_0_path, vector_registers
+from .targets import kernels_for, q4_0_path, q6_k_path, q8_0_path, vector_registers
 
 
 @dataclass
@@ -137,11 +137,13 @@ class MatMulNBits(F.OnnxOpConverter):
 
     @staticmethod
     def q6_k_matmul(bb, a, w, sc, d, k: int, n: int, bias=None):
-        """a [..., K] (+ bias [N]) through the Q6_K kernel (kernels/x86/q6_k.py) on the weights
-        compile-time repacking wrote (codes w, sub-block scales sc, super-block scales d): the
-        activation quantizer (which the fusion passes give the RMSNorm or SiLU·mul before it),
-        the sub-blocks' chain starts, then the matmul with the bias as it stores."""
+        """a [..., K] (+ bias [N]) through the target's Q6_K kernel (kernels/x86/q6_k.py,
+        kernels/arm/q6_k.py) on the weights compile-time repacking wrote (codes w, sub-block
+        scales sc, super-block scales d): the activation quantizer (which the fusion passes give
+        the RMSNorm or SiLU·mul before it), on x86 the sub-blocks' chain starts, then the matmul
+        (x86: with the bias as it stores; ARM: the bias added after)."""
         from .kernels import act_quant
+        from .kernels.arm import q6_k as arm_q6_k
         from .kernels.x86 import q6_k
 
         if len(w.ty.shape) != 4:
@@ -152,12 +154,19 @@ class MatMulNBits(F.OnnxOpConverter):
         m = a2.ty.shape[0]
         one_token = getattr(m, "value", None) == 1
         nb = k // act_quant.BLOCK
+        arm = q6_k_path(16, 8, _ctx().act_bits, _ctx().features) == "arm"
+        layout = "arm" if arm else "plain"   # the "arm" layout at any M: the sdot kernel's
         q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
               relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="int32")]
-        quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token),
-                            _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token)))
+        quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token, layout=layout),
+                            _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token, layout=layout)))
         parts = bb.emit(relax.call_tir(quant, [a2], q8))
         aq, ad, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
+        if arm:
+            kernel = bb.add_func(arm_q6_k.q6_k_matmul(n, nb), _kname(f"q6_k_matmul_sdot_{n}x{nb}"))
+            y = bb.emit(relax.call_tir(kernel, [aq, ad, w, sc, d], relax.TensorType(shape=[m, n], dtype="float32")))
+            y = bb.emit(relax.op.reshape(y, [*lead, n]))
+            return y if bias is None else bb.emit(relax.op.add(y, bias))
         starts = bb.add_func(q6_k.q6_k_starts(nb, one_token), _kname(f"q6_k_starts_{nb}_{int(one_token)}"))
         st = bb.emit(relax.call_tir(starts, [aq, off], relax.TensorType(shape=[m, nb, 2], dtype="int32")))
         kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, bias=bias is not None),
@@ -242,6 +251,10 @@ class GatherBlockQuantized(F.OnnxOpConverter):
         w, idx, s = inputs[0], inputs[1], inputs[2]
         if attr.get("gather_axis", 0) != 0 or attr.get("quantize_axis", 1) != 2:
             raise QwcError("GatherBlockQuantized: qwc supports gather_axis 0, quantize_axis 2")
+        if attr.get(Q6_K_ATTR):   # a Q6_K lm_head's repacked codes, scales sc and d (repack_q6_k.py)
+            signed = q6_k_path(16, 8, _ctx().act_bits, _ctx().features) == "arm"
+            return bb.emit_te(generic.gather_q6_k_row_groups, w, idx, s, inputs[3], signed=signed,
+                              primfunc_name_hint=_kname("gather_q6_k_packed"))
         if len(w.ty.shape) == 4:  # shared with an lm_head whose kernel reads a repacked layout
             if int(attr.get("bits", 4)) == 8:   # the W8A8 kernels' (row_groups.pack_int8)
                 signed = q8_0_path(32, 8, _ctx().act_bits, _ctx().features) == "arm"

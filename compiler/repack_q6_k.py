@@ -1,13 +1,14 @@
 """Compile-time handling of llama.cpp's Q6_K linears (MatMulNBits, 8-bit codes q + 96 in blocks
 of 16 with float32 scales d sc: models/gguf_blocks.py).
 
-Where the target has a Q6_K kernel (targets.q6_k_path: kernels/x86/q6_k.py) the weights go into
-its layout: the codes in the W8A8 row groups (row_groups.pack_int8, unsigned), the int8
+Where the target has a Q6_K kernel (targets.q6_k_path: kernels/x86/q6_k.py, kernels/arm/q6_k.py)
+the weights go into its layout: the codes in the W8A8 row groups (row_groups.pack_int8: q + 96
+unsigned on x86, q - 32 signed on ARM), the int8
 sub-block scales sc [G, NB, 32] and the super-block scales d [G, NB/8, 16] float32, the pair
 taken back from the products by gguf_blocks.q6_k_factors. The node is marked graph.Q6_K_ATTR
 with inputs (x, codes, sc, "", "", bias, d).
 
-Elsewhere (the ARM targets and AVX2 today, and float activations) each Q6_K weight is
+Elsewhere (AVX2, arm-neon without dotprod, float activations) each Q6_K weight is
 quantized again as Q8_0, which those targets run natively: the closest format they have, not
 the file's values. A message says so, naming the count.
 """
@@ -35,9 +36,10 @@ def is_q6_k(node: onnx.NodeProto) -> bool:
     return bits == 8 and block == SUB
 
 
-def pack(u: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack(u: np.ndarray, s: np.ndarray, signed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Codes u [N, K/16, 16] (q + 96) and scales d sc [N, K/16] -> the kernel's codes
-    [G, K/32, 8, 64], sc [G, K/32, 32] int8 and d [G, K/256, 16] float32. Rows past N are zeros."""
+    [G, K/32, 8, 64] (`signed`: q - 32 in two's complement, ARM), sc [G, K/32, 32] int8 and
+    d [G, K/256, 16] float32. Rows past N are zeros."""
     from qwc.models.gguf_blocks import q6_k_factors
 
     from .kernels.row_groups import ROWS, groups, pack_int8
@@ -45,7 +47,7 @@ def pack(u: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     n, nsub, _ = u.shape
     nb = nsub // 2
     d, sc = q6_k_factors(s)
-    w, _ = pack_int8(u.reshape(n, nb, 32), np.ones((n, nb), np.float32), signed=False)
+    w, _ = pack_int8(u.reshape(n, nb, 32), np.ones((n, nb), np.float32), signed=signed)
     g = groups(n)
     scp = np.zeros((g * ROWS, nb, 2), np.int8)
     scp[:n] = sc.reshape(n, nb, 2)
@@ -56,13 +58,49 @@ def pack(u: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return w, np.ascontiguousarray(scp), np.ascontiguousarray(dp)
 
 
+def _tied_gathers(graph: Graph, codes: str, scales: str) -> list[tuple[onnx.NodeProto, onnx.NodeProto | None]]:
+    """The GatherBlockQuantized nodes reading a Q6_K matmul's codes (a tied embedding), each with
+    the Unsqueeze it reads the scales through (passes/quantize_embedding.py's form), or None."""
+    out = []
+    for c in graph.consumers.get(codes, []):
+        if c.op_type != "GatherBlockQuantized":
+            continue
+        src = graph.producer.get(c.input[2])
+        out.append((c, src if src is not None and src.op_type == "Unsqueeze" and src.input[0] == scales else None))
+    return out
+
+
+def _point_gathers(model: onnx.ModelProto, gathers, codes: str, scales: str, d: str | None) -> None:
+    """Point tied gathers at the matmul's new weights: with `d`, the Q6_K kernel's (codes, sc, d,
+    marked Q6_K_ATTR: generic.gather_q6_k_row_groups); without, Q8_0 blocks of 32 (codes, scales
+    through the same Unsqueeze), which repack.repack_weights then shares with the matmul."""
+    for g, unsqueeze in gathers:
+        g.input[0] = codes
+        if d is not None:
+            g.input[2] = scales
+            del g.input[3:]
+            g.input.append(d)
+            g.attribute.append(helper.make_attribute(Q6_K_ATTR, 1))
+            if unsqueeze is not None and not any(unsqueeze.output[0] in n.input for n in model.graph.node):
+                model.graph.node.remove(unsqueeze)
+        else:
+            for a in g.attribute:
+                if a.name == "block_size":
+                    a.i = 32
+            if unsqueeze is not None:
+                unsqueeze.input[0] = scales
+            else:
+                g.input[2] = scales + "3"   # q6_k_linears' [V, nb, 1] copy
+
+
 def q6_k_linears(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, int]:
     """Repack each Q6_K MatMulNBits for the target's kernel, or quantize it as Q8_0 where it
-    has none. Returns (kept, requantized)."""
+    has none; a tied embedding's gathers follow it. Returns (kept, requantized)."""
     from qwc.models.gguf_blocks import Q6_K_BLOCK
     from qwc.q4 import quantize_q8_0
 
-    inits = Graph(model).inits
+    graph = Graph(model)
+    inits = graph.inits
     kept = requantized = 0
     for node in model.graph.node:
         if not is_q6_k(node) or node.input[1] not in inits or node.input[2] not in inits:
@@ -72,16 +110,18 @@ def q6_k_linears(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, 
         if u.shape != (n, k // Q6_K_BLOCK, Q6_K_BLOCK) or k % SUPER:
             continue   # the importer names what it cannot take
         old = list(node.input[1:3])
+        gathers = _tied_gathers(graph, *old)
         bias = node.input[5] if len(node.input) > 5 else ""
         stem = node.input[1]
         del node.input[1:]
-        if q6_k_path(Q6_K_BLOCK, 8, act_bits, features):
-            w, sc, d = pack(u, s.reshape(n, -1))
+        if isa := q6_k_path(Q6_K_BLOCK, 8, act_bits, features):
+            w, sc, d = pack(u, s.reshape(n, -1), signed=isa == "arm")
             names = [stem + ".qwc_q6_k", stem + ".qwc_q6_k_sc", stem + ".qwc_q6_k_d"]
             for name, a in zip(names, (w, sc, d)):
                 model.graph.initializer.append(new_tensor(a, name))
             node.input.extend([names[0], names[1], "", "", bias, names[2]])
             node.attribute.append(helper.make_attribute(Q6_K_ATTR, 1))
+            _point_gathers(model, gathers, *names)
             kept += 1
         else:
             w = (u.astype(np.float32) - 128) * s.reshape(n, -1, 1)
@@ -90,6 +130,9 @@ def q6_k_linears(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, 
             model.graph.initializer.append(new_tensor((q8.astype(np.int16) + 128).astype(np.uint8), names[0]))
             model.graph.initializer.append(new_tensor(d, names[1]))
             node.input.extend(names + ([] if not bias else ["", "", bias]))
+            if any(unsq is None for _, unsq in gathers):   # a gather reading folded [V, nb, 1] scales
+                model.graph.initializer.append(new_tensor(d[..., None], names[1] + "3"))
+            _point_gathers(model, gathers, *names, None)
             for a in node.attribute:
                 if a.name == "block_size":
                     a.i = 32

@@ -141,8 +141,8 @@ class IntDots:
     q8_decode: str | None = None
     q8_prefill: str | None = None
     # llama.cpp's Q6_K weights (8-bit codes, an int8 scale a sub-block of 16) on their own
-    # kernel ("vnni": kernels/x86/q6_k.py), or None: Q6_K becomes Q8_0 at compile time
-    # (compiler/repack_q6_k.py), close but not exact
+    # kernel ("vnni": kernels/x86/q6_k.py, "sdot": kernels/arm/q6_k.py), or None: Q6_K becomes
+    # Q8_0 at compile time (compiler/repack_q6_k.py), close but not exact
     q6_k: str | None = None
 
 
@@ -175,8 +175,8 @@ _VNNI = IntDots("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", 
 # The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
 # (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
 _AVX2 = IntDots("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8))
-_SDOT = IntDots("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8")
-_SMMLA = IntDots("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12), "sdot8", "smmla8")
+_SDOT = IntDots("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8", "sdot")
+_SMMLA = IntDots("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12), "sdot8", "smmla8", "sdot")
 
 # The module under compiler/kernels that builds each W4A8 kernel the rules name (the interface
 # it exports: kernels/w4a8.py). A new ISA kernel is that module, an entry here and a rule.
@@ -227,8 +227,9 @@ def q8_0_path(block: int, bits: int, act_bits: int, features) -> str | None:
 
 
 def q6_k_path(block: int, bits: int, act_bits: int, features) -> str | None:
-    """"x86" when a MatMulNBits of 8-bit codes in blocks of 16 (llama.cpp's Q6_K sub-blocks,
-    models/gguf_blocks.py) takes the target's own Q6_K kernel (IntDots.q6_k), else None."""
+    """"x86" / "arm" when a MatMulNBits of 8-bit codes in blocks of 16 (llama.cpp's Q6_K
+    sub-blocks, models/gguf_blocks.py) takes the target's own Q6_K kernel (IntDots.q6_k: its
+    codes unsigned on x86, signed on ARM), else None."""
     if bits != 8 or block != 16 or act_bits != 8:
         return None
     w = kernels_for(features).int_dots

@@ -97,11 +97,11 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         """A GGUF-quantized weight as MatMulNBits inputs (codes, scales, zero points or "",
         bits) and its minimums' form: kept as it is, or in `requant` where qwc has no kernel
         for its type (and for a Q4_1 or Q4_K embedding: GatherBlockQuantized has no float zero
-        points, nor Q6_K's blocks of 16). None: a float weight, which the passes quantize."""
+        points). None: a float weight, which the passes quantize."""
         kind = ckpt.quant_types.get(hf)
         if kind is None:
             return None
-        b = ckpt.blocks(hf) if not (embedding and kind in ("Q4_1", "Q4_K", "Q6_K")) else None
+        b = ckpt.blocks(hf) if not (embedding and kind in ("Q4_1", "Q4_K")) else None
         if b is None:
             b = gguf_blocks.requantize(ckpt.tensor(hf), requant)
         formats[kind, b.fmt] += 1
@@ -141,12 +141,12 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         embed = weight("model.embed_tokens.weight")
         hidden = node("Gather", [embed, "input_ids"], ["embedding"], "/model/embed_tokens/Gather", axis=0)
     else:   # as passes/quantize_embedding.py writes it
-        codes, scales, _, bits, _, _ = embed_q
+        codes, scales, _, bits, _, block = embed_q
         scales3 = node("Unsqueeze", [scales, w.add("axis_two", np.array([2], np.int64))],
                        ["embed_tokens.scales3"], "/model/embed_tokens/Unsqueeze")
         blocks_out = node("GatherBlockQuantized", [codes, "input_ids", scales3], ["embedding_blocks"],
                           "/model/embed_tokens/GatherBlockQuantized", domain=MS_DOMAIN, gather_axis=0,
-                          quantize_axis=2, block_size=gguf_blocks.BLOCK, bits=bits)
+                          quantize_axis=2, block_size=block, bits=bits)
         hidden = node("Reshape", [blocks_out, w.add("embedding_shape", np.array([0, 0, cfg.hidden_size], np.int64))],
                       ["embedding"], "/model/embed_tokens/Reshape")
     cos, sin = model_rotary_caches(cfg)

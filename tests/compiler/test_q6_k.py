@@ -44,55 +44,130 @@ def test_q6_k_factors_give_the_files_d_and_sc_back():
     assert not np.array_equal(sc[3:], file_sc[3:])                    # the even ones: d 2x, sc / 2
 
 
-def _run_q6_k(k: int, n: int, m: int, raw: np.ndarray, a: np.ndarray, bias: np.ndarray | None):
-    import tvm
+def _emit_q6_k(bb, name: str, k: int, n: int, m: int, raw: np.ndarray, bias: np.ndarray | None, target: str):
+    """Function `name`(a, w, sc, d[, bias]) through the Q6_K kernel of `target`, as the importer
+    emits it; returns the weights in its layout."""
+    from qwc.compiler.frontend import _CONTEXT, ImportContext
 
+    t = get_target(target)
     b = gguf_blocks.from_gguf(raw, "Q6_K", (n, k), "w")
-    w, sc, d = pack(b.codes, b.scales)
+    w, sc, d = pack(b.codes, b.scales, signed=t.arch == "aarch64")
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
-    vs = [relax.Var(x, relax.TensorType(list(t.shape), str(t.dtype))) for x, t in (("w", w), ("sc", sc), ("d", d))]
+    vs = [relax.Var(x, relax.TensorType(list(a.shape), str(a.dtype))) for x, a in (("w", w), ("sc", sc), ("d", d))]
     bv = relax.Var("bias", relax.TensorType([n], "float32")) if bias is not None else None
-    bb = relax.BlockBuilder()
-    with bb.function("main", [av, *vs] + ([bv] if bv is not None else [])):
-        with bb.dataflow():
-            gv = bb.emit_output(MatMulNBits.q6_k_matmul(bb, av, *vs, k, n, bv))
-        bb.emit_func_output(gv)
-    vm = relax.VirtualMachine(build(bb.get(), get_target("x86-avx512")), tvm.cpu())
-    args = [a, w, sc, d] + ([bias] if bias is not None else [])
-    return vm["main"](*(tvm.runtime.tensor(x) for x in args)).numpy(), b
+    token = _CONTEXT.set(ImportContext(prefix=name, act_bits=8, features=t.features))
+    try:
+        with bb.function(name, [av, *vs] + ([bv] if bv is not None else [])):
+            with bb.dataflow():
+                gv = bb.emit_output(MatMulNBits.q6_k_matmul(bb, av, *vs, k, n, bv))
+            bb.emit_func_output(gv)
+    finally:
+        _CONTEXT.reset(token)
+    return [w, sc, d] + ([bias] if bias is not None else [])
 
 
-@pytest.mark.parametrize("m", [1, 3, 9])
-# N = 150: decode's four streams of two row groups each, then the two left over (one ragged)
-@pytest.mark.parametrize("k, n, with_bias", [(256, 32, False), (512, 40, True), (256, 150, True)])
-def test_q6_k_kernel_computes_llama_cpps_w6a8(k, n, m, with_bias):
-    """Decode (one token), a tile of 4 with leftovers, a ragged last row group (N = 40), against
-    numpy in float64: the activations as Q8_0 blocks times the file's dequantized weights. The
-    integer sums are exact; what differs is float32 rounding of the scales' products and the
-    row sums, within a few ulps of the largest terms' magnitude."""
-    from qwc import cpu
-
-    if not cpu.has("avx512_vnni"):
-        pytest.skip("runs AVX-512 VNNI code; this CPU has none")
+def _case(k: int, n: int, m: int, with_bias: bool):
+    """(raw Q6_K weights, activations the quantizer takes exactly, bias or None, the float64
+    reference and the sum of its terms' magnitudes). Exact activations: codes times a power of
+    two, one code a block at 127, so the check is of the kernel, not of a rounding tie between
+    two quantizers."""
     rng = np.random.default_rng(k + n + m)
     raw = random_q6_k(rng, n, k)
-    # activations the quantizer takes exactly (codes times a power of two, one code a block
-    # at 127): the check is then of the kernel, not of a rounding tie between two quantizers
     qa = rng.integers(-127, 128, (m, k // 32, 32))
     qa[..., 5] = 127
     da = np.ldexp(1.0, rng.integers(-8, 2, (m, k // 32, 1)))
     a = (qa * da).reshape(m, k).astype(np.float32)
-    bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
-    got, _ = _run_q6_k(k, n, m, raw, a, bias)
     assert np.array_equal(quantize_q8_0(a)[0], qa)
-    a8 = a.astype(np.float64)
+    bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
     w = dequantize(raw, Q.Q6_K).reshape(n, k).astype(np.float64)
-    ref, scale = a8 @ w.T, np.abs(a8) @ np.abs(w).T
-    if bias is not None:
-        ref += bias
+    ref = a.astype(np.float64) @ w.T + (0 if bias is None else bias)
+    return raw, a, bias, ref, np.abs(a.astype(np.float64)) @ np.abs(w).T
+
+
+# N = 150: x86 decode's four streams of two row groups each, then the two left over (one ragged)
+CASES = [(256, 32, False), (512, 40, True), (256, 150, True)]
+
+
+@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("k, n, with_bias", CASES)
+def test_q6_k_kernel_computes_llama_cpps_w6a8(k, n, m, with_bias):
+    """Decode (one token), a tile with leftovers, a ragged last row group, against numpy in
+    float64: the activations as Q8_0 blocks times the file's dequantized weights. The integer
+    sums are exact; what differs is float32 rounding of the scales' products and the row sums,
+    within a few ulps of the largest terms' magnitude."""
+    import tvm
+
+    from qwc import cpu
+
+    if not cpu.has("avx512_vnni"):
+        pytest.skip("runs AVX-512 VNNI code; this CPU has none")
+    raw, a, bias, ref, scale = _case(k, n, m, with_bias)
+    bb = relax.BlockBuilder()
+    weights = _emit_q6_k(bb, "main", k, n, m, raw, bias, "x86-avx512")
+    vm = relax.VirtualMachine(build(bb.get(), get_target("x86-avx512")), tvm.cpu())
+    got = vm["main"](*(tvm.runtime.tensor(x) for x in [a, *weights])).numpy()
     assert (np.abs(got - ref) <= 1e-6 * scale + 1e-6).all(), np.abs(got - ref).max()
+
+
+@pytest.mark.arm
+@pytest.mark.slow
+def test_q6_k_arm_kernel_computes_llama_cpps_w6a8(tmp_path):
+    """The sdot form (signed codes, no chain starts) cross-compiled for arm-yitian and run under
+    qemu-aarch64, on the x86 test's cases at 1, 3, 9 and 17 tokens, 1 and 4 threads (the same
+    bits: a task owns its rows)."""
+    import subprocess
+
+    import emulation
+    import tvm
+
+    t = get_target("arm-yitian")
+    bb, inputs, refs = relax.BlockBuilder(), {}, {}
+    for k, n, with_bias in CASES:
+        for m in (1, 3, 9, 17):
+            name = f"q6k_{k}_{n}_{m}"
+            raw, a, bias, ref, scale = _case(k, n, m, with_bias)
+            for i, x in enumerate([a, *_emit_q6_k(bb, name, k, n, m, raw, bias, "arm-yitian")]):
+                inputs[f"{name}/{i}"] = x
+            refs[name] = (ref, scale)
+    lib = tmp_path / "q6_k.so"
+    build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
+    np.savez(tmp_path / "in.npz", **inputs)
+    env, outs = emulation.arm64_env(), []
+    for threads in (1, 4):
+        out = tmp_path / f"out{threads}.npz"
+        cmd = emulation.python_command(env, emulation.HERE / "run_module.py", lib, tmp_path / "in.npz", out)
+        r = subprocess.run(cmd, env=dict(env, TVM_NUM_THREADS=str(threads)), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(np.load(out))
+    for name, (ref, scale) in refs.items():
+        got = outs[0][name]
+        assert (np.abs(got - ref) <= 1e-6 * scale + 1e-6).all(), (name, np.abs(got - ref).max())
+        assert np.array_equal(outs[1][name], got), name
 
 
 def test_targets_say_which_run_q6_k_natively():
     assert kernel_summary(get_target("x86-avx512"))["q6_k"] == "w6a8-vnni"
-    assert kernel_summary(get_target("arm-yitian"))["q6_k"] == "as q8_0"
+    assert kernel_summary(get_target("arm-yitian"))["q6_k"] == "w6a8-sdot"
+    assert kernel_summary(get_target("x86-avx2"))["q6_k"] == "as q8_0"
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_tied_q6_k_gather_reads_the_kernels_layout(signed):
+    """A tied embedding's rows from the Q6_K kernel's weights (x86's unsigned codes, ARM's signed
+    ones: the gather is generic TE, so both run here) equal the file's dequantized rows exactly."""
+    import tvm
+    from tvm import te
+
+    from qwc.compiler.kernels import generic
+
+    raw = random_q6_k(np.random.default_rng(9), 40, 512)
+    b = gguf_blocks.from_gguf(raw, "Q6_K", (40, 512), "w")
+    w, sc, d = pack(b.codes, b.scales, signed=signed)
+    ids = np.array([[0, 17, 39, 16]], np.int64)
+    args = [te.placeholder(x.shape, str(x.dtype)) for x in (w, ids, sc, d)]
+    out = generic.gather_q6_k_row_groups(args[0], args[1], args[2], args[3], signed=signed)
+    f = tvm.compile(te.create_prim_func([*args, out]), target="llvm")
+    got = tvm.runtime.tensor(np.zeros((1, 4, 16, 32), np.float32))
+    f(*(tvm.runtime.tensor(x) for x in (w, ids, sc, d)), got)
+    ref = dequantize(raw, Q.Q6_K).reshape(40, 512)[ids[0]]
+    assert np.array_equal(got.numpy().reshape(4, 512), ref)

@@ -406,3 +406,58 @@ def _with_q6_k_d(raw: np.ndarray, value) -> np.ndarray:
     raw = raw.copy()
     raw[1, 210 + 208:210 + 210] = np.array([value], np.float16).view(np.uint8)   # row 1, super-block 1's d
     return raw
+
+
+@pytest.mark.arm
+@pytest.mark.slow
+def test_q6_k_on_arm_yitian_matches_the_host(q4_k_m_model, q4_k_m_builds, tmp_path):
+    """Q6_K on the sdot kernel (kernels/arm/q6_k.py) in the whole model under qemu, against the
+    host's VNNI one: Q8_0 activations on both, so a rounding boundary may move one activation
+    by a step between the ISAs' quantizers (as in the Q4_K test above)."""
+    import emulation
+
+    from qwc.compiler.compile import compile_file
+
+    d, _ = q4_k_m_model
+    env = emulation.arm64_env()
+    art = tmp_path / "yitian.qwc"
+    compile_file(d / "m.onnx", "arm-yitian", art, act_bits=8, kv_type="f32")
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert {f["format"]: f["count"] for f in manifest["quantization"]["linears"]} == {"q4_k": 10, "q6_k": 4, "q8_0": 1}
+    out = tmp_path / "arm.npy"
+    steps = json.dumps([STEPS[0][0].tolist()] + [int(t[0, 0]) for t in STEPS[1:]])
+    r = subprocess.run(emulation.engine_command(env, art, out, steps), env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    arm, host = np.load(out), _compiled_logits(q4_k_m_builds[8])
+    assert np.abs(arm - host).max() / np.abs(host).max() < 2e-2
+    assert np.array_equal(arm.argmax(-1), host.argmax(-1))
+
+
+@pytest.mark.slow
+def test_a_tied_q6_k_embedding_and_head_stay_the_files(tmp_path, capsys):
+    """A tied Q6_K token_embd (a Q4_K_M file of a model whose hidden size is a multiple of 256):
+    the gather and the head read the same blocks of 16 in the graph, and one repacked copy in
+    the artifact (generic.gather_q6_k_row_groups for the gather); the logits follow the float
+    reference as the untied ones do, on the host and where Q6_K becomes Q8_0 (float activations)."""
+    write_model(tmp_path / "m.gguf", Q4_K_M_FORMATS, embedding=Q.Q6_K, seed=4)
+    assert main(["export", str(tmp_path / "m.gguf"), "-o", str(tmp_path / "m.onnx")]) == 0
+    assert "5 Q6_K (exact, 8-bit blocks of 16)" in capsys.readouterr().err
+    assert main(["-q", "export", str(tmp_path / "m.gguf"), "--exporter", "torch", "-o", str(tmp_path / "float.onnx")]) == 0
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    gbq = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in model.graph.node if n.name.startswith("/lm_head"))
+    assert gbq.input[0] == head.input[1] and next(a.i for a in gbq.attribute if a.name == "block_size") == 16
+    assert_graph_follows_the_float_reference(tmp_path, tol=2e-4)
+    builds = compile_host_builds(tmp_path)
+    from test_gguf_formats import _params
+
+    names = set(_params(builds[8]))
+    assert not any(n.startswith("model.embed_tokens") and not n.endswith(("qwc_q6_k", "qwc_q6_k_sc", "qwc_q6_k_d"))
+                   for n in names), names   # one copy of the table: the kernel's
+    cfg = ModelConfig.load(sidecar_paths(tmp_path / "m.onnx")[0])
+    ref = np.stack([r[0, -1] for r in ort_kv_logits(tmp_path / "float.onnx", cfg, STEPS[0], STEPS[1:])])
+    a32, a8 = _compiled_logits(builds[32]), _compiled_logits(builds[8])
+    span = np.abs(ref).max()
+    assert np.abs(a8 - ref).max() / span < 2e-2
+    assert np.abs(a32 - ref).max() / span < 6e-2

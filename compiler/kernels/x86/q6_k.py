@@ -7,9 +7,8 @@ de-interleaved block). A 32-block holds two sub-blocks: elements 0-15 (A) and 16
 de-interleaved order A is positions 0-7 (its even elements) and 16-23 (its odd ones), so
 chunks 0, 1, 4 and 5; B is chunks 2, 3, 6 and 7. Each sub-block is its own chain of four
 vpdpbusd, started from -128 x its activations' sum (q6_k_starts: the quantizer gives only the
-block's), and the two meet in the integer domain as sc_A A + sc_B B (exact: at most 2 x 16 x
-32 x 127 x 128 < 2^24, so the float conversion is exact too), then one FMA by d x the
-activations' scale, as llama.cpp applies its scales.
+block's). The two sums (exact integers, at most 16 x 32 x 127 each) are converted and scaled
+by their sub-blocks' d sc, then by the activations' scale (`term`).
 
 Scales: sc [G, NB, 32] int8 (A's 16 rows, then B's), d [G, NB/8, 16] float32 per super-block
 (models/gguf_blocks.py: q6_k_factors): 8.56 bits a weight against the file's 6.56, one byte a
@@ -31,7 +30,7 @@ from ..w4a8 import store_rows, token_count
 
 SUB = 16            # Q6_K's sub-block
 SUPER_BLOCKS = 8    # 32-blocks a super-block of 256
-TOKENS = 4          # a prefill tile: 4 accumulators and 8 integer chains (8 tokens measured level: bench/q6_k.py)
+TOKENS = 8          # a prefill tile: 8 accumulators and 16 integer chains (1.08x -> 1.11x Q8_0's time at 4: bench/q6_k.py)
 PREFETCH = 4        # blocks ahead a decode token's weights are prefetched into L1
 STREAMS = 4         # row groups a decode task reads in lockstep (x86/vnni.py's STREAMS)
 VPDPBUSD = "llvm.x86.avx512.vpdpbusd.512"
@@ -91,6 +90,18 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
     rows_in = token_count(m)
     decode_tasks = ng // STREAMS + (1 if ng % STREAMS else 0)   # streamed's
 
+    def term(lo, hi, sc, d, ad, g, b, t):
+        """float32x16: block b's term of rows 16g .. from its sub-blocks' integer sums lo (A) and
+        hi (B), (lo sc_A d + hi sc_B d) x the activations' scale. In float: two `vpmulld` a token
+        and block (sc in the integer domain) took 1.15-1.18x the Q8_0 GEMM's prefill time, on
+        the port `vpdpbusd` uses; this form 1.08-1.13x (bench/q6_k.py). sc d is the file's d sc
+        (exact); the sums' products are rounded, as any float kernel's. Decode and prefill share
+        it, so a token's logits are the same in either (design.md, "One arithmetic for a token")."""
+        dv = d.vload([g, b // SUPER_BLOCKS, 0], "float32x16")
+        return (T.Cast("float32x16", lo) * (T.Cast("float32x16", sc.vload([g, b, 0], "int8x16")) * dv)
+                + T.Cast("float32x16", hi) * (T.Cast("float32x16", sc.vload([g, b, SUB], "int8x16")) * dv)
+                ) * T.broadcast(ad[t, b], ROWS)
+
     def act(aq, t, b, c):
         """int8x64: activation bytes 4c..4c+3 of token t, block b, in every 32-bit lane."""
         return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", aq.vload([t, b, 4 * c], "int8x4")), ROWS))
@@ -121,10 +132,8 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
                         "int32x16", VPDPBUSD, hi[T.ramp(t * ROWS, 1, ROWS)],
                         w.vload([g, b, _chunk(i, True), 0], "uint8x64"), act(aq, first + t, b, _chunk(i, True)))
             for t in T.unroll(count):
-                acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + T.Cast(
-                    "float32x16", lo[T.ramp(t * ROWS, 1, ROWS)] * T.Cast("int32x16", sc.vload([g, b, 0], "int8x16"))
-                    + hi[T.ramp(t * ROWS, 1, ROWS)] * T.Cast("int32x16", sc.vload([g, b, SUB], "int8x16"))) * (
-                    d.vload([g, b // SUPER_BLOCKS, 0], "float32x16") * T.broadcast(ad[first + t, b], ROWS))
+                acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + term(
+                    lo[T.ramp(t * ROWS, 1, ROWS)], hi[T.ramp(t * ROWS, 1, ROWS)], sc, d, ad, g, b, first + t)
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None, bias_buf)
 
@@ -139,10 +148,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
                                          act(aq, t, b, _chunk(i, False)))
             hi = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, hi, w.vload([g, b, _chunk(i, True), 0], "uint8x64"),
                                          act(aq, t, b, _chunk(i, True)))
-        acc[T.ramp(at * ROWS, 1, ROWS)] = acc[T.ramp(at * ROWS, 1, ROWS)] + T.Cast(
-            "float32x16", lo * T.Cast("int32x16", sc.vload([g, b, 0], "int8x16"))
-            + hi * T.Cast("int32x16", sc.vload([g, b, SUB], "int8x16"))) * (
-            d.vload([g, b // SUPER_BLOCKS, 0], "float32x16") * T.broadcast(ad[t, b], ROWS))
+        acc[T.ramp(at * ROWS, 1, ROWS)] = acc[T.ramp(at * ROWS, 1, ROWS)] + term(lo, hi, sc, d, ad, g, b, t)
 
     @T.macro
     def streamed(w, aq, st, ad, sc, d, y, bias_buf):

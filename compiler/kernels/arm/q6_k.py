@@ -1,0 +1,98 @@
+"""llama.cpp's Q6_K weights with NEON `sdot`, exactly: w = d sc (q - 32), one int8 scale sc a
+sub-block of 16 weights and one float d a super-block of 256 (x86's form: kernels/x86/q6_k.py).
+
+The codes come in the W8A8 row groups as signed bytes q - 32 (row_groups.pack_int8, as ARM's
+Q8_0): each 64-byte chunk c holds 4 bytes of each of 16 rows, i.e. four 16-byte slices of 4
+rows, meeting activation bytes 4c..4c+3 of the de-interleaved block (32-bit lane c % 4 of its
+half c // 4: an indexed `sdot`, as arm/dotprod.py takes them). A 32-block's sub-blocks are
+chunks {0, 1, 4, 5} (elements 0-15) and {2, 3, 6, 7} (16-31): each is its own chain of four
+`sdot` from 0 (the codes are signed: no offset, so the activation quantizer's outputs are
+used as they are). Each integer sum is converted and scaled by its sub-block's d sc, then by
+the activations' scale.
+
+A task is one slice (4 rows) of a row group, so a 256-row attn_v is 64 tasks for a 64-128-core
+server rather than 16; its tokens in tiles of TOKENS (leftovers, and decode's one token, one
+at a time). The activations come in the "arm" layout at any token count, from a quantizer of
+their own where the i8mm GEMMs of the same input read "arm_pairs".
+"""
+
+from __future__ import annotations
+
+from .. import SCHEDULED
+from ..kernel_cache import cached_kernel
+from ..row_groups import INT8_CHUNKS, ROWS, groups
+from ..w4a8 import store_rows, token_count
+
+LANES = 4            # rows a slice: int32 lanes of a 128-bit vector
+SLICES = ROWS // LANES
+SUB = 16             # Q6_K's sub-block
+SUPER_BLOCKS = 8     # 32-blocks a super-block of 256
+TOKENS = 4           # a tile: 4 x (2 integer chains + 1 float sum) of NEON's 32 registers
+SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
+
+
+def _chunk(i, sub_b: bool):
+    """The i-th (0..3) 64-byte chunk of sub-block A (0, 1, 4, 5) or B (2, 3, 6, 7)."""
+    return i % 2 + (i // 2) * 4 + (2 if sub_b else 0)
+
+
+@cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
+def q6_k_matmul(n: int, nb: int, m: int | None = None):
+    """y [M, N] = the quantized activations (aq [M, NB, 32], their scales ad [M, NB]: act_quant
+    layout "arm") times the Q6_K weights w [G, NB, 8, 64] (signed codes) with sc [G, NB, 32] and
+    d [G, NB/8, 16] (compiler/repack_q6_k.py). M any number of tokens, or `m` fixed."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    if nb % SUPER_BLOCKS:
+        raise ValueError(f"Q6_K rows are whole super-blocks of 256, got {nb} blocks of 32")
+    ng = groups(n)
+    rows_in = token_count(m)
+
+    def chain(w, aq, g, b, q, t, sub_b: bool):
+        """int32x4: rows 16g+4q .. +3, token t, one sub-block's dot: four indexed sdot from 0."""
+        acc = T.broadcast(T.int32(0), LANES)
+        for i in range(4):
+            c = _chunk(i, sub_b)
+            v = T.reinterpret("int8x16", w.vload([g, b, c, 16 * q], "uint8x16"))
+            lane = T.reinterpret("int8x16", tirx.Shuffle(
+                [T.reinterpret("int32x4", aq.vload([t, b, 16 * (c // 4)], "int8x16"))], [c % 4] * 4))
+            acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, v, lane)
+        return acc
+
+    def term(w, aq, ad, sc, d, g, b, q, t):
+        """float32x4: block b's term of the slice for token t, (A sc_A d + B sc_B d) x the scale."""
+        dv = d.vload([g, b // SUPER_BLOCKS, LANES * q], "float32x4")
+        return (T.Cast("float32x4", chain(w, aq, g, b, q, t, False))
+                * (T.Cast("float32x4", sc.vload([g, b, LANES * q], "int8x4")) * dv)
+                + T.Cast("float32x4", chain(w, aq, g, b, q, t, True))
+                * (T.Cast("float32x4", sc.vload([g, b, SUB + LANES * q], "int8x4")) * dv)) * T.broadcast(ad[t, b], LANES)
+
+    @T.macro
+    def tile(w, aq, ad, sc, d, y, g, q, first, count):
+        """Rows 16g+4q .. +3 of tokens first .. first + count - 1, over every block."""
+        acc = T.decl_buffer((count * LANES,), "float32", scope="global")   # a stack slot: see x86/vnni.py
+        for t in T.unroll(count):
+            acc[T.ramp(t * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+        for b in range(nb):
+            for t in T.unroll(count):
+                acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + term(
+                    w, aq, ad, sc, d, g, b, q, first + t)
+        for t in T.unroll(count):
+            store_rows(y, first + t, g * ROWS + LANES * q, LANES, n, acc, t * LANES, None)
+
+    @T.prim_func(private=True)
+    def kernel(var_aq: T.handle, var_ad: T.handle, w: T.Buffer((ng, nb, INT8_CHUNKS, 4 * ROWS), "uint8"),
+               sc: T.Buffer((ng, nb, 2 * SUB), "int8"), d: T.Buffer((ng, nb // SUPER_BLOCKS, ROWS), "float32"),
+               var_y: T.handle):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True})   # opaque: FuseOps leaves it whole
+        aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
+        ad = T.match_buffer(var_ad, (rows_in, nb), "float32")
+        y = T.match_buffer(var_y, (rows_in, n), "float32")
+        for task in T.parallel(ng * SLICES):
+            for it in range(rows_in // TOKENS):
+                tile(w, aq, ad, sc, d, y, task // SLICES, task % SLICES, it * TOKENS, TOKENS)
+            for i in range(rows_in // TOKENS * TOKENS, rows_in):
+                tile(w, aq, ad, sc, d, y, task // SLICES, task % SLICES, i, 1)
+
+    return kernel
