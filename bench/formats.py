@@ -1,6 +1,7 @@
 """qwc against llama.cpp on one GGUF per weight format, the Qwen2.5-0.5B shape (random weights):
 
     .venv/bin/python bench/formats.py [--formats q4_0,q4_1,q8_0] [--threads 2] [--rounds 3] [--json out.json]
+    .venv/bin/python bench/formats.py --gguf FILE [--threads 2] [--rounds 3]
 
 For each format a GGUF holds every linear in it (the tied embedding / output in Q8_0 for Q4_1
 and Q8_0, Q4_0 for Q4_0), written by gguf-py's quantizers (llama.cpp's reference ones). qwc
@@ -8,6 +9,11 @@ exports that very file (its weights kept as they are: models/gguf_blocks.py) and
 for the host; llama.cpp (its strongest build here, bench/llamacpp.sh x86) reads it as it is.
 pp512 and tg128 from an empty cache, llama-bench's definition, qwc and llama.cpp alternating
 round by round (the machine is shared); the table has medians and ratios.
+
+--gguf FILE benches a GGUF made elsewhere instead (llama-quantize's K-quant mixes, which gguf-py
+cannot write: bench/kquant_error.py's 1.5B-shaped cut, say). A byte-level test vocabulary
+carries one placeholder merge for llama.cpp's loader, which the tokenizers library refuses:
+qwc exports a copy without it (without_merges), the same tensors byte for byte.
 """
 
 from __future__ import annotations
@@ -43,6 +49,38 @@ def prepare(fmt: str, work: Path) -> tuple[Path, Path]:
     return gguf, art
 
 
+def without_merges(src: Path, dst: Path) -> Path:
+    """`src` with its tokenizer.ggml.merges entry removed, the tensor data unchanged: the header
+    is rewritten (one key fewer, padded to the file's alignment) and the data section copied."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(src)
+    field = r.fields.get("tokenizer.ggml.merges")
+    if field is None:
+        return src
+    raw = src.read_bytes()
+    start = field.offset
+    end = start + sum(p.nbytes for p in field.parts)
+    last = r.tensors[-1].field
+    infos_end = last.offset + sum(p.nbytes for p in last.parts)
+    align = int(r.fields["general.alignment"].parts[-1][0]) if "general.alignment" in r.fields else 32
+    n_kv = int.from_bytes(raw[16:24], "little") - 1
+    head = raw[:16] + n_kv.to_bytes(8, "little") + raw[24:start] + raw[end:infos_end]
+    head += bytes(-len(head) % align)
+    dst.write_bytes(head + raw[r.data_offset:])
+    return dst
+
+
+def prepare_file(src: Path, work: Path) -> tuple[Path, Path]:
+    """(the GGUF for llama.cpp, the host artifact qwc compiles from it: --gguf)."""
+    work.mkdir(parents=True, exist_ok=True)
+    mine = without_merges(src, work / f"{src.stem}.qwc.gguf")
+    onnx_, art = work / f"{src.stem}.onnx", work / f"{src.stem}.qwc"
+    subprocess.run(QWC + ["export", str(mine), "-o", str(onnx_)], check=True)
+    subprocess.run(QWC + ["-q", "compile", str(onnx_), "--target", "host", "-o", str(art)], check=True)
+    return src, art
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default="q4_0,q4_1,q8_0")
@@ -50,6 +88,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "formats")
     p.add_argument("--json", type=Path)
+    p.add_argument("--gguf", type=Path, help="bench this GGUF (any formats) instead of --formats' files")
     a = p.parse_args()
     sys.path.insert(0, str(HERE))
     from scale import alternating
@@ -58,10 +97,14 @@ def main() -> None:
     if unknown:
         sys.exit(f"formats: unknown format {unknown[0]!r} (q4_0, q4_1, q8_0)")
     results = {}
-    for fmt in formats:
+    if a.gguf:
+        gguf, art = prepare_file(a.gguf, a.workdir)
+        results[a.gguf.stem] = alternating(art, gguf, a.threads, a.rounds)
+    for fmt in [] if a.gguf else formats:
         gguf, art = prepare(fmt, a.workdir)
         results[fmt] = alternating(art, gguf, a.threads, a.rounds)
-    print(f"\n{PRESET} shape, {a.threads} threads, medians of {a.rounds} alternating rounds\n")
+    shape = a.gguf.name if a.gguf else f"{PRESET} shape"
+    print(f"\n{shape}, {a.threads} threads, medians of {a.rounds} alternating rounds\n")
     print("| weights | qwc pp512 | llama.cpp pp512 | ratio | qwc tg128 | llama.cpp tg128 | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for fmt, r in results.items():

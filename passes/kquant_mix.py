@@ -10,10 +10,10 @@ llama.cpp's Q4_K_M for these models:
 - a tensor whose rows are not whole super-blocks of 256 falls back: Q4_K to Q5_0, Q6_K to Q8_0
   (SmolLM2's hidden size 576 and Qwen2.5-0.5B's 896 make most of their linears Q5_0).
 
-qwc keeps that, except that Q6_K's places take Q8_0 (8.5 bits a weight for 6.56) until Q6_K
-has kernels: more bits, never fewer. The tied embedding follows the output (Q8_0); an untied
-one keeps `--lm-head-bits` (GatherBlockQuantized has no float zero points for Q4_K's
-minimums).
+qwc keeps that mix: Q6_K's places are Q6_K (compiler/repack_q6_k.py runs them on their own
+kernels, or as Q8_0 on a target without one). The tied embedding follows the output (the
+embedding pass: Q8_0 today); an untied one keeps `--lm-head-bits` (GatherBlockQuantized has no
+float zero points for Q4_K's minimums).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import re
 FORMATS = ("q4_0", "q4_k_m")
 SUPER = 256   # a K-quant super-block
 # bits a weight of each format, with its scales (the summary's bits-per-weight figure)
-BITS = {"Q4_K": 4.5, "Q5_0": 5.5, "Q8_0": 8.5}
+BITS = {"Q4_K": 4.5, "Q5_0": 5.5, "Q6_K": 6.5625, "Q8_0": 8.5}
 
 
 def more_bits(layer: int, layers: int) -> bool:
@@ -43,8 +43,8 @@ def llama_type(module: str, layers: int) -> str:
 
 
 def linear_format(module: str, k: int, layers: int) -> str:
-    """The format qwc writes for a linear of K inputs under q4_k_m: Q4_K, Q5_0 or Q8_0."""
+    """The format qwc writes for a linear of K inputs under q4_k_m: Q4_K, Q5_0, Q6_K or Q8_0."""
     kind = llama_type(module, layers)
     if kind == "Q6_K":
-        return "Q8_0"   # no Q6_K kernels yet; where llama.cpp falls back (k % 256) it is Q8_0 too
+        return "Q6_K" if k % SUPER == 0 else "Q8_0"
     return "Q4_K" if k % SUPER == 0 else "Q5_0"

@@ -9,8 +9,9 @@ through an Unsqueeze to [vocab, blocks, 1].
 
 4 bits: Q4_0 (zero point 8). 8 bits (`--lm-head-bits 8`, llama.cpp's default for a tied
 Qwen2.5 output matrix): Q8_0 stored as uint8 with onnxruntime's default zero point 128. Under
-`--format q4_k_m` a tied embedding is the output matrix, which that mix gives Q6_K, so Q8_0
-here (passes/kquant_mix.py).
+`--format q4_k_m` a tied embedding is the output matrix, which that mix gives Q6_K (searched by
+qwc/kquants.py, blocks of 16 as a GGUF's, models/gguf_blocks.py), or Q8_0 where its rows are
+not whole super-blocks of 256, as llama.cpp falls back (passes/kquant_mix.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .options import PassOptions
 from .quantize_linears import check_quantizable, emit_matmul_nbits
 
 EMBED_BLOCK = 32  # llama.cpp's block for Q4_0 and Q8_0 alike
+SUPER = 256       # a K-quant super-block
 
 
 def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:
@@ -39,9 +41,18 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
             continue
         vocab, hidden = e.shape
         check_quantizable(e, "the embedding")
-        if options.format != "q4_0" and _tied(g, n.input[0]):
+        block = EMBED_BLOCK
+        kquant_head = options.format != "q4_0" and _tied(g, n.input[0])
+        if kquant_head:
             bits = 8
-        if bits == 4:
+        if kquant_head and hidden % SUPER == 0:   # the mix's Q6_K output
+            from qwc.kquants import quantize_q6_k
+            from qwc.models import gguf_blocks
+
+            imp = (options.importance or {}).get("lm_head")
+            b = gguf_blocks.from_gguf(quantize_q6_k(e, imp), "Q6_K", e.shape, "lm_head")
+            data, d, block = b.codes, b.scales, b.block
+        elif bits == 4:
             q, d = quantize_q4_0(e, EMBED_BLOCK)
             data = pack_nibbles(q)
         else:
@@ -54,7 +65,7 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
         g.node("Unsqueeze", [scales, axis], [scales3])
         blocks = g.fresh("embedding_blocks")
         g.node("GatherBlockQuantized", [packed, n.input[1], scales3], [blocks], domain=MS_DOMAIN,
-               gather_axis=0, quantize_axis=2, block_size=EMBED_BLOCK, bits=bits)
+               gather_axis=0, quantize_axis=2, block_size=block, bits=bits)
         shape = g.add_init(np.array([0, 0, hidden], np.int64), "embedding_shape")
         g.remove_node(n)
         g.node("Reshape", [blocks, shape], [n.output[0]])
@@ -64,8 +75,7 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
                 continue
             for mm in list(g.consumers.get(t.output[0], [])):
                 if mm.op_type == "MatMul" and mm.input[1] == t.output[0]:
-                    emit_matmul_nbits(g, mm, e, EMBED_BLOCK, "lm_head", packed=packed, scales=scales,
-                                      bits=bits)
+                    emit_matmul_nbits(g, mm, e, block, "lm_head", packed=packed, scales=scales, bits=bits)
     g.commit()
     ensure_ms_opset(model)
     return model

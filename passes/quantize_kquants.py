@@ -1,5 +1,5 @@
 """Quantize linears in a K-quant mix (`qwc optimize --format q4_k_m`): each linear takes the
-format passes/kquant_mix.py gives it (Q4_K, Q5_0 or Q8_0), its blocks searched by
+format passes/kquant_mix.py gives it (Q4_K, Q5_0, Q6_K or Q8_0), its blocks searched by
 qwc/kquants.py against the importance matrix (passes/imatrix.py: a llama-imatrix file's, or
 computed here on calibration text), or by GPTQ in that format (`--gptq`: passes/gptq.py), and
 written as a GGUF's blocks of that format are (models/gguf_blocks.py), so the graph holds
@@ -14,7 +14,7 @@ import onnx
 
 from qwc import progress
 from qwc.errors import QwcError
-from qwc.kquants import quantize_q4_k, quantize_q5_0
+from qwc.kquants import quantize_q4_k, quantize_q5_0, quantize_q6_k
 from qwc.models import gguf_blocks
 from qwc.q4 import quantize_q8_0
 
@@ -61,15 +61,15 @@ def _quantize(g: Graph, model: onnx.ModelProto, todo: list, options: PassOptions
             q8, d = quantize_q8_0(w, 32)
             b = gguf_blocks.Blocks("Q8_0", (q8.astype(np.int16) + 128).astype(np.uint8), d)
         else:
-            if hessians is not None:   # GPTQ in the format: each group searched as GPTQ reaches it
+            if hessians is not None and fmt != "Q6_K":   # GPTQ in the format: each group searched as GPTQ reaches it
                 raw = gptq.quantize_k(w, hessians[n.input[0]], fmt)
-            else:
-                raw = (quantize_q4_k if fmt == "Q4_K" else quantize_q5_0)(w, imp)
+            else:   # (Q6_K's 6 bits: the search alone, with or without --gptq)
+                raw = {"Q4_K": quantize_q4_k, "Q5_0": quantize_q5_0, "Q6_K": quantize_q6_k}[fmt](w, imp)
             b = gguf_blocks.from_gguf(raw, fmt, (nn, k), name)
         packed = g.add_init(b.codes, f"{name}.qweight")
         scales = g.add_init(b.scales, f"{name}.scales")
         zp = g.add_init(b.zero_points, f"{name}.zero_points") if b.zero_points is not None else None
-        node = emit_matmul_nbits(g, n, w, 32, name, packed=packed, scales=scales, bits=b.bits, zero_points=zp)
+        node = emit_matmul_nbits(g, n, w, b.block, name, packed=packed, scales=scales, bits=b.bits, zero_points=zp)
         if zp is not None and b.mins != "fp16":
             gguf_blocks.set_block_mins_form(node, b.mins)
         counts[fmt] = counts.get(fmt, 0) + 1

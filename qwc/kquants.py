@@ -1,4 +1,4 @@
-"""qwc's own quantizers for llama.cpp's Q4_K and Q5_0 (`qwc optimize --format q4_k_m`): float
+"""qwc's own quantizers for llama.cpp's Q4_K, Q5_0 and Q6_K (`qwc optimize --format q4_k_m`): float
 weights [N, K] -> the GGUF bytes of those formats, bit for bit what llama.cpp reads
 (models/gguf_blocks.py turns them into the canonical graph's blocks, as it does a
 downloaded file's).
@@ -17,6 +17,10 @@ input). Without one every channel weighs the same (the weights' own squared erro
   the values the file will hold.
 - Q5_0: per block, a grid of steps around max / -16 (Q5_0's own rule: the largest magnitude
   maps to -16), each refitted by weighted least squares, the best kept as fp16.
+- Q6_K: per sub-block of 16, Q5_0's search with 6-bit codes (around max / -32); the 16
+  sub-block scales then take int8 codes under one fp16 d per super-block (the largest maps to
+  -128, as llama.cpp writes it), and the weights are rounded again against the scales the file
+  will hold.
 """
 
 from __future__ import annotations
@@ -202,22 +206,29 @@ def _quantize(w: np.ndarray, importance, per: int, size: int, rows_fn, what: str
     return _by_chunks(w, np.empty((n, k // per * size), np.uint8), rows_fn, _importance(importance, k))
 
 
-def q5_0_scales(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
-    """The searched fp16 scale of each block of rows w [N, 32 B] (importance [32 B]): [N B]."""
+def _searched_scales(w: np.ndarray, imp: np.ndarray, per: int, half: int) -> np.ndarray:
+    """The searched float64 scale of each block of `per` weights of rows w [N, K] (importance
+    [K]), for signed codes -half .. half - 1: steps around the largest magnitude over -half,
+    each refitted by weighted least squares; [N K / per], 0 for a block of zeros."""
     n, k = w.shape
-    x = w.astype(np.float64).reshape(-1, BLOCK)
-    im = np.broadcast_to(imp.reshape(1, k // BLOCK, BLOCK), (n, k // BLOCK, BLOCK)).reshape(-1, BLOCK)
+    x = w.astype(np.float64).reshape(-1, per)
+    im = np.broadcast_to(imp.reshape(1, k // per, per), (n, k // per, per)).reshape(-1, per)
     peak = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)[:, 0]   # signed
-    base = np.where(peak != 0, peak / -16, 1)
+    base = np.where(peak != 0, peak / -half, 1)
     best_d, best_err = base, np.full(len(x), np.inf)
     for f in STEP_FACTORS:
-        q = np.clip(np.rint(x / (base * f)[:, None]), -16, 15)
+        q = np.clip(np.rint(x / (base * f)[:, None]), -half, half - 1)
         sqq = (im * q * q).sum(axis=1)
         d = np.where(sqq > 0, (im * q * x).sum(axis=1) / np.where(sqq > 0, sqq, 1), base * f)
         err = (im * (x - d[:, None] * q) ** 2).sum(axis=1)
         better = err < best_err
         best_d, best_err = np.where(better, d, best_d), np.where(better, err, best_err)
-    return _fp16(np.where(peak != 0, best_d, 0))
+    return np.where(peak != 0, best_d, 0)
+
+
+def q5_0_scales(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
+    """The searched fp16 scale of each block of rows w [N, 32 B] (importance [32 B]): [N B]."""
+    return _fp16(_searched_scales(w, imp, BLOCK, 16))
 
 
 def q5_0_codes(x: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -246,6 +257,54 @@ def _q5_0_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
 def quantize_q5_0(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     """w [N, K] (K a multiple of 32) -> Q5_0 bytes [N, K/32 * 22]; `importance` [K] >= 0."""
     return _quantize(w, importance, BLOCK, 22, _q5_0_rows, "Q5_0 rows hold whole blocks")
+
+
+Q6_K_SUB = 16
+
+
+def q6_k_params(w: np.ndarray, imp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(d [N K/256] fp16-exact float32, sc [N K/16] int8) of rows w [N, K]: each sub-block's
+    searched scale as an int8 multiple of its super-block's d, the largest at -128."""
+    s = _searched_scales(w, imp, Q6_K_SUB, 32).reshape(-1, SUPER // Q6_K_SUB)
+    top = np.take_along_axis(s, np.abs(s).argmax(axis=1)[:, None], axis=1)[:, 0]
+    d = _fp16(top / -128)
+    sc = np.clip(np.rint(s / np.where(d != 0, d, 1)[:, None]), -128, 127)
+    return d, np.where(d[:, None] != 0, sc, 0).astype(np.int8).reshape(-1)
+
+
+def q6_k_codes(x: np.ndarray, d: np.ndarray, sc: np.ndarray) -> np.ndarray:
+    """Codes q - 32 in -32..31 of sub-blocks x [S, 16] under scales d sc (d [S / 16], sc [S])."""
+    step = np.repeat(d.astype(np.float64), SUPER // Q6_K_SUB) * sc
+    q = np.clip(np.rint(x / np.where(step != 0, step, 1)[:, None]), -32, 31)
+    return np.where(step[:, None] != 0, q, 0)
+
+
+def pack_q6_k(d: np.ndarray, sc: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q6_K super-blocks [B, 210] from d [B], sc [B 16] and codes q [B 256] (-32..31, in order):
+    per half of 128 weights, weight 32 j + l's low nibble in nibble j // 2 of ql[32 (j % 2) +
+    l] and its top two bits in bit pair j of qh[l] (models/gguf_blocks.py reads them back)."""
+    nb = len(d)
+    u = (q.reshape(nb, 2, 4, 32) + 32).astype(np.uint8)        # [B, half, j, l]
+    low, high = u & 15, u >> 4
+    ql = (low[:, :, 0:2] | (low[:, :, 2:4] << 4)).reshape(nb, 128)   # [half, j % 2, l] bytes
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(nb, 64)
+    raw = np.zeros((nb, 210), np.uint8)
+    raw[:, :128], raw[:, 128:192] = ql, qh
+    raw[:, 192:208] = sc.reshape(nb, 16).view(np.uint8)
+    raw[:, 208:210] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return raw
+
+
+def _q6_k_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
+    n, _ = w.shape
+    d, sc = q6_k_params(w, imp)
+    q = q6_k_codes(w.astype(np.float64).reshape(-1, Q6_K_SUB), d, sc)
+    return pack_q6_k(d, sc, q).reshape(n, -1)
+
+
+def quantize_q6_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    """w [N, K] (K a multiple of 256) -> Q6_K bytes [N, K/256 * 210]; `importance` [K] >= 0."""
+    return _quantize(w, importance, SUPER, 210, _q6_k_rows, "Q6_K rows hold whole super-blocks")
 
 
 def _importance(importance: np.ndarray | None, k: int) -> np.ndarray:

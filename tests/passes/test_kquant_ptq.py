@@ -1,5 +1,5 @@
 """qwc's own PTQ into llama.cpp's K-quant mix (`qwc optimize --format q4_k_m`): the searched
-Q4_K / Q5_0 quantizers (qwc/kquants.py) against the gguf package's decoder, the per-tensor mix
+Q4_K / Q5_0 / Q6_K quantizers (qwc/kquants.py) against the gguf package's decoder, the per-tensor mix
 (passes/kquant_mix.py), the importance matrix (passes/imatrix.py) from a llama-imatrix file or
 calibration text, and the graph end to end: onnxruntime, then the compiled artifact."""
 
@@ -28,7 +28,7 @@ from qwc.passes.verify import session
 
 from conftest import ort_kv_logits
 
-QUANTIZERS = {"Q4_K": (kq.quantize_q4_k, Q.Q4_K), "Q5_0": (kq.quantize_q5_0, Q.Q5_0)}
+QUANTIZERS = {"Q4_K": (kq.quantize_q4_k, Q.Q4_K), "Q5_0": (kq.quantize_q5_0, Q.Q5_0), "Q6_K": (kq.quantize_q6_k, Q.Q6_K)}
 
 
 def _weights(rng, n=48, k=512):
@@ -45,7 +45,7 @@ def _error(a, w, imp=None):
     return float((((a - w) ** 2) * (1 if imp is None else imp)).sum())
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_0", "Q6_K"])
 def test_blocks_decode_alike_in_gguf_and_in_the_graph(fmt):
     """The bytes are the format's: the gguf package's decoder (llama.cpp's reference) and the
     canonical graph's blocks (gguf_blocks.from_gguf, what the kernels compute with) give the
@@ -62,7 +62,7 @@ def test_blocks_decode_alike_in_gguf_and_in_the_graph(fmt):
     assert np.abs(ref - w).max() < 0.06 * np.abs(w).max()
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_0", "Q6_K"])
 def test_the_search_beats_one_step_and_importance_lowers_the_weighted_error(fmt, monkeypatch):
     fn, qt = QUANTIZERS[fmt]
     rng = np.random.default_rng(1)
@@ -116,10 +116,10 @@ def test_quantizers_refuse_rows_they_cannot_hold_and_bad_importance():
         kq.quantize_q5_0(w, np.full(288, -1.0))
 
 
-def test_the_mix_is_llama_cpp_q4_k_m_with_q8_0_in_q6_k_places():
+def test_the_mix_is_llama_cpp_q4_k_m():
     """SmolLM2's shapes (30 layers, rows of 576 and 1536): llama-quantize's Q4_K_M file has 166
     Q5_0, 16 Q4_K and 14 + 14 Q6_K / Q8_0 linears (attn_v falls back to Q8_0, ffn_down keeps
-    Q6_K); qwc's mix is the same with Q8_0 for those Q6_K."""
+    Q6_K); qwc's mix is the same."""
     ks = {"q_proj": 576, "k_proj": 576, "v_proj": 576, "o_proj": 576, "gate_proj": 576, "up_proj": 576,
           "down_proj": 1536}
     counts = {}
@@ -128,9 +128,9 @@ def test_the_mix_is_llama_cpp_q4_k_m_with_q8_0_in_q6_k_places():
             part = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
             f = linear_format(f"model.layers.{layer}.{part}.{name}", k, 30)
             counts[f] = counts.get(f, 0) + 1
-    assert counts == {"Q5_0": 166, "Q4_K": 16, "Q8_0": 28}
+    assert counts == {"Q5_0": 166, "Q4_K": 16, "Q6_K": 14, "Q8_0": 14}
     assert [i for i in range(30) if more_bits(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
-    assert linear_format("lm_head", 1536, 28) == "Q8_0"
+    assert linear_format("lm_head", 1536, 28) == "Q6_K" and linear_format("lm_head", 576, 30) == "Q8_0"
     assert linear_format("model.layers.3.self_attn.q_proj", 1536, 28) == "Q4_K"
 
 
@@ -283,3 +283,61 @@ def test_cli_format_q4_k_m_with_gptq(tiny_onnx, tiny_q4, tmp_path, capsys, calib
     assert code == 0, cap.err
     assert "--format q4_k_m: 12 Q5_0, 2 Q8_0;" in cap.err and "(GPTQ)" in cap.err
     _nearer_float_than_q4_0(out, tiny_onnx, tiny_q4)
+
+
+@pytest.mark.slow
+def test_format_q4_k_m_writes_q6_k_where_the_mix_has_it(tmp_path, capsys):
+    """Rows of 256 and 512 (a float GGUF of two layers, tied): the mix's Q6_K places (attn_v and
+    ffn_down of the last layer, `more_bits`'s pick of two; and the tied output) are Q6_K blocks of 16, the embedding's gather and the head reading the same bytes; the
+    graph runs in onnxruntime near the float one, and the compiled artifact follows it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
+    from test_gguf_formats import _config, write_random_model
+
+    from qwc import progress
+    from qwc.compiler.compile import compile_file
+    from qwc.config import sidecar_paths
+
+    from conftest import greedy_against_onnxruntime
+
+    def matrix(rng, name, shape):
+        return (0.05 * rng.standard_normal(shape)).astype(np.float32), None
+
+    write_random_model(tmp_path / "f.gguf", _config("tiny-q6k", hidden=256, intermediate=512), matrix, 7)
+    assert main(["-q", "export", str(tmp_path / "f.gguf"), "-o", str(tmp_path / "f.onnx")]) == 0
+    progress.set_quiet(False)
+    try:
+        code = main(["optimize", str(tmp_path / "f.onnx"), "-o", str(tmp_path / "k.onnx"), "--format", "q4_k_m"])
+    finally:
+        progress.set_quiet(True)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "--format q4_k_m: 12 Q4_K, 2 Q6_K;" in err, err
+    m = onnx.load(str(tmp_path / "k.onnx"), load_external_data=False)
+    blocks = {n.name: next(a.i for a in n.attribute if a.name == "block_size") for n in m.graph.node
+              if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
+    assert sorted(blocks.values()).count(16) == 4, blocks   # 2 linears, the head and its gather
+    gbq = next(n for n in m.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and n.input[1] == gbq.input[0])
+    assert blocks[head.name] == 16
+    inits = {t.name: t for t in m.graph.initializer}
+    codes, scales = (numpy_helper.to_array(inits[x], base_dir=str(tmp_path)) for x in head.input[1:3])
+    head_w = gguf_blocks.dequantize(gguf_blocks.Blocks("Q6_K", codes, scales))
+    from gguf import GGUFReader
+
+    emb = next(t for t in GGUFReader(tmp_path / "f.gguf").tensors if t.name == "token_embd.weight")
+    emb = np.asarray(emb.data, np.float32).reshape(head_w.shape)
+    assert np.sqrt(np.mean((head_w - emb) ** 2)) < 0.03 * emb.std()   # 6 bits: ~1.8% of the weights' spread
+    # the logits: nearer the float graph's than the default Q4_0 graph's (this random model
+    # amplifies every weight error, so the distance itself says little)
+    assert main(["-q", "optimize", str(tmp_path / "f.onnx"), "-o", str(tmp_path / "q4.onnx")]) == 0
+    cfg = ModelConfig.load(sidecar_paths(tmp_path / "k.onnx")[0])
+    prompt = np.array([[1, 5, 9, 2, 7, 3]])
+    ref, got, q4 = (ort_kv_logits(tmp_path / f, cfg, prompt, [])[0] for f in ("f.onnx", "k.onnx", "q4.onnx"))
+    assert np.square(got - ref).mean() < 0.7 * np.square(q4 - ref).mean()
+    # Q8_0 activations: the Q6_K kernel (float activations would take Q6_K as Q8_0 weights)
+    art = tmp_path / "k.qwc"
+    compile_file(tmp_path / "k.onnx", "host", art, act_bits=8, kv_type="f32")
+    greedy_against_onnxruntime(art, tmp_path / "k.onnx", cfg, prompt, 3, 64, tol=3e-2)
