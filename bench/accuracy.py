@@ -18,8 +18,8 @@ Rows (every one through `qwc` commands or llama.cpp's own tools, so the table is
   gptq, gptq-emb8, awq-gptq, awq-gptq-emb8  GPTQ (`--gptq`, the same calibration), alone and after AWQ
   bits8          `--bits 8 --lm-head-bits 8`: every matrix Q8_0
   llamacpp-q4_k_m  `llama-quantize ... Q4_K_M`; -imatrix with the importance matrix above; -imatrix-q8
-                 the same with Q8_0 where Q4_K_M has Q6_K (qwc's mix: the same format per tensor)
-  q4_k_m         `qwc optimize --format q4_k_m` (the same mix, Q8_0 in Q6_K's places, searched
+                 the same with Q8_0 where Q4_K_M has Q6_K (qwc's mix until it wrote Q6_K)
+  q4_k_m         `qwc optimize --format q4_k_m` (the same mix, Q6_K included, searched
                  block scales); -imatrix with `--imatrix calib` (computed on Emma, as --awq's);
                  -llama-imatrix with llama-imatrix's file, the one llama.cpp's rows use; -gptq
                  GPTQ in those formats (`--gptq`), awq-q4_k_m-gptq after AWQ's scales

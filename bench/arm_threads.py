@@ -4,7 +4,7 @@ own, so counts per vCPU are counts per thread, whatever the host's 2 cores do).
 
     .venv/bin/python bench/arm_threads.py model.qwc [--threads 1,8,32,64,128]
         [--engines qwc,llama.cpp] [--peer-builds repack,kleidiai] [--only decode|prefill|mixed]
-        [--json F] [--plot F.png]
+        [--gguf FILE] [--json F] [--plot F.png]
 
 Per token, at each thread count T (figures of waiting left out, see below):
 - work: every thread's instructions;
@@ -355,6 +355,8 @@ def main():
                         "KLEIDIAI_SRC); qwc's ratio is to the stronger at each row")
     p.add_argument("--only", choices=("decode", "prefill", "mixed"),
                    help="one of the two measurements, or (qwc) mixed steps against separate calls")
+    p.add_argument("--gguf", type=Path, help="the peer runs this GGUF (the artifact compiled from `qwc export FILE`: "
+                                              "a llama-quantize K-quant mix, say) instead of the preset's Q4_0 one")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--plot", help="efficiency against threads, as a PNG")
     args = p.parse_args()
@@ -406,7 +408,7 @@ def main():
         runners["qwc"] = qwc_run
         inputs["qwc"] = {"cpi": {}, "bytes": n2_model.qwc_decode_bytes(art)}
     if "llama.cpp" in engines:
-        gguf = peer_gguf(manifest)
+        gguf = args.gguf or peer_gguf(manifest)
         for build in args.peer_builds.split(","):
             runners[f"llama.cpp {build}"] = llama_runner(PEER_BUILDS[build], env, plug, gguf)
             inputs[f"llama.cpp {build}"] = {"cpi": {}, "bytes": n2_model.gguf_decode_bytes(gguf)}
