@@ -11,9 +11,9 @@ llama.cpp's Q4_K_M for these models:
   (SmolLM2's hidden size 576 and Qwen2.5-0.5B's 896 make most of their linears Q5_0).
 
 qwc keeps that mix: Q6_K's places are Q6_K (compiler/repack_q6_k.py runs them on their own
-kernels, or as Q8_0 on a target without one). The tied embedding follows the output (the
-embedding pass: Q8_0 today); an untied one keeps `--lm-head-bits` (GatherBlockQuantized has no
-float zero points for Q4_K's minimums).
+kernels, or as Q8_0 on a target without one). A tied embedding is the output (the embedding
+pass: Q6_K, or Q8_0 where its rows fall back); an untied one keeps `--lm-head-bits`
+(GatherBlockQuantized has no float zero points for Q4_K's minimums).
 """
 
 from __future__ import annotations
