@@ -58,6 +58,25 @@ def pack(u: np.ndarray, s: np.ndarray, signed: bool = False) -> tuple[np.ndarray
     return w, np.ascontiguousarray(scp), np.ascontiguousarray(dp)
 
 
+ROWS_AT_ONCE = 4096   # _as_q8_0's chunk: a 7B output's float32 rows 56 MB at a time, not 2.2 GB
+
+
+def _as_q8_0(u: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K codes u [N, K/16, 16] and scales [N, K/16] quantized again as Q8_0: codes q + 128
+    [N, K/32, 32] uint8 and scales [N, K/32], a chunk of rows at a time."""
+    from qwc.q4 import quantize_q8_0
+
+    n, nsub, _ = u.shape
+    codes = np.empty((n, nsub // 2, 32), np.uint8)
+    d = np.empty((n, nsub // 2), np.float32)
+    for r in range(0, n, ROWS_AT_ONCE):
+        rows = slice(r, min(r + ROWS_AT_ONCE, n))
+        w = ((u[rows].astype(np.float32) - 128) * s[rows, :, None]).reshape(rows.stop - rows.start, -1)
+        q8, d[rows] = quantize_q8_0(w, 32)
+        codes[rows] = (q8.astype(np.int16) + 128).astype(np.uint8)
+    return codes, d
+
+
 def _tied_gathers(graph: Graph, codes: str, scales: str) -> list[tuple[onnx.NodeProto, onnx.NodeProto | None]]:
     """The GatherBlockQuantized nodes reading a Q6_K matmul's codes (a tied embedding), each with
     the Unsqueeze it reads the scales through (passes/quantize_embedding.py's form), or None."""
@@ -97,7 +116,6 @@ def q6_k_linears(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, 
     """Repack each Q6_K MatMulNBits for the target's kernel, or quantize it as Q8_0 where it
     has none; a tied embedding's gathers follow it. Returns (kept, requantized)."""
     from qwc.models.gguf_blocks import Q6_K_BLOCK
-    from qwc.q4 import quantize_q8_0
 
     graph = Graph(model)
     inits = graph.inits
@@ -124,10 +142,9 @@ def q6_k_linears(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, 
             _point_gathers(model, gathers, *names)
             kept += 1
         else:
-            w = (u.astype(np.float32) - 128) * s.reshape(n, -1, 1)
-            q8, d = quantize_q8_0(w.reshape(n, k), 32)
+            codes, d = _as_q8_0(u, s.reshape(n, -1))
             names = [stem + ".qwc_q8_0", stem + ".qwc_q8_0_scales"]
-            model.graph.initializer.append(new_tensor((q8.astype(np.int16) + 128).astype(np.uint8), names[0]))
+            model.graph.initializer.append(new_tensor(codes, names[0]))
             model.graph.initializer.append(new_tensor(d, names[1]))
             node.input.extend(names + ([] if not bias else ["", "", bias]))
             if any(unsq is None for _, unsq in gathers):   # a gather reading folded [V, nb, 1] scales
