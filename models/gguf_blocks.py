@@ -16,8 +16,8 @@ Q6_K is super-blocks of 256 too: 128 bytes of low nibbles, 64 of high bit pairs,
 sub-block scales sc (one a sub-block of 16) and an fp16 d last; w = d sc (q - 32), q in 0..63.
 Each sub-block of 16 is an 8-bit block with scale d sc (exact in float32: 11 x 8 bits) and
 codes q - 32 + 128 = q + 96, which onnxruntime's MatMulNBits takes as bits 8, block_size 16.
-`q6_k_factors` takes (d, sc) back from those scales for the kernels, which apply sc in the
-integer domain (compiler/kernels/x86/q6_k.py).
+`q6_k_factors` takes (d, sc) back from those scales for the kernels, which store them apart,
+as the file does (compiler/repack_q6_k.py).
 
 onnxruntime's MatMulNBits / GatherBlockQuantized hold the same numbers in their own layout:
 codes packed low-first along the row (llama.cpp packs element j with element j + 16, so
