@@ -82,11 +82,10 @@ def gather_q4_row_groups(w, idx, s):
     return te.compute((*idx.shape, nb, 32), body, name="gather_q4_row_groups")
 
 
-def gather_q8_row_groups(w, idx, s, *, signed: bool):
-    """Rows `idx` [...] of a Q8_0 weight stored in the W8A8 kernels' row groups
-    (row_groups.pack_int8; w [G, nb, 8, 4 x ROWS] codes in de-interleaved order, q (`signed`,
-    ARM) or q + 128 (x86); s [G, nb, ROWS]) -> [..., nb, 32]: the tied embedding of a Q8_0
-    output."""
+def _int8_row_group_gather(w, idx, scale, *, signed: bool, name: str):
+    """Rows `idx` [...] of 8-bit codes in the W8A8 kernels' row groups (row_groups.pack_int8;
+    w [G, nb, 8, 4 x ROWS] in de-interleaved order, q (`signed`, ARM) or q + 128 (x86)) ->
+    [..., nb, 32], element e of block b of row r in group g times scale(g, b, r, e)."""
     from .row_groups import ROWS
 
     nb = w.shape[1]
@@ -98,30 +97,28 @@ def gather_q8_row_groups(w, idx, s, *, signed: bool):
         byte = w[g, b, p // 4, r * 4 + p % 4]
         code = tirx.reinterpret("int8", byte).astype("float32") if signed else \
             byte.astype("float32") - tirx.const(128.0, "float32")
-        return code * s[g, b, r].astype("float32")
+        return code * scale(g, b, r, e)
 
-    return te.compute((*idx.shape, nb, 32), body, name="gather_q8_row_groups")
+    return te.compute((*idx.shape, nb, 32), body, name=name)
+
+
+def gather_q8_row_groups(w, idx, s, *, signed: bool):
+    """Rows `idx` [...] of a Q8_0 weight stored in the W8A8 kernels' row groups (s [G, nb,
+    ROWS]) -> [..., nb, 32]: the tied embedding of a Q8_0 output."""
+    return _int8_row_group_gather(w, idx, lambda g, b, r, e: s[g, b, r].astype("float32"), signed=signed,
+                                  name="gather_q8_row_groups")
 
 
 def gather_q6_k_row_groups(w, idx, sc, d, *, signed: bool):
-    """Rows `idx` [...] of a Q6_K weight stored for its kernels (compiler/repack_q6_k.py: codes
-    w [G, nb, 8, 4 x ROWS] as Q8_0's row groups, q - 32 (`signed`, ARM) or q + 96 (x86); int8
-    sub-block scales sc [G, nb, 32], A's 16 rows then B's; d [G, nb / 8, ROWS]) -> [..., nb, 32]:
-    the tied embedding of a Q6_K output, each weight (d sc) (q - 32) as the file's."""
+    """Rows `idx` [...] of a Q6_K weight stored for its kernels (compiler/repack_q6_k.py: the
+    codes as Q8_0's, q - 32 signed or q + 96; int8 sub-block scales sc [G, nb, 32], A's 16 rows
+    then B's; d [G, nb / 8, ROWS]) -> [..., nb, 32]: the tied embedding of a Q6_K output, each
+    weight (d sc) (q - 32) as the file's."""
     from .row_groups import ROWS
 
-    nb = w.shape[1]
-
-    def body(*i):
-        *pre, b, e = i
-        row = idx[tuple(pre)].astype("int64")
-        g, r, p = row // ROWS, row % ROWS, e // 2 + 16 * (e % 2)   # evens first, then odds
-        byte = w[g, b, p // 4, r * 4 + p % 4]
-        code = tirx.reinterpret("int8", byte).astype("float32") if signed else \
-            byte.astype("float32") - tirx.const(128.0, "float32")
-        return code * (sc[g, b, (e // 16) * ROWS + r].astype("float32") * d[g, b // 8, r])
-
-    return te.compute((*idx.shape, nb, 32), body, name="gather_q6_k_row_groups")
+    return _int8_row_group_gather(
+        w, idx, lambda g, b, r, e: sc[g, b, (e // 16) * ROWS + r].astype("float32") * d[g, b // 8, r],
+        signed=signed, name="gather_q6_k_row_groups")
 
 
 def rotary(x, pos, cos, sin, *, heads: int):
