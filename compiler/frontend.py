@@ -156,12 +156,7 @@ class MatMulNBits(F.OnnxOpConverter):
         nb = k // act_quant.BLOCK
         arm = q6_k_path(16, 8, _ctx().act_bits, _ctx().features) == "arm"
         layout = "arm" if arm else "plain"   # the "arm" layout at any M: the sdot kernel's
-        q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
-              relax.TensorType(shape=[m, nb], dtype="float32"), relax.TensorType(shape=[m, nb], dtype="int32")]
-        quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token, layout=layout),
-                            _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token, layout=layout)))
-        parts = bb.emit(relax.call_tir(quant, [a2], q8))
-        aq, ad, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
+        aq, ad, off = _quantized(bb, a2, k, nb, one_token, layout)
         if arm:
             kernel = bb.add_func(arm_q6_k.q6_k_matmul(n, nb), _kname(f"q6_k_matmul_sdot_{n}x{nb}"))
             y = bb.emit(relax.call_tir(kernel, [aq, ad, w, sc, d], relax.TensorType(shape=[m, n], dtype="float32")))
@@ -230,19 +225,27 @@ class MatMulNBits(F.OnnxOpConverter):
             kernel = bb.add_func(decode_gemv(((n, fused_bias, has_c),), nb, sdt, dot=dot),
                                  _kname(f"{stem}_gemv_{dot}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
                                         f"{'_bias' if fused_bias else ''}"))
-        scales = [m, nb, 2] if layout == "arm_pairs" else [m, nb]   # act_quant.fused_quantizer
-        q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
-              relax.TensorType(shape=scales, dtype="float32"),
-              relax.TensorType(shape=scales, dtype="int32")]
-        quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token, layout=layout),
-                            _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token, layout=layout)))
-        parts = bb.emit(relax.call_tir(quant, [a2], q8))
-        q, scale, off = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
+        q, scale, off = _quantized(bb, a2, k, nb, one_token, layout)
         if zero_offset:
-            off = bb.emit(relax.op.zeros(q8[2].shape, q8[2].dtype))
+            off = bb.emit(relax.op.zeros(off.ty.shape, "int32"))
         args = [q, scale, off, w, s] + ([offsets] if has_c else []) + ([bias] if fused_bias else [])
         y = bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
         return y, None if fused_bias else bias
+
+
+def _quantized(bb, a2, k: int, nb: int, one_token: bool, layout: str):
+    """(aq, ad, off) of the activation quantizer (act_quant.fused_quantizer) on a2 [M, K] in
+    `layout`: what every integer-dot linear reads (scales and offsets [M, NB, 2] in "arm_pairs")."""
+    from .kernels import act_quant
+
+    m = a2.ty.shape[0]
+    scales = [m, nb, 2] if layout == "arm_pairs" else [m, nb]
+    q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
+          relax.TensorType(shape=scales, dtype="float32"), relax.TensorType(shape=scales, dtype="int32")]
+    quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token, layout=layout),
+                        _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token, layout=layout)))
+    parts = bb.emit(relax.call_tir(quant, [a2], q8))
+    return tuple(bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
 
 
 class GatherBlockQuantized(F.OnnxOpConverter):

@@ -17,6 +17,7 @@ from test_gguf_formats import (
     STEPS,
     _compiled_logits,
     _config,
+    _params,
     assert_graph_follows_the_float_reference,
     compile_host_builds,
     write_random_model,
@@ -323,8 +324,6 @@ def q4_k_m_builds(q4_k_m_model):
 def test_q6_k_artifact_holds_the_files_codes_and_scales(q4_k_m_model, q4_k_m_builds):
     """The x86 artifact's Q6_K weights are the file's: codes (in the W8A8 row groups), int8
     sub-block scales and the super-block d, reordered only."""
-    from test_gguf_formats import _params
-
     from qwc.compiler.kernels.row_groups import ROWS
 
     d, held = q4_k_m_model
@@ -450,8 +449,6 @@ def test_a_tied_q6_k_embedding_and_head_stay_the_files(tmp_path, capsys):
     assert gbq.input[0] == head.input[1] and next(a.i for a in gbq.attribute if a.name == "block_size") == 16
     assert_graph_follows_the_float_reference(tmp_path, tol=2e-4)
     builds = compile_host_builds(tmp_path)
-    from test_gguf_formats import _params
-
     names = set(_params(builds[8]))
     assert not any(n.startswith("model.embed_tokens") and not n.endswith(("qwc_q6_k", "qwc_q6_k_sc", "qwc_q6_k_d"))
                    for n in names), names   # one copy of the table: the kernel's
