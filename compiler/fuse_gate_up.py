@@ -35,6 +35,8 @@ def gate_up_arguments(mod, defs: Bindings, gate, up):
         dots.add(gemv_dot(mod[gemv[0]]))
     if len(dots) != 1 or not {"silu_mul", "quantize"} <= decode_epilogues(next(iter(dots))):
         return None   # (the ARM GEMV has no such epilogue)
+    if str(calls[0][4].ty.dtype) != str(calls[1][4].ty.dtype):
+        return None   # one kernel reads one scale form (fp16, float32, Q4_K's compact bytes)
 
     def source(aq):   # the tensor the quantizer of `aq` read, reshapes looked through
         parts = defs.value(defs.value(aq).tuple_value)

@@ -144,6 +144,12 @@ class IntDots:
     # kernel ("vnni": kernels/x86/q6_k.py, "sdot": kernels/arm/q6_k.py), or None: Q6_K becomes
     # Q8_0 at compile time (compiler/repack_q6_k.py), close but not exact
     q6_k: str | None = None
+    # llama.cpp's Q4_K in the W4A8 kernels with the file's compact factors (kernels/q4_k_scales.py:
+    # 4.625 bits a weight), or expanded to float32 scales and block offsets (6 bits). x86:
+    # compact, its decode memory-bound (0.81-0.85x the time). ARM: expanded, because the
+    # factors' conversions cost the sdot GEMV 40% more decode instructions, the measure the
+    # ARM targets are held to (docs/results/weight-formats.md)
+    q4_k_compact: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,10 +177,10 @@ class Kernels:
     exact_step_decode: bool = True
 
 
-_VNNI = IntDots("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8", "vnni")
+_VNNI = IntDots("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8", "vnni", q4_k_compact=True)
 # The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
 # (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
-_AVX2 = IntDots("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8))
+_AVX2 = IntDots("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8), q4_k_compact=True)
 _SDOT = IntDots("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8", "sdot")
 _SMMLA = IntDots("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12), "sdot8", "smmla8", "sdot")
 
@@ -271,8 +277,9 @@ def kernel_summary(target: Target) -> dict[str, str]:
     # Q8_0 weights: native W8A8 (decode/prefill), else as two 4-bit halves (repack.py)
     q8 = (f"w8a8-{w.q8_decode}/{w.q8_prefill}" if w.q8_decode else "2x w4a8") if w else "2x w4a32"
     q6 = f"w6a8-{w.q6_k}" if w and w.q6_k else "as q8_0"
+    q4k = ("w4a8-compact" if w.q4_k_compact else "w4a8-expanded") if w else "w4a32"   # its scales' form
     return {"decode": f"w4a8-{w.decode}" if w else "w4a32", "prefill": f"w4a8-{w.prefill}" if w else "w4a32",
-            "attention": k.decode_attention, "q8_0": q8, "q6_k": q6}
+            "attention": k.decode_attention, "q8_0": q8, "q4_k": q4k, "q6_k": q6}
 
 
 def describe_targets() -> list[tuple[Target, dict[str, str]]]:

@@ -179,6 +179,45 @@ def q6_k_factors(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d, sc.astype(np.int8).reshape(n, -1)
 
 
+def q4_k_factors(scales: np.ndarray, mins: np.ndarray, free: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """Q4_K's sub-block scales d sc and minimums m = -dmin mn [N, K/32] -> (d, sc, dmin, mn):
+    d, dmin [N, K/256] float32, each exactly an fp16, and sc, mn [N, K/32] uint8 in 0..63, with
+    the same products to the bit; None where some super-block has no such pair (not written
+    as Q4_K). `free` [N, K/32]: blocks whose codes are all 0, so that their weights are m
+    whatever the scale (the export writes a scale 1 there): they take sc = 0."""
+    n = scales.shape[0]
+    d, sc = _six_bit_factors(np.where(free, 0, scales).astype(np.float32).reshape(n, -1, 8))
+    dmin, mn = _six_bit_factors((-mins).astype(np.float32).reshape(n, -1, 8))
+    if d is None or dmin is None:
+        return None
+    return d, sc.reshape(n, -1), dmin, mn.reshape(n, -1)
+
+
+def _six_bit_factors(v: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """v [N, S, 8] float32 -> (f [N, S] float32 exact in fp16, q [N, S, 8] uint8 <= 63) with f q
+    = v to the bit, or (None, None). llama.cpp gives the largest sub-block q = 63, so f = its v
+    / 63 at the first try; another writer's searched scales may top out lower, so each smaller
+    top q is tried in turn where that one fails (any pair found gives the same products)."""
+    if (v < 0).any() or not np.isfinite(v).all():
+        return None, None
+    top = v.max(-1)
+    f, q = np.zeros(top.shape, np.float32), np.zeros(v.shape, np.uint8)
+    todo = top > 0   # a super-block of zeros: f = 0, q = 0
+    for j in range(63, 0, -1):
+        if not todo.any():
+            break
+        at = np.flatnonzero(todo)
+        vv = v.reshape(-1, 8)[at]
+        cand = (top.reshape(-1)[at] / np.float32(j)).astype(np.float32)
+        r = np.rint(vv / cand[:, None])
+        ok = ((cand.astype(np.float16).astype(np.float32) == cand) & (r <= 63).all(-1)
+              & ((cand[:, None] * r.astype(np.float32)) == vv).all(-1))
+        f.reshape(-1)[at[ok]] = cand[ok]
+        q.reshape(-1, 8)[at[ok]] = r[ok].astype(np.uint8)
+        todo.reshape(-1)[at[ok]] = False
+    return (None, None) if todo.any() else (f, q)
+
+
 def _scale_gcd(s: np.ndarray) -> np.ndarray:
     """[R, 16] float32 -> [R]: the largest float32 g with every s / g an integer (never all zeros)."""
     mant, exp = np.frexp(s.astype(np.float64))

@@ -320,6 +320,10 @@ NIBBLE_HALVES_ATTR = "qwc_nibble_halves"
 # ... and a Q6_K one repacked for its own kernel (compiler/repack_q6_k.py): inputs (x, codes,
 # sub-block scales sc, "", "", bias or "", super-block scales d).
 Q6_K_ATTR = "qwc_q6_k"
+# ... and a Q4_K one whose codes, scales and block offsets it wrote in the W4A8 kernels' compact
+# Q4_K form (compiler/repack_q4_k.py; also marked BLOCK_OFFSETS_ATTR): inputs (x, codes in row
+# groups, sc and mn [G, NB, 32] uint8, d and dmin [G, NB/8, 32] float16, ...).
+Q4_K_SCALES_ATTR = "qwc_q4_k_scales"
 # ... and the op it puts in a float MatMul's place, its weight in blocks of columns: (a [..., K],
 # w [N / cols, K, cols]) -> [..., N] (repack.float_column_blocks, kernels/f32_matmul.py).
 COLUMN_BLOCKS_OP = "QwcMatMulColumnBlocks"

@@ -174,6 +174,17 @@ def calib_text(tmp_path):
     return text
 
 
+def random_q4_k(rng, n: int, k: int) -> np.ndarray:
+    """[N, K/256 * 144] bytes of Q4_K super-blocks: random codes and 6-bit scales and mins, fp16
+    d and dmin of weights ~0.1; row 0's first sub-block has scale 0 (its codes weigh nothing)."""
+    sb = k // 256
+    raw = rng.integers(0, 256, (n, sb, 144), dtype=np.uint8)
+    for at, lo, hi in ((0, 2e-4, 4e-4), (2, 1e-4, 3e-4)):
+        raw[..., at:at + 2] = rng.uniform(lo, hi, (n, sb, 1)).astype(np.float16).view(np.uint8)
+    raw[0, 0, 4] &= 0xC0   # sub-block 0's scale: the low six bits of byte 0
+    return raw.reshape(n, -1)
+
+
 def random_q6_k(rng, n: int, k: int, flat_row: bool = True) -> np.ndarray:
     """[N, K/256 * 210] bytes of Q6_K super-blocks: random codes and int8 sub-block scales (the
     extremes -128 and 127 among them), fp16 d of weights ~0.05 (|w| up to 0.4); with `flat_row`, row 0's first

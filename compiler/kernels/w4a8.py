@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 from tvm import tirx
 from tvm.script import tirx as T
 
+from . import q4_k_scales
 from .row_groups import ROWS, groups
 
 ZERO_POINT = -8
@@ -59,10 +60,13 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
     wc)`. The offsets off are int32: they start the integer accumulators. `pair_scales`: ad and
     off are [M, NB, 2] (act_quant layout "arm_pairs"); `chunks`: the weights' 64-byte chunks a
     block (8: Q8_0 codes, row_groups.pack_int8); `offsets`: Q4_1's block offsets wc [G, NB, 16]
-    float32 follow the scales (else wc is None); `bias`: a bias [N] float32 follows those, and
-    the body takes it last (`body(w, aq, off, ws, ad, y, wc, bias)`) to add as it stores."""
+    float32 follow the scales (else wc is None), or Q4_K's super-block factors where the
+    scales are its compact ones (kernels/q4_k_scales.py gives the shapes); `bias`: a bias [N]
+    float32 follows those, and the body takes it last (`body(w, aq, off, ws, ad, y, wc, bias)`)
+    to add as it stores."""
     ng = groups(n)
     act = (rows_in, nb, 2) if pair_scales else (rows_in, nb)
+    ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(scale_dtype, ng, nb)
 
     @T.macro
     def root(var_aq, var_ad, var_off, var_y, w, ws, wc, bias):
@@ -82,7 +86,7 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
     if not offsets and not bias:
         @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
         def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
-                   w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
+                   w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer(ws_shape, ws_dtype),
                    var_y: T.handle):
             root(var_aq, var_ad, var_off, var_y, w, ws, None, None)
         return kernel
@@ -90,23 +94,23 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
     if not bias:
         @T.prim_func(private=True, check_well_formed=False)
         def kernel_c(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
-                     w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
-                     wc: T.Buffer((ng, nb, ROWS), "float32"), var_y: T.handle):
+                     w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer(ws_shape, ws_dtype),
+                     wc: T.Buffer(wc_shape, wc_dtype), var_y: T.handle):
             root(var_aq, var_ad, var_off, var_y, w, ws, wc, None)
         return kernel_c
 
     if not offsets:
         @T.prim_func(private=True, check_well_formed=False)
         def kernel_b(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
-                     w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
+                     w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer(ws_shape, ws_dtype),
                      bias: T.Buffer((n,), "float32"), var_y: T.handle):
             root(var_aq, var_ad, var_off, var_y, w, ws, None, bias)
         return kernel_b
 
     @T.prim_func(private=True, check_well_formed=False)
     def kernel_cb(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
-                  w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer((ng, nb, ROWS), scale_dtype),
-                  wc: T.Buffer((ng, nb, ROWS), "float32"), bias: T.Buffer((n,), "float32"), var_y: T.handle):
+                  w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer(ws_shape, ws_dtype),
+                  wc: T.Buffer(wc_shape, wc_dtype), bias: T.Buffer((n,), "float32"), var_y: T.handle):
         root(var_aq, var_ad, var_off, var_y, w, ws, wc, bias)
     return kernel_cb
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from .. import DECODE_GEMV, SCHEDULED, dot_bits
+from .. import DECODE_GEMV, SCHEDULED, dot_bits, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import INT8_CHUNKS, ROWS, chunks, groups
 from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
@@ -75,15 +75,21 @@ def _slice_dot(T, w, aq, off, g, b, q, t, bits: int = 4):
     return acc
 
 
-def _offsets_term(T, wc, ad, off, g, b, q, t):
+def _offsets_term(T, ws, wc, ad, off, g, b, q, t):
     """float32x4, halved (halved_float): Q4_1's block offsets of rows 16g+4q .. +3 times the
     activations' block sum of token t (scale x sum of the codes, from the quantizer's int32
-    offset): the minimum's term, one FMA a block and slice."""
+    offset): the minimum's term, one FMA a block and slice. Q4_K's compact scales make the
+    offsets from their factors (kernels/q4_k_scales.py)."""
     bsum = ad[t, b] * T.Cast("float32", off[t, b]) * T.float32(block_sum_factor(halved=True))
-    return wc.vload([g, b, LANES * q], "float32x4") * T.broadcast(bsum, LANES)
+    c = (q4_k_scales.offsets(T, ws, wc, g, b, LANES * q, LANES) if ws.dtype == q4_k_scales.SCALE_DTYPE
+         else wc.vload([g, b, LANES * q], "float32x4"))
+    return c * T.broadcast(bsum, LANES)
 
 
-def _scales(T, ws, g, b, q):
+def _scales(T, ws, wc, g, b, q):
+    """float32x4: the scales of rows 16g+4q .. +3, block b."""
+    if ws.dtype == q4_k_scales.SCALE_DTYPE:
+        return q4_k_scales.scales(T, ws, wc, g, b, LANES * q, LANES)
     if ws.dtype == "float16":
         return T.Cast("float32x4", ws.vload([g, b, LANES * q], "float16x4"))
     return ws.vload([g, b, LANES * q], "float32x4")
@@ -116,10 +122,10 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
             for q in T.unroll(SLICES):
                 acc[T.ramp(q * LANES, 1, LANES)] = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(
                     T, _slice_dot(T, w, aq, off, g, b, q, t, bits)) * (
-                    _scales(T, ws, g, b, q) * T.broadcast(ad[t, b], LANES))
+                    _scales(T, ws, wc, g, b, q) * T.broadcast(ad[t, b], LANES))
                 if wc is not None:   # decided when the kernel is built
                     acc[T.ramp(q * LANES, 1, LANES)] = acc[T.ramp(q * LANES, 1, LANES)] + _offsets_term(
-                        T, wc, ad, off, g, b, q, t)
+                        T, ws, wc, ad, off, g, b, q, t)
         for q in T.unroll(SLICES):
             store(y, acc, t, g, q, q)
 
@@ -133,10 +139,10 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
             for t in T.unroll(count):
                 acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
                     T, _slice_dot(T, w, aq, off, g, b, q, first + t, bits)) * (
-                    _scales(T, ws, g, b, q) * T.broadcast(ad[first + t, b], LANES))
+                    _scales(T, ws, wc, g, b, q) * T.broadcast(ad[first + t, b], LANES))
                 if wc is not None:
                     acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + _offsets_term(
-                        T, wc, ad, off, g, b, q, first + t)
+                        T, ws, wc, ad, off, g, b, q, first + t)
         for t in T.unroll(count):
             store(y, acc, first + t, g, q, t)
 
@@ -218,9 +224,9 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
         with T.serial(b0, b1) as b:
             for q in range(SLICES):
                 value = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, _slice_dot(T, w, aq, off, g, b, q, 0, bits)) * (
-                    _scales(T, ws, g, b, q) * T.broadcast(ad[0, b], LANES))
+                    _scales(T, ws, wc, g, b, q) * T.broadcast(ad[0, b], LANES))
                 if wc is not None:
-                    value = value + _offsets_term(T, wc, ad, off, g, b, q, 0)
+                    value = value + _offsets_term(T, ws, wc, ad, off, g, b, q, 0)
                 T.buffer_store(acc, value, [T.ramp(q * LANES, 1, LANES)])
         for q in range(SLICES):   # doubled: halved_float
             row = g * ROWS + q * LANES
@@ -252,8 +258,9 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
             weights = []
             for i, (n, has_bias, has_offsets) in enumerate(outputs):
                 w = T.arg(f"w{i}", T.buffer((groups(n), nb, chunks(bits), 4 * ROWS), "uint8"))
-                ws = T.arg(f"s{i}", T.buffer((groups(n), nb, ROWS), scale_dtype))
-                wc = T.arg(f"c{i}", T.buffer((groups(n), nb, ROWS), "float32")) if has_offsets else None
+                ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(scale_dtype, groups(n), nb)
+                ws = T.arg(f"s{i}", T.buffer(ws_shape, ws_dtype))
+                wc = T.arg(f"c{i}", T.buffer(wc_shape, wc_dtype)) if has_offsets else None
                 bias = T.arg(f"bias{i}", T.buffer((n,), "float32")) if has_bias else None
                 weights.append((w, ws, wc, bias, n))
             ys = [T.arg(f"y{i}", T.buffer((split, n), "float32")) for i, (n, _, _) in enumerate(outputs)]

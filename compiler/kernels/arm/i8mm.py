@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from .. import dot_bits
+from .. import dot_bits, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, chunks, groups
 from ..w4a8 import block_sum_factor, gemm_kernel, token_count
@@ -93,14 +93,14 @@ def _convert(T, pairs: int, v):
     return halved_float(T, v) if pairs <= FIXED_POINT_PAIRS else T.Cast("float32x4", v)
 
 
-def _pair_update(T, w, aqf, adf, offf, ws, g, b, q, rp, at, pairs: int, bits: int = 4):
+def _pair_update(T, w, aqf, adf, offf, ws, wc, g, b, q, rp, at, pairs: int, bits: int = 4):
     """float32x4: block b's contribution to row pair rp of slice q for the token pair whose
     block-b entries start at `at` (in token units: activations at 32 at, scales and offsets at
     2 at), in a tile of `pairs` pairs: the pair dot from its offsets (Q8_0: from 0), converted,
     times [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1]."""
     init = T.broadcast(T.int32(0), 4) if bits == 8 else offf.vload([at * 2], "int32x4")
     dot = _pair_dot(T, w, aqf, init, g, b, q, rp, at * 32, bits)
-    return _convert(T, pairs, dot) * (_row_scales(T, ws, g, b, q, rp) * adf.vload([at * 2], "float32x4"))
+    return _convert(T, pairs, dot) * (_row_scales(T, ws, wc, g, b, q, rp) * adf.vload([at * 2], "float32x4"))
 
 
 def _pair_sums(T, adf, offf, at, pairs: int):
@@ -111,12 +111,23 @@ def _pair_sums(T, adf, offf, at, pairs: int):
         T.float32(block_sum_factor(halved=pairs <= FIXED_POINT_PAIRS)), 4)
 
 
-def _row_scales(T, ws, g, b, q, rp):
-    """float32x4 [d r, d r, d r', d r'] of row pair rp."""
+def _row_scales(T, ws, wc, g, b, q, rp):
+    """float32x4 [d r, d r, d r', d r'] of row pair rp (Q4_K's compact scales: d sc)."""
     idx = [0, 0, 1, 1] if rp == 0 else [2, 2, 3, 3]
+    if ws.dtype == q4_k_scales.SCALE_DTYPE:
+        return tirx.Shuffle([q4_k_scales.scales(T, ws, wc, g, b, LANES * q, LANES)], idx)
     if ws.dtype == "float16":   # duplicated while fp16: one zip of 4 halves, then one convert
         return T.Cast("float32x4", tirx.Shuffle([ws.vload([g, b, LANES * q], "float16x4")], idx))
     return tirx.Shuffle([ws.vload([g, b, LANES * q], "float32x4")], idx)
+
+
+def _row_offsets(T, ws, wc, g, b, q, rp):
+    """float32x4 [c r, c r, c r', c r'] of row pair rp: Q4_1's block offsets (Q4_K's compact
+    scales: 8 d sc - dmin mn, kernels/q4_k_scales.py)."""
+    idx = [0, 0, 1, 1] if rp == 0 else [2, 2, 3, 3]
+    if ws.dtype == q4_k_scales.SCALE_DTYPE:
+        return tirx.Shuffle([q4_k_scales.offsets(T, ws, wc, g, b, LANES * q, LANES)], idx)
+    return tirx.Shuffle([wc.vload([g, b, LANES * q], "float32x4")], idx)
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
@@ -156,24 +167,24 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                 # loop variable's `rp == 0` would not be).
                 if wc is None:   # decided when the kernel is built
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits)
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits)
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits)
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits)
                 elif pairs > FIXED_POINT_PAIRS:   # Q4_1 in the full-register 6-pair tile: no held value
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) + (
-                        _row_scales(T, wc, g, b, q, 0) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) + (
+                        _row_offsets(T, ws, wc, g, b, q, 0) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) + (
-                        _row_scales(T, wc, g, b, q, 1) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) + (
+                        _row_offsets(T, ws, wc, g, b, q, 1) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                 else:   # Q4_1: the pair's block sums once for both row pairs
                     sums = T.bind(_pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) + (
-                        _row_scales(T, wc, g, b, q, 0) * sums)
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) + (
+                        _row_offsets(T, ws, wc, g, b, q, 0) * sums)
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) + (
-                        _row_scales(T, wc, g, b, q, 1) * sums)
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) + (
+                        _row_offsets(T, ws, wc, g, b, q, 1) * sums)
         for p in T.unroll(pairs):
             for rp in T.unroll(2):
                 for j in T.unroll(2):
@@ -199,14 +210,14 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
         for b in range(nb):
             acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + halved_float(T, _single_dot(
-                T, w, aqf, offf, g, b, q, 0, t)) * (_row_scales(T, ws, g, b, q, 0) * T.broadcast(adf[(b * rows_in + t) * 2], 4))
+                T, w, aqf, offf, g, b, q, 0, t)) * (_row_scales(T, ws, wc, g, b, q, 0) * T.broadcast(adf[(b * rows_in + t) * 2], 4))
             acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + halved_float(T, _single_dot(
-                T, w, aqf, offf, g, b, q, 1, t)) * (_row_scales(T, ws, g, b, q, 1) * T.broadcast(adf[(b * rows_in + t) * 2], 4))
+                T, w, aqf, offf, g, b, q, 1, t)) * (_row_scales(T, ws, wc, g, b, q, 1) * T.broadcast(adf[(b * rows_in + t) * 2], 4))
             if wc is not None:   # Q4_1's block offsets times the token's block sum (halved)
-                acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + _row_scales(T, wc, g, b, q, 0) * T.broadcast(
+                acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + _row_offsets(T, ws, wc, g, b, q, 0) * T.broadcast(
                     adf[(b * rows_in + t) * 2] * T.Cast("float32", offf[(b * rows_in + t) * 2])
                     * T.float32(block_sum_factor(halved=True)), 4)
-                acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + _row_scales(T, wc, g, b, q, 1) * T.broadcast(
+                acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + _row_offsets(T, ws, wc, g, b, q, 1) * T.broadcast(
                     adf[(b * rows_in + t) * 2] * T.Cast("float32", offf[(b * rows_in + t) * 2])
                     * T.float32(block_sum_factor(halved=True)), 4)
         for rp in T.unroll(2):

@@ -25,7 +25,7 @@ vpmaddubsw pair sums of u x a overflow int16); there Q8_0 runs as two 4-bit halv
 
 from __future__ import annotations
 
-from .. import DECODE_GEMV, SCHEDULED, dot_bits
+from .. import DECODE_GEMV, SCHEDULED, dot_bits, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, chunks, groups
 from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
@@ -119,16 +119,20 @@ def _block_dot_avx2(T, w, aq, off, g, b, t):
     return T.Shuffle(halves, list(range(16)))
 
 
-def _offsets_term(T, wc, ad, off, g, b, t):
+def _offsets_term(T, ws, wc, ad, off, g, b, t):
     """float32x16: Q4_1's block offsets of the 16 rows times the activations' block sum (scale x
-    sum of the codes, from the quantizer's offset): the minimum's term, one FMA a block."""
-    return wc.vload([g, b, 0], "float32x16") * T.broadcast(
-        ad[t, b] * T.Cast("float32", off[t, b]) * T.float32(block_sum_factor()), ROWS)
+    sum of the codes, from the quantizer's offset): the minimum's term, one FMA a block. Q4_K's
+    compact scales make the offsets from their factors (kernels/q4_k_scales.py)."""
+    c = (q4_k_scales.offsets(T, ws, wc, g, b, 0, ROWS) if ws.dtype == q4_k_scales.SCALE_DTYPE
+         else wc.vload([g, b, 0], "float32x16"))
+    return c * T.broadcast(ad[t, b] * T.Cast("float32", off[t, b]) * T.float32(block_sum_factor()), ROWS)
 
 
-def _scales(T, ws, g, b, scale_dtype):
-    """The 16 rows' fp32 scales of group g, block b."""
-    if scale_dtype == "float16":
+def _scales(T, ws, wc, g, b):
+    """The 16 rows' fp32 scales of group g, block b (Q4_K's compact ones: d sc from wc's d)."""
+    if ws.dtype == q4_k_scales.SCALE_DTYPE:
+        return q4_k_scales.scales(T, ws, wc, g, b, 0, ROWS)
+    if ws.dtype == "float16":
         return T.Cast("float32x16", ws.vload([g, b, 0], "float16x16"))
     return ws.vload([g, b, 0], "float32x16")
 
@@ -206,7 +210,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
             for t in T.unroll(count):
                 acc[T.ramp((at + t) * ROWS, 1, ROWS)] = acc[T.ramp((at + t) * ROWS, 1, ROWS)] + T.Cast(
                     "float32x16", _block_dot(T, w, aq, off, g, b, first + t, dot)) * (
-                    _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
+                    _scales(T, ws, wc, g, b) * T.broadcast(ad[first + t, b], ROWS))
         else:
             for t in T.unroll(count):
                 dots[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(_start(T, off, first + t, b, dot), ROWS)
@@ -236,11 +240,11 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                 acc[T.ramp((at + t) * ROWS, 1, ROWS)] = acc[T.ramp((at + t) * ROWS, 1, ROWS)] + T.Cast(
                     "float32x16", dots[T.ramp(t * ROWS, 1, ROWS)] if highs is None else
                     dots[T.ramp(t * ROWS, 1, ROWS)] + highs[T.ramp(t * ROWS, 1, ROWS)]) * (
-                    _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[first + t, b], ROWS))
+                    _scales(T, ws, wc, g, b) * T.broadcast(ad[first + t, b], ROWS))
         if wc is not None:   # decided when the kernel is built
             for t in T.unroll(count):
                 acc[T.ramp((at + t) * ROWS, 1, ROWS)] = acc[T.ramp((at + t) * ROWS, 1, ROWS)] + _offsets_term(
-                    T, wc, ad, off, g, b, first + t)
+                    T, ws, wc, ad, off, g, b, first + t)
 
     @T.macro
     def tile(w, aq, off, ws, ad, y, wc, bias, g, first, count, prefetch, next_group):
@@ -306,30 +310,48 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                     tile(w, aq, off, ws, ad, y, wc, bias, g, 0, count, True, False)
 
     @T.macro
+    def group_tiles(w, aq, off, ws, ad, y, wc, bias, g):
+        """Every token of row group g: tiles of tm tokens, then the leftovers."""
+        if batched_decode:   # decided when the kernel is built
+            for it in range(rows_in // tm):
+                tile(w, aq, off, ws, ad, y, wc, bias, g, it * tm, tm, True, False)
+        elif rows_in >= tm:
+            tile(w, aq, off, ws, ad, y, wc, bias, g, 0, tm, False, True)
+            for it in range(1, rows_in // tm):
+                tile(w, aq, off, ws, ad, y, wc, bias, g, it * tm, tm, False, False)
+        if tm == 8:  # decided when the kernel is built (batched decode's tiles, AVX-512 prefill's)
+            # the r = M mod 8 leftover tokens: one tile per set bit of r, largest first (one
+            # tile of r, a copy of the tile per r, was barely faster and made compiles
+            # markedly longer)
+            if (rows_in % tm) // 4 % 2 == 1:
+                tile(w, aq, off, ws, ad, y, wc, bias, g, rows_in // tm * tm, 4, False, False)
+            if (rows_in % tm) // 2 % 2 == 1:
+                tile(w, aq, off, ws, ad, y, wc, bias, g, rows_in // tm * tm + (rows_in % tm) // 4 * 4, 2, False,
+                     False)
+            if (rows_in % tm) % 2 == 1:
+                tile(w, aq, off, ws, ad, y, wc, bias, g, rows_in // tm * tm + (rows_in % tm) // 2 * 2, 1, False,
+                     False)
+        elif tm > 1:
+            for i in range(rows_in // tm * tm, rows_in):
+                tile(w, aq, off, ws, ad, y, wc, bias, g, i, 1, False, False)
+
+    @T.macro
     def tiled(w, aq, off, ws, ad, y, wc, bias):
         for g in T.parallel(ng):
-            if batched_decode:   # decided when the kernel is built
-                for it in range(rows_in // tm):
-                    tile(w, aq, off, ws, ad, y, wc, bias, g, it * tm, tm, True, False)
-            elif rows_in >= tm:
-                tile(w, aq, off, ws, ad, y, wc, bias, g, 0, tm, False, True)
-                for it in range(1, rows_in // tm):
-                    tile(w, aq, off, ws, ad, y, wc, bias, g, it * tm, tm, False, False)
-            if tm == 8:  # decided when the kernel is built (batched decode's tiles, AVX-512 prefill's)
-                # the r = M mod 8 leftover tokens: one tile per set bit of r, largest first (one
-                # tile of r, a copy of the tile per r, was barely faster and made compiles
-                # markedly longer)
-                if (rows_in % tm) // 4 % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, wc, bias, g, rows_in // tm * tm, 4, False, False)
-                if (rows_in % tm) // 2 % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, wc, bias, g, rows_in // tm * tm + (rows_in % tm) // 4 * 4, 2, False,
-                         False)
-                if (rows_in % tm) % 2 == 1:
-                    tile(w, aq, off, ws, ad, y, wc, bias, g, rows_in // tm * tm + (rows_in % tm) // 2 * 2, 1, False,
-                         False)
-            elif tm > 1:
-                for i in range(rows_in // tm * tm, rows_in):
-                    tile(w, aq, off, ws, ad, y, wc, bias, g, i, 1, False, False)
+            if scale_dtype == q4_k_scales.SCALE_DTYPE:   # decided when the kernel is built
+                # Q4_K's compact scales made once a group into float32 scales and offsets, which
+                # every tile then reads as the expanded form's: made once a tile, they cost the
+                # GEMM 1.05-1.16x its time (bench/q4_k.py). Views shaped as the weights' groups,
+                # offset so that group g's entries are this task's copy.
+                made = T.decl_buffer((2 * nb * ROWS,), "float32", scope="global")
+                es = T.decl_buffer((ng, nb, ROWS), "float32", data=made.data, elem_offset=-g * (nb * ROWS))
+                ec = T.decl_buffer((ng, nb, ROWS), "float32", data=made.data, elem_offset=(1 - g) * (nb * ROWS))
+                for b in range(nb):
+                    es[g, b, T.ramp(0, 1, ROWS)] = q4_k_scales.scales(T, ws, wc, g, b, 0, ROWS)
+                    ec[g, b, T.ramp(0, 1, ROWS)] = q4_k_scales.offsets(T, ws, wc, g, b, 0, ROWS)
+                group_tiles(w, aq, off, es, ad, y, ec, bias, g)
+            else:
+                group_tiles(w, aq, off, ws, ad, y, wc, bias, g)
 
     @T.macro
     def body(w, aq, off, ws, ad, y, wc, bias):
@@ -425,9 +447,9 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
                 prefetch(w, g, b)
             for h, (w, ws, wc, g) in enumerate(streams):
                 value = acc[T.ramp(h * ROWS, 1, ROWS)] + T.Cast("float32x16", _block_dot(T, w, aq, off, g, b, 0, dot)) * (
-                    _scales(T, ws, g, b, scale_dtype) * T.broadcast(ad[0, b], ROWS))
+                    _scales(T, ws, wc, g, b) * T.broadcast(ad[0, b], ROWS))
                 if wc is not None:
-                    value = value + _offsets_term(T, wc, ad, off, g, b, 0)
+                    value = value + _offsets_term(T, ws, wc, ad, off, g, b, 0)
                 T.buffer_store(acc, value, [T.ramp(h * ROWS, 1, ROWS)])
         return acc
 
@@ -481,8 +503,9 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
             weights = []
             for i, (n, has_bias, has_offsets) in enumerate(outputs):
                 w = T.arg(f"w{i}", T.buffer((groups(n), nb, chunks(dot_bits(dot)), 4 * ROWS), "uint8"))
-                ws = T.arg(f"s{i}", T.buffer((groups(n), nb, ROWS), scale_dtype))
-                wc = T.arg(f"c{i}", T.buffer((groups(n), nb, ROWS), "float32")) if has_offsets else None
+                ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(scale_dtype, groups(n), nb)
+                ws = T.arg(f"s{i}", T.buffer(ws_shape, ws_dtype))
+                wc = T.arg(f"c{i}", T.buffer(wc_shape, wc_dtype)) if has_offsets else None
                 bias = T.arg(f"bias{i}", T.buffer((n,), "float32")) if has_bias else None
                 weights.append((w, ws, wc, bias))
             # (n, weights read together, output) per job: each output, or gate and up as one

@@ -1,0 +1,116 @@
+"""Q4_K's compact scales (kernels/q4_k_scales.py: the file's 6-bit sc and mn a block, fp16 d and
+dmin a super-block) against the expanded form (float32 d sc and block offsets a block) on the
+same W4A8 kernels of this host, on the Q4_K tensors of llama.cpp's Q4_K_M at the 1.5B and 7B
+shapes, decode (one token) and prefill (512 tokens), each a linear as the importer emits it
+(the activation quantizer included). Random weights in the Q4_K form, activations random:
+
+    .venv/bin/python bench/q4_k.py [--sizes 1.5b,7b] [--tokens 1,512] [--rounds 5] [--target host]
+
+Decode reads distinct copies of the weights in turn (about 1.5 GB of them), as a model's decode
+reads each weight once from DRAM; prefill calls one copy. Times are each form's best pass of a
+round, medians over rounds, the two alternating (the machine is shared); GB/s counts the
+weight bytes each reads (compact 4.625 bits a weight, expanded 6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# (name, N, K) of the Q4_K tensors of a Q4_K_M file (llama.cpp's other ffn_down layers are Q6_K)
+SHAPES = {"1.5b": [("attn_q", 1536, 1536), ("ffn_up", 8960, 1536), ("ffn_down", 1536, 8960)],
+          "7b": [("attn_q", 3584, 3584), ("ffn_up", 18944, 3584), ("ffn_down", 3584, 18944)]}
+DECODE_BYTES = 1.5e9
+
+
+def _weights(k: int, n: int, seed: int, compact: bool) -> list[np.ndarray]:
+    """One random Q4_K weight in the kernels' compact or expanded form."""
+    from qwc.compiler.kernels import row_groups
+    from qwc.compiler.repack_q4_k import pack
+
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+    d = rng.uniform(2e-4, 4e-4, (n, k // 256, 1)).astype(np.float16).astype(np.float32)
+    dmin = rng.uniform(1e-4, 3e-4, (n, k // 256, 1)).astype(np.float16).astype(np.float32)
+    scales = (d * rng.integers(1, 64, (n, k // 256, 8))).reshape(n, -1).astype(np.float32)
+    mins = -(dmin * rng.integers(0, 64, (n, k // 256, 8))).reshape(n, -1).astype(np.float32)
+    if compact:
+        return list(pack(codes, scales, (-mins / scales).astype(np.float32)))
+    w, s = row_groups.pack(codes, scales)
+    return [w, s, row_groups.pack_offsets((mins + 8 * scales).astype(np.float32))]
+
+
+def _function(k: int, n: int, m: int, compact: bool, target: str, copies: int):
+    """(vm function, argument lists (one a weight copy), weight bytes a call)."""
+    import tvm
+    from tvm import relax
+
+    from qwc.compiler.build import build
+    from qwc.compiler.frontend import _CONTEXT, ImportContext, MatMulNBits
+    from qwc.compiler.targets import get_target
+
+    t = get_target(target)
+    sets = [_weights(k, n, i, compact) for i in range(copies)]
+    av = relax.Var("a", relax.TensorType([m, k], "float32"))
+    vs = [relax.Var(f"w{i}", relax.TensorType(list(w.shape), str(w.dtype))) for i, w in enumerate(sets[0])]
+    bb = relax.BlockBuilder()
+    token = _CONTEXT.set(ImportContext(prefix="main", act_bits=8, features=t.features))
+    try:
+        with bb.function("main", [av, *vs]):
+            with bb.dataflow():
+                isa = "arm" if t.arch == "aarch64" else "x86"
+                gv = bb.emit_output(MatMulNBits.q4_0_matmul(bb, av, vs[0], vs[1], k, n, isa, t.features, offsets=vs[2]))
+            bb.emit_func_output(gv)
+    finally:
+        _CONTEXT.reset(token)
+    vm = relax.VirtualMachine(build(bb.get(), t), tvm.cpu())
+    a = tvm.runtime.tensor(np.random.default_rng(1).standard_normal((m, k)).astype(np.float32))
+    return vm["main"], [[a] + [tvm.runtime.tensor(w) for w in ws] for ws in sets], sum(w.nbytes for w in sets[0])
+
+
+def best_pass(fn, arg_sets, passes: int) -> float:
+    """The best time a call over `passes` passes through every argument set."""
+    out = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for args in arg_sets:
+            fn(*args)
+        out = min(out, (time.perf_counter() - t0) / len(arg_sets))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="1.5b,7b")
+    p.add_argument("--tokens", default="1,512")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--target", default="host")
+    args = p.parse_args()
+    print("| size | tensor | N x K | tokens | compact ms | expanded ms | compact / expanded time | compact GB/s | "
+          "expanded GB/s |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for size in args.sizes.split(","):
+        for name, n, k in SHAPES[size]:
+            for m in (int(t) for t in args.tokens.split(",")):
+                copies = max(1, min(200, int(DECODE_BYTES / (n * k * 0.75)))) if m == 1 else 1
+                fns = {c: _function(k, n, m, c, args.target, copies) for c in (True, False)}
+                times = {c: [] for c in fns}
+                for _ in range(args.rounds):
+                    for c, (fn, sets, _) in fns.items():
+                        times[c].append(best_pass(fn, sets, 3))
+                tc, te = (statistics.median(times[c]) for c in (True, False))
+                gbc, gbe = fns[True][2] / tc / 1e9, fns[False][2] / te / 1e9
+                print(f"| {size} | {name} | {n} x {k} | {m} | {tc * 1e3:.3f} | {te * 1e3:.3f} | {tc / te:.2f} | "
+                      f"{gbc:.1f} | {gbe:.1f} |", flush=True)
+                del fns
+
+
+if __name__ == "__main__":
+    main()
