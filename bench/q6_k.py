@@ -6,7 +6,7 @@ output), decode (one token) and prefill (512 tokens), each a linear as the impor
     .venv/bin/python bench/q6_k.py [--sizes 1.5b,7b] [--tokens 1,512] [--rounds 5]
 
 Times are each system's best call of a round, medians over rounds, the two alternating (the
-machine is shared); GB/s counts the weight bytes each reads (Q6_K 8.56 bits a weight, Q8_0 8.5).
+machine is shared); GB/s counts the weight bytes each reads (Q6_K 6.625 bits a weight, Q8_0 8.5).
 """
 
 from __future__ import annotations

@@ -255,8 +255,8 @@ class GatherBlockQuantized(F.OnnxOpConverter):
         if attr.get("gather_axis", 0) != 0 or attr.get("quantize_axis", 1) != 2:
             raise QwcError("GatherBlockQuantized: qwc supports gather_axis 0, quantize_axis 2")
         if attr.get(Q6_K_ATTR):   # a Q6_K lm_head's repacked codes, scales sc and d (repack_q6_k.py)
-            signed = q6_k_path(16, 8, _ctx().act_bits, _ctx().features) == "arm"
-            return bb.emit_te(generic.gather_q6_k_row_groups, w, idx, s, inputs[3], signed=signed,
+            isa = q6_k_path(16, 8, _ctx().act_bits, _ctx().features)
+            return bb.emit_te(generic.gather_q6_k_row_groups, w, idx, s, inputs[3], isa=isa,
                               primfunc_name_hint=_kname("gather_q6_k_packed"))
         if len(w.ty.shape) == 4:  # shared with an lm_head whose kernel reads a repacked layout
             if int(attr.get("bits", 4)) == 8:   # the W8A8 kernels' (row_groups.pack_int8)

@@ -2,11 +2,11 @@
 of 16 with float32 scales d sc: models/gguf_blocks.py).
 
 Where the target has a Q6_K kernel (targets.q6_k_path: kernels/x86/q6_k.py, kernels/arm/q6_k.py)
-the weights go into its layout: the codes in the W8A8 row groups (row_groups.pack_int8: q + 96
-unsigned on x86, q - 32 signed on ARM), the int8
-sub-block scales sc [G, NB, 32] and the super-block scales d [G, NB/8, 16] float32, the pair
-taken back from the products by gguf_blocks.q6_k_factors. The node is marked graph.Q6_K_ATTR
-with inputs (x, codes, sc, "", "", bias, d).
+the weights go into its layout: the codes in the W8A8 row groups' order (row_groups.pack_int8),
+on x86 at six bits (six_bit_codes: q in 0..63, 6 chunks a block), on ARM as bytes q - 32
+(signed); the int8 sub-block scales sc [G, NB, 32] and the super-block scales d [G, NB/8, 16]
+float32, the pair taken back from the products by gguf_blocks.q6_k_factors. The node is marked
+graph.Q6_K_ATTR with inputs (x, codes, sc, "", "", bias, d).
 
 Elsewhere (AVX2, arm-neon without dotprod, float activations) each Q6_K weight is
 quantized again as Q8_0, which those targets run natively: the closest format they have, not
@@ -36,18 +36,22 @@ def is_q6_k(node: onnx.NodeProto) -> bool:
     return bits == 8 and block == SUB
 
 
-def pack(u: np.ndarray, s: np.ndarray, signed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Codes u [N, K/16, 16] (q + 96) and scales d sc [N, K/16] -> the kernel's codes
-    [G, K/32, 8, 64] (`signed`: q - 32 in two's complement, ARM), sc [G, K/32, 32] int8 and
-    d [G, K/256, 16] float32. Rows past N are zeros."""
+def pack(u: np.ndarray, s: np.ndarray, isa: str = "x86") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes u [N, K/16, 16] (q + 96) and scales d sc [N, K/16] -> the `isa` kernel's codes
+    (x86: six_bit_codes [G, K/32, 6, 64]; arm: q - 32 in two's complement, [G, K/32, 8, 64]),
+    sc [G, K/32, 32] int8 and d [G, K/256, 16] float32. Rows past N are zeros (q = 32)."""
     from qwc.models.gguf_blocks import q6_k_factors
 
     from .kernels.row_groups import ROWS, groups, pack_int8
 
+    if isa not in ("x86", "arm"):
+        raise ValueError(f"no Q6_K kernel layout for {isa!r}")
     n, nsub, _ = u.shape
     nb = nsub // 2
     d, sc = q6_k_factors(s)
-    w, _ = pack_int8(u.reshape(n, nb, 32), np.ones((n, nb), np.float32), signed=signed)
+    w, _ = pack_int8(u.reshape(n, nb, 32), np.ones((n, nb), np.float32), signed=isa == "arm")
+    if isa == "x86":
+        w = six_bit_codes(w - np.uint8(96))   # u = q + 96 -> q (rows past N: 128 -> 32)
     g = groups(n)
     scp = np.zeros((g * ROWS, nb, 2), np.int8)
     scp[:n] = sc.reshape(n, nb, 2)
@@ -56,6 +60,19 @@ def pack(u: np.ndarray, s: np.ndarray, signed: bool = False) -> tuple[np.ndarray
     dp[:n] = d
     dp = dp.reshape(g, ROWS, -1).transpose(0, 2, 1)
     return w, np.ascontiguousarray(scp), np.ascontiguousarray(dp)
+
+
+def six_bit_codes(q: np.ndarray) -> np.ndarray:
+    """Codes q [G, NB, 8, 64] in 0..63 (the W8A8 row-group chunks) -> [G, NB, 6, 64]: chunks
+    0-3 hold the low four bits of chunk c in their low nibbles and of chunk c + 4 in their high
+    ones; chunks 4 and 5 the top two bits of chunks 4j .. 4j + 3 at bits 0-1, 2-3, 4-5 and 6-7
+    (kernels/x86/q6_k.py: codes)."""
+    if q.max(initial=0) > 63:
+        raise ValueError("six-bit codes above 63")
+    nib = (q[:, :, :4] & 15) | ((q[:, :, 4:] & 15) << 4)
+    top = (q >> 4).reshape(*q.shape[:2], 2, 4, q.shape[-1])
+    high = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
+    return np.ascontiguousarray(np.concatenate([nib, high], axis=2).astype(np.uint8))
 
 
 ROWS_AT_ONCE = 4096   # _as_q8_0's chunk: a 7B output's float32 rows 56 MB at a time, not 2.2 GB
@@ -133,7 +150,7 @@ def q6_k_linears(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, 
         stem = node.input[1]
         del node.input[1:]
         if isa := q6_k_path(Q6_K_BLOCK, 8, act_bits, features):
-            w, sc, d = pack(u, s.reshape(n, -1), signed=isa == "arm")
+            w, sc, d = pack(u, s.reshape(n, -1), isa)
             names = [stem + ".qwc_q6_k", stem + ".qwc_q6_k_sc", stem + ".qwc_q6_k_d"]
             for name, a in zip(names, (w, sc, d)):
                 model.graph.initializer.append(new_tensor(a, name))

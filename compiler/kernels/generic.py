@@ -82,10 +82,11 @@ def gather_q4_row_groups(w, idx, s):
     return te.compute((*idx.shape, nb, 32), body, name="gather_q4_row_groups")
 
 
-def _int8_row_group_gather(w, idx, scale, *, signed: bool, name: str):
+def _int8_row_group_gather(w, idx, scale, *, signed: bool, name: str, six_bit: bool = False):
     """Rows `idx` [...] of 8-bit codes in the W8A8 kernels' row groups (row_groups.pack_int8;
-    w [G, nb, 8, 4 x ROWS] in de-interleaved order, q (`signed`, ARM) or q + 128 (x86)) ->
-    [..., nb, 32], element e of block b of row r in group g times scale(g, b, r, e)."""
+    w [G, nb, 8, 4 x ROWS] in de-interleaved order, q (`signed`, ARM) or q + 128 (x86); with
+    `six_bit`, Q6_K's six-bit form of q + 32: repack_q6_k.six_bit_codes) -> [..., nb, 32],
+    element e of block b of row r in group g times scale(g, b, r, e)."""
     from .row_groups import ROWS
 
     nb = w.shape[1]
@@ -94,7 +95,13 @@ def _int8_row_group_gather(w, idx, scale, *, signed: bool, name: str):
         *pre, b, e = i
         row = idx[tuple(pre)].astype("int64")
         g, r, p = row // ROWS, row % ROWS, e // 2 + 16 * (e % 2)   # evens first, then odds
-        byte = w[g, b, p // 4, r * 4 + p % 4]
+        c, at = p // 4, r * 4 + p % 4
+        if six_bit:
+            nib = w[g, b, c % 4, at].astype("int32")
+            top = w[g, b, 4 + c // 4, at].astype("int32")
+            q = tirx.if_then_else(c < 4, nib % 16, nib // 16) + (top >> (2 * (c % 4)).astype("int32")) % 4 * 16
+            return (q - 32).astype("float32") * scale(g, b, r, e)
+        byte = w[g, b, c, at]
         code = tirx.reinterpret("int8", byte).astype("float32") if signed else \
             byte.astype("float32") - tirx.const(128.0, "float32")
         return code * scale(g, b, r, e)
@@ -109,16 +116,16 @@ def gather_q8_row_groups(w, idx, s, *, signed: bool):
                                   name="gather_q8_row_groups")
 
 
-def gather_q6_k_row_groups(w, idx, sc, d, *, signed: bool):
-    """Rows `idx` [...] of a Q6_K weight stored for its kernels (compiler/repack_q6_k.py: the
-    codes as Q8_0's, q - 32 signed or q + 96; int8 sub-block scales sc [G, nb, 32], A's 16 rows
-    then B's; d [G, nb / 8, ROWS]) -> [..., nb, 32]: the tied embedding of a Q6_K output, each
-    weight (d sc) (q - 32) as the file's."""
+def gather_q6_k_row_groups(w, idx, sc, d, *, isa: str):
+    """Rows `idx` [...] of a Q6_K weight stored for its `isa`'s kernel (compiler/repack_q6_k.py:
+    the codes in Q8_0's order, q - 32 signed on ARM, six-bit q on x86; int8 sub-block scales
+    sc [G, nb, 32], A's 16 rows then B's; d [G, nb / 8, ROWS]) -> [..., nb, 32]: the tied
+    embedding of a Q6_K output, each weight (d sc) (q - 32) as the file's."""
     from .row_groups import ROWS
 
     return _int8_row_group_gather(
         w, idx, lambda g, b, r, e: sc[g, b, (e // 16) * ROWS + r].astype("float32") * d[g, b // 8, r],
-        signed=signed, name="gather_q6_k_row_groups")
+        signed=isa == "arm", six_bit=isa == "x86", name="gather_q6_k_row_groups")
 
 
 def rotary(x, pos, cos, sin, *, heads: int):

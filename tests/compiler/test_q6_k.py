@@ -51,7 +51,7 @@ def _emit_q6_k(bb, name: str, k: int, n: int, m: int, raw: np.ndarray, bias: np.
 
     t = get_target(target)
     b = gguf_blocks.from_gguf(raw, "Q6_K", (n, k), "w")
-    w, sc, d = pack(b.codes, b.scales, signed=t.arch == "aarch64")
+    w, sc, d = pack(b.codes, b.scales, "arm" if t.arch == "aarch64" else "x86")
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
     vs = [relax.Var(x, relax.TensorType(list(a.shape), str(a.dtype))) for x, a in (("w", w), ("sc", sc), ("d", d))]
     bv = relax.Var("bias", relax.TensorType([n], "float32")) if bias is not None else None
@@ -151,10 +151,16 @@ def test_targets_say_which_run_q6_k_natively():
     assert kernel_summary(get_target("x86-avx2"))["q6_k"] == "as q8_0"
 
 
-@pytest.mark.parametrize("signed", [False, True])
-def test_tied_q6_k_gather_reads_the_kernels_layout(signed):
-    """A tied embedding's rows from the Q6_K kernel's weights (x86's unsigned codes, ARM's signed
-    ones: the gather is generic TE, so both run here) equal the file's dequantized rows exactly."""
+def test_targets_say_which_read_q4_k_compact():
+    assert kernel_summary(get_target("x86-avx512"))["q4_k"] == "w4a8-compact"
+    assert kernel_summary(get_target("x86-avx2"))["q4_k"] == "w4a8-compact"
+    assert kernel_summary(get_target("arm-yitian"))["q4_k"] == "w4a8-expanded"
+
+
+@pytest.mark.parametrize("isa", ["x86", "arm"])
+def test_tied_q6_k_gather_reads_the_kernels_layout(isa):
+    """A tied embedding's rows from the Q6_K kernel's weights (x86's six-bit codes, ARM's signed
+    bytes: the gather is generic TE, so both run here) equal the file's dequantized rows exactly."""
     import tvm
     from tvm import te
 
@@ -162,10 +168,10 @@ def test_tied_q6_k_gather_reads_the_kernels_layout(signed):
 
     raw = random_q6_k(np.random.default_rng(9), 40, 512)
     b = gguf_blocks.from_gguf(raw, "Q6_K", (40, 512), "w")
-    w, sc, d = pack(b.codes, b.scales, signed=signed)
+    w, sc, d = pack(b.codes, b.scales, isa)
     ids = np.array([[0, 17, 39, 16]], np.int64)
     args = [te.placeholder(x.shape, str(x.dtype)) for x in (w, ids, sc, d)]
-    out = generic.gather_q6_k_row_groups(args[0], args[1], args[2], args[3], signed=signed)
+    out = generic.gather_q6_k_row_groups(args[0], args[1], args[2], args[3], isa=isa)
     f = tvm.compile(te.create_prim_func([*args, out]), target="llvm")
     got = tvm.runtime.tensor(np.zeros((1, 4, 16, 32), np.float32))
     f(*(tvm.runtime.tensor(x) for x in (w, ids, sc, d)), got)

@@ -29,22 +29,11 @@ from qwc.errors import QwcError
 from qwc.models import gguf_blocks
 from qwc.q4 import unpack_nibbles
 
-from conftest import one_line, ort_kv_logits, random_q6_k
+from conftest import one_line, ort_kv_logits, random_q4_k, random_q6_k
 
 # rows of 256 (hidden) and 512 (intermediate): whole Q4_K super-blocks
 FORMATS = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q5_0, "o_proj": Q.Q4_K,
            "gate_proj": Q.Q4_K, "up_proj": Q.Q4_K, "down_proj": Q.Q5_0}
-
-
-def random_q4_k(rng, n: int, k: int) -> np.ndarray:
-    """[N, K/256 * 144] bytes of Q4_K super-blocks: random codes and 6-bit scales and mins, fp16
-    d and dmin of weights ~0.1; row 0's first sub-block has scale 0 (its codes weigh nothing)."""
-    sb = k // 256
-    raw = rng.integers(0, 256, (n, sb, 144), dtype=np.uint8)
-    for at, lo, hi in ((0, 2e-4, 4e-4), (2, 1e-4, 3e-4)):
-        raw[..., at:at + 2] = rng.uniform(lo, hi, (n, sb, 1)).astype(np.float16).view(np.uint8)
-    raw[0, 0, 4] &= 0xC0   # sub-block 0's scale: the low six bits of byte 0
-    return raw.reshape(n, -1)
 
 
 # llama.cpp's Q4_K_M mix in small: Q6_K for attn_v and ffn_down (its "more bits" layers)
@@ -198,14 +187,15 @@ def host_builds(k_model):
 
 @pytest.mark.slow
 def test_artifact_runs_the_kept_formats_as_the_float_reference(k_model, host_builds):
-    """Q4_K on the Q4_0 kernels with a block offset each (repack.q4_1_block_offsets), Q5_0 on
-    the 8-bit paths; the manifest names them."""
+    """Q4_K on the Q4_0 kernels with a block offset each, made from the file's factors
+    (compiler/repack_q4_k.py), Q5_0 on the 8-bit paths; the manifest names them."""
     d, _ = k_model
     cfg = ModelConfig.load(sidecar_paths(d / "m.onnx")[0])
     manifest = json.loads((host_builds[8] / "manifest.json").read_text())
     linears = {f["format"]: f["count"] for f in manifest["quantization"]["linears"]}
     assert linears == {"q4_k": 10, "q8_0": 5}   # Q5_0's 8-bit codes, and the tied Q8_0 head
     assert manifest["quantization"]["weight_layout"]["row_groups_16"] >= 10   # Q4_K in the kernels' layout
+    assert manifest["quantization"]["weight_layout"]["q4_k_compact_scales"] == 10   # with the file's factors
     ref = np.stack([r[0, -1] for r in ort_kv_logits(d / "float.onnx", cfg, STEPS[0], STEPS[1:])])
     a32, a8 = _compiled_logits(host_builds[32]), _compiled_logits(host_builds[8])
     span = np.abs(ref).max()
@@ -246,6 +236,8 @@ def test_kept_formats_on_arm_yitian_match_the_host(k_model, host_builds, tmp_pat
     env = emulation.arm64_env()
     art = tmp_path / "yitian.qwc"
     compile_file(d / "m.onnx", "arm-yitian", art, act_bits=8, kv_type="f32")
+    layout = json.loads((art / "manifest.json").read_text())["quantization"]["weight_layout"]
+    assert "q4_k_compact_scales" not in layout   # ARM reads Q4_K expanded (targets.IntDots.q4_k_compact)
     out = tmp_path / "arm.npy"
     steps = json.dumps([STEPS[0][0].tolist()] + [int(t[0, 0]) for t in STEPS[1:]])
     r = subprocess.run(emulation.engine_command(env, art, out, steps), env=env, capture_output=True, text=True,
@@ -322,8 +314,8 @@ def q4_k_m_builds(q4_k_m_model):
 
 @pytest.mark.slow
 def test_q6_k_artifact_holds_the_files_codes_and_scales(q4_k_m_model, q4_k_m_builds):
-    """The x86 artifact's Q6_K weights are the file's: codes (in the W8A8 row groups), int8
-    sub-block scales and the super-block d, reordered only."""
+    """The x86 artifact's Q6_K weights are the file's: codes (six-bit, in the W8A8 row groups'
+    order), int8 sub-block scales and the super-block d, reordered only."""
     from qwc.compiler.kernels.row_groups import ROWS
 
     d, held = q4_k_m_model
@@ -339,12 +331,16 @@ def test_q6_k_artifact_holds_the_files_codes_and_scales(q4_k_m_model, q4_k_m_bui
         w, psc, pd = (params.get(stem + s, params.get((stem + s).replace(".", "_")))
                       for s in (".qwc_q6_k", ".qwc_q6_k_sc", ".qwc_q6_k_d"))
         g, nb = w.shape[:2]
+        # six bits: chunk c's low four in nibble chunk c % 4 (high nibble for c >= 4), its top
+        # two at bits 2 (c % 4) of chunk 4 + c // 4
+        u = np.stack([(w[:, :, c % 4] >> (4 * (c // 4)) & 15) | ((w[:, :, 4 + c // 4] >> (2 * (c % 4)) & 3) << 4)
+                      for c in range(8)], axis=2)
         # [g, b, chunk, 4 r + c] -> row 16 g + r, block b, de-interleaved position 4 chunk + c
-        u = w.reshape(g, nb, 8, ROWS, 4).transpose(0, 3, 1, 2, 4).reshape(g * ROWS, nb, 32)[:n]
+        u = u.reshape(g, nb, 8, ROWS, 4).transpose(0, 3, 1, 2, 4).reshape(g * ROWS, nb, 32)[:n]
         order = np.concatenate([np.arange(0, 32, 2), np.arange(1, 32, 2)])   # position p holds element order[p]
         codes = np.empty_like(u)
         codes[..., order] = u
-        assert np.array_equal(codes.reshape(n, k).astype(np.int32) - 96, q), hf
+        assert np.array_equal(codes.reshape(n, k).astype(np.int32), q), hf
         assert np.array_equal(psc.reshape(g, nb, 2, ROWS).transpose(0, 3, 1, 2).reshape(g * ROWS, -1)[:n], sc), hf
         assert np.array_equal(pd.transpose(0, 2, 1).reshape(g * ROWS, -1)[:n], dd), hf
         seen += 1

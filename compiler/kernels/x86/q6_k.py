@@ -1,18 +1,22 @@
 """llama.cpp's Q6_K weights on AVX-512 VNNI, exactly: w = d sc (q - 32), one int8 scale sc a
 sub-block of 16 weights and one float d a super-block of 256.
 
-The codes come in the W8A8 row-group layout (row_groups.pack_int8: u = q + 96 = (q - 32) + 128,
-unsigned, 8 chunks of 64 bytes a 32-block, chunk c meeting activation bytes 4c..4c+3 of the
-de-interleaved block). A 32-block holds two sub-blocks: elements 0-15 (A) and 16-31 (B). In the
-de-interleaved order A is positions 0-7 (its even elements) and 16-23 (its odd ones), so
-chunks 0, 1, 4 and 5; B is chunks 2, 3, 6 and 7. Each sub-block is its own chain of four
-vpdpbusd, started from -128 x its activations' sum (q6_k_starts: the quantizer gives only the
-block's). The two sums (exact integers, at most 16 x 32 x 127 each) are converted and scaled
-by their sub-blocks' d sc, then by the activations' scale (`term`).
+The codes q (0..63) follow the W8A8 row-group order (row_groups.pack_int8: 8 chunks of 64 bytes
+a 32-block, chunk c meeting activation bytes 4c..4c+3 of the de-interleaved block) at six bits
+(compiler/repack_q6_k.py: six_bit_codes): 6 chunks a block, four of nibbles (chunk c's low four
+bits, chunk c + 4's in the high nibble) and two of the top two bits of four chunks each.
+`codes` rebuilds a chunk in three or four logic ops; vpdpbusd takes q unsigned, and
+dot(q - 32, a) = dot(q, a) - 32 x sum(a). A 32-block holds two sub-blocks: elements 0-15 (A) and
+16-31 (B). In the de-interleaved order A is positions 0-7 (its even elements) and 16-23 (its
+odd ones), so chunks 0, 1, 4 and 5; B is chunks 2, 3, 6 and 7. Each sub-block is its own chain
+of four vpdpbusd, started from -32 x its activations' sum (q6_k_starts: the quantizer gives
+only the block's). The two sums (exact integers, at most 16 x 32 x 127 each) are converted and
+scaled by their sub-blocks' d sc, then by the activations' scale (`term`).
 
 Scales: sc [G, NB, 32] int8 (A's 16 rows, then B's), d [G, NB/8, 16] float32 per super-block
-(models/gguf_blocks.py: q6_k_factors): 8.56 bits a weight against the file's 6.56, one byte a
-weight for the codes, which vpdpbusd reads as they are.
+(models/gguf_blocks.py: q6_k_factors): 6.625 bits a weight against the file's 6.5625. (Codes
+as bytes, which vpdpbusd reads with nothing to rebuild, were 8.625: decode reads every weight
+from DRAM, so the bytes it saves outweigh the logic ops; docs/results/weight-formats.md.)
 
 One kernel serves prefill and decode. Prefill: a task per row group, tiles of TOKENS tokens
 (leftovers one at a time) over all of the group's blocks. One token (decode): STREAMS row
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 from .. import SCHEDULED
 from ..kernel_cache import cached_kernel
-from ..row_groups import INT8_CHUNKS, ROWS, groups
+from ..row_groups import ROWS, groups
 from ..w4a8 import store_rows, token_count
 
 SUB = 16            # Q6_K's sub-block
@@ -34,6 +38,9 @@ TOKENS = 8          # a prefill tile: 8 accumulators and 16 integer chains (1.08
 PREFETCH = 4        # blocks ahead a decode token's weights are prefetched into L1
 STREAMS = 4         # row groups a decode task reads in lockstep (x86/vnni.py's STREAMS)
 VPDPBUSD = "llvm.x86.avx512.vpdpbusd.512"
+CHUNKS = 6          # 64-byte chunks a block of six-bit codes (compiler/repack_q6_k.py: six_bit_codes)
+BYTE_CHUNKS = 8     # ... and of a prefill group's copy rebuilt as bytes (the W8A8 row groups')
+ZERO_POINT = 32     # q - 32: each chain starts from -32 x its activations' sum
 
 
 def _chunk(i, sub_b: bool):
@@ -41,10 +48,28 @@ def _chunk(i, sub_b: bool):
     return i % 2 + (i // 2) * 4 + (2 if sub_b else 0)
 
 
+def codes(T, w, g, b, c):
+    """uint8x64: chunk c (0..7, a loop variable the loops unroll) of block b's codes q for the
+    16 rows of group g. From the six-bit form: the low four bits from nibble chunk c % 4 (its
+    low nibble for c < 4, else its high one), the top two from bits 2 (c % 4) .. of chunk
+    4 + c // 4, moved to bits 4-5; once c is a constant LLVM folds the shifts and masks into
+    one shift and one mask each (byte shifts: it shifts 16-bit lanes and masks what crosses
+    a byte). From a prefill group's copy rebuilt as bytes (BYTE_CHUNKS a block): as it is."""
+    if int(w.shape[2]) == BYTE_CHUNKS:
+        return w.vload([g, b, c, 0], "uint8x64")
+
+    def shifted(v, right, mask):
+        return (v >> T.broadcast(T.Cast("uint8", right), 64)) & T.broadcast(T.uint8(mask), 64)
+
+    low = shifted(w.vload([g, b, c % 4, 0], "uint8x64"), 4 * (c // 4), 15)
+    top = shifted(w.vload([g, b, 4 + c // 4, 0], "uint8x64"), 2 * (c % 4), 3)
+    return low | (top << T.broadcast(T.uint8(4), 64))
+
+
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q6_k_starts(nb: int, one_row: bool):
     """(aq [M, NB, 32] int8, off [M, NB] int32: the quantizer's -8 x block sum) -> st [M, NB, 2]
-    int32: where sub-block A's and B's vpdpbusd chains start, -128 x the sum of each one's
+    int32: where sub-block A's and B's vpdpbusd chains start, -32 x the sum of each one's
     activation codes (A: de-interleaved positions 0-7 and 16-23). `one_row` (decode) runs
     serially: a launch of the thread pool would cost more than the 16 adds a block."""
     from tvm.script import tirx as T
@@ -57,8 +82,8 @@ def q6_k_starts(nb: int, one_row: bool):
             a = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add.v8i32",
                                         T.Cast("int32x8", aq.vload([i, b, 0], "int8x8"))
                                         + T.Cast("int32x8", aq.vload([i, b, 16], "int8x8")))
-            st[i, b, 0] = a * T.int32(-128)
-            st[i, b, 1] = off[i, b] * T.int32(16) + a * T.int32(128)
+            st[i, b, 0] = a * T.int32(-ZERO_POINT)
+            st[i, b, 1] = off[i, b] * T.int32(ZERO_POINT // 8) + a * T.int32(ZERO_POINT)   # off: -8 x the block's sum
 
     @T.prim_func(private=True)
     def kernel(var_aq: T.handle, var_off: T.handle, var_st: T.handle):
@@ -79,7 +104,7 @@ def q6_k_starts(nb: int, one_row: bool):
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
     """y [M, N] = the quantized activations (aq [M, NB, 32], their scales ad [M, NB] and the
-    chains' starts st [M, NB, 2]: q6_k_starts) times the Q6_K weights w [G, NB, 8, 64] with
+    chains' starts st [M, NB, 2]: q6_k_starts) times the Q6_K weights w [G, NB, 6, 64] with
     sc [G, NB, 32] and d [G, NB/8, 16] (the module's docstring); `bias`: a bias [N] added as
     the rows are stored. M any number of tokens, or `m` fixed."""
     from tvm.script import tirx as T
@@ -117,7 +142,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
             acc[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
         for b in range(nb):
             if count == 1:   # decided when the kernel is built: decode reads its weights from DRAM
-                for c in T.unroll(INT8_CHUNKS):
+                for c in T.unroll(CHUNKS):
                     T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + PREFETCH, c, 0]),
                                                   T.int32(0), T.int32(3), T.int32(1)))
             for t in T.unroll(count):
@@ -127,10 +152,10 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
                 for t in T.unroll(count):
                     lo[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
                         "int32x16", VPDPBUSD, lo[T.ramp(t * ROWS, 1, ROWS)],
-                        w.vload([g, b, _chunk(i, False), 0], "uint8x64"), act(aq, first + t, b, _chunk(i, False)))
+                        codes(T, w, g, b, _chunk(i, False)), act(aq, first + t, b, _chunk(i, False)))
                     hi[T.ramp(t * ROWS, 1, ROWS)] = T.call_llvm_pure_intrin(
                         "int32x16", VPDPBUSD, hi[T.ramp(t * ROWS, 1, ROWS)],
-                        w.vload([g, b, _chunk(i, True), 0], "uint8x64"), act(aq, first + t, b, _chunk(i, True)))
+                        codes(T, w, g, b, _chunk(i, True)), act(aq, first + t, b, _chunk(i, True)))
             for t in T.unroll(count):
                 acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + term(
                     lo[T.ramp(t * ROWS, 1, ROWS)], hi[T.ramp(t * ROWS, 1, ROWS)], sc, d, ad, g, b, first + t)
@@ -144,9 +169,9 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
         lo = T.broadcast(st[t, b, 0], ROWS)
         hi = T.broadcast(st[t, b, 1], ROWS)
         for i in range(4):
-            lo = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, lo, w.vload([g, b, _chunk(i, False), 0], "uint8x64"),
+            lo = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, lo, codes(T, w, g, b, _chunk(i, False)),
                                          act(aq, t, b, _chunk(i, False)))
-            hi = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, hi, w.vload([g, b, _chunk(i, True), 0], "uint8x64"),
+            hi = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, hi, codes(T, w, g, b, _chunk(i, True)),
                                          act(aq, t, b, _chunk(i, True)))
         acc[T.ramp(at * ROWS, 1, ROWS)] = acc[T.ramp(at * ROWS, 1, ROWS)] + term(lo, hi, sc, d, ad, g, b, t)
 
@@ -162,7 +187,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
                     acc[T.ramp(h * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
                 for b in range(nb):
                     for h in T.unroll(STREAMS):
-                        for c in T.unroll(INT8_CHUNKS):
+                        for c in T.unroll(CHUNKS):
                             T.evaluate(T.call_llvm_intrin(
                                 "void", "llvm.prefetch.p0", T.address_of(w[h * (ng // STREAMS) + task, b + PREFETCH, c, 0]),
                                 T.int32(0), T.int32(3), T.int32(1)))
@@ -181,15 +206,24 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
             streamed(w, aq, st, ad, sc, d, y, bias_buf)
         else:
             for g in T.parallel(ng):
+                # The group's codes rebuilt once as bytes, which every tile then reads: rebuilt
+                # in each tile they cost the GEMM 1.27-1.32x the Q8_0 one's time (bench/q6_k.py).
+                # A view shaped as the weights' groups, offset so that group g is this copy.
+                made = T.decl_buffer((nb * BYTE_CHUNKS * 4 * ROWS,), "uint8", scope="global")
+                wb = T.decl_buffer((ng, nb, BYTE_CHUNKS, 4 * ROWS), "uint8", data=made.data,
+                                   elem_offset=-g * (nb * BYTE_CHUNKS * 4 * ROWS))
+                for b in range(nb):
+                    for c in T.unroll(BYTE_CHUNKS):
+                        wb[g, b, c, T.ramp(0, 1, 4 * ROWS)] = codes(T, w, g, b, c)
                 for it in range(rows_in // TOKENS):
-                    tile(w, aq, st, ad, sc, d, y, bias_buf, g, it * TOKENS, TOKENS)
+                    tile(wb, aq, st, ad, sc, d, y, bias_buf, g, it * TOKENS, TOKENS)
                 for i in range(rows_in // TOKENS * TOKENS, rows_in):
-                    tile(w, aq, st, ad, sc, d, y, bias_buf, g, i, 1)
+                    tile(wb, aq, st, ad, sc, d, y, bias_buf, g, i, 1)
 
     if bias:
         @T.prim_func(private=True)
         def kernel_b(var_aq: T.handle, var_ad: T.handle, var_st: T.handle,
-                     w: T.Buffer((ng, nb, INT8_CHUNKS, 4 * ROWS), "uint8"), sc: T.Buffer((ng, nb, 2 * SUB), "int8"),
+                     w: T.Buffer((ng, nb, CHUNKS, 4 * ROWS), "uint8"), sc: T.Buffer((ng, nb, 2 * SUB), "int8"),
                      d: T.Buffer((ng, nb // SUPER_BLOCKS, ROWS), "float32"), bias_buf: T.Buffer((n,), "float32"),
                      var_y: T.handle):
             aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
@@ -201,7 +235,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
 
     @T.prim_func(private=True)
     def kernel(var_aq: T.handle, var_ad: T.handle, var_st: T.handle,
-               w: T.Buffer((ng, nb, INT8_CHUNKS, 4 * ROWS), "uint8"), sc: T.Buffer((ng, nb, 2 * SUB), "int8"),
+               w: T.Buffer((ng, nb, CHUNKS, 4 * ROWS), "uint8"), sc: T.Buffer((ng, nb, 2 * SUB), "int8"),
                d: T.Buffer((ng, nb // SUPER_BLOCKS, ROWS), "float32"), var_y: T.handle):
         aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
         ad = T.match_buffer(var_ad, (rows_in, nb), "float32")
