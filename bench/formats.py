@@ -14,6 +14,12 @@ round by round (the machine is shared); the table has medians and ratios.
 cannot write: bench/kquant_error.py's 1.5B-shaped cut, say). A byte-level test vocabulary
 carries one placeholder merge for llama.cpp's loader, which the tokenizers library refuses:
 qwc exports a copy without it (without_merges), the same tensors byte for byte.
+
+--mix q4_k_m --size 1.5b makes such a file at a whole model's shape: bench/make_checkpoint.py's
+random weights written as F16, then llama-quantize's mix (llama.cpp's x86 tools,
+bench/llamacpp.sh).
+
+    .venv/bin/python bench/formats.py --mix q4_k_m --size 1.5b [--rounds 3]
 """
 
 from __future__ import annotations
@@ -81,6 +87,33 @@ def prepare_file(src: Path, work: Path) -> tuple[Path, Path]:
     return src, art
 
 
+def quantized_file(mix: str, size: str, work: Path) -> Path:
+    """llama-quantize's `mix` (Q4_K_M, ...) of a random checkpoint of Qwen2.5-`size`'s shapes
+    (bench/make_checkpoint.py), written as F16 first."""
+    sys.path.insert(0, str(HERE))
+    from gguf_q4_0 import write_gguf_q4_0_checkpoint
+    from peers import llamacpp_tools
+
+    from qwc.models.hf import open_hf_dir
+
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / f"qwen2.5-{size}-{mix}.gguf"
+    if out.exists():
+        return out
+    ckpt, f16 = work / f"qwen2.5-{size}", work / f"qwen2.5-{size}-f16.gguf"
+    if not (ckpt / "config.json").exists():
+        subprocess.run([sys.executable, str(HERE / "make_checkpoint.py"), size, "-o", str(ckpt)], check=True)
+    if not f16.exists():
+        write_gguf_q4_0_checkpoint(open_hf_dir(ckpt), f16.with_suffix(".partial"), f16=True)
+        f16.with_suffix(".partial").rename(f16)
+    quantize = llamacpp_tools("x86") / "llama-quantize-0.3.36"
+    subprocess.run([str(quantize), str(f16), str(out.with_suffix(".partial")), mix.upper()], check=True,
+                   stdout=subprocess.DEVNULL)
+    out.with_suffix(".partial").rename(out)
+    f16.unlink()   # 3 GB at 1.5B, 15 GB at 7B
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default="q4_0,q4_1,q8_0")
@@ -89,7 +122,12 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "formats")
     p.add_argument("--json", type=Path)
     p.add_argument("--gguf", type=Path, help="bench this GGUF (any formats) instead of --formats' files")
+    p.add_argument("--mix", choices=("q4_k_m", "q4_k_s", "q5_k_m", "q6_k"),
+                   help="bench llama-quantize's mix of a random model (--size) instead")
+    p.add_argument("--size", default="1.5b", help="with --mix: Qwen2.5's size (bench/make_checkpoint.py's: 0.5b, 1.5b, 7b)")
     a = p.parse_args()
+    if a.mix:
+        a.gguf = quantized_file(a.mix, a.size, a.workdir)
     sys.path.insert(0, str(HERE))
     from scale import alternating
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]

@@ -28,7 +28,8 @@ def _vocab(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
 
 
 # llama.cpp's file types (llama_ftype) by the linears' type
-FILE_TYPES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 3, GGMLQuantizationType.Q8_0: 7}
+FILE_TYPES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 3, GGMLQuantizationType.Q8_0: 7,
+              GGMLQuantizationType.F16: 1}
 
 
 def write_gguf_q4_0(lm, path: Path, head_bits: int = 4, linears=GGMLQuantizationType.Q4_0) -> Path:
@@ -58,20 +59,25 @@ def _q4_0_by_rows(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def write_gguf_q4_0_checkpoint(ckpt, path: Path) -> Path:
+def write_gguf_q4_0_checkpoint(ckpt, path: Path, f16: bool = False) -> Path:
     """The same from a checkpoint read a tensor at a time (models/checkpoint.py), every matrix
     Q4_0 (the untied head too), each quantized as it is written: what qwc's passes make of the
-    same float weights (qwc.q4 is llama.cpp's Q4_0 bit for bit), for a 7B in a few GB."""
+    same float weights (qwc.q4 is llama.cpp's Q4_0 bit for bit), for a 7B in a few GB. `f16`:
+    every matrix F16 instead (llama-quantize's input: bench/formats.py --mix)."""
     cfg = ckpt.config
     tokens, types = _vocab(ckpt.tokenizer, cfg.vocab_size)
-    q4 = GGMLQuantizationType.Q4_0
+    q4, half = GGMLQuantizationType.Q4_0, GGMLQuantizationType.F16
     tensors = {}
     for name, shape in ckpt.shapes.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if len(shape) == 2:
+        if len(shape) == 2 and f16:
+            tensors[name] = Planned(tuple(shape), np.dtype(np.float16), half,
+                                    lambda name=name: ckpt.tensor(name).astype(np.float16))
+        elif len(shape) == 2:
             tensors[name] = Planned((shape[0], shape[1] // 32 * 18), np.dtype(np.uint8), q4,
                                     lambda name=name: _q4_0_by_rows(ckpt.tensor(name)))
         else:
             tensors[name] = Planned(tuple(shape), np.dtype(np.float32), None, lambda name=name: ckpt.tensor(name))
-    return write_gguf(path, "qwen2", cfg, tokens, types, tensors, merges=["\u0120 \u0120"], file_type=MOSTLY_Q4_0)
+    return write_gguf(path, "qwen2", cfg, tokens, types, tensors, merges=["\u0120 \u0120"],
+                      file_type=FILE_TYPES[half] if f16 else MOSTLY_Q4_0)
