@@ -14,7 +14,6 @@ weight bytes each reads (compact 4.625 bits a weight, expanded 6).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -53,7 +52,7 @@ def _function(k: int, n: int, m: int, compact: bool, target: str, copies: int):
     from tvm import relax
 
     from qwc.compiler.build import build
-    from qwc.compiler.frontend import _CONTEXT, ImportContext, MatMulNBits
+    from qwc.compiler.frontend import MatMulNBits
     from qwc.compiler.targets import get_target
 
     t = get_target(target)
@@ -61,15 +60,12 @@ def _function(k: int, n: int, m: int, compact: bool, target: str, copies: int):
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
     vs = [relax.Var(f"w{i}", relax.TensorType(list(w.shape), str(w.dtype))) for i, w in enumerate(sets[0])]
     bb = relax.BlockBuilder()
-    token = _CONTEXT.set(ImportContext(prefix="main", act_bits=8, features=t.features))
-    try:
-        with bb.function("main", [av, *vs]):
-            with bb.dataflow():
-                isa = "arm" if t.arch == "aarch64" else "x86"
-                gv = bb.emit_output(MatMulNBits.q4_0_matmul(bb, av, vs[0], vs[1], k, n, isa, t.features, offsets=vs[2]))
-            bb.emit_func_output(gv)
-    finally:
-        _CONTEXT.reset(token)
+    with bb.function("main", [av, *vs]):   # as the importer emits a Q4_K linear
+        with bb.dataflow():
+            out = MatMulNBits.q4_0_matmul(bb, av, vs[0], vs[1], k, n, "arm" if t.arch == "aarch64" else "x86",
+                                          t.features, offsets=vs[2])
+            gv = bb.emit_output(out)
+        bb.emit_func_output(gv)
     vm = relax.VirtualMachine(build(bb.get(), t), tvm.cpu())
     a = tvm.runtime.tensor(np.random.default_rng(1).standard_normal((m, k)).astype(np.float32))
     return vm["main"], [[a] + [tvm.runtime.tensor(w) for w in ws] for ws in sets], sum(w.nbytes for w in sets[0])
@@ -87,10 +83,9 @@ def best_pass(fn, arg_sets, passes: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="1.5b,7b")
-    p.add_argument("--tokens", default="1,512")
-    p.add_argument("--rounds", type=int, default=5)
+    from q6_k import arguments
+
+    p = arguments(__doc__)
     p.add_argument("--target", default="host")
     args = p.parse_args()
     print("| size | tensor | N x K | tokens | compact ms | expanded ms | compact / expanded time | compact GB/s | "

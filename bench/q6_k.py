@@ -71,12 +71,17 @@ def best(fn, args, calls: int) -> float:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The kernel benches' options (this one's and bench/q4_k.py's)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--sizes", default="1.5b,7b")
     p.add_argument("--tokens", default="1,512")
     p.add_argument("--rounds", type=int, default=5)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = arguments(__doc__).parse_args()
     print("| size | tensor | N x K | tokens | Q6_K ms | Q8_0 ms | Q6_K / Q8_0 time | Q6_K GB/s | Q8_0 GB/s |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in args.sizes.split(","):

@@ -59,12 +59,9 @@ def test_scales_that_are_no_fp16_times_six_bits_keep_the_expanded_form():
 
 
 def _emit(bb, name: str, k: int, n: int, m: int, raw: np.ndarray, compact: bool, target: str):
-    """Function `name`(a, w, s, c) through `target`'s W4A8 kernels on the compact form, or on
-    the expanded one made from the same factors (float32 d sc and c = 8 d sc - dmin mn, as
-    compiler/repack.py's q4_1_block_offsets gives them); returns those weights."""
-    from qwc.compiler.frontend import _CONTEXT, ImportContext
-
-    t = get_target(target)
+    """Function `name`(a, w, s, c) through `target`'s W4A8 kernels on the compact form, or on the expanded one made from the same factors (float32 d sc and
+    c = 8 d sc - dmin mn, as compiler/repack.py's q4_1_block_offsets gives them); returns
+    those weights."""
     b, mins, free = _blocks(raw, n, k)
     w, ws, wc = pack(b.codes, b.scales, b.zero_points)
     if not compact:
@@ -73,17 +70,14 @@ def _emit(bb, name: str, k: int, n: int, m: int, raw: np.ndarray, compact: bool,
         c = (8 * s - np.repeat(dmin, 8, axis=1).astype(np.float64) * mn).astype(np.float32)
         w, ws = row_groups.pack(b.codes, s.astype(np.float32))
         wc = row_groups.pack_offsets(c)
+    t = get_target(target)
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
-    vs = [relax.Var(x, relax.TensorType(list(a.shape), str(a.dtype))) for x, a in (("w", w), ("s", ws), ("c", wc))]
-    token = _CONTEXT.set(ImportContext(prefix=name, act_bits=8, features=t.features))
-    try:
-        with bb.function(name, [av, *vs]):
-            with bb.dataflow():
-                isa = "arm" if t.arch == "aarch64" else "x86"
-                gv = bb.emit_output(MatMulNBits.q4_0_matmul(bb, av, vs[0], vs[1], k, n, isa, t.features, offsets=vs[2]))
-            bb.emit_func_output(gv)
-    finally:
-        _CONTEXT.reset(token)
+    vs = [relax.Var(x, relax.TensorType(list(a.shape), str(a.dtype))) for x, a in zip("wsc", (w, ws, wc))]
+    with bb.function(name, [av, *vs]):
+        with bb.dataflow():
+            isa = "arm" if t.arch == "aarch64" else "x86"
+            gv = bb.emit_output(MatMulNBits.q4_0_matmul(bb, av, vs[0], vs[1], k, n, isa, t.features, offsets=vs[2]))
+        bb.emit_func_output(gv)
     return [w, ws, wc]
 
 
