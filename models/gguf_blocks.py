@@ -88,8 +88,12 @@ def _gguf_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.uint8)
 
 
+ROWS_AT_ONCE = 4096   # from_gguf's chunk: a 7B's Q6_K output parsed whole took 3.6 GB of temporaries
+
+
 def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int], name: str) -> Blocks:
-    """`raw`: the tensor's bytes, [N, K/32 * bytes-a-block] (GGUFReader's view) or flat."""
+    """`raw`: the tensor's bytes, [N, K/32 * bytes-a-block] (GGUFReader's view) or flat. Parsed
+    ROWS_AT_ONCE rows at a time into the whole result, so that the temporaries are a chunk's."""
     n, k = shape
     per, size = KEPT[fmt]
     if k % per:
@@ -98,6 +102,21 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int], name: str) -> B
     if raw.size != n * (k // per) * size:
         raise QwcError(f"{name}: {raw.size} bytes are not {n} rows of {k // per} {fmt} blocks ({size} bytes each)")
     raw = raw.reshape(n, k // per, size)
+    first = _rows(raw[:ROWS_AT_ONCE], fmt, name)
+    if n <= ROWS_AT_ONCE:
+        return first
+    parts = [first.codes, first.scales] + ([first.zero_points] if first.zero_points is not None else [])
+    whole = [np.empty((n, *a.shape[1:]), a.dtype) for a in parts]
+    for r in range(0, n, ROWS_AT_ONCE):
+        b = first if r == 0 else _rows(raw[r:r + ROWS_AT_ONCE], fmt, name)
+        got = [b.codes, b.scales] + ([b.zero_points] if b.zero_points is not None else [])
+        for out, a in zip(whole, got):
+            out[r:r + len(a)] = a
+    return Blocks(fmt, *whole)
+
+
+def _rows(raw: np.ndarray, fmt: str, name: str) -> Blocks:
+    """Rows raw [R, K/per, size] of a `fmt` tensor as Blocks."""
     if fmt == "Q6_K":
         return _q6_k(raw, name)
     d = _halves(raw, 0)

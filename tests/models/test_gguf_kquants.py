@@ -73,6 +73,21 @@ def test_q4_k_and_q5_0_blocks_dequantize_as_llama_cpp_does():
     assert b.bits == 8 and np.array_equal(gguf_blocks.dequantize(b), dequantize(raw, Q.Q5_0).reshape(w.shape))
 
 
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K, Q.Q4_1], ids=["q4_k", "q6_k", "q4_1"])
+def test_a_tensor_parsed_a_chunk_of_rows_at_a_time_is_the_same(monkeypatch, kind):
+    """from_gguf parses ROWS_AT_ONCE rows at a time (a 7B output's temporaries were 3.6 GB):
+    ragged chunks of 3 give the whole parse's arrays, zero points included."""
+    rng = np.random.default_rng(5)
+    n, k = 10, 512
+    raw = {Q.Q4_K: lambda: random_q4_k(rng, n, k), Q.Q6_K: lambda: random_q6_k(rng, n, k),
+           Q.Q4_1: lambda: quantize(rng.standard_normal((n, k)).astype(np.float32), Q.Q4_1)}[kind]()
+    whole = gguf_blocks.from_gguf(raw, kind.name, (n, k), "w")
+    monkeypatch.setattr(gguf_blocks, "ROWS_AT_ONCE", 3)
+    chunked = gguf_blocks.from_gguf(raw, kind.name, (n, k), "w")
+    for a, b in ((whole.codes, chunked.codes), (whole.scales, chunked.scales), (whole.zero_points, chunked.zero_points)):
+        assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b))
+
+
 def test_q4_k_minimums_come_back_from_float_zero_points():
     """dmin mn has up to 17 significant bits: the fp16 rounding of Q4_1's rule would lose them."""
     d = np.float16(3.0e-4).astype(np.float32) * np.arange(1, 64, dtype=np.float32)
@@ -125,6 +140,42 @@ def test_a_q4_k_embedding_is_requantized_and_its_linears_kept(tmp_path, capsys):
     model = onnx.load(str(tmp_path / "m.onnx"))
     gbq = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
     assert next(a.i for a in gbq.attribute if a.name == "bits") == 8
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q4_1], ids=["q4_k", "q4_1"])
+def test_an_untied_q4_k_or_q4_1_embedding_is_the_files(tmp_path, capsys, kind):
+    """An untied model's Q4_K or Q4_1 token embedding (a 7B Q4_K_M file's) keeps the file's codes
+    and scales: GatherBlockQuantized's d (q - 8) plus each block's c = m + 8 d
+    (models/stream_export.py), where it was written as Q8_0. The graph follows the float
+    reference in onnxruntime as the kept linears do; the compiled artifact (Q4_K) too."""
+    import dataclasses
+
+    cfg = dataclasses.replace(_config("tiny-kquants", hidden=256, intermediate=512), tie_word_embeddings=False)
+
+    def matrix(rng, name, shape):
+        if "embed" in name:
+            w = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+            return (random_q4_k(rng, *shape) if kind == Q.Q4_K else quantize(w, kind)), kind
+        return quantize((0.1 * rng.standard_normal(shape)).astype(np.float32), Q.Q8_0), Q.Q8_0
+
+    write_random_model(tmp_path / "m.gguf", cfg, matrix, 0)
+    assert main(["export", str(tmp_path / "m.gguf"), "-o", str(tmp_path / "m.onnx")]) == 0
+    said = next(line for line in capsys.readouterr().err.splitlines() if "as the file gives them" in line)
+    assert f"1 {kind.name}," in said and "->" not in said, said   # kept: nothing requantized
+    model = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    gbq = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    assert next(a.i for a in gbq.attribute if a.name == "bits") == 4
+    assert main(["-q", "export", str(tmp_path / "m.gguf"), "--exporter", "torch", "-o", str(tmp_path / "float.onnx")]) == 0
+    assert_graph_follows_the_float_reference(tmp_path)
+    if kind != Q.Q4_K:
+        return
+    art = tmp_path / "host.qwc"
+    assert main(["-q", "compile", str(tmp_path / "m.onnx"), "--kv-dtype", "f32", "-o", str(art)]) == 0
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["quantization"]["embedding_bits"] == 4
+    ref = np.stack([r[0, -1] for r in ort_kv_logits(tmp_path / "float.onnx", cfg, STEPS[0], STEPS[1:])])
+    got = _compiled_logits(art)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 3e-2   # Q8_0 activations, as llama.cpp's
 
 
 def _file_codes(raw: np.ndarray, kind: Q, n: int, k: int) -> tuple[np.ndarray, ...]:
