@@ -96,16 +96,27 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
     def blocks(hf: str, embedding: bool = False) -> tuple[str, str, str, int, str] | None:
         """A GGUF-quantized weight as MatMulNBits inputs (codes, scales, zero points or "",
         bits) and its minimums' form: kept as it is, or in `requant` where qwc has no kernel
-        for its type (and for a Q4_1 or Q4_K embedding: GatherBlockQuantized has no float zero
-        points). None: a float weight, which the passes quantize."""
+        for its type. None: a float weight, which the passes quantize. A Q4_1 or Q4_K
+        embedding (GatherBlockQuantized has no float zero points): untied, its zero points
+        become the block offsets c = m + 8 d [V, K/32, 1] (the form "offsets") that the
+        gather's d (q - 8) is added to; tied, the head's MatMulNBits shares its bytes, and it
+        is written in `requant`."""
         kind = ckpt.quant_types.get(hf)
         if kind is None:
             return None
-        b = ckpt.blocks(hf) if not (embedding and kind in ("Q4_1", "Q4_K")) else None
+        tied = embedding and cfg.tie_word_embeddings
+        b = ckpt.blocks(hf) if not (tied and kind in ("Q4_1", "Q4_K")) else None
         if b is None:
             b = gguf_blocks.requantize(ckpt.tensor(hf), requant)
         formats[kind, b.fmt] += 1
         stem = hf.removesuffix(".weight")
+        if embedding and b.zero_points is not None:
+            c = gguf_blocks.block_mins(b.scales, b.zero_points, b.mins).astype(np.float64) + 8 * b.scales.astype(np.float64)
+            out = (w.add(stem + ".qweight", b.codes), w.add(stem + ".scales", b.scales),
+                   w.add(stem + ".block_offsets", c.astype(np.float32)[..., None]), b.bits, "offsets", b.block)
+            del b
+            bar.update(1)
+            return out
         zp = w.add(stem + ".zero_points", b.zero_points) if b.zero_points is not None else ""
         out = (w.add(stem + ".qweight", b.codes), w.add(stem + ".scales", b.scales), zp, b.bits, b.mins, b.block)
         del b
@@ -141,12 +152,19 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         embed = weight("model.embed_tokens.weight")
         hidden = node("Gather", [embed, "input_ids"], ["embedding"], "/model/embed_tokens/Gather", axis=0)
     else:   # as passes/quantize_embedding.py writes it
-        codes, scales, _, bits, _, block = embed_q
+        codes, scales, offsets, bits, _, block = embed_q
         scales3 = node("Unsqueeze", [scales, w.add("axis_two", np.array([2], np.int64))],
                        ["embed_tokens.scales3"], "/model/embed_tokens/Unsqueeze")
         blocks_out = node("GatherBlockQuantized", [codes, "input_ids", scales3], ["embedding_blocks"],
                           "/model/embed_tokens/GatherBlockQuantized", domain=MS_DOMAIN, gather_axis=0,
                           quantize_axis=2, block_size=block, bits=bits)
+        if offsets:   # an untied Q4_1 / Q4_K table: d (q - 8) + c, a block's c added to its 32
+            # (c [V, K/32, 1]: three axes, so that passes/quantize_embedding.py, which takes a
+            # float Gather of a [V, H] table for the embedding, leaves this one alone)
+            row_offsets = node("Gather", [offsets, "input_ids"], ["embedding_block_offsets"],
+                               "/model/embed_tokens/Gather_offsets", axis=0)
+            blocks_out = node("Add", [blocks_out, row_offsets], ["embedding_blocks_offset"],
+                              "/model/embed_tokens/Add_offsets")
         hidden = node("Reshape", [blocks_out, w.add("embedding_shape", np.array([0, 0, cfg.hidden_size], np.int64))],
                       ["embedding"], "/model/embed_tokens/Reshape")
     cos, sin = model_rotary_caches(cfg)
