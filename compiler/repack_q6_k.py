@@ -26,6 +26,9 @@ from .targets import q6_k_path
 
 SUB = 16
 SUPER = 256
+# pack's and _as_q8_0's chunk of rows (whole row groups): a 7B output's float32 rows 56 MB at a
+# time, not 2.2 GB
+ROWS_AT_ONCE = 4096
 
 
 def is_q6_k(node: onnx.NodeProto) -> bool:
@@ -49,10 +52,19 @@ def pack(u: np.ndarray, s: np.ndarray, isa: str = "x86") -> tuple[np.ndarray, np
     n, nsub, _ = u.shape
     nb = nsub // 2
     d, sc = q6_k_factors(s)
-    w, _ = pack_int8(u.reshape(n, nb, 32), np.ones((n, nb), np.float32), signed=isa == "arm")
-    if isa == "x86":
-        w = six_bit_codes(w - np.uint8(96))   # u = q + 96 -> q (rows past N: 128 -> 32)
+
+    def codes(r: int) -> np.ndarray:   # rows r .. r + ROWS_AT_ONCE (whole row groups) in the layout
+        rows = u[r:r + ROWS_AT_ONCE].reshape(-1, nb, 32)
+        w, _ = pack_int8(rows, np.ones(rows.shape[:2], np.float32), signed=isa == "arm")
+        return six_bit_codes(w - np.uint8(96)) if isa == "x86" else w   # u = q + 96 -> q (rows past N: 32)
+
+    # a chunk of rows at a time: a 7B output's layouts whole took 1.1 GB more of temporaries
     g = groups(n)
+    first = codes(0)
+    w = np.empty((g, *first.shape[1:]), np.uint8)
+    for r in range(0, n, ROWS_AT_ONCE):
+        part = first if r == 0 else codes(r)
+        w[r // ROWS:r // ROWS + len(part)] = part
     scp = np.zeros((g * ROWS, nb, 2), np.int8)
     scp[:n] = sc.reshape(n, nb, 2)
     scp = scp.reshape(g, ROWS, nb, 2).transpose(0, 2, 3, 1).reshape(g, nb, 2 * ROWS)   # [g, b, A rows, B rows]
@@ -75,7 +87,6 @@ def six_bit_codes(q: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([nib, high], axis=2).astype(np.uint8))
 
 
-ROWS_AT_ONCE = 4096   # _as_q8_0's chunk: a 7B output's float32 rows 56 MB at a time, not 2.2 GB
 
 
 def _as_q8_0(u: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -158,6 +158,20 @@ def test_targets_say_which_read_q4_k_compact():
 
 
 @pytest.mark.parametrize("isa", ["x86", "arm"])
+def test_q6_k_layouts_made_a_chunk_of_rows_at_a_time_are_the_same(monkeypatch, isa):
+    """pack lays the codes out ROWS_AT_ONCE rows at a time (a 7B output's temporaries): chunks of
+    two row groups and a ragged last one give the whole layout's bytes."""
+    from qwc.compiler import repack_q6_k
+
+    raw = random_q6_k(np.random.default_rng(11), 70, 512)
+    b = gguf_blocks.from_gguf(raw, "Q6_K", (70, 512), "w")
+    whole = pack(b.codes, b.scales, isa)
+    monkeypatch.setattr(repack_q6_k, "ROWS_AT_ONCE", 32)
+    for a, c in zip(whole, pack(b.codes, b.scales, isa)):
+        assert a.dtype == c.dtype and np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("isa", ["x86", "arm"])
 def test_tied_q6_k_gather_reads_the_kernels_layout(isa):
     """A tied embedding's rows from the Q6_K kernel's weights (x86's six-bit codes, ARM's signed
     bytes: the gather is generic TE, so both run here) equal the file's dequantized rows exactly."""
