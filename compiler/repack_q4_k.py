@@ -76,12 +76,12 @@ def q4_k_compact(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, 
 
     graph = Graph(model)
     inits, consumers = graph.inits, graph.consumers
+    dots = kernels_for(features).int_dots
     compact = expanded = 0
     for node in model.graph.node:
         if node.op_type != "MatMulNBits" or not has_zero_points(node) or block_mins_form(node) != "q4_k":
             continue
         k, n, block, bits = matmul_nbits_dims(node)
-        dots = kernels_for(features).int_dots
         if not dots or not dots.q4_k_compact or q4_0_path(block, bits, act_bits, features) != dots.isa or k % SUPER:
             continue   # (not on a W4A8 kernel, or on one that reads Q4_K expanded: IntDots.q4_k_compact)
         names = list(node.input[1:4])

@@ -110,15 +110,13 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
             b = gguf_blocks.requantize(ckpt.tensor(hf), requant)
         formats[kind, b.fmt] += 1
         stem = hf.removesuffix(".weight")
-        if embedding and b.zero_points is not None:
+        codes, scales = w.add(stem + ".qweight", b.codes), w.add(stem + ".scales", b.scales)
+        if embedding and b.zero_points is not None:   # the gather's block offsets c = m + 8 d
             c = gguf_blocks.block_mins(b.scales, b.zero_points, b.mins).astype(np.float64) + 8 * b.scales.astype(np.float64)
-            out = (w.add(stem + ".qweight", b.codes), w.add(stem + ".scales", b.scales),
-                   w.add(stem + ".block_offsets", c.astype(np.float32)[..., None]), b.bits, "offsets", b.block)
-            del b
-            bar.update(1)
-            return out
-        zp = w.add(stem + ".zero_points", b.zero_points) if b.zero_points is not None else ""
-        out = (w.add(stem + ".qweight", b.codes), w.add(stem + ".scales", b.scales), zp, b.bits, b.mins, b.block)
+            zp, mins = w.add(stem + ".block_offsets", c.astype(np.float32)[..., None]), "offsets"
+        else:
+            zp, mins = (w.add(stem + ".zero_points", b.zero_points) if b.zero_points is not None else ""), b.mins
+        out = (codes, scales, zp, b.bits, mins, b.block)
         del b
         bar.update(1)
         return out
