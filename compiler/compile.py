@@ -26,14 +26,14 @@ from .targets import default_act_bits, default_kv_dtype, get_target
 
 def weight_formats(model: onnx.ModelProto) -> tuple[tuple[LinearFormat, ...], int | None]:
     """The linears' formats, each with its count, and the quantized embedding's bits (None: float)."""
-    from qwc.models.gguf_blocks import block_mins_form
+    from qwc.models.gguf_blocks import block_mins_form, minimums_form
     from qwc.passes.graph import has_zero_points, matmul_nbits_dims
 
     blocks = Counter()
     for n in model.graph.node:
         if n.op_type == "MatMulNBits":
             _, _, block, bits = matmul_nbits_dims(n)
-            fmt = ("q6_k" if bits == 8 and block == 16 else "q8_0" if bits == 8   # llama.cpp's names
+            fmt = ("q6_k" if bits == 8 and block == 16 else (minimums_form(n) or "q8_0").lower() if bits == 8
                    else "q4_0" if not has_zero_points(n) else "q4_k" if block_mins_form(n) == "q4_k" else "q4_1")
             blocks[(bits, block, fmt)] += 1
     gbq = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
@@ -125,6 +125,8 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     t0 = time.perf_counter()
     model = load_canonical(src, config, options, memory_check=memory_check, by_reference=True)
     times["passes"] = time.perf_counter() - t0
+    from .block_minimums import fold_block_minimums
+    fold_block_minimums(model)   # first: every later rewrite finds a Q5_1 / Q5_K linear as one node
     if max_lora_rank:
         from .lora_slots import check_inputs_unscaled
         check_inputs_unscaled(model, src)

@@ -77,17 +77,19 @@ class MatMulNBits(F.OnnxOpConverter):
         bias = inputs[5] if len(inputs) > 5 else None
         if attr.get(Q6_K_ATTR):   # repacked for the Q6_K kernel (repack_q6_k.py)
             return cls.q6_k_matmul(bb, a, w, s, inputs[6], k, n, bias)
-        if zp is not None and attr.get(BLOCK_OFFSETS_ATTR):   # Q4_1 / Q4_K as Q4_0 plus offsets (repack.py)
-            path = q4_0_path(block, bits, _ctx().act_bits, _ctx().features)
-            if path is None:   # no Q4_0 kernel here: the generic one, and the offsets' own pair
-                return cls.q4_0_matmul(bb, a, w, s, k, n, "generic", bias=bias, offsets=zp)
-            return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias, offsets=zp)
-        if attr.get(NIBBLE_HALVES_ATTR):   # Q8_0 as two Q4_0 halves (repack.q8_0_nibble_halves)
+        if attr.get(NIBBLE_HALVES_ATTR):   # Q8_0 (Q5_1, Q5_K) as two Q4_0 halves (repack.q8_0_nibble_halves)
             path = q4_0_path(block, 4, _ctx().act_bits, _ctx().features)
             hi = cls.q4_0_matmul(bb, a, w, s, k, n, path)
             lo = cls.q4_0_matmul(bb, a, inputs[6], inputs[7], k, n, path, bias=bias, offsets=zp,
                                  zero_offset=zp is None)
             return bb.emit(relax.op.add(hi, lo))
+        if zp is not None and attr.get(BLOCK_OFFSETS_ATTR):
+            # Q4_1 / Q4_K as Q4_0 plus offsets (repack.py); Q5_1 / Q5_K as 8-bit codes plus their
+            # minimums (block_minimums.py) on the W8A8 kernels
+            path = (q8_0_path if bits == 8 else q4_0_path)(block, bits, _ctx().act_bits, _ctx().features)
+            if path is None:   # no such kernel here: the generic one, and the offsets' own pair
+                return cls.q4_0_matmul(bb, a, w, s, k, n, "generic", bias=bias, offsets=zp, bits=bits)
+            return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias, offsets=zp, bits=bits)
         if zp is not None and (bits != 4 or not str(zp.ty.dtype).startswith("float")):
             raise QwcError(f"MatMulNBits {n}x{k}: zero points are supported as float ones on 4-bit codes "
                            f"(llama.cpp's Q4_1), not {bits}-bit codes with {zp.ty.dtype} ones")

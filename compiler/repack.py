@@ -107,13 +107,17 @@ def q8_0_nibble_halves(model: onnx.ModelProto, act_bits: int, features) -> int:
     (q4_1_block_offsets' form). The node stays one (the head and the passes that find it by its
     output see what they saw), marked graph.NIBBLE_HALVES_ATTR, with inputs (x, high codes, 16 d,
     8 d or "", "", bias, low codes, d), each half in its kernel's layout. A tied embedding keeps
-    reading the 8-bit bytes. Returns the nodes split."""
+    reading the 8-bit bytes. A Q5_1 / Q5_K node (8-bit codes u - 128 = q and block offsets m:
+    block_minimums.py) splits the same way, its low half taking block offsets m + 8 d (rounded
+    once) on either path, since the W4A8 kernels' offsets term reads the quantizer's sums that
+    `zero_offset` would zero. Returns the nodes split."""
     from .kernels import row_groups
 
     inits = Graph(model).inits
     count = 0
     for node in model.graph.node:
-        if node.op_type != "MatMulNBits" or (len(node.input) > 3 and node.input[3]):
+        minimums = has_block_offsets(node)   # Q5_1 / Q5_K (block_minimums.py): u - 128 = q, plus m
+        if node.op_type != "MatMulNBits" or (len(node.input) > 3 and node.input[3] and not minimums):
             continue
         k, n, block, bits = matmul_nbits_dims(node)
         path = q4_0_path(block, 4, act_bits, features)
@@ -135,14 +139,22 @@ def q8_0_nibble_halves(model: onnx.ModelProto, act_bits: int, features) -> int:
         for name, a in zip(names, [x for half in halves for x in half]):
             model.graph.initializer.append(new_tensor(a, name))
         offsets = ""
-        if path == "f32":
+        if path == "f32" or minimums:
+            c = 8 * d.astype(np.float64)
+            if minimums:
+                c += tensor_array(inits[node.input[3]]).astype(np.float64)
+            c = c.astype(np.float32)
             offsets = stem + ".qwc_lo_offsets"
-            model.graph.initializer.append(new_tensor(8 * d, offsets))
+            model.graph.initializer.append(new_tensor(row_groups.pack_offsets(c) if path != "f32" else c, offsets))
         bias = node.input[5] if len(node.input) > 5 else ""
-        old = list(node.input[1:3])
+        old = list(node.input[1:3]) + ([node.input[3]] if minimums else [])
         del node.input[1:]
         node.input.extend([names[0], names[1], offsets, "", bias, names[2], names[3]])
         node.attribute.append(helper.make_attribute(NIBBLE_HALVES_ATTR, 1))
+        if minimums:   # the offsets are the low half's now (the frontend reads the halves first)
+            kept = [a for a in node.attribute if a.name != BLOCK_OFFSETS_ATTR]
+            del node.attribute[:]
+            node.attribute.extend(kept)
         for name in old:
             if not any(name in nd.input for nd in model.graph.node):   # no tied gather reads it
                 model.graph.initializer.remove(inits.pop(name))

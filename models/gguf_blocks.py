@@ -1,16 +1,21 @@
 """A GGUF tensor's quantized blocks as the canonical graph holds them, bit for bit.
 
-llama.cpp's Q4_0, Q4_1, Q8_0 and Q5_0 are blocks of 32 weights along a row with float16 scales:
+llama.cpp's Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 are blocks of 32 weights along a row with float16
+scales:
 
 - Q4_0: d, then 16 bytes of codes q (0..15); w = d * (q - 8);
 - Q4_1: d, m, then 16 bytes of codes; w = d * q + m;
 - Q8_0: d, then 32 signed bytes q; w = d * q;
-- Q5_0: d, 4 bytes of fifth bits, 16 bytes of low nibbles; w = d * (q - 16), q in 0..31.
+- Q5_0: d, 4 bytes of fifth bits, 16 bytes of low nibbles; w = d * (q - 16), q in 0..31;
+- Q5_1: d, m, 4 bytes of fifth bits, 16 bytes of low nibbles; w = d * q + m.
 
 Q4_K is super-blocks of 256: an fp16 d and dmin, 12 bytes holding 8 six-bit scales sc and mins
 mn (one pair per sub-block of 32), then 128 bytes of codes; w = d sc q - dmin mn. Each sub-block
 is a Q4_1 block with scale d sc and minimum -dmin mn, both exact in float32 (an fp16 times a
 6-bit integer has at most 17 significant bits).
+
+Q5_K is Q4_K with a fifth bit: d, dmin, the same 12 bytes of scales and mins, 32 bytes of fifth
+bits (bit j of byte l: weight l of sub-block j), then 128 bytes of low nibbles; codes 0..31.
 
 Q6_K is super-blocks of 256 too: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8
 sub-block scales sc (one a sub-block of 16) and an fp16 d last; w = d sc (q - 32), q in 0..63.
@@ -30,9 +35,15 @@ checks that for every block of the file before anything is written. A block with
 its weights m) is written as d = 1, zp = -m, codes 0: Q4_1's quantizer writes codes 0 there,
 and a Q4_K sub-block's codes of scale 0 weigh nothing.
 
-Other GGUF types (Q5_1, Q5_K, IQ) have no kernel here yet: they are dequantized and
-quantized again to the format the user names (`--requant`, Q8_0 by default: the one that loses
-least).
+Q5_1 and Q5_K cannot take Q4_1's form: onnxruntime refuses float zero points on 8-bit codes. They
+are 8-bit codes q + 128 (q in 0..31, so u - 128 = q) with scales d (Q5_1) or d sc (Q5_K), and
+each block's minimum m (Q5_1's fp16 m, Q5_K's -dmin mn: exact in float32) apart, in `minimums`:
+w = d (u - 128) + m. The graph adds m times each block's sum of the activations beside the
+MatMulNBits (models/stream_export.py), which compile time folds into the kernels' block offsets
+(compiler/block_minimums.py); the node's metadata MINIMUMS_KEY names the format.
+
+Other GGUF types (IQ, Q2_K, Q3_K) have no kernel here: they are dequantized and quantized again
+to the format the user names (`--requant`, Q8_0 by default: the one that loses least).
 """
 
 from __future__ import annotations
@@ -47,8 +58,9 @@ from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 BLOCK = 32
 SUPER = 256
 # GGUF type name -> (weights, bytes) a block (a super-block for the K-quants)
-KEPT = {"Q4_0": (BLOCK, 18), "Q4_1": (BLOCK, 20), "Q8_0": (BLOCK, 34), "Q5_0": (BLOCK, 22), "Q4_K": (SUPER, 144),
-        "Q6_K": (SUPER, 210)}
+KEPT = {"Q4_0": (BLOCK, 18), "Q4_1": (BLOCK, 20), "Q8_0": (BLOCK, 34), "Q5_0": (BLOCK, 22), "Q5_1": (BLOCK, 24),
+        "Q4_K": (SUPER, 144), "Q5_K": (SUPER, 176), "Q6_K": (SUPER, 210)}
+WITH_MINIMUMS = ("Q5_1", "Q5_K")   # 8-bit codes with block minimums apart (Blocks.minimums)
 Q6_K_BLOCK = 16   # Q6_K's sub-block: the MatMulNBits block_size of its nodes
 REQUANT_CHOICES = ("q8_0", "q4_0")
 K_MIN_BITS = 17   # significant bits of a Q4_K minimum dmin * mn: an fp16 times a 6-bit integer
@@ -58,15 +70,17 @@ K_MIN_BITS = 17   # significant bits of a Q4_K minimum dmin * mn: an fp16 times 
 class Blocks:
     """One [N, K] weight as MatMulNBits takes it: codes [N, K/block, 16 or 32] uint8 (4-bit
     codes packed, 8-bit ones as bytes), scales [N, K/block] float32, zero points [N, K/block]
-    float32 (Q4_1, Q4_K). The block is 32 but for Q6_K's 16."""
-    fmt: str                       # a KEPT type: "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"
+    float32 (Q4_1, Q4_K), or block minimums [N, K/block] float32 added to the 8-bit codes'
+    d (u - 128) (Q5_1, Q5_K). The block is 32 but for Q6_K's 16."""
+    fmt: str                       # a KEPT type
     codes: np.ndarray
     scales: np.ndarray
     zero_points: np.ndarray | None = None
+    minimums: np.ndarray | None = None
 
     @property
     def bits(self) -> int:
-        return 8 if self.fmt in ("Q8_0", "Q5_0", "Q6_K") else 4
+        return 8 if self.fmt in ("Q8_0", "Q5_0", "Q6_K", *WITH_MINIMUMS) else 4
 
     @property
     def block(self) -> int:
@@ -105,14 +119,14 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int], name: str) -> B
     first = _rows(raw[:ROWS_AT_ONCE], fmt, name)
     if n <= ROWS_AT_ONCE:
         return first
-    parts = [first.codes, first.scales] + ([first.zero_points] if first.zero_points is not None else [])
-    whole = [np.empty((n, *a.shape[1:]), a.dtype) for a in parts]
+    fields = ("codes", "scales", "zero_points", "minimums")
+    whole = {f: np.empty((n, *a.shape[1:]), a.dtype) for f in fields if (a := getattr(first, f)) is not None}
     for r in range(0, n, ROWS_AT_ONCE):
         b = first if r == 0 else _rows(raw[r:r + ROWS_AT_ONCE], fmt, name)
-        got = [b.codes, b.scales] + ([b.zero_points] if b.zero_points is not None else [])
-        for out, a in zip(whole, got):
+        for f, out in whole.items():
+            a = getattr(b, f)
             out[r:r + len(a)] = a
-    return Blocks(fmt, *whole)
+    return Blocks(fmt, **whole)
 
 
 def _rows(raw: np.ndarray, fmt: str, name: str) -> Blocks:
@@ -120,8 +134,8 @@ def _rows(raw: np.ndarray, fmt: str, name: str) -> Blocks:
     if fmt == "Q6_K":
         return _q6_k(raw, name)
     d = _halves(raw, 0)
-    if fmt == "Q4_K":
-        return _q4_k(raw, d, _halves(raw, 2), name)
+    if fmt in ("Q4_K", "Q5_K"):
+        return _k_quant(raw, fmt, d, _halves(raw, 2), name)
     _finite(d, fmt, name)
     if fmt == "Q8_0":
         codes = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
@@ -133,6 +147,9 @@ def _rows(raw: np.ndarray, fmt: str, name: str) -> Blocks:
         return Blocks(fmt, pack_nibbles(_gguf_nibbles(raw[..., 2:])), d)
     m = _halves(raw, 2)
     _finite(m, fmt, name)
+    if fmt == "Q5_1":
+        fifth = np.unpackbits(raw[..., 4:8], axis=-1, bitorder="little")
+        return Blocks(fmt, (_gguf_nibbles(raw[..., 8:]) + 16 * fifth + 128).astype(np.uint8), d, minimums=m)
     return _with_zero_points(fmt, _gguf_nibbles(raw[..., 4:]), d, m, name)
 
 
@@ -141,22 +158,26 @@ def _finite(x: np.ndarray, fmt: str, name: str) -> None:
         raise QwcError(f"{name}: {int((~np.isfinite(x)).sum())} {fmt} scales are NaN or infinite")
 
 
-def _q4_k(raw: np.ndarray, d: np.ndarray, dmin: np.ndarray, name: str) -> Blocks:
-    """Q4_K super-blocks [N, K/256, 144] as Q4_1-like blocks of 32 with float32 d sc and -dmin mn."""
-    _finite(d, "Q4_K", name)
-    _finite(dmin, "Q4_K", name)
+def _k_quant(raw: np.ndarray, fmt: str, d: np.ndarray, dmin: np.ndarray, name: str) -> Blocks:
+    """Q4_K super-blocks [N, K/256, 144] as Q4_1-like blocks of 32 with float32 d sc and -dmin
+    mn; Q5_K ones [N, K/256, 176] as 8-bit codes q + 128 with those scales and minimums."""
+    _finite(d, fmt, name)
+    _finite(dmin, fmt, name)
     s = raw[..., 4:16]
     sc_bytes, mn_bytes, mixed = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     # sub-blocks 0-3: the low six bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: a nibble of
     # bytes 8-11 (low: scale, high: min) under the top two bits of bytes 0-3 or 4-7
     sc = np.concatenate([sc_bytes & 63, (mixed & 15) | ((sc_bytes >> 6) << 4)], axis=-1)
     mn = np.concatenate([mn_bytes & 63, (mixed >> 4) | ((mn_bytes >> 6) << 4)], axis=-1)
-    qs = raw[..., 16:].reshape(*raw.shape[:2], 4, 32)           # 32 bytes for each pair of sub-blocks
-    q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(raw.shape[0], -1, BLOCK)   # [N, K/32, 32]
-    n = raw.shape[0]
+    n, sb = raw.shape[:2]
+    qs = raw[..., -128:].reshape(n, sb, 4, 32)           # 32 bytes for each pair of sub-blocks
+    q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(n, sb, 8, 32)   # sub-block 2p: pair p's low nibbles
     scales = (d[..., None] * sc).reshape(n, -1).astype(np.float32)      # exact: 11 x 6 bits
     mins = -(dmin[..., None] * mn).reshape(n, -1).astype(np.float32)
-    return _with_zero_points("Q4_K", q, scales, mins, name)
+    if fmt == "Q4_K":
+        return _with_zero_points("Q4_K", q.reshape(n, -1, BLOCK), scales, mins, name)
+    fifth = (raw[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1   # bit j of byte l: sub-block j
+    return Blocks(fmt, (q + 16 * fifth + 128).astype(np.uint8).reshape(n, -1, BLOCK), scales, minimums=mins)
 
 
 def _q6_k(raw: np.ndarray, name: str) -> Blocks:
@@ -282,6 +303,43 @@ def block_mins(d: np.ndarray, zp: np.ndarray, kind: str = "fp16") -> np.ndarray:
     return np.ldexp(np.rint(np.ldexp(mant, K_MIN_BITS)), exp - K_MIN_BITS).astype(np.float32)
 
 
+# Node metadata of a Q5_1 / Q5_K MatMulNBits (its format: "Q5_1", "Q5_K") and of the MatMul
+# that adds its block minimums beside it ("term"): compiler/block_minimums.py folds the two, and
+# passes/quantize_linears.py leaves the term's float MatMul alone.
+MINIMUMS_KEY = "qwc.block_minimums"
+
+
+def minimums_form(node) -> str | None:
+    """The format a node's MINIMUMS_KEY names, or None."""
+    return next((p.value for p in node.metadata_props if p.key == MINIMUMS_KEY), None)
+
+
+def set_minimums_form(node, form: str) -> None:
+    p = node.metadata_props.add()
+    p.key, p.value = MINIMUMS_KEY, form
+
+
+def minimums_term(x: str, product: str, minimums_t: str, block_shape: str, last_axis: str, out: str, at: str) -> list:
+    """The nodes that make `out` = `product` (a Q5_1 / Q5_K MatMulNBits' output on x [B, S, K])
+    plus each block's minimum times the block's sum of x: Reshape(x, block_shape [0, 0, K/32,
+    32]) -> ReduceSum(last_axis [-1]) -> MatMul by minimums_t [K/32, N] (marked "term") -> Add.
+    Names: `at` + "/..." for the nodes, `out` + "..." for the tensors between."""
+    from onnx import helper
+
+    nodes = [helper.make_node("Reshape", [x, block_shape], [out + ".x_blocks"], name=at + "/Reshape"),
+             helper.make_node("ReduceSum", [out + ".x_blocks", last_axis], [out + ".x_block_sums"],
+                              name=at + "/ReduceSum", keepdims=0),
+             helper.make_node("MatMul", [out + ".x_block_sums", minimums_t], [out + ".minimums_term"], name=at + "/MatMul"),
+             helper.make_node("Add", [product, out + ".minimums_term"], [out], name=at + "/Add")]
+    set_minimums_form(nodes[2], "term")
+    return nodes
+
+
+def minimums_constants(k: int) -> dict[str, np.ndarray]:
+    """minimums_term's two constants for K inputs, by the names the graph writers give them."""
+    return {f"block_shape_{k}": np.array([0, 0, k // BLOCK, BLOCK], np.int64), "last_axis": np.array([-1], np.int64)}
+
+
 # Node metadata of a MatMulNBits with float zero points in the canonical graph: its minimums'
 # form for block_mins, absent for Q4_1's ("fp16"). Metadata, not an attribute: onnxruntime
 # refuses attributes MatMulNBits does not define, and ignores metadata.
@@ -311,7 +369,7 @@ def requantize(w: np.ndarray, to: str) -> Blocks:
 
 def dequantize(b: Blocks) -> np.ndarray:
     """The float32 [N, K] weight `b` holds (what the kernels must compute with)."""
-    if b.bits == 8:   # Q8_0, Q5_0 (blocks of 32) and Q6_K (of 16)
+    if b.bits == 8:   # Q8_0, Q5_0, Q5_1, Q5_K (blocks of 32) and Q6_K (of 16)
         q = b.codes.astype(np.float32) - 128
     else:
         lo, hi = b.codes & 15, b.codes >> 4
@@ -321,4 +379,6 @@ def dequantize(b: Blocks) -> np.ndarray:
     w = q * b.scales[..., None]
     if b.zero_points is not None:
         w += block_mins(b.scales, b.zero_points, b.mins)[..., None]
+    if b.minimums is not None:
+        w += b.minimums[..., None]
     return w.reshape(w.shape[0], -1)

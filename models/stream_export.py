@@ -12,8 +12,9 @@ embedding of a 7B: ~3.3 GB).
 
 A GGUF's quantized weights are written as the canonical graph's ops, not as float:
 MatMulNBits (and GatherBlockQuantized for the embedding) on the file's own blocks where they
-are Q4_0, Q4_1, Q8_0, Q5_0, Q4_K or Q6_K (models/gguf_blocks.py; a Q4_K node is marked with
-how its minimums come back, gguf_blocks.MINS_KEY; a Q6_K one has 8-bit blocks of 16), or on
+are Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K (models/gguf_blocks.py; a Q4_K node is
+marked with how its minimums come back, gguf_blocks.MINS_KEY; a Q6_K one has 8-bit blocks of 16;
+a Q5_1 / Q5_K one adds its block minimums through a small term beside it), or on
 `--requant`'s blocks for a type qwc has no kernel for. The passes quantize only what is still float, so these reach the artifact
 bit for bit; the graph still runs in onnxruntime.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -44,6 +46,21 @@ from .checkpoint import Checkpoint, expected_tensors
 OPSET = 20
 MS_DOMAIN = "com.microsoft"
 INLINE_BYTES = 1024    # smaller tensors (the two int64 constants) stay in the graph
+
+
+class _Quantized(NamedTuple):
+    """A GGUF-quantized weight's MatMulNBits inputs by name (zero_points: a float zero points'
+    input, or an embedding's block offsets, or ""), how its minimums come back (mins:
+    gguf_blocks.block_mins' form, or "offsets"), and a Q5_1 / Q5_K weight's block minimums
+    [K/32, N] for the term beside the node (else "")."""
+    codes: str
+    scales: str
+    zero_points: str
+    bits: int
+    mins: str
+    block: int
+    minimums: str
+    fmt: str
 
 
 class _Writer:
@@ -91,45 +108,65 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         bar.update(1)
         return out
 
+    constants: set[str] = set()
+
+    def constant(name: str, a: np.ndarray) -> str:
+        """A small constant several nodes share, written once."""
+        if name not in constants:
+            constants.add(name)
+            w.add(name, a)
+        return name
+
     formats = Counter()   # what the quantized weights were written as: (GGUF type, kept or written)
 
-    def blocks(hf: str, embedding: bool = False) -> tuple[str, str, str, int, str] | None:
-        """A GGUF-quantized weight as MatMulNBits inputs (codes, scales, zero points or "",
-        bits) and its minimums' form: kept as it is, or in `requant` where qwc has no kernel
-        for its type. None: a float weight, which the passes quantize. A Q4_1 or Q4_K
-        embedding (GatherBlockQuantized has no float zero points): untied, its zero points
-        become the block offsets c = m + 8 d [V, K/32, 1] (the form "offsets") that the
-        gather's d (q - 8) is added to; tied, the head's MatMulNBits shares its bytes, and it
-        is written in `requant`."""
+    def blocks(hf: str, embedding: bool = False) -> _Quantized | None:
+        """A GGUF-quantized weight as MatMulNBits inputs: kept as it is, or in `requant` where
+        qwc has no kernel for its type. None: a float weight, which the passes quantize. An
+        embedding with minimums (GatherBlockQuantized has neither float zero points nor
+        minimums): untied, a Q4_1 / Q4_K one's zero points become the block offsets c = m + 8 d
+        [V, K/32, 1] that the gather's d (q - 8) is added to, and a Q5_1 / Q5_K one's
+        minimums are those offsets as they are (the gather gives d (u - 128)); tied, the head's
+        MatMulNBits shares its bytes, and it is written in `requant`."""
         kind = ckpt.quant_types.get(hf)
         if kind is None:
             return None
         tied = embedding and cfg.tie_word_embeddings
-        b = ckpt.blocks(hf) if not (tied and kind in ("Q4_1", "Q4_K")) else None
+        b = ckpt.blocks(hf) if not (tied and kind in ("Q4_1", "Q4_K", *gguf_blocks.WITH_MINIMUMS)) else None
         if b is None:
             b = gguf_blocks.requantize(ckpt.tensor(hf), requant)
         formats[kind, b.fmt] += 1
         stem = hf.removesuffix(".weight")
         codes, scales = w.add(stem + ".qweight", b.codes), w.add(stem + ".scales", b.scales)
+        zp, mins, minimums = "", b.mins, ""
         if embedding and b.zero_points is not None:   # the gather's block offsets c = m + 8 d
             c = gguf_blocks.block_mins(b.scales, b.zero_points, b.mins).astype(np.float64) + 8 * b.scales.astype(np.float64)
             zp, mins = w.add(stem + ".block_offsets", c.astype(np.float32)[..., None]), "offsets"
-        else:
-            zp, mins = (w.add(stem + ".zero_points", b.zero_points) if b.zero_points is not None else ""), b.mins
-        out = (codes, scales, zp, b.bits, mins, b.block)
+        elif embedding and b.minimums is not None:
+            zp, mins = w.add(stem + ".block_offsets", b.minimums[..., None]), "offsets"
+        elif b.zero_points is not None:
+            zp = w.add(stem + ".zero_points", b.zero_points)
+        elif b.minimums is not None:   # the term's MatMul weight [K/32, N] (a view: written in row chunks)
+            minimums = w.add(stem + ".block_minimums.T", b.minimums.T)
+        out = _Quantized(codes, scales, zp, b.bits, mins, b.block, minimums, b.fmt)
         del b
         bar.update(1)
         return out
 
-    def matmul_nbits(x: str, q: tuple[str, str, str, int, str, int], n: int, k: int, out: str, path: str,
-                     bias: str | None = None) -> str:
-        codes, scales, zp, bits, mins, block = q
-        inputs = [x, codes, scales] + ([zp] if zp or bias else []) + (["", bias] if bias else [])
-        y = node("MatMulNBits", inputs, [out], path + "/MatMulNBits", domain=MS_DOMAIN,
-                 K=k, N=n, bits=bits, block_size=block)
-        if zp and mins != "fp16":
-            gguf_blocks.set_block_mins_form(nodes[-1], mins)
-        return y
+    def matmul_nbits(x: str, q: _Quantized, n: int, k: int, out: str, path: str, bias: str | None = None) -> str:
+        inputs = [x, q.codes, q.scales] + ([q.zero_points] if q.zero_points or bias else []) + (["", bias] if bias else [])
+        y = node("MatMulNBits", inputs, [out if not q.minimums else out + ".codes_term"], path + "/MatMulNBits",
+                 domain=MS_DOMAIN, K=k, N=n, bits=q.bits, block_size=q.block)
+        if q.zero_points and q.mins != "fp16":
+            gguf_blocks.set_block_mins_form(nodes[-1], q.mins)
+        if not q.minimums:
+            return y
+        # Q5_1 / Q5_K: plus each block's minimum times the block's sum of x (onnxruntime's
+        # MatMulNBits takes no float zero points on 8-bit codes); compile time folds these
+        # nodes into the kernels' block offsets (compiler/block_minimums.py)
+        gguf_blocks.set_minimums_form(nodes[-1], q.fmt)
+        shape, axis = (constant(name, a) for name, a in gguf_blocks.minimums_constants(k).items())
+        nodes.extend(gguf_blocks.minimums_term(x, y, q.minimums, shape, axis, out, path + "/block_minimums"))
+        return out
 
     def linear(x: str, module: str, bias: bool = False) -> str:
         path = "/" + module.replace(".", "/")
@@ -150,13 +187,13 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         embed = weight("model.embed_tokens.weight")
         hidden = node("Gather", [embed, "input_ids"], ["embedding"], "/model/embed_tokens/Gather", axis=0)
     else:   # as passes/quantize_embedding.py writes it
-        codes, scales, offsets, bits, _, block = embed_q
+        codes, scales, offsets, bits, block = embed_q.codes, embed_q.scales, embed_q.zero_points, embed_q.bits, embed_q.block
         scales3 = node("Unsqueeze", [scales, w.add("axis_two", np.array([2], np.int64))],
                        ["embed_tokens.scales3"], "/model/embed_tokens/Unsqueeze")
         blocks_out = node("GatherBlockQuantized", [codes, "input_ids", scales3], ["embedding_blocks"],
                           "/model/embed_tokens/GatherBlockQuantized", domain=MS_DOMAIN, gather_axis=0,
                           quantize_axis=2, block_size=block, bits=bits)
-        if offsets:   # an untied Q4_1 / Q4_K table: d (q - 8) + c, a block's c added to its 32
+        if offsets:   # an untied Q4_1 / Q4_K (Q5_1 / Q5_K) table: d (q - 8) + c, a block's c added to its 32
             # (c [V, K/32, 1]: three axes, so that passes/quantize_embedding.py, which takes a
             # float Gather of a [V, H] table for the embedding, leaves this one alone)
             row_offsets = node("Gather", [offsets, "input_ids"], ["embedding_block_offsets"],
@@ -220,9 +257,7 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         node("MatMul", [x, weight("lm_head.weight", transpose=True)], ["logits"], "/lm_head/MatMul")
     bar.close()
     if formats:
-        said = ", ".join(f"{c} {a}" + (f" -> {b}" if a != b else " (exact, as 8-bit codes)" if a == "Q5_0" else
-                                       " (exact, 8-bit blocks of 16)" if a == "Q6_K" else "")
-                         for (a, b), c in sorted(formats.items()))
+        said = ", ".join(f"{c} {a}" + (f" -> {b}" if a != b else _EXACT_AS.get(a, "")) for (a, b), c in sorted(formats.items()))
         progress.info(f"[qwc] quantized weights as the file gives them: {said}"
                       + ("" if all(a == b for a, b in formats) else f" (--requant {requant})"))
 
@@ -241,6 +276,11 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
     # passes/pipeline.py: STREAM_EXPORT_KEY (models/ does not import passes/)
     helper.set_model_props(model, {"qwc.stream_export": "1"})
     return model
+
+
+# How the export's summary line names a type kept in a form other than its own blocks
+_EXACT_AS = {"Q5_0": " (exact, as 8-bit codes)", "Q5_1": " (exact, as 8-bit codes and block minimums)",
+             "Q5_K": " (exact, as 8-bit codes and block minimums)", "Q6_K": " (exact, 8-bit blocks of 16)"}
 
 
 def _skip_norm(node, residual: str, branch: str, gain: str, prefix: str, which: str, eps: float):

@@ -193,6 +193,13 @@ class Graph:
         self._index(n)
         return n
 
+    def add_node(self, n: onnx.NodeProto) -> onnx.NodeProto:
+        """Append a node made elsewhere (indexed as node() indexes its own)."""
+        self.g.node.append(n)
+        n = self.g.node[-1]
+        self._index(n)
+        return n
+
     def _index(self, n: onnx.NodeProto) -> None:
         for o in n.output:
             if o:

@@ -26,8 +26,8 @@ class PassOptions:
     awq_calibration: object = None
     # The same for GPTQ (passes/gptq.py): Q4_0 codes chosen against the calibration activations
     gptq_calibration: object = None
-    # The weight format: "q4_0" (every linear Q4_0, or --bits 8) or "q4_k_m" (llama.cpp's
-    # Q4_K_M mix, passes/kquant_mix.py, its blocks searched by qwc/kquants.py)
+    # The weight format: "q4_0" (every linear Q4_0, or --bits 8) or a llama.cpp K mix ("q4_k_m",
+    # "q4_k_s", "q5_k_m", "q6_k": passes/kquant_mix.py, its blocks searched by qwc/kquants.py)
     format: str = "q4_0"
     # Importance matrix for the K-quant search: {module name: [K]} read from llama-imatrix's
     # file (passes/imatrix.py), or token ids of calibration text to compute it from; None: none
@@ -62,12 +62,12 @@ class PassOptions:
 
         from .kquant_mix import FORMATS
         if self.format not in FORMATS:
-            raise QwcError(f"--format {self.format!r} is not one of {', '.join(FORMATS)} (Q5_K and Q6_K have no "
-                           "kernels yet)")
+            raise QwcError(f"--format {self.format!r} is not one of {', '.join(FORMATS)}")
         weighted = self.importance is not None or self.imatrix_calibration is not None
         if self.format == "q4_0":
             if weighted:
-                raise QwcError("--imatrix weighs the K-quant search: it needs --format q4_k_m")
+                raise QwcError("--imatrix weighs the K-quant search: it needs a K mix (--format q4_k_m, q4_k_s, "
+                               "q5_k_m or q6_k)")
             return
         for bad, why in ((self.bits == 8, "--bits 8"), (self.block_size != 32, f"--block-size {self.block_size}"),
                          (bool(self.q8), "--q8")):

@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 
 from qwc.errors import QwcError
+from qwc.models.gguf_blocks import minimums_form
 from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0, row_chunks
 
 from .graph import MS_DOMAIN, Graph, ensure_ms_opset, tensor_bytes
@@ -53,8 +54,8 @@ def linears_to_quantize(g: Graph, options: PassOptions) -> list[tuple[onnx.NodeP
         t = g.inits.get(n.input[1])
         w = None if t is not None else g.const(n.input[1])
         dims = tuple(t.dims) if t is not None else None if w is None else w.shape
-        if dims is None or len(dims) != 2 or g.const(n.input[0]) is not None:
-            continue
+        if dims is None or len(dims) != 2 or g.const(n.input[0]) is not None or minimums_form(n) == "term":
+            continue   # (the term that adds a GGUF Q5_1 / Q5_K linear's block minimums is no linear)
         name = module_name(n)
         if not any(fnmatch.fnmatch(name, pat) for pat in options.keep_float):
             todo.append((n, name))

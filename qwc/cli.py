@@ -665,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = sub.add_parser("optimize", help="raise an exported graph to qwc's canonical int4 graph",
                        description="Fuse RMSNorm, rotary and attention into onnxruntime's LLM ops and "
-                                   "quantize weights to Q4_0, or llama.cpp's Q4_K_M mix with --format q4_k_m "
+                                   "quantize weights to Q4_0, or a llama.cpp K-quant mix with --format q4_k_m "
                                    "(MatMulNBits / GatherBlockQuantized). The result runs in onnxruntime.")
     o.add_argument("model", help="exported .onnx (with its .config.json beside it)")
     o.add_argument("-o", "--output", required=True, help="output .onnx path")
@@ -690,12 +690,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--gptq", action="store_true",
                    help="GPTQ: Q4_0 codes chosen against calibration activations, each channel's rounding error "
                         "moved onto the channels after it (with --awq: after its scales); the output stays plain Q4_0")
-    o.add_argument("--format", default="q4_0", choices=("q4_0", "q4_k_m"),
-                   help="weight format: q4_0 (the default) or q4_k_m, llama.cpp's Q4_K_M mix (Q4_K, Q5_0 where "
-                        "rows are not whole super-blocks of 256; Q8_0 in its Q6_K places) with searched block "
-                        "scales")
+    o.add_argument("--format", default="q4_0", choices=("q4_0", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k"),
+                   help="weight format: q4_0 (the default), or llama.cpp's mix of that name: q4_k_m (Q4_K, Q6_K "
+                        "for the output and some attn_v / ffn_down), q4_k_s, q5_k_m (Q5_K for Q4_K), q6_k; rows "
+                        "that are not whole super-blocks of 256 fall back to Q5_0, Q5_1, Q8_0 as llama.cpp's "
+                        "do. Block scales searched")
     o.add_argument("--imatrix", metavar="FILE|calib",
-                   help="with --format q4_k_m: weigh the search by an importance matrix, llama-imatrix's file "
+                   help="with a K mix (--format q4_k_m, ...): weigh the search by an importance matrix, llama-imatrix's file "
                         "(GGUF or .dat) or 'calib' to compute one on the --calib text")
     _calibration_options(o, " for --awq, --gptq and --imatrix calib", 4096)
     o.add_argument("--untie-lm-head", action="store_true",

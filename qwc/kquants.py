@@ -1,4 +1,5 @@
-"""qwc's own quantizers for llama.cpp's Q4_K, Q5_0 and Q6_K (`qwc optimize --format q4_k_m`): float
+"""qwc's own quantizers for llama.cpp's Q4_K, Q5_K, Q5_0, Q5_1 and Q6_K (`qwc optimize --format
+q4_k_m` and the other K mixes): float
 weights [N, K] -> the GGUF bytes of those formats, bit for bit what llama.cpp reads
 (models/gguf_blocks.py turns them into the canonical graph's blocks, as it does a
 downloaded file's).
@@ -15,6 +16,8 @@ input). Without one every channel weighs the same (the weights' own squared erro
   zero, as the format stores it); the 8 sub-block scales and minimums then take 6-bit codes
   under one fp16 d and dmin per super-block of 256, and the weights are rounded again against
   the values the file will hold.
+- Q5_K: Q4_K's search with codes 0..31; Q5_1 (Q5_K's fallback for rows that are not whole
+  super-blocks): the same sub-block search a block of 32, its d and minimum as fp16.
 - Q5_0: per block, a grid of steps around max / -16 (Q5_0's own rule: the largest magnitude
   maps to -16), each refitted by weighted least squares, the best kept as fp16.
 - Q6_K: per sub-block of 16, Q5_0's search with 6-bit codes (around max / -32); the 16
@@ -67,20 +70,23 @@ def _fp16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float32)
 
 
-def _q4_k_sub_blocks(x: np.ndarray, imp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each sub-block's scale s >= 0 and minimum m >= 0 (x ~ s q - m, q in 0..15), searched:
+Q4_TOP, Q5_TOP = 15, 31   # the largest code of Q4_K's sub-blocks and of Q5_K's (and Q5_1's blocks)
+
+
+def _k_sub_blocks(x: np.ndarray, imp: np.ndarray, top: int = Q4_TOP) -> tuple[np.ndarray, np.ndarray]:
+    """Each sub-block's scale s >= 0 and minimum m >= 0 (x ~ s q - m, q in 0..top), searched:
     x, imp [B, 32] float64."""
     lo = np.minimum(x.min(axis=1), 0)
     span = x.max(axis=1) - lo
     flat = span <= 0
     span = np.where(flat, 1, span)
-    best_s, best_m = span / 15, -lo
+    best_s, best_m = span / top, -lo
     best_err = np.full(len(x), np.inf)
     sw = imp.sum(axis=1)
     swx = (imp * x).sum(axis=1)
     for f in STEP_FACTORS:
-        step = span / 15 * f
-        q = np.clip(np.rint((x - lo[:, None]) / step[:, None]), 0, 15)
+        step = span / top * f
+        q = np.clip(np.rint((x - lo[:, None]) / step[:, None]), 0, top)
         swq, swqq, swqx = (imp * q).sum(axis=1), (imp * q * q).sum(axis=1), (imp * q * x).sum(axis=1)
         det = sw * swqq - swq * swq
         ok = det > 0
@@ -119,11 +125,12 @@ def _six_bit(v: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return best_d, np.where(best_d[:, None] > 0, codes, 0).astype(np.uint8)
 
 
-def _q4_k_codes(x: np.ndarray, d: np.ndarray, sc: np.ndarray, dmin: np.ndarray, mn: np.ndarray) -> np.ndarray:
-    """Codes [B, 32] (0..15) nearest x against what the file holds: steps d sc, minimums dmin mn."""
+def _k_codes(x: np.ndarray, d: np.ndarray, sc: np.ndarray, dmin: np.ndarray, mn: np.ndarray,
+             top: int = Q4_TOP) -> np.ndarray:
+    """Codes [B, 32] (0..top) nearest x against what the file holds: steps d sc, minimums dmin mn."""
     step = (d[:, None] * sc).reshape(-1)
     low = (dmin[:, None] * mn).reshape(-1)
-    q = np.clip(np.rint((x + low[:, None]) / np.where(step > 0, step, 1)[:, None]), 0, 15)
+    q = np.clip(np.rint((x + low[:, None]) / np.where(step > 0, step, 1)[:, None]), 0, top)
     return np.where(step[:, None] > 0, q, 0)
 
 
@@ -149,17 +156,17 @@ def _refit_super(x, imp, q, d, sc, dmin, mn) -> tuple[np.ndarray, np.ndarray]:
     return np.where(keep, d, nd), np.where(keep, dmin, ndmin)
 
 
-def q4_k_params(w: np.ndarray, imp: np.ndarray) -> tuple[np.ndarray, ...]:
+def q4_k_params(w: np.ndarray, imp: np.ndarray, top: int = Q4_TOP) -> tuple[np.ndarray, ...]:
     """The searched super-block parameters of rows w [N, 256 S] (importance [256 S]): d, dmin
-    [N S] (fp16 values) and the 6-bit sc, mn [N S, 8]."""
+    [N S] (fp16 values) and the 6-bit sc, mn [N S, 8]; `top` Q5_TOP: Q5_K's, whose codes go to 31."""
     n, k = w.shape
     x = w.astype(np.float64).reshape(-1, BLOCK)
     im = np.broadcast_to(imp.reshape(1, k // BLOCK, BLOCK), (n, k // BLOCK, BLOCK)).reshape(-1, BLOCK)
-    s, m = _q4_k_sub_blocks(x, im)
-    q = np.clip(np.rint((x + m[:, None]) / np.where(s > 0, s, 1)[:, None]), 0, 15)
+    s, m = _k_sub_blocks(x, im, top)
+    q = np.clip(np.rint((x + m[:, None]) / np.where(s > 0, s, 1)[:, None]), 0, top)
     d, sc = _six_bit(s.reshape(-1, 8), (im * q * q).sum(axis=1).reshape(-1, 8))
     dmin, mn = _six_bit(m.reshape(-1, 8), im.sum(axis=1).reshape(-1, 8))
-    q = _q4_k_codes(x, d, sc, dmin, mn)
+    q = _k_codes(x, d, sc, dmin, mn, top)
     d, dmin = _refit_super(x, im, q, d, sc, dmin, mn)
     return d, dmin, sc, mn
 
@@ -169,33 +176,95 @@ def q4_k_steps(d, dmin, sc, mn) -> tuple[np.ndarray, np.ndarray]:
     return d[:, None] * sc, dmin[:, None] * mn
 
 
+def _k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """The 12 bytes [S', 12] holding a super-block's 6-bit sc and mn [S', 8] (Q4_K's and Q5_K's):
+    sub-blocks 0-3 six bits each in bytes 0-3 (scales) and 4-7 (minimums); 4-7 their low
+    nibbles in bytes 8-11 (scale low, minimum high), their top two bits above bytes 0-7's."""
+    out = np.empty((len(sc), 12), np.uint8)
+    out[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    out[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    return out
+
+
+def _low_nibbles(q: np.ndarray) -> np.ndarray:
+    """[S', 128] bytes of codes q [S', 256] (sub-block by sub-block): a byte holds sub-block 2p's
+    low four bits low and 2p + 1's high."""
+    q = (q.astype(np.uint8) & 15).reshape(len(q), 4, 2, BLOCK)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(len(q), 128)
+
+
 def pack_q4_k(d, dmin, sc, mn, q: np.ndarray) -> np.ndarray:
     """Q4_K super-blocks [S', 144] from their fp16 d, dmin [S'], 6-bit sc, mn [S', 8] and codes
     q [S', 256] (0..15, sub-block by sub-block)."""
-    q = q.astype(np.uint8).reshape(-1, 4, 2, BLOCK)
     nsup = len(d)
     raw = np.zeros((nsup, 144), np.uint8)
     raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(nsup, 2)
     raw[:, 2:4] = dmin.astype(np.float16).view(np.uint8).reshape(nsup, 2)
-    # sub-blocks 0-3: six bits each in bytes 4-7 (scales) and 8-11 (minimums); 4-7: their low
-    # nibbles in bytes 12-15 (scale low, minimum high), their top two bits above bytes 4-11's
-    raw[:, 4:8] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
-    raw[:, 8:12] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
-    raw[:, 12:16] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
-    raw[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(nsup, 128)   # a byte: sub-block 2p low, 2p + 1 high
+    raw[:, 4:16] = _k_scales(sc, mn)
+    raw[:, 16:] = _low_nibbles(q.reshape(nsup, -1))
+    return raw
+
+
+def pack_q5_k(d, dmin, sc, mn, q: np.ndarray) -> np.ndarray:
+    """Q5_K super-blocks [S', 176]: Q4_K's fields and the fifth bits of codes q [S', 256]
+    (0..31), bit j of byte l for weight l of sub-block j, before the low nibbles."""
+    nsup = len(d)
+    q = q.astype(np.uint8).reshape(nsup, 8, BLOCK)
+    raw = np.zeros((nsup, 176), np.uint8)
+    raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(nsup, 2)
+    raw[:, 2:4] = dmin.astype(np.float16).view(np.uint8).reshape(nsup, 2)
+    raw[:, 4:16] = _k_scales(sc, mn)
+    raw[:, 16:48] = ((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=1, dtype=np.uint8)
+    raw[:, 48:] = _low_nibbles(q.reshape(nsup, -1))
     return raw
 
 
 def _q4_k_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
     n, k = w.shape
     d, dmin, sc, mn = q4_k_params(w, imp)
-    q = _q4_k_codes(w.astype(np.float64).reshape(-1, BLOCK), d, sc, dmin, mn)
+    q = _k_codes(w.astype(np.float64).reshape(-1, BLOCK), d, sc, dmin, mn)
     return pack_q4_k(d, dmin, sc, mn, q).reshape(n, -1)
 
 
 def quantize_q4_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     """w [N, K] (K a multiple of 256) -> Q4_K bytes [N, K/256 * 144]; `importance` [K] >= 0."""
     return _quantize(w, importance, SUPER, 144, _q4_k_rows, "Q4_K rows hold whole super-blocks")
+
+
+def _q5_k_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
+    n, k = w.shape
+    d, dmin, sc, mn = q4_k_params(w, imp, Q5_TOP)
+    q = _k_codes(w.astype(np.float64).reshape(-1, BLOCK), d, sc, dmin, mn, Q5_TOP)
+    return pack_q5_k(d, dmin, sc, mn, q).reshape(n, -1)
+
+
+def quantize_q5_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    """w [N, K] (K a multiple of 256) -> Q5_K bytes [N, K/256 * 176]; `importance` [K] >= 0."""
+    return _quantize(w, importance, SUPER, 176, _q5_k_rows, "Q5_K rows hold whole super-blocks")
+
+
+def _q5_1_rows(w: np.ndarray, imp: np.ndarray) -> np.ndarray:
+    """Q5_1 blocks (w = d q + m, q in 0..31): Q5_K's sub-block search a block, d and m as fp16,
+    the codes rounded again against them."""
+    n, k = w.shape
+    x = w.astype(np.float64).reshape(-1, BLOCK)
+    im = np.broadcast_to(imp.reshape(1, k // BLOCK, BLOCK), (n, k // BLOCK, BLOCK)).reshape(-1, BLOCK)
+    s, low = _k_sub_blocks(x, im, Q5_TOP)
+    d, m = _fp16(s), _fp16(-low)
+    u = np.clip(np.rint((x - m[:, None]) / np.where(d > 0, d, 1)[:, None]), 0, Q5_TOP)
+    u = np.where(d[:, None] > 0, u, 0).astype(np.uint8)
+    raw = np.zeros((len(d), 24), np.uint8)
+    raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    raw[:, 2:4] = m.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    raw[:, 4:8] = np.packbits(u >> 4, axis=1, bitorder="little")   # bit j: element j's fifth
+    raw[:, 8:] = (u[:, :16] & 15) | ((u[:, 16:] & 15) << 4)
+    return raw.reshape(n, -1)
+
+
+def quantize_q5_1(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    """w [N, K] (K a multiple of 32) -> Q5_1 bytes [N, K/32 * 24]; `importance` [K] >= 0."""
+    return _quantize(w, importance, BLOCK, 24, _q5_1_rows, "Q5_1 rows hold whole blocks")
 
 
 def _quantize(w: np.ndarray, importance, per: int, size: int, rows_fn, what: str) -> np.ndarray:

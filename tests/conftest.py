@@ -185,6 +185,16 @@ def random_q4_k(rng, n: int, k: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
+def random_q5_k(rng, n: int, k: int) -> np.ndarray:
+    """[N, K/256 * 176] bytes of Q5_K super-blocks: random codes, fifth bits and 6-bit scales and
+    mins, fp16 d and dmin of weights ~0.1 (as random_q4_k's, codes to 31)."""
+    sb = k // 256
+    raw = rng.integers(0, 256, (n, sb, 176), dtype=np.uint8)
+    for at, lo, hi in ((0, 1e-4, 2e-4), (2, 1e-4, 3e-4)):
+        raw[..., at:at + 2] = rng.uniform(lo, hi, (n, sb, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
 def random_q6_k(rng, n: int, k: int, flat_row: bool = True) -> np.ndarray:
     """[N, K/256 * 210] bytes of Q6_K super-blocks: random codes and int8 sub-block scales (the
     extremes -128 and 127 among them), fp16 d of weights ~0.05 (|w| up to 0.4); with `flat_row`, row 0's first

@@ -1,0 +1,127 @@
+"""A GGUF's Q5_1 / Q5_K linears (8-bit codes u - 128 = q with a minimum m a block,
+models/gguf_blocks.py) on the targets' kernels: the W8A8 kernels with m as block offsets
+(x86 VNNI; ARM sdot and smmla under qemu), two Q4_0 halves where there are none (AVX2, and
+float activations), each against the file's dequantized weights times the activations as the
+kernels quantize them (llama.cpp's Q8_0 blocks), which the 8-bit integer sums make exact up to
+float rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from onnx import helper
+from tvm import relax
+
+from qwc.compiler.build import build
+from qwc.compiler.frontend import MatMulNBits
+from qwc.compiler.kernels import row_groups
+from qwc.compiler.repack import q8_0_nibble_halves
+from qwc.compiler.targets import get_target, q8_0_path
+from qwc.models import gguf_blocks
+from qwc.passes.graph import BLOCK_OFFSETS_ATTR, tensor_array
+
+from conftest import random_q5_k
+
+# K = 768: three super-blocks; N = 150: x86 decode's four streams and a ragged last row group
+CASES = [(512, 40), (768, 150)]
+
+
+def _weights(kind: Q, n: int, k: int, seed: int) -> tuple[np.ndarray, gguf_blocks.Blocks]:
+    rng = np.random.default_rng(seed)
+    if kind == Q.Q5_K:
+        raw = random_q5_k(rng, n, k)
+    else:
+        raw = quantize((0.1 * rng.standard_normal((n, k)) + 0.02).astype(np.float32), kind)
+    return raw, gguf_blocks.from_gguf(raw, kind.name, (n, k), "w")
+
+
+def _q8_reference(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """a [M, K] quantized to int8 blocks of 32 as the kernels' quantizer does (a float32 scale
+    amax / 127 a block, codes rounded), times w [N, K]."""
+    blocks = a.reshape(a.shape[0], -1, 32)
+    d = (np.abs(blocks).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    q = np.rint(blocks / d)
+    return (q.astype(np.float64) * d).reshape(a.shape) @ w.astype(np.float64).T
+
+
+def _node(b: gguf_blocks.Blocks, n: int, k: int) -> onnx.ModelProto:
+    """The folded node (compiler/block_minimums.py's result) in a model, for the compile-time
+    rewrites to act on."""
+    inits = [onnx.numpy_helper.from_array(x, name) for x, name in
+             ((b.codes, "w"), (b.scales, "s"), (b.minimums, "m"))]
+    node = helper.make_node("MatMulNBits", ["x", "w", "s", "m"], ["y"], domain="com.microsoft",
+                            K=k, N=n, bits=8, block_size=32)
+    node.attribute.append(helper.make_attribute(BLOCK_OFFSETS_ATTR, 1))
+    return helper.make_model(helper.make_graph([node], "g", [], [], inits))
+
+
+def _emit(bb, name: str, b: gguf_blocks.Blocks, k: int, n: int, m: int, target: str, act_bits: int = 8):
+    """Function `name`(a, weights...) through `target`'s kernels for the node, laid out as
+    compile time lays it out; returns those weights."""
+    t = get_target(target)
+    isa = "arm" if t.arch == "aarch64" else "x86"
+    av = relax.Var("a", relax.TensorType([m, k], "float32"))
+    if q8_0_path(32, 8, act_bits, t.features):   # the W8A8 kernels, the minimums as block offsets
+        w, s = row_groups.pack_int8(b.codes, b.scales, signed=isa == "arm")
+        weights = [w, s, row_groups.pack_offsets(b.minimums)]
+    else:   # two Q4_0 halves (repack.q8_0_nibble_halves), the low one with offsets m + 8 d
+        model = _node(b, n, k)
+        assert q8_0_nibble_halves(model, act_bits, t.features) == 1
+        inits = {x.name: tensor_array(x) for x in model.graph.initializer}
+        node = model.graph.node[0]
+        weights = [inits[node.input[i]] for i in (1, 2, 6, 7, 3)]
+    vs = [relax.Var(f"v{i}", relax.TensorType(list(x.shape), str(x.dtype))) for i, x in enumerate(weights)]
+    with bb.function(name, [av, *vs]):
+        with bb.dataflow():
+            if len(vs) == 3:
+                y = MatMulNBits.q4_0_matmul(bb, av, vs[0], vs[1], k, n, isa, t.features, offsets=vs[2], bits=8)
+            else:
+                path = "f32" if act_bits == 32 else isa
+                hi = MatMulNBits.q4_0_matmul(bb, av, vs[0], vs[1], k, n, path, t.features)
+                lo = MatMulNBits.q4_0_matmul(bb, av, vs[2], vs[3], k, n, path, t.features, offsets=vs[4])
+                y = bb.emit(relax.op.add(hi, lo))
+            gv = bb.emit_output(y)
+        bb.emit_func_output(gv)
+    return weights
+
+
+def _run(target: str, b, k: int, n: int, a: np.ndarray, act_bits: int = 8) -> np.ndarray:
+    import tvm
+
+    bb = relax.BlockBuilder()
+    weights = _emit(bb, "main", b, k, n, a.shape[0], target, act_bits)
+    vm = relax.VirtualMachine(build(bb.get(), get_target(target)), tvm.cpu())
+    return vm["main"](*(tvm.runtime.tensor(x) for x in [a, *weights])).numpy()
+
+
+def test_q5_blocks_are_the_files_weights():
+    for kind in (Q.Q5_K, Q.Q5_1):
+        raw, b = _weights(kind, 8, 512, 1)
+        assert b.bits == 8 and b.codes.min() >= 128 and b.codes.max() <= 159
+        assert np.array_equal(gguf_blocks.dequantize(b), dequantize(raw, kind).reshape(8, 512)), kind
+
+
+X86 = {"vnni": ("x86-avx512", "avx512_vnni", 8), "avx2": ("x86-avx2", "avx2", 8),
+       "f32": ("x86-avx512", "avx512f", 32)}
+
+
+@pytest.mark.parametrize("path", sorted(X86))
+@pytest.mark.parametrize("kind", [Q.Q5_K, Q.Q5_1], ids=["q5_k", "q5_1"])
+@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("k, n", CASES)
+def test_x86_kernels_add_the_block_minimums(path, kind, m, k, n):
+    """Decode (one token), the few-token streams and a prefill tile with leftovers."""
+    from qwc import cpu
+
+    target, need, act_bits = X86[path]
+    if not cpu.has(need):
+        pytest.skip(f"runs {need} code; this CPU has none")
+    raw, b = _weights(kind, n, k, k + n + m)
+    a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    w = dequantize(raw, kind).reshape(n, k)
+    got = _run(target, b, k, n, a, act_bits)
+    ref = _q8_reference(a, w) if act_bits == 8 else a.astype(np.float64) @ w.astype(np.float64).T
+    assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max(), np.abs(got - ref).max() / np.abs(ref).max()
