@@ -137,17 +137,7 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         formats[kind, b.fmt] += 1
         stem = hf.removesuffix(".weight")
         codes, scales = w.add(stem + ".qweight", b.codes), w.add(stem + ".scales", b.scales)
-        zp, mins, minimums = "", b.mins, ""
-        if embedding and b.zero_points is not None:   # the gather's block offsets c = m + 8 d
-            c = gguf_blocks.block_mins(b.scales, b.zero_points, b.mins).astype(np.float64) + 8 * b.scales.astype(np.float64)
-            zp, mins = w.add(stem + ".block_offsets", c.astype(np.float32)[..., None]), "offsets"
-        elif embedding and b.minimums is not None:
-            zp, mins = w.add(stem + ".block_offsets", b.minimums[..., None]), "offsets"
-        elif b.zero_points is not None:
-            zp = w.add(stem + ".zero_points", b.zero_points)
-        elif b.minimums is not None:   # the term's MatMul weight [K/32, N] (a view: written in row chunks)
-            minimums = w.add(stem + ".block_minimums.T", b.minimums.T)
-        out = _Quantized(codes, scales, zp, b.bits, mins, b.block, minimums, b.fmt)
+        out = _Quantized(codes, scales, *_minimums_inputs(w, b, stem, embedding), b.fmt)
         del b
         bar.update(1)
         return out
@@ -276,6 +266,23 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
     # passes/pipeline.py: STREAM_EXPORT_KEY (models/ does not import passes/)
     helper.set_model_props(model, {"qwc.stream_export": "1"})
     return model
+
+
+def _minimums_inputs(w: _Writer, b: gguf_blocks.Blocks, stem: str, embedding: bool) -> tuple[str, int, str, int, str]:
+    """_Quantized's (zero_points, bits, mins, block, minimums) for blocks `b`, their tensors
+    written: an embedding's block offsets (Q4_1 / Q4_K: c = m + 8 d; Q5_1 / Q5_K: m itself),
+    a linear's float zero points, or a Q5_1 / Q5_K linear's minimums [K/32, N] for its term."""
+    zp, mins, minimums = "", b.mins, ""
+    if embedding and b.zero_points is not None:   # the gather's block offsets c = m + 8 d
+        c = gguf_blocks.block_mins(b.scales, b.zero_points, b.mins).astype(np.float64) + 8 * b.scales.astype(np.float64)
+        zp, mins = w.add(stem + ".block_offsets", c.astype(np.float32)[..., None]), "offsets"
+    elif embedding and b.minimums is not None:
+        zp, mins = w.add(stem + ".block_offsets", b.minimums[..., None]), "offsets"
+    elif b.zero_points is not None:
+        zp = w.add(stem + ".zero_points", b.zero_points)
+    elif b.minimums is not None:   # the term's MatMul weight (a view: written in row chunks)
+        minimums = w.add(stem + ".block_minimums.T", b.minimums.T)
+    return zp, b.bits, mins, b.block, minimums
 
 
 # How the export's summary line names a type kept in a form other than its own blocks

@@ -125,3 +125,38 @@ def test_x86_kernels_add_the_block_minimums(path, kind, m, k, n):
     got = _run(target, b, k, n, a, act_bits)
     ref = _q8_reference(a, w) if act_bits == 8 else a.astype(np.float64) @ w.astype(np.float64).T
     assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max(), np.abs(got - ref).max() / np.abs(ref).max()
+
+
+@pytest.mark.arm
+@pytest.mark.slow
+def test_arm_kernels_add_the_block_minimums(tmp_path):
+    """arm-yitian (smmla prefill, sdot decode) and arm-neon (sdot) under qemu-aarch64, at 1, 3, 9
+    and 17 tokens, Q5_K and Q5_1."""
+    import subprocess
+
+    import emulation
+    import tvm
+
+    env, cases = emulation.arm64_env(), []
+    for target in ("arm-yitian", "arm-neon"):
+        bb, inputs = relax.BlockBuilder(), {}
+        for kind in (Q.Q5_K, Q.Q5_1):
+            for k, n in CASES:
+                for m in (1, 3, 9, 17):
+                    raw, b = _weights(kind, n, k, k + n + m)
+                    a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+                    name = f"f_{kind.name}_{k}_{n}_{m}"
+                    for i, x in enumerate([a, *_emit(bb, name, b, k, n, m, target)]):
+                        inputs[f"{name}/{i}"] = x
+                    cases.append((target, name, _q8_reference(a, dequantize(raw, kind).reshape(n, k))))
+        t = get_target(target)
+        lib = tmp_path / f"{target}.so"
+        build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
+        np.savez(tmp_path / f"{target}-in.npz", **inputs)
+        cmd = emulation.python_command(env, emulation.HERE / "run_module.py", lib, tmp_path / f"{target}-in.npz",
+                                       tmp_path / f"{target}.npz")
+        r = subprocess.run(cmd, env=dict(env, TVM_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+    for target, name, ref in cases:
+        got = np.load(tmp_path / f"{target}.npz")[name]
+        assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max(), (target, name)

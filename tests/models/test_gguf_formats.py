@@ -272,14 +272,14 @@ def test_other_types_are_requantized_to_the_named_format(tmp_path, capsys):
     cfg = _config()
     from qwc.models.checkpoint import expected_tensors
 
-    formats = {n: Q.Q5_1 if n.endswith("down_proj.weight") else Q.Q5_0 if n.endswith("up_proj.weight") else Q.Q4_0
+    formats = {n: Q.MXFP4 if n.endswith("down_proj.weight") else Q.Q5_0 if n.endswith("up_proj.weight") else Q.Q4_0
                for n in expected_tensors(cfg) if n.endswith("proj.weight")}
     write_model(tmp_path / "m.gguf", formats, embedding=Q.Q4_1)
     for to, bits in (("q8_0", 8), ("q4_0", 4)):
         out = tmp_path / f"{to}.onnx"
         assert main(["export", str(tmp_path / "m.gguf"), "--requant", to, "-o", str(out)]) == 0
         err = capsys.readouterr().err
-        assert f"2 Q5_1 -> {to.upper()}" in err and f"1 Q4_1 -> {to.upper()}" in err and f"--requant {to}" in err, err
+        assert f"2 MXFP4 -> {to.upper()}" in err and f"1 Q4_1 -> {to.upper()}" in err and f"--requant {to}" in err, err
         assert "2 Q5_0 (exact, as 8-bit codes)" in err, err   # kept whatever --requant says
         model = onnx.load(str(out))
         down = [n for n in model.graph.node if n.op_type == "MatMulNBits" and "down_proj" in n.name]

@@ -28,7 +28,8 @@ from qwc.passes.verify import session
 
 from conftest import ort_kv_logits
 
-QUANTIZERS = {"Q4_K": (kq.quantize_q4_k, Q.Q4_K), "Q5_0": (kq.quantize_q5_0, Q.Q5_0), "Q6_K": (kq.quantize_q6_k, Q.Q6_K)}
+QUANTIZERS = {"Q4_K": (kq.quantize_q4_k, Q.Q4_K), "Q5_K": (kq.quantize_q5_k, Q.Q5_K), "Q5_0": (kq.quantize_q5_0, Q.Q5_0),
+              "Q5_1": (kq.quantize_q5_1, Q.Q5_1), "Q6_K": (kq.quantize_q6_k, Q.Q6_K)}
 
 
 def _weights(rng, n=48, k=512):
@@ -45,7 +46,7 @@ def _error(a, w, imp=None):
     return float((((a - w) ** 2) * (1 if imp is None else imp)).sum())
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_0", "Q6_K"])
+@pytest.mark.parametrize("fmt", sorted(QUANTIZERS))
 def test_blocks_decode_alike_in_gguf_and_in_the_graph(fmt):
     """The bytes are the format's: the gguf package's decoder (llama.cpp's reference) and the
     canonical graph's blocks (gguf_blocks.from_gguf, what the kernels compute with) give the
@@ -62,7 +63,7 @@ def test_blocks_decode_alike_in_gguf_and_in_the_graph(fmt):
     assert np.abs(ref - w).max() < 0.06 * np.abs(w).max()
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_0", "Q6_K"])
+@pytest.mark.parametrize("fmt", sorted(QUANTIZERS))
 def test_the_search_beats_one_step_and_importance_lowers_the_weighted_error(fmt, monkeypatch):
     fn, qt = QUANTIZERS[fmt]
     rng = np.random.default_rng(1)
@@ -132,6 +133,29 @@ def test_the_mix_is_llama_cpp_q4_k_m():
     assert [i for i in range(30) if more_bits(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
     assert linear_format("lm_head", 1536, 28) == "Q6_K" and linear_format("lm_head", 576, 30) == "Q8_0"
     assert linear_format("model.layers.3.self_attn.q_proj", 1536, 28) == "Q4_K"
+
+
+# llama-quantize 0.3.36's types for SmolLM2-135M's 210 linears (30 layers, rows of 576 and 1536),
+# each file made from the shipped Q4_1 with --allow-requantize
+LLAMA_CPP_MIXES = {"q4_k_s": {"Q5_0": 176, "Q5_1": 4, "Q5_K": 3, "Q4_K": 27},
+                   "q5_k_m": {"Q5_1": 166, "Q8_0": 14, "Q6_K": 14, "Q5_K": 16},
+                   "q6_k": {"Q8_0": 180, "Q6_K": 30}}
+
+
+@pytest.mark.parametrize("mix", sorted(LLAMA_CPP_MIXES))
+def test_the_other_mixes_are_llama_cpps(mix):
+    """Q4_K_S: attn_v of layers 0-3 and ffn_down of the first eighth Q5_K (Q5_1 where rows are
+    576); Q5_K_M: Q4_K_M's places with Q5_K (fallback Q5_1); Q6_K: everything (fallback Q8_0)."""
+    ks = {"q_proj": 576, "k_proj": 576, "v_proj": 576, "o_proj": 576, "gate_proj": 576, "up_proj": 576,
+          "down_proj": 1536}
+    counts = {}
+    for layer in range(30):
+        for name, k in ks.items():
+            part = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            f = linear_format(f"model.layers.{layer}.{part}.{name}", k, 30, mix)
+            counts[f] = counts.get(f, 0) + 1
+    assert counts == LLAMA_CPP_MIXES[mix]
+    assert linear_format("lm_head", 1536, 28, mix) == "Q6_K" and linear_format("lm_head", 576, 30, mix) == "Q8_0"
 
 
 def _imatrix_gguf(path, entries):
@@ -244,7 +268,7 @@ def test_cli_format_q4_k_m_with_calibrated_importance_end_to_end(tiny_onnx, tiny
 @pytest.mark.parametrize("args, expect", [
     (["--format", "q4_k_m", "--gptq", "--imatrix", "calib"], "drop --imatrix"),
     (["--format", "q4_k_m", "--bits", "8"], "does not combine with --bits 8"),
-    (["--imatrix", "calib"], "needs --format q4_k_m"),
+    (["--imatrix", "calib"], "needs a K mix (--format q4_k_m"),
     (["--format", "q4_k_m", "--imatrix", "/nonexistent/x.gguf"], "no such file"),
 ])
 def test_bad_format_options_get_one_line(tiny_onnx, tmp_path, capsys, args, expect):
@@ -283,6 +307,50 @@ def test_cli_format_q4_k_m_with_gptq(tiny_onnx, tiny_q4, tmp_path, capsys, calib
     assert code == 0, cap.err
     assert "--format q4_k_m: 12 Q5_0, 2 Q8_0;" in cap.err and "(GPTQ)" in cap.err
     _nearer_float_than_q4_0(out, tiny_onnx, tiny_q4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix, says", [("q5_k_m", "1 Q5_1, 11 Q5_K, 1 Q6_K, 1 Q8_0"),
+                                       ("q4_k_s", "10 Q4_K, 2 Q5_0, 2 Q5_K"), ("q6_k", "12 Q6_K, 2 Q8_0")])
+def test_the_other_mixes_end_to_end(tmp_path, capsys, mix, says):
+    """Two layers with rows of 256 and ffn_down's of 480 (not whole super-blocks: Q5_K falls back
+    to Q5_1, Q4_K to Q5_0, Q6_K to Q8_0): the graph holds the formats llama.cpp's mix names,
+    runs in onnxruntime nearer the float graph than Q4_0 does, and the compiled artifact (Q8_0
+    activations: Q5_K / Q5_1 on the W8A8 kernels with their minimums as block offsets) follows
+    it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
+    from test_gguf_formats import _config, write_random_model
+
+    from qwc import progress
+    from qwc.compiler.compile import compile_file
+    from qwc.config import sidecar_paths
+
+    from conftest import greedy_against_onnxruntime
+
+    def matrix(rng, name, shape):
+        return (0.05 * rng.standard_normal(shape)).astype(np.float32), None
+
+    write_random_model(tmp_path / "f.gguf", _config("tiny-mix", hidden=256, intermediate=480), matrix, 7)
+    assert main(["-q", "export", str(tmp_path / "f.gguf"), "-o", str(tmp_path / "f.onnx")]) == 0
+    progress.set_quiet(False)
+    try:
+        code = main(["optimize", str(tmp_path / "f.onnx"), "-o", str(tmp_path / "k.onnx"), "--format", mix])
+    finally:
+        progress.set_quiet(True)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"--format {mix}: {says};" in err, err
+    assert main(["-q", "optimize", str(tmp_path / "f.onnx"), "-o", str(tmp_path / "q4.onnx")]) == 0
+    cfg = ModelConfig.load(sidecar_paths(tmp_path / "k.onnx")[0])
+    prompt = np.array([[1, 5, 9, 2, 7, 3]])
+    ref, got, q4 = (ort_kv_logits(tmp_path / f, cfg, prompt, [])[0] for f in ("f.onnx", "k.onnx", "q4.onnx"))
+    assert np.square(got - ref).mean() < 0.7 * np.square(q4 - ref).mean()
+    art = tmp_path / "k.qwc"
+    compile_file(tmp_path / "k.onnx", "host", art, act_bits=8, kv_type="f32")
+    greedy_against_onnxruntime(art, tmp_path / "k.onnx", cfg, prompt, 3, 64, tol=3e-2)
 
 
 @pytest.mark.slow
