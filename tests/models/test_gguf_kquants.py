@@ -58,8 +58,13 @@ def write_model(path, formats=None, embedding=Q.Q8_0, seed: int = 0) -> dict[str
 
 @pytest.fixture(scope="module")
 def k_model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kquants")
-    held = write_model(d / "m.gguf")
+    return exported_model(tmp_path_factory.mktemp("kquants"), FORMATS, 0)
+
+
+def exported_model(d, formats: dict, seed: int):
+    """write_model's file in d, exported as it is (m.onnx) and as float32 (float.onnx, the
+    reference); (d, what the file holds)."""
+    held = write_model(d / "m.gguf", formats, seed=seed)
     assert main(["-q", "export", str(d / "m.gguf"), "-o", str(d / "m.onnx")]) == 0
     assert main(["-q", "export", str(d / "m.gguf"), "--exporter", "torch", "-o", str(d / "float.onnx")]) == 0
     return d, held
@@ -207,17 +212,22 @@ def _file_codes(raw: np.ndarray, kind: Q, n: int, k: int) -> tuple[np.ndarray, .
     return codes, scales, mins
 
 
-def test_graph_holds_the_files_codes_and_scales(k_model):
-    d, held = k_model
+def _graph_linears(d, held):
+    """(node, initializers, HF name, the file's bytes and type, N, K) of each linear in d/m.onnx
+    but the head."""
     model = onnx.load(str(d / "m.onnx"))
     inits = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(d)) for t in model.graph.initializer}
-    seen = {Q.Q4_K: 0, Q.Q5_0: 0}
     for node in model.graph.node:
         if node.op_type != "MatMulNBits" or "lm_head" in node.name:
             continue
         hf = node.name.removeprefix("/").removesuffix("/MatMulNBits").replace("/", ".") + ".weight"
-        raw, kind = held[hf]
         k, n = (next(a.i for a in node.attribute if a.name == x) for x in ("K", "N"))
+        yield (node, inits, hf, *held[hf], n, k)
+
+
+def test_graph_holds_the_files_codes_and_scales(k_model):
+    seen = {Q.Q4_K: 0, Q.Q5_0: 0}
+    for node, inits, hf, raw, kind, n, k in _graph_linears(*k_model):
         codes, scales = unpack_nibbles(inits[node.input[1]]), inits[node.input[2]]
         if kind == Q.Q5_0:
             q, dd = _file_codes(raw, kind, n, k)
@@ -287,26 +297,30 @@ def test_greedy_tokens_follow_llama_cpp_on_the_same_file(host_builds):
 @pytest.mark.arm
 @pytest.mark.slow
 def test_kept_formats_on_arm_yitian_match_the_host(k_model, host_builds, tmp_path):
+    manifest = _arm_yitian_follows_the_host(k_model[0], host_builds, tmp_path)
+    assert "q4_k_compact_scales" not in manifest["quantization"]["weight_layout"]   # ARM reads Q4_K expanded
+
+
+def _arm_yitian_follows_the_host(d, host_builds, tmp_path) -> dict:
+    """d/m.onnx compiled for arm-yitian runs STEPS under qemu near the host's Q8_0-activation
+    build: an activation on a rounding boundary may move by one step of its block's scale
+    between the two ISAs' kernels (see test_gguf_formats' ARM test). Returns its manifest."""
     import emulation
 
     from qwc.compiler.compile import compile_file
 
-    d, _ = k_model
     env = emulation.arm64_env()
     art = tmp_path / "yitian.qwc"
     compile_file(d / "m.onnx", "arm-yitian", art, act_bits=8, kv_type="f32")
-    layout = json.loads((art / "manifest.json").read_text())["quantization"]["weight_layout"]
-    assert "q4_k_compact_scales" not in layout   # ARM reads Q4_K expanded (targets.IntDots.q4_k_compact)
     out = tmp_path / "arm.npy"
     steps = json.dumps([STEPS[0][0].tolist()] + [int(t[0, 0]) for t in STEPS[1:]])
     r = subprocess.run(emulation.engine_command(env, art, out, steps), env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     arm, host = np.load(out), _compiled_logits(host_builds[8])
-    # Q8_0 activations: an activation on a rounding boundary may move by one step of its
-    # block's scale between the two ISAs' kernels (see test_gguf_formats' ARM test)
     assert np.abs(arm - host).max() / np.abs(host).max() < 2e-2
     assert np.array_equal(arm.argmax(-1), host.argmax(-1))
+    return json.loads((art / "manifest.json").read_text())
 
 
 def test_an_unknown_type_id_fails_the_export_naming_the_tensor(tmp_path, capsys):
@@ -326,11 +340,7 @@ def test_an_unknown_type_id_fails_the_export_naming_the_tensor(tmp_path, capsys)
 
 @pytest.fixture(scope="module")
 def q4_k_m_model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("q4_k_m")
-    held = write_model(d / "m.gguf", Q4_K_M_FORMATS, seed=4)
-    assert main(["-q", "export", str(d / "m.gguf"), "-o", str(d / "m.onnx")]) == 0
-    assert main(["-q", "export", str(d / "m.gguf"), "--exporter", "torch", "-o", str(d / "float.onnx")]) == 0
-    return d, held
+    return exported_model(tmp_path_factory.mktemp("q4_k_m"), Q4_K_M_FORMATS, 4)
 
 
 def _q6_k_file(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -431,16 +441,21 @@ def test_q6_k_artifact_runs_as_the_float_reference(q4_k_m_model, q4_k_m_builds):
 LLAMA_CPP_GREEDY_Q4_K_M = [43, 151, 151, 151, 151, 151, 151, 151]
 
 
-@pytest.mark.slow
-def test_q6_k_greedy_tokens_equal_llama_cpps_on_the_same_file(q4_k_m_builds):
+def _greedy_picks(art, tokens: list[int]) -> list[int]:
+    """The artifact's greedy pick after STEPS[0] and after each of `tokens` fed in turn."""
     from qwc.runtime.engine import Engine
 
-    eng = Engine(q4_k_m_builds[8], ctx=64)
+    eng = Engine(art, ctx=64)
     logits, got = eng.prefill(STEPS[0][0]), []
-    for t in LLAMA_CPP_GREEDY_Q4_K_M:
+    for t in tokens:
         got.append(int(logits.argmax()))
         logits = eng.decode(t)
-    assert got == LLAMA_CPP_GREEDY_Q4_K_M
+    return got
+
+
+@pytest.mark.slow
+def test_q6_k_greedy_tokens_equal_llama_cpps_on_the_same_file(q4_k_m_builds):
+    assert _greedy_picks(q4_k_m_builds[8], LLAMA_CPP_GREEDY_Q4_K_M) == LLAMA_CPP_GREEDY_Q4_K_M
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -468,24 +483,8 @@ def test_q6_k_on_arm_yitian_matches_the_host(q4_k_m_model, q4_k_m_builds, tmp_pa
     """Q6_K on the sdot kernel (kernels/arm/q6_k.py) in the whole model under qemu, against the
     host's VNNI one: Q8_0 activations on both, so a rounding boundary may move one activation
     by a step between the ISAs' quantizers (as in the Q4_K test above)."""
-    import emulation
-
-    from qwc.compiler.compile import compile_file
-
-    d, _ = q4_k_m_model
-    env = emulation.arm64_env()
-    art = tmp_path / "yitian.qwc"
-    compile_file(d / "m.onnx", "arm-yitian", art, act_bits=8, kv_type="f32")
-    manifest = json.loads((art / "manifest.json").read_text())
+    manifest = _arm_yitian_follows_the_host(q4_k_m_model[0], q4_k_m_builds, tmp_path)
     assert {f["format"]: f["count"] for f in manifest["quantization"]["linears"]} == {"q4_k": 10, "q6_k": 4, "q8_0": 1}
-    out = tmp_path / "arm.npy"
-    steps = json.dumps([STEPS[0][0].tolist()] + [int(t[0, 0]) for t in STEPS[1:]])
-    r = subprocess.run(emulation.engine_command(env, art, out, steps), env=env, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    arm, host = np.load(out), _compiled_logits(q4_k_m_builds[8])
-    assert np.abs(arm - host).max() / np.abs(host).max() < 2e-2
-    assert np.array_equal(arm.argmax(-1), host.argmax(-1))
 
 
 @pytest.mark.slow
@@ -522,11 +521,7 @@ Q5_FORMATS = {**{x: Q.Q5_K for x in FORMATS}, "down_proj": Q.Q5_1}
 
 @pytest.fixture(scope="module")
 def q5_model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("q5")
-    held = write_model(d / "m.gguf", Q5_FORMATS, seed=6)
-    assert main(["-q", "export", str(d / "m.gguf"), "-o", str(d / "m.onnx")]) == 0
-    assert main(["-q", "export", str(d / "m.gguf"), "--exporter", "torch", "-o", str(d / "float.onnx")]) == 0
-    return d, held
+    return exported_model(tmp_path_factory.mktemp("q5"), Q5_FORMATS, 6)
 
 
 def _q5_file(raw: np.ndarray, kind: Q, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -545,31 +540,24 @@ def _q5_file(raw: np.ndarray, kind: Q, n: int, k: int) -> tuple[np.ndarray, np.n
     return (low + 16 * fifth).reshape(n, k), scales, mins
 
 
-def test_q5_graph_holds_the_files_codes_scales_and_minimums(q5_model):
-    d, held = q5_model
-    model = onnx.load(str(d / "m.onnx"))
-    inits = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(d)) for t in model.graph.initializer}
-    producer = {o: n for n in model.graph.node for o in n.output}
+def test_q5_graph_holds_the_files_codes_scales_and_minimums_and_runs_in_onnxruntime(q5_model):
+    d, _ = q5_model
+    nodes = onnx.load(str(d / "m.onnx"), load_external_data=False).graph.node
+    producer = {o: n for n in nodes for o in n.output}
     seen = {Q.Q5_K: 0, Q.Q5_1: 0}
-    for node in model.graph.node:
-        if node.op_type != "MatMulNBits" or "lm_head" in node.name:
-            continue
-        hf = node.name.removeprefix("/").removesuffix("/MatMulNBits").replace("/", ".") + ".weight"
-        raw, kind = held[hf]
-        k, n = (next(a.i for a in node.attribute if a.name == x) for x in ("K", "N"))
+    for node, inits, hf, raw, kind, n, k in _graph_linears(*q5_model):
         q, scales, mins = _q5_file(raw, kind, n, k)
         assert gguf_blocks.minimums_form(node) == kind.name
         assert np.array_equal(inits[node.input[1]].reshape(n, k).astype(np.int32) - 128, q), hf
         assert np.array_equal(inits[node.input[2]], scales), hf
-        add = next(x for x in model.graph.node if node.output[0] in x.input)
+        add = next(x for x in nodes if node.output[0] in x.input)
         term = producer[next(i for i in add.input if i != node.output[0])]
         assert gguf_blocks.minimums_form(term) == "term" and np.array_equal(inits[term.input[1]].T, mins), hf
         seen[kind] += 1
     assert seen == {Q.Q5_K: 12, Q.Q5_1: 2}
-
-
-def test_q5_graph_runs_in_onnxruntime_as_the_float_reference(q5_model):
-    assert_graph_follows_the_float_reference(q5_model[0], tol=3e-5)
+    # and onnxruntime runs it as the float graph on the dequantized weights (float rounding of
+    # the different sums: 1.5e-5 of the largest logit here)
+    assert_graph_follows_the_float_reference(d, tol=3e-5)
 
 
 @pytest.fixture(scope="module")
@@ -623,14 +611,7 @@ LLAMA_CPP_GREEDY_Q5 = [49, 99, 152, 254, 199, 13, 57, 71]
 
 @pytest.mark.slow
 def test_q5_greedy_tokens_equal_llama_cpps_on_the_same_file(q5_builds):
-    from qwc.runtime.engine import Engine
-
-    eng = Engine(q5_builds[8], ctx=64)
-    logits, got = eng.prefill(STEPS[0][0]), []
-    for t in LLAMA_CPP_GREEDY_Q5:
-        got.append(int(logits.argmax()))
-        logits = eng.decode(t)
-    assert got == LLAMA_CPP_GREEDY_Q5
+    assert _greedy_picks(q5_builds[8], LLAMA_CPP_GREEDY_Q5) == LLAMA_CPP_GREEDY_Q5
 
 
 @pytest.mark.parametrize("kind, damage, message", [
@@ -655,19 +636,6 @@ def _with_half(raw: np.ndarray, at: int, value) -> np.ndarray:
 @pytest.mark.arm
 @pytest.mark.slow
 def test_q5_on_arm_yitian_matches_the_host(q5_model, q5_builds, tmp_path):
-    import emulation
-
-    from qwc.compiler.compile import compile_file
-
-    d, _ = q5_model
-    env = emulation.arm64_env()
-    art = tmp_path / "yitian.qwc"
-    compile_file(d / "m.onnx", "arm-yitian", art, act_bits=8, kv_type="f32")
-    out = tmp_path / "arm.npy"
-    steps = json.dumps([STEPS[0][0].tolist()] + [int(t[0, 0]) for t in STEPS[1:]])
-    r = subprocess.run(emulation.engine_command(env, art, out, steps), env=env, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    arm, host = np.load(out), _compiled_logits(q5_builds[8])
-    assert np.abs(arm - host).max() / np.abs(host).max() < 2e-2
-    assert np.array_equal(arm.argmax(-1), host.argmax(-1))
+    """Q5_K and Q5_1 on the sdot / smmla W8A8 kernels with their minimums as block offsets."""
+    manifest = _arm_yitian_follows_the_host(q5_model[0], q5_builds, tmp_path)
+    assert {f["format"]: f["count"] for f in manifest["quantization"]["linears"]} == {"q5_k": 12, "q5_1": 2, "q8_0": 1}

@@ -117,34 +117,24 @@ def test_quantizers_refuse_rows_they_cannot_hold_and_bad_importance():
         kq.quantize_q5_0(w, np.full(288, -1.0))
 
 
-def test_the_mix_is_llama_cpp_q4_k_m():
-    """SmolLM2's shapes (30 layers, rows of 576 and 1536): llama-quantize's Q4_K_M file has 166
-    Q5_0, 16 Q4_K and 14 + 14 Q6_K / Q8_0 linears (attn_v falls back to Q8_0, ffn_down keeps
-    Q6_K); qwc's mix is the same."""
-    ks = {"q_proj": 576, "k_proj": 576, "v_proj": 576, "o_proj": 576, "gate_proj": 576, "up_proj": 576,
-          "down_proj": 1536}
-    counts = {}
-    for layer in range(30):
-        for name, k in ks.items():
-            part = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-            f = linear_format(f"model.layers.{layer}.{part}.{name}", k, 30)
-            counts[f] = counts.get(f, 0) + 1
-    assert counts == {"Q5_0": 166, "Q4_K": 16, "Q6_K": 14, "Q8_0": 14}
+def test_more_bits_layers_and_the_head_are_llama_cpps():
     assert [i for i in range(30) if more_bits(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
     assert linear_format("lm_head", 1536, 28) == "Q6_K" and linear_format("lm_head", 576, 30) == "Q8_0"
     assert linear_format("model.layers.3.self_attn.q_proj", 1536, 28) == "Q4_K"
 
 
 # llama-quantize 0.3.36's types for SmolLM2-135M's 210 linears (30 layers, rows of 576 and 1536),
-# each file made from the shipped Q4_1 with --allow-requantize
-LLAMA_CPP_MIXES = {"q4_k_s": {"Q5_0": 176, "Q5_1": 4, "Q5_K": 3, "Q4_K": 27},
+# each file made from the shipped Q4_1 with --allow-requantize (Q4_K_M: attn_v falls back to
+# Q8_0, ffn_down keeps Q6_K)
+LLAMA_CPP_MIXES = {"q4_k_m": {"Q5_0": 166, "Q4_K": 16, "Q6_K": 14, "Q8_0": 14},
+                   "q4_k_s": {"Q5_0": 176, "Q5_1": 4, "Q5_K": 3, "Q4_K": 27},
                    "q5_k_m": {"Q5_1": 166, "Q8_0": 14, "Q6_K": 14, "Q5_K": 16},
                    "q6_k": {"Q8_0": 180, "Q6_K": 30}}
 
 
 @pytest.mark.parametrize("mix", sorted(LLAMA_CPP_MIXES))
-def test_the_other_mixes_are_llama_cpps(mix):
-    """Q4_K_S: attn_v of layers 0-3 and ffn_down of the first eighth Q5_K (Q5_1 where rows are
+def test_the_mixes_are_llama_cpps(mix):
+    """Q4_K_M: Q6_K for attn_v and ffn_down of the `more_bits` layers; Q4_K_S: attn_v of layers 0-3 and ffn_down of the first eighth Q5_K (Q5_1 where rows are
     576); Q5_K_M: Q4_K_M's places with Q5_K (fallback Q5_1); Q6_K: everything (fallback Q8_0)."""
     ks = {"q_proj": 576, "k_proj": 576, "v_proj": 576, "o_proj": 576, "gate_proj": 576, "up_proj": 576,
           "down_proj": 1536}
@@ -309,40 +299,16 @@ def test_cli_format_q4_k_m_with_gptq(tiny_onnx, tiny_q4, tmp_path, capsys, calib
     _nearer_float_than_q4_0(out, tiny_onnx, tiny_q4)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mix, says", [("q5_k_m", "1 Q5_1, 11 Q5_K, 1 Q6_K, 1 Q8_0"),
-                                       ("q4_k_s", "10 Q4_K, 2 Q5_0, 2 Q5_K"), ("q6_k", "12 Q6_K, 2 Q8_0")])
-def test_the_other_mixes_end_to_end(tmp_path, capsys, mix, says):
-    """Two layers with rows of 256 and ffn_down's of 480 (not whole super-blocks: Q5_K falls back
-    to Q5_1, Q4_K to Q5_0, Q6_K to Q8_0): the graph holds the formats llama.cpp's mix names,
-    runs in onnxruntime nearer the float graph than Q4_0 does, and the compiled artifact (Q8_0
-    activations: Q5_K / Q5_1 on the W8A8 kernels with their minimums as block offsets) follows
-    it."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
-    from test_gguf_formats import _config, write_random_model
-
-    from qwc import progress
+def _nearer_float_than_q4_0_and_compiled(tmp_path) -> None:
+    """k.onnx's logits nearer f.onnx's than the default Q4_0 graph's (this random model
+    amplifies every weight error, so the distance itself says little), and k.onnx compiled
+    with Q8_0 activations (the K formats' own kernels: float activations would take Q6_K as
+    Q8_0) following it greedily."""
     from qwc.compiler.compile import compile_file
     from qwc.config import sidecar_paths
 
     from conftest import greedy_against_onnxruntime
 
-    def matrix(rng, name, shape):
-        return (0.05 * rng.standard_normal(shape)).astype(np.float32), None
-
-    write_random_model(tmp_path / "f.gguf", _config("tiny-mix", hidden=256, intermediate=480), matrix, 7)
-    assert main(["-q", "export", str(tmp_path / "f.gguf"), "-o", str(tmp_path / "f.onnx")]) == 0
-    progress.set_quiet(False)
-    try:
-        code = main(["optimize", str(tmp_path / "f.onnx"), "-o", str(tmp_path / "k.onnx"), "--format", mix])
-    finally:
-        progress.set_quiet(True)
-    err = capsys.readouterr().err
-    assert code == 0, err
-    assert f"--format {mix}: {says};" in err, err
     assert main(["-q", "optimize", str(tmp_path / "f.onnx"), "-o", str(tmp_path / "q4.onnx")]) == 0
     cfg = ModelConfig.load(sidecar_paths(tmp_path / "k.onnx")[0])
     prompt = np.array([[1, 5, 9, 2, 7, 3]])
@@ -353,11 +319,9 @@ def test_the_other_mixes_end_to_end(tmp_path, capsys, mix, says):
     greedy_against_onnxruntime(art, tmp_path / "k.onnx", cfg, prompt, 3, 64, tol=3e-2)
 
 
-@pytest.mark.slow
-def test_format_q4_k_m_writes_q6_k_where_the_mix_has_it(tmp_path, capsys):
-    """Rows of 256 and 512 (a float GGUF of two layers, tied): the mix's Q6_K places (attn_v and
-    ffn_down of the last layer, `more_bits`'s pick of two; and the tied output) are Q6_K blocks of 16, the embedding's gather and the head reading the same bytes; the
-    graph runs in onnxruntime near the float one, and the compiled artifact follows it."""
+def _optimized_tiny_gguf(tmp_path, capsys, mix: str, intermediate: int) -> str:
+    """A float GGUF of two tied layers (rows of 256 and `intermediate`) exported to f.onnx and
+    optimized with `--format mix` to k.onnx; returns what the optimize printed."""
     import sys
     from pathlib import Path
 
@@ -365,23 +329,46 @@ def test_format_q4_k_m_writes_q6_k_where_the_mix_has_it(tmp_path, capsys):
     from test_gguf_formats import _config, write_random_model
 
     from qwc import progress
-    from qwc.compiler.compile import compile_file
-    from qwc.config import sidecar_paths
-
-    from conftest import greedy_against_onnxruntime
 
     def matrix(rng, name, shape):
         return (0.05 * rng.standard_normal(shape)).astype(np.float32), None
 
-    write_random_model(tmp_path / "f.gguf", _config("tiny-q6k", hidden=256, intermediate=512), matrix, 7)
+    write_random_model(tmp_path / "f.gguf", _config("tiny-mix", hidden=256, intermediate=intermediate), matrix, 7)
     assert main(["-q", "export", str(tmp_path / "f.gguf"), "-o", str(tmp_path / "f.onnx")]) == 0
     progress.set_quiet(False)
     try:
-        code = main(["optimize", str(tmp_path / "f.onnx"), "-o", str(tmp_path / "k.onnx"), "--format", "q4_k_m"])
+        code = main(["optimize", str(tmp_path / "f.onnx"), "-o", str(tmp_path / "k.onnx"), "--format", mix])
     finally:
         progress.set_quiet(True)
     err = capsys.readouterr().err
     assert code == 0, err
+    return err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix, says", [("q5_k_m", "1 Q5_1, 11 Q5_K, 1 Q6_K, 1 Q8_0"),
+                                       ("q4_k_s", "10 Q4_K, 2 Q5_0, 2 Q5_K"), ("q6_k", "12 Q6_K, 2 Q8_0")])
+def test_the_other_mixes_end_to_end(tmp_path, capsys, mix, says):
+    """Two layers with rows of 256 and ffn_down's of 480 (not whole super-blocks: Q5_K falls back
+    to Q5_1, Q4_K to Q5_0, Q6_K to Q8_0): the graph holds the formats llama.cpp's mix names,
+    runs in onnxruntime nearer the float graph than Q4_0 does, and the compiled artifact (Q8_0
+    activations: Q5_K / Q5_1 on the W8A8 kernels with their minimums as block offsets) follows
+    it."""
+
+
+    err = _optimized_tiny_gguf(tmp_path, capsys, mix, intermediate=480)
+    assert f"--format {mix}: {says};" in err, err
+    _nearer_float_than_q4_0_and_compiled(tmp_path)
+
+
+@pytest.mark.slow
+def test_format_q4_k_m_writes_q6_k_where_the_mix_has_it(tmp_path, capsys):
+    """Rows of 256 and 512 (a float GGUF of two layers, tied): the mix's Q6_K places (attn_v and
+    ffn_down of the last layer, `more_bits`'s pick of two; and the tied output) are Q6_K blocks of 16, the embedding's gather and the head reading the same bytes; the
+    graph runs in onnxruntime near the float one, and the compiled artifact follows it."""
+
+
+    err = _optimized_tiny_gguf(tmp_path, capsys, "q4_k_m", intermediate=512)
     assert "--format q4_k_m: 12 Q4_K, 2 Q6_K;" in err, err
     m = onnx.load(str(tmp_path / "k.onnx"), load_external_data=False)
     blocks = {n.name: next(a.i for a in n.attribute if a.name == "block_size") for n in m.graph.node
@@ -398,14 +385,4 @@ def test_format_q4_k_m_writes_q6_k_where_the_mix_has_it(tmp_path, capsys):
     emb = next(t for t in GGUFReader(tmp_path / "f.gguf").tensors if t.name == "token_embd.weight")
     emb = np.asarray(emb.data, np.float32).reshape(head_w.shape)
     assert np.sqrt(np.mean((head_w - emb) ** 2)) < 0.03 * emb.std()   # 6 bits: ~1.8% of the weights' spread
-    # the logits: nearer the float graph's than the default Q4_0 graph's (this random model
-    # amplifies every weight error, so the distance itself says little)
-    assert main(["-q", "optimize", str(tmp_path / "f.onnx"), "-o", str(tmp_path / "q4.onnx")]) == 0
-    cfg = ModelConfig.load(sidecar_paths(tmp_path / "k.onnx")[0])
-    prompt = np.array([[1, 5, 9, 2, 7, 3]])
-    ref, got, q4 = (ort_kv_logits(tmp_path / f, cfg, prompt, [])[0] for f in ("f.onnx", "k.onnx", "q4.onnx"))
-    assert np.square(got - ref).mean() < 0.7 * np.square(q4 - ref).mean()
-    # Q8_0 activations: the Q6_K kernel (float activations would take Q6_K as Q8_0 weights)
-    art = tmp_path / "k.qwc"
-    compile_file(tmp_path / "k.onnx", "host", art, act_bits=8, kv_type="f32")
-    greedy_against_onnxruntime(art, tmp_path / "k.onnx", cfg, prompt, 3, 64, tol=3e-2)
+    _nearer_float_than_q4_0_and_compiled(tmp_path)
