@@ -72,7 +72,7 @@ def best(fn, args, calls: int) -> float:
 
 
 def arguments(doc: str) -> argparse.ArgumentParser:
-    """The kernel benches' options (this one's and bench/q4_k.py's)."""
+    """The kernel benches' options (this one's, bench/q4_k.py's and bench/five_bit.py's)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--sizes", default="1.5b,7b")
     p.add_argument("--tokens", default="1,512")

@@ -139,16 +139,18 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
             q6_k_linears(model, act_bits, target.features)
     formats, embedding_bits = weight_formats(model)
     from .repack import float_column_blocks, half_gather_scales, q4_1_block_offsets, q8_0_nibble_halves, repack_weights
+    from .repack_five_bit import five_bit_codes
     from .repack_q4_k import q4_k_compact
     with progress.stage("repacking weights for the target's kernels"):
         q8_0_nibble_halves(model, act_bits, target.features)
         compact_q4_k, _ = q4_k_compact(model, act_bits, target.features)
         q4_1_block_offsets(model, act_bits, target.features)
-        repacked = repack_weights(model, act_bits, target.features) + compact_q4_k
+        five_bit = five_bit_codes(model, act_bits, target.features)
+        repacked = repack_weights(model, act_bits, target.features) + compact_q4_k + five_bit
         half_gather_scales(model)
         column_blocks = float_column_blocks(model, target.features)
     layout = {k: v for k, v in (("row_groups_16", repacked), ("q4_k_compact_scales", compact_q4_k),
-                                ("column_blocks", column_blocks)) if v}
+                                ("five_bit_codes", five_bit), ("column_blocks", column_blocks)) if v}
     quant = Quantization(formats, act_bits, embedding_bits, weight_layout=layout, tuned_kernels=tuned)
     # `score` keeps every position's logits: the nodes as they are (copies: the rewrites below
     # edit nodes in place). Nodes only; every entry point shares the one model's weights.

@@ -25,7 +25,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend as F
 
 from qwc.errors import QwcError
-from qwc.passes.graph import BLOCK_OFFSETS_ATTR, COLUMN_BLOCKS_OP, NIBBLE_HALVES_ATTR, Q6_K_ATTR
+from qwc.passes.graph import BLOCK_OFFSETS_ATTR, COLUMN_BLOCKS_OP, FIVE_BIT_ATTR, NIBBLE_HALVES_ATTR, Q6_K_ATTR
 from qwc.passes.last_position import GQA_STEP_INPUTS, STEP_LOGIT_TOKENS, STEP_SEGMENTS, STEP_TOKENS_OP
 
 from .kernels import decode_attention, generic, kv_cache, prefill_attention, prefill_bias, w4a8_gemm
@@ -83,6 +83,9 @@ class MatMulNBits(F.OnnxOpConverter):
             lo = cls.q4_0_matmul(bb, a, inputs[6], inputs[7], k, n, path, bias=bias, offsets=zp,
                                  zero_offset=zp is None)
             return bb.emit(relax.op.add(hi, lo))
+        if attr.get(FIVE_BIT_ATTR):   # five-bit codes plus block offsets (repack_five_bit.py)
+            isa = q8_0_path(block, bits, _ctx().act_bits, _ctx().features)
+            return cls.q4_0_matmul(bb, a, w, s, k, n, isa, bias=bias, offsets=zp, bits=5)
         if zp is not None and attr.get(BLOCK_OFFSETS_ATTR):
             # Q4_1 / Q4_K as Q4_0 plus offsets (repack.py); Q5_1 / Q5_K as 8-bit codes plus their
             # minimums (block_minimums.py) on the W8A8 kernels
@@ -199,11 +202,13 @@ class MatMulNBits(F.OnnxOpConverter):
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
         sdt = str(s.ty.dtype)
         # `qwc tune` measures the Q4_0 GEMMs; a Q8_0 one takes its module's tile
-        tokens = None if one_token or bits == 8 else _ctx().tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")
+        tokens = None if one_token or bits != 4 else _ctx().tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")
         fused_bias = False
         w4a8 = kernels_for(features).int_dots
         if bits == 8:
             dot = w4a8.q8_decode if one_token else w4a8.q8_prefill
+        elif bits == 5:   # (repack_five_bit.py wrote them only where the target has the kernel)
+            dot = w4a8.q5
         else:
             dot = w4a8.decode if one_token else w4a8.prefill
         stem = f"q{bits}"

@@ -44,18 +44,33 @@ def pack(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray) -> tupl
     the kernels' codes [G, K/32, 4, 64], sc and mn [G, K/32, 32] uint8 and d and dmin
     [G, K/256, 32] float16 (kernels/q4_k_scales.py), or None where the factors do not exist.
     Rows past N are zeros."""
-    from qwc.models.gguf_blocks import block_mins, q4_k_factors
+    from qwc.models.gguf_blocks import block_mins
 
-    from .kernels.row_groups import ROWS, groups
     from .kernels.row_groups import pack as pack_codes
 
     n, nb, _ = codes.shape
     s = scales.astype(np.float32)
-    factors = q4_k_factors(s, block_mins(s, zero_points, "q4_k"), ~codes.any(-1))
+    factors = compact_scales(s, block_mins(s, zero_points, "q4_k"), ~codes.any(-1))
+    if factors is None:
+        return None
+    w, _ = pack_codes(codes, np.ones((n, nb), np.float16))
+    return (w, *factors)
+
+
+def compact_scales(scales: np.ndarray, mins: np.ndarray, free: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """A K-quant's sub-block scales d sc and minimums -dmin mn [N, K/32] (Q4_K's, Q5_K's) in
+    kernels/q4_k_scales.py's form: sc and mn [G, K/32, 32] uint8, d and dmin [G, K/256, 32]
+    float16, or None where the file's factors do not come back (gguf_blocks.q4_k_factors;
+    `free`: the blocks whose codes are all 0). Rows past N are zeros."""
+    from qwc.models.gguf_blocks import q4_k_factors
+
+    from .kernels.row_groups import ROWS, groups
+
+    factors = q4_k_factors(scales, mins, free)
     if factors is None:
         return None
     d, sc, dmin, mn = factors
-    w, _ = pack_codes(codes, np.ones((n, nb), np.float16))
+    n = scales.shape[0]
     g = groups(n)
 
     def rows_last(x: np.ndarray, dtype) -> np.ndarray:   # [N, B] -> [G, B, 16]
@@ -65,7 +80,7 @@ def pack(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray) -> tupl
 
     small = np.concatenate([rows_last(sc, np.uint8), rows_last(mn, np.uint8)], axis=-1)
     big = np.concatenate([rows_last(d, np.float16), rows_last(dmin, np.float16)], axis=-1)
-    return w, np.ascontiguousarray(small), np.ascontiguousarray(big)
+    return np.ascontiguousarray(small), np.ascontiguousarray(big)
 
 
 def q4_k_compact(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, int]:

@@ -331,6 +331,9 @@ Q6_K_ATTR = "qwc_q6_k"
 # Q4_K form (compiler/repack_q4_k.py; also marked BLOCK_OFFSETS_ATTR): inputs (x, codes in row
 # groups, sc and mn [G, NB, 32] uint8, d and dmin [G, NB/8, 32] float16, ...).
 Q4_K_SCALES_ATTR = "qwc_q4_k_scales"
+# ... and a Q5_0 / Q5_1 / Q5_K one whose codes it stored at five bits (compiler/repack_five_bit.py;
+# also marked BLOCK_OFFSETS_ATTR): inputs (x, codes [G, NB, 5, 64], scales, block offsets, ...).
+FIVE_BIT_ATTR = "qwc_five_bit"
 # ... and the op it puts in a float MatMul's place, its weight in blocks of columns: (a [..., K],
 # w [N / cols, K, cols]) -> [..., N] (repack.float_column_blocks, kernels/f32_matmul.py).
 COLUMN_BLOCKS_OP = "QwcMatMulColumnBlocks"

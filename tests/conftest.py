@@ -195,6 +195,17 @@ def random_q5_k(rng, n: int, k: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
+def compact_k_factors(ws: np.ndarray, wc: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Kernel-layout compact K-quant scales (kernels/q4_k_scales.py: sc, mn [G, nb, 32] uint8; d,
+    dmin [G, nb/8, 32] fp16) -> (d sc, -dmin mn) [N, nb] float32, read apart from the kernels."""
+    d, dmin = (np.repeat(wc[:, :, h * 16:(h + 1) * 16].astype(np.float32), 8, axis=1) for h in (0, 1))
+
+    def rows(x):   # [G, nb, 16] -> [N, nb]
+        return x.transpose(0, 2, 1).reshape(-1, x.shape[1])[:n]
+
+    return rows(d * ws[:, :, :16]), rows(-(dmin * ws[:, :, 16:]))
+
+
 def random_q6_k(rng, n: int, k: int, flat_row: bool = True) -> np.ndarray:
     """[N, K/256 * 210] bytes of Q6_K super-blocks: random codes and int8 sub-block scales (the
     extremes -128 and 127 among them), fp16 d of weights ~0.05 (|w| up to 0.4); with `flat_row`, row 0's first

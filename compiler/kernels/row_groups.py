@@ -70,11 +70,13 @@ def pack_offsets(c: np.ndarray) -> np.ndarray:
 
 
 INT8_CHUNKS = 8   # 64-byte chunks per group and block of 8-bit codes
+FIVE_BIT_CHUNKS = 5   # ... and of five-bit codes (pack_five_bit)
 
 
 def chunks(bits: int) -> int:
-    """64-byte chunks a row group holds per block: Q4_0 (pack) or Q8_0 (pack_int8)."""
-    return INT8_CHUNKS if bits == 8 else CHUNKS
+    """64-byte chunks a row group holds per block: Q4_0 (pack), Q8_0 (pack_int8) or five-bit
+    codes (pack_five_bit)."""
+    return {8: INT8_CHUNKS, 5: FIVE_BIT_CHUNKS}.get(bits, CHUNKS)
 
 
 def pack_int8(u: np.ndarray, s: np.ndarray, signed: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -93,3 +95,18 @@ def pack_int8(u: np.ndarray, s: np.ndarray, signed: bool = True) -> tuple[np.nda
     # [g, r, b, i, c] -> [g, b, i, r, c]
     w = q.reshape(g, ROWS, nb, INT8_CHUNKS, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, INT8_CHUNKS, ROWS * 4)
     return np.ascontiguousarray(w), _scales(s, n, g, nb)
+
+
+def pack_five_bit(q: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Codes q [N, nb, 32] in 0..31 (a GGUF's Q5_0 / Q5_1 / Q5_K, compiler/repack_five_bit.py)
+    and scales [N, nb] -> [G, nb, 5, 64] uint8 and [G, nb, 16] scales: pack_int8's eight chunks
+    of bytes (u) kept as five, chunk i (i < 4) holding chunk i's low four bits low and chunk
+    i + 4's high, as a Q4_0 chunk holds its nibbles, and chunk 4 their fifth bits, bit c of byte
+    p for chunk c's byte p. Rows past N are code 0."""
+    if q.size and (q.min() < 0 or q.max() > 31):
+        raise ValueError("five-bit codes must lie in 0..31")
+    u, sc = pack_int8(q.astype(np.uint8), s, signed=False)   # (rows past N: 128, whose low five bits are 0)
+    out = np.empty((*u.shape[:2], FIVE_BIT_CHUNKS, u.shape[3]), np.uint8)
+    out[:, :, :4] = (u[:, :, :4] & 15) | ((u[:, :, 4:] & 15) << 4)
+    out[:, :, 4] = np.bitwise_or.reduce(((u >> 4) & 1) << np.arange(8, dtype=np.uint8)[:, None], axis=2)
+    return out, sc

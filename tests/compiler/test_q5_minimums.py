@@ -1,7 +1,7 @@
 """A GGUF's Q5_1 / Q5_K linears (8-bit codes u - 128 = q with a minimum m a block,
-models/gguf_blocks.py) on the targets' kernels: the W8A8 kernels with m as block offsets
-(x86 VNNI; ARM sdot and smmla under qemu), two Q4_0 halves where there are none (AVX2, and
-float activations), each against the file's dequantized weights times the activations as the
+models/gguf_blocks.py) on the targets' kernels: five-bit codes on x86 VNNI ("vnni5",
+compiler/repack_five_bit.py), the W8A8 kernels with m as block offsets (x86 VNNI as bytes; ARM
+sdot and smmla under qemu), two Q4_0 halves where there are none (AVX2, and float activations), each against the file's dequantized weights times the activations as the
 kernels quantize them (llama.cpp's Q8_0 blocks), which the 8-bit integer sums make exact up to
 float rounding."""
 
@@ -19,11 +19,12 @@ from qwc.compiler.build import build
 from qwc.compiler.frontend import MatMulNBits
 from qwc.compiler.kernels import row_groups
 from qwc.compiler.repack import q8_0_nibble_halves
-from qwc.compiler.targets import get_target, q8_0_path
+from qwc.compiler.repack_five_bit import five_bit_codes
+from qwc.compiler.targets import five_bit_path, get_target, q8_0_path
 from qwc.models import gguf_blocks
 from qwc.passes.graph import BLOCK_OFFSETS_ATTR, tensor_array
 
-from conftest import random_q5_k
+from conftest import compact_k_factors, random_q5_k
 
 # K = 768: three super-blocks; N = 150: x86 decode's four streams and a ragged last row group
 CASES = [(512, 40), (768, 150)]
@@ -50,23 +51,33 @@ def _q8_reference(a: np.ndarray, w: np.ndarray) -> np.ndarray:
 def _node(b: gguf_blocks.Blocks, n: int, k: int) -> onnx.ModelProto:
     """The folded node (compiler/block_minimums.py's result) in a model, for the compile-time
     rewrites to act on."""
-    inits = [onnx.numpy_helper.from_array(x, name) for x, name in
-             ((b.codes, "w"), (b.scales, "s"), (b.minimums, "m"))]
-    node = helper.make_node("MatMulNBits", ["x", "w", "s", "m"], ["y"], domain="com.microsoft",
+    parts = ((b.codes, "w"), (b.scales, "s")) + (((b.minimums, "m"),) if b.minimums is not None else ())
+    inits = [onnx.numpy_helper.from_array(x, name) for x, name in parts]
+    node = helper.make_node("MatMulNBits", ["x", *(name for _, name in parts)], ["y"], domain="com.microsoft",
                             K=k, N=n, bits=8, block_size=32)
-    node.attribute.append(helper.make_attribute(BLOCK_OFFSETS_ATTR, 1))
+    if b.minimums is not None:   # (the format in the node's metadata, as the fold keeps it)
+        node.attribute.append(helper.make_attribute(BLOCK_OFFSETS_ATTR, 1))
+        gguf_blocks.set_minimums_form(node, b.fmt)
     return helper.make_model(helper.make_graph([node], "g", [], [], inits))
 
 
-def _emit(bb, name: str, b: gguf_blocks.Blocks, k: int, n: int, m: int, target: str, act_bits: int = 8):
+def _emit(bb, name: str, b: gguf_blocks.Blocks, k: int, n: int, m: int, target: str, act_bits: int = 8,
+          five_bit: bool = True):
     """Function `name`(a, weights...) through `target`'s kernels for the node, laid out as
-    compile time lays it out; returns those weights."""
+    compile time lays it out (`five_bit` False: as bytes, where five-bit codes would be);
+    returns those weights."""
     t = get_target(target)
     isa = "arm" if t.arch == "aarch64" else "x86"
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
-    if q8_0_path(32, 8, act_bits, t.features):   # the W8A8 kernels, the minimums as block offsets
+    if five_bit and five_bit_path(32, 8, act_bits, t.features):   # five-bit codes (repack_five_bit.py)
+        model = _node(b, n, k)
+        assert five_bit_codes(model, act_bits, t.features) == 1
+        inits = {x.name: tensor_array(x) for x in model.graph.initializer}
+        weights = [inits[x] for x in model.graph.node[0].input[1:4]]
+        bits = 5
+    elif q8_0_path(32, 8, act_bits, t.features):   # the W8A8 kernels, the minimums as block offsets
         w, s = row_groups.pack_int8(b.codes, b.scales, signed=isa == "arm")
-        weights = [w, s, row_groups.pack_offsets(b.minimums)]
+        weights, bits = [w, s, row_groups.pack_offsets(b.minimums)], 8
     else:   # two Q4_0 halves (repack.q8_0_nibble_halves), the low one with offsets m + 8 d
         model = _node(b, n, k)
         assert q8_0_nibble_halves(model, act_bits, t.features) == 1
@@ -77,7 +88,7 @@ def _emit(bb, name: str, b: gguf_blocks.Blocks, k: int, n: int, m: int, target: 
     with bb.function(name, [av, *vs]):
         with bb.dataflow():
             if len(vs) == 3:
-                y = MatMulNBits.q4_0_matmul(bb, av, vs[0], vs[1], k, n, isa, t.features, offsets=vs[2], bits=8)
+                y = MatMulNBits.q4_0_matmul(bb, av, vs[0], vs[1], k, n, isa, t.features, offsets=vs[2], bits=bits)
             else:
                 path = "f32" if act_bits == 32 else isa
                 hi = MatMulNBits.q4_0_matmul(bb, av, vs[0], vs[1], k, n, path, t.features)
@@ -88,13 +99,60 @@ def _emit(bb, name: str, b: gguf_blocks.Blocks, k: int, n: int, m: int, target: 
     return weights
 
 
-def _run(target: str, b, k: int, n: int, a: np.ndarray, act_bits: int = 8) -> np.ndarray:
+def _run(target: str, b, k: int, n: int, a: np.ndarray, act_bits: int = 8, five_bit: bool = True) -> np.ndarray:
     import tvm
 
     bb = relax.BlockBuilder()
-    weights = _emit(bb, "main", b, k, n, a.shape[0], target, act_bits)
+    weights = _emit(bb, "main", b, k, n, a.shape[0], target, act_bits, five_bit)
     vm = relax.VirtualMachine(build(bb.get(), get_target(target)), tvm.cpu())
     return vm["main"](*(tvm.runtime.tensor(x) for x in [a, *weights])).numpy()
+
+
+@pytest.mark.parametrize("m", [1, 9])
+def test_q5_0_takes_five_bit_codes_with_offsets_of_minus_16_d(m):
+    """A Q5_0 tensor (8-bit codes q - 16 + 128, no minimums) on x86 VNNI: codes 0..31, read from
+    -8 as Q4_0's nibbles are, and block offsets -8 d: the same values."""
+    from qwc import cpu
+
+    if not cpu.has("avx512_vnni"):
+        pytest.skip("runs avx512_vnni code; this CPU has none")
+    k, n = CASES[1]
+    raw, b = _weights(Q.Q5_0, n, k, m)
+    model = _node(b, n, k)
+    assert five_bit_codes(model, 8, get_target("x86-avx512").features) == 1
+    offsets = tensor_array(next(t for t in model.graph.initializer if t.name.endswith("offsets")))
+    assert np.array_equal(offsets, row_groups.pack_offsets(-8 * b.scales))
+    a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    got = _run("x86-avx512", b, k, n, a)
+    ref = _q8_reference(a, dequantize(raw, Q.Q5_0).reshape(n, k))
+    assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max()
+
+
+def test_q5_k_five_bit_codes_keep_the_files_factors():
+    """Q5_K's d sc and -dmin mn come back as the file's 6-bit sc, mn and fp16 d, dmin
+    (kernels/q4_k_scales.py's form, as compact Q4_K); Q5_1 keeps float32 offsets m + 8 d."""
+    k, n = CASES[1]
+    for kind, compact in ((Q.Q5_K, True), (Q.Q5_1, False)):
+        _, b = _weights(kind, n, k, 2)
+        model = _node(b, n, k)
+        assert five_bit_codes(model, 8, get_target("x86-avx512").features) == 1
+        node = model.graph.node[0]
+        inits = {x.name: tensor_array(x) for x in model.graph.initializer}
+        s, c = inits[node.input[2]], inits[node.input[3]]
+        assert (s.dtype == np.uint8) == compact and any(a.name == "qwc_q4_k_scales" for a in node.attribute) == compact
+        if compact:   # sc and mn a block, then d and dmin a super-block, per row group
+            scales, mins = compact_k_factors(s, c, n)
+            assert np.array_equal(scales, b.scales) and np.array_equal(mins, b.minimums)
+        else:
+            want = (b.minimums.astype(np.float64) + 8 * b.scales.astype(np.float64)).astype(np.float32)
+            assert np.array_equal(c, row_groups.pack_offsets(want))
+
+
+def test_codes_that_do_not_fit_five_bits_keep_their_bytes():
+    k, n = CASES[0]
+    _, b = _weights(Q.Q5_1, n, k, 0)
+    b.codes[3, 2, 7] = 160   # q = 32
+    assert five_bit_codes(_node(b, n, k), 8, get_target("x86-avx512").features) == 0
 
 
 def test_q5_blocks_are_the_files_weights():
@@ -104,8 +162,8 @@ def test_q5_blocks_are_the_files_weights():
         assert np.array_equal(gguf_blocks.dequantize(b), dequantize(raw, kind).reshape(8, 512)), kind
 
 
-X86 = {"vnni": ("x86-avx512", "avx512_vnni", 8), "avx2": ("x86-avx2", "avx2", 8),
-       "f32": ("x86-avx512", "avx512f", 32)}
+X86 = {"vnni5": ("x86-avx512", "avx512_vnni", 8, True), "vnni8": ("x86-avx512", "avx512_vnni", 8, False),
+       "avx2": ("x86-avx2", "avx2", 8, True), "f32": ("x86-avx512", "avx512f", 32, True)}
 
 
 @pytest.mark.parametrize("path", sorted(X86))
@@ -116,13 +174,13 @@ def test_x86_kernels_add_the_block_minimums(path, kind, m, k, n):
     """Decode (one token), the few-token streams and a prefill tile with leftovers."""
     from qwc import cpu
 
-    target, need, act_bits = X86[path]
+    target, need, act_bits, five_bit = X86[path]
     if not cpu.has(need):
         pytest.skip(f"runs {need} code; this CPU has none")
     raw, b = _weights(kind, n, k, k + n + m)
     a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     w = dequantize(raw, kind).reshape(n, k)
-    got = _run(target, b, k, n, a, act_bits)
+    got = _run(target, b, k, n, a, act_bits, five_bit)
     ref = _q8_reference(a, w) if act_bits == 8 else a.astype(np.float64) @ w.astype(np.float64).T
     assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max(), np.abs(got - ref).max() / np.abs(ref).max()
 

@@ -31,7 +31,7 @@ from qwc.kquants import quantize_q5_k
 from qwc.models import gguf_blocks
 from qwc.q4 import unpack_nibbles
 
-from conftest import one_line, ort_kv_logits, random_q4_k, random_q6_k
+from conftest import compact_k_factors, one_line, ort_kv_logits, random_q4_k, random_q6_k
 
 # rows of 256 (hidden) and 512 (intermediate): whole Q4_K super-blocks
 FORMATS = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q5_0, "o_proj": Q.Q4_K,
@@ -567,14 +567,16 @@ def q5_builds(q5_model):
 
 @pytest.mark.slow
 def test_q5_artifact_holds_the_files_codes_scales_and_minimums(q5_model, q5_builds):
-    """On the W8A8 kernels (Q8_0 activations) the artifact holds the file's codes, scales and
-    minimums in the row groups' layout, made here from the file's bytes; the manifest names the
-    formats, and the minimums' terms are gone into the kernels."""
+    """With Q8_0 activations (x86 VNNI: five-bit codes, compiler/repack_five_bit.py) the artifact
+    holds the file's codes, scales and minimums in the row groups' layout (Q5_K's as the file's
+    6-bit and fp16 factors), made here from the file's bytes; the manifest names the formats,
+    and the minimums' terms are gone into the kernels."""
     from qwc.compiler.kernels import row_groups
 
     d, held = q5_model
     manifest = json.loads((q5_builds[8] / "manifest.json").read_text())
     assert {f["format"]: f["count"] for f in manifest["quantization"]["linears"]} == {"q5_k": 12, "q5_1": 2, "q8_0": 1}
+    assert manifest["quantization"]["weight_layout"]["five_bit_codes"] == 14
     params = {name.replace("_", "."): a for name, a in _params(q5_builds[8]).items()}
     assert not any("block.minimums.T" in name for name in params)
     for hf, (raw, kind) in held.items():
@@ -582,11 +584,20 @@ def test_q5_artifact_holds_the_files_codes_scales_and_minimums(q5_model, q5_buil
             continue
         n, k = raw.shape[0], raw.shape[1] // (176 if kind == Q.Q5_K else 24) * (256 if kind == Q.Q5_K else 32)
         q, scales, mins = _q5_file(raw, kind, n, k)
-        w, s = row_groups.pack_int8((q + 128).astype(np.uint8).reshape(n, -1, 32), scales, signed=False)
-        stem = hf.removesuffix(".weight").replace("_", ".")
-        assert np.array_equal(params[stem + ".qweight"], w), hf
-        assert np.array_equal(params[stem + ".scales"], s.astype(params[stem + ".scales"].dtype)), hf
-        assert np.array_equal(params[stem + ".block.minimums"], row_groups.pack_offsets(mins)), hf
+        w, s = row_groups.pack_five_bit(q.astype(np.uint8).reshape(n, -1, 32), scales)
+        stem = hf.removesuffix(".weight").replace("_", ".") + ".qweight.qwc.five.bit"
+        got_s, got_c = params[stem.replace("qweight", "scales")], params[stem + ".offsets"]
+        assert np.array_equal(params[stem], w), hf
+        if kind == Q.Q5_K:   # the file's factors (kernels/q4_k_scales.py): sc, mn a block; d, dmin a super-block
+            got_scales, got_mins = compact_k_factors(got_s, got_c, n)
+            assert np.array_equal(got_scales, scales) and np.array_equal(got_mins, mins), hf
+        else:   # float32 d and c = m + 8 d (the codes read from 8, as Q4_0's)
+            assert np.array_equal(got_s, s.astype(got_s.dtype)), hf
+            want = (mins.astype(np.float64) + 8 * scales.astype(np.float64)).astype(np.float32)
+            assert np.array_equal(got_c, row_groups.pack_offsets(want)), hf
+        # five bits a code: chunk c's low four bits in nibble chunk c % 4, its fifth at bit c of chunk 4
+        u = np.stack([(w[:, :, c % 4] >> (4 * (c // 4)) & 15) | (((w[:, :, 4] >> c) & 1) << 4) for c in range(8)], 2)
+        assert np.array_equal(u, row_groups.pack_int8(q.astype(np.uint8).reshape(n, -1, 32), scales, signed=False)[0]), hf
 
 
 @pytest.mark.slow

@@ -15,6 +15,11 @@ of them and the group's weights (nb x 256 bytes: 39 KiB at K = 4864) stay in L1/
 replaced a two-rows-per-vector form with a horizontal sum per row: 1.75x on pp512 and 1.5x
 on decode for the 0.5B shape (docs/design.md).
 
+Five-bit codes (a GGUF's Q5_0 / Q5_1 / Q5_K: dot "vnni5", row_groups.pack_five_bit) run on the
+same kernels too: each chunk of codes is rebuilt from a nibble chunk and the chunk of fifth
+bits (_codes); its sums start as Q4_0's, and its block offsets (with Q4_K's compact scales
+where the file's factors come back) add the rest.
+
 Q8_0 weights run as W8A8 (dot "vnni8") on the same kernels: eight chunks a block of the codes
 u = q + 128 (row_groups.pack_int8, unsigned: vpdpbusd's unsigned operand as they are), so
 dot(q, a) = dot(u, a) - 128 x sum(a), which is 16 x the quantizer's offset: the accumulation
@@ -38,7 +43,7 @@ from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 # docs/results/x86-speed.md). AVX2's 16 registers keep 4. With a token's sums in two chains
 # (q4_matmul: accumulate) 7-token tiles were level with 8 on long prompts and slower on short
 # ones (more tiles for the same tokens): 8 stay.
-DEFAULT_TOKENS = {"vnni": 8, "avx2": 4, "vnni8": 8}
+DEFAULT_TOKENS = {"vnni": 8, "avx2": 4, "vnni8": 8, "vnni5": 8}
 DECODE_EPILOGUES = frozenset({"bias", "silu_mul", "quantize"})   # decode_gemv's
 PREFILL_BIAS = True   # prefill_gemm(..., bias=True): the bias added as the rows are stored
 
@@ -74,16 +79,26 @@ def _block_dot(T, w, aq, off, g, b, t, dot: str = "vnni"):
 
 
 def _start(T, off, t, b, dot: str):
-    """int32: where token t's block b sums start. Q4_0: the quantizer's -8 x sum(a), an int32
-    from memory (a broadcast load, no ALU work); Q8_0's u = q + 128: 16 times that."""
+    """int32: where token t's block b sums start. Q4_0 (and five-bit codes, whose block offsets
+    carry the rest: compiler/repack_five_bit.py): the quantizer's -8 x sum(a), an int32 from
+    memory (a broadcast load, no ALU work); Q8_0's u = q + 128: 16 times that."""
     return off[t, b] * T.int32(16) if dot_bits(dot) == 8 else off[t, b]
 
 
 def _codes(T, w, g, b, i, high: bool, dot: str):
     """uint8x64: the 16 rows' codes of block b that meet activation bytes 4j..4j+3, j = i (+ 4
-    if `high`): Q4_0's chunk i, its low or high nibbles; Q8_0's chunk j, as it is."""
-    if dot_bits(dot) == 8:
+    if `high`): Q4_0's chunk i, its low or high nibbles; Q8_0's chunk j, as it is; five-bit
+    codes' chunk j, its four low bits from chunk i's low or high nibbles and its fifth from bit j
+    of chunk 4 (row_groups.pack_five_bit), moved to bit 4: a shift, and one and-or."""
+    bits = dot_bits(dot)
+    if bits == 8:
         return w.vload([g, b, i + 4 if high else i, 0], "uint8x64")
+    if bits == 5:
+        j = i + 4 if high else i   # (a loop variable in the tiles, unrolled: LLVM folds the shifts)
+        fifth = (w.vload([g, b, 4, 0], "uint8x64") >> T.broadcast(T.Cast("uint8", j), 64)) & T.broadcast(T.uint8(1), 64)
+        low = (w.vload([g, b, i, 0], "uint8x64") >> T.broadcast(T.uint8(4), 64) if high
+               else w.vload([g, b, i, 0], "uint8x64") & T.broadcast(T.uint8(15), 64))
+        return low | (fifth << T.broadcast(T.uint8(4), 64))
     if high:
         return w.vload([g, b, i, 0], "uint8x64") >> T.broadcast(T.uint8(4), 64)
     return w.vload([g, b, i, 0], "uint8x64") & T.broadcast(T.uint8(15), 64)
@@ -158,9 +173,10 @@ BATCHED_DECODE_TOKENS = 8
 # FEW_AHEAD blocks ahead a thread, over its streams (4 streams: 4 each, as decode); then one
 # stream beat two at M = 5, and two were only level with four at M = 4, so four stay there.
 # AVX2's counts (not measured on an AVX2 machine since) stay.
-FEW_STREAMS = {"vnni": (4, 4, 4, 4, 1, 1, 1, 1), "vnni8": (4, 4, 4, 4, 2, 1, 1, 1), "avx2": (4, 4, 4, 4, 2, 1, 1, 1)}
+FEW_STREAMS = {"vnni": (4, 4, 4, 4, 1, 1, 1, 1), "vnni8": (4, 4, 4, 4, 2, 1, 1, 1), "avx2": (4, 4, 4, 4, 2, 1, 1, 1),
+               "vnni5": (4, 4, 4, 4, 1, 1, 1, 1)}   # (five-bit: vnni's, not measured apart)
 FEW_TOKENS = len(FEW_STREAMS["vnni"])
-FEW_AHEAD = {"vnni": 16, "vnni8": 16}
+FEW_AHEAD = {"vnni": 16, "vnni8": 16, "vnni5": 16}
 
 # Prefill reads a row group's weights from DRAM in its first tile and from L1 in the others;
 # that first tile prefetches the weights and scales of the group NEXT_GROUP on (the thread's
