@@ -183,7 +183,7 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         blocks_out = node("GatherBlockQuantized", [codes, "input_ids", scales3], ["embedding_blocks"],
                           "/model/embed_tokens/GatherBlockQuantized", domain=MS_DOMAIN, gather_axis=0,
                           quantize_axis=2, block_size=block, bits=bits)
-        if offsets:   # an untied Q4_1 / Q4_K (Q5_1 / Q5_K) table: d (q - 8) + c, a block's c added to its 32
+        if offsets:   # an untied Q4_1 / Q4_K table: d (q - 8) + c (Q5_1 / Q5_K: d q + m), a block's c added to its 32
             # (c [V, K/32, 1]: three axes, so that passes/quantize_embedding.py, which takes a
             # float Gather of a [V, H] table for the embedding, leaves this one alone)
             row_offsets = node("Gather", [offsets, "input_ids"], ["embedding_block_offsets"],

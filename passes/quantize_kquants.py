@@ -21,13 +21,13 @@ from qwc.q4 import quantize_q8_0
 
 from . import gptq, imatrix
 from .graph import Graph, ensure_ms_opset
+from .kquant_mix import BITS, linear_format
+from .options import PassOptions
+from .quantize_linears import check_quantizable, emit_matmul_nbits, linears_to_quantize
 
 QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q5_0": quantize_q5_0, "Q5_1": quantize_q5_1,
               "Q6_K": quantize_q6_k}
 GPTQ_FORMATS = ("Q4_K", "Q5_0")   # gptq.quantize_k's: the others take the search alone
-from .kquant_mix import BITS, linear_format
-from .options import PassOptions
-from .quantize_linears import check_quantizable, emit_matmul_nbits, linears_to_quantize
 
 
 def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.ModelProto:

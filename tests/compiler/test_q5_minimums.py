@@ -61,15 +61,13 @@ def _node(b: gguf_blocks.Blocks, n: int, k: int) -> onnx.ModelProto:
     return helper.make_model(helper.make_graph([node], "g", [], [], inits))
 
 
-def _emit(bb, name: str, b: gguf_blocks.Blocks, k: int, n: int, m: int, target: str, act_bits: int = 8,
-          five_bit: bool = True):
+def _emit(bb, name: str, b: gguf_blocks.Blocks, k: int, n: int, m: int, target: str, act_bits: int = 8):
     """Function `name`(a, weights...) through `target`'s kernels for the node, laid out as
-    compile time lays it out (`five_bit` False: as bytes, where five-bit codes would be);
-    returns those weights."""
+    compile time lays it out; returns those weights."""
     t = get_target(target)
     isa = "arm" if t.arch == "aarch64" else "x86"
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
-    if five_bit and five_bit_path(32, 8, act_bits, t.features):   # five-bit codes (repack_five_bit.py)
+    if five_bit_path(32, 8, act_bits, t.features):   # five-bit codes (repack_five_bit.py)
         model = _node(b, n, k)
         assert five_bit_codes(model, act_bits, t.features) == 1
         inits = {x.name: tensor_array(x) for x in model.graph.initializer}
@@ -99,11 +97,11 @@ def _emit(bb, name: str, b: gguf_blocks.Blocks, k: int, n: int, m: int, target: 
     return weights
 
 
-def _run(target: str, b, k: int, n: int, a: np.ndarray, act_bits: int = 8, five_bit: bool = True) -> np.ndarray:
+def _run(target: str, b, k: int, n: int, a: np.ndarray, act_bits: int = 8) -> np.ndarray:
     import tvm
 
     bb = relax.BlockBuilder()
-    weights = _emit(bb, "main", b, k, n, a.shape[0], target, act_bits, five_bit)
+    weights = _emit(bb, "main", b, k, n, a.shape[0], target, act_bits)
     vm = relax.VirtualMachine(build(bb.get(), get_target(target)), tvm.cpu())
     return vm["main"](*(tvm.runtime.tensor(x) for x in [a, *weights])).numpy()
 
@@ -162,8 +160,9 @@ def test_q5_blocks_are_the_files_weights():
         assert np.array_equal(gguf_blocks.dequantize(b), dequantize(raw, kind).reshape(8, 512)), kind
 
 
-X86 = {"vnni5": ("x86-avx512", "avx512_vnni", 8, True), "vnni8": ("x86-avx512", "avx512_vnni", 8, False),
-       "avx2": ("x86-avx2", "avx2", 8, True), "f32": ("x86-avx512", "avx512f", 32, True)}
+# (the W8A8 form with offsets, which VNNI would take for codes that span more than five bits, is
+# the ARM kernels' form: test_arm_kernels_add_the_block_minimums)
+X86 = {"vnni5": ("x86-avx512", "avx512_vnni", 8), "avx2": ("x86-avx2", "avx2", 8), "f32": ("x86-avx512", "avx512f", 32)}
 
 
 @pytest.mark.parametrize("path", sorted(X86))
@@ -174,13 +173,13 @@ def test_x86_kernels_add_the_block_minimums(path, kind, m, k, n):
     """Decode (one token), the few-token streams and a prefill tile with leftovers."""
     from qwc import cpu
 
-    target, need, act_bits, five_bit = X86[path]
+    target, need, act_bits = X86[path]
     if not cpu.has(need):
         pytest.skip(f"runs {need} code; this CPU has none")
     raw, b = _weights(kind, n, k, k + n + m)
     a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     w = dequantize(raw, kind).reshape(n, k)
-    got = _run(target, b, k, n, a, act_bits, five_bit)
+    got = _run(target, b, k, n, a, act_bits)
     ref = _q8_reference(a, w) if act_bits == 8 else a.astype(np.float64) @ w.astype(np.float64).T
     assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max(), np.abs(got - ref).max() / np.abs(ref).max()
 
