@@ -14,7 +14,6 @@ bytes each reads (five-bit codes 7 bits a weight with their float32 scales and o
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from q4_k import DECODE_BYTES, SHAPES, best_pass  # noqa: E402  (the same Q4_K / Q5_K places)
+from q4_k import two_forms_table  # noqa: E402  (the same Q4_K / Q5_K places: q4_k.SHAPES)
 
 
 def _weights(k: int, n: int, seed: int, five_bit: bool) -> list[np.ndarray]:
@@ -69,22 +68,7 @@ def main() -> None:
     args = arguments(__doc__).parse_args()
     if five_bit_path(32, 8, 8, get_target("host").features) is None:
         sys.exit("five_bit: this host has no five-bit kernel (targets.IntDots.q5: x86 AVX-512 VNNI)")
-    print("| size | tensor | N x K | tokens | five-bit ms | bytes ms | five-bit / bytes time | five-bit GB/s | "
-          "bytes GB/s |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for size in args.sizes.split(","):
-        for name, n, k in SHAPES[size]:
-            for m in (int(t) for t in args.tokens.split(",")):
-                copies = max(1, min(200, int(DECODE_BYTES / (n * k * 0.875)))) if m == 1 else 1
-                fns = {f: _function(k, n, m, f, copies) for f in (True, False)}
-                times = {f: [] for f in fns}
-                for _ in range(args.rounds):
-                    for f, (fn, sets, _) in fns.items():
-                        times[f].append(best_pass(fn, sets, 3))
-                t5, t8 = (statistics.median(times[f]) for f in (True, False))
-                print(f"| {size} | {name} | {n} x {k} | {m} | {t5 * 1e3:.3f} | {t8 * 1e3:.3f} | {t5 / t8:.2f} | "
-                      f"{fns[True][2] / t5 / 1e9:.1f} | {fns[False][2] / t8 / 1e9:.1f} |", flush=True)
-                del fns
+    two_forms_table(args, ("five-bit", "bytes"), _function, 0.875)
 
 
 if __name__ == "__main__":

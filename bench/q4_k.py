@@ -82,29 +82,36 @@ def best_pass(fn, arg_sets, passes: int) -> float:
     return out
 
 
+def two_forms_table(args, labels: tuple[str, str], function, bytes_a_weight: float) -> None:
+    """Print the table of two weight forms (True, False) on the same kernels: `function(k, n, m,
+    form, copies)` gives (vm function, argument sets, weight bytes a call); decode reads about
+    DECODE_BYTES of distinct copies (`bytes_a_weight`: the larger form's), prefill one."""
+    a, b = labels
+    print(f"| size | tensor | N x K | tokens | {a} ms | {b} ms | {a} / {b} time | {a} GB/s | {b} GB/s |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for size in args.sizes.split(","):
+        for name, n, k in SHAPES[size]:
+            for m in (int(t) for t in args.tokens.split(",")):
+                copies = max(1, min(200, int(DECODE_BYTES / (n * k * bytes_a_weight)))) if m == 1 else 1
+                fns = {f: function(k, n, m, f, copies) for f in (True, False)}
+                times = {f: [] for f in fns}
+                for _ in range(args.rounds):
+                    for f, (fn, sets, _) in fns.items():
+                        times[f].append(best_pass(fn, sets, 3))
+                ta, tb = (statistics.median(times[f]) for f in (True, False))
+                print(f"| {size} | {name} | {n} x {k} | {m} | {ta * 1e3:.3f} | {tb * 1e3:.3f} | {ta / tb:.2f} | "
+                      f"{fns[True][2] / ta / 1e9:.1f} | {fns[False][2] / tb / 1e9:.1f} |", flush=True)
+                del fns
+
+
 def main() -> None:
     from q6_k import arguments
 
     p = arguments(__doc__)
     p.add_argument("--target", default="host")
     args = p.parse_args()
-    print("| size | tensor | N x K | tokens | compact ms | expanded ms | compact / expanded time | compact GB/s | "
-          "expanded GB/s |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for size in args.sizes.split(","):
-        for name, n, k in SHAPES[size]:
-            for m in (int(t) for t in args.tokens.split(",")):
-                copies = max(1, min(200, int(DECODE_BYTES / (n * k * 0.75)))) if m == 1 else 1
-                fns = {c: _function(k, n, m, c, args.target, copies) for c in (True, False)}
-                times = {c: [] for c in fns}
-                for _ in range(args.rounds):
-                    for c, (fn, sets, _) in fns.items():
-                        times[c].append(best_pass(fn, sets, 3))
-                tc, te = (statistics.median(times[c]) for c in (True, False))
-                gbc, gbe = fns[True][2] / tc / 1e9, fns[False][2] / te / 1e9
-                print(f"| {size} | {name} | {n} x {k} | {m} | {tc * 1e3:.3f} | {te * 1e3:.3f} | {tc / te:.2f} | "
-                      f"{gbc:.1f} | {gbe:.1f} |", flush=True)
-                del fns
+    two_forms_table(args, ("compact", "expanded"),
+                    lambda k, n, m, c, copies: _function(k, n, m, c, args.target, copies), 0.75)
 
 
 if __name__ == "__main__":
