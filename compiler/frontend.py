@@ -169,8 +169,9 @@ class MatMulNBits(F.OnnxOpConverter):
             return y if bias is None else bb.emit(relax.op.add(y, bias))
         starts = bb.add_func(q6_k.q6_k_starts(nb, one_token), _kname(f"q6_k_starts_{nb}_{int(one_token)}"))
         st = bb.emit(relax.call_tir(starts, [aq, off], relax.TensorType(shape=[m, nb, 2], dtype="int32")))
-        kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, bias=bias is not None),
-                             _kname(f"q6_k_matmul_{n}x{nb}{'_bias' if bias is not None else ''}"))
+        amx = kernels_for(_ctx().features).int_dots.amx and not one_token
+        kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, bias=bias is not None, amx=amx),
+                             _kname(f"q6_k_matmul{'_amx' if amx else ''}_{n}x{nb}{'_bias' if bias is not None else ''}"))
         y = bb.emit(relax.call_tir(kernel, [aq, ad, st, w, sc, d] + ([bias] if bias is not None else []),
                                    relax.TensorType(shape=[m, n], dtype="float32")))
         return bb.emit(relax.op.reshape(y, [*lead, n]))
@@ -221,9 +222,10 @@ class MatMulNBits(F.OnnxOpConverter):
                            "(compiler/repack.py), got the plain layout")
         if not one_token:   # the bias in the GEMM's stores where it can (x86), not an add kernel after it
             fused_bias = bias is not None and prefill_bias(dot)
+            amx = w4a8.amx and not _ctx().batched
             kernel = bb.add_func(w4a8_gemm(dot, n, nb, sdt, tokens, batched_decode=_ctx().batched, offsets=has_c,
-                                           bias=fused_bias),
-                                 _kname(f"{stem}_gemm_{dot}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
+                                           bias=fused_bias, amx=amx),
+                                 _kname(f"{stem}_gemm_{dot}{'_amx' if amx else ''}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
                                         f"{'_bias' if fused_bias else ''}"))
         else:   # several of these may become one launch (compiler/sibling_gemvs.py)
             from .kernels import decode_gemv

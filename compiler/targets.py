@@ -6,7 +6,7 @@ Everything that differs between targets is decided here and nowhere else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from qwc import cpu
 from qwc.errors import QwcError
@@ -46,7 +46,10 @@ class Target:
 
 
 # The host features a target records: what the kernels and LLVM's -mattr use.
-_X86_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")
+_X86_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "amx_tile", "amx_int8")
+# LLVM's -mattr for the x86 features it needs spelled out (the host CPU's name does not always
+# imply them: a VM may report a CPU model without AMX)
+_X86_MATTR = {"amx_tile": "+amx-tile", "amx_int8": "+amx-int8"}
 _ARM_MATTR = {"neon": "+neon", "sve2": "+sve2", "dotprod": "+dotprod", "i8mm": "+i8mm", "bf16": "+bf16"}
 
 
@@ -68,8 +71,9 @@ def host_target() -> Target:
     have = cpu.features() or frozenset()
     if cpu.machine_arch() == "x86_64":
         cpu_name = _system_cpu("x86-64")
+        feats = frozenset(f for f in _X86_FEATURES if f in have)
         return Target("host", "x86_64", "x86_64-linux-gnu", cpu_name,
-                      features=frozenset(f for f in _X86_FEATURES if f in have),
+                      mattr=tuple(m for f, m in _X86_MATTR.items() if f in feats), features=feats,
                       description=f"this machine ({cpu_name})")
     if cpu.machine_arch() == "aarch64":
         feats = {f for f in _ARM_MATTR if f in have}
@@ -93,6 +97,12 @@ _TABLE = {
     "x86-avx512": Target("x86-avx512", "x86_64", "x86_64-linux-gnu", "x86-64-v4", mattr=("+avx512vnni",),
                          features=frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
                          description="x86-64 with AVX-512 and VNNI (Ice Lake and later Xeons, AMD Zen 4 and later)"),
+    # The same with the prefill GEMM's 16-token tiles on AMX (Sapphire Rapids and later Xeons).
+    "x86-amx": Target("x86-amx", "x86_64", "x86_64-linux-gnu", "sapphirerapids",
+                      mattr=("+avx512vnni", "+amx-tile", "+amx-int8"),
+                      features=frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile",
+                                          "amx_int8"}),
+                      description="x86-64 with AVX-512 VNNI and AMX-INT8 (Sapphire Rapids and later Xeons)"),
     "arm-yitian": Target(
         "arm-yitian", "aarch64", "aarch64-linux-gnu", "neoverse-n2",
         mattr=("+neon", "+sve2", "+dotprod", "+i8mm", "+bf16"),
@@ -156,6 +166,10 @@ class IntDots:
     # every weight, and the bytes are 5/8 of the codes'; ARM keeps bytes (no rebuilding
     # instructions, the measure the ARM targets are held to)
     q5: str | None = None
+    # the prefill GEMM's whole 16-token tiles on AMX's tile multiply (kernels/x86/amx.py), the
+    # leftover tokens, decode and the batched decode step on the VNNI kernels: a block's 16 x 16
+    # dots are one instruction, so what is left is scaling them (docs/results/x86-speed.md)
+    amx: bool = False
 
 
 @dataclass(frozen=True)
@@ -185,6 +199,7 @@ class Kernels:
 
 _VNNI = IntDots("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8", "vnni", q4_k_compact=True,
                 q5="vnni5")
+_VNNI_AMX = replace(_VNNI, amx=True)
 # The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
 # (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
 _AVX2 = IntDots("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8), q4_k_compact=True)
@@ -203,6 +218,7 @@ KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     (frozenset({"dotprod", "i8mm"}), Kernels(_SMMLA, "three_pass_heads", 512, 128, exact_step_decode=False)),
     (frozenset({"dotprod"}), Kernels(_SDOT, "three_pass_heads", 512, 128, exact_step_decode=False)),
     (frozenset({"neon"}), Kernels(None, "three_pass_heads", 512, exact_step_decode=False)),
+    (frozenset({"amx_int8", "amx_tile", "avx512_vnni", "avx512bw", "avx512f"}), Kernels(_VNNI_AMX, "three_pass")),
     (frozenset({"avx512_vnni", "avx512bw", "avx512f"}), Kernels(_VNNI, "three_pass")),
     (frozenset({"avx2", "fma"}), Kernels(_AVX2, "three_pass")),
     (frozenset(), Kernels(None, "three_pass")),
@@ -295,7 +311,8 @@ def kernel_summary(target: Target) -> dict[str, str]:
     q6 = f"w6a8-{w.q6_k}" if w and w.q6_k else "as q8_0"
     q4k = ("w4a8-compact" if w.q4_k_compact else "w4a8-expanded") if w else "w4a32"   # its scales' form
     q5 = f"w5a8-{w.q5}" if w and w.q5 else "as q8_0"   # Q5_0 / Q5_1 / Q5_K: five-bit codes, or bytes
-    return {"decode": f"w4a8-{w.decode}" if w else "w4a32", "prefill": f"w4a8-{w.prefill}" if w else "w4a32",
+    prefill = f"w4a8-{w.prefill}{'+amx' if w.amx else ''}" if w else "w4a32"
+    return {"decode": f"w4a8-{w.decode}" if w else "w4a32", "prefill": prefill,
             "attention": k.decode_attention, "q8_0": q8, "q4_k": q4k, "q5": q5, "q6_k": q6}
 
 

@@ -35,6 +35,22 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
+# Linux grants a process AMX's tile data only on request (asm/prctl.h, x86 syscall numbers):
+# a tile instruction before it faults with SIGILL
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+@functools.cache
+def enable_amx() -> None:
+    """Ask Linux for AMX's tile state for this process (every thread), once; OSError where it
+    is refused (a kernel before 5.16, a sandbox), before a kernel that uses it can fault."""
+    libc = _libc()
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"Linux refused this process AMX's tile state (arch_prctl ARCH_REQ_XCOMP_PERM): "
+                           f"{os.strerror(err)}")
+
+
 def sve_vector_bytes() -> int | None:
     """SVE's vector length in bytes, or None without SVE (or where it cannot be read)."""
     try:

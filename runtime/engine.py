@@ -108,6 +108,11 @@ def check_runs_here(manifest: Manifest) -> None:
     missing = sorted(f for f in t.features if have is not None and f not in have)
     if missing:
         raise QwcError(f"artifact for {t.name} needs CPU features this machine lacks: {', '.join(missing)}")
+    if "amx_tile" in t.features:   # its prefill GEMMs use AMX (compiler/kernels/x86/amx.py)
+        try:
+            cpu.enable_amx()
+        except OSError as e:
+            raise QwcError(f"artifact for {t.name} uses AMX: {e.strerror}") from None
 
 
 class Engine:

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from qwc import progress
+from qwc import cpu, progress
 from qwc.compiler.schedule import STRICT_ENV
 from qwc.config import sidecar_paths
 from qwc.passes.options import PassOptions
@@ -37,6 +37,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def _quiet():
     progress.set_quiet(True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _amx():
+    """On a CPU with AMX a host build's prefill GEMMs use it, and tests run some such modules in
+    their own process, not through the runtime's Engine (which asks Linux for AMX itself)."""
+    if cpu.has("amx_tile"):
+        cpu.enable_amx()
 
 
 # Every kernel a test compiles (here or in a `qwc` it runs) is scheduled: one left to TVM's

@@ -107,7 +107,7 @@ def test_cli_compile_and_run(tiny_onnx, tmp_path, capsys):
 
 def test_unknown_target(tiny_q4, tmp_path, capsys):
     code = main(["-q", "compile", str(tiny_q4), "--target", "riscv", "-o", str(tmp_path / "x.qwc")])
-    one_line(capsys, code, "unknown target 'riscv' (known: host, x86-avx2, x86-avx512, arm-yitian, arm-neon)")
+    one_line(capsys, code, "unknown target 'riscv' (known: host, x86-avx2, x86-avx512, x86-amx, arm-yitian, arm-neon)")
     assert not (tmp_path / "x.qwc").exists()
 
 
@@ -125,23 +125,25 @@ def test_unsupported_op_names_node(tiny_q4, tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dot, target", [("vnni", "x86-avx512"), ("avx2", "x86-avx2")])
+@pytest.mark.parametrize("dot, target", [("vnni", "x86-avx512"), ("avx2", "x86-avx2"), ("vnni_amx", "x86-amx")])
 def test_x86_w4a8_kernels_equal_the_generic_w4a8_kernel(tiny_q4, tmp_path, dot, target):
-    """The x86 W4A8 kernels (AVX-512 VNNI; AVX2) and the generic TE kernel (a target without
-    an integer dot rule) implement the same integer arithmetic, prefill and decode."""
+    """The x86 W4A8 kernels (AVX-512 VNNI; AVX2; VNNI with AMX's prefill tiles) and the
+    generic TE kernel (a target without an integer dot rule) implement the same integer
+    arithmetic, prefill and decode."""
     from qwc import cpu
 
-    need = {"vnni": "avx512_vnni", "avx2": "avx2"}[dot]
+    need = {"vnni": "avx512_vnni", "avx2": "avx2", "vnni_amx": "amx_int8"}[dot]
     if not cpu.has(need):
         pytest.skip(f"runs {need} code; this CPU has none (the VNNI library's code: "
-                    "test_vnni_library_from_any_x86_host)")
+                    "test_vnni_library_from_any_x86_host; AMX's: test_amx_library_builds_anywhere)")
     fast, generic = tmp_path / "fast.qwc", tmp_path / "generic.qwc"
     compile_file(tiny_q4, target, fast, act_bits=8)
     syms = subprocess.run(["nm", "-D", str(fast / "lib.so")], capture_output=True, text=True).stdout
-    assert f"q4_gemm_{dot}_" in syms and f"q4_gemv_{dot}_" in syms   # the kernels under test ran
+    decode = dot.removesuffix("_amx")
+    assert f"q4_gemm_{dot}_" in syms and f"q4_gemv_{decode}_" in syms   # the kernels under test ran
     with mock.patch.object(targets, "KERNEL_RULES", ((frozenset(), targets.Kernels(None, "three_pass")),)):
         compile_file(tiny_q4, target, generic, act_bits=8)
-    ids = list(np.random.default_rng(5).integers(0, 259, 12))
+    ids = list(np.random.default_rng(5).integers(0, 259, 40))   # AMX: two 16-token tiles, 8 tokens left
     ev, eg = Engine(fast, ctx=64), Engine(generic, ctx=64)
     a, b = [ev.prefill(ids)], [eg.prefill(ids)]
     for _ in range(4):

@@ -40,6 +40,21 @@ def test_vnni_needs_all_three_avx512_features():
     assert kernels_for({"sse4_2"}).int_dots is None and default_act_bits({"sse4_2"}) == 32
 
 
+def test_amx_needs_its_tile_features_and_runs_only_prefill():
+    """AMX (kernels/x86/amx.py) takes the prefill GEMM's 16-token tiles where the CPU has its
+    tiles and int8 multiply on top of AVX-512 VNNI; decode and the other forms stay VNNI's. The
+    host asks LLVM for the AMX instructions by name (a VM may report a CPU model without them)."""
+    vnni = {"avx512_vnni", "avx512bw", "avx512f", "avx2", "fma"}
+    assert kernels_for(vnni | {"amx_tile", "amx_int8"}).int_dots.amx
+    assert not kernels_for(vnni | {"amx_tile"}).int_dots.amx and not kernels_for(vnni).int_dots.amx
+    assert not kernels_for({"amx_tile", "amx_int8", "avx2", "fma"}).int_dots.amx   # AMX without VNNI: AVX2's
+    amx = kernels_for(get_target("x86-amx").features).int_dots
+    assert (amx.amx, amx.decode, amx.prefill) == (True, "vnni", "vnni")
+    assert {"+amx-tile", "+amx-int8"} <= set(get_target("x86-amx").mattr)
+    assert targets.kernel_summary(get_target("x86-amx"))["prefill"] == "w4a8-vnni+amx"
+    assert targets.kernel_summary(get_target("x86-avx512"))["prefill"] == "w4a8-vnni"
+
+
 def test_rules_end_with_a_catch_all_and_tiles_are_per_gemm():
     assert targets.KERNEL_RULES[-1][0] == frozenset()
     assert kernels_for(set()).int_dots is None
@@ -99,6 +114,8 @@ def test_tuning_tasks_take_the_tables_gemm(tiny_q4):
     ("aarch64", {"neon", "dotprod"}, "arm-neon"),
     ("aarch64", {"neon", "dotprod", "sve", "sve2", "i8mm", "bf16"}, None),
     ("x86_64", {"avx2", "fma", "sse4_2", "aes"}, "x86-avx2"),
+    ("x86_64", {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16"},
+     "x86-amx"),
 ])
 def test_host_target_has_the_features_of_the_named_target_with_them(monkeypatch, arch, have, named):
     from qwc import cpu
@@ -109,7 +126,7 @@ def test_host_target_has_the_features_of_the_named_target_with_them(monkeypatch,
     assert host.arch == arch
     if named:
         assert host.features == get_target(named).features
-        assert set(host.mattr) == set(get_target(named).mattr) - {"+v8.2a"}
+        assert set(host.mattr) == set(get_target(named).mattr) - {"+v8.2a", "+avx512vnni"}   # (x86: the CPU's name)
     else:   # SVE2 at another length: the NEON code and its i8mm GEMM, no SVE in the build
         assert host.features == {"neon", "dotprod", "i8mm", "bf16"}
         assert "+sve2" not in host.mattr and kernels_for(host.features).int_dots.prefill == "smmla"

@@ -39,6 +39,7 @@ SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
 DEFAULT_TOKENS = {"sdot": 4, "sdot8": 4}      # prefill tile width (arm-neon), as x86/vnni.py's
 # decode_gemv's: a task holds 16 rows, a Q8_0 block 32 (no quantize); "split": parts of the blocks
 DECODE_EPILOGUES = frozenset({"bias", "split"})
+UNROLL = 2          # blocks an iteration of the decode GEMV's loop (_decode_gemv: group)
 PREFILL_BIAS = False   # a bias is its own kernel after the GEMM
 
 
@@ -217,17 +218,27 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
+    def block(w, ws, wc, aq, ad, off, acc, g, b):
+        for q in range(SLICES):
+            value = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, _slice_dot(T, w, aq, off, g, b, q, 0, bits)) * (
+                _scales(T, ws, wc, g, b, q) * T.broadcast(ad[0, b], LANES))
+            if wc is not None:
+                value = value + _offsets_term(T, ws, wc, ad, off, g, b, q, 0)
+            T.buffer_store(acc, value, [T.ramp(q * LANES, 1, LANES)])
+
     def group(w, ws, wc, bias, y, n, aq, ad, off, g, part=0, b0=0, b1=nb):
         acc = T.decl_buffer((SLICES * LANES,), "float32", scope="global")   # a stack slot: see q4_dot
         for q in range(SLICES):
             T.buffer_store(acc, T.broadcast(T.float32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
-        with T.serial(b0, b1) as b:
-            for q in range(SLICES):
-                value = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, _slice_dot(T, w, aq, off, g, b, q, 0, bits)) * (
-                    _scales(T, ws, wc, g, b, q) * T.broadcast(ad[0, b], LANES))
-                if wc is not None:
-                    value = value + _offsets_term(T, ws, wc, ad, off, g, b, q, 0)
-                T.buffer_store(acc, value, [T.ramp(q * LANES, 1, LANES)])
+        # UNROLL blocks an iteration: the loop's own counter, compare, branch and pointer
+        # increments were a share of a block's instructions worth saving (instructions are
+        # what the ARM targets are held to); four ran out of registers. The blocks in order,
+        # so the same sums (docs/results/weight-formats.md).
+        with T.serial(0, (b1 - b0) // UNROLL) as bu:
+            for u in range(UNROLL):
+                block(w, ws, wc, aq, ad, off, acc, g, b0 + bu * UNROLL + u)
+        for b in range(b0 + (b1 - b0) // UNROLL * UNROLL, b1):
+            block(w, ws, wc, aq, ad, off, acc, g, b)
         for q in range(SLICES):   # doubled: halved_float
             row = g * ROWS + q * LANES
 

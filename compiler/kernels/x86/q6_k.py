@@ -102,12 +102,15 @@ def q6_k_starts(nb: int, one_row: bool):
 
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
-def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
+def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: bool = False):
     """y [M, N] = the quantized activations (aq [M, NB, 32], their scales ad [M, NB] and the
     chains' starts st [M, NB, 2]: q6_k_starts) times the Q6_K weights w [G, NB, 6, 64] with
     sc [G, NB, 32] and d [G, NB/8, 16] (the module's docstring); `bias`: a bias [N] added as
-    the rows are stored. M any number of tokens, or `m` fixed."""
+    the rows are stored. M any number of tokens, or `m` fixed. `amx`: prefill's whole 16-token
+    tiles on AMX (x86/amx.py: q6_k_macros), the tokens left on VNNI's tiles."""
     from tvm.script import tirx as T
+
+    from . import amx as amx_tiles
 
     if nb % SUPER_BLOCKS:
         raise ValueError(f"Q6_K rows are whole super-blocks of 256, got {nb} blocks of 32")
@@ -199,26 +202,67 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None):
                 for g in range(ng // STREAMS * STREAMS, ng):
                     tile(w, aq, st, ad, sc, d, y, bias_buf, g, 0, 1)
 
+    configure, sub_block_order, make_amx_b, amx_blocks = amx_tiles.q6_k_macros(T, nb, term)
+
+    @T.macro
+    def amx_tile(ar, ad, sc, d, y, bias_buf, bt, cs, g, first):
+        """Rows 16g .. 16g+15 of tokens first .. first + 15 on AMX."""
+        lo = T.decl_buffer((8 * ROWS,), "float32", scope="global")   # a stack slot each (x86/vnni.py)
+        hi = T.decl_buffer((8 * ROWS,), "float32", scope="global")
+        for t in T.unroll(8):
+            lo[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+            hi[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+        amx_blocks(ar, ad, sc, d, lo, hi, bt, cs, g, first)
+        for t in T.unroll(8):
+            store_rows(y, first + t, g * ROWS, ROWS, n, lo, t * ROWS, None, bias_buf)
+            store_rows(y, first + 8 + t, g * ROWS, ROWS, n, hi, t * ROWS, None, bias_buf)
+
+    # the first token the VNNI tiles take: with AMX, what its whole 16-token tiles leave
+    vnni_from = rows_in // amx_tiles.TOKENS * amx_tiles.TOKENS if amx else 0
+
+    @T.macro
+    def prefill_groups(w, aq, st, ad, sc, d, y, bias_buf, ar):
+        """A task a row group: its codes rebuilt once as bytes, which every tile then reads
+        (rebuilt in each tile they cost the GEMM 1.27-1.32x the Q8_0 one's time: bench/q6_k.py),
+        then with AMX (`ar`: the activations in sub-block order) its whole 16-token tiles on
+        AMX, and the tokens left in tiles of TOKENS and of one."""
+        for g in T.parallel(ng):
+            # a view shaped as the weights' groups, offset so that group g is this copy
+            made = T.decl_buffer((nb * BYTE_CHUNKS * 4 * ROWS,), "uint8", scope="global")
+            wb = T.decl_buffer((ng, nb, BYTE_CHUNKS, 4 * ROWS), "uint8", data=made.data,
+                               elem_offset=-g * (nb * BYTE_CHUNKS * 4 * ROWS))
+            for b in range(nb):
+                for c in T.unroll(BYTE_CHUNKS):
+                    wb[g, b, c, T.ramp(0, 1, 4 * ROWS)] = codes(T, w, g, b, c)
+            if ar is not None:   # decided when the kernel is built
+                if rows_in >= amx_tiles.TOKENS:
+                    cfg = T.decl_buffer((64,), "uint8", scope="global")
+                    bt = T.decl_buffer((nb, BYTE_CHUNKS * 4 * ROWS), "uint8", scope="global")
+                    cs = T.decl_buffer((2, 2, amx_tiles.TOKENS * ROWS), "int32", scope="global")
+                    configure(cfg)
+                    make_amx_b(wb, bt, g)
+                    for it in range(rows_in // amx_tiles.TOKENS):
+                        amx_tile(ar, ad, sc, d, y, bias_buf, bt, cs, g, it * amx_tiles.TOKENS)
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
+            for it in range(vnni_from // TOKENS, rows_in // TOKENS):
+                tile(wb, aq, st, ad, sc, d, y, bias_buf, g, it * TOKENS, TOKENS)
+            for i in range(rows_in // TOKENS * TOKENS, rows_in):
+                tile(wb, aq, st, ad, sc, d, y, bias_buf, g, i, 1)
+
     @T.macro
     def body(w, aq, st, ad, sc, d, y, bias_buf):
         T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True})   # opaque: FuseOps leaves it whole
         if rows_in == 1:
             streamed(w, aq, st, ad, sc, d, y, bias_buf)
         else:
-            for g in T.parallel(ng):
-                # The group's codes rebuilt once as bytes, which every tile then reads: rebuilt
-                # in each tile they cost the GEMM 1.27-1.32x the Q8_0 one's time (bench/q6_k.py).
-                # A view shaped as the weights' groups, offset so that group g is this copy.
-                made = T.decl_buffer((nb * BYTE_CHUNKS * 4 * ROWS,), "uint8", scope="global")
-                wb = T.decl_buffer((ng, nb, BYTE_CHUNKS, 4 * ROWS), "uint8", data=made.data,
-                                   elem_offset=-g * (nb * BYTE_CHUNKS * 4 * ROWS))
-                for b in range(nb):
-                    for c in T.unroll(BYTE_CHUNKS):
-                        wb[g, b, c, T.ramp(0, 1, 4 * ROWS)] = codes(T, w, g, b, c)
-                for it in range(rows_in // TOKENS):
-                    tile(wb, aq, st, ad, sc, d, y, bias_buf, g, it * TOKENS, TOKENS)
-                for i in range(rows_in // TOKENS * TOKENS, rows_in):
-                    tile(wb, aq, st, ad, sc, d, y, bias_buf, g, i, 1)
+            if amx:   # decided when the kernel is built
+                ar = T.decl_buffer((rows_in, nb, 32), "int8")
+                if rows_in >= amx_tiles.TOKENS:
+                    for t in T.parallel(rows_in):
+                        sub_block_order(aq, ar, t)
+                prefill_groups(w, aq, st, ad, sc, d, y, bias_buf, ar)
+            else:
+                prefill_groups(w, aq, st, ad, sc, d, y, bias_buf, None)
 
     if bias:
         @T.prim_func(private=True)

@@ -192,18 +192,24 @@ def few_ahead(dot: str, streams: int) -> int:
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None,
-              batched_decode: bool = False, dot: str = "vnni", offsets: bool = False, bias: bool = False):
+              batched_decode: bool = False, dot: str = "vnni", offsets: bool = False, bias: bool = False,
+              amx: bool = False):
     """Prefill: y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the
     -8 x sum offsets) and the packed weights, in tiles of `tokens` tokens per row group and
     leftovers one at a time. M is any number of tokens, or `m` (tuning measures at fixed M).
     `batched_decode`: the form for decode_batch (BATCHED_DECODE_TOKENS above; `tokens` unused).
     `dot`: "vnni" (AVX-512 VNNI), "avx2" (_block_dot) or "vnni8" (Q8_0 weights). `offsets`:
     with Q4_1's block offsets (w4a8.gemm_kernel); `bias`: adds a bias [N] as it stores (the
-    q, k and v projections': an add kernel of their own a launch each, 72 a step at 24 layers)."""
+    q, k and v projections': an add kernel of their own a launch each, 72 a step at 24 layers).
+    `amx`: prefill's tiles of 16 tokens on AMX (x86/amx.py), the leftover tokens on VNNI's."""
     from tvm.script import tirx as T
 
+    from . import amx as amx_tiles
+
     ng = groups(n)
-    tm = BATCHED_DECODE_TOKENS if batched_decode else tokens or DEFAULT_TOKENS[dot]
+    amx = amx and not batched_decode
+    # (with AMX the VNNI tiles take only the last 8-15 tokens, in 8 and the set bits below)
+    tm = BATCHED_DECODE_TOKENS if batched_decode else DEFAULT_TOKENS[dot] if amx else tokens or DEFAULT_TOKENS[dot]
     rows_in = token_count(m)
     locality = PREFETCH[0][1]
 
@@ -293,6 +299,43 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None, bias)
 
+    configure, make_b, amx_blocks = amx_tiles.macros(T, nb, dot)
+
+    @T.macro
+    def amx_tile(w, aq, ws, ad, y, wc, bias, bt, cs, sums, g, first, next_group):
+        """Rows 16g .. 16g+15 of tokens first .. first+15 on AMX; `next_group` as in tile."""
+        lo = T.decl_buffer((8 * ROWS,), "float32", scope="global")   # a stack slot each: see tile
+        hi = T.decl_buffer((8 * ROWS,), "float32", scope="global")
+        for t in T.unroll(8):
+            lo[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+            hi[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+        if next_group:   # (past the last group: a prefetch does not fault)
+            for b in range(nb):
+                for i in T.unroll(chunks(dot_bits(dot))):
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g + NEXT_GROUP, b, i, 0]),
+                                                  T.int32(0), T.int32(2), T.int32(1)))
+        amx_blocks(aq, ws, ad, wc, sums, lo, hi, bt, cs, g, first)
+        for t in T.unroll(8):
+            store_rows(y, first + t, g * ROWS, ROWS, n, lo, t * ROWS, None, bias)
+            store_rows(y, first + 8 + t, g * ROWS, ROWS, n, hi, t * ROWS, None, bias)
+
+    @T.macro
+    def amx_tiles_of(w, aq, off, ws, ad, y, wc, bias, g, sums):
+        """Row group g's whole 16-token tiles on AMX, then at most one 8-token VNNI tile: what
+        is left is under 8 tokens, group_tiles' leftovers."""
+        if rows_in >= amx_tiles.TOKENS:
+            cfg = T.decl_buffer((64,), "uint8", scope="global")
+            bt = T.decl_buffer((nb, amx_tiles.BLOCK * ROWS), "uint8", scope="global")
+            cs = T.decl_buffer((2, amx_tiles.TOKENS * ROWS), "int32", scope="global")
+            configure(cfg)
+            make_b(w, bt, g)
+            amx_tile(w, aq, ws, ad, y, wc, bias, bt, cs, sums, g, 0, True)
+            for it in range(1, rows_in // amx_tiles.TOKENS):
+                amx_tile(w, aq, ws, ad, y, wc, bias, bt, cs, sums, g, it * amx_tiles.TOKENS, False)
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
+        if rows_in % amx_tiles.TOKENS >= tm:
+            tile(w, aq, off, ws, ad, y, wc, bias, g, rows_in // amx_tiles.TOKENS * amx_tiles.TOKENS, tm, False, False)
+
     def _tasks(streams):
         """streamed's tasks: a group of each stream, and the leftover groups as one more."""
         return ng // streams + (1 if ng % streams else 0)
@@ -326,11 +369,14 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                     tile(w, aq, off, ws, ad, y, wc, bias, g, 0, count, True, False)
 
     @T.macro
-    def group_tiles(w, aq, off, ws, ad, y, wc, bias, g):
-        """Every token of row group g: tiles of tm tokens, then the leftovers."""
+    def group_tiles(w, aq, off, ws, ad, y, wc, bias, g, sums):
+        """Every token of row group g: tiles of tm tokens, then the leftovers (`sums`: see
+        tiled)."""
         if batched_decode:   # decided when the kernel is built
             for it in range(rows_in // tm):
                 tile(w, aq, off, ws, ad, y, wc, bias, g, it * tm, tm, True, False)
+        elif amx:
+            amx_tiles_of(w, aq, off, ws, ad, y, wc, bias, g, sums)
         elif rows_in >= tm:
             tile(w, aq, off, ws, ad, y, wc, bias, g, 0, tm, False, True)
             for it in range(1, rows_in // tm):
@@ -352,7 +398,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                 tile(w, aq, off, ws, ad, y, wc, bias, g, i, 1, False, False)
 
     @T.macro
-    def tiled(w, aq, off, ws, ad, y, wc, bias):
+    def groups_of(w, aq, off, ws, ad, y, wc, bias, sums):
         for g in T.parallel(ng):
             if scale_dtype == q4_k_scales.SCALE_DTYPE:   # decided when the kernel is built
                 # Q4_K's compact scales made once a group into float32 scales and offsets, which
@@ -365,9 +411,24 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
                 for b in range(nb):
                     es[g, b, T.ramp(0, 1, ROWS)] = q4_k_scales.scales(T, ws, wc, g, b, 0, ROWS)
                     ec[g, b, T.ramp(0, 1, ROWS)] = q4_k_scales.offsets(T, ws, wc, g, b, 0, ROWS)
-                group_tiles(w, aq, off, es, ad, y, ec, bias, g)
+                group_tiles(w, aq, off, es, ad, y, ec, bias, g, sums)
             else:
-                group_tiles(w, aq, off, ws, ad, y, wc, bias, g)
+                group_tiles(w, aq, off, ws, ad, y, wc, bias, g, sums)
+
+    @T.macro
+    def tiled(w, aq, off, ws, ad, y, wc, bias):
+        if amx and wc is not None:   # decided when the kernel is built
+            # The activations' block sums times their scales (what the block offsets multiply),
+            # made once for every row group's AMX tiles: in their epilogue each was 5 scalar
+            # and broadcast instructions a token and block, as many as the scaling of the dots.
+            sums = T.decl_buffer((rows_in, nb), "float32")
+            if rows_in >= amx_tiles.TOKENS:
+                for t in T.parallel(rows_in):
+                    for b in range(nb):
+                        sums[t, b] = ad[t, b] * T.Cast("float32", off[t, b]) * T.float32(block_sum_factor())
+            groups_of(w, aq, off, ws, ad, y, wc, bias, sums)
+        else:
+            groups_of(w, aq, off, ws, ad, y, wc, bias, None)
 
     @T.macro
     def body(w, aq, off, ws, ad, y, wc, bias):
@@ -400,10 +461,11 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
-                 batched_decode: bool = False, dot: str = "vnni", offsets: bool = False, bias: bool = False):
+                 batched_decode: bool = False, dot: str = "vnni", offsets: bool = False, bias: bool = False,
+                 amx: bool = False):
     """The registry's prefill GEMM (kernels/w4a8.py): q4_matmul."""
     return q4_matmul(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode, dot=dot, offsets=offsets,
-                     bias=bias)
+                     bias=bias, amx=amx)
 
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
