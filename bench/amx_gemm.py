@@ -30,7 +30,7 @@ def _q4_family(form: str, n: int, nb: int, m: int, amx: bool, rng):
     """(kernel, args) of x86/vnni.py's GEMM for a Q4_0 / Q4_K / Q8_0 / Q5_K form."""
     import tvm
 
-    from qwc.compiler.kernels import q4_k_scales, w4a8_gemm
+    from qwc.compiler.kernels import dot_bits, q4_k_scales, w4a8_gemm
     from qwc.compiler.kernels.row_groups import chunks, groups
 
     dot, sdt, offsets = {"q4_0": ("vnni", "float16", False), "q4_k": ("vnni", q4_k_scales.SCALE_DTYPE, True),
@@ -38,7 +38,7 @@ def _q4_family(form: str, n: int, nb: int, m: int, amx: bool, rng):
     ng = groups(n)
     ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(sdt, ng, nb)
     compact = sdt == q4_k_scales.SCALE_DTYPE
-    weights = [rng.integers(0, 256, (ng, nb, chunks(int(dot[4:] or 4)), 64)).astype("uint8"),
+    weights = [rng.integers(0, 256, (ng, nb, chunks(dot_bits(dot)), 64)).astype("uint8"),
                rng.integers(0, 64, ws_shape).astype(ws_dtype) if compact else rng.random(ws_shape).astype(ws_dtype)]
     if offsets:
         weights.append(rng.uniform(1e-4, 1e-3, wc_shape).astype(wc_dtype))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qwc import cpu
-from qwc.compiler.kernels import q4_k_scales, w4a8_gemm
+from qwc.compiler.kernels import dot_bits, q4_k_scales, w4a8_gemm
 from qwc.compiler.kernels.row_groups import chunks, groups
 from qwc.compiler.targets import get_target
 
@@ -40,7 +40,7 @@ def _weights(rng, dot, offsets, sdt, nb, n):
     import tvm
 
     ng = groups(n)
-    w = rng.integers(0, 256, (ng, nb, chunks(int(dot[4:] or 4)), 64)).astype("uint8")
+    w = rng.integers(0, 256, (ng, nb, chunks(dot_bits(dot)), 64)).astype("uint8")
     ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(sdt, ng, nb)
     if sdt == q4_k_scales.SCALE_DTYPE:   # 6-bit sc and mn, d and dmin of weights ~0.01
         ws = rng.integers(0, 64, ws_shape).astype(ws_dtype)

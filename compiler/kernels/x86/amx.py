@@ -2,7 +2,7 @@
 
 AMX multiplies a tile of int8 activations A [16 tokens, K bytes] by a tile B whose row r holds
 4 bytes of K (4r .. 4r + 3) for each of 16 output rows: exactly a chunk of the row-group layout
-(kernels/row_groups.py), so a block of 32 is a B tile of 8 such rows. One `tdp` instruction
+(kernels/row_groups.py), so a block of 32 is a B tile of 8 such rows. One `tdpbssd` instruction
 then makes the 16 x 16 int32 block dots of 16 tokens and 16 rows, which VNNI makes with 128
 `vpdpbusd`.
 
@@ -67,7 +67,6 @@ def macros(T, nb: int, dot: str):
     TVM's 1 KiB stack bound, so that LLVM keeps them in registers), through cs [2, 256], the
     stored C tiles."""
     bits = dot_bits(dot)
-    tdp = "llvm.x86.tdpbssd"
 
     def intrin(name, *args):
         return _intrin(T, name, *args)
@@ -111,7 +110,7 @@ def macros(T, nb: int, dot: str):
         intrin("llvm.x86.tileloadd64", T.uint8(_B + 3 * s), T.address_of(bt[b, 0]), T.int64(4 * ROWS))
         intrin("llvm.x86.tileloadd64", T.uint8(_A + 3 * s), T.address_of(aq[first, b, 0]), T.int64(nb * BLOCK))
         intrin("llvm.x86.tilezero", T.uint8(_C + 3 * s))
-        intrin(tdp, T.uint8(_C + 3 * s), T.uint8(_A + 3 * s), T.uint8(_B + 3 * s))
+        intrin("llvm.x86.tdpbssd", T.uint8(_C + 3 * s), T.uint8(_A + 3 * s), T.uint8(_B + 3 * s))
         intrin("llvm.x86.tilestored64", T.uint8(_C + 3 * s), T.address_of(cs[s, 0]), T.int64(4 * ROWS))
 
     @T.macro
