@@ -8,7 +8,8 @@ prefill GEMMs at PREFILL_TOKENS. Two families, by the activation bits the artifa
   `sample_categorical` from q4_f32.CHOICES.
 - W4A8 prefill GEMMs (VNNI, sdot, smmla: hand-written TIR whose tiles are Python-level): the
   trace samples the tile size and annotates the kernel's root block with it (`A8_KNOB`); the
-  builder (`_build`) rebuilds the kernel with the annotated tile. W4A8 decode GEMVs have no knob.
+  builder (`_build`) rebuilds the kernel with the annotated tile. W4A8 decode GEMVs have no knob,
+  nor the prefill GEMMs of a target with AMX (its tiles are 16 tokens by construction).
 
 Every candidate list contains the hand schedule's values, so the search can only match or beat
 it; MetaSchedule's ReplayTrace strategy samples the space (a few dozen points at most: an
@@ -133,6 +134,8 @@ def extract_tasks(model: onnx.ModelProto, act_bits: int = 32, features=frozenset
         path = q4_0_path(block, bits, act_bits, features, has_zero_points(node))
         if path == "f32":
             new = [Task(kind, n, k) for kind in ("q4_f32_gemv", "q4_f32_gemm")]
+        elif path is not None and kernels_for(features).int_dots.amx:
+            continue  # AMX's tiles are 16 tokens by construction (kernels/x86/amx.py): no knob
         elif path is not None:   # a W4A8 integer-dot kernel
             new = [Task("q4_a8_gemm", n, k, dot=kernels_for(features).int_dots.prefill)]
         else:
@@ -342,6 +345,9 @@ def run(src, target: Target, trials: int, db: Path, rpc: tuple[str, int, str] | 
     session = Session(db, target, rpc)   # checks the folder before the passes run
     model = load_canonical(src, load_for_graph(src))
     tasks = extract_tasks(model, act_bits, target.features)
+    if not tasks and act_bits == 8 and kernels_for(target.features).int_dots.amx:
+        raise QwcError(f"{src}: no tunable kernels for --act-bits 8 on {target.name}: its prefill GEMMs take "
+                       "AMX's fixed 16-token tiles (--target x86-avx512 tunes VNNI's, for an x86-avx512 artifact)")
     if not tasks:
         raise QwcError(f"{src}: no tunable kernels for --act-bits {act_bits} on {target.name} "
                        "(no 4-bit, block-32 MatMulNBits)")

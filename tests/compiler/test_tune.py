@@ -18,6 +18,7 @@ import pytest
 from qwc.cli import main
 from qwc.compiler import tuning
 from qwc.compiler.targets import get_target
+from qwc.errors import QwcError
 from qwc.passes.pipeline import load_graph
 from qwc.passes.verify import run_steps, session
 from qwc.runtime.engine import Engine
@@ -100,8 +101,9 @@ def test_compile_uses_only_faster_records(tiny_q4, tiny_lm, tmp_path):
 
 
 def test_w4a8_session_and_compile_with_other_tiles(tiny_q4, tmp_path, capsys):
-    """The default host artifact is W4A8: `qwc tune` tunes its prefill GEMMs' tile (MetaSchedule
-    traces annotate it), and an artifact built with other tiles computes the same logits."""
+    """An x86-avx512 artifact is W4A8: `qwc tune` tunes its prefill GEMMs' tile (MetaSchedule
+    traces annotate it), and an artifact built with other tiles computes the same logits. (The
+    host's own target has no such knob where the CPU has AMX: test_tune_errors.)"""
     from qwc import cpu
 
     if not cpu.has("avx512_vnni"):
@@ -110,25 +112,25 @@ def test_w4a8_session_and_compile_with_other_tiles(tiny_q4, tmp_path, capsys):
         # (CI's 45 minutes) runs it on VNNI hosts only.
         pytest.skip("tunes the x86 W4A8 kernels; run here only with AVX-512 VNNI (the W4A8 "
                     "tuning path on ARM: test_rpc_tuning_against_local_servers)")
-    db = tmp_path / "db"
-    assert main(["-q", "tune", str(tiny_q4), "--trials", "2", "--db", str(db)]) == 0
+    db, target = tmp_path / "db", ["--target", "x86-avx512"]
+    assert main(["-q", "tune", str(tiny_q4), *target, "--trials", "2", "--db", str(db)]) == 0
     tasks = _summary(db)
     assert sorted(tasks) == sorted(t.key for t in tuning.extract_tasks(
-        load_graph(tiny_q4), 8, get_target("host").features))
+        load_graph(tiny_q4), 8, get_target("x86-avx512").features))
     assert len(tasks) == 5 and all(k.startswith("q4_a8_gemm_") for k in tasks)
     assert all(t["done"] and t["trials"] == 2 and t["hand_s"] > 0 and t["knobs"]["tokens"] in (1, 2, 4, 8)
                for t in tasks.values())
     assert "| q4_a8_gemm_64x128" in capsys.readouterr().out
     hand = tmp_path / "hand.qwc"
-    assert main(["-q", "compile", str(tiny_q4), "-o", str(hand)]) == 0
+    assert main(["-q", "compile", str(tiny_q4), *target, "-o", str(hand)]) == 0
     ids = list(np.random.default_rng(4).integers(0, 259, 11))    # 11 tokens: tiles and leftovers
     ref = Engine(hand, ctx=64).prefill(ids)
     libs = {(hand / "lib.so").read_bytes()}
     for tokens in (1, 4):
         forced = {k: {**t, "best_s": t["hand_s"] / 2, "knobs": {"tokens": tokens}} for k, t in tasks.items()}
-        (db / tuning.SUMMARY).write_text(json.dumps({"format": 1, "target": "host", "tasks": forced}))
+        (db / tuning.SUMMARY).write_text(json.dumps({"format": 1, "target": "x86-avx512", "tasks": forced}))
         art = tmp_path / f"t{tokens}.qwc"
-        assert main(["-q", "compile", str(tiny_q4), "--tuning-db", str(db), "-o", str(art)]) == 0
+        assert main(["-q", "compile", str(tiny_q4), *target, "--tuning-db", str(db), "-o", str(art)]) == 0
         manifest = json.loads((art / "manifest.json").read_text())
         assert manifest["quantization"]["tuned_kernels"] == {k: {"tokens": tokens} for k in tasks}
         got = Engine(art, ctx=64).prefill(ids)
@@ -149,6 +151,13 @@ def test_tune_errors(tiny_q4, tmp_path, capsys):
     assert "expected HOST:PORT" in capsys.readouterr().err
     assert main(["-q", "compile", str(tiny_q4), "--act-bits", "32", "--tuning-db", str(tmp_path / "none"), "-o", str(tmp_path / "o")]) == 2
     assert "not a tuning database" in capsys.readouterr().err
+    # AMX's prefill tiles are 16 tokens by construction: a W4A8 x86-amx artifact has nothing to
+    # tune, and says so before any database is made (the AMX host's own default, too)
+    assert tuning.extract_tasks(load_graph(tiny_q4), 8, get_target("x86-amx").features) == []
+    with pytest.raises(QwcError, match="no tunable kernels for --act-bits 8 on x86-amx: its prefill GEMMs take "
+                                       "AMX's fixed 16-token tiles"):
+        tuning.run(tiny_q4, get_target("x86-amx"), 2, tmp_path / "amx")
+    assert not (tmp_path / "amx").exists()
 
 
 def _free_port() -> int:

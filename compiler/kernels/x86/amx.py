@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from .. import dot_bits
 from ..row_groups import ROWS
-from .vnni import _codes, _scales
 
 TOKENS = 16        # tokens a tile: the rows of an A tile
 BLOCK = 32         # bytes of K a block: A's columns; B's rows are BLOCK / 4
@@ -59,8 +58,10 @@ def _configurer(T, tiles: int, width, rows):
     return configure
 
 
-def macros(T, nb: int, dot: str):
-    """(configure, make_b, blocks) for x86/vnni.py's GEMM: `configure(cfg)` loads the tile
+def macros(T, nb: int, dot: str, codes, scales):
+    """(configure, make_b, blocks) for x86/vnni.py's GEMM, given its readers of the weights
+    (`codes(w, g, b, i, high)`, uint8x64; `scales(ws, wc, g, b)`, float32x16, so that this
+    module imports none of the kernels it serves): `configure(cfg)` loads the tile
     configuration from a 64-byte buffer (once a task: it is a thread's state); `make_b(w, bt,
     g)` makes row group g's B tiles into bt [nb, 512]; `blocks(...)` adds every block's dots of
     16 tokens and one row group to two 8-token float accumulators `lo`, `hi` (halves below
@@ -83,7 +84,7 @@ def macros(T, nb: int, dot: str):
         for t in T.unroll(8):
             acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + T.Cast(
                 "float32x16", cs[s, T.ramp((8 * half + t) * ROWS, 1, ROWS)]) * (
-                _scales(T, ws, wc, g, b) * T.broadcast(ad[first + 8 * half + t, b], ROWS))
+                scales(ws, wc, g, b) * T.broadcast(ad[first + 8 * half + t, b], ROWS))
             if wc is not None:   # decided when the kernel is built
                 acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + wc.vload(
                     [g, b, 0], "float32x16") * T.broadcast(sums[first + 8 * half + t, b], ROWS)
@@ -95,13 +96,13 @@ def macros(T, nb: int, dot: str):
         for b in range(nb):
             if bits == 8:   # decided when the kernel is built
                 for r in T.unroll(8):
-                    bt[b, T.ramp(r * 4 * ROWS, 1, 4 * ROWS)] = _codes(T, w, g, b, r, False, dot) + T.broadcast(
+                    bt[b, T.ramp(r * 4 * ROWS, 1, 4 * ROWS)] = codes(w, g, b, r, False) + T.broadcast(
                         T.uint8(128), 4 * ROWS)
             else:
                 for r in T.unroll(4):
-                    bt[b, T.ramp(r * 4 * ROWS, 1, 4 * ROWS)] = _codes(T, w, g, b, r, False, dot) + T.broadcast(
+                    bt[b, T.ramp(r * 4 * ROWS, 1, 4 * ROWS)] = codes(w, g, b, r, False) + T.broadcast(
                         T.uint8(248), 4 * ROWS)
-                    bt[b, T.ramp((4 + r) * 4 * ROWS, 1, 4 * ROWS)] = _codes(T, w, g, b, r, True, dot) + T.broadcast(
+                    bt[b, T.ramp((4 + r) * 4 * ROWS, 1, 4 * ROWS)] = codes(w, g, b, r, True) + T.broadcast(
                         T.uint8(248), 4 * ROWS)
 
     @T.macro
@@ -146,11 +147,11 @@ Q6_K_TILES = 4     # tile registers a set: activations, weights, and a C tile pe
 Q6_K_ZERO = 224    # q - 32 as int8, modulo 256: the codes are 0..63
 
 
-def q6_k_macros(T, nb: int, term):
+def q6_k_macros(T, nb: int, term, chunk_codes):
     """(configure, sub_block_order, make_b, blocks) for x86/q6_k.py's GEMM, as `macros` above:
     `term(lo, hi, sc, d, ad, g, b, t)` is that kernel's scaling of a block's two sub-block sums
-    (the same arithmetic, so the outputs are its VNNI tiles' bits)."""
-    from .q6_k import _chunk, codes
+    (the same arithmetic, so the outputs are its VNNI tiles' bits); `chunk_codes(w, g, b, i,
+    sub_b)` its uint8x64 codes of sub-block A's or B's i-th chunk (0..3)."""
 
     def intrin(name, *args):
         return _intrin(T, name, *args)
@@ -172,9 +173,9 @@ def q6_k_macros(T, nb: int, term):
         """Row group g's B tiles: block b's rows 0-3 sub-block A's chunks, 4-7 B's, as q - 32."""
         for b in range(nb):
             for i in T.unroll(4):
-                bt[b, T.ramp(i * 4 * ROWS, 1, 4 * ROWS)] = codes(T, w, g, b, _chunk(i, False)) + T.broadcast(
+                bt[b, T.ramp(i * 4 * ROWS, 1, 4 * ROWS)] = chunk_codes(w, g, b, i, False) + T.broadcast(
                     T.uint8(Q6_K_ZERO), 4 * ROWS)
-                bt[b, T.ramp((4 + i) * 4 * ROWS, 1, 4 * ROWS)] = codes(T, w, g, b, _chunk(i, True)) + T.broadcast(
+                bt[b, T.ramp((4 + i) * 4 * ROWS, 1, 4 * ROWS)] = chunk_codes(w, g, b, i, True) + T.broadcast(
                     T.uint8(Q6_K_ZERO), 4 * ROWS)
 
     @T.macro

@@ -202,7 +202,8 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
                 for g in range(ng // STREAMS * STREAMS, ng):
                     tile(w, aq, st, ad, sc, d, y, bias_buf, g, 0, 1)
 
-    configure, sub_block_order, make_amx_b, amx_blocks = amx_tiles.q6_k_macros(T, nb, term)
+    configure, sub_block_order, make_amx_b, amx_blocks = amx_tiles.q6_k_macros(
+        T, nb, term, lambda w, g, b, i, sub_b: codes(T, w, g, b, _chunk(i, sub_b)))
 
     @T.macro
     def amx_tile(ar, ad, sc, d, y, bias_buf, bt, cs, g, first):

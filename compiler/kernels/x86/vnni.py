@@ -299,7 +299,9 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None, bias)
 
-    configure, make_b, amx_blocks = amx_tiles.macros(T, nb, dot)
+    configure, make_b, amx_blocks = amx_tiles.macros(
+        T, nb, dot, lambda w, g, b, i, high: _codes(T, w, g, b, i, high, dot),
+        lambda ws, wc, g, b: _scales(T, ws, wc, g, b))
 
     @T.macro
     def amx_tile(w, aq, ws, ad, y, wc, bias, bt, cs, sums, g, first, next_group):
