@@ -21,7 +21,7 @@ from qwc.passes.last_position import last_position_logits, prefill_nodes, step_n
 from qwc.passes.pipeline import load_canonical
 
 from .artifact import foreign_files
-from .targets import default_act_bits, default_kv_dtype, get_target
+from .targets import TARGET_NAMES, default_act_bits, default_kv_dtype, get_target
 
 
 def weight_formats(model: onnx.ModelProto) -> tuple[tuple[LinearFormat, ...], int | None]:
@@ -60,7 +60,8 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     the KV cache's element type by its KV_TYPES name (None: targets.default_kv_dtype).
     `max_lora_rank` >= 1: adapter slots for LoRA adapters of up to that rank, served unmerged
     (compiler/lora_slots.py)."""
-    target = get_target(target_name)
+    if target_name not in TARGET_NAMES:
+        get_target(target_name)   # the unknown target's one line
     if act_bits not in (None, 8, 32):
         raise QwcError(f"--act-bits {act_bits} is not supported (8 or 32)")
     if kv_type is not None and kv_type not in KV_TYPES:
@@ -73,6 +74,7 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     config = load_for_graph(src)   # cheap checks first: TVM takes seconds to import
     if kv_type == "q8_0" and config.head_dim % 32:
         raise QwcError(f"--kv-dtype q8_0 needs a head_dim that is a multiple of 32 (the model's is {config.head_dim})")
+    target = get_target(target_name)   # the host's asks LLVM for the CPU's name: TVM is imported here
     from qwc.atomic import staging_dir
     from qwc.passes.graph import weights_to
 

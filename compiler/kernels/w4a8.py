@@ -20,6 +20,7 @@ compiler/targets.py's KERNEL_MODULES gives it.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, runtime_checkable
 
 from tvm import tirx
@@ -121,6 +122,15 @@ def block_sum_factor(halved: bool = False) -> float:
     multiply: 1 / ZERO_POINT, halved for the ARM kernels' halved sums (arm/dotprod.py:
     halved_float). A power of two: exact."""
     return (0.5 if halved else 1.0) / ZERO_POINT
+
+
+def block_sum_shift(halved: bool = False) -> int:
+    """s with block_sum_factor(halved) = -2^-s: the ARM kernels convert the offsets with s
+    fractional bits and subtract their term (arm/dotprod.py: negated_block_sums)."""
+    f = block_sum_factor(halved)
+    s = round(-math.log2(-f))
+    assert f == -(2.0 ** -s), f
+    return s
 
 
 @T.macro

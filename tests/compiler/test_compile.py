@@ -124,33 +124,50 @@ def test_unsupported_op_names_node(tiny_q4, tmp_path, capsys):
     assert not (tmp_path / "bad.qwc").exists()
 
 
+@pytest.fixture(scope="module")
+def generic_w4a8_steps(tiny_q4, tmp_path_factory):
+    """What the generic TE kernel (a target without an integer dot rule) computes for the x86
+    kernels' test: a 40-token prompt (AMX: two 16-token tiles, 8 tokens left) and 4 greedy
+    steps, as (prompt, steps' tokens, logits), for a target's activation quantizer. Built once
+    per quantizer (x86-avx512 and x86-amx share VNNI's), not once per kernel compared."""
+    made = {}
+
+    def steps(target: str):
+        if target not in made:
+            generic = tmp_path_factory.mktemp("generic") / "generic.qwc"
+            with mock.patch.object(targets, "KERNEL_RULES", ((frozenset(), targets.Kernels(None, "three_pass")),)):
+                compile_file(tiny_q4, target, generic, act_bits=8)
+            eg, ids = Engine(generic, ctx=64), list(np.random.default_rng(5).integers(0, 259, 40))
+            logits, tokens = [eg.prefill(ids)], []
+            for _ in range(4):
+                tokens.append(int(logits[-1].argmax()))
+                logits.append(eg.decode(tokens[-1]))
+            made[target] = ids, tokens, logits
+        return made[target]
+
+    return steps
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dot, target", [("vnni", "x86-avx512"), ("avx2", "x86-avx2"), ("vnni_amx", "x86-amx")])
-def test_x86_w4a8_kernels_equal_the_generic_w4a8_kernel(tiny_q4, tmp_path, dot, target):
+def test_x86_w4a8_kernels_equal_the_generic_w4a8_kernel(tiny_q4, tmp_path, dot, target, generic_w4a8_steps):
     """The x86 W4A8 kernels (AVX-512 VNNI; AVX2; VNNI with AMX's prefill tiles) and the
-    generic TE kernel (a target without an integer dot rule) implement the same integer
-    arithmetic, prefill and decode."""
+    generic TE kernel implement the same integer arithmetic, prefill and decode."""
     from qwc import cpu
 
     need = {"vnni": "avx512_vnni", "avx2": "avx2", "vnni_amx": "amx_int8"}[dot]
     if not cpu.has(need):
         pytest.skip(f"runs {need} code; this CPU has none (the VNNI library's code: "
                     "test_vnni_library_from_any_x86_host; AMX's: test_amx_library_builds_anywhere)")
-    fast, generic = tmp_path / "fast.qwc", tmp_path / "generic.qwc"
+    fast = tmp_path / "fast.qwc"
     compile_file(tiny_q4, target, fast, act_bits=8)
     syms = subprocess.run(["nm", "-D", str(fast / "lib.so")], capture_output=True, text=True).stdout
     decode = dot.removesuffix("_amx")
     assert f"q4_gemm_{dot}_" in syms and f"q4_gemv_{decode}_" in syms   # the kernels under test ran
-    with mock.patch.object(targets, "KERNEL_RULES", ((frozenset(), targets.Kernels(None, "three_pass")),)):
-        compile_file(tiny_q4, target, generic, act_bits=8)
-    ids = list(np.random.default_rng(5).integers(0, 259, 40))   # AMX: two 16-token tiles, 8 tokens left
-    ev, eg = Engine(fast, ctx=64), Engine(generic, ctx=64)
-    a, b = [ev.prefill(ids)], [eg.prefill(ids)]
-    for _ in range(4):
-        tok = int(a[-1].argmax())
-        a.append(ev.decode(tok))
-        b.append(eg.decode(tok))
-    for x, y in zip(a, b):
+    ids, tokens, want = generic_w4a8_steps("x86-avx2" if dot == "avx2" else "x86-avx512")
+    ev = Engine(fast, ctx=64)
+    got = [ev.prefill(ids)] + [ev.decode(tok) for tok in tokens]
+    for x, y in zip(got, want):
         assert np.abs(x - y).max() <= 1e-5 * np.abs(y).max()
 
 

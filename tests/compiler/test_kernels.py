@@ -280,9 +280,9 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     cross-compiled, on every shape and M in one library run under qemu-aarch64
     (scripts/arm64), against the same reference as the host's, with 1, 2, 4 and 8 threads
     (identical results: a task owns its rows). M covers every smmla tile (5 pairs; a lone
-    leftover pair merged into a tile of 6; other leftovers in tiles of 4, 2 and 1 pairs; an odd
-    token): 3 = 1 pair + odd, 4 = 2, 7 = 2 + 1 + odd, 9 = 4 + odd, 10 = 5, 12 = 6,
-    17 = 5 + 2 + 1 + odd, 23 = 5 + 6 + odd, 27 = 5 + 5 + 2 + 1 + odd. The W8A8 kernels (Q8_0
+    leftover pair joining the last tile's five as 4 + 2; other leftovers in tiles of 4, 2 and 1
+    pairs; an odd token): 3 = 1 pair + odd, 4 = 2, 7 = 2 + 1 + odd, 9 = 4 + odd, 10 = 5,
+    12 = 4 + 2, 17 = 5 + 2 + 1 + odd, 23 = 5 + 4 + 2 + odd, 27 = 5 + 5 + 2 + 1 + odd. The W8A8 kernels (Q8_0
     codes: sdot8, and smmla8 on arm-yitian) and Q4_1's block offsets take the same tiles on
     three of the shapes, and the multi-output and split decode GEMVs in all three formats."""
     import re

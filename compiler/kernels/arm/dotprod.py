@@ -31,7 +31,7 @@ from tvm import tirx
 from .. import DECODE_GEMV, SCHEDULED, dot_bits, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import INT8_CHUNKS, ROWS, chunks, groups
-from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
+from ..w4a8 import block_sum_shift, gemm_kernel, store_rows, token_count
 
 LANES = 4          # int32 lanes of a 128-bit vector: rows per slice
 SLICES = ROWS // LANES
@@ -49,6 +49,20 @@ def halved_float(T, v):
     N2 model; the vector pipes bound these kernels). The kernels double their sums once at
     the store, so the result is the same to the bit."""
     return T.call_llvm_pure_intrin("float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", v, T.int32(1))
+
+
+def negated_block_sums(T, ad, off, halved: bool, lanes: int = 1):
+    """ad x off x -block_sum_factor(halved), float32 (lanes 4: float32x4 from the vectors):
+    the activations' block sums, negated, for the offsets term to subtract. The factor is
+    -2^-s, so the fixed-point `scvtf #s` converts and scales off in one instruction (exact:
+    |off| < 2^24), where `scvtf` and a multiply took two; times ad this is -(ad x off x factor)
+    to the bit, since a power of two commutes with the rounding. The decode GEMV takes the
+    vector form on the broadcast offset its sdot chains start from: one instruction less a
+    block (~1% of a Q4_K row group's; docs/results/weight-formats.md)."""
+    shift = block_sum_shift(halved)
+    if lanes == 1:   # LLVM folds the convert and the power of two into `scvtf s, w, #s`
+        return ad * (T.Cast("float32", off) * T.float32(2.0 ** -shift))
+    return ad * T.call_llvm_pure_intrin("float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", off, T.int32(shift))
 
 
 def _lane(T, v, i):
@@ -76,15 +90,16 @@ def _slice_dot(T, w, aq, off, g, b, q, t, bits: int = 4):
     return acc
 
 
-def _offsets_term(T, ws, wc, ad, off, g, b, q, t):
-    """float32x4, halved (halved_float): Q4_1's block offsets of rows 16g+4q .. +3 times the
-    activations' block sum of token t (scale x sum of the codes, from the quantizer's int32
-    offset): the minimum's term, one FMA a block and slice. Q4_K's compact scales make the
-    offsets from their factors (kernels/q4_k_scales.py)."""
-    bsum = ad[t, b] * T.Cast("float32", off[t, b]) * T.float32(block_sum_factor(halved=True))
+def _negated_offsets_term(T, ws, wc, ad, off, g, b, q, t):
+    """float32x4, halved (halved_float) and negated (subtracted: one `fmls`, as the `fmla` it
+    replaces): Q4_1's block offsets of rows 16g+4q .. +3 times the activations' block sum of
+    token t (scale x sum of the codes, from the quantizer's int32 offset): the minimum's term,
+    one FMA a block and slice. Q4_K's compact scales make the offsets from their factors
+    (kernels/q4_k_scales.py)."""
     c = (q4_k_scales.offsets(T, ws, wc, g, b, LANES * q, LANES) if ws.dtype == q4_k_scales.SCALE_DTYPE
          else wc.vload([g, b, LANES * q], "float32x4"))
-    return c * T.broadcast(bsum, LANES)
+    return c * negated_block_sums(T, T.broadcast(ad[t, b], LANES), T.broadcast(off[t, b], LANES), halved=True,
+                                  lanes=LANES)
 
 
 def _scales(T, ws, wc, g, b, q):
@@ -125,7 +140,7 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
                     T, _slice_dot(T, w, aq, off, g, b, q, t, bits)) * (
                     _scales(T, ws, wc, g, b, q) * T.broadcast(ad[t, b], LANES))
                 if wc is not None:   # decided when the kernel is built
-                    acc[T.ramp(q * LANES, 1, LANES)] = acc[T.ramp(q * LANES, 1, LANES)] + _offsets_term(
+                    acc[T.ramp(q * LANES, 1, LANES)] = acc[T.ramp(q * LANES, 1, LANES)] - _negated_offsets_term(
                         T, ws, wc, ad, off, g, b, q, t)
         for q in T.unroll(SLICES):
             store(y, acc, t, g, q, q)
@@ -142,7 +157,7 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
                     T, _slice_dot(T, w, aq, off, g, b, q, first + t, bits)) * (
                     _scales(T, ws, wc, g, b, q) * T.broadcast(ad[first + t, b], LANES))
                 if wc is not None:
-                    acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + _offsets_term(
+                    acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] - _negated_offsets_term(
                         T, ws, wc, ad, off, g, b, q, first + t)
         for t in T.unroll(count):
             store(y, acc, first + t, g, q, t)
@@ -223,7 +238,7 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
             value = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, _slice_dot(T, w, aq, off, g, b, q, 0, bits)) * (
                 _scales(T, ws, wc, g, b, q) * T.broadcast(ad[0, b], LANES))
             if wc is not None:
-                value = value + _offsets_term(T, ws, wc, ad, off, g, b, q, 0)
+                value = value - _negated_offsets_term(T, ws, wc, ad, off, g, b, q, 0)
             T.buffer_store(acc, value, [T.ramp(q * LANES, 1, LANES)])
 
     def group(w, ws, wc, bias, y, n, aq, ad, off, g, part=0, b0=0, b1=nb):

@@ -23,8 +23,8 @@ float accumulators; 12 fill the 32 vector registers and the allocator starts rot
 accumulators with moves, 8 reload the weights more often: llvm-mca's N2 model puts 10 ahead
 in cycles per multiply-add, 0.0368 against 0.0383 and 0.0424); the unpacked
 weights of a block serve every pair of the tile. A lone leftover pair joins the last whole
-tile (a tile of 6, converting plainly), other leftovers take tiles of 4, 2 and 1 pairs, an
-odd last token a pair with itself, stored once. Decode (one token) stays on sdot:
+tile's five as tiles of 4 and 2, other leftovers take tiles of 4, 2 and 1 pairs, an odd last
+token a pair with itself, stored once (a 6-pair tile, tuned, converts plainly). Decode (one token) stays on sdot:
 smmla would waste half its work.
 
 Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k of a row pair
@@ -39,12 +39,12 @@ from tvm import tirx
 from .. import dot_bits, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, chunks, groups
-from ..w4a8 import block_sum_factor, gemm_kernel, token_count
-from .dotprod import halved_float
+from ..w4a8 import gemm_kernel, token_count
+from .dotprod import halved_float, negated_block_sums
 
 LANES = 4          # rows per 128-bit slice of a chunk
 SLICES = ROWS // LANES
-MERGE_INTO = 5     # tile pairs after which a lone leftover pair merges into a 6-pair tile
+MERGE_INTO = 5     # tile pairs after which a lone leftover pair joins the last tile's, as 4 + 2
 SMMLA = "llvm.aarch64.neon.smmla.v4i32.v16i8"
 DEFAULT_TOKENS = {"smmla": 10, "smmla8": 10}   # 5 token pairs a prefill tile: see this module's docstring
 DECODE_EPILOGUES = frozenset()     # prefill only: decode runs arm/dotprod.py's GEMV
@@ -105,10 +105,11 @@ def _pair_update(T, w, aqf, adf, offf, ws, wc, g, b, q, rp, at, pairs: int, bits
 
 def _pair_sums(T, adf, offf, at, pairs: int):
     """float32x4 [s t0, s t1, s t0, s t1]: the token pair's block sums (scale x sum of codes,
-    from the quantizer's offsets; halved where the tile's sums are), which Q4_1's block offsets
-    multiply: [c r0, c r0, c r1, c r1] x this is the pair's minimum term."""
-    return adf.vload([at * 2], "float32x4") * T.Cast("float32x4", offf.vload([at * 2], "int32x4")) * T.broadcast(
-        T.float32(block_sum_factor(halved=pairs <= FIXED_POINT_PAIRS)), 4)
+    from the quantizer's offsets; halved where the tile's sums are), negated
+    (dotprod.negated_block_sums), which Q4_1's block offsets multiply: [c r0, c r0, c r1, c r1]
+    x this is the pair's minimum term, subtracted."""
+    return negated_block_sums(T, adf.vload([at * 2], "float32x4"), offf.vload([at * 2], "int32x4"),
+                              halved=pairs <= FIXED_POINT_PAIRS, lanes=4)
 
 
 def _row_scales(T, ws, wc, g, b, q, rp):
@@ -172,18 +173,18 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                         T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits)
                 elif pairs > FIXED_POINT_PAIRS:   # Q4_1 in the full-register 6-pair tile: no held value
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) + (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) - (
                         _row_offsets(T, ws, wc, g, b, q, 0) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) + (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) - (
                         _row_offsets(T, ws, wc, g, b, q, 1) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                 else:   # Q4_1: the pair's block sums once for both row pairs
                     sums = T.bind(_pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) + (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) - (
                         _row_offsets(T, ws, wc, g, b, q, 0) * sums)
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) + (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) - (
                         _row_offsets(T, ws, wc, g, b, q, 1) * sums)
         for p in T.unroll(pairs):
             for rp in T.unroll(2):
@@ -214,19 +215,17 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + halved_float(T, _single_dot(
                 T, w, aqf, offf, g, b, q, 1, t)) * (_row_scales(T, ws, wc, g, b, q, 1) * T.broadcast(adf[(b * rows_in + t) * 2], 4))
             if wc is not None:   # Q4_1's block offsets times the token's block sum (halved)
-                acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + _row_offsets(T, ws, wc, g, b, q, 0) * T.broadcast(
-                    adf[(b * rows_in + t) * 2] * T.Cast("float32", offf[(b * rows_in + t) * 2])
-                    * T.float32(block_sum_factor(halved=True)), 4)
-                acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + _row_offsets(T, ws, wc, g, b, q, 1) * T.broadcast(
-                    adf[(b * rows_in + t) * 2] * T.Cast("float32", offf[(b * rows_in + t) * 2])
-                    * T.float32(block_sum_factor(halved=True)), 4)
+                acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] - _row_offsets(T, ws, wc, g, b, q, 0) * T.broadcast(
+                    negated_block_sums(T, adf[(b * rows_in + t) * 2], offf[(b * rows_in + t) * 2], halved=True), 4)
+                acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] - _row_offsets(T, ws, wc, g, b, q, 1) * T.broadcast(
+                    negated_block_sums(T, adf[(b * rows_in + t) * 2], offf[(b * rows_in + t) * 2], halved=True), 4)
         for rp in T.unroll(2):
             for j in T.unroll(2):
                 if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
                     y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2)
 
     def merge_last(m):
-        """Whether a lone leftover pair joins the last whole tile (a PrimExpr of M)."""
+        """Whether a lone leftover pair joins the last whole tile's pairs (a PrimExpr of M)."""
         if tile_pairs != MERGE_INTO:
             return tirx.const(False)
         return tirx.And(m // 2 % tile_pairs == 1, m // 2 > tile_pairs)
@@ -236,14 +235,16 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         aqf = T.decl_buffer((rows_in * nb * 32,), "int8", data=aq.data)
         adf = T.decl_buffer((rows_in * nb * 2,), "float32", data=ad.data)
         offf = T.decl_buffer((rows_in * nb * 2,), "int32", data=off.data)
-        # One leftover pair after whole tiles of 5 is taken with the last of them as a tile
-        # of 6: half the instructions a multiply-add of a 1-pair tile, and ahead in llvm-mca's
-        # N2 cycles too (docs/results/arm.md); other leftovers below.
+        # One leftover pair after whole tiles of 5 is taken with the last of them as tiles of 4
+        # and 2 pairs: fewer instructions than a 5-pair tile and a 1-pair one (whose
+        # multiply-adds cost twice), and than the one 6-pair tile that fills the 32 vector
+        # registers (moves and spills in its loop; docs/results/weight-formats.md); other
+        # leftovers below.
         # T.bind: a name assigned plainly in a macro becomes a one-element buffer, which TVM
         # gives a workspace allocation (a call, per task for those inside the loop)
         merge = T.bind(merge_last(rows_in))
         whole = T.bind(rows_in // (2 * tile_pairs) - T.Cast("int64", merge))
-        left = T.bind(rows_in // 2 % tile_pairs - T.Cast("int64", merge))
+        left = T.bind(rows_in // 2 % tile_pairs + tile_pairs * T.Cast("int64", merge))
         # One task per 4-row slice, not per 16-row group: a projection of few groups (k and v:
         # 8 on the 0.5B) then still fills 32-128 threads; TVM hands each thread a contiguous
         # run of slices, so below that a thread still takes whole groups. (g, q) are written
@@ -251,10 +252,8 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         for gq in T.parallel(ng * SLICES):
             for it in range(whole):
                 tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs)
-            if tile_pairs == MERGE_INTO:
-                if merge:   # a lone leftover pair rides with the last whole tile
-                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs, tile_pairs + 1)
-            # the pairs left over (fewer than a tile's): tiles of 4, 2 and 1 pairs
+            # the pairs left over (fewer than a tile's, or 6 where a lone pair joined the last
+            # tile's): tiles of 4, 2 and 1 pairs
             p4 = T.bind(rows_in // 2 - left)
             if tile_pairs > 4:
                 if left >= 4:
