@@ -41,7 +41,7 @@ def kernel_hashes(graph: Path, target: str, kv: str, max_batch: int) -> dict[str
                 out[gv.name_hint] = hashlib.sha256(fn.script().encode()).hexdigest()[:16]
         raise _Hashed
 
-    with mock.patch("qwc.compiler.build.build", hash_instead_of_build), tempfile.TemporaryDirectory() as d:
+    with mock.patch("qwc.compiler.build.build_for_artifact", hash_instead_of_build), tempfile.TemporaryDirectory() as d:
         try:
             compile_mod.compile_file(graph, target, Path(d) / "x.qwc", max_batch=max_batch, kv_type=kv,
                                      memory_check=False)

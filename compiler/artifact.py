@@ -48,7 +48,8 @@ def write_params(path: Path, names: list[str], values: dict) -> list[Param]:
 
 
 def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_names, params,
-                   tokenizer: Path | None, functions: Functions, quantization: Quantization) -> None:
+                   tokenizer: Path | None, functions: Functions, quantization: Quantization,
+                   link_options: list[str] | None = None) -> None:
     out = Path(out)
     with staging_dir(out, folder=True, foreign=foreign_files) as tmp:
         art = tmp / out.name
@@ -62,11 +63,15 @@ def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_
             raise QwcError(f"cannot write {out}: no space left on the device ({free / 2**20:.0f} MiB free, "
                            f"the library needs up to {LIB_SPACE / 2**20:.0f} MiB while it is built)")
         with temp_files_in(tmp):
+            options = {"options": link_options} if link_options else {}
             if target.cross_compiler:
                 import tvm
-                executable.export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(target.cross_compiler))
+                # The triple given: TVM's default asks the host's compiler, and packs the VM's
+                # bytecode for it where no kernel is an LLVM module (kernel_objects.py).
+                cc = tvm.support.cc.cross_compiler(target.cross_compiler, get_target_triple=lambda: target.triple)
+                executable.export_library(str(lib), fcompile=cc, **options)
             else:
-                executable.export_library(str(lib))
+                executable.export_library(str(lib), **options)
         files = ["lib.so", "params.bin"]
         if tokenizer is not None:
             shutil.copyfile(tokenizer, art / "tokenizer.json")

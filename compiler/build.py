@@ -181,7 +181,16 @@ def _nodes_swapped(model: onnx.ModelProto, nodes):
 
 
 def build(mod: tvm.IRModule, target: Target):
+    """An executable to run in this process (tests, benches, tuning)."""
     from .pipeline import lowering
 
     t = target.tvm_target()
     return relax.build(mod, target=t, relax_pipeline=lowering(t), exec_mode=target.vm_exec_mode)
+
+
+def build_for_artifact(mod: tvm.IRModule, target: Target):
+    """An executable to export as an artifact's lib.so, its kernels' objects from the cache
+    (kernel_objects.py: a `Linkable`)."""
+    from .kernel_objects import build_linkable
+
+    return build_linkable(mod, target.tvm_target(), target.vm_exec_mode)

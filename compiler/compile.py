@@ -81,8 +81,11 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     # The weights the passes and the repacking make go to a scratch file beside the output,
     # written as they are made and read back one at a time for params.bin.
     with staging_dir(Path(out), folder=True, foreign=foreign_files) as scratch, weights_to(scratch / "weights.bin"):
-        return _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check,
-                        KV_TYPES[kv_type] if kv_type else default_kv_dtype(target), max_lora_rank)
+        times = _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check,
+                         KV_TYPES[kv_type] if kv_type else default_kv_dtype(target), max_lora_rank)
+    from .kernels.kernel_cache import prune
+    prune()   # the kernel cache's folder within its limit, its least recently used entries dropped
+    return times
 
 
 def _functions(config, cache: list[str], max_batch: int, kv_dtype: str, lora: LoraSlots | None) -> Functions:
@@ -112,7 +115,7 @@ def _functions(config, cache: list[str], max_batch: int, kv_dtype: str, lora: Lo
 def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check, kv_dtype,
              max_lora_rank) -> dict:
     from .artifact import write_artifact
-    from .build import build, to_relax
+    from .build import build_for_artifact, to_relax
 
     if act_bits is None:
         act_bits = default_act_bits(target.features)
@@ -187,13 +190,17 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):
-        ex = build(mod, target)
+        built = build_for_artifact(mod, target)
+    if built.kernels:
+        progress.info(f"[qwc] {built.kernels} kernels: {built.from_cache} from the cache, "
+                      f"{built.kernels - built.from_cache} built")
     times["build"] = time.perf_counter() - t0
     cache = [i.name for i in model.graph.input if i.name.startswith("past_key_values.")]
     functions = _functions(config, cache, max_batch, kv_dtype, lora)
     t0 = time.perf_counter()
     with progress.stage(f"writing {out}"):
-        write_artifact(Path(out), executable=ex, target=target, config=config, param_names=names,
+        write_artifact(Path(out), executable=built.executable, link_options=built.link_options, target=target,
+                       config=config, param_names=names,
                        params=params, tokenizer=tokenizer_for_graph(src), functions=functions, quantization=quant)
     times["write"] = time.perf_counter() - t0
     return times

@@ -112,3 +112,10 @@ def decode_gemv(outputs: tuple[tuple, ...], nb: int, scale_dtype: str = "float16
     extra = {"split": split} if split != 1 else {}
     return kernel_module(dot).decode_gemv(tuple(outputs), nb, scale_dtype, silu_mul=silu_mul, quantize=quantize,
                                           dot=dot, **extra)
+
+
+# Before any kernel module parses its TVMScript (macro_lookup.py: TVMScript's macro calls
+# without reading every frame's source).
+from .macro_lookup import install as _install_macro_lookup  # noqa: E402
+
+_install_macro_lookup()

@@ -8,14 +8,19 @@ its arguments, and a hash of every compiler source file and TVM's version, so an
 schedule or TVM never reads an old entry. The folder is `$QWC_KERNEL_CACHE` (`off`: no disk
 cache), else `$XDG_CACHE_HOME/qwc/kernels` (`~/.cache/qwc/kernels`). Entries are written
 atomically; an unreadable one is rebuilt; a folder that cannot be written only costs the time.
+Each compile ends with `prune`, which keeps the folder (with kernel_objects.py's object files)
+under CACHE_LIMIT by dropping the least recently used entries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
+import re
 import tempfile
+import time
 from pathlib import Path
 
 CACHE_ENV = "QWC_KERNEL_CACHE"
@@ -63,9 +68,12 @@ def _load(path: Path):
     from tvm.ir.base import from_json_graph_str
 
     try:
-        return from_json_graph_str(path.read_text())
+        func = from_json_graph_str(path.read_text())
     except Exception:  # absent, or unreadable (a partial copy, another TVM's format): rebuild it
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)   # recently used: what `prune` keeps
+    return func
 
 
 def _store(path: Path, func) -> None:
@@ -108,3 +116,43 @@ def cached_kernel(builder):
 
     build.cache_clear = memo.clear
     return build
+
+
+# The most the folder holds before a compile drops its least recently used entries (ccache's
+# default is 5 GB): entries of an older qwc or TVM are never read again, and every edit of the
+# compiler makes a new set.
+CACHE_LIMIT = 4 << 30
+_ENTRY = re.compile(r"^[\w.]+-[0-9a-f]{32}\.(json|o|o\.json)$")
+_STALE_TEMP = 24 * 3600   # a temp file this old was left by a process that died while writing
+
+
+def prune(limit: int = CACHE_LIMIT) -> int:
+    """Delete the folder's least recently used entries (by modification time: a read touches
+    its entry) until it holds at most `limit` bytes, and temp files a dead writer left; only
+    files named as this module and kernel_objects.py name theirs. Returns the bytes freed."""
+    where = cache_dir()
+    if where is None or not where.is_dir():
+        return 0
+    entries, now, freed = [], time.time(), 0
+    for f in os.scandir(where):
+        try:
+            st = f.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not f.is_file(follow_symlinks=False):
+            continue
+        if f.name.startswith(".tmp-") and now - st.st_mtime > _STALE_TEMP:
+            entries.append((0.0, st.st_size, f.path))   # first to go
+        elif _ENTRY.match(f.name):
+            entries.append((st.st_mtime, st.st_size, f.path))
+    total = sum(size for _, size, _ in entries)
+    for mtime, size, path in sorted(entries):
+        if total <= limit and mtime:
+            break
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        total -= size
+        freed += size
+    return freed

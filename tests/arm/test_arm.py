@@ -196,6 +196,18 @@ def test_arm_logits_do_not_depend_on_threads(arm64_env, builds, tmp_path, target
     assert all(np.array_equal(r, runs[0]) for r in runs[1:])
 
 
+def test_yitian_kernels_linked_from_the_cache_equal_the_whole_build(arm64_env, builds, tiny_q4, tmp_path,
+                                                                    monkeypatch):
+    """ARM's compiled VM calls each kernel by name (compiler/kernel_objects.py): the artifact
+    linked from the cache's objects gives the bits of the module built whole."""
+    from qwc.compiler import kernel_objects
+
+    monkeypatch.setattr(kernel_objects, "_writable", lambda _where: False)   # as QWC_KERNEL_CACHE=off
+    whole = tmp_path / "whole.qwc"
+    compile_file(tiny_q4, "arm-yitian", whole, act_bits=8)
+    assert np.array_equal(_run_arm(arm64_env, whole, tmp_path), _run_arm(arm64_env, builds["arm-yitian", 8], tmp_path))
+
+
 def _targets_under(env, qemu_cpu: str) -> dict[str, list[str]]:
     """`qwc targets` as an aarch64 machine with this CPU runs it: {target: its columns}."""
     r = subprocess.run(emulation.cli_command(env, "targets"), env=dict(env, QEMU_CPU=qemu_cpu),

@@ -73,3 +73,20 @@ def test_the_key_changes_with_the_compiler_sources_and_tvm(tmp_path, monkeypatch
         assert kernel_cache._entry(build.__wrapped__, (True, 64), {}) != before
     finally:
         kernel_cache._sources_digest.cache_clear()
+
+
+def test_prune_drops_the_least_recently_used_entries_and_nothing_else(tmp_path, monkeypatch):
+    import os
+    import time
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    now = time.time()
+    entries = {f"k{i}-{i:032x}.{ext}": now - 100 * (10 - i) for i, ext in enumerate(["json", "o", "o.json", "json"])}
+    for name, mtime in {**entries, "notes.txt": now - 10_000, ".tmp-abc.o": now - 2 * 86400,
+                        ".tmp-new.o": now}.items():
+        (tmp_path / name).write_bytes(b"x" * 1000)
+        os.utime(tmp_path / name, (mtime, mtime))
+    assert kernel_cache.prune(limit=2000) == 3000   # the dead writer's temp file, then the two oldest
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([".tmp-new.o", "notes.txt", "k2-" + "2".zfill(32) + ".o.json", "k3-" + "3".zfill(32) + ".json"])
+    assert kernel_cache.prune(limit=2000) == 0
