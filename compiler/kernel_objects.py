@@ -4,10 +4,11 @@ come back in every compile of a model, of its fine-tunes, and of its siblings in
 
 `build_linkable` lowers the Relax module as relax.build does, then builds each PrimFunc as a
 module of its own and keeps its object file in the kernel cache's folder
-(kernels/kernel_cache.py), under a key made of the function's TIR (its name included), the
-target, and TVM's and tvm-ffi's versions: all the object depends on, so an edit of qwc that leaves a kernel's
-TIR as it was still reads its object. The artifact's lib.so links those objects (as TVM's static libraries) instead of one object built
-for the whole module; the code in each is the same, so the logits are equal to the bit.
+(kernels/kernel_cache.py). The key is the function's TIR (its name included), the target, and
+TVM's and tvm-ffi's versions: all the object depends on, so an edit of qwc that leaves a
+kernel's TIR as it was still reads its object. The artifact's lib.so links those objects (as
+TVM's static libraries) instead of one object built for the whole module; the code in each is
+the same, so the logits are equal to the bit.
 
 On ARM the VM's entry points are TIR too ("compiled" mode: targets.Target.vm_exec_mode), and
 call each kernel by name. Built in one module, those calls bind inside it; built apart, each
