@@ -23,6 +23,7 @@ the module is built whole, as relax.build builds it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -147,8 +148,10 @@ def build_linkable(mod, target, exec_mode: str) -> Linkable:
             calls = _build_one(one, target, obj, meta, names)
         else:
             hits += 1
-            os.utime(obj)   # recently used: what a pruning of the folder keeps
-        options += [f"-Wl,--defsym=\"{pair.split('=')[0]}\"={pair.split('=')[1]}" for pair in calls]
+            with contextlib.suppress(OSError):   # recently used: what a pruning of the folder keeps
+                os.utime(obj)
+        for symbol, _, definition in (pair.partition("=") for pair in calls):
+            options.append(f'-Wl,--defsym="{symbol}"={definition}')
         libs.append(tvm.runtime.load_static_library(str(obj), [gv.name_hint]))
     ext_libs = list(attrs.get("external_mods", []))
     lib = vm_build._ffi_api.VMLink(builder, target, None, libs + ext_libs, params)
