@@ -811,7 +811,8 @@ def named_cases() -> list[Case]:
              signal_at=("building for", 1.5, signal.SIGINT), expect=("interrupt",), output="o.qwc"),
         Case("paths", "sigint-compile-in-write", ["compile", "m.q4.onnx", "-o", "o.qwc"],
              setup=copy_graph("tiny.q4.onnx", "m.q4.onnx"),
-             signal_at=("writing", 0.2, signal.SIGINT), expect=("interrupt", "ok"), output="o.qwc"),
+             signal_at=("writing", 0.2, signal.SIGINT), expect=("interrupt", "ok"), output="o.qwc",
+             check=artifact_runs("o.qwc")),   # "ok": the Ctrl-C came once the artifact was in place
         Case("paths", "sigint-export", ["export", "tiny", "-o", "o.onnx"],
              signal_at=("tracing", 2.0, signal.SIGINT), expect=("interrupt",), output="o.onnx"),
         Case("paths", "sigint-optimize", ["optimize", "m.onnx", "-o", "o.onnx"], setup=copy_graph(),

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from . import interrupts
 from .errors import QwcError
 
 
@@ -53,13 +54,19 @@ def check_replaceable(dest: Path, foreign) -> None:
 def replace_dir(src: Path, dst: Path, foreign) -> None:
     """Move the finished folder `src` onto `dst`, which check_replaceable allows to replace."""
     check_replaceable(dst, foreign)
-    if dst.exists():
+    with interrupts.placing(dst):   # a Ctrl-C between the two renames would leave neither
+        if not dst.exists():
+            os.replace(src, dst)
+            return
         old = _make_temp(dst, ".old")
         os.replace(dst, old / dst.name)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
+        try:
+            os.replace(src, dst)
+        except BaseException:
+            os.replace(old / dst.name, dst)
+            shutil.rmtree(old, ignore_errors=True)
+            raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 OWNER = ".qwc-owner"   # in every temp folder qwc makes beside an output: the pid that made it
@@ -141,5 +148,6 @@ def publish(files: list[tuple[Path, Path]], foreign=None) -> None:
     for _, dst in files:
         if Path(dst).is_dir():
             raise QwcError(f"cannot write {dst}: it is a directory")
-    for src, dst in files:
-        os.replace(src, dst)
+    with interrupts.placing(files[-1][1]):
+        for src, dst in files:
+            os.replace(src, dst)

@@ -961,6 +961,9 @@ def main(argv: list[str] | None = None) -> int:
     interrupts.install()
     try:
         args.func(args)
+        if interrupts.held():
+            print(f"[qwc] Ctrl-C came after {', '.join(interrupts.held())} was in place: it is complete",
+                  file=sys.stderr)
     except QwcError as e:
         if interrupts.seen():   # a failure the Ctrl-C caused (and stderr is silenced)
             return _interrupted(argv)

@@ -26,8 +26,9 @@ def info(msg: str) -> None:
 @contextlib.contextmanager
 def stage(name: str):
     """Print `name ...` when work starts and its wall time when it ends. A Ctrl-C that a
-    library swallowed (TVM's importer can) takes effect here, before the next stage."""
-    interrupts.check()
+    library swallowed (TVM's importer can), or that was held while an output was put in place
+    (qwc.interrupts), takes effect here, before the next stage."""
+    interrupts.new_work()
     info(f"[qwc] {name} ...")
     t0 = time.perf_counter()
     yield

@@ -96,3 +96,56 @@ def test_ctrl_c_inside_a_relax_pass_says_one_line(model, tmp_path):
     assert r.returncode == 130, r.stderr
     assert r.stderr.strip().splitlines() == ["qwc: interrupted"], r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+_CTRL_C_AT = """
+import contextlib, os, signal, sys
+from qwc import interrupts
+from qwc.compiler import artifact
+when, real_placing, real_manifest = sys.argv[2], interrupts.placing, artifact.Manifest.to_dict
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+@contextlib.contextmanager
+def placing(output):   # the renames that put the artifact in place begin
+    with real_placing(output):
+        ctrl_c()
+        yield
+def to_dict(self):     # the last step before them: the manifest is being written
+    ctrl_c()
+    return real_manifest(self)
+if when == "at the swap":
+    interrupts.placing = placing
+else:
+    artifact.Manifest.to_dict = to_dict
+from qwc.cli import main
+sys.argv = ["qwc", "-q", "compile", sys.argv[1], "-o", "o.qwc"]
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["before the swap", "at the swap"])
+def test_ctrl_c_leaves_the_old_artifact_or_finishes_the_new_one(when, model, tmp_path):
+    """Ctrl-C up to the renames that put a compiled artifact in place stops the compile and leaves
+    the old one as it was; from the renames on it is too late for that, so the compile finishes
+    and says so (qwc.interrupts): `qwc: interrupted` always means the old output is untouched."""
+    import shutil
+    import subprocess
+
+    shutil.copytree(model["base"] / "tiny.qwc", tmp_path / "o.qwc")
+    manifest = tmp_path / "o.qwc" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace("{", '{"the old one": 1,', 1))   # told apart from the new
+    old = manifest.read_bytes()
+    r = subprocess.run([sys.executable, "-c", _CTRL_C_AT, str(model["base"] / "tiny.q4.onnx"), when],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, preexec_fn=fuzz.default_sigint)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["o.qwc"], names   # no temp folder left beside it
+    if when == "before the swap":
+        assert r.returncode == 130, r.stderr
+        assert r.stderr.strip().splitlines() == ["qwc: interrupted"], r.stderr
+        assert manifest.read_bytes() == old
+    else:
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.strip().splitlines() == ["[qwc] Ctrl-C came after o.qwc was in place: it is complete"]
+        assert manifest.read_bytes() != old
+        assert fuzz.artifact_runs("o.qwc")(tmp_path, None) is None
