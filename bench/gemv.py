@@ -228,8 +228,6 @@ def read_bandwidth(reps: int = 3) -> float:
 def decode_step(artifact, threads, past=512, steps=64, windows=3):
     """(tok/s of each window, weight bytes, KV bytes) of `windows` runs of `steps` decode steps,
     each after a fresh `past`-token prompt (so each reads the same bytes)."""
-    from pathlib import Path
-
     from qwc.runtime.engine import Engine
 
     eng = Engine(artifact, ctx=past + steps + 8, threads=threads)
@@ -243,7 +241,7 @@ def decode_step(artifact, threads, past=512, steps=64, windows=3):
         for _ in range(steps):
             eng.decode(1)
         rates.append(steps / (time.perf_counter() - t0))
-    weights = (Path(artifact) / "params.bin").stat().st_size
+    weights = eng.manifest.weight_bytes   # in memory, as decode reads them
     kv = eng.kv_bytes_per_token * (past + steps // 2)   # the artifact's cache type
     return rates, weights, kv
 

@@ -57,15 +57,18 @@ def mca_cpi(loop: list[str]) -> float | None:
 
 
 def qwc_decode_bytes(artifact: Path) -> int:
-    """Bytes of params.bin a decode step reads: all but the tables it reads one row of (the
-    rotary cos/sin tables, and the embedding where the head has weights of its own)."""
+    """Bytes of the loaded parameters a decode step reads (in memory, as the library reads
+    them: a parameter stored at rest counts unpacked): all but the tables it reads one row of
+    (the rotary cos/sin tables, and the embedding where the head has weights of its own)."""
     import json
 
     import numpy as np
 
+    from qwc.manifest import read_manifest
+
     manifest = json.loads((Path(artifact) / "manifest.json").read_text())
     tied = manifest["model"].get("tie_word_embeddings", True)
-    total = (Path(artifact) / "params.bin").stat().st_size
+    total = read_manifest(Path(artifact)).weight_bytes
     for p in manifest["params"]:
         name = p["name"]
         if name.startswith("rotary_") or (not tied and "embed_tokens" in name):

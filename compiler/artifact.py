@@ -24,38 +24,52 @@ from qwc.atomic import replace_dir, staging_dir, temp_files_in
 from qwc.checksum import sha256
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
-from qwc.manifest import ALIGN, ArtifactTarget, Functions, Manifest, Param, Quantization
+from qwc.manifest import ALIGN, AT_REST_VERSION, ArtifactTarget, Functions, Manifest, Param, Quantization
 from qwc.passes.graph import tensor_array
 
 LIB_SPACE = 64 << 20   # lib.so and its object files: ~1-6 MiB for the presets
 
 
-def write_params(path: Path, names: list[str], values: dict) -> list[Param]:
+def write_params(path: Path, names: list[str], values: dict, at_rest: dict[str, dict] | None = None) -> list[Param]:
+    """Write params.bin in `names` order; `at_rest` (compiler/pack_at_rest.py: plan) names the
+    parameters to store in a smaller form where that round trip is exact."""
+    from .pack_at_rest import pack
+
+    at_rest = at_rest or {}
     index, offset = [], 0
     with open(path, "wb") as f:
         for name in names:
-            v = values[name]
-            if isinstance(v, onnx.TensorProto):   # a weight passed by reference (compiler/build.py)
-                v = tensor_array(v)
-            a = np.ascontiguousarray(v.numpy() if hasattr(v, "numpy") else v)
+            a = _array(values[name])
+            spec, stored = at_rest.get(name), None
+            if spec is not None:
+                scales = _array(values[spec["scales"]]) if spec.get("scales") in values else None
+                stored = pack(spec, a, scales)
             pad = -offset % ALIGN
             f.write(b"\0" * pad)
             offset += pad
-            f.write(a.tobytes())
-            index.append(Param(name, str(a.dtype), tuple(a.shape), offset, a.nbytes))
-            offset += a.nbytes
+            data = a if stored is None else stored
+            f.write(data.tobytes())
+            index.append(Param(name, str(a.dtype), tuple(a.shape), offset, data.nbytes,
+                               None if stored is None else dict(spec)))
+            offset += data.nbytes
     return index
+
+
+def _array(v) -> np.ndarray:
+    if isinstance(v, onnx.TensorProto):   # a weight passed by reference (compiler/build.py)
+        v = tensor_array(v)
+    return np.ascontiguousarray(v.numpy() if hasattr(v, "numpy") else v)
 
 
 def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_names, params,
                    tokenizer: Path | None, functions: Functions, quantization: Quantization,
-                   link_options: list[str] | None = None) -> None:
+                   link_options: list[str] | None = None, at_rest: dict[str, dict] | None = None) -> None:
     out = Path(out)
     with staging_dir(out, folder=True, foreign=foreign_files) as tmp:
         art = tmp / out.name
         art.mkdir()
         lib = art / "lib.so"
-        index = write_params(art / "params.bin", param_names, params)
+        index = write_params(art / "params.bin", param_names, params, at_rest)
         # LLVM ends the process (exit 1) when it cannot write its object file: refuse a nearly
         # full disk here, in one line, rather than there.
         free = shutil.disk_usage(tmp).free
@@ -79,7 +93,7 @@ def write_artifact(out: Path, *, executable, target, config: ModelConfig, param_
         manifest = Manifest(ArtifactTarget(target.name, target.arch, target.triple, target.mcpu,
                                            tuple(sorted(target.features)), tuple(target.mattr)),
                             config, functions, tuple(index), {f: sha256(art / f) for f in files}, quantization,
-                            __version__)
+                            __version__, AT_REST_VERSION if any(p.at_rest for p in index) else 1)
         # through the reader's checks: what is written is what the runtime will accept
         written = manifest.to_dict()
         if Manifest.from_dict(written, where=f"the manifest qwc wrote for {out}") != manifest:

@@ -198,9 +198,10 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     cache = [i.name for i in model.graph.input if i.name.startswith("past_key_values.")]
     functions = _functions(config, cache, max_batch, kv_dtype, lora)
     t0 = time.perf_counter()
+    from .pack_at_rest import plan
     with progress.stage(f"writing {out}"):
         write_artifact(Path(out), executable=built.executable, link_options=built.link_options, target=target,
-                       config=config, param_names=names,
+                       at_rest=plan(model), config=config, param_names=names,
                        params=params, tokenizer=tokenizer_for_graph(src), functions=functions, quantization=quant)
     times["write"] = time.perf_counter() - t0
     return times

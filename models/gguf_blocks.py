@@ -226,14 +226,14 @@ def q4_k_factors(scales: np.ndarray, mins: np.ndarray, free: np.ndarray) -> tupl
     as Q4_K). `free` [N, K/32]: blocks whose codes are all 0, so that their weights are m
     whatever the scale (the export writes a scale 1 there): they take sc = 0."""
     n = scales.shape[0]
-    d, sc = _six_bit_factors(np.where(free, 0, scales).astype(np.float32).reshape(n, -1, 8))
-    dmin, mn = _six_bit_factors((-mins).astype(np.float32).reshape(n, -1, 8))
+    d, sc = six_bit_factors(np.where(free, 0, scales).astype(np.float32).reshape(n, -1, 8))
+    dmin, mn = six_bit_factors((-mins).astype(np.float32).reshape(n, -1, 8))
     if d is None or dmin is None:
         return None
     return d, sc.reshape(n, -1), dmin, mn.reshape(n, -1)
 
 
-def _six_bit_factors(v: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+def six_bit_factors(v: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
     """v [N, S, 8] float32 -> (f [N, S] float32 exact in fp16, q [N, S, 8] uint8 <= 63) with f q
     = v to the bit, or (None, None). llama.cpp gives the largest sub-block q = 63, so f = its v
     / 63 at the first try; another writer's searched scales may top out lower, so each smaller

@@ -21,8 +21,13 @@ from qwc.config import ModelConfig
 from qwc.errors import QwcError
 from qwc.kv_formats import KV_TYPES
 from qwc.limits import MAX_BATCH, MAX_LORA_RANK, is_int
+from qwc.params_at_rest import FORMS, stored_nbytes
 
-FORMAT_VERSION = 1
+# 2: parameters may be stored at rest (qwc/params_at_rest.py); an artifact without any is
+# written as 1, which runtimes before that read too.
+FORMAT_VERSION = 2
+AT_REST_VERSION = 2
+FORMAT_VERSIONS = (1, 2)
 ALIGN = 64                       # every parameter's offset in params.bin
 DTYPES = {"float32", "float16", "int8", "uint8", "int32", "int64"}
 CACHE_DTYPES = tuple(KV_TYPES.values())   # the KV cache formats (`qwc compile --kv-dtype`)
@@ -72,12 +77,21 @@ class ArtifactTarget:
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter's place in params.bin (64-byte aligned, in the library's argument order)."""
+    """One parameter's place in params.bin (64-byte aligned, in the library's argument order).
+    `at_rest`: stored in a smaller form the runtime unpacks at load (qwc/params_at_rest.py:
+    {"form": ...} and, for q4_k_offsets, {"scales": the parameter of its s}); `nbytes` are
+    then the stored bytes."""
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    at_rest: dict | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        """Its bytes as the library reads it (loaded, unpacked)."""
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
     @classmethod
     def from_dict(cls, p, i: int, end: int, bad) -> Param:
@@ -93,14 +107,28 @@ class Param:
         off, nbytes = p.get("offset"), p.get("nbytes")
         if not is_int(off) or off % ALIGN or off < end:
             bad(f"parameter {name}: offset {off!r} must be a multiple of {ALIGN} past the previous parameter")
-        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(p["dtype"]).itemsize
+        at_rest = p.get("at_rest")
+        if at_rest is None:
+            size = int(np.prod(shape, dtype=np.int64)) * np.dtype(p["dtype"]).itemsize
+        else:
+            if not isinstance(at_rest, dict) or at_rest.get("form") not in FORMS:
+                bad(f"parameter {name}: at_rest {at_rest!r} names no form this runtime knows ({', '.join(FORMS)})")
+            size = stored_nbytes(at_rest["form"], p["dtype"], tuple(shape))
+            if size is None:
+                bad(f"parameter {name}: at-rest form {at_rest['form']} cannot hold {p['dtype']} {shape}")
+            if at_rest["form"] == "q4_k_offsets" and not isinstance(at_rest.get("scales"), str):
+                bad(f"parameter {name}: at-rest form q4_k_offsets names no scales parameter")
         if nbytes != size:
-            bad(f"parameter {name}: nbytes {nbytes!r} is not the {size} of its shape and dtype")
-        return cls(name, p["dtype"], tuple(shape), off, nbytes)
+            how = "its shape and dtype" if at_rest is None else f"its shape and dtype in {at_rest['form']}"
+            bad(f"parameter {name}: nbytes {nbytes!r} is not the {size} of {how}")
+        return cls(name, p["dtype"], tuple(shape), off, nbytes, at_rest)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset,
-                "nbytes": self.nbytes}
+        out = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset,
+               "nbytes": self.nbytes}
+        if self.at_rest is not None:
+            out["at_rest"] = dict(self.at_rest)
+        return out
 
 
 def _params(ps, bad) -> tuple[Param, ...]:
@@ -113,6 +141,12 @@ def _params(ps, bad) -> tuple[Param, ...]:
     names = [p.name for p in out]
     if len(set(names)) != len(names):
         bad(f"parameter {next(n for n in names if names.count(n) > 1)} is listed twice")
+    by_name = {p.name: p for p in out}
+    for p in out:   # an offsets' s: a float32 parameter of its shape, stored whole or as q4_k_scales
+        if p.at_rest is not None and p.at_rest["form"] == "q4_k_offsets":
+            s = by_name.get(p.at_rest["scales"])
+            if s is None or s.dtype != "float32" or s.shape != p.shape or s.at_rest and s.at_rest["form"] != "q4_k_scales":
+                bad(f"parameter {p.name}: its scales {p.at_rest['scales']!r} are not a float32 parameter of its shape")
     return tuple(out)
 
 
@@ -315,7 +349,8 @@ class Manifest:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self.params)
+        """The parameters' bytes in memory, as the library reads them."""
+        return sum(p.memory_bytes for p in self.params)
 
     @classmethod
     def from_dict(cls, m, where: str = "manifest.json") -> Manifest:
@@ -325,9 +360,9 @@ class Manifest:
 
         if not isinstance(m, dict):
             bad("not a JSON object")
-        if m.get("format_version") != FORMAT_VERSION:
+        if m.get("format_version") not in FORMAT_VERSIONS:
             raise QwcError(f"{where}: artifact format version {m.get('format_version')!r} is not supported by "
-                           f"this runtime (expected {FORMAT_VERSION}); recompile it")
+                           f"this runtime (expected {' or '.join(map(str, FORMAT_VERSIONS))}); recompile it")
         target = ArtifactTarget.from_dict(m.get("target"), bad)
         model_json = _object(m.get("model"), "'model'", bad)
         try:
@@ -336,6 +371,8 @@ class Manifest:
             bad(f"model: {e}")
         functions = Functions.from_dict(m.get("functions"), model, bad)
         params = _params(m.get("params"), bad)
+        if m["format_version"] < AT_REST_VERSION and any(p.at_rest for p in params):
+            bad(f"format version {m['format_version']} has no parameters at rest")
         files = _files(m.get("files"), bad)
         version = m.get("qwc_version")
         if version is not None and not isinstance(version, str):

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
-from qwc import cpu
+from qwc import cpu, params_at_rest
 from qwc.checksum import sha256
 from qwc.cpu import max_threads
 from qwc.errors import QwcError
@@ -321,22 +321,31 @@ class Engine:
         size = path.stat().st_size
         specs = self.manifest.params
         arena = memory.arena_for((p.shape, p.dtype) for p in specs)
-        out = []
+        arrays = {}
         with open(path, "rb") as f:
             for p in specs:
                 end = p.offset + p.nbytes
                 if end > size:
                     raise QwcError(f"{self.path}: params.bin is truncated ({p.name} ends at byte {end}, "
                                    f"file has {size})")
-                a = arena.take(p.shape, p.dtype)
-                f.seek(p.offset)
-                if a.nbytes != p.nbytes:
-                    raise QwcError(f"{self.path}: {p.name} is {p.nbytes} bytes in the manifest, "
-                                   f"not the {a.nbytes} of its shape and dtype (corrupt artifact)")
-                if f.readinto(memoryview(a.reshape(-1)).cast("B")) != a.nbytes:
-                    raise QwcError(f"{self.path}: params.bin ended while reading {p.name}")
-                out.append(self._tvm.runtime.from_dlpack(a))
-        return out
+                arrays[p.name] = arena.take(p.shape, p.dtype)
+            # an offsets' scales first: its unpacking reads them (qwc/params_at_rest.py)
+            for p in sorted(specs, key=lambda p: bool(p.at_rest and p.at_rest["form"] == "q4_k_offsets")):
+                self._read_param(f, p, arrays)
+        return [self._tvm.runtime.from_dlpack(arrays[p.name]) for p in specs]
+
+    def _read_param(self, f, p, arrays: dict) -> None:
+        """Read `p` into its place in `arrays`, unpacked if it is stored at rest."""
+        a = arrays[p.name]
+        if p.at_rest is None and a.nbytes != p.nbytes:
+            raise QwcError(f"{self.path}: {p.name} is {p.nbytes} bytes in the manifest, "
+                           f"not the {a.nbytes} of its shape and dtype (corrupt artifact)")
+        into = a if p.at_rest is None else np.empty(p.nbytes, np.uint8)
+        f.seek(p.offset)
+        if f.readinto(memoryview(into.reshape(-1)).cast("B")) != into.nbytes:
+            raise QwcError(f"{self.path}: params.bin ended while reading {p.name}")
+        if p.at_rest is not None:
+            params_at_rest.unpack(p.at_rest["form"], into, a, arrays.get(p.at_rest.get("scales")))
 
     # -- the model -----------------------------------------------------------------------
     def reset(self, seq: Sequence | None = None) -> None:

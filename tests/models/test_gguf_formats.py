@@ -183,10 +183,22 @@ def host_builds(gguf_model):
 
 
 def _params(art: Path) -> dict[str, np.ndarray]:
+    """The artifact's parameters as the library reads them (those stored at rest unpacked)."""
+    from qwc.params_at_rest import unpack
+
     man = json.loads((art / "manifest.json").read_text())
     data = (art / "params.bin").read_bytes()
-    return {p["name"]: np.frombuffer(data[p["offset"]:p["offset"] + p["nbytes"]], p["dtype"]).reshape(p["shape"])
-            for p in man["params"]}
+    out, rest = {}, []
+    for p in man["params"]:
+        raw = np.frombuffer(data[p["offset"]:p["offset"] + p["nbytes"]], np.uint8)
+        if p.get("at_rest"):
+            out[p["name"]] = np.empty(p["shape"], p["dtype"])
+            rest.append((p, raw))
+        else:
+            out[p["name"]] = raw.view(p["dtype"]).reshape(p["shape"])
+    for p, raw in sorted(rest, key=lambda x: x[0]["at_rest"]["form"] == "q4_k_offsets"):
+        unpack(p["at_rest"]["form"], raw, out[p["name"]], out.get(p["at_rest"].get("scales")))
+    return out
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -485,6 +487,72 @@ def test_q6_k_on_arm_yitian_matches_the_host(q4_k_m_model, q4_k_m_builds, tmp_pa
     by a step between the ISAs' quantizers (as in the Q4_K test above)."""
     manifest = _arm_yitian_follows_the_host(q4_k_m_model[0], q4_k_m_builds, tmp_path)
     assert {f["format"]: f["count"] for f in manifest["quantization"]["linears"]} == {"q4_k": 10, "q6_k": 4, "q8_0": 1}
+
+
+def _at_rest_forms(art: Path) -> dict[str, int]:
+    params = json.loads((art / "manifest.json").read_text())["params"]
+    return dict(Counter(p["at_rest"]["form"] for p in params if p.get("at_rest")))
+
+
+def _stored_whole(monkeypatch):
+    """compile_file writes every parameter as the library reads it (no at-rest forms)."""
+    from qwc.compiler import pack_at_rest
+
+    monkeypatch.setattr(pack_at_rest, "plan", lambda model: {})
+
+
+@pytest.mark.slow
+def test_expanded_q4_k_stored_at_rest_loads_to_the_bit_on_the_host(q4_k_m_model, tmp_path, monkeypatch):
+    """The Q4_K linears in the expanded form ARM's kernels read (forced here on the host's VNNI
+    kernels, which read it too): params.bin holds their factors at rest, the engine rebuilds
+    the float32 scales and offsets as it loads, and the logits are those of the same artifact
+    stored whole, to the bit (qwc/params_at_rest.py)."""
+    from qwc.compiler import repack_q4_k
+    from qwc.compiler.compile import compile_file
+
+    monkeypatch.setattr(repack_q4_k, "q4_k_compact", lambda *a: (0, 0))
+    d = q4_k_m_model[0]
+    rest, whole = tmp_path / "rest.qwc", tmp_path / "whole.qwc"
+    compile_file(d / "m.onnx", "host", rest, act_bits=8, kv_type="f32")
+    _stored_whole(monkeypatch)
+    compile_file(d / "m.onnx", "host", whole, act_bits=8, kv_type="f32")
+    assert _at_rest_forms(rest) == {"q4_k_scales": 10, "q4_k_offsets": 10}
+    assert _at_rest_forms(whole) == {}
+    assert (rest / "params.bin").stat().st_size < (whole / "params.bin").stat().st_size
+    got, want = _compiled_logits(rest), _compiled_logits(whole)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    loaded = _params(rest)
+    for name, a in _params(whole).items():
+        assert np.array_equal(loaded[name].view(np.uint8), a.view(np.uint8)), name
+
+
+@pytest.mark.arm
+@pytest.mark.slow
+def test_arm_yitian_params_at_rest_give_the_logits_of_params_stored_whole(q4_k_m_model, tmp_path, monkeypatch):
+    """On arm-yitian, where the kernels read Q4_K's factors expanded to float32 and Q6_K's
+    codes as bytes, params.bin keeps both near the file's size (q4_k_scales / q4_k_offsets,
+    six_bit) and the engine under qemu unpacks them: the logits of the same model stored
+    whole, to the bit."""
+    import emulation
+
+    from qwc.compiler.compile import compile_file
+
+    d, env = q4_k_m_model[0], emulation.arm64_env()
+    steps = json.dumps([STEPS[0][0].tolist()] + [int(t[0, 0]) for t in STEPS[1:]])
+    logits = {}
+    for name in ("rest", "whole"):
+        if name == "whole":
+            _stored_whole(monkeypatch)
+        art = tmp_path / f"{name}.qwc"
+        compile_file(d / "m.onnx", "arm-yitian", art, act_bits=8, kv_type="f32")
+        r = subprocess.run(emulation.engine_command(env, art, tmp_path / f"{name}.npy", steps), env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        logits[name] = np.load(tmp_path / f"{name}.npy")
+    assert _at_rest_forms(tmp_path / "rest.qwc") == {"q4_k_scales": 10, "q4_k_offsets": 10, "six_bit": 4}
+    rest, whole = ((tmp_path / f"{n}.qwc" / "params.bin").stat().st_size for n in ("rest", "whole"))
+    assert rest < 0.85 * whole
+    assert np.array_equal(logits["rest"].view(np.uint32), logits["whole"].view(np.uint32))
 
 
 @pytest.mark.slow
