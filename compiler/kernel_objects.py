@@ -59,6 +59,30 @@ def _key(func_module, target_str: str) -> str:
     return h.hexdigest()[:32]
 
 
+def _stable_order(func):
+    """`func` with a straight run of independent stores to constant slots in slot order. Relax's
+    shape functions come out so, their statements in an order that changes from one process to
+    the next (TVM's VMShapeLower walks a map keyed by pointers): the same function would be a
+    new cache entry, and a new object, at random. Anything else is returned as it is."""
+    from tvm import tirx
+
+    body = func.body
+    if not isinstance(body, tirx.SeqStmt):
+        return func
+    stores = list(body.seq)
+    if not all(isinstance(st, tirx.BufferStore) and len(st.indices) == 1 and isinstance(st.indices[0], tirx.IntImm)
+               and st.buffer.same_as(stores[0].buffer) for st in stores):
+        return func
+    written = {int(st.indices[0]) for st in stores}
+    # the slots the values read, from their text (this TVM has no Python expression visitor)
+    loads = re.compile(rf"\b{re.escape(stores[0].buffer.name)}\[(?:T\.int64\()?(\d+)\)?\]|\b{re.escape(stores[0].buffer.name)}\[")
+    for st in stores:
+        for m in loads.finditer(str(st.value)):
+            if m.group(1) is None or int(m.group(1)) in written:
+                return func   # a slot another store writes (or one not a constant): the program's order
+    return func.with_body(tirx.SeqStmt(sorted(stores, key=lambda st: int(st.indices[0]))))
+
+
 def _calls_to_kernels(obj: Path, names: set[str]) -> list[str]:
     """The undefined symbols of `obj` that name a kernel of the module, as "symbol=definition"
     pairs (see the module's docstring)."""
@@ -140,7 +164,8 @@ def build_linkable(mod, target, exec_mode: str) -> Linkable:
     target_str = str(target)
     libs, options, hits = [], [], 0
     for gv, func in functions:
-        one = vm_build._auto_attach_system_lib_prefix(tvm.IRModule({gv: func}, attrs=tir.attrs), target, None)
+        one = vm_build._auto_attach_system_lib_prefix(tvm.IRModule({gv: _stable_order(func)}, attrs=tir.attrs),
+                                                     target, None)
         key = _key(one, target_str)
         obj, meta = where / f"{gv.name_hint[:80]}-{key}.o", where / f"{gv.name_hint[:80]}-{key}.o.json"
         calls = _entry_ok(obj, meta)

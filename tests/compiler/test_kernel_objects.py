@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.script import relax as R
 
@@ -107,3 +108,37 @@ def test_a_second_compile_links_every_kernel_from_the_cache(tiny_q4, tiny_host_a
         eng = Engine(art, ctx=32)
         logits.append(np.stack([eng.prefill(steps[0])] + [eng.decode(t) for t in steps[1:]]))
     assert np.array_equal(*logits)
+
+
+def _shape_func(order):
+    """A Relax shape function's form: H[3] = H[0] - 1 and H[4] = 4 H[1], in `order`."""
+    from tvm import tirx
+
+    h = tirx.decl_buffer((5,), "int64", name="H")
+    slot = lambda i: tirx.IntImm("int64", i)   # noqa: E731
+    values = {3: tirx.BufferLoad(h, [slot(0)]) - slot(1), 4: tirx.BufferLoad(h, [slot(1)]) * slot(4)}
+    body = tirx.SeqStmt([tirx.BufferStore(h, values[i], [slot(i)]) for i in order])
+    return tirx.PrimFunc([h], body)
+
+
+def test_independent_stores_of_a_shape_function_are_put_in_slot_order():
+    """TVM writes a shape function's statements in an order that changes between processes: in
+    slot order, the two orders are one cache entry (and one object)."""
+    from qwc.compiler.kernel_objects import _stable_order
+
+    a, b = _stable_order(_shape_func([4, 3])), _stable_order(_shape_func([3, 4]))
+    assert tvm_ffi.structural_equal(a, b)
+    assert [int(st.indices[0]) for st in a.body.seq] == [3, 4]
+
+
+def test_stores_that_read_each_others_slots_keep_their_order():
+    from tvm import tirx
+
+    from qwc.compiler.kernel_objects import _stable_order
+
+    f = _shape_func([4, 3])
+    h = f.params[0]
+    reads_four = tirx.BufferStore(h, tirx.BufferLoad(h, [tirx.IntImm("int64", 4)]) + tirx.IntImm("int64", 1),
+                                  [tirx.IntImm("int64", 3)])
+    g = f.with_body(tirx.SeqStmt([f.body.seq[0], reads_four]))
+    assert _stable_order(g).same_as(g)
