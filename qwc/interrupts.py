@@ -72,7 +72,7 @@ def install() -> None:
 
 
 @contextlib.contextmanager
-def placing(output) -> None:
+def placing(output):
     """Around the renames that put a finished `output` in place. A Ctrl-C swallowed before
     takes effect first; from the first rename on, one is held (module docstring). If the
     renames fail, the output is not in place: a held Ctrl-C takes effect with the error."""

@@ -32,7 +32,7 @@ FREE = 255   # q4_k_scales: s = 1
 SUPER = 8    # blocks of 32 a Q4_K super-block
 ROWS = 16    # rows a row group (kernels/row_groups.py)
 CHUNK = 3 << 22   # stored bytes unpacked at a time by one thread: its temporaries stay ~20 MB
-THREADS = min(8, os.cpu_count() or 1)
+THREADS = min(8, len(os.sched_getaffinity(0)))   # a replica pinned to a few cores uses those
 
 
 def stored_nbytes(form: str, dtype: str, shape: tuple[int, ...]) -> int | None:
