@@ -51,17 +51,17 @@ def pack(spec: dict, value: np.ndarray, scales: np.ndarray | None = None) -> np.
     form = spec["form"]
     if stored_nbytes(form, str(value.dtype), value.shape) is None:
         return None
-    if form == "six_bit":
+    if form == "six_bit":   # checked a chunk at a time: the codes are the largest parameters
         stored = _six_bit(value)
+        return stored if stored is not None and _six_bit_comes_back(stored, value) else None
+    if form == "q4_k_offsets":
+        if scales is None or scales.dtype != np.float32 or scales.shape != value.shape:
+            return None
+        stored = _offsets_factored(value, scales)
     else:
-        if form == "q4_k_offsets":
-            if scales is None or scales.dtype != np.float32 or scales.shape != value.shape:
-                return None
-            stored = _offsets_factored(value, scales)
-        else:
-            stored = _factored(value)
-            if stored is None and (value == 1).any():   # free blocks among others
-                stored = _factored(value, free=value == 1)
+        stored = _factored(value)
+        if stored is None and (value == 1).any():   # free blocks among others
+            stored = _factored(value, free=value == 1)
     if stored is None:
         return None
     back = np.empty_like(value)
@@ -89,6 +89,17 @@ def _six_bit(q: np.ndarray) -> np.ndarray | None:
     starts = range(0, flat.size, step)
     with ThreadPoolExecutor(min(THREADS, len(starts)) or 1) as pool:
         return out if all(pool.map(chunk, starts)) else None
+
+
+def _six_bit_comes_back(stored: np.ndarray, q: np.ndarray) -> bool:
+    flat = q.reshape(-1).view(np.uint8)
+    for start in range(0, stored.size, CHUNK):
+        part = stored[start:start + CHUNK]
+        back = np.empty(part.size // 3 * 4, np.uint8)
+        unpack("six_bit", part, back)
+        if not np.array_equal(back, flat[start // 3 * 4:start // 3 * 4 + back.size]):
+            return False
+    return True
 
 
 def _super_rows(v: np.ndarray) -> np.ndarray:
