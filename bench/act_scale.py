@@ -8,7 +8,7 @@ fake-quantized), and each linear's input quantized as the compiled W4A8 graph wo
             its matmul_clamp_f32_qai8dxp_qsi4c32p kernels)
 
     .venv/bin/python bench/act_scale.py [--chunks 40] [--calib-windows 4] [--threads 2]
-                                        [--auto row:0.01,row-asym:0.02]
+                                        [--auto row:0.01,row-asym:0.02] [--graph G.onnx]
 
 Prints two tables:
 1. per linear kind (q/k/v share an input, gate/up share one) and layer: the relative error of the
@@ -20,6 +20,10 @@ Prints two tables:
    units), blocks elsewhere.
 A simulation in float (torch), labelled so: the compiled kernels' rounding differs in the last
 bits, not in the quantization grids.
+
+--graph G.onnx: instead of the `--auto` rules, the perplexity of the choice `qwc optimize
+--act-scale` recorded in G (a graph of SmolLM2 with qwc's default PTQ, `--lm-head-bits 8`):
+its linears row-asym, the others block, beside the all-block row.
 """
 
 from __future__ import annotations
@@ -141,6 +145,23 @@ def perplexity_with(scorer, plan: dict[str, str], chunks: int) -> float:
             h.remove()
 
 
+def graph_plan(path: str, errs: dict) -> dict[str, str]:
+    """{linear: mode} of the per-token choice a graph records (by weight name: its MatMulNBits
+    node names the module)."""
+    import onnx
+
+    from qwc.compiler.row_activations import chosen
+
+    m = onnx.load(path, load_external_data=False)
+    rows = chosen(m)
+    modules = {n.name.rsplit(".MatMulNBits", 1)[0] for n in m.graph.node
+               if n.op_type == "MatMulNBits" and n.input[1] in rows}
+    unknown = modules - set(errs)
+    if unknown:
+        raise SystemExit(f"act_scale.py: {path} names linears SmolLM2 does not have: {sorted(unknown)[:3]}")
+    return {n: ("row-asym" if n in modules else "block") for n in errs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", type=int, default=40)
@@ -148,6 +169,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--auto", default="row:0.01,row-asym:0.01,row-asym:0.02",
                     help="auto rules MODE:T, comma-separated (MODE row or row-asym)")
+    ap.add_argument("--graph", help="a graph `qwc optimize --act-scale` wrote: its choice's perplexity")
     a = ap.parse_args()
     import torch
 
@@ -180,6 +202,9 @@ def main() -> None:
         autos[f"auto: {mode} where its error <= block's + {t}"] = {
             n: (mode if e[mode] <= e["block"] + float(t) else "block") for n, e in errs.items()}
     plans = {"weights only (float activations)": {}, **{f"all {m}": {n: m for n in errs} for m in MODES}, **autos}
+    if a.graph:
+        autos = {f"qwc optimize --act-scale ({a.graph})": graph_plan(a.graph, errs)}
+        plans = {"all block": {n: "block" for n in errs}, **autos}
     print(f"\nperplexity, Pride and Prejudice, ctx 512, {a.chunks} chunks (torch simulation)")
     print("| activations | linears on rows | PPL |")
     print("| --- | ---: | ---: |")

@@ -146,6 +146,13 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     from .repack import float_column_blocks, half_gather_scales, q4_1_block_offsets, q8_0_nibble_halves, repack_weights
     from .repack_five_bit import five_bit_codes
     from .repack_q4_k import q4_k_compact
+    from .row_activations import chosen, mark_row_activations
+    row_linears = mark_row_activations(model, act_bits, target.features)   # before repacking: the plain codes
+    if chosen(model):
+        int8 = sum(f.count for f in formats if f.format in ("q4_0", "q8_0"))
+        progress.info(f"[qwc] prefill activations: {row_linears} linears with a scale and zero point a token, "
+                      + (f"the other {int8 - row_linears} Q4_0 / Q8_0 ones in blocks of 32" if row_linears
+                         else f"none on {target.name} (its GEMM has no per-token form): blocks of 32"))
     with progress.stage("repacking weights for the target's kernels"):
         q8_0_nibble_halves(model, act_bits, target.features)
         compact_q4_k, _ = q4_k_compact(model, act_bits, target.features)
@@ -156,7 +163,8 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
         column_blocks = float_column_blocks(model, target.features)
     layout = {k: v for k, v in (("row_groups_16", repacked), ("q4_k_compact_scales", compact_q4_k),
                                 ("five_bit_codes", five_bit), ("column_blocks", column_blocks)) if v}
-    quant = Quantization(formats, act_bits, embedding_bits, weight_layout=layout, tuned_kernels=tuned)
+    quant = Quantization(formats, act_bits, embedding_bits, weight_layout=layout, tuned_kernels=tuned,
+                         row_activations=row_linears)
     # `score` keeps every position's logits: the nodes as they are (copies: the rewrites below
     # edit nodes in place). Nodes only; every entry point shares the one model's weights.
     full = onnx.GraphProto()

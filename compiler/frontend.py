@@ -25,7 +25,14 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend as F
 
 from qwc.errors import QwcError
-from qwc.passes.graph import BLOCK_OFFSETS_ATTR, COLUMN_BLOCKS_OP, FIVE_BIT_ATTR, NIBBLE_HALVES_ATTR, Q6_K_ATTR
+from qwc.passes.graph import (
+    BLOCK_OFFSETS_ATTR,
+    COLUMN_BLOCKS_OP,
+    FIVE_BIT_ATTR,
+    NIBBLE_HALVES_ATTR,
+    Q6_K_ATTR,
+    ROW_ACTIVATIONS_ATTR,
+)
 from qwc.passes.last_position import GQA_STEP_INPUTS, STEP_LOGIT_TOKENS, STEP_SEGMENTS, STEP_TOKENS_OP
 
 from .kernels import decode_attention, generic, kv_cache, prefill_attention, prefill_bias, w4a8_gemm
@@ -96,11 +103,13 @@ class MatMulNBits(F.OnnxOpConverter):
         if zp is not None and (bits != 4 or not str(zp.ty.dtype).startswith("float")):
             raise QwcError(f"MatMulNBits {n}x{k}: zero points are supported as float ones on 4-bit codes "
                            f"(llama.cpp's Q4_1), not {bits}-bit codes with {zp.ty.dtype} ones")
+        # per-token activations in prefill (compiler/row_activations.py): the weight rows' sums
+        row_sums = inputs[6] if attr.get(ROW_ACTIVATIONS_ATTR) else None
         if zp is None and (path := q8_0_path(block, bits, _ctx().act_bits, _ctx().features)):   # W8A8 (repack.py)
-            return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias, bits=8)
+            return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias, bits=8, row_sums=row_sums)
         path = q4_0_path(block, bits, _ctx().act_bits, _ctx().features, zero_points=zp is not None)
         if path is not None:
-            return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias)
+            return cls.q4_0_matmul(bb, a, w, s, k, n, path, bias=bias, row_sums=row_sums)
         kernel = generic.matmul_nbits_a8 if _ctx().act_bits == 8 else generic.matmul_nbits
         out = bb.emit_te(kernel, a, w, s, *([] if zp is None else [zp]), k=k, n=n, block=block, bits=bits,
                          primfunc_name_hint=_kname("matmul_nbits"))
@@ -108,7 +117,7 @@ class MatMulNBits(F.OnnxOpConverter):
 
     @classmethod
     def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str, features=None, bias=None, offsets=None,
-                    zero_offset: bool = False, bits: int = 4):
+                    zero_offset: bool = False, bits: int = 4, row_sums=None):
         """a [..., K] (+ bias [N]) through one of qwc's Q4_0 kernels on [M, K] rows ("f32":
         W4A32; "x86", "arm": W4A8 integer dots; "generic": the TE kernels, for block offsets on
         a target without the others; with `bits` 8, the target's W8A8 kernels for
@@ -117,7 +126,9 @@ class MatMulNBits(F.OnnxOpConverter):
         the W4A8 kernels (offsets in row groups, row_groups.pack_offsets); for W4A32 ([N, K/32])
         a small kernel pair of its own (generic.block_sums, block_offsets_term).
         `zero_offset` (W4A8 only): the integer dots start from 0, not from the quantizer's -8 x
-        sum(a): the codes count as 0..15 (a Q8_0's low nibbles: repack.q8_0_nibble_halves)."""
+        sum(a): the codes count as 0..15 (a Q8_0's low nibbles: repack.q8_0_nibble_halves).
+        `row_sums` (W4A8 / W8A8 prefill where the target has the form): the weight rows' sums
+        [N], and the prefill GEMM takes activations with a scale and zero point a token."""
         lead = list(a.ty.shape)[:-1]
         a2 = bb.emit(relax.op.reshape(a, [-1, k]))
         m = a2.ty.shape[0]
@@ -130,7 +141,7 @@ class MatMulNBits(F.OnnxOpConverter):
         else:
             y, bias = cls._int8_dot(bb, a2, m, one_token, w, s, k, n,
                                     _ctx().features if features is None else features, bias, zero_offset, bits,
-                                    offsets)
+                                    offsets, row_sums)
             offsets = None   # the kernel added the term
         if offsets is not None:
             sums = bb.emit_te(generic.block_sums, a2, k=k, act_bits=_ctx().act_bits,
@@ -189,7 +200,7 @@ class MatMulNBits(F.OnnxOpConverter):
 
     @staticmethod
     def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, features, bias=None, zero_offset: bool = False,
-                  bits: int = 4, offsets=None):
+                  bits: int = 4, offsets=None, row_sums=None):
         """W4A8 through an ISA's integer dot-product kernel (vpdpbusd / sdot / smmla), all
         reading the row-group layout compile-time repacking wrote (kernels/row_groups.py), after
         the activation quantizer (the fusion passes give it the RMSNorm or SiLU·mul before it:
@@ -217,6 +228,12 @@ class MatMulNBits(F.OnnxOpConverter):
         # GEMM reads token pairs interleaved (act_quant.fused_quantizer).
         layout = w4a8.decode_layout if one_token else w4a8.prefill_layout
         has_c = offsets is not None   # Q4_1's block offsets, in row groups (repack.py)
+        # per-token activations: prefill only (decode is one token: the GEMV's blocks cost
+        # nothing more), on the targets with the form, for Q4_0 / Q8_0 codes without offsets
+        per_row = (row_sums is not None and not one_token and w4a8.row_layout is not None and not has_c
+                   and not zero_offset and bits in (4, 8) and k % act_quant.BLOCK == 0)
+        if per_row:
+            layout = w4a8.row_layout
         if has_c and len(offsets.ty.shape) != 3:
             raise QwcError(f"MatMulNBits {n}x{k}: the W4A8 kernels read block offsets repacked into row groups "
                            "(compiler/repack.py), got the plain layout")
@@ -224,9 +241,9 @@ class MatMulNBits(F.OnnxOpConverter):
             fused_bias = bias is not None and prefill_bias(dot)
             amx = w4a8.amx and not _ctx().batched
             kernel = bb.add_func(w4a8_gemm(dot, n, nb, sdt, tokens, batched_decode=_ctx().batched, offsets=has_c,
-                                           bias=fused_bias, amx=amx),
-                                 _kname(f"{stem}_gemm_{dot}{'_amx' if amx else ''}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
-                                        f"{'_bias' if fused_bias else ''}"))
+                                           bias=fused_bias, amx=amx, per_row=per_row),
+                                 _kname(f"{stem}_gemm_{dot}{'_amx' if amx else ''}{'_rows' if per_row else ''}_{n}x{nb}"
+                                        f"_{sdt}{'_c' if has_c else ''}{'_bias' if fused_bias else ''}"))
         else:   # several of these may become one launch (compiler/sibling_gemvs.py)
             from .kernels import decode_gemv
 
@@ -237,7 +254,8 @@ class MatMulNBits(F.OnnxOpConverter):
         q, scale, off = _quantized(bb, a2, k, nb, one_token, layout)
         if zero_offset:
             off = bb.emit(relax.op.zeros(off.ty.shape, "int32"))
-        args = [q, scale, off, w, s] + ([offsets] if has_c else []) + ([bias] if fused_bias else [])
+        args = [q, scale, off, w, s] + ([offsets] if has_c else []) + ([row_sums] if per_row else []) + (
+            [bias] if fused_bias else [])
         y = bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape=[m, n], dtype="float32")))
         return y, None if fused_bias else bias
 
@@ -248,9 +266,10 @@ def _quantized(bb, a2, k: int, nb: int, one_token: bool, layout: str):
     from .kernels import act_quant
 
     m = a2.ty.shape[0]
-    scales = [m, nb, 2] if layout == "arm_pairs" else [m, nb]
+    offsets = [m, nb, 2] if layout in ("arm_pairs", "arm_rows") else [m, nb]
+    scales = [m, 2] if layout == "arm_rows" else offsets   # arm_rows: (s, s zp) a token
     q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
-          relax.TensorType(shape=scales, dtype="float32"), relax.TensorType(shape=scales, dtype="int32")]
+          relax.TensorType(shape=scales, dtype="float32"), relax.TensorType(shape=offsets, dtype="int32")]
     quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token, layout=layout),
                         _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token, layout=layout)))
     parts = bb.emit(relax.call_tir(quant, [a2], q8))

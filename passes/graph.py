@@ -334,6 +334,13 @@ Q4_K_SCALES_ATTR = "qwc_q4_k_scales"
 # ... and a Q5_0 / Q5_1 / Q5_K one whose codes it stored at five bits (compiler/repack_five_bit.py;
 # also marked BLOCK_OFFSETS_ATTR): inputs (x, codes [G, NB, 5, 64], scales, block offsets, ...).
 FIVE_BIT_ATTR = "qwc_five_bit"
+# ... and a Q4_0 / Q8_0 one whose prefill takes activations with a scale and zero point a token
+# (compiler/row_activations.py): input 6 is then each weight row's sum of its values [N].
+ROW_ACTIVATIONS_ATTR = "qwc_row_activations"
+# Graph metadata: the linears (by weight name, comma-separated) `qwc optimize --act-scale`
+# chose per-token activations for (passes/act_scale.py); compile marks them where the target
+# has the kernel.
+ROW_ACTIVATIONS_KEY = "qwc.row_activation_linears"
 # ... and the op it puts in a float MatMul's place, its weight in blocks of columns: (a [..., K],
 # w [N / cols, K, cols]) -> [..., N] (repack.float_column_blocks, kernels/f32_matmul.py).
 COLUMN_BLOCKS_OP = "QwcMatMulColumnBlocks"

@@ -33,6 +33,11 @@ class PassOptions:
     # file (passes/imatrix.py), or token ids of calibration text to compute it from; None: none
     importance: dict | None = None
     imatrix_calibration: object = None
+    # The prefill GEMMs' int8 activations (passes/act_scale.py): "block" (Q8_0 blocks), "row"
+    # (a scale and zero point a token wherever the linear can), "auto" (row where calibration
+    # text says it costs little), with the token ids of that text
+    act_scale: str = "block"
+    act_scale_calibration: object = None
     fold_limit: int = 4096              # largest constant (elements) canonicalize folds: shape math, never weights
 
     def require_config(self, why: str) -> ModelConfig:
@@ -54,6 +59,12 @@ class PassOptions:
         if self.lm_head_bits not in (4, 8):
             raise QwcError(f"lm-head bits {self.lm_head_bits} is not supported (4 or 8)")
         self._validate_format()
+        from .act_scale import MODES
+        if self.act_scale not in MODES:
+            raise QwcError(f"--act-scale {self.act_scale!r} is not one of {', '.join(MODES)}")
+        if (self.act_scale == "auto") != (self.act_scale_calibration is not None):
+            raise QwcError("--act-scale auto measures each linear on calibration text: it needs token ids "
+                           "(and only it takes them)")
         if self.untie_lm_head and not self.fold_norm_gains:
             raise QwcError("--untie-lm-head only changes anything with --fold-norm-gains (it lets the final norm's gain fold)")
 

@@ -13,6 +13,7 @@ from qwc import progress
 from qwc.errors import QwcError
 
 from . import (
+    act_scale,
     awq,
     canonicalize,
     fold_norm_scales,
@@ -40,6 +41,7 @@ PASSES = [
     ("quantize linears", quantize_linears.run),
     ("quantize linears in a K-quant mix", quantize_kquants.run),   # only with --format q4_k_m
     ("clean up", canonicalize.run),
+    ("activation formats", act_scale.run),   # --act-scale row / auto: metadata compile reads
 ]
 
 # models/stream_export.py marks its graphs so: they hold the fused ops already but are float,

@@ -78,8 +78,15 @@ def calibration_windows(model: onnx.ModelProto, tensors: list[str], ids: np.ndar
     passes/awq.py and passes/gptq.py)."""
     from qwc import progress
 
+    from .graph import tensor_array
+
     m = onnx.ModelProto()
     m.CopyFrom(model)
+    # onnxruntime reads external data only by paths relative to a model file; a lazily
+    # loaded graph's (absolute) are read into the copy
+    for t in m.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            t.CopyFrom(onnx.numpy_helper.from_array(tensor_array(t), t.name))
     known = {o.name for o in m.graph.output}
     m.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
                           for t in tensors if t not in known)

@@ -321,8 +321,10 @@ def _cmd_optimize(args: argparse.Namespace) -> None:
     opts.awq_calibration = () if args.awq else None
     opts.gptq_calibration = () if args.gptq else None
     opts.imatrix_calibration = () if args.imatrix == "calib" else None
+    opts.act_scale = args.act_scale
+    opts.act_scale_calibration = () if args.act_scale == "auto" else None
     opts.validate()
-    if args.awq or args.gptq or args.imatrix == "calib":
+    if args.awq or args.gptq or args.imatrix == "calib" or args.act_scale == "auto":
         from qwc.config import tokenizer_for_graph
         from qwc.eval.data import calibration_ids
 
@@ -330,6 +332,7 @@ def _cmd_optimize(args: argparse.Namespace) -> None:
         opts.awq_calibration = ids if args.awq else None
         opts.gptq_calibration = ids if args.gptq else None
         opts.imatrix_calibration = ids if args.imatrix == "calib" else None
+        opts.act_scale_calibration = ids if args.act_scale == "auto" else None
     t0 = time.perf_counter()
     r = optimize_file(args.model, args.output, opts, verify=args.verify, memory_check=not args.no_memory_check)
     print(f"{'op':34s} {'before':>7s} {'after':>7s}")
@@ -698,7 +701,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--imatrix", metavar="FILE|calib",
                    help="with a K mix (--format q4_k_m, ...): weigh the search by an importance matrix, llama-imatrix's file "
                         "(GGUF or .dat) or 'calib' to compute one on the --calib text")
-    _calibration_options(o, " for --awq, --gptq and --imatrix calib", 4096)
+    o.add_argument("--act-scale", default="block", choices=("block", "row", "auto"),
+                   help="int8 activations of the prefill GEMMs on targets whose GEMM has both forms (arm-yitian): "
+                        "block (a scale per 32, llama.cpp's Q8_0; the default), row (a scale and zero point per "
+                        "token for every Q4_0 / Q8_0 linear: fewer instructions, less accurate), auto (row where "
+                        "a linear's error on the --calib text stays within 0.01 of block's; recommended for "
+                        "arm-yitian)")
+    _calibration_options(o, " for --awq, --gptq, --imatrix calib and --act-scale auto", 4096)
     o.add_argument("--untie-lm-head", action="store_true",
                    help="with --fold-norm-gains: give the lm_head its own weight so the final norm's gain folds into it")
     o.add_argument("--verify", action="store_true",

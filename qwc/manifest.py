@@ -284,6 +284,9 @@ class Quantization:
     scheme: str = "q4_0"
     weight_layout: dict[str, int] = field(default_factory=dict)    # repacked layout -> tensors in it
     tuned_kernels: dict[str, dict] = field(default_factory=dict)   # kernel -> the knobs `qwc tune` chose
+    # linears whose prefill takes int8 activations with a scale and zero point a token (the
+    # others: a scale a block of 32; compiler/row_activations.py)
+    row_activations: int = 0
 
     @classmethod
     def from_dict(cls, q, bad) -> Quantization:
@@ -305,8 +308,11 @@ class Quantization:
             bad("quantization.weight_layout must map layouts to tensor counts")
         if not isinstance(tuned, dict) or not all(isinstance(v, dict) for v in tuned.values()):
             bad("quantization.tuned_kernels must map kernels to their knobs")
+        rows = q.get("row_activations", 0)
+        if not is_int(rows):
+            bad(f"quantization.row_activations {rows!r} must be a count")
         return cls(tuple(LinearFormat(d["bits"], d["block"], d["format"], d["count"]) for d in linears),
-                   q["activation_bits"], emb, q.get("scheme", "q4_0"), dict(layout), dict(tuned))
+                   q["activation_bits"], emb, q.get("scheme", "q4_0"), dict(layout), dict(tuned), rows)
 
     def to_dict(self) -> dict:
         out = {"scheme": self.scheme, "linears": [{"bits": f.bits, "block": f.block, "format": f.format,
@@ -316,6 +322,8 @@ class Quantization:
             out["weight_layout"] = self.weight_layout
         if self.tuned_kernels:
             out["tuned_kernels"] = self.tuned_kernels
+        if self.row_activations:
+            out["row_activations"] = self.row_activations
         return out
 
 

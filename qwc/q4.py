@@ -97,6 +97,43 @@ def _q8_0_rows(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     return q, d.astype(np.float16).astype(np.float32)
 
 
+def _round_away(v: np.ndarray) -> np.ndarray:
+    """roundf (halves away from zero), exactly in float32: the fraction |v| - floor(|v|) is exact."""
+    a = np.abs(v)
+    r = np.floor(a)
+    return np.copysign(r + (a - r >= np.float32(0.5)), v).astype(np.float32)
+
+
+def quantize_rows_asym(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-token int8 activations with a zero point (KleidiAI's qai8dx; the ARM "arm_rows"
+    quantizer, compiler/kernels/act_quant.py, in the same float32 steps): x [M, K] ->
+    (q int8 [M, K], s [M], zp [M]) with x ~ s (q - zp); the row's range widened to hold 0,
+    which is then exact."""
+    x = np.asarray(x, np.float32)
+    lo = np.minimum(x.min(-1), np.float32(0))
+    hi = np.maximum(x.max(-1), np.float32(0))
+    span = (hi - lo).astype(np.float32)
+    s = np.where(span > 0, span / np.float32(255), np.float32(1)).astype(np.float32)
+    zp = (_round_away((np.float32(0) - lo / s).astype(np.float32)) - np.float32(128)).astype(np.float32)
+    q = np.clip(_round_away((x / s[:, None]).astype(np.float32)) + zp[:, None], -128, 127)
+    return q.astype(np.int8), s, zp
+
+
+def fake_quantize_rows_asym(x: np.ndarray) -> np.ndarray:
+    """x through quantize_rows_asym and back."""
+    q, s, zp = quantize_rows_asym(x)
+    return ((q.astype(np.float32) - zp[:, None]) * s[:, None]).astype(np.float32)
+
+
+def fake_quantize_q8_0_activations(x: np.ndarray) -> np.ndarray:
+    """x [M, K] (K a multiple of 32) through the W4A8 kernels' Q8_0 blocks (float32 scales) and back."""
+    x = np.asarray(x, np.float32)
+    b = x.reshape(x.shape[0], -1, 32)
+    d = (np.abs(b).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    q = _round_away((b / np.where(d > 0, d, np.float32(1))).astype(np.float32))
+    return (q * d).reshape(x.shape).astype(np.float32)
+
+
 def dequantize_q8_0(q: np.ndarray, d: np.ndarray, k: int | None = None) -> np.ndarray:
     w = (q.astype(np.float32) * d[..., None]).reshape(q.shape[0], -1)
     return w if k is None else w[:, :k]

@@ -47,16 +47,21 @@ def kernel_module(dot: str):
 
 
 def w4a8_gemm(dot: str, n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
-              batched_decode: bool = False, offsets: bool = False, bias: bool = False, amx: bool = False):
+              batched_decode: bool = False, offsets: bool = False, bias: bool = False, amx: bool = False,
+              per_row: bool = False):
     """The W4A8 prefill GEMM `dot` for N rows, nb blocks of K; `tokens`: its tile width (None:
     the module's DEFAULT_TOKENS); `m`: a fixed token count; `batched_decode`: the form for one
     token of each of B sequences, where it has one (vnni, avx2); `offsets`: with Q4_1's block
     offsets (an argument after the scales); `bias`: adding a bias [N] (the argument after
     those) as it stores, where `prefill_bias(dot)`; `amx`: its whole 16-token tiles on AMX
-    (x86 only: targets.IntDots.amx)."""
+    (x86 only: targets.IntDots.amx); `per_row`: activations with a scale and zero point a row,
+    the weight rows' sums an argument after the scales (targets.IntDots.row_layout names the
+    targets whose GEMM has the form)."""
     extra = {"bias": True} if bias else {}
     if amx:
         extra["amx"] = True
+    if per_row:
+        extra["per_row"] = True
     if bias and not prefill_bias(dot):
         raise ValueError(f"the {dot} prefill GEMM adds no bias")
     return kernel_module(dot).prefill_gemm(n, nb, scale_dtype, tokens=tokens, m=m, batched_decode=batched_decode,

@@ -5,6 +5,10 @@ Each block is stored de-interleaved — its 16 even elements, then its 16 odd on
 16-byte load of packed Q4_0 weights splits into low nibbles (even elements) and high nibbles
 (odd elements): the two halves line up with the two halves of the activation block.
 
+The "arm_rows" layout is the other activation format (design.md, "Two activation formats"):
+one scale and one zero point per row (token), KleidiAI's qai8dx, for the smmla GEMM that then
+multiplies each block by the weight scale only (kernels/arm/i8mm.py: q4_gemm, `per_row`).
+
 The quantizer can also take the MLP's gate and up projections and quantize silu(gate) * up
 (the down projection's input): SiLU·mul then costs neither a kernel of its own, nor a pass
 over 4864 floats a token, nor a libm exp per element (kernels/vector_math.py).
@@ -22,7 +26,7 @@ from .x86 import ROW_GROUP, SILU_STAGE
 BLOCK = 32
 HALF = BLOCK // 2
 LANES = 16   # fp32 lanes of the squares (rms_eps)
-LAYOUTS = ("plain", "arm", "arm_pairs")   # see fused_quantizer
+LAYOUTS = ("plain", "arm", "arm_pairs", "arm_rows")   # see fused_quantizer
 # The attribute that marks fused_quantizer's kernels, with what built them ("kind": "plain",
 # "silu_mul" or "rms"; "layout"; "zero_point"; "eps" of an RMSNorm), for the import-time fusion passes
 QUANTIZER = "qwc.act_quantizer"
@@ -93,6 +97,41 @@ def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int, flat=None):
         T.buffer_store(off, total * T.int32(zero_point), [at])
 
 
+def quantize_row_block(T, lo, hi, sv, zv, aq, off, flat, zero_point: int):
+    """Emit one block of a row in the per-row format from its elements 0..15 and 16..31 (two
+    float32x16): q = clamp(round(x / s) + zp, -128, 127) with the row's scale and zero point
+    broadcast (sv, zv: float32x16), the codes de-interleaved as quantize_block's, at the flat
+    places `flat` = (aq_at, scale_at) gives; the block's offset zero_point x sum(q) (the GEMM
+    starts its dots from it, as in the block format)."""
+    ev = _let(T, "ev", tirx.Shuffle([lo, hi], EVENS))
+    od = _let(T, "od", tirx.Shuffle([lo, hi], ODDS))
+    low, high = vector_math.const(T, -128.0, HALF), vector_math.const(T, 127.0, HALF)
+
+    def code(v):
+        r = T.call_llvm_pure_intrin(f"float32x{HALF}", f"llvm.round.v{HALF}f32", v / sv) + zv
+        return T.Cast(f"int32x{HALF}", T.min(T.max(r, low), high))
+
+    qe = _let(T, "qe", code(ev))
+    qo = _let(T, "qo", code(od))
+    total = T.call_llvm_pure_intrin("int32", f"llvm.vector.reduce.add.v{HALF}i32", qe + qo)
+    aq_at, scale_at = flat
+    for half, q in ((0, qe), (1, qo)):
+        for piece in range(2):
+            e = HALF * half + 8 * piece
+            T.buffer_store(aq, T.Cast("int8x8", tirx.Shuffle([q], list(range(8 * piece, 8 * piece + 8)))),
+                           [T.ramp(aq_at(e), 1, 8)])
+    for at in scale_at:
+        T.buffer_store(off, total * T.int32(zero_point), [at])
+
+
+def row_scale_and_zero_point(T, lo, hi):
+    """(s, zp) of a row whose values span [lo, hi] (lo <= 0 <= hi): s = (hi - lo) / 255 (1 for
+    a row of zeros), zp = round(-lo / s) - 128, so lo -> -128 and 0 is exact (x = s (q - zp))."""
+    span = hi - lo
+    s = T.Select(span > T.float32(0), span / T.float32(255), T.float32(1))
+    return s, T.call_llvm_pure_intrin("float32", "llvm.round.f32", T.float32(0) - lo / s) - T.float32(128)
+
+
 def quantizer_name(k: int, zero_point: int, one_row: bool, kind: str = "plain", layout: str = "plain") -> str:
     """The kernel name fused_quantizer's kernel goes by in a module (without the entry point's prefix)."""
     stem = {"plain": "", "silu_mul": "silu_", "rms": "rms_"}[kind]
@@ -117,7 +156,8 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     The offsets are int32: every W4A8 kernel starts its integer accumulators from them.
     `layout`: "plain" (x86), "arm" (the flat layout of the sdot kernels), "arm_pairs" (everything
     block-major and rows pair-interleaved for the i8mm GEMM: pair_index; scales and offsets
-    [M, NB, 2], each written twice: see flat).
+    [M, NB, 2], each written twice: see flat), "arm_rows" (the codes and offsets as in
+    "arm_pairs", with one scale and zero point a row: ad [M, 2] holds (s, s zp); prefill only).
 
     Whole blocks are 16-lane vectors (loaded contiguously, de-interleaved by a shuffle); a
     last partial block (K not a multiple of 32) runs one element at a time."""
@@ -127,6 +167,9 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         raise ValueError(f"unknown activation layout {layout!r}")
     if parts != 1 and (rms_eps is None or not one_row or layout == "plain" or k < 2 * BLOCK):
         raise ValueError("only an ARM decode RMSNorm quantizer sums parts")
+    row_scale = layout == "arm_rows"
+    if row_scale and (one_row or parts != 1 or k % BLOCK):
+        raise ValueError("the per-row layout is prefill's, on whole blocks")
     nb = (k + BLOCK - 1) // BLOCK
     full = k // BLOCK
     # One row over the threads by blocks, on the ARM targets (64-128-core servers), where a
@@ -142,8 +185,9 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     staged = silu_mul and layout == "plain"   # blocks: SILU_STAGE
     rms_tasks = -(-full // chunk) if split_rms else 0
     rows = T.int64()
-    copies = 2 if layout == "arm_pairs" else 1
-    scale_shape = (rows, nb, 2) if layout == "arm_pairs" else (rows, nb)
+    copies = 2 if layout in ("arm_pairs", "arm_rows") else 1
+    off_shape = (rows, nb, 2) if copies == 2 else (rows, nb)
+    scale_shape = (rows, 2) if row_scale else off_shape   # arm_rows: (s, s zp) a row
 
     def row(a, i, idx):
         """Row i of the input at columns idx: the sum of the parts, in order, with `parts`."""
@@ -173,6 +217,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             return None
         if layout == "arm":
             return (lambda e: (i * nb + b) * BLOCK + e), (i * nb + b,)
+        # arm_pairs and arm_rows: the codes and offsets in the same places
         first = b * rows * 2 + tirx.Select(i < rows - rows % 2, i - i % 2, i) * 2
         paired = i < rows - rows % 2
         return ((lambda e: pair_index(i, b, e, rows, rows - rows % 2)),
@@ -215,6 +260,32 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             off[flat(i, b)[1][0]] = T.Cast("int32", st[1]) * T.int32(zero_point)
             if copies == 2:
                 off[flat(i, b)[1][1]] = T.Cast("int32", st[1]) * T.int32(zero_point)
+
+    @T.macro
+    def row_asym(a, g, u, aq, ad, off, i, st):
+        """Row i in the per-row format: its values staged once in st[LANES:] (the norm or
+        silu(gate) * up evaluated once), their range in 16-lane running extremes (the first
+        16 of mm: minima, the next: maxima; both start at 0, so lo <= 0 <= hi), the scale s
+        and zero point zp, then the blocks. ad gets (s, s zp): the GEMM's epilogue."""
+        mm = T.decl_buffer((2 * LANES + 2,), "float32", scope="global")   # a stack slot: see inv_rms
+        mm[T.ramp(0, 1, 2 * LANES)] = T.broadcast(T.float32(0), 2 * LANES)
+        for c in range(k // LANES):
+            v = T.bind(x_at(a, g, u, i, T.ramp(c * LANES, 1, LANES), LANES))
+            st[T.ramp(LANES + c * LANES, 1, LANES)] = v
+            mm[T.ramp(0, 1, LANES)] = T.min(mm[T.ramp(0, 1, LANES)], v)
+            mm[T.ramp(LANES, 1, LANES)] = T.max(mm[T.ramp(LANES, 1, LANES)], v)
+        lo = T.bind(T.call_llvm_pure_intrin("float32", f"llvm.vector.reduce.fmin.v{LANES}f32", mm[T.ramp(0, 1, LANES)]))
+        hi = T.bind(T.call_llvm_pure_intrin("float32", f"llvm.vector.reduce.fmax.v{LANES}f32",
+                                            mm[T.ramp(LANES, 1, LANES)]))
+        sc, zp = row_scale_and_zero_point(T, lo, hi)
+        mm[2 * LANES] = sc
+        mm[2 * LANES + 1] = zp
+        ad[i * 2] = mm[2 * LANES]
+        ad[i * 2 + 1] = mm[2 * LANES] * mm[2 * LANES + 1]
+        for b in range(nb):
+            quantize_row_block(T, st[T.ramp(LANES + b * BLOCK, 1, HALF)], st[T.ramp(LANES + b * BLOCK + HALF, 1, HALF)],
+                               T.broadcast(mm[2 * LANES], HALF), T.broadcast(mm[2 * LANES + 1], HALF), aq, off,
+                               flat(i, b), zero_point)
 
     @T.macro
     def squares(a, inv, i):
@@ -320,7 +391,14 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     def rows_each(a, g, u, aq, ad, off, h):
         """A row a task (or serially, one_row)."""
         for i in T.serial(rows) if one_row else T.parallel(rows):
-            if split_rms:
+            if row_scale:   # decided when the kernel is built
+                st = T.decl_buffer((LANES + k,), "float32", scope="global")   # 1 / rms, the row's values
+                if rms_eps is not None:
+                    inv_rms(a, st, i, st)
+                    row_asym(a, g, st, aq, ad, off, i, st)
+                else:
+                    row_asym(a, g, u, aq, ad, off, i, st)
+            elif split_rms:
                 rms_blocks_parallel(a, g, aq, ad, off, i, h)
             elif rms_eps is not None:
                 inv = T.decl_buffer((LANES + k,), "float32", scope="global")   # 1 / rms, the squares
@@ -337,11 +415,12 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         aq3 = T.match_buffer(var_aq, (rows, nb, BLOCK), "int8")
         ad2 = T.match_buffer(var_ad, scale_shape, "float32")
-        off2 = T.match_buffer(var_off, scale_shape, "int32")
+        off2 = T.match_buffer(var_off, off_shape, "int32")
         with T.sblock("root"):   # relax's reshape-pattern analysis insists on one (single input)
             # the ARM layouts address the outputs flat (pair_index)
             aq = aq3 if layout == "plain" else T.decl_buffer((rows * nb * BLOCK,), "int8", data=aq3.data)
-            ad = ad2 if layout == "plain" else T.decl_buffer((rows * nb * copies,), "float32", data=ad2.data)
+            ad = ad2 if layout == "plain" else T.decl_buffer((rows * 2 if row_scale else rows * nb * copies,), "float32",
+                                                             data=ad2.data)
             off = off2 if layout == "plain" else T.decl_buffer((rows * nb * copies,), "int32", data=off2.data)
             if row_groups:   # decided when the kernel is built
                 for grp in T.parallel((rows + ROW_GROUP - 1) // ROW_GROUP):

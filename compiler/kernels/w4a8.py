@@ -56,7 +56,7 @@ def token_count(m: int | None):
 
 
 def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: bool = False, chunks: int = 4,
-                offsets: bool = False, bias: bool = False):
+                offsets: bool = False, bias: bool = False, row_sums: bool = False):
     """The PrimFunc of a W4A8 matmul whose root block is the macro `body(w, aq, off, ws, ad, y,
     wc)`. The offsets off are int32: they start the integer accumulators. `pair_scales`: ad and
     off are [M, NB, 2] (act_quant layout "arm_pairs"); `chunks`: the weights' 64-byte chunks a
@@ -64,9 +64,14 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
     float32 follow the scales (else wc is None), or Q4_K's super-block factors where the
     scales are its compact ones (kernels/q4_k_scales.py gives the shapes); `bias`: a bias [N]
     float32 follows those, and the body takes it last (`body(w, aq, off, ws, ad, y, wc, bias)`)
-    to add as it stores."""
+    to add as it stores; `row_sums`: the activations are per row (act_quant layout "arm_rows":
+    ad [M, 2] holds each row's scale and scale x zero point) and each weight row's sum of its
+    values rs [N] float32 follows the scales, which the body takes last in the place of a bias
+    (kernels/arm/i8mm.py)."""
     ng = groups(n)
     act = (rows_in, nb, 2) if pair_scales else (rows_in, nb)
+    if row_sums and (offsets or bias):
+        raise ValueError("the per-row GEMM takes neither block offsets nor a bias")
     ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(scale_dtype, ng, nb)
 
     @T.macro
@@ -74,7 +79,7 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
         """Every variant's body: its activation and output buffers, and the body in the root block."""
         T.func_attr({"tir.noalias": True, "op_pattern": 8})  # opaque: FuseOps leaves it whole
         aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
-        ad = T.match_buffer(var_ad, act, "float32")
+        ad = T.match_buffer(var_ad, (rows_in, 2) if row_sums else act, "float32")
         off = T.match_buffer(var_off, act, "int32")
         y = T.match_buffer(var_y, (rows_in, n), "float32")
         with T.sblock("root"):   # named, so a tuning trace can annotate it (compiler/tuning.py)
@@ -83,7 +88,16 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
             else:
                 body(w, aq, off, ws, ad, y, wc, bias)
 
-    # one variant a signature (a prim_func's arguments are fixed): offsets and bias, each or not
+    # one variant a signature (a prim_func's arguments are fixed): offsets and bias, each or
+    # not; or the row sums
+    if row_sums:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel_r(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,
+                     w: T.Buffer((ng, nb, chunks, 4 * ROWS), "uint8"), ws: T.Buffer(ws_shape, ws_dtype),
+                     rs: T.Buffer((n,), "float32"), var_y: T.handle):
+            root(var_aq, var_ad, var_off, var_y, w, ws, None, rs)
+        return kernel_r
+
     if not offsets and not bias:
         @T.prim_func(private=True, check_well_formed=False)   # the named root block (as in act_quant)
         def kernel(var_aq: T.handle, var_ad: T.handle, var_off: T.handle,

@@ -66,11 +66,15 @@ def _weights41(k, n, seed):
     return wp, d, c, deq + np.repeat(c, 32, axis=1)
 
 
-def _emit(bb, name, variant, k, n, m, wp, d, features=None, offsets=None):
-    """Function `name`(a, w, s[, c]) through one kernel variant for a target's `features` (the
-    host's by default); returns the weights in the layout it reads (compile-time repacking
+def _emit(bb, name, variant, k, n, m, wp, d, features=None, offsets=None, row_sums: bool = False):
+    """Function `name`(a, w, s[, c][, r]) through one kernel variant for a target's `features`
+    (the host's by default); returns the weights in the layout it reads (compile-time repacking
     gives the W4A8 kernels row groups; "arm8": the ARM W8A8 kernels' Q8_0 row groups), with
-    Q4_1's block `offsets` [N, nb] where given (W4A8 variants)."""
+    Q4_1's block `offsets` [N, nb] where given (W4A8 variants), and with `row_sums` the weight
+    rows' sums r (compiler/row_activations.py), which give prefill per-token activations."""
+    from qwc.compiler.row_activations import row_sums as sums_of
+
+    r = sums_of(wp, d, 8 if variant in ("arm8", "vnni8") else 4) if row_sums else None
     if variant in ("arm8", "vnni8"):
         wp, d = row_groups.pack_int8(wp, d, signed=variant == "arm8")
     if variant in ("vnni", "avx2", "arm"):
@@ -84,17 +88,22 @@ def _emit(bb, name, variant, k, n, m, wp, d, features=None, offsets=None):
         packed.append(row_groups.pack_offsets(offsets))
         cv = relax.Var("c", relax.TensorType(list(packed[-1].shape), "float32"))
         params.append(cv)
+    rv = None
+    if r is not None:
+        packed.append(r)
+        rv = relax.Var("r", relax.TensorType([n], "float32"))
+        params.append(rv)
     with bb.function(name, params):
         with bb.dataflow():
             if variant in ("arm8", "vnni8"):
                 isa = "arm" if variant == "arm8" else "x86"
                 features = features or get_target("x86-avx512").features
-                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, isa, features, bits=8)
+                out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, isa, features, bits=8, row_sums=rv)
             elif variant in ("f32", "vnni", "avx2", "arm"):
                 if features is None:   # an x86 dot: the features of the target that selects it
                     features = get_target(X86_DOTS[variant] if variant in X86_DOTS else "host").features
                 out = MatMulNBits.q4_0_matmul(bb, av, wv, sv, k, n, "x86" if variant in X86_DOTS else variant, features,
-                                              offsets=cv)
+                                              offsets=cv, row_sums=rv)
             else:
                 kern = generic.matmul_nbits if variant == "generic32" else generic.matmul_nbits_a8
                 out = bb.emit_te(kern, av, wv, sv, k=k, n=n, block=32, bits=4, primfunc_name_hint="mm")
@@ -329,6 +338,133 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
 
 
 ARM_GEMV_DOTS = {"q4_0": "sdot", "q8_0": "sdot8", "q4_1": "sdot"}   # the decode GEMV for each format
+
+
+@pytest.mark.slow
+@pytest.mark.arm
+def test_arm_per_row_gemm_under_qemu(tmp_path):
+    """arm-yitian's prefill GEMM on per-token activations (a scale and zero point a row,
+    act_quant layout "arm_rows"), Q4_0 and Q8_0 codes, every smmla tile (ARM_M), against numpy
+    on the same int8 codes (qwc.q4.quantize_rows_asym: the quantizer's float32 steps), with 1,
+    3, 8 and 64 threads to the bit. The reference's only difference is the order of float sums;
+    the tolerance 1e-4 of the output's range covers the zero point's cancellation (y = s acc -
+    s zp R). A row of zeros, a row of one sign and a row with one outlier are among the tokens;
+    decode (M = 1) and a K off whole blocks keep their blocks."""
+    import subprocess
+
+    import emulation
+    import tvm
+
+    from qwc.q4 import quantize_rows_asym
+
+    env = emulation.arm64_env()
+    t = get_target("arm-yitian")
+    bb, inputs, refs = relax.BlockBuilder(), {}, {}
+    for prefix, fmt, shapes in (("r4", "q4_0", [(96, 24), (160, 6), (96, 136), (896, 40)]), ("r8", "q8_0", Q8_SHAPES)):
+        for k, n in shapes:
+            for m in ARM_M:
+                name = f"{prefix}_{k}_{n}_{m}"
+                codes, d, _, deq = _format_weights(fmt, k, n, k + n)
+                a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+                if m > 3:
+                    a[1] = 0                  # a row of zeros: scale 1, zero point -128
+                    a[2] = np.abs(a[2])       # one sign: lo = 0
+                    a[3, 5] = 40.0            # an outlier
+                for i, x in enumerate((a, *_emit(bb, name, "arm8" if fmt == "q8_0" else "arm", k, n, m, codes, d,
+                                                 t.features, row_sums=True))):
+                    inputs[f"{name}/{i}"] = x
+                if m == 1 or k % 32:   # decode, and K off whole blocks (100): blocks, as the other tests
+                    refs[name] = _a8_reference(a, deq, d, k), 2e-3
+                else:
+                    q, sc, zp = quantize_rows_asym(a)
+                    refs[name] = ((q.astype(np.float64) - zp[:, None]) * sc[:, None]) @ deq.T.astype(np.float64), 1e-4
+    codes = {}
+    for kind in ("plain", "rms", "silu_mul"):   # the quantizers the fusions give the GEMM
+        arrays, ref = _row_quantizer_case(bb, f"quant_{kind}", kind, 96, 7)
+        for out in range(3):
+            inputs.update({f"quant_{kind}_{out}/{i}": x for i, x in enumerate(arrays)})
+        codes[kind] = ref
+    lib = tmp_path / "kernels.so"
+    build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
+    asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(lib)], capture_output=True, text=True).stdout
+    assert re.search(r"q4_gemm_smmla_rows", asm) and re.search(r"q8_gemm_smmla8_rows", asm)
+    np.savez(tmp_path / "in.npz", **inputs)
+    outs = []
+    for threads in (1, 3, 8, 64):
+        out = tmp_path / f"out{threads}.npz"
+        cmd = emulation.python_command(env, emulation.HERE / "run_module.py", lib, tmp_path / "in.npz", out)
+        r = subprocess.run(cmd, env=dict(env, TVM_NUM_THREADS=str(threads)), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(np.load(out))
+    for name, (ref, tol) in refs.items():
+        np.testing.assert_allclose(outs[0][name], ref, rtol=0, atol=tol * np.abs(ref).max(), err_msg=name)
+        for other in outs[1:]:
+            assert np.array_equal(other[name], outs[0][name]), name
+    # the quantizers: plain to the bit; the fused ones' inputs (the norm, silu) round
+    # differently in numpy, so their scales to 1e-6 and their codes to one step
+    for kind, (q, sc, zp) in codes.items():
+        got_q, got_s, got_off = (outs[0][f"quant_{kind}_{i}"] for i in range(3))
+        np.testing.assert_allclose(got_s, np.stack([sc, sc * zp], -1), rtol=1e-6 if kind != "plain" else 0,
+                                   err_msg=kind)
+        # codes and offsets: the pair layout read back (rows 2p, 2p + 1 alternate 8-byte pieces)
+        flat, m = got_q.reshape(-1), q.shape[0]
+        back = np.stack([[flat[[_pair_place(i, b, e, m) for e in range(32)]] for b in range(3)] for i in range(m)])
+        deinterleaved = np.concatenate([q.reshape(m, 3, 32)[..., 0::2], q.reshape(m, 3, 32)[..., 1::2]], -1)
+        assert np.abs(back.astype(int) - deinterleaved).max() <= (0 if kind == "plain" else 1), kind
+        assert np.array_equal(_pair_offsets(got_off, m), -8 * back.astype(np.int32).sum(-1)), kind
+
+
+def _row_quantizer_case(bb, name, kind, k, m):
+    """Functions name_0, name_1, name_2 returning the per-row quantizer's codes, scales and
+    offsets (act_quant layout "arm_rows") of `kind` ("plain", "rms": RMSNorm(x) * gamma,
+    "silu_mul": silu(gate) * up) on random rows; returns their inputs and the numpy reference
+    (q, s, zp) of the values the kernel quantizes."""
+    from qwc.compiler.kernels import act_quant
+    from qwc.q4 import quantize_rows_asym
+
+    rng = np.random.default_rng(k + m)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[1] = 0
+    if kind == "plain":
+        arrays, values = [x], x
+    elif kind == "rms":
+        gamma = rng.standard_normal(k).astype(np.float32)
+        inv = np.float32(1) / np.sqrt((x * x).sum(-1, dtype=np.float32) / np.float32(k) + np.float32(1e-6))
+        arrays, values = [x, gamma], (x * inv[:, None]) * gamma
+    else:
+        up = rng.standard_normal((m, k)).astype(np.float32)
+        arrays, values = [x, up], x / (np.float32(1) + np.exp(-x)) * up
+    kernel = act_quant.fused_quantizer(k, -8, False, silu_mul=kind == "silu_mul",
+                                       rms_eps=1e-6 if kind == "rms" else None, layout="arm_rows")
+    gv = bb.add_func(kernel, f"{name}_kernel")
+    nb = k // 32
+    out_types = [relax.TensorType([m, nb, 32], "int8"), relax.TensorType([m, 2], "float32"),
+                 relax.TensorType([m, nb, 2], "int32")]
+    for out in range(3):
+        params = [relax.Var(f"x{i}", relax.TensorType(list(a.shape), "float32")) for i, a in enumerate(arrays)]
+        with bb.function(f"{name}_{out}", params):
+            with bb.dataflow():
+                parts = bb.emit(relax.call_tir(gv, params, out_types))
+                gv_out = bb.emit_output(bb.emit(relax.TupleGetItem(parts, out)))
+            bb.emit_func_output(gv_out)
+    return arrays, quantize_rows_asym(values)
+
+
+def _pair_place(i, b, e, m):
+    """Where act_quant.pair_index puts byte e of row i, block b (M rows), in numpy."""
+    paired = m - m % 2
+    if i < paired:
+        return b * m * 32 + (i - i % 2) * 32 + (e // 8) * 16 + (i % 2) * 8 + e % 8
+    return b * m * 32 + i * 32 + e
+
+
+def _pair_offsets(off, m):
+    """[M, NB] of the offsets the "arm_pairs" / "arm_rows" quantizer wrote ([NB, M, 2] flat,
+    block-major: a pair's [t0, t1, t0, t1], an odd last row's [x, x])."""
+    nb = off.shape[1]
+    flat = off.reshape(-1)
+    return np.array([[flat[b * m * 2 + (i - i % 2) * 2 + (i % 2 if i < m - m % 2 else 0)] for b in range(nb)]
+                     for i in range(m)])
 
 
 def _format_weights(fmt, k, n, seed):

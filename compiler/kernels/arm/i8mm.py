@@ -93,13 +93,17 @@ def _convert(T, pairs: int, v):
     return halved_float(T, v) if pairs <= FIXED_POINT_PAIRS else T.Cast("float32x4", v)
 
 
-def _pair_update(T, w, aqf, adf, offf, ws, wc, g, b, q, rp, at, pairs: int, bits: int = 4):
+def _pair_update(T, w, aqf, adf, offf, ws, wc, g, b, q, rp, at, pairs: int, bits: int = 4, per_row: bool = False):
     """float32x4: block b's contribution to row pair rp of slice q for the token pair whose
     block-b entries start at `at` (in token units: activations at 32 at, scales and offsets at
     2 at), in a tile of `pairs` pairs: the pair dot from its offsets (Q8_0: from 0), converted,
-    times [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1]."""
+    times [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1]; `per_row` (activations with a scale a
+    row): times the weight scales [d r0, d r0, d r1, d r1] only, the row scales applied once
+    as the tile stores."""
     init = T.broadcast(T.int32(0), 4) if bits == 8 else offf.vload([at * 2], "int32x4")
     dot = _pair_dot(T, w, aqf, init, g, b, q, rp, at * 32, bits)
+    if per_row:
+        return _convert(T, pairs, dot) * _row_scales(T, ws, wc, g, b, q, rp)
     return _convert(T, pairs, dot) * (_row_scales(T, ws, wc, g, b, q, rp) * adf.vload([at * 2], "float32x4"))
 
 
@@ -132,9 +136,9 @@ def _row_offsets(T, ws, wc, g, b, q, rp):
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
-                 batched_decode: bool = False, dot: str = "smmla", offsets: bool = False):
+                 batched_decode: bool = False, dot: str = "smmla", offsets: bool = False, per_row: bool = False):
     """The registry's prefill GEMM (kernels/w4a8.py): q4_gemm."""
-    return q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m, bits=dot_bits(dot), offsets=offsets)
+    return q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m, bits=dot_bits(dot), offsets=offsets, per_row=per_row)
 
 
 def decode_gemv(outputs, nb: int, scale_dtype: str = "float16", silu_mul: bool = False, quantize: int | None = None,
@@ -145,20 +149,37 @@ def decode_gemv(outputs, nb: int, scale_dtype: str = "float16", silu_mul: bool =
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None,
-            bits: int = 4, offsets: bool = False):
+            bits: int = 4, offsets: bool = False, per_row: bool = False):
     """y [M, N] (M >= 1, any, or `m` for tuning) from the pair-interleaved int8 activations
     (act_quant layout "arm_pairs") and the row-group weights (`bits` 4: Q4_0, 8: Q8_0;
-    `offsets`: with Q4_1's block offsets), in tiles of `tokens` (even)."""
+    `offsets`: with Q4_1's block offsets), in tiles of `tokens` (even).
+    `per_row`: activations with one scale and zero point a row (layout "arm_rows"; design.md,
+    "Two activation formats"). A block then costs the dots and one FMA by the weight scales;
+    the tile's stores apply y = s (sum over blocks) - s zp R, with R each weight row's sum of
+    its values (the kernel's last input, compiler/row_activations.py)."""
     from tvm.script import tirx as T
 
+    if per_row and offsets:
+        raise ValueError("the per-row GEMM takes no block offsets (Q4_1 / Q4_K need each block's activation sum)")
     ng = groups(n)
     ragged = n % ROWS != 0
     tile_pairs = max(1, (tokens or DEFAULT_TOKENS["smmla"]) // 2)   # the tile's unpacked weights serve them all
     rows_in = token_count(m)
 
+    def row_epilogue(T, v, adf, rs, t0, row):
+        """float32x4 v x [s t0, s t1, s t0, s t1] - [s zp t0, s zp t1, ...] x [R r, R r, R r', R r']
+        for the token pair from t0 (its (s, s zp) adjacent: one load) and rows (row, row + 1):
+        a vector multiply and multiply-subtract a row pair, once a tile."""
+        st = adf.vload([t0 * 2], "float32x4")
+        last = n - 1
+        r = tirx.Shuffle([T.broadcast(rs[T.min(row, last) if ragged else row], 2),
+                          T.broadcast(rs[T.min(row + 1, last) if ragged else row + 1], 2)], [0, 1, 2, 3])
+        return v * tirx.Shuffle([st], [0, 2, 0, 2]) - tirx.Shuffle([st], [1, 3, 1, 3]) * r
+
     @T.macro
-    def tile(w, aqf, adf, offf, ws, wc, y, g, q, first, pairs):
-        """Rows 16g+4q .. +3 of `pairs` token pairs from token `first` (even)."""
+    def tile(w, aqf, adf, offf, ws, wc, y, g, q, first, pairs, rs):
+        """Rows 16g+4q .. +3 of `pairs` token pairs from token `first` (even); rs: the weight
+        rows' sums (per_row), else None."""
         acc = T.decl_buffer((pairs * 8,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
         for p in T.unroll(pairs * 2):
             acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
@@ -168,9 +189,9 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                 # loop variable's `rp == 0` would not be).
                 if wc is None:   # decided when the kernel is built
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits)
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits, per_row)
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits)
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits, per_row)
                 elif pairs > FIXED_POINT_PAIRS:   # Q4_1 in the full-register 6-pair tile: no held value
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
                         T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) - (
@@ -186,13 +207,23 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
                         T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) - (
                         _row_offsets(T, ws, wc, g, b, q, 1) * sums)
+        if rs is not None:   # decided when the kernel is built: s (sum over blocks) - s zp R
+            for p in T.unroll(pairs):
+                for rp in T.unroll(2):
+                    acc[T.ramp(8 * p + 4 * rp, 1, 4)] = row_epilogue(
+                        T, acc[T.ramp(8 * p + 4 * rp, 1, 4)] * T.broadcast(
+                            T.float32(2 if pairs <= FIXED_POINT_PAIRS else 1), 4),
+                        adf, rs, first + 2 * p, g * ROWS + LANES * q + 2 * rp)
         for p in T.unroll(pairs):
             for rp in T.unroll(2):
                 for j in T.unroll(2):
                     for tt in T.unroll(2):
                         if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
-                            y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * rp + j] = acc[
-                                8 * p + 4 * rp + 2 * j + tt] * T.float32(2 if pairs <= FIXED_POINT_PAIRS else 1)
+                            if rs is None:   # decided when the kernel is built
+                                y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * rp + j] = acc[
+                                    8 * p + 4 * rp + 2 * j + tt] * T.float32(2 if pairs <= FIXED_POINT_PAIRS else 1)
+                            else:
+                                y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * rp + j] = acc[8 * p + 4 * rp + 2 * j + tt]
 
     def _single_dot(T, w, aqf, offf, g, b, q, rp, t):
         """The odd last token t (plain aq layout) against itself: B's halves both hold it."""
@@ -203,17 +234,23 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp, bits), piece)
         return acc
 
+    def token_scale(T, adf, b, t):
+        """float32x4 of the odd last token's block-b scale (per_row: 1, the row's at the store)."""
+        if per_row:
+            return T.broadcast(T.float32(1), 4)
+        return T.broadcast(adf[(b * rows_in + t) * 2], 4)
+
     @T.macro
-    def last_tile(w, aqf, adf, offf, ws, wc, y, g, q, t):
+    def last_tile(w, aqf, adf, offf, ws, wc, y, g, q, t, rs):
         """The odd last token: lanes [r0 t, r0 t, r1 t, r1 t], stored once."""
         acc = T.decl_buffer((8,), "float32", scope="global")
         for p in T.unroll(2):
             acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
         for b in range(nb):
             acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + halved_float(T, _single_dot(
-                T, w, aqf, offf, g, b, q, 0, t)) * (_row_scales(T, ws, wc, g, b, q, 0) * T.broadcast(adf[(b * rows_in + t) * 2], 4))
+                T, w, aqf, offf, g, b, q, 0, t)) * (_row_scales(T, ws, wc, g, b, q, 0) * token_scale(T, adf, b, t))
             acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + halved_float(T, _single_dot(
-                T, w, aqf, offf, g, b, q, 1, t)) * (_row_scales(T, ws, wc, g, b, q, 1) * T.broadcast(adf[(b * rows_in + t) * 2], 4))
+                T, w, aqf, offf, g, b, q, 1, t)) * (_row_scales(T, ws, wc, g, b, q, 1) * token_scale(T, adf, b, t))
             if wc is not None:   # Q4_1's block offsets times the token's block sum (halved)
                 acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] - _row_offsets(T, ws, wc, g, b, q, 0) * T.broadcast(
                     negated_block_sums(T, adf[(b * rows_in + t) * 2], offf[(b * rows_in + t) * 2], halved=True), 4)
@@ -222,7 +259,11 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         for rp in T.unroll(2):
             for j in T.unroll(2):
                 if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
-                    y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2)
+                    if rs is None:   # decided when the kernel is built
+                        y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2)
+                    else:
+                        y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2) * adf[
+                            t * 2] - adf[t * 2 + 1] * rs[g * ROWS + LANES * q + 2 * rp + j]
 
     def merge_last(m):
         """Whether a lone leftover pair joins the last whole tile's pairs (a PrimExpr of M)."""
@@ -231,9 +272,9 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         return tirx.And(m // 2 % tile_pairs == 1, m // 2 > tile_pairs)
 
     @T.macro
-    def body(w, aq, off, ws, ad, y, wc):
+    def body(w, aq, off, ws, ad, y, wc, rs):
         aqf = T.decl_buffer((rows_in * nb * 32,), "int8", data=aq.data)
-        adf = T.decl_buffer((rows_in * nb * 2,), "float32", data=ad.data)
+        adf = T.decl_buffer((rows_in * 2 if per_row else rows_in * nb * 2,), "float32", data=ad.data)
         offf = T.decl_buffer((rows_in * nb * 2,), "int32", data=off.data)
         # One leftover pair after whole tiles of 5 is taken with the last of them as tiles of 4
         # and 2 pairs: fewer instructions than a 5-pair tile and a 1-pair one (whose
@@ -251,21 +292,28 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         # out at each use: let-bound, they cost LLVM two registers and spills in the tile loop.
         for gq in T.parallel(ng * SLICES):
             for it in range(whole):
-                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs)
+                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs, rs)
             # the pairs left over (fewer than a tile's, or 6 where a lone pair joined the last
             # tile's): tiles of 4, 2 and 1 pairs
             p4 = T.bind(rows_in // 2 - left)
             if tile_pairs > 4:
                 if left >= 4:
-                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4)
+                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4, rs)
             p2 = T.bind(p4 + left // 4 * 4)
             if tile_pairs > 2:
                 if left % 4 >= 2:
-                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2)
+                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2, rs)
             if left % 2 == 1:
-                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + left % 4 // 2 * 2), 1)
+                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + left % 4 // 2 * 2), 1, rs)
             if rows_in % 2 == 1:
-                last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1)
+                last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1, rs)
 
-    return gemm_kernel(n, nb, scale_dtype, rows_in, body, pair_scales=True,
+    if per_row:
+        return gemm_kernel(n, nb, scale_dtype, rows_in, body, pair_scales=True, chunks=chunks(bits), row_sums=True)
+
+    @T.macro
+    def block_body(w, aq, off, ws, ad, y, wc):
+        body(w, aq, off, ws, ad, y, wc, None)
+
+    return gemm_kernel(n, nb, scale_dtype, rows_in, block_body, pair_scales=True,
                        chunks=chunks(bits), offsets=offsets)
