@@ -1,5 +1,6 @@
-"""The environment for running qwc's runtime under qemu-aarch64, shared by tests/arm/test_arm.py
-and bench/arm_icount.py: prepares it with setup.sh if missing, and reads its env.sh."""
+"""The environment for running qwc's runtime under qemu-aarch64, shared by tests/arm/test_arm.py,
+the kernel tests and bench/arm_icount.py: prepares it with setup.sh if missing, and reads its
+env.sh."""
 
 from __future__ import annotations
 
@@ -40,6 +41,26 @@ def python_command(env: dict, script, *args, plugin: str | None = None) -> list[
     if plugin:
         qemu = [qemu[0], "-plugin", plugin, *qemu[1:]]
     return qemu + [str(script), *map(str, args)]
+
+
+def run_library(env: dict, lib, inputs: dict, workdir, threads=(1,), timeout: int = 600) -> list:
+    """Every function of a cross-compiled Relax library on `inputs` ("<function>/<i>": argument
+    i; run_module.py), once for each thread count: the outputs of each run ({function: array}).
+    Raises with the run's stderr if one fails or runs other than every function on aarch64."""
+    import numpy as np
+
+    workdir = Path(workdir)
+    np.savez(workdir / "in.npz", **inputs)
+    functions = len({k.split("/")[0] for k in inputs})
+    outs = []
+    for t in threads:
+        out = workdir / f"out{t}.npz"
+        r = subprocess.run(python_command(env, HERE / "run_module.py", lib, workdir / "in.npz", out),
+                           env=dict(env, TVM_NUM_THREADS=str(t)), capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0 or r.stdout.split() != ["aarch64", str(functions)]:
+            raise RuntimeError(f"run_module.py at {t} threads: {r.stdout.strip()} {r.stderr[-2000:]}")
+        outs.append(np.load(out))
+    return outs
 
 
 def engine_command(env: dict, artifact, out, steps_json: str, plugin: str | None = None) -> list[str]:

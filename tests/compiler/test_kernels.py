@@ -322,15 +322,7 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
     asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(lib)], capture_output=True, text=True).stdout
     assert bool(re.search(r"\ssmmla\s", asm)) == ("i8mm" in t.features) and re.search(r"\ssdot\s", asm)
-    np.savez(tmp_path / "in.npz", **inputs)
-    outs = []
-    for threads in (1, 2, 4, 8):
-        out = tmp_path / f"out{threads}.npz"
-        cmd = emulation.python_command(env, emulation.HERE / "run_module.py", lib, tmp_path / "in.npz", out)
-        r = subprocess.run(cmd, env=dict(env, TVM_NUM_THREADS=str(threads)), capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert r.stdout.split() == ["aarch64", str(len(refs))]
-        outs.append(np.load(out))
+    outs = emulation.run_library(env, lib, inputs, tmp_path, threads=(1, 2, 4, 8))
     for name, ref in refs.items():
         np.testing.assert_allclose(outs[0][name], ref, rtol=0, atol=2e-3 * np.abs(ref).max(), err_msg=name)
         for other in outs[1:]:
@@ -388,14 +380,7 @@ def test_arm_per_row_gemm_under_qemu(tmp_path):
     build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
     asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(lib)], capture_output=True, text=True).stdout
     assert re.search(r"q4_gemm_smmla_rows", asm) and re.search(r"q8_gemm_smmla8_rows", asm)
-    np.savez(tmp_path / "in.npz", **inputs)
-    outs = []
-    for threads in (1, 3, 8, 64):
-        out = tmp_path / f"out{threads}.npz"
-        cmd = emulation.python_command(env, emulation.HERE / "run_module.py", lib, tmp_path / "in.npz", out)
-        r = subprocess.run(cmd, env=dict(env, TVM_NUM_THREADS=str(threads)), capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stderr[-2000:]
-        outs.append(np.load(out))
+    outs = emulation.run_library(env, lib, inputs, tmp_path, threads=(1, 3, 8, 64), timeout=900)
     for name, (ref, tol) in refs.items():
         np.testing.assert_allclose(outs[0][name], ref, rtol=0, atol=tol * np.abs(ref).max(), err_msg=name)
         for other in outs[1:]:

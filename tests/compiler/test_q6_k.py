@@ -115,7 +115,6 @@ def test_q6_k_arm_kernel_computes_llama_cpps_w6a8(tmp_path):
     """The sdot form (signed codes, no chain starts) cross-compiled for arm-yitian and run under
     qemu-aarch64, on the x86 test's cases at 1, 3, 9 and 17 tokens, 1 and 4 threads (the same
     bits: a task owns its rows)."""
-    import subprocess
 
     import emulation
     import tvm
@@ -131,14 +130,7 @@ def test_q6_k_arm_kernel_computes_llama_cpps_w6a8(tmp_path):
             refs[name] = (ref, scale)
     lib = tmp_path / "q6_k.so"
     build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
-    np.savez(tmp_path / "in.npz", **inputs)
-    env, outs = emulation.arm64_env(), []
-    for threads in (1, 4):
-        out = tmp_path / f"out{threads}.npz"
-        cmd = emulation.python_command(env, emulation.HERE / "run_module.py", lib, tmp_path / "in.npz", out)
-        r = subprocess.run(cmd, env=dict(env, TVM_NUM_THREADS=str(threads)), capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-        outs.append(np.load(out))
+    outs = emulation.run_library(emulation.arm64_env(), lib, inputs, tmp_path, threads=(1, 4))
     for name, (ref, scale) in refs.items():
         got = outs[0][name]
         assert (np.abs(got - ref) <= 1e-6 * scale + 1e-6).all(), (name, np.abs(got - ref).max())
