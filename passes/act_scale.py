@@ -108,7 +108,7 @@ def run(model: onnx.ModelProto, options) -> onnx.ModelProto:
         model.metadata_props.extend(kept)
         return model
     nodes = candidates(model)
-    if mode == "row":
+    if mode == "row" or not nodes:   # (no candidate: nothing to calibrate)
         rows = {n.input[1] for n in nodes}
     else:
         rows = choose(nodes, errors(model, nodes, options.act_scale_calibration, options))
