@@ -228,10 +228,14 @@ class MatMulNBits(F.OnnxOpConverter):
         # GEMM reads token pairs interleaved (act_quant.fused_quantizer).
         layout = w4a8.decode_layout if one_token else w4a8.prefill_layout
         has_c = offsets is not None   # Q4_1's block offsets, in row groups (repack.py)
-        # per-token activations: prefill only (decode is one token: the GEMV's blocks cost
-        # nothing more), on the targets with the form, for Q4_0 / Q8_0 codes without offsets
+        # per-token activations: the prefill and score entry points only, on the targets with
+        # the form, for Q4_0 / Q8_0 codes without offsets. Every decode token keeps blocks
+        # (alone, batched, in a mixed step or verified), so its logits do not depend on how
+        # the server grouped it; a one-token GEMV's blocks cost it nothing to save.
+        ctx = _ctx()
         per_row = (row_sums is not None and not one_token and w4a8.row_layout is not None and not has_c
-                   and not zero_offset and bits in (4, 8) and k % act_quant.BLOCK == 0)
+                   and not zero_offset and bits in (4, 8) and k % act_quant.BLOCK == 0
+                   and not (ctx.batched or ctx.step or ctx.verify))
         if per_row:
             layout = w4a8.row_layout
         if has_c and len(offsets.ty.shape) != 3:
