@@ -27,7 +27,13 @@ import numpy as np
 import onnx
 
 from qwc import progress
-from qwc.q4 import fake_quantize_q8_0_activations, fake_quantize_rows_asym, unpack_nibbles
+from qwc.q4 import (
+    dequantize_q4_0,
+    dequantize_q8_0,
+    fake_quantize_q8_0_activations,
+    fake_quantize_rows_asym,
+    unpack_nibbles,
+)
 
 from .graph import ROW_ACTIVATIONS_KEY, Graph, has_zero_points, matmul_nbits_dims, tensor_array
 
@@ -56,9 +62,10 @@ def dequantized(node: onnx.NodeProto, inits) -> np.ndarray:
     """The weight [N, K] float32 a Q4_0 / Q8_0 MatMulNBits computes with."""
     k, n, _, bits = matmul_nbits_dims(node)
     codes = tensor_array(inits[node.input[1]])
-    d = tensor_array(inits[node.input[2]]).astype(np.float32).reshape(n, -1, 1)
-    q = unpack_nibbles(codes).astype(np.float32) - 8 if bits == 4 else codes.astype(np.float32) - 128
-    return (q * d).reshape(n, -1)[:, :k]
+    d = tensor_array(inits[node.input[2]]).astype(np.float32).reshape(n, -1)
+    if bits == 4:
+        return dequantize_q4_0(unpack_nibbles(codes), d, k)
+    return dequantize_q8_0(codes.astype(np.int16) - 128, d, k)
 
 
 def relative_errors(x: np.ndarray, w: np.ndarray) -> tuple[float, float]:
