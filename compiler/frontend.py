@@ -271,7 +271,7 @@ def _quantized(bb, a2, k: int, nb: int, one_token: bool, layout: str):
 
     m = a2.ty.shape[0]
     offsets = [m, nb, 2] if layout in ("arm_pairs", "arm_rows") else [m, nb]
-    scales = [m, 2] if layout == "arm_rows" else offsets   # arm_rows: (s, s zp) a token
+    scales = [m, 2] if layout in act_quant.ROW_LAYOUTS else offsets   # (s, s zp) a token
     q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
           relax.TensorType(shape=scales, dtype="float32"), relax.TensorType(shape=offsets, dtype="int32")]
     quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token, layout=layout),

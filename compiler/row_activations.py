@@ -6,7 +6,7 @@ activations with one scale and one zero point a token instead of Q8_0 blocks
 (targets.IntDots.row_layout), each of those MatMulNBits is marked and given its one extra
 input: each weight row's sum of its values, R[n] = sum_b d_b sum_k q_bk. The GEMM computes
 sum_b d_b sum_k (a_k - zp) q_bk as sum_b d_b (sum_k a_k q_bk) - zp R[n], so the zero point
-costs one multiply-add a row at the store (kernels/arm/i8mm.py), not a term a block.
+costs one multiply-add a row at the store (kernels/arm/i8mm.py, kernels/arm/dotprod.py), not a term a block.
 
 Elsewhere (x86, arm-neon) the choice is left unused: the linears keep their blocks.
 """

@@ -171,7 +171,8 @@ class IntDots:
     # dots are one instruction, so what is left is scaling them (docs/results/x86-speed.md)
     amx: bool = False
     # the prefill GEMM's other activation format: one int8 scale and zero point a token
-    # (act_quant layout "arm_rows", design.md "Two activation formats"), for the linears
+    # (act_quant layout "arm_rows" for smmla, "arm_rows_flat" for sdot; design.md "Two activation
+    # formats"), for the linears
     # `qwc optimize --act-scale` chose (compiler/row_activations.py); None: blocks everywhere
     row_layout: str | None = None
 
@@ -207,7 +208,8 @@ _VNNI_AMX = replace(_VNNI, amx=True)
 # The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
 # (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
 _AVX2 = IntDots("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8), q4_k_compact=True)
-_SDOT = IntDots("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8", "sdot")
+_SDOT = IntDots("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8", "sdot",
+                row_layout="arm_rows_flat")
 _SMMLA = IntDots("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12), "sdot8", "smmla8", "sdot",
                  row_layout="arm_rows")
 

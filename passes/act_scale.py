@@ -4,7 +4,7 @@ design.md, "Two activation formats").
 Every integer-dot linear quantizes its input to int8 first. In blocks of 32 (llama.cpp's
 Q8_0, the default) the GEMM multiplies each block's dot by the activation's block scale as
 well as the weight's; with one scale and one zero point a token (KleidiAI's qai8dx) that
-multiply and its load leave the block loop (kernels/arm/i8mm.py). Rows cost accuracy where a
+multiply and its load leave the block loop (kernels/arm/i8mm.py, dotprod.py). Rows cost accuracy where a
 token's values span a wide range (the MLP's down projection above all), so:
 
 - `block`: every linear in blocks (nothing recorded);

@@ -702,11 +702,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a K mix (--format q4_k_m, ...): weigh the search by an importance matrix, llama-imatrix's file "
                         "(GGUF or .dat) or 'calib' to compute one on the --calib text")
     o.add_argument("--act-scale", default="block", choices=("block", "row", "auto"),
-                   help="int8 activations of the prefill GEMMs on targets whose GEMM has both forms (arm-yitian): "
+                   help="int8 activations of the prefill GEMMs on targets whose GEMM has both forms (arm-yitian, arm-neon): "
                         "block (a scale per 32, llama.cpp's Q8_0; the default), row (a scale and zero point per "
                         "token for every Q4_0 / Q8_0 linear: fewer instructions, less accurate), auto (row where "
                         "a linear's error on the --calib text stays within 0.01 of block's; recommended for "
-                        "arm-yitian)")
+                        "ARM targets)")
     _calibration_options(o, " for --awq, --gptq, --imatrix calib and --act-scale auto", 4096)
     o.add_argument("--untie-lm-head", action="store_true",
                    help="with --fold-norm-gains: give the lm_head its own weight so the final norm's gain folds into it")

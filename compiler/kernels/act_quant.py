@@ -5,9 +5,10 @@ Each block is stored de-interleaved — its 16 even elements, then its 16 odd on
 16-byte load of packed Q4_0 weights splits into low nibbles (even elements) and high nibbles
 (odd elements): the two halves line up with the two halves of the activation block.
 
-The "arm_rows" layout is the other activation format (design.md, "Two activation formats"):
-one scale and one zero point per row (token), KleidiAI's qai8dx, for the smmla GEMM that then
-multiplies each block by the weight scale only (kernels/arm/i8mm.py: q4_gemm, `per_row`).
+The "arm_rows" and "arm_rows_flat" layouts are the other activation format (design.md, "Two
+activation formats"): one scale and one zero point per row (token), KleidiAI's qai8dx, for the
+ARM GEMMs that then multiply each block by the weight scale only (kernels/arm/i8mm.py: q4_gemm
+and kernels/arm/dotprod.py: q4_dot, `per_row`).
 
 The quantizer can also take the MLP's gate and up projections and quantize silu(gate) * up
 (the down projection's input): SiLU·mul then costs neither a kernel of its own, nor a pass
@@ -26,7 +27,8 @@ from .x86 import ROW_GROUP, SILU_STAGE
 BLOCK = 32
 HALF = BLOCK // 2
 LANES = 16   # fp32 lanes of the squares (rms_eps)
-LAYOUTS = ("plain", "arm", "arm_pairs", "arm_rows")   # see fused_quantizer
+LAYOUTS = ("plain", "arm", "arm_pairs", "arm_rows", "arm_rows_flat")   # see fused_quantizer
+ROW_LAYOUTS = ("arm_rows", "arm_rows_flat")   # a scale and zero point a row: ad [M, 2]
 # The attribute that marks fused_quantizer's kernels, with what built them ("kind": "plain",
 # "silu_mul" or "rms"; "layout"; "zero_point"; "eps" of an RMSNorm), for the import-time fusion passes
 QUANTIZER = "qwc.act_quantizer"
@@ -157,7 +159,8 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     `layout`: "plain" (x86), "arm" (the flat layout of the sdot kernels), "arm_pairs" (everything
     block-major and rows pair-interleaved for the i8mm GEMM: pair_index; scales and offsets
     [M, NB, 2], each written twice: see flat), "arm_rows" (the codes and offsets as in
-    "arm_pairs", with one scale and zero point a row: ad [M, 2] holds (s, s zp); prefill only).
+    "arm_pairs", with one scale and zero point a row: ad [M, 2] holds (s, s zp); prefill only),
+    "arm_rows_flat" (the same scales, the codes and offsets as in "arm": the sdot GEMM's).
 
     Whole blocks are 16-lane vectors (loaded contiguously, de-interleaved by a shuffle); a
     last partial block (K not a multiple of 32) runs one element at a time."""
@@ -167,7 +170,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         raise ValueError(f"unknown activation layout {layout!r}")
     if parts != 1 and (rms_eps is None or not one_row or layout == "plain" or k < 2 * BLOCK):
         raise ValueError("only an ARM decode RMSNorm quantizer sums parts")
-    row_scale = layout == "arm_rows"
+    row_scale = layout in ROW_LAYOUTS
     if row_scale and (one_row or parts != 1 or k % BLOCK):
         raise ValueError("the per-row layout is prefill's, on whole blocks")
     nb = (k + BLOCK - 1) // BLOCK
@@ -215,7 +218,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         what a smmla tile of two tokens multiplies and starts from."""
         if layout == "plain":
             return None
-        if layout == "arm":
+        if layout in ("arm", "arm_rows_flat"):
             return (lambda e: (i * nb + b) * BLOCK + e), (i * nb + b,)
         # arm_pairs and arm_rows: the codes and offsets in the same places
         first = b * rows * 2 + tirx.Select(i < rows - rows % 2, i - i % 2, i) * 2

@@ -64,10 +64,10 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
     float32 follow the scales (else wc is None), or Q4_K's super-block factors where the
     scales are its compact ones (kernels/q4_k_scales.py gives the shapes); `bias`: a bias [N]
     float32 follows those, and the body takes it last (`body(w, aq, off, ws, ad, y, wc, bias)`)
-    to add as it stores; `row_sums`: the activations are per row (act_quant layout "arm_rows":
-    ad [M, 2] holds each row's scale and scale x zero point) and each weight row's sum of its
+    to add as it stores; `row_sums`: the activations are per row (act_quant.ROW_LAYOUTS: ad
+    [M, 2] holds each row's scale and scale x zero point) and each weight row's sum of its
     values rs [N] float32 follows the scales, which the body takes last in the place of a bias
-    (kernels/arm/i8mm.py)."""
+    (kernels/arm/i8mm.py, kernels/arm/dotprod.py)."""
     ng = groups(n)
     act = (rows_in, nb, 2) if pair_scales else (rows_in, nb)
     if row_sums and (offsets or bias):

@@ -378,10 +378,15 @@ def test_icount_attribution_names_the_parallel_bodies_after_their_kernels(builds
         assert attr._name(start) == name
 
 
-def test_yitian_per_token_activations(arm64_env, builds, tiny_q4, tmp_path):
-    """`qwc optimize --act-scale row` then `qwc compile --target arm-yitian`: every Q4_0 linear's
-    prefill on the per-token GEMM (kernels/arm/i8mm.py, per_row) after the per-row quantizers
-    the fusions give the RMSNorm and silu(gate) * up. Under qemu: the same bits at 1, 3, 8 and
+# each ARM target's per-token prefill GEMM and quantizer layout (kernels/arm/i8mm.py, dotprod.py)
+ROW_GEMMS = {"arm-yitian": ("smmla", "arm_rows"), "arm-neon": ("sdot", "arm_rows_flat")}
+
+
+@pytest.mark.parametrize("target", sorted(ROW_GEMMS))
+def test_per_token_activations(arm64_env, builds, tiny_q4, tmp_path, target):
+    """`qwc optimize --act-scale row` then `qwc compile --target T`: every Q4_0 linear's
+    prefill on the per-token GEMM (kernels/arm/i8mm.py or dotprod.py, per_row) after the per-row
+    quantizers the fusions give the RMSNorm and silu(gate) * up. Under qemu: the same bits at 1, 3, 8 and
     64 threads, and every step's logits near the host's float-activation build (the kernels
     against numpy to 1e-4: tests/compiler/test_kernels.py). The tiny random model's int8
     activations move its logits by a few percent of their range: rows within 3x the block
@@ -392,17 +397,18 @@ def test_yitian_per_token_activations(arm64_env, builds, tiny_q4, tmp_path):
 
     graph, art = tmp_path / "rows.q4.onnx", tmp_path / "rows.qwc"
     assert main(["-q", "optimize", str(tiny_q4), "-o", str(graph), "--act-scale", "row"]) == 0
-    assert main(["-q", "compile", str(graph), "--target", "arm-yitian", "-o", str(art), "--max-batch", "2"]) == 0
+    assert main(["-q", "compile", str(graph), "--target", target, "-o", str(art), "--max-batch", "2"]) == 0
     quant = Manifest.from_dict(json.loads((art / "manifest.json").read_text())).quantization
     assert quant.row_activations == sum(f.count for f in quant.linears if f.format == "q4_0") - 1   # not the head
     asm = _disassemble(art)
-    assert re.search(r"<[^>]*q4_gemm_smmla_rows[^>]*>:", asm) and re.search(r"<[^>]*act_q8_rms_\d+_0_sum8_arm_rows", asm)
+    dot, layout = ROW_GEMMS[target]
+    assert re.search(rf"<[^>]*q4_gemm_{dot}_rows[^>]*>:", asm) and re.search(rf"<[^>]*act_q8_rms_\d+_0_sum8_{layout}", asm)
     # rows in the prefill and score entry points only: decode tokens keep blocks however batched
-    assert {m for m in re.findall(r"<__tvm_ffi_(\w+?)_q4_gemm_smmla_rows", asm)} == {"prefill", "score"}
-    assert re.search(r"<__tvm_ffi_step_q4_gemm_smmla_\d", asm)
+    assert {m for m in re.findall(rf"<__tvm_ffi_(\w+?)_q4_gemm_{dot}_rows", asm)} == {"prefill", "score"}
+    assert re.search(rf"<__tvm_ffi_step_q4_gemm_{dot}_\d", asm)
     runs = [_run_arm(arm64_env, art, tmp_path, threads) for threads in (1, 3, 8, 64)]
     assert all(np.array_equal(r, runs[0]) for r in runs[1:])
-    rows, blocks, float_acts = runs[0], _run_arm(arm64_env, builds["arm-yitian", 8], tmp_path), _host_logits(builds["host", 32])
+    rows, blocks, float_acts = runs[0], _run_arm(arm64_env, builds[target, 8], tmp_path), _host_logits(builds["host", 32])
     for r, b, f in zip(rows, blocks, float_acts):
         dist = {k: float(np.abs(v - f).max() / np.abs(f).max()) for k, v in (("rows", r), ("blocks", b))}
         assert dist["rows"] < max(3 * dist["blocks"], 0.01), dist

@@ -332,11 +332,18 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
 ARM_GEMV_DOTS = {"q4_0": "sdot", "q8_0": "sdot8", "q4_1": "sdot"}   # the decode GEMV for each format
 
 
+# the per-row prefill GEMM of each ARM target: (target, its GEMMs' name stems, the quantizer's layout)
+ARM_ROW_GEMMS = {"arm-yitian": (("q4_gemm_smmla_rows", "q8_gemm_smmla8_rows"), "arm_rows"),
+                 "arm-neon": (("q4_gemm_sdot_rows", "q8_gemm_sdot8_rows"), "arm_rows_flat")}
+
+
 @pytest.mark.slow
 @pytest.mark.arm
-def test_arm_per_row_gemm_under_qemu(tmp_path):
-    """arm-yitian's prefill GEMM on per-token activations (a scale and zero point a row,
-    act_quant layout "arm_rows"), Q4_0 and Q8_0 codes, every smmla tile (ARM_M), against numpy
+@pytest.mark.parametrize("target", sorted(ARM_ROW_GEMMS))
+def test_arm_per_row_gemm_under_qemu(tmp_path, target):
+    """Each ARM target's prefill GEMM on per-token activations (a scale and zero point a row,
+    act_quant layout "arm_rows" for smmla, "arm_rows_flat" for sdot), Q4_0 and Q8_0 codes,
+    every smmla tile and the sdot tiles' leftovers (ARM_M), against numpy
     on the same int8 codes (qwc.q4.quantize_rows_asym: the quantizer's float32 steps), with 1,
     3, 8 and 64 threads to the bit. The reference's only difference is the order of float sums;
     the tolerance 1e-4 of the output's range covers the zero point's cancellation (y = s acc -
@@ -350,7 +357,8 @@ def test_arm_per_row_gemm_under_qemu(tmp_path):
     from qwc.q4 import quantize_rows_asym
 
     env = emulation.arm64_env()
-    t = get_target("arm-yitian")
+    t = get_target(target)
+    gemms, layout = ARM_ROW_GEMMS[target]
     bb, inputs, refs = relax.BlockBuilder(), {}, {}
     for prefix, fmt, shapes in (("r4", "q4_0", [(96, 24), (160, 6), (96, 136), (896, 40)]), ("r8", "q8_0", Q8_SHAPES)):
         for k, n in shapes:
@@ -372,14 +380,14 @@ def test_arm_per_row_gemm_under_qemu(tmp_path):
                     refs[name] = ((q.astype(np.float64) - zp[:, None]) * sc[:, None]) @ deq.T.astype(np.float64), 1e-4
     codes = {}
     for kind in ("plain", "rms", "silu_mul"):   # the quantizers the fusions give the GEMM
-        arrays, ref = _row_quantizer_case(bb, f"quant_{kind}", kind, 96, 7)
+        arrays, ref = _row_quantizer_case(bb, f"quant_{kind}", kind, 96, 7, layout)
         for out in range(3):
             inputs.update({f"quant_{kind}_{out}/{i}": x for i, x in enumerate(arrays)})
         codes[kind] = ref
     lib = tmp_path / "kernels.so"
     build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
     asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(lib)], capture_output=True, text=True).stdout
-    assert re.search(r"q4_gemm_smmla_rows", asm) and re.search(r"q8_gemm_smmla8_rows", asm)
+    assert all(re.search(g, asm) for g in gemms), gemms
     outs = emulation.run_library(env, lib, inputs, tmp_path, threads=(1, 3, 8, 64), timeout=900)
     for name, (ref, tol) in refs.items():
         np.testing.assert_allclose(outs[0][name], ref, rtol=0, atol=tol * np.abs(ref).max(), err_msg=name)
@@ -391,17 +399,22 @@ def test_arm_per_row_gemm_under_qemu(tmp_path):
         got_q, got_s, got_off = (outs[0][f"quant_{kind}_{i}"] for i in range(3))
         np.testing.assert_allclose(got_s, np.stack([sc, sc * zp], -1), rtol=1e-6 if kind != "plain" else 0,
                                    err_msg=kind)
-        # codes and offsets: the pair layout read back (rows 2p, 2p + 1 alternate 8-byte pieces)
+        # codes and offsets read back: the pair layout (rows 2p, 2p + 1 alternate 8-byte
+        # pieces), or the flat one (a row's blocks in order)
         flat, m = got_q.reshape(-1), q.shape[0]
-        back = np.stack([[flat[[_pair_place(i, b, e, m) for e in range(32)]] for b in range(3)] for i in range(m)])
+        if layout == "arm_rows":
+            back = np.stack([[flat[[_pair_place(i, b, e, m) for e in range(32)]] for b in range(3)] for i in range(m)])
+            offsets = _pair_offsets(got_off, m)
+        else:
+            back, offsets = flat.reshape(m, 3, 32), got_off
         deinterleaved = np.concatenate([q.reshape(m, 3, 32)[..., 0::2], q.reshape(m, 3, 32)[..., 1::2]], -1)
         assert np.abs(back.astype(int) - deinterleaved).max() <= (0 if kind == "plain" else 1), kind
-        assert np.array_equal(_pair_offsets(got_off, m), -8 * back.astype(np.int32).sum(-1)), kind
+        assert np.array_equal(offsets, -8 * back.astype(np.int32).sum(-1)), kind
 
 
-def _row_quantizer_case(bb, name, kind, k, m):
+def _row_quantizer_case(bb, name, kind, k, m, layout="arm_rows"):
     """Functions name_0, name_1, name_2 returning the per-row quantizer's codes, scales and
-    offsets (act_quant layout "arm_rows") of `kind` ("plain", "rms": RMSNorm(x) * gamma,
+    offsets (act_quant `layout`, one of ROW_LAYOUTS) of `kind` ("plain", "rms": RMSNorm(x) * gamma,
     "silu_mul": silu(gate) * up) on random rows; returns their inputs and the numpy reference
     (q, s, zp) of the values the kernel quantizes."""
     from qwc.compiler.kernels import act_quant
@@ -420,11 +433,11 @@ def _row_quantizer_case(bb, name, kind, k, m):
         up = rng.standard_normal((m, k)).astype(np.float32)
         arrays, values = [x, up], x / (np.float32(1) + np.exp(-x)) * up
     kernel = act_quant.fused_quantizer(k, -8, False, silu_mul=kind == "silu_mul",
-                                       rms_eps=1e-6 if kind == "rms" else None, layout="arm_rows")
+                                       rms_eps=1e-6 if kind == "rms" else None, layout=layout)
     gv = bb.add_func(kernel, f"{name}_kernel")
     nb = k // 32
     out_types = [relax.TensorType([m, nb, 32], "int8"), relax.TensorType([m, 2], "float32"),
-                 relax.TensorType([m, nb, 2], "int32")]
+                 relax.TensorType([m, nb, 2] if layout == "arm_rows" else [m, nb], "int32")]
     for out in range(3):
         params = [relax.Var(f"x{i}", relax.TensorType(list(a.shape), "float32")) for i, a in enumerate(arrays)]
         with bb.function(f"{name}_{out}", params):

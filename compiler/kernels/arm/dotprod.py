@@ -22,6 +22,11 @@ the 32 vector registers otherwise.
 The same kernels take Q8_0 weights as W8A8 (dot "sdot8"): eight chunks a block of signed codes
 already in the activations' order (row_groups.pack_int8), so a block is 8 loads and 8 sdot a
 slice with nothing unpacked, started from 0 (the codes are signed: no offset).
+
+The prefill GEMM also takes per-token activations (`per_row`, act_quant layout
+"arm_rows_flat": design.md, "Two activation formats"), as arm/i8mm.py's does: a block's dots
+then take the rows' weight scales only, and the store applies the token's scale and zero point,
+y = s (sum over blocks) - s zp R with R each weight row's sum of its values.
 """
 
 from __future__ import annotations
@@ -113,15 +118,31 @@ def _scales(T, ws, wc, g, b, q):
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None,
-           m: int | None = None, bits: int = 4, offsets: bool = False):
+           m: int | None = None, bits: int = 4, offsets: bool = False, per_row: bool = False):
     """y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the -8 x sum
     offsets as int32: act_quant layout "arm") and the row-group weights (`bits` 4: Q4_0, 8:
-    Q8_0; `offsets`: with Q4_1's block offsets); M any, or `m` (tuning measures at fixed M)."""
+    Q8_0; `offsets`: with Q4_1's block offsets); M any, or `m` (tuning measures at fixed M).
+    `per_row` (prefill): activations with a scale and zero point a row (layout
+    "arm_rows_flat", ad [M, 2] = (s, s zp)), the weight rows' sums rs [N] the last input."""
     from tvm.script import tirx as T
 
+    if per_row and (decode or offsets):
+        raise ValueError("the per-row form is the prefill GEMM's, without block offsets")
     ng = groups(n)
     tm = 1 if decode else (tokens or DEFAULT_TOKENS["sdot"])
     rows_in = token_count(m)
+
+    @T.macro
+    def store_per_row(y, acc, t, g, q, k, ad, rs):
+        """Row-slice q of group g for token t from acc[4k ..] (halved): 2 s acc - s zp R."""
+        row = g * ROWS + LANES * q
+        if n % ROWS == 0 or row + LANES <= n:
+            y[t, T.ramp(row, 1, LANES)] = acc[T.ramp(k * LANES, 1, LANES)] * T.broadcast(
+                ad[t, 0] * T.float32(2), LANES) - T.broadcast(ad[t, 1], LANES) * rs[T.ramp(row, 1, LANES)]
+        else:
+            for r in range(LANES):
+                if row + r < n:
+                    y[t, row + r] = acc[k * LANES + r] * (ad[t, 0] * T.float32(2)) - ad[t, 1] * rs[row + r]
 
     @T.macro
     def store(y, acc, t, g, q, k):
@@ -146,24 +167,32 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
             store(y, acc, t, g, q, q)
 
     @T.macro
-    def tile(w, aq, off, ws, ad, y, wc, g, q, first, count):
-        """Rows 16g+4q .. +3 of tokens first .. first+count-1 (the unpacked weights serve them all)."""
+    def tile(w, aq, off, ws, ad, y, wc, g, q, first, count, rs):
+        """Rows 16g+4q .. +3 of tokens first .. first+count-1 (the unpacked weights serve them
+        all); rs: the weight rows' sums (per_row), else None."""
         acc = T.decl_buffer((count * LANES,), "float32", scope="global")
         for t in T.unroll(count):
             acc[T.ramp(t * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
         for b in range(nb):
             for t in T.unroll(count):
-                acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
-                    T, _slice_dot(T, w, aq, off, g, b, q, first + t, bits)) * (
-                    _scales(T, ws, wc, g, b, q) * T.broadcast(ad[first + t, b], LANES))
+                if per_row:   # decided when the kernel is built
+                    acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
+                        T, _slice_dot(T, w, aq, off, g, b, q, first + t, bits)) * _scales(T, ws, wc, g, b, q)
+                else:
+                    acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
+                        T, _slice_dot(T, w, aq, off, g, b, q, first + t, bits)) * (
+                        _scales(T, ws, wc, g, b, q) * T.broadcast(ad[first + t, b], LANES))
                 if wc is not None:
                     acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] - _negated_offsets_term(
                         T, ws, wc, ad, off, g, b, q, first + t)
         for t in T.unroll(count):
-            store(y, acc, first + t, g, q, t)
+            if rs is None:   # decided when the kernel is built
+                store(y, acc, first + t, g, q, t)
+            else:
+                store_per_row(y, acc, first + t, g, q, t, ad, rs)
 
     @T.macro
-    def body(w, aq, off, ws, ad, y, wc):
+    def body(w, aq, off, ws, ad, y, wc, rs):
         if tm == 1:
             for g in T.parallel(ng):
                 for t in range(rows_in):
@@ -173,17 +202,25 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
             # (g, q) written out at each use: let-bound, they cost LLVM two registers and spills
             for gq in T.parallel(ng * SLICES):
                 for it in range(rows_in // tm):
-                    tile(w, aq, off, ws, ad, y, wc, gq // SLICES, gq % SLICES, it * tm, tm)
+                    tile(w, aq, off, ws, ad, y, wc, gq // SLICES, gq % SLICES, it * tm, tm, rs)
                 for i in range(rows_in // tm * tm, rows_in):
-                    tile(w, aq, off, ws, ad, y, wc, gq // SLICES, gq % SLICES, i, 1)
+                    tile(w, aq, off, ws, ad, y, wc, gq // SLICES, gq % SLICES, i, 1, rs)
 
-    return gemm_kernel(n, nb, scale_dtype, rows_in, body, chunks=chunks(bits), offsets=offsets)
+    if per_row:
+        return gemm_kernel(n, nb, scale_dtype, rows_in, body, chunks=chunks(bits), row_sums=True)
+
+    @T.macro
+    def block_body(w, aq, off, ws, ad, y, wc):
+        body(w, aq, off, ws, ad, y, wc, None)
+
+    return gemm_kernel(n, nb, scale_dtype, rows_in, block_body, chunks=chunks(bits), offsets=offsets)
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
-                 batched_decode: bool = False, dot: str = "sdot", offsets: bool = False):
+                 batched_decode: bool = False, dot: str = "sdot", offsets: bool = False, per_row: bool = False):
     """The registry's prefill GEMM (kernels/w4a8.py): q4_dot over tiles of tokens."""
-    return q4_dot(n, nb, False, scale_dtype, tokens=tokens, m=m, bits=dot_bits(dot), offsets=offsets)
+    return q4_dot(n, nb, False, scale_dtype, tokens=tokens, m=m, bits=dot_bits(dot), offsets=offsets,
+                  per_row=per_row)
 
 
 def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str = "float16",
