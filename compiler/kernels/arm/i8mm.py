@@ -23,9 +23,11 @@ float accumulators; 12 fill the 32 vector registers and the allocator starts rot
 accumulators with moves, 8 reload the weights more often: llvm-mca's N2 model puts 10 ahead
 in cycles per multiply-add, 0.0368 against 0.0383 and 0.0424); the unpacked
 weights of a block serve every pair of the tile. A lone leftover pair joins the last whole
-tile's five as tiles of 4 and 2, other leftovers take tiles of 4, 2 and 1 pairs, an odd last
-token a pair with itself, stored once (a 6-pair tile, tuned, converts plainly). Decode (one token) stays on sdot:
-smmla would waste half its work.
+tile's five: as one 6-pair tile (converting plainly) where the weights have no block offsets
+(Q4_0, Q8_0, per-row activations: 143 / 125 instructions a block against 168 / 151 for tiles
+of 4 and 2), as tiles of 4 and 2 where they have (Q4_1, Q4_K: their 6-pair tile spills, 218
+against 200). Other leftovers take tiles of 4, 2 and 1 pairs, an odd last token a pair with
+itself, stored once. Decode (one token) stays on sdot: smmla would waste half its work.
 
 Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k of a row pair
 is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumulation started
@@ -44,7 +46,7 @@ from .dotprod import halved_float, negated_block_sums
 
 LANES = 4          # rows per 128-bit slice of a chunk
 SLICES = ROWS // LANES
-MERGE_INTO = 5     # tile pairs after which a lone leftover pair joins the last tile's, as 4 + 2
+MERGE_INTO = 5     # tile pairs after which a lone leftover pair joins the last tile's (6, or 4 + 2)
 SMMLA = "llvm.aarch64.neon.smmla.v4i32.v16i8"
 DEFAULT_TOKENS = {"smmla": 10, "smmla8": 10}   # 5 token pairs a prefill tile: see this module's docstring
 DECODE_EPILOGUES = frozenset()     # prefill only: decode runs arm/dotprod.py's GEMV
@@ -276,16 +278,16 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         aqf = T.decl_buffer((rows_in * nb * 32,), "int8", data=aq.data)
         adf = T.decl_buffer((rows_in * 2 if per_row else rows_in * nb * 2,), "float32", data=ad.data)
         offf = T.decl_buffer((rows_in * nb * 2,), "int32", data=off.data)
-        # One leftover pair after whole tiles of 5 is taken with the last of them as tiles of 4
-        # and 2 pairs: fewer instructions than a 5-pair tile and a 1-pair one (whose
-        # multiply-adds cost twice), and than the one 6-pair tile that fills the 32 vector
-        # registers (moves and spills in its loop; docs/results/weight-formats.md); other
-        # leftovers below.
+        # One leftover pair after whole tiles of 5 is taken with the last of them: fewer
+        # instructions than a 5-pair tile and a 1-pair one (whose multiply-adds cost twice).
+        # Without block offsets as one 6-pair tile; with them (Q4_1, Q4_K) as tiles of 4 and
+        # 2, since their 6-pair tile fills the 32 vector registers (moves and spills in its
+        # loop; docs/results/weight-formats.md, docs/results/arm.md). Other leftovers below.
         # T.bind: a name assigned plainly in a macro becomes a one-element buffer, which TVM
         # gives a workspace allocation (a call, per task for those inside the loop)
         merge = T.bind(merge_last(rows_in))
         whole = T.bind(rows_in // (2 * tile_pairs) - T.Cast("int64", merge))
-        left = T.bind(rows_in // 2 % tile_pairs + tile_pairs * T.Cast("int64", merge))
+        left = T.bind(rows_in // 2 % tile_pairs + (tile_pairs if offsets else -1) * T.Cast("int64", merge))
         # One task per 4-row slice, not per 16-row group: a projection of few groups (k and v:
         # 8 on the 0.5B) then still fills 32-128 threads; TVM hands each thread a contiguous
         # run of slices, so below that a thread still takes whole groups. (g, q) are written
@@ -293,8 +295,12 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         for gq in T.parallel(ng * SLICES):
             for it in range(whole):
                 tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs, rs)
-            # the pairs left over (fewer than a tile's, or 6 where a lone pair joined the last
-            # tile's): tiles of 4, 2 and 1 pairs
+            if not offsets and tile_pairs == MERGE_INTO:   # decided when the kernel is built
+                if merge:   # a lone leftover pair rides with the last whole tile
+                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs,
+                         tile_pairs + 1, rs)
+            # the pairs left over (fewer than a tile's, or, with block offsets, 6 where a lone
+            # pair joined the last tile's): tiles of 4, 2 and 1 pairs
             p4 = T.bind(rows_in // 2 - left)
             if tile_pairs > 4:
                 if left >= 4:
