@@ -72,8 +72,9 @@ RUN_TIMEOUT = 4 * 3600
 # llama.cpp's matrix kernels on this build (4x8 repack: dotprod GEMV, i8mm GEMM) and the
 # quantizer of its activations; the Q8_0 output runs through the generic vec-dot
 MATRIX_RE = re.compile(r"(q[48]_gemv|q[48]_gemm|ggml_gemv_|ggml_gemm_|vec_dot_q8_0|vec_dot_q4_0|kai_run_matmul)")
-# llama.cpp's aarch64 builds (bench/llamacpp.sh): the Q4_0 repack's, and KleidiAI's kernels
-PEER_BUILDS = {"repack": "arm64", "kleidiai": "arm64-kleidiai"}
+# llama.cpp's aarch64 builds (bench/llamacpp.sh): the Q4_0 repack's (GCC, OpenMP), and KleidiAI's
+# kernels on ggml's own pool (clang) or on OpenMP (GCC)
+PEER_BUILDS = {"repack": "arm64", "kleidiai": "arm64-kleidiai", "kleidiai-omp": "arm64-kleidiai-omp"}
 
 
 # --- running under the plugin -------------------------------------------------------------
@@ -449,7 +450,7 @@ def peer_tools(build: str) -> Path:
     r = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), build], stdout=subprocess.PIPE, text=True)
     if r.returncode != 0:
         sys.exit(f"{Path(sys.argv[0]).stem}: bench/llamacpp.sh {build} failed"
-                 + (" (set KLEIDIAI_SRC, or --peer-builds repack)" if build == "arm64-kleidiai" else ""))
+                 + (" (set KLEIDIAI_SRC, or --peer-builds repack)" if build.startswith("arm64-kleidiai") else ""))
     return Path(r.stdout.strip().splitlines()[-1])
 
 

@@ -89,6 +89,7 @@ THREADS = (1, 8, 32, 64, 128)
 DECODE = (4, 2, 6)          # prompt, steps a, steps b
 PREFILL = 48                # prompt tokens of the prefill call
 MIXED = (32, 1, 3)          # chunk tokens, steps a, steps b (7 decoding sequences beside the chunk)
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads", "head_dim")
 RECORD = np.dtype([("vcpu", "<u4"), ("epoch", "<u4"), ("phase", "<u4"), ("pad", "<u4"),
                    ("vaddr", "<u8"), ("count", "<u8")])
 # ggml's own pool (no OpenMP): its workers poll for the next graph in
@@ -444,6 +445,8 @@ def main():
     if args.json:
         Path(args.json).write_text(json.dumps({
             "artifact": str(art), "model": name, "inputs": inputs, "predicted_n2": predicted,
+            # the shape, for bench/n2_table.py's scaling once the artifact is gone
+            "config": {k: v for k, v in manifest.get("model", {}).items() if k in SHAPE_KEYS},
             "rows": [{"engine": e, "kind": k, "threads": t, **v} for (e, k, t), v in rows.items()]}, indent=1))
     if args.plot:
         plot(rows, threads, kinds, args.plot, name)

@@ -20,6 +20,11 @@
 #              tag this llama.cpp asks for). clang 14 cross-compiles it (GCC 12 stops with an
 #              internal compiler error on one KleidiAI file); it finds no aarch64 OpenMP, so ggml
 #              runs its own thread pool.
+#   arm64-kleidiai-omp  KleidiAI's kernels with GCC 12 and OpenMP, as arm64: the build a user with
+#              GCC gets, whose threads wait in OpenMP's barriers (passive under OMP_WAIT_POLICY)
+#              instead of ggml's spinning pool. GCC 12's vectorizer stops with an internal error
+#              on one KleidiAI file at -O3 (kai_lhs_quant_pack_qai8dxp_bf16_neon.c, a bf16
+#              activation packer no Q4_0 model calls): that file alone gets -fno-tree-vectorize.
 #
 # DIR defaults to ${XDG_CACHE_HOME:-~/.cache}/qwc/llamacpp-BUILD (x86: -BUILD-<hash of this CPU's
 # flags>, so a cached native build never runs on another CPU). Builds (~20 min each on 2 cores)
@@ -29,7 +34,7 @@
 # takes longer than fetching it outside and copying it in.
 set -euo pipefail
 VERSION=0.3.36
-BUILD=${1:?usage: bench/llamacpp.sh x86|x86-gcc|arm64|arm64-native|arm64-kleidiai [DIR]}
+BUILD=${1:?usage: bench/llamacpp.sh x86|x86-gcc|arm64|arm64-native|arm64-kleidiai|arm64-kleidiai-omp [DIR]}
 cpu=
 [[ $BUILD == x86* ]] && cpu=-$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-8)
 [[ $BUILD == arm64-native ]] && cpu=-$(grep -m1 '^Features' /proc/cpuinfo | sha256sum | cut -c1-8)
@@ -45,6 +50,20 @@ need() {   # Debian packages, installed when missing
   fi
 }
 mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
+kleidiai_source() {   # KLEIDIAI_SRC unpacked once into $DIR/kleidiai (llama.cpp's CMake would download it)
+  kai=$DIR/kleidiai
+  if [[ ! -f $kai/CMakeLists.txt ]]; then
+    [[ -n ${KLEIDIAI_SRC:-} ]] || { echo "llamacpp.sh: $BUILD needs KLEIDIAI_SRC=<KleidiAI v1.24.0 source, .tar.gz or folder> (llama.cpp's CMake would download it)" >&2; exit 2; }
+    rm -rf "$kai.partial" && mkdir -p "$kai.partial"
+    if [[ -d $KLEIDIAI_SRC ]]; then cp -r "$KLEIDIAI_SRC/." "$kai.partial/"
+    else tar -C "$kai.partial" -xzf "$KLEIDIAI_SRC"; fi
+    # a tarball holds one top folder
+    top=$(find "$kai.partial" -mindepth 1 -maxdepth 1)
+    [[ $(wc -l <<<"$top") == 1 && -f $top/CMakeLists.txt ]] && { mv "$top" "$kai.top"; rm -rf "$kai.partial"; mv "$kai.top" "$kai.partial"; }
+    [[ -f $kai.partial/CMakeLists.txt ]] || { echo "llamacpp.sh: $KLEIDIAI_SRC holds no KleidiAI source (no CMakeLists.txt)" >&2; exit 2; }
+    mv "$kai.partial" "$kai"
+  fi
+}
 case $BUILD in
   x86)
     TOOLS="llama-bench llama-perplexity llama-quantize llama-server llama-imatrix llama-completion"
@@ -88,18 +107,7 @@ TC
   arm64-kleidiai)
     TOOLS="llama-bench llama-completion"
     need cmake ninja-build clang-14 g++-aarch64-linux-gnu binutils-aarch64-linux-gnu
-    kai=$DIR/kleidiai
-    if [[ ! -f $kai/CMakeLists.txt ]]; then
-      [[ -n ${KLEIDIAI_SRC:-} ]] || { echo "llamacpp.sh: arm64-kleidiai needs KLEIDIAI_SRC=<KleidiAI v1.24.0 source, .tar.gz or folder> (llama.cpp's CMake would download it)" >&2; exit 2; }
-      rm -rf "$kai.partial" && mkdir -p "$kai.partial"
-      if [[ -d $KLEIDIAI_SRC ]]; then cp -r "$KLEIDIAI_SRC/." "$kai.partial/"
-      else tar -C "$kai.partial" -xzf "$KLEIDIAI_SRC"; fi
-      # a tarball holds one top folder
-      top=$(find "$kai.partial" -mindepth 1 -maxdepth 1)
-      [[ $(wc -l <<<"$top") == 1 && -f $top/CMakeLists.txt ]] && { mv "$top" "$kai.top"; rm -rf "$kai.partial"; mv "$kai.top" "$kai.partial"; }
-      [[ -f $kai.partial/CMakeLists.txt ]] || { echo "llamacpp.sh: $KLEIDIAI_SRC holds no KleidiAI source (no CMakeLists.txt)" >&2; exit 2; }
-      mv "$kai.partial" "$kai"
-    fi
+    kleidiai_source
     cat >"$DIR/toolchain.cmake" <<TC
 set(CMAKE_SYSTEM_NAME Linux)
 set(CMAKE_SYSTEM_PROCESSOR aarch64)
@@ -113,7 +121,28 @@ TC
     FLAGS=("-DCMAKE_TOOLCHAIN_FILE=$DIR/toolchain.cmake" -DGGML_NATIVE=OFF
       -DGGML_CPU_ARM_ARCH=armv9-a+sve2+i8mm+dotprod+fp16+bf16 -DGGML_CPU_REPACK=ON -DGGML_CPU_KLEIDIAI=ON
       "-DFETCHCONTENT_SOURCE_DIR_KLEIDIAI=$kai" -DBUILD_SHARED_LIBS=OFF -DCMAKE_EXE_LINKER_FLAGS=-static) ;;
-  *) echo "llamacpp.sh: unknown build '$BUILD' (x86, x86-gcc, arm64, arm64-native or arm64-kleidiai)" >&2; exit 2 ;;
+  arm64-kleidiai-omp)
+    TOOLS="llama-bench llama-completion"
+    need cmake ninja-build g++-aarch64-linux-gnu
+    kleidiai_source
+    cat >"$DIR/toolchain.cmake" <<TC
+set(CMAKE_SYSTEM_NAME Linux)
+set(CMAKE_SYSTEM_PROCESSOR aarch64)
+set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)
+set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)
+TC
+    # runs after KleidiAI's project(); deferred past its own per-file -march options
+    cat >"$DIR/kleidiai-gcc12.cmake" <<'KC'
+cmake_language(DEFER CALL set_property SOURCE
+  "${CMAKE_CURRENT_SOURCE_DIR}/kai/ukernels/matmul/pack/kai_lhs_quant_pack_qai8dxp_bf16_neon.c"
+  APPEND PROPERTY COMPILE_OPTIONS -fno-tree-vectorize)
+KC
+    FLAGS=("-DCMAKE_TOOLCHAIN_FILE=$DIR/toolchain.cmake" -DGGML_NATIVE=OFF
+      -DGGML_CPU_ARM_ARCH=armv9-a+sve2+i8mm+dotprod+fp16+bf16 -DGGML_CPU_REPACK=ON -DGGML_CPU_KLEIDIAI=ON
+      "-DFETCHCONTENT_SOURCE_DIR_KLEIDIAI=$kai" "-DCMAKE_PROJECT_KleidiAI_INCLUDE=$DIR/kleidiai-gcc12.cmake"
+      -DBUILD_SHARED_LIBS=OFF -DCMAKE_EXE_LINKER_FLAGS=-static
+      "-DOpenMP_gomp_LIBRARY=$(aarch64-linux-gnu-gcc -print-file-name=libgomp.a)") ;;
+  *) echo "llamacpp.sh: unknown build '$BUILD' (x86, x86-gcc, arm64, arm64-native, arm64-kleidiai or arm64-kleidiai-omp)" >&2; exit 2 ;;
 esac
 todo=()
 for t in $TOOLS; do [[ -x $DIR/$t-$VERSION ]] || todo+=("$t"); done
