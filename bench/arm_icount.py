@@ -2,7 +2,7 @@
 same QEMU CPU and the same counting plugin): the deterministic proxy for ARM work where
 emulated wall time means nothing.
 
-    .venv/bin/python bench/arm_icount.py model.qwc [--peer [--peer-builds repack,kleidiai]] [--attribution]
+    .venv/bin/python bench/arm_icount.py model.qwc [--peer [--peer-builds repack,kleidiai,kleidiai-omp]] [--attribution]
         [--mca] [--json F]
 
 Per token = difference of two runs divided by the difference in tokens, so start-up cancels:
@@ -22,10 +22,11 @@ Per token = difference of two runs divided by the difference in tokens, so start
   and of N / 2 more tokens (llama.cpp: its saved state of N / 2 tokens, then the rest of
   prompts of N / 2 + 1 and N tokens).
 
---peer adds llama.cpp's rows: llama-bench cross-built for the Yitian's ISA, in two builds
+--peer adds llama.cpp's rows: llama-bench cross-built for the Yitian's ISA, in three builds
 (--peer-builds): `repack` (bench/llamacpp.sh arm64: static, armv9-a+sve2+i8mm+dotprod, Q4_0
-repack on) and `kleidiai` (arm64-kleidiai: the same with Arm's KleidiAI kernels, whose source
-KLEIDIAI_SRC names), and a last row against the stronger of them per metric; run on GGUFs
+repack on), `kleidiai` (arm64-kleidiai: the same with Arm's KleidiAI kernels, whose source
+KLEIDIAI_SRC names, built by clang on ggml's own pool) and `kleidiai-omp` (the same kernels
+built by GCC with OpenMP), and a last row against the strongest of them per metric; run on GGUFs
 written from the same random weights as the artifact's preset (every linear Q4_0; the tied
 embedding/output Q4_0, as qwc's default, and Q8_0, as llama.cpp's own quantizer keeps it).
 The artifact must be compiled from that preset (`qwc export qwen2.5-0.5b`); its shapes are
@@ -389,9 +390,9 @@ def main():
                    help="with --depth: only decode_dN, not the short decode and prefill metrics")
     p.add_argument("--parallel", action="store_true",
                    help="each metric's two runs at once, on two cores (the counts do not change)")
-    p.add_argument("--peer-builds", default="repack,kleidiai",
-                   help="llama.cpp's aarch64 builds to count (bench/llamacpp.sh arm64, arm64-kleidiai; KleidiAI's "
-                        "source: KLEIDIAI_SRC); the stronger per metric is the peer")
+    p.add_argument("--peer-builds", default="repack,kleidiai,kleidiai-omp",
+                   help="llama.cpp's aarch64 builds to count (bench/llamacpp.sh arm64, arm64-kleidiai, "
+                        "arm64-kleidiai-omp; KleidiAI's source: KLEIDIAI_SRC); the strongest per metric is the peer")
     p.add_argument("--only-q4-output", action="store_true",
                    help="llama.cpp with the Q4_0 output only (qwc's default), not also the Q8_0 one")
     args = p.parse_args()

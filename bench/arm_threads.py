@@ -3,7 +3,7 @@ llama.cpp, in guest instructions under qemu (which runs each guest thread as a v
 own, so counts per vCPU are counts per thread, whatever the host's 2 cores do).
 
     .venv/bin/python bench/arm_threads.py model.qwc [--threads 1,8,32,64,128]
-        [--engines qwc,llama.cpp] [--peer-builds repack,kleidiai] [--only decode|prefill|mixed]
+        [--engines qwc,llama.cpp] [--peer-builds repack,kleidiai-omp] [--only decode|prefill|mixed]
         [--gguf FILE] [--json F] [--plot F.png]
 
 Per token, at each thread count T (figures of waiting left out, see below):
@@ -46,8 +46,10 @@ prefill ("separate"); per step = the difference of runs of MIXED[2] and MIXED[1]
 over their difference (scripts/arm64/run_engine.py: mixed_and_separate).
 
 llama.cpp's rows come from its aarch64 builds (--peer-builds: bench/llamacpp.sh arm64, with the
-Q4_0 repack and OpenMP, and arm64-kleidiai, with Arm's KleidiAI kernels and ggml's own thread
-pool; the ones bench/arm_icount.py uses) on a GGUF of the same preset's weights, every linear
+Q4_0 repack and OpenMP, and arm64-kleidiai-omp, with Arm's KleidiAI kernels and OpenMP, by
+default; arm64-kleidiai, the same kernels on ggml's own thread pool, on request: its spinning
+workers keep a 128-thread run from finishing under emulation, and at 64 threads its critical
+path is longer than the OpenMP build's, docs/results/arm.md) on a GGUF of the same preset's weights, every linear
 and the output Q4_0 (as qwc's default); -t T. In the pool build a thread's epoch advances at
 ggml_barrier, at each copy of it clang inlined into ggml_graph_compute_thread, and at that
 function's entry; the inlined copies' spin loops and the idle workers' polling are waiting. --plot F.png also writes F-n2.png, the model of Neoverse-N2 time
@@ -351,9 +353,9 @@ def main():
     p.add_argument("artifact")
     p.add_argument("--threads", default=",".join(map(str, THREADS)), help="thread counts (default 1,8,32,64,128)")
     p.add_argument("--engines", default="qwc,llama.cpp", help="qwc, llama.cpp or both (default)")
-    p.add_argument("--peer-builds", default="repack,kleidiai",
-                   help="llama.cpp's aarch64 builds (bench/llamacpp.sh arm64, arm64-kleidiai; KleidiAI's source: "
-                        "KLEIDIAI_SRC); qwc's ratio is to the stronger at each row")
+    p.add_argument("--peer-builds", default="repack,kleidiai-omp",
+                   help="llama.cpp's aarch64 builds (bench/llamacpp.sh arm64, arm64-kleidiai-omp, arm64-kleidiai; "
+                        "KleidiAI's source: KLEIDIAI_SRC); qwc's ratio is to the stronger at each row")
     p.add_argument("--only", choices=("decode", "prefill", "mixed"),
                    help="one of the two measurements, or (qwc) mixed steps against separate calls")
     p.add_argument("--gguf", type=Path, help="the peer runs this GGUF (the artifact compiled from `qwc export FILE`: "
