@@ -49,8 +49,8 @@ llama.cpp's rows come from its aarch64 builds (--peer-builds: bench/llamacpp.sh 
 Q4_0 repack and OpenMP, and arm64-kleidiai-omp, with Arm's KleidiAI kernels and OpenMP, by
 default; arm64-kleidiai, the same kernels on ggml's own thread pool, on request: its spinning
 workers keep a 128-thread run from finishing under emulation, and at 64 threads its critical
-path is longer than the OpenMP build's, docs/results/arm.md) on a GGUF of the same preset's weights, every linear
-and the output Q4_0 (as qwc's default); -t T. In the pool build a thread's epoch advances at
+path is longer than the OpenMP build's, docs/results/arm.md) on a GGUF of the same preset's
+weights, every linear and the output Q4_0 (as qwc's default); -t T. In the pool build a thread's epoch advances at
 ggml_barrier, at each copy of it clang inlined into ggml_graph_compute_thread, and at that
 function's entry; the inlined copies' spin loops and the idle workers' polling are waiting. --plot F.png also writes F-n2.png, the model of Neoverse-N2 time
 (bench/n2_model.py) whose table follows the measured one.

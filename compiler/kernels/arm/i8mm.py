@@ -24,10 +24,9 @@ accumulators with moves, 8 reload the weights more often: llvm-mca's N2 model pu
 in cycles per multiply-add, 0.0368 against 0.0383 and 0.0424); the unpacked
 weights of a block serve every pair of the tile. A lone leftover pair joins the last whole
 tile's five: as one 6-pair tile (converting plainly) where the weights have no block offsets
-(Q4_0, Q8_0, per-row activations: 143 / 125 instructions a block against 168 / 151 for tiles
-of 4 and 2), as tiles of 4 and 2 where they have (Q4_1, Q4_K: their 6-pair tile spills, 218
-against 200). Other leftovers take tiles of 4, 2 and 1 pairs, an odd last token a pair with
-itself, stored once. Decode (one token) stays on sdot: smmla would waste half its work.
+(Q4_0, Q8_0, per-row activations: fewer instructions than tiles of 4 and 2), as tiles of 4 and
+2 where they have (Q4_1, Q4_K: their 6-pair tile spills; docs/results/arm.md). Other leftovers
+take tiles of 4, 2 and 1 pairs, an odd last token a pair with itself, stored once. Decode (one token) stays on sdot: smmla would waste half its work.
 
 Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k of a row pair
 is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumulation started
