@@ -8,11 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import n2_table  # bench/n2_table.py (pyproject.toml: pytest's pythonpath)
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-import n2_table  # noqa: E402
 
 CUT = {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 4,
        "num_key_value_heads": 4, "head_dim": 128}

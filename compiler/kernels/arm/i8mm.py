@@ -26,7 +26,8 @@ weights of a block serve every pair of the tile. A lone leftover pair joins the 
 tile's five: as one 6-pair tile (converting plainly) where the weights have no block offsets
 (Q4_0, Q8_0, per-row activations: fewer instructions than tiles of 4 and 2), as tiles of 4 and
 2 where they have (Q4_1, Q4_K: their 6-pair tile spills; docs/results/arm.md). Other leftovers
-take tiles of 4, 2 and 1 pairs, an odd last token a pair with itself, stored once. Decode (one token) stays on sdot: smmla would waste half its work.
+take tiles of 4, 2 and 1 pairs, an odd last token a pair with itself, stored once. Decode (one
+token) stays on sdot: smmla would waste half its work.
 
 Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k of a row pair
 is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumulation started
