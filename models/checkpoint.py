@@ -45,6 +45,34 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def check_dimensions(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str,
+                     keys: dict[str, str] | None = None) -> None:
+    """Each size the config states against the tensors that hold it (HF naming), naming the
+    config's key (`keys`: ModelConfig field -> the file's spelling, where it differs): a
+    hand-edited depth or width is one line here, not a loop over a billion layers or a shape
+    error deep in a later stage."""
+    keys = keys or {}
+    layers = {k.split(".")[2] for k in shapes if k.startswith("model.layers.")}
+    if cfg.num_hidden_layers > len(layers):
+        raise QwcError(f"{source}: {keys.get('num_hidden_layers', 'num_hidden_layers')} {cfg.num_hidden_layers} is "
+                       f"more layers than the tensors hold ({len(layers)})")
+    q, kv = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    sizes = [("vocab_size", cfg.vocab_size, "model.embed_tokens.weight", 0),
+             ("hidden_size", cfg.hidden_size, "model.embed_tokens.weight", 1),
+             ("intermediate_size", cfg.intermediate_size, "model.layers.0.mlp.gate_proj.weight", 0),
+             ("num_attention_heads", cfg.num_attention_heads * cfg.head_dim, q, 0),
+             ("num_key_value_heads", cfg.num_key_value_heads * cfg.head_dim, kv, 0)]
+    for f, size, tensor, axis in sizes:
+        shape = shapes.get(tensor)
+        if shape is None or len(shape) != 2 or shape[axis] == size:
+            continue
+        key, value = keys.get(f, f), getattr(cfg, f)
+        if f in ("num_attention_heads", "num_key_value_heads"):
+            raise QwcError(f"{source}: {key} {value} x head dim {cfg.head_dim} = {size} rows, but {tensor} has "
+                           f"{shape[0]}")
+        raise QwcError(f"{source}: {key} {value} does not fit the tensors ({tensor} is {list(shape)})")
+
+
 @dataclass
 class Checkpoint:
     config: ModelConfig
@@ -57,9 +85,13 @@ class Checkpoint:
     # blocks of those kept as they are (models/gguf_blocks.py), read now.
     quant_types: dict[str, str] = field(default_factory=dict)
     read_blocks: Callable[[str], Blocks] | None = None
+    # ModelConfig field -> the key the file spells it with (a GGUF's "qwen2.block_count"), for
+    # messages; a field not listed is named as it is (a config.json's own spelling)
+    keys: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
         """Every tensor the config implies is there with its shape, before anything is written."""
+        check_dimensions(self.config, self.shapes, self.source, self.keys)
         want = expected_tensors(self.config)
         missing = [k for k in want if k not in self.shapes
                    and not (self.zero_biases and k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")))]

@@ -17,6 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from qwc import field_checks
 from qwc.config import ModelConfig, yarn_parameters
 from qwc.errors import QwcError
 from qwc.rotary import unpermute_rotary_rows
@@ -28,6 +29,20 @@ if TYPE_CHECKING:
     from .qwen2 import LoadedModel
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
+
+# ModelConfig's fields as llama.cpp's metadata keys spell them ({arch}: general.architecture)
+GGUF_KEYS = {
+    "vocab_size": "{arch}.vocab_size",
+    "hidden_size": "{arch}.embedding_length",
+    "intermediate_size": "{arch}.feed_forward_length",
+    "num_hidden_layers": "{arch}.block_count",
+    "num_attention_heads": "{arch}.attention.head_count",
+    "num_key_value_heads": "{arch}.attention.head_count_kv",
+    "head_dim": "{arch}.attention.key_length",
+    "rope_theta": "{arch}.rope.freq_base",
+    "rms_norm_eps": "{arch}.attention.layer_norm_rms_epsilon",
+    "max_position_embeddings": "{arch}.context_length",
+}
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -109,40 +124,67 @@ def _rope_scaling(reader: GGUFReader, arch: str, path: Path) -> dict | None:
     return yarn_parameters(rope, str(path))
 
 
+def _count(reader: GGUFReader, path: Path, key: str, default=None, lo: int = 1) -> int:
+    """An integer metadata value (llama.cpp's uint32 keys), checked before any arithmetic."""
+    return field_checks.integer(path, key, _field(reader, key, default), lo)
+
+
+def _token_id(reader: GGUFReader, path: Path, key: str, vocab: int) -> int | None:
+    v = _field(reader, key, required=False)
+    return None if v is None else field_checks.integer(path, key, v, lo=0, hi=vocab - 1)
+
+
 def config_from_gguf(reader: GGUFReader, path: Path) -> tuple[ModelConfig, str]:
+    """The file's metadata as a ModelConfig: every key checked by type and range, and the
+    head arithmetic by divisibility, before it is used; `keys` names each field's GGUF key
+    (for the cross-check against the tensors' shapes, models/checkpoint.py)."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise QwcError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    tensor_names = {t.name for t in reader.tensors}
+    k = dict(GGUF_KEYS)
+    k.update({f: key.format(arch=arch) for f, key in k.items()})
+    hidden = _count(reader, path, k["hidden_size"])
+    heads = _count(reader, path, k["num_attention_heads"])
+    kv_heads = _count(reader, path, k["num_key_value_heads"], heads)
+    if k["head_dim"] in reader.fields:
+        head_dim = _count(reader, path, k["head_dim"])
+    else:
+        field_checks.multiple(path, k["hidden_size"], hidden, k["num_attention_heads"], heads)
+        head_dim = hidden // heads
+    field_checks.multiple(path, k["num_attention_heads"], heads, k["num_key_value_heads"], kv_heads)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else None))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id", required=False)
-    eot = _field(reader, "tokenizer.ggml.eot_token_id", required=False)
+    if tokens is None:
+        raise QwcError(f"{path}: GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    vocab = _count(reader, path, k["vocab_size"], len(tokens.data))
+    eos = _token_id(reader, path, "tokenizer.ggml.eos_token_id", vocab)
+    eot = _token_id(reader, path, "tokenizer.ggml.eot_token_id", vocab)
     eos_ids = [int(x) for x in dict.fromkeys(v for v in (eos, eot) if v is not None)]
-    bos = _field(reader, "tokenizer.ggml.bos_token_id", required=False)
+    name = _field(reader, "general.name", path.stem, required=False)
     cfg = ModelConfig(
-        name=str(_field(reader, "general.name", path.stem, required=False)),
+        name=name if isinstance(name, str) else path.stem,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=_count(reader, path, k["intermediate_size"]),
+        num_hidden_layers=_count(reader, path, k["num_hidden_layers"]),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=None if bos is None else int(bos),
+        rope_theta=field_checks.positive_number(path, k["rope_theta"], _field(reader, k["rope_theta"], 10000.0)),
+        rms_norm_eps=field_checks.positive_number(path, k["rms_norm_eps"], _field(reader, k["rms_norm_eps"])),
+        max_position_embeddings=_count(reader, path, k["max_position_embeddings"]),
+        tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
+        bos_token_id=_token_id(reader, path, "tokenizer.ggml.bos_token_id", vocab),
         eos_token_ids=eos_ids,
         chat_template=_field(reader, "tokenizer.chat_template", required=False),
         rope_scaling=_rope_scaling(reader, arch, path),
         source=str(path),
     )
+    if cfg.chat_template is not None:
+        field_checks.string(path, "tokenizer.chat_template", cfg.chat_template)
+    if head_dim % 2:
+        dim_key = k["head_dim"] if k["head_dim"] in reader.fields else (
+            f"{k['hidden_size']} / {k['num_attention_heads']}")
+        raise QwcError(f"{path}: {dim_key} {head_dim} must be even for rotary")
     cfg.validate()
     return cfg, arch
 
@@ -209,7 +251,8 @@ def open_gguf(path: Path) -> Checkpoint:
     quant = {name: t.tensor_type.name for name, t in tensors.items()
              if t.tensor_type.name not in ("F32", "F16", "BF16", "F64") and len(shapes[name]) == 2}
     ckpt = Checkpoint(cfg, tokenizer, str(path), shapes, read, zero_biases=arch == "llama",
-                      quant_types=quant, read_blocks=read_blocks)
+                      quant_types=quant, read_blocks=read_blocks,
+                      keys={f: key.format(arch=arch) for f, key in GGUF_KEYS.items()})
     ckpt.check()
     return ckpt
 

@@ -17,7 +17,7 @@ from qwc.config import ModelConfig
 from qwc.errors import QwcError
 from qwc.text import read_json_object
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, check_dimensions
 
 if TYPE_CHECKING:
     from .qwen2 import LoadedModel
@@ -34,7 +34,21 @@ def open_hf_dir(path: Path) -> Checkpoint:
     if raw.get("model_type") != "qwen2":
         raise QwcError(f"{path}: unsupported architecture {raw.get('model_type')!r} "
                        "(qwc compiles Qwen2 models)")
-    ModelConfig.from_hf_dict(raw, name=path.name, source=str(cfg_path))   # types and ranges first
+    # types and ranges first, then the sizes against the shards' tensors: transformers' own
+    # config class would build a list as long as any num_hidden_layers it is handed
+    first = ModelConfig.from_hf_dict(raw, name=path.name, source=str(cfg_path))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise QwcError(f"{path}: no *.safetensors weights")
+    where, shapes = {}, {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    where[k], shapes[k] = f, tuple(h.get_slice(k).get_shape())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise QwcError(f"{f}: corrupt safetensors file ({str(e).splitlines()[0]})") from None
+    check_dimensions(first, shapes, str(cfg_path))
     try:
         hf = Qwen2Config.from_dict(raw)
     except (TypeError, ValueError, StrictDataclassError) as e:
@@ -49,17 +63,6 @@ def open_hf_dir(path: Path) -> Checkpoint:
     cfg = ModelConfig.from_hf_dict(hf.to_dict(), name=path.name, source=str(path))
     tokenizer, cfg.chat_template = _load_tokenizer(path)
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise QwcError(f"{path}: no *.safetensors weights")
-    where, shapes = {}, {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    where[k], shapes[k] = f, tuple(h.get_slice(k).get_shape())
-        except (SafetensorError, OSError, ValueError) as e:
-            raise QwcError(f"{f}: corrupt safetensors file ({str(e).splitlines()[0]})") from None
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)   # some tied checkpoints store the copy anyway
 

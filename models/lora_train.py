@@ -201,14 +201,27 @@ class _Run:
             raise QwcError(f"--resume: no checkpoint in {d}")
 
     def resume(self) -> None:
-        state = torch.load(self.ckpt_dir / "state.pt", weights_only=False)
-        if state.get("fingerprint") != self.fingerprint:
+        path = self.ckpt_dir / "state.pt"
+        try:   # tensors, numbers and dicts only: nothing in it runs code
+            state = torch.load(path, weights_only=True)
+        except Exception as e:   # torch raises many kinds on a damaged file (pickle, zip, runtime)
+            raise QwcError(f"--resume: {path} is corrupt or truncated ({str(e).splitlines()[0][:120]})") from None
+        if not isinstance(state, dict) or state.get("fingerprint") != self.fingerprint:
             raise QwcError(f"{self.ckpt_dir} holds a run with other settings, model or data; remove it to start afresh")
+        adapter, step, losses = state.get("adapter"), state.get("step"), state.get("losses")
+        if (not isinstance(adapter, dict) or set(adapter) != set(self.trainable)
+                or any(not isinstance(v, torch.Tensor) or v.shape != self.trainable[k].shape for k, v in adapter.items())
+                or isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= self.s.steps
+                or not isinstance(losses, list) or len(losses) != step):
+            raise QwcError(f"--resume: {path} does not hold this run's adapter, step and losses (damaged?)")
         with torch.no_grad():
-            for k, v in state["adapter"].items():
+            for k, v in adapter.items():
                 self.trainable[k].copy_(v)
-        self.opt.load_state_dict(state["optimizer"])
-        self.step, self.losses = state["step"], state["losses"]
+        try:
+            self.opt.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, TypeError) as e:
+            raise QwcError(f"--resume: {path}'s optimizer state does not fit this run ({e})") from None
+        self.step, self.losses = step, losses
         progress.info(f"[qwc] resuming from step {self.step} ({self.ckpt_dir})")
 
     def save(self) -> None:

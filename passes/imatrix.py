@@ -43,6 +43,9 @@ def from_calibration(model: onnx.ModelProto, tensors: list[str], ids: np.ndarray
 def read_llamacpp(path: str | Path) -> dict[str, np.ndarray]:
     """{module name: importance [K]} from llama-imatrix's file (GGUF or legacy)."""
     path = Path(path)
+    if path.is_dir():
+        raise QwcError(f"--imatrix {path}: a directory, not an importance matrix file (llama-imatrix writes one "
+                       "file: imatrix.gguf or imatrix.dat)")
     if not path.is_file():
         raise QwcError(f"--imatrix {path}: no such file")
     with path.open("rb") as f:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qwc import field_checks
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
 from qwc.text import read_json_object
@@ -138,8 +139,10 @@ def _peft_config(folder: Path):
     if not cfg_path.is_file():
         raise QwcError(f"{folder}: not a PEFT adapter directory (no {PEFT_CONFIG})")
     raw = read_json_object(cfg_path)
-    if raw.get("peft_type", "LORA") != PeftType.LORA.value:
-        raise QwcError(f"{cfg_path}: a {raw.get('peft_type')} adapter; qwc takes LoRA")
+    peft_type = field_checks.string(cfg_path, "peft_type", raw.get("peft_type", PeftType.LORA.value))
+    if peft_type != PeftType.LORA.value:
+        raise QwcError(f"{cfg_path}: a {field_checks.shown(peft_type)} adapter; qwc takes LoRA")
+    check_lora_fields(raw, cfg_path)
     try:
         c = LoraConfig.from_pretrained(str(folder))
     except (TypeError, ValueError) as e:
@@ -156,6 +159,38 @@ def _peft_config(folder: Path):
     if not isinstance(c.r, int) or c.r < 1:
         raise QwcError(f"{cfg_path}: rank r={c.r!r} must be a positive integer")
     return c
+
+
+def check_lora_fields(raw: dict, where) -> None:
+    """The fields of a PEFT LoRA config qwc computes with, by type and range, before peft's
+    LoraConfig (which trusts them) or any arithmetic sees them. A field that is absent takes
+    peft's default; a present one must be of its type (null only where peft means "none")."""
+    if "r" in raw:
+        field_checks.integer(where, "r", raw["r"])
+    if "lora_alpha" in raw:
+        field_checks.positive_number(where, "lora_alpha", raw["lora_alpha"])
+    for key in ("use_rslora", "fan_in_fan_out", "use_dora", "use_qalora"):
+        if key in raw:
+            field_checks.flag(where, key, raw[key])
+    if raw.get("use_qalora"):
+        field_checks.integer(where, "qalora_group_size", raw.get("qalora_group_size"))
+    for key, check in (("rank_pattern", field_checks.integer), ("alpha_pattern", field_checks.positive_number)):
+        patterns = raw.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise QwcError(f"{where}: {key} {field_checks.shown(patterns)} must be a mapping of module name "
+                           "patterns to values")
+        for name, value in patterns.items():
+            field_checks.pattern(where, f"{key} key", name)
+            check(where, f"{key}[{name!r}]", value)
+    targets = raw.get("target_modules")
+    if targets is not None:
+        if isinstance(targets, str):
+            field_checks.pattern(where, "target_modules", targets)
+        elif not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise QwcError(f"{where}: target_modules {field_checks.shown(targets)} must be a list of module names "
+                           "or one regular expression")
 
 
 def _recorded_base(folder: Path) -> str | None:
@@ -241,6 +276,7 @@ def _read_gguf(path: Path, cfg: ModelConfig, user_scale: float) -> Adapter:
     alpha = meta("adapter.lora.alpha")
     if alpha is None:
         raise QwcError(f"{path}: GGUF adapter lacks adapter.lora.alpha")
+    alpha = field_checks.positive_number(path, "adapter.lora.alpha", alpha, allow_zero=True)   # 0: llama.cpp's scale 1
     halves: dict[str, dict[str, np.ndarray]] = {}
     for t in reader.tensors:
         m = _GGUF_KEY.match(t.name)

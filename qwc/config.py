@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import field_checks
 from .errors import QwcError
 
 CONFIG_FORMAT = 1
@@ -155,31 +156,44 @@ class ModelConfig:
         scaling = yarn_parameters(rope, source) if kind == "yarn" else None
         if d.get("use_sliding_window"):
             raise QwcError(f"{source}: sliding-window attention is not supported")
-        eos = d.get("eos_token_id")
-        try:
-            heads = d["num_attention_heads"]
-            cfg = cls(
-                name=name,
-                vocab_size=d["vocab_size"],
-                hidden_size=d["hidden_size"],
-                intermediate_size=d["intermediate_size"],
-                num_hidden_layers=d["num_hidden_layers"],
-                num_attention_heads=heads,
-                num_key_value_heads=d.get("num_key_value_heads") or heads,
-                head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-                rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=d.get("max_position_embeddings", 32768),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-                source=source,
-                rope_scaling=scaling,
-            )
-        except KeyError as e:
-            raise QwcError(f"{source}: config lacks {e.args[0]}") from None
-        except (TypeError, ValueError, ZeroDivisionError) as e:
-            raise QwcError(f"{source}: impossible config values ({e})") from None
+
+        def count(key, default=None):
+            if key not in d and default is None:
+                raise QwcError(f"{source}: config lacks {key}")
+            return field_checks.integer(source, key, d.get(key, default))
+
+        hidden = count("hidden_size")
+        heads = count("num_attention_heads")
+        # null means "as many as the attention heads" / "hidden / heads", as transformers reads them
+        kv_heads = count("num_key_value_heads", heads) if d.get("num_key_value_heads") is not None else heads
+        if d.get("head_dim") is not None:
+            head_dim = count("head_dim")
+        else:
+            field_checks.multiple(source, "hidden_size", hidden, "num_attention_heads", heads)
+            head_dim = hidden // heads
+        field_checks.multiple(source, "num_attention_heads", heads, "num_key_value_heads", kv_heads)
+        vocab = count("vocab_size")
+        theta_key = ("rope_parameters" if d.get("rope_parameters") else "rope_scaling") + ".rope_theta" \
+            if "rope_theta" in rope else "rope_theta"
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        cfg = cls(
+            name=name,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=count("intermediate_size"),
+            num_hidden_layers=count("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rope_theta=field_checks.positive_number(source, theta_key, theta),
+            rms_norm_eps=field_checks.positive_number(source, "rms_norm_eps", d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=count("max_position_embeddings", 32768),
+            tie_word_embeddings=field_checks.flag(source, "tie_word_embeddings", d.get("tie_word_embeddings", False)),
+            bos_token_id=_token_ids(source, "bos_token_id", d.get("bos_token_id"), vocab, many=False),
+            eos_token_ids=_token_ids(source, "eos_token_id", d.get("eos_token_id"), vocab, many=True),
+            source=source,
+            rope_scaling=scaling,
+        )
         cfg.validate()
         return cfg
 
@@ -194,6 +208,17 @@ class ModelConfig:
             raise QwcError(f"model config {path} not found") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise QwcError(f"model config {path} is not valid JSON: {e}") from None
+
+
+def _token_ids(source: str, key: str, value, vocab: int, many: bool):
+    """A config.json's special token id (`many`: an id or a list of them; null: none) checked
+    against the vocabulary: [ids] with `many`, else the id or None."""
+    if value is None:
+        return [] if many else None
+    if many and isinstance(value, list):
+        return [field_checks.integer(source, key, v, lo=0, hi=vocab - 1) for v in value]
+    v = field_checks.integer(source, key, value, lo=0, hi=vocab - 1)
+    return [v] if many else v
 
 
 def load_for_graph(onnx_path: Path) -> ModelConfig:

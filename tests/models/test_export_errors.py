@@ -68,7 +68,8 @@ def test_truncated_safetensors(tiny_lm, tmp_path, capsys):
 
 
 def test_hf_checkpoint_with_wrong_shapes(tiny_lm, tmp_path, capsys):
-    _export_fails(_hf_dir(tiny_lm, tmp_path, intermediate_size=64), tmp_path, capsys, "the config implies")
+    _export_fails(_hf_dir(tiny_lm, tmp_path, intermediate_size=64), tmp_path, capsys,
+                  "intermediate_size 64 does not fit the tensors (model.layers.0.mlp.gate_proj.weight is [320, 128])")
 
 
 @pytest.mark.parametrize("keep", [0.3, 0.9])

@@ -89,6 +89,15 @@ def test_resume_continues_an_interrupted_run(text, tmp_path, monkeypatch, capsys
     capsys.readouterr()
     assert main([*args, "-o", str(cut)]) == 2   # a checkpoint is there: --resume or remove it
     assert "--resume" in capsys.readouterr().err
+    state = tmp_path / "cut.ckpt" / "state.pt"
+    good = state.read_bytes()
+    for damaged, words in ((good[: len(good) // 2], "corrupt or truncated"), (b"\x80\x04junk", "corrupt or truncated")):
+        state.write_bytes(damaged)   # a damaged checkpoint: one line, the checkpoint kept as it is
+        assert main([*args, "-o", str(cut), "--resume"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0] and "state.pt" in err[0], err
+        assert state.read_bytes() == damaged and not cut.exists()
+    state.write_bytes(good)
     assert main([*args, "-o", str(cut), "--resume"]) == 0
     assert not (tmp_path / "cut.ckpt").exists()
     a, b = load_file(whole / "adapter_model.safetensors"), load_file(cut / "adapter_model.safetensors")

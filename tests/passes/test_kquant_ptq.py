@@ -260,6 +260,7 @@ def test_cli_format_q4_k_m_with_calibrated_importance_end_to_end(tiny_onnx, tiny
     (["--format", "q4_k_m", "--bits", "8"], "does not combine with --bits 8"),
     (["--imatrix", "calib"], "needs a K mix (--format q4_k_m"),
     (["--format", "q4_k_m", "--imatrix", "/nonexistent/x.gguf"], "no such file"),
+    (["--format", "q4_k_m", "--imatrix", "/"], "/: a directory, not an importance matrix file"),
 ])
 def test_bad_format_options_get_one_line(tiny_onnx, tmp_path, capsys, args, expect):
     out = tmp_path / "bad.onnx"
