@@ -74,6 +74,7 @@ def _seed(text: str) -> int:
 
 _count = _int_at_least(0)
 _positive = _int_at_least(1)
+RUN_CONTEXT = 512   # `qwc run`'s cache without --ctx: a prompt and a reply, not the model's whole context
 _SELF = "\0self"   # `qwc qat --teacher` with no value: the source model itself
 _NO_MEMORY_CHECK = ("run even when the stage's estimated peak memory exceeds what is available "
                     "(by default qwc refuses up front rather than be killed by the OOM killer)")
@@ -421,6 +422,10 @@ def _cmd_run(args: argparse.Namespace) -> None:
 
     if "tvm" not in sys.modules:
         os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # the runtime alone: faster start, less memory
+    from pathlib import Path
+
+    from qwc.manifest import read_manifest
+    from qwc.runtime.context_size import default_context
     from qwc.runtime.engine import Engine
     from qwc.runtime.sampling import SamplingParams
     from qwc.runtime.serving import check_draft_options, drafter
@@ -428,7 +433,8 @@ def _cmd_run(args: argparse.Namespace) -> None:
 
     check_draft_options(args)
     t0 = time.perf_counter()
-    eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
+    ctx = args.ctx if args.ctx is not None else default_context(read_manifest(Path(args.model)), 1, RUN_CONTEXT)[0]
+    eng = Engine(args.model, ctx=ctx, threads=args.threads)
     adapter = None
     if args.lora:
         from qwc.runtime.adapters import load_adapters
@@ -772,7 +778,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt", help="text to continue")
     r.add_argument("--chat", action="store_true", help="interactive chat with the model's chat template")
     r.add_argument("--max-new-tokens", type=_count, default=32)
-    r.add_argument("--ctx", type=_positive, default=512, help="KV-cache size in tokens (default 512)")
+    r.add_argument("--ctx", type=_positive, default=None,
+                   help=f"KV-cache size in tokens (default {RUN_CONTEXT}, or the model's context where it is shorter)")
     r.add_argument("--temperature", type=_float_in(0, 1e4), default=0.0, help="0 = greedy (default)")
     r.add_argument("--top-k", type=_count, default=0, help="0 = off (default)")
     r.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0, help="1 = off (default)")
@@ -803,7 +810,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch", type=_positive, default=8, help="sequences running at once (default 8)")
     sv.add_argument("--max-queue", type=_count, default=64, help="requests waiting beyond those (default 64; "
                                                                   "more get 503)")
-    sv.add_argument("--ctx", type=_positive, default=2048, help="context per sequence in tokens (default 2048)")
+    sv.add_argument("--ctx", type=_positive, default=None,
+                    help="context per sequence in tokens (default: the model's trained context, capped so that "
+                         "the sequences' KV caches take at most half the memory available at start)")
     sv.add_argument("--reuse-prefix", type=_count, default=16, metavar="N",
                     help="a request takes the free slot whose cache shares the longest prefix with its prompt "
                          "(a system prompt, earlier turns), if at least N tokens, and prefills only the rest "

@@ -25,6 +25,7 @@ from qwc.manifest import Manifest, check_library, read_manifest
 from qwc.vocab import mismatch, token_span
 
 from . import memory
+from .context_size import kv_bytes_per_token
 from .prefill_chunks import next_chunk
 from .sampling import SamplingParams
 
@@ -288,7 +289,7 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one position takes: a key and a value per layer in the cache's format."""
-        return self._n_cache * self._kv_heads * self._cache_width * self._kv_dtype.itemsize
+        return kv_bytes_per_token(self.manifest)
 
     def kv_summary(self, ctx: int | None = None) -> str:
         """The cache's format and memory per sequence of `ctx` positions (default: the engine's),

@@ -50,8 +50,16 @@ class TokenVocab:
         with self._lock:
             if self._ll is None:
                 llg = _llguidance()
-                self._ll = llg.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
-                                           eos_token=self.eos or None)
+                # llguidance takes as EOS only ids its tokenizer holds; a config may name one past
+                # them (ids up to vocab_size are text-less there). The ending a finished grammar
+                # allows is the model's own EOS either way (GrammarState.consume).
+                held = self.tokenizer.get_vocab_size(with_added_tokens=True)
+                eos = [e for e in self.eos if e < held]
+                try:
+                    self._ll = llg.LLTokenizer(self.tokenizer.to_str(), n_vocab=max(self.vocab_size, held),
+                                               eos_token=eos or None)
+                except (ValueError, RuntimeError, TypeError) as e:
+                    raise QwcError(f"the tokenizer cannot give token bytes ({str(e).splitlines()[0]})") from None
             return self._ll
 
     def token_bytes(self, tok: int) -> bytes:

@@ -248,6 +248,7 @@ def serve_replicas(args: argparse.Namespace) -> None:
     from qwc.manifest import read_manifest
 
     from .affinity_router import PrefixAffinityRouter  # imports ray
+    from .serving import chosen_context
 
     # what can be checked here is, before Ray starts: a replica's failure would be retried
     sets = cpu_sets(args.replica_cpus)
@@ -263,6 +264,9 @@ def serve_replicas(args: argparse.Namespace) -> None:
     options["model"] = os.path.abspath(args.model)
     options["lora"] = [f"{n}={os.path.abspath(p)}" for n, _, p in (s.partition("=") for s in args.lora)]
     options["threads"] = threads
+    # chosen once for all replicas, whose caches share this machine's memory (one replica's
+    # choice made after another had committed its caches would be smaller)
+    options["ctx"] = chosen_context(args, sequences=args.max_batch * args.replicas)
     port = args.port or _free_port(args.host)
     try:
         if started:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from pathlib import Path
 
+from qwc import progress
 from qwc.errors import QwcError
 
 
@@ -70,12 +72,24 @@ def serve_needs() -> None:
         os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
 
 
+def chosen_context(args, sequences: int, cap: int | None = None) -> int:
+    """--ctx, or where it is not given the model's own context (runtime/context_size.py),
+    said in one line."""
+    if args.ctx is not None:
+        return args.ctx
+    from qwc.manifest import read_manifest
+
+    from .context_size import default_context
+
+    ctx, why = default_context(read_manifest(Path(args.model)), sequences, cap)
+    progress.info(f"[qwc] context: {ctx} tokens a sequence ({why}; --ctx sets it)")
+    return ctx
+
+
 def server_parts(args):
     """What `qwc serve` runs, from its options: (engine, scheduler not yet started, the FastAPI
     app, the model's name). A replica of `qwc serve --replicas` builds the same
     (runtime/replicas.py)."""
-    from pathlib import Path
-
     from .engine import Engine
     from .scheduler import Scheduler
     from .server import Settings, create_app
@@ -83,7 +97,7 @@ def server_parts(args):
 
     serve_needs()
     check_draft_options(args)
-    eng = Engine(args.model, ctx=args.ctx, threads=args.threads)
+    eng = Engine(args.model, ctx=chosen_context(args, sequences=args.max_batch), threads=args.threads)
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
     adapters(args, eng, name)
     drafts = drafter(args, eng)

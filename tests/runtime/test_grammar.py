@@ -101,6 +101,20 @@ def test_token_bytes_keep_partial_characters(vocab):
     assert vocab.token_bytes(0xC3) == b"\xc3" and vocab.token_bytes(ord("A")) == b"A"
 
 
+def test_an_eos_id_past_the_tokenizer_still_gives_bytes_and_grammars():
+    """A config of 262 ids whose eos_token_id is 259 beside a tokenizer of 259 tokens (ids
+    259-261 have no text): token bytes and grammars work, and a finished grammar allows the
+    model's own EOS, which llguidance was not handed."""
+    tok = byte_level_tokenizer()
+    v = TokenVocab(tok, 262, {259}, 262)
+    assert v.token_bytes(ord("A")) == b"A" and v.token_bytes(0xC3) == b"\xc3"
+    c = v.constraint(v.gbnf_grammar('root ::= "ok"'))
+    for t in tok.encode("ok").ids:
+        assert c.allowed()[t]
+        c.consume(t)
+    assert c.finished and set(np.flatnonzero(c.allowed())) == {259}
+
+
 def test_logprobs_are_the_raw_distribution():
     rng = np.random.default_rng(0)
     x = rng.normal(size=50).astype(np.float32) * 3
