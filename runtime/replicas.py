@@ -266,7 +266,9 @@ def serve_replicas(args: argparse.Namespace) -> None:
     options["threads"] = threads
     # chosen once for all replicas, whose caches share this machine's memory (one replica's
     # choice made after another had committed its caches would be smaller)
-    options["ctx"] = chosen_context(args, sequences=args.max_batch * args.replicas)
+    options["ctx"], said = chosen_context(args, sequences=args.max_batch * args.replicas)
+    if said:
+        progress.info(said)
     port = args.port or _free_port(args.host)
     try:
         if started:

@@ -72,18 +72,17 @@ def serve_needs() -> None:
         os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
 
 
-def chosen_context(args, sequences: int, cap: int | None = None) -> int:
-    """--ctx, or where it is not given the model's own context (runtime/context_size.py),
-    said in one line."""
+def chosen_context(args, sequences: int, cap: int | None = None) -> tuple[int, str | None]:
+    """(--ctx, None), or where it is not given the model's own context (runtime/context_size.py)
+    and the line that says so, printed once the rest has started (an option's error first)."""
     if args.ctx is not None:
-        return args.ctx
+        return args.ctx, None
     from qwc.manifest import read_manifest
 
     from .context_size import default_context
 
     ctx, why = default_context(read_manifest(Path(args.model)), sequences, cap)
-    progress.info(f"[qwc] context: {ctx} tokens a sequence ({why}; --ctx sets it)")
-    return ctx
+    return ctx, f"[qwc] context: {ctx} tokens a sequence ({why}; --ctx sets it)"
 
 
 def server_parts(args):
@@ -97,12 +96,15 @@ def server_parts(args):
 
     serve_needs()
     check_draft_options(args)
-    eng = Engine(args.model, ctx=chosen_context(args, sequences=args.max_batch), threads=args.threads)
+    ctx, said = chosen_context(args, sequences=args.max_batch)
+    eng = Engine(args.model, ctx=ctx, threads=args.threads)
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
     adapters(args, eng, name)
     drafts = drafter(args, eng)
     if warning := speculation_warning(eng, drafts):
         print(f"qwc: warning: {warning}", file=sys.stderr, flush=True)
+    if said:
+        progress.info(said)
     sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
                       speculate=drafts, spec_batch=args.spec_batch, mixed_steps=not args.no_mixed_steps)
     return eng, sched, create_app(eng, sched, Settings(model_id=name, api_key=args.api_key)), name
