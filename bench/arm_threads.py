@@ -13,7 +13,7 @@ Per token, at each thread count T (figures of waiting left out, see below):
 - launches: parallel launches (qwc) / barriers (llama.cpp) per token, each a fork-join that
   costs time no instruction count shows (the N2 model below charges it);
 - serial: instructions while one thread works and the others wait;
-- efficiency: work / (T x critical path): 100% when every thread is busy all the time.
+- efficiency: work / (T x critical path): 1 when every thread is busy all the time.
 Per token = the difference of two runs over their difference in tokens, so start-up cancels:
 decode a 4-token prompt with 2 and 6 steps; prefill a PREFILL-token prompt once and twice (each
 from an empty cache: llama-bench -r 1 and -r 2), so the difference is exactly one prefill
@@ -49,7 +49,7 @@ llama.cpp's rows come from its aarch64 builds (--peer-builds: bench/llamacpp.sh 
 Q4_0 repack and OpenMP, and arm64-kleidiai-omp, with Arm's KleidiAI kernels and OpenMP, by
 default; arm64-kleidiai, the same kernels on ggml's own thread pool, on request: its spinning
 workers keep a 128-thread run from finishing under emulation, and at 64 threads its critical
-path is longer than the OpenMP build's, docs/results/arm.md) on a GGUF of the same preset's
+path is longer than the OpenMP build's, docs/history/arm.md) on a GGUF of the same preset's
 weights, every linear and the output Q4_0 (as qwc's default); -t T. In the pool build a thread's epoch advances at
 ggml_barrier, at each copy of it clang inlined into ggml_graph_compute_thread, and at that
 function's entry; the inlined copies' spin loops and the idle workers' polling are waiting. --plot F.png also writes F-n2.png, the model of Neoverse-N2 time

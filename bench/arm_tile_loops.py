@@ -10,7 +10,7 @@ Prints one row per loop holding the GEMM's dot instructions (smmla: 32 multiply-
 16): instructions and cycles per iteration (one block of 32 across the tile) and per
 multiply-add, and the loop's instruction mix. The kernel takes any number of tokens, so every
 tile kind is in it; which tiles a prompt of M tokens runs is the kernel's body
-(kernels/arm/i8mm.py). docs/results/arm.md uses it to choose between tile shapes.
+(kernels/arm/i8mm.py). docs/history/arm.md uses it to choose between tile shapes.
 """
 
 from __future__ import annotations

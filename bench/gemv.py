@@ -19,7 +19,7 @@ the bytes a step must read (every parameter: for a tied model the embedding is t
 plus the K/V cache it attends over), against the same read bandwidth. A run times three
 windows of 64 steps, each after a fresh 512-token prompt, and counts the best, as each reader
 counts its best one-second run (the windows' mean is printed too). On a shared machine one run
-says little (the reference moves by 10% within minutes), so it takes `--runs` runs (3) with the
+says little (the reference moves within minutes), so it takes `--runs` runs (3) with the
 reference measured again after each: every run is held to the higher of the readings just
 before and after it, and the median share is printed with every run's.
 """
@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-# (name, N, K) of the decode GEMVs in one Qwen2.5-0.5B token (24x each but the lm_head).
+# (name, N, K) of the decode GEMVs in one Qwen2.5-0.5B token (each once a layer, but the lm_head).
 SHAPES = [("q_proj", 896, 896), ("k/v_proj", 128, 896), ("o_proj", 896, 896), ("gate/up_proj", 4864, 896),
           ("down_proj", 896, 4864), ("lm_head", 151936, 896)]
 
@@ -197,7 +197,7 @@ def _prefetching_reader(ahead: int, locality: int, streams: int = 1):
 
 
 # (ints ahead, locality, streams) of the prefetching readers: which is fastest depends on what
-# else the shared machine's memory is doing; four streams a thread beat one by 5-10%.
+# else the shared machine's memory is doing; four streams a thread beat one.
 READERS = ((384, 3, 1), (2048, 2, 1), (4096, 2, 1), (256, 3, 2), (128, 3, 4), (256, 3, 4), (2048, 2, 4))
 
 

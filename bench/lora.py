@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/lora.py [--steps 200] [--rank 16] [--lr 4e-4] [--novel prideprejudice] [--rows a,b]
 
-The novel is split by lines: the first 90% is the training text, the last 10% is held out and
+The novel is split by lines: the first nine tenths are the training text, the last tenth is held out and
 scored (perplexity, ctx 512, every whole chunk). Rows, each through `qwc` commands:
   base            the GGUF's weights (Q4_1 dequantized), exported float, onnxruntime
   base-ptq        the base through qwc's best PTQ (`qwc optimize --awq --gptq --lm-head-bits 8`,

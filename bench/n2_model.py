@@ -8,7 +8,7 @@ time per token = max(compute, memory), compute = critical-path instructions x CP
 - CPI: llvm-mca's Neoverse-N2 cycles per instruction of the engine's hottest matrix loop
   (`-mcpu=neoverse-n2 -dispatch=5`: LLVM's N2 model dispatches 10 a cycle where Arm's
   Neoverse-N2 software optimization guide gives 5, LLVM issue 136374), applied to every
-  critical-path instruction (the matrix loops are 80-95% of them);
+  critical-path instruction (the matrix loops are most of them);
 - barrier cost per launch: a parameter, shown at 1, 2 and 5 us (a fork-join across 64-128
   cores costs microseconds; not measurable here);
 - memory (decode): the bytes a token reads (the weights: the artifact's params.bin / the

@@ -15,10 +15,10 @@ steps) to a full model's pp512 and tg128, per engine and thread count:
 - the head (vocab x hidden multiply-adds, once a call) and the layers are split by their
   multiply-adds; the layers' part scales by full / measured layers, the head's by the call's
   tokens (48 / 512 for pp512). Splitting by multiply-adds puts the head's share of a prefill at
-  the GEMM's cost a multiply-add, where its GEMV costs ~3x more: the 7B cut's 48-token prefill
-  gets ~1% of its instructions as head instead of ~3.5%, which the 7x scaling then overstates
+  the GEMM's cost a multiply-add, where its GEMV costs several times more: the 7B cut's 48-token prefill
+  gets a smaller share of its instructions as head than pp512, which the scaling then overstates
   by a few percent, the same for every engine. Attention's growth from 48 to 512 positions
-  (under 1% of a 7B layer's multiply-adds at 256 positions) is left out.
+  (a small share of a 7B layer's multiply-adds at 256 positions) is left out.
 - decode bytes: the run's bytes a token, plus the missing layers' weights at the run's bytes a
   weight.
 - time per token: bench/n2_model.seconds_per_token at a 2 us barrier cost per launch.

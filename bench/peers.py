@@ -226,7 +226,7 @@ def measure(system: str, paths, threads: int, prompts=(128, 512), decode=128, re
     r.prefill(_tokens(16, 9))          # warm-up: first-call initialisation is not speed
     r.reset()
     out = {}
-    for p in prompts:   # the median of `reps` prefills: one 128-token prefill swung by 30%
+    for p in prompts:   # the median of `reps` prefills: one 128-token prefill swung widely
         times = []
         for _ in range(reps):
             r.reset()

@@ -65,7 +65,7 @@ def qwc_gemm(n: int, k: int, m: int, tiles: int, dot: str, target):
 
 def ort_gemm(n: int, k: int, m: int, threads: int):
     """onnxruntime's MatMulNBits at int8 compute (accuracy_level 4), without spinning threads:
-    they would take the cores from the system timed next (qwc's first shape ran at 0.31x)."""
+    they would take the cores from the system timed next (qwc's first shape ran far slower)."""
     return ort_gemv(gemv_graph(n, k, m=m), threads, 4, spin=False)
 
 

@@ -45,7 +45,7 @@ SEPARATE = "qwc, --no-mixed-steps"
 
 # The CPUs this bench may use, taken before its own Engine runs: TVM pins a 1-thread pool's
 # caller to CPU 0, and a server started after that would inherit CPU 0 alone (two Ray replicas
-# and Ray's own processes on one core: 1.3x a token, first read as Ray's cost).
+# and Ray's own processes on one core: slower a token, first read as Ray's cost).
 CPUS = os.sched_getaffinity(0)
 
 
@@ -240,7 +240,7 @@ def main() -> None:
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     from qwc.runtime.engine import Engine
 
-    # In this process, idle while the servers run. The machine's speed moves by 10-30% from
+    # In this process, idle while the servers run. The machine's speed moves a lot from
     # one minute to the next, so the one client's baseline is taken just before and just after
     # its server run.
     eng = Engine(paths["qwc"], ctx=a.ctx, threads=a.threads)

@@ -7,7 +7,7 @@ This fold gives the minimums to the MatMulNBits as its block offsets (graph.BLOC
 the input the W4A8 / W8A8 kernels read beside the scales, one FMA a block by the activations'
 block sum, as Q4_1's c), and removes the term. It runs before the other compile-time
 rewrites, so every fusion that finds a linear by its MatMulNBits sees one node; the format
-stays in the node's metadata (gguf_blocks.MINIMUMS_KEY) for the manifest.
+stays in the node's marker (qwc/weight_formats.py) for the manifest.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from qwc import weight_formats
 from qwc.models.gguf_blocks import minimums_form
 from qwc.passes.graph import BLOCK_OFFSETS_ATTR, Graph, matmul_nbits_dims, new_tensor, tensor_array
 
@@ -66,7 +67,8 @@ def _parts(add, producer, consumers, inits):
     nodes = [producer.get(i) for i in add.input]
     if any(x is None for x in nodes):
         return None
-    mm = next((x for x in nodes if x.op_type == "MatMulNBits" and minimums_form(x) in ("Q5_1", "Q5_K")), None)
+    mm = next((x for x in nodes if x.op_type == "MatMulNBits"
+               and weight_formats.format_of(x).offsets == "minimums"), None)
     term = next((x for x in nodes if x.op_type == "MatMul" and minimums_form(x) == "term"), None)
     if mm is None or term is None or len(consumers.get(mm.output[0], [])) != 1 or term.input[1] not in inits:
         return None

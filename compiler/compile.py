@@ -4,11 +4,9 @@ built module for a target -> the `model.qwc/` artifact."""
 from __future__ import annotations
 
 import time
-from collections import Counter
 from pathlib import Path
 
 import onnx
-from onnx import helper
 
 from qwc import progress
 from qwc.atomic import check_destination
@@ -16,7 +14,7 @@ from qwc.config import load_for_graph, tokenizer_for_graph
 from qwc.errors import QwcError
 from qwc.kv_formats import KV_TYPES
 from qwc.limits import MAX_BATCH, MAX_LORA_RANK
-from qwc.manifest import Functions, LinearFormat, LoraSlots, Quantization
+from qwc.manifest import Functions, LoraSlots, Quantization
 from qwc.passes.last_position import last_position_logits, prefill_nodes, step_nodes
 from qwc.passes.pipeline import load_canonical
 
@@ -24,27 +22,10 @@ from .artifact import foreign_files
 from .targets import TARGET_NAMES, default_act_bits, default_kv_dtype, get_target
 
 
-def weight_formats(model: onnx.ModelProto) -> tuple[tuple[LinearFormat, ...], int | None]:
-    """The linears' formats, each with its count, and the quantized embedding's bits (None: float)."""
-    from qwc.models.gguf_blocks import block_mins_form, minimums_form
-    from qwc.passes.graph import has_zero_points, matmul_nbits_dims
-
-    blocks = Counter()
-    for n in model.graph.node:
-        if n.op_type == "MatMulNBits":
-            _, _, block, bits = matmul_nbits_dims(n)
-            fmt = ("q6_k" if bits == 8 and block == 16 else (minimums_form(n) or "q8_0").lower() if bits == 8
-                   else "q4_0" if not has_zero_points(n) else "q4_k" if block_mins_form(n) == "q4_k" else "q4_1")
-            blocks[(bits, block, fmt)] += 1
-    gbq = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
-    emb_bits = int(next((helper.get_attribute_value(a) for a in gbq[0].attribute if a.name == "bits"), 4)) if gbq else None
-    return tuple(LinearFormat(b, k, f, c) for (b, k, f), c in sorted(blocks.items())), emb_bits
-
-
 def compile_memory(model: onnx.ModelProto) -> int:
     """Estimated peak bytes of compiling the canonical `model`: the weights the graph holds in
     memory (passed to TVM by reference), the largest one on disk read and repacked (two copies),
-    and TVM's import and LLVM's build (measured ~1.4 GB at 1.5B: docs/results.md, "Model sizes")."""
+    and TVM's import and LLVM's build (measured ~1.4 GB at 1.5B: docs/history/README.md, "Model sizes")."""
     from qwc.passes.graph import tensor_bytes
 
     held = sum(len(t.raw_data) for t in model.graph.initializer)
@@ -130,41 +111,16 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     t0 = time.perf_counter()
     model = load_canonical(src, config, options, memory_check=memory_check, by_reference=True)
     times["passes"] = time.perf_counter() - t0
-    from .block_minimums import fold_block_minimums
-    fold_block_minimums(model)   # first: every later rewrite finds a Q5_1 / Q5_K linear as one node
     if max_lora_rank:
         from .lora_slots import check_inputs_unscaled
         check_inputs_unscaled(model, src)
     from qwc import memory_check as mc
     mc.check(f"compiling {Path(src).name}", compile_memory(model), "free some memory", skip=not memory_check,
              held=sum(len(t.raw_data) for t in model.graph.initializer))
-    from .repack_q6_k import is_q6_k, q6_k_linears
-    if any(is_q6_k(n) for n in model.graph.node):   # first: where they become Q8_0, the manifest says so
-        with progress.stage("Q6_K weights for the target's kernels"):
-            q6_k_linears(model, act_bits, target.features)
-    formats, embedding_bits = weight_formats(model)
-    from .repack import float_column_blocks, half_gather_scales, q4_1_block_offsets, q8_0_nibble_halves, repack_weights
-    from .repack_five_bit import five_bit_codes
-    from .repack_q4_k import q4_k_compact
-    from .row_activations import chosen, mark_row_activations
-    row_linears = mark_row_activations(model, act_bits, target.features)   # before repacking: the plain codes
-    if chosen(model):
-        int8 = sum(f.count for f in formats if f.format in ("q4_0", "q8_0"))
-        progress.info(f"[qwc] prefill activations: {row_linears} linears with a scale and zero point a token, "
-                      + (f"the other {int8 - row_linears} Q4_0 / Q8_0 ones in blocks of 32" if row_linears
-                         else f"none on {target.name} (its GEMM has no per-token form): blocks of 32"))
-    with progress.stage("repacking weights for the target's kernels"):
-        q8_0_nibble_halves(model, act_bits, target.features)
-        compact_q4_k, _ = q4_k_compact(model, act_bits, target.features)
-        q4_1_block_offsets(model, act_bits, target.features)
-        five_bit = five_bit_codes(model, act_bits, target.features)
-        repacked = repack_weights(model, act_bits, target.features) + compact_q4_k + five_bit
-        half_gather_scales(model)
-        column_blocks = float_column_blocks(model, target.features)
-    layout = {k: v for k, v in (("row_groups_16", repacked), ("q4_k_compact_scales", compact_q4_k),
-                                ("five_bit_codes", five_bit), ("column_blocks", column_blocks)) if v}
-    quant = Quantization(formats, act_bits, embedding_bits, weight_layout=layout, tuned_kernels=tuned,
-                         row_activations=row_linears)
+    from .pipeline import weights
+    w = weights(model, act_bits, target)
+    quant = Quantization(w.formats, act_bits, w.embedding_bits, weight_layout=w.layout, tuned_kernels=tuned,
+                         row_activations=w.row_linears)
     # `score` keeps every position's logits: the nodes as they are (copies: the rewrites below
     # edit nodes in place). Nodes only; every entry point shares the one model's weights.
     full = onnx.GraphProto()

@@ -158,9 +158,7 @@ class MatMulNBits(F.OnnxOpConverter):
         scales sc, super-block scales d): the activation quantizer (which the fusion passes give
         the RMSNorm or SiLU·mul before it), on x86 the sub-blocks' chain starts, then the matmul
         (x86: with the bias as it stores; ARM: the bias added after)."""
-        from .kernels import act_quant
-        from .kernels.arm import q6_k as arm_q6_k
-        from .kernels.x86 import q6_k
+        from .kernels import act_quant, q6_k_module
 
         if len(w.ty.shape) != 4:
             raise QwcError(f"MatMulNBits {n}x{k}: the Q6_K kernel reads weights repacked into row groups "
@@ -173,8 +171,9 @@ class MatMulNBits(F.OnnxOpConverter):
         arm = q6_k_path(16, 8, _ctx().act_bits, _ctx().features) == "arm"
         layout = "arm" if arm else "plain"   # the "arm" layout at any M: the sdot kernel's
         aq, ad, off = _quantized(bb, a2, k, nb, one_token, layout)
+        q6_k = q6_k_module(kernels_for(_ctx().features).int_dots.q6_k)   # the target's Q6_K kernel module
         if arm:
-            kernel = bb.add_func(arm_q6_k.q6_k_matmul(n, nb), _kname(f"q6_k_matmul_sdot_{n}x{nb}"))
+            kernel = bb.add_func(q6_k.q6_k_matmul(n, nb), _kname(f"q6_k_matmul_sdot_{n}x{nb}"))
             y = bb.emit(relax.call_tir(kernel, [aq, ad, w, sc, d], relax.TensorType(shape=[m, n], dtype="float32")))
             y = bb.emit(relax.op.reshape(y, [*lead, n]))
             return y if bias is None else bb.emit(relax.op.add(y, bias))

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import onnx
 
-from qwc.models.gguf_blocks import block_mins_form
+from qwc import weight_formats
 from qwc.params_at_rest import CHUNK, FREE, ROWS, SUPER, THREADS, stored_nbytes, unpack
 from qwc.passes.graph import Q6_K_ATTR, has_block_offsets
 
@@ -38,7 +38,7 @@ def plan(model: onnx.ModelProto) -> dict[str, dict]:
         if any(a.name == Q6_K_ATTR and a.i for a in node.attribute):
             for name in _names(node.input[1]):
                 out[name] = {"form": "six_bit"}
-        elif has_block_offsets(node) and block_mins_form(node) == "q4_k" and len(node.input) > 3 and node.input[3]:
+        elif has_block_offsets(node) and weight_formats.format_of(node).name == "Q4_K" and len(node.input) > 3 and node.input[3]:
             for scales, offsets in zip(_names(node.input[2]), _names(node.input[3])):
                 out[scales] = {"form": "q4_k_scales"}
                 out[offsets] = {"form": "q4_k_offsets", "scales": scales}

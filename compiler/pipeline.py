@@ -1,5 +1,7 @@
-"""Every Relax pass the compiler runs, in order, in named phases:
+"""Every pass the compiler runs, in order, in named phases:
 
+0. weights: on the ONNX graph, each linear's weights rewritten into the form its target's kernels
+   read, by the rewrites its format's record names (qwc/weight_formats.py: `rewrites`; `weights`);
 1. import: ONNX to Relax with qwc's converters, each emitting its own kernels (frontend.import_graph);
 2. fusions: across the converters' kernels, where one kernel's output feeds the next
    (`fusions`, run by import_graph for each entry point);
@@ -15,7 +17,102 @@ docstring says why it sits where it does.
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
+
 import tvm
+
+from qwc import progress
+
+
+@dataclass
+class WeightsDone:
+    """What phase 0 did, for the manifest: the linears' formats before any rewrite, the quantized
+    embedding's bits, the linears on per-token prefill activations, and the layouts written."""
+    formats: tuple = ()
+    embedding_bits: int | None = None
+    row_linears: int = 0
+    layout: dict = field(default_factory=dict)
+
+
+def weight_rewrites() -> dict:
+    """Phase 0's rewrites by the names the formats' records give them, in the order they run:
+    each takes (model, act_bits, features) and the linears its own test selects (the format,
+    and whether the target has the kernel), returning what it rewrote."""
+    from .block_minimums import fold_block_minimums
+    from .repack import q4_1_block_offsets, q8_0_nibble_halves, repack_weights
+    from .repack_five_bit import five_bit_codes
+    from .repack_q4_k import q4_k_compact
+    from .repack_q6_k import q6_k_linears
+    from .row_activations import mark_row_activations
+
+    return {
+        # first: every later rewrite finds a Q5_1 / Q5_K linear as one node
+        "block_minimums": lambda m, a, f: fold_block_minimums(m),
+        # next: where Q6_K becomes Q8_0, the manifest's formats say so
+        "q6_k_linears": lambda m, a, f: q6_k_linears(m, a, f)[0],
+        "row_activations": mark_row_activations,   # before repacking: it reads the plain codes
+        "q8_0_nibble_halves": q8_0_nibble_halves,
+        "q4_k_compact": lambda m, a, f: q4_k_compact(m, a, f)[0],
+        "q4_1_block_offsets": q4_1_block_offsets,
+        "five_bit_codes": five_bit_codes,
+        "repack_weights": repack_weights,
+    }
+
+
+def linear_formats(model) -> tuple[tuple, int | None]:
+    """The linears' formats (qwc/weight_formats.py), each with its count, and the quantized
+    embedding's bits (None: float)."""
+    from onnx import helper
+
+    from qwc import weight_formats
+    from qwc.manifest import LinearFormat
+    from qwc.passes.graph import matmul_nbits_dims
+
+    blocks = Counter()
+    for n in model.graph.node:
+        if n.op_type == "MatMulNBits":
+            _, _, block, bits = matmul_nbits_dims(n)
+            blocks[(bits, block, weight_formats.format_of(n).name.lower())] += 1
+    gbq = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    emb_bits = int(next((helper.get_attribute_value(a) for a in gbq[0].attribute if a.name == "bits"), 4)) if gbq else None
+    return tuple(LinearFormat(b, k, f, c) for (b, k, f), c in sorted(blocks.items())), emb_bits
+
+
+def weights(model, act_bits: int, target) -> WeightsDone:
+    """Phase 0: the weights phase, on the canonical graph in place."""
+    from .repack import float_column_blocks, half_gather_scales
+    from .row_activations import chosen
+
+    rewrites, done, out = weight_rewrites(), {}, WeightsDone()
+    features = target.features
+    done["block_minimums"] = rewrites["block_minimums"](model, act_bits, features)
+    if _has(model, "Q6_K"):
+        with progress.stage("Q6_K weights for the target's kernels"):
+            done["q6_k_linears"] = rewrites["q6_k_linears"](model, act_bits, features)
+    out.formats, out.embedding_bits = linear_formats(model)
+    done["row_activations"] = out.row_linears = rewrites["row_activations"](model, act_bits, features)
+    if chosen(model):
+        int8 = sum(f.count for f in out.formats if f.format in ("q4_0", "q8_0"))
+        rows = out.row_linears
+        progress.info(f"[qwc] prefill activations: {rows} linears with a scale and zero point a token, "
+                      + (f"the other {int8 - rows} Q4_0 / Q8_0 ones in blocks of 32" if rows
+                         else f"none on {target.name} (its GEMM has no per-token form): blocks of 32"))
+    with progress.stage("repacking weights for the target's kernels"):
+        for name in ("q8_0_nibble_halves", "q4_k_compact", "q4_1_block_offsets", "five_bit_codes", "repack_weights"):
+            done[name] = rewrites[name](model, act_bits, features)
+        half_gather_scales(model)
+        column_blocks = float_column_blocks(model, features)
+    repacked = done["repack_weights"] + done["q4_k_compact"] + done["five_bit_codes"]
+    out.layout = {k: v for k, v in (("row_groups_16", repacked), ("q4_k_compact_scales", done["q4_k_compact"]),
+                                    ("five_bit_codes", done["five_bit_codes"]), ("column_blocks", column_blocks)) if v}
+    return out
+
+
+def _has(model, fmt: str) -> bool:
+    from qwc import weight_formats
+
+    return any(n.op_type == "MatMulNBits" and weight_formats.format_of(n).name == fmt for n in model.graph.node)
 
 
 def fusions(ctx):

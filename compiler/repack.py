@@ -174,7 +174,8 @@ def q4_1_block_offsets(model: onnx.ModelProto, act_bits: int, features) -> int:
     c is not exact in float32 for every block keeps the generic kernels, which read m itself;
     a Q4_K one always converts (the generic kernels know only Q4_1's form), its c within half
     an ulp of m + 8 d. Returns the nodes converted."""
-    from qwc.models.gguf_blocks import block_mins, block_mins_form
+    from qwc import weight_formats
+    from qwc.models.gguf_blocks import block_mins
 
     inits = Graph(model).inits
     count = 0
@@ -182,7 +183,7 @@ def q4_1_block_offsets(model: onnx.ModelProto, act_bits: int, features) -> int:
         if node.op_type != "MatMulNBits" or not has_zero_points(node):
             continue
         _, _, block, bits = matmul_nbits_dims(node)
-        form = block_mins_form(node)
+        form = weight_formats.format_of(node).mins
         if q4_0_path(block, bits, act_bits, features) is None and form == "fp16":
             continue
         if node.input[2] not in inits or node.input[3] not in inits:

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qwc.models.gguf_blocks import minimums_form
+from qwc import weight_formats
 from qwc.passes.graph import (
     BLOCK_OFFSETS_ATTR,
     FIVE_BIT_ATTR,
@@ -55,6 +55,11 @@ def five_bit_codes(model: onnx.ModelProto, act_bits: int, features) -> int:
         if node.op_type != "MatMulNBits" or is_five_bit(node) or has_zero_points(node):
             continue
         k, n, block, bits = matmul_nbits_dims(node)
+        fmt = weight_formats.format_of(node)
+        # Q5_0, Q5_1 and Q5_K by their format; an unmarked graph's Q5_0 is read as Q8_0, and
+        # taken here where its codes fit five bits (the check below), as before markers
+        if "five_bit_codes" not in fmt.rewrites and weight_formats.marked(node) is not None:
+            continue
         if five_bit_path(block, bits, act_bits, features) is None:
             continue
         wname, sname = node.input[1], node.input[2]
@@ -68,7 +73,7 @@ def five_bit_codes(model: onnx.ModelProto, act_bits: int, features) -> int:
         q = u - np.uint8(low)
         w, s = row_groups.pack_five_bit(q, d)
         m = tensor_array(inits[node.input[3]]) if minimums else None
-        compact = compact_scales(d, m, ~q.any(-1)) if minimums_form(node) == "Q5_K" and k % SUPER == 0 else None
+        compact = compact_scales(d, m, ~q.any(-1)) if fmt.name == "Q5_K" and k % SUPER == 0 else None
         if compact is not None:   # Q5_K with the file's factors (kernels/q4_k_scales.py), as compact Q4_K
             s, c = compact
             node.attribute.append(helper.make_attribute(Q4_K_SCALES_ATTR, 1))

@@ -87,14 +87,14 @@ def q4_k_compact(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, 
     """Write each Q4_K MatMulNBits the target's W4A8 kernels take in the compact form, marked
     Q4_K_SCALES_ATTR and BLOCK_OFFSETS_ATTR (repack.py then leaves it alone). Returns (compact,
     left expanded)."""
-    from qwc.models.gguf_blocks import block_mins_form
+    from qwc import weight_formats
 
     graph = Graph(model)
     inits, consumers = graph.inits, graph.consumers
     dots = kernels_for(features).int_dots
     compact = expanded = 0
     for node in model.graph.node:
-        if node.op_type != "MatMulNBits" or not has_zero_points(node) or block_mins_form(node) != "q4_k":
+        if node.op_type != "MatMulNBits" or not has_zero_points(node) or weight_formats.format_of(node).name != "Q4_K":
             continue
         k, n, block, bits = matmul_nbits_dims(node)
         if not dots or not dots.q4_k_compact or q4_0_path(block, bits, act_bits, features) != dots.isa or k % SUPER:

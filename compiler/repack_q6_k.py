@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qwc import progress
+from qwc import progress, weight_formats
 from qwc.passes.graph import Q6_K_ATTR, Graph, matmul_nbits_dims, new_tensor, tensor_array
 
 from .targets import q6_k_path
@@ -32,11 +32,8 @@ ROWS_AT_ONCE = 4096
 
 
 def is_q6_k(node: onnx.NodeProto) -> bool:
-    """A MatMulNBits of Q6_K's sub-blocks: 8-bit codes in blocks of 16."""
-    if node.op_type != "MatMulNBits":
-        return False
-    _, _, block, bits = matmul_nbits_dims(node)
-    return bits == 8 and block == SUB
+    """A MatMulNBits whose weight format is Q6_K (qwc/weight_formats.py)."""
+    return node.op_type == "MatMulNBits" and weight_formats.format_of(node).name == "Q6_K"
 
 
 def pack(u: np.ndarray, s: np.ndarray, isa: str = "x86") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -181,6 +178,7 @@ def q6_k_linears(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, 
             for a in node.attribute:
                 if a.name == "block_size":
                     a.i = 32
+            weight_formats.mark(node, "Q8_0")
             requantized += 1
         for name in old:
             if not any(name in nd.input for nd in model.graph.node):

@@ -2,11 +2,12 @@
 RMSNorm quantizer that reads it (ARM).
 
 A 0.5B's o and down projections have 56 row groups of 16 rows: on a 128-thread server 72
-threads wait while 56 do a whole projection each (results.md, "ARM at 64-128 threads").
+threads wait while 56 do a whole projection each (docs/history/README.md, "ARM at 64-128 threads").
 Both are decode GEMVs with the residual as their bias (compiler/fuse_residual_gemv.py), and
 their output, the residual stream, is read by the next RMSNorm's quantizer
 (compiler/fuse_quantizer_inputs.py). This pass splits such a GEMV's blocks into parts
-(kernels/arm/dotprod.py: block_split; a task a row group and part, the bias in part 0) and
+(the GEMV's kernel module's block_split, kernels/arm/dotprod.py; a task a row group and part,
+the bias in part 0) and
 gives the quantizer the parts: it sums them, writes the sum (the residual stream, which the
 next residual GEMV reads as its bias) and quantizes it, in the launch it had anyway. No
 launch is added and none waits on a reduction.
@@ -20,8 +21,7 @@ from __future__ import annotations
 from tvm import relax
 
 from .fuse_residual_gemv import single_decode_gemv
-from .kernels import act_quant, decode_gemv, gemv_dot, weight_args
-from .kernels.arm.dotprod import block_split
+from .kernels import act_quant, decode_gemv, gemv_dot, kernel_module, weight_args
 from .relax_match import Bindings, binding_pass, call_args, kernel_attr
 
 
@@ -48,7 +48,8 @@ def split_residual_gemv(kname, threads: int):
             if key in done:
                 return done[key]
             n, k, nb = int(out.ty.shape[-1]), int(x.ty.shape[1]), int(args[3].ty.shape[1])
-            split = block_split(n, nb, threads)
+            block_split = getattr(kernel_module(gemv_dot(mod[gv])), "block_split", None)   # the GEMV's module's
+            split = block_split(n, nb, threads) if block_split is not None else 1
             if split == 1 or n != k or any(o.same_as(out) for o, _ in done):
                 return None
             zp, layout, eps = int(mark["zero_point"]), str(mark["layout"]), float(mark["eps"])

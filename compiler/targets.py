@@ -39,9 +39,9 @@ class Target:
         """How the Relax VM runs the entry points between kernels. ARM: "compiled", native code
         instead of the bytecode interpreter. It runs on the calling thread while the others wait,
         which on a 64-128-core server is a large part of a decode step: 0.5B, 0.39M -> 0.16M
-        serial instructions a step under qemu (results.md), for a longer compile (0.5B, 24
+        serial instructions a step under qemu (docs/history/README.md), for a longer compile (0.5B, 24
         layers: 53 -> 190 s, LLVM compiling each entry point as one function). x86 keeps the
-        bytecode: a faster compile, and at its 2-16 threads the VM is ~1% of a step."""
+        bytecode: a faster compile, and at its 2-16 threads the VM is a small part of a step."""
         return "compiled" if self.arch == "aarch64" else "bytecode"
 
 
@@ -156,9 +156,9 @@ class IntDots:
     q6_k: str | None = None
     # llama.cpp's Q4_K in the W4A8 kernels with the file's compact factors (kernels/q4_k_scales.py:
     # 4.625 bits a weight), or expanded to float32 scales and block offsets (6 bits). x86:
-    # compact, its decode memory-bound (0.81-0.85x the time). ARM: expanded, because the
-    # factors' conversions cost the sdot GEMV 40% more decode instructions, the measure the
-    # ARM targets are held to (docs/results/weight-formats.md)
+    # compact, its decode memory-bound (fewer bytes, less time). ARM: expanded, because the
+    # factors' conversions cost the sdot GEMV more decode instructions, the measure the
+    # ARM targets are held to (docs/history/weight-formats.md)
     q4_k_compact: bool = False
     # llama.cpp's Q5_0 / Q5_1 / Q5_K as five-bit codes 0..31 with a block offset each
     # (row_groups.pack_five_bit, compiler/repack_five_bit.py) on the kernel of that name
@@ -168,7 +168,7 @@ class IntDots:
     q5: str | None = None
     # the prefill GEMM's whole 16-token tiles on AMX's tile multiply (kernels/x86/amx.py), the
     # leftover tokens, decode and the batched decode step on the VNNI kernels: a block's 16 x 16
-    # dots are one instruction, so what is left is scaling them (docs/results/x86-speed.md)
+    # dots are one instruction, so what is left is scaling them (docs/history/x86-speed.md)
     amx: bool = False
     # the prefill GEMM's other activation format: one int8 scale and zero point a token
     # (act_quant layout "arm_rows" for smmla, "arm_rows_flat" for sdot; design.md "Two activation
@@ -198,7 +198,7 @@ class Kernels:
     # after the online kernel's, so that their logits are decode's to the bit (design.md, "One
     # arithmetic for a token"). Only where the linears agree to the bit too (x86): on ARM the
     # decode GEMVs' split sums differ from the GEMM's anyway, and the launch lengthened the
-    # mixed step's critical path at 64 threads (docs/results/arm.md).
+    # mixed step's critical path at 64 threads (docs/history/arm.md).
     exact_step_decode: bool = True
 
 
@@ -221,7 +221,7 @@ KERNEL_MODULES = {"vnni": "x86.vnni", "avx2": "x86.vnni", "sdot": "arm.dotprod",
 KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     # Decode attention: three passes on x86, faster than the online kernel at depth; on ARM a
     # task per query head, so the kernels it absorbs are no serial work between launches on a
-    # 64-128-core machine (docs/results/long-context.md, docs/results/arm.md).
+    # 64-128-core machine (docs/history/long-context.md, docs/history/arm.md).
     (frozenset({"dotprod", "i8mm"}), Kernels(_SMMLA, "three_pass_heads", 512, 128, exact_step_decode=False)),
     (frozenset({"dotprod"}), Kernels(_SDOT, "three_pass_heads", 512, 128, exact_step_decode=False)),
     (frozenset({"neon"}), Kernels(None, "three_pass_heads", 512, exact_step_decode=False)),
@@ -298,13 +298,13 @@ def default_kv_dtype(target: Target) -> str:
     """The KV cache's element type where `qwc compile --kv-dtype` is not given: float16 where
     the target widens it in one instruction as it loads (x86 F16C, on every AVX2 CPU; every
     aarch64), else float32. At depth a decode step reads the cache, so half the bytes is the
-    faster step (docs/results.md, "Long context")."""
+    faster step (docs/history/README.md, "Long context")."""
     return "float16" if target.arch == "aarch64" or "avx2" in target.features else "float32"
 
 
 def default_act_bits(features) -> int:
     """8 where the target has an integer dot-product kernel (W4A8, as llama.cpp computes Q4_0;
-    +0.4% perplexity on real weights, docs/design.md), else 32: the float kernel is faster
+    a little perplexity on real weights: docs/figures.md), else 32: the float kernel is faster
     than the generic integer one."""
     return 8 if kernels_for(features).int_dots else 32
 

@@ -16,7 +16,7 @@ The same holds where a shape has symbolic sizes (prefill's and verify's `seq`, d
 `batch`): in one call `seq` has one value, so two views of one storage, offset and shape
 expression are one tensor. Without that, a 2-token verify call of SmolLM2 ran ~3,000 VM
 builtins (a `make_shape` for each view and reshape, the view, its drop) against 511 kernels,
-~20% of the call.
+a visible part of the call (docs/history/arm.md).
 
 It runs after `LowerAllocTensor`, before `KillAfterLastUse` (which then drops each view once,
 after its last layer), on functions without branches (all of qwc's).

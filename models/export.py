@@ -31,7 +31,7 @@ EXTERNAL_DATA_THRESHOLD = 1_900_000_000
 def torch_export_memory(n_params: int) -> int:
     """Estimated peak bytes of exporting a model of `n_params` through torch: the float32 model
     and the exporter's folded, transposed copy of each linear, ~8.8 bytes a parameter measured
-    at 1.5B (docs/results.md, "Model sizes"), and the interpreter."""
+    at 1.5B (docs/history/README.md, "Model sizes"), and the interpreter."""
     return 9 * n_params + 2**30
 
 

@@ -30,7 +30,7 @@ the nibbles are reordered, not changed), float32 scales (each the fp16 d exactly
 codes as uint8 with the default zero point 128 (q + 128; Q5_0's q - 16 + 128, so it runs as
 Q8_0 does), and Q4_1 / Q4_K as float32 zero points, w = d * (q - zp) with zp = -m / d.
 `block_mins` takes m back from (d, zp): for Q4_1 the fp16 nearest -zp * d, for Q4_K -zp * d
-rounded to 17 significant bits (the node's metadata says which: MINS_KEY); `from_gguf`
+rounded to 17 significant bits (the node's format says which: qwc/weight_formats.py); `from_gguf`
 checks that for every block of the file before anything is written. A block with d = 0 (all
 its weights m) is written as d = 1, zp = -m, codes 0: Q4_1's quantizer writes codes 0 there,
 and a Q4_K sub-block's codes of scale 0 weigh nothing.
@@ -40,7 +40,7 @@ are 8-bit codes q + 128 (q in 0..31, so u - 128 = q) with scales d (Q5_1) or d s
 each block's minimum m (Q5_1's fp16 m, Q5_K's -dmin mn: exact in float32) apart, in `minimums`:
 w = d (u - 128) + m. The graph adds m times each block's sum of the activations beside the
 MatMulNBits (models/stream_export.py), which compile time folds into the kernels' block offsets
-(compiler/block_minimums.py); the node's metadata MINIMUMS_KEY names the format.
+(compiler/block_minimums.py); the MatMul of that term is marked MINIMUMS_KEY.
 
 Other GGUF types (IQ, Q2_K, Q3_K) have no kernel here: they are dequantized and quantized again
 to the format the user names (`--requant`, Q8_0 by default: the one that loses least).
@@ -52,16 +52,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qwc import weight_formats
 from qwc.errors import QwcError
 from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 
 BLOCK = 32
 SUPER = 256
-# GGUF type name -> (weights, bytes) a block (a super-block for the K-quants)
-KEPT = {"Q4_0": (BLOCK, 18), "Q4_1": (BLOCK, 20), "Q8_0": (BLOCK, 34), "Q5_0": (BLOCK, 22), "Q5_1": (BLOCK, 24),
-        "Q4_K": (SUPER, 144), "Q5_K": (SUPER, 176), "Q6_K": (SUPER, 210)}
-WITH_MINIMUMS = ("Q5_1", "Q5_K")   # 8-bit codes with block minimums apart (Blocks.minimums)
-Q6_K_BLOCK = 16   # Q6_K's sub-block: the MatMulNBits block_size of its nodes
+# GGUF type name -> (weights, bytes) a block (a super-block for the K-quants): qwc/weight_formats.py's
+KEPT = {f.name: (f.block, f.block_bytes) for f in weight_formats.FORMATS.values()}
+WITH_MINIMUMS = weight_formats.with_offsets("minimums")   # 8-bit codes with block minimums apart (Blocks.minimums)
+Q6_K_BLOCK = weight_formats.get("Q6_K").graph_block   # Q6_K's sub-block: the MatMulNBits block_size of its nodes
 REQUANT_CHOICES = ("q8_0", "q4_0")
 K_MIN_BITS = 17   # significant bits of a Q4_K minimum dmin * mn: an fp16 times a 6-bit integer
 
@@ -80,16 +80,16 @@ class Blocks:
 
     @property
     def bits(self) -> int:
-        return 8 if self.fmt in ("Q8_0", "Q5_0", "Q6_K", *WITH_MINIMUMS) else 4
+        return weight_formats.get(self.fmt).graph_bits
 
     @property
     def block(self) -> int:
-        return Q6_K_BLOCK if self.fmt == "Q6_K" else BLOCK
+        return weight_formats.get(self.fmt).graph_block
 
     @property
     def mins(self) -> str:
         """How m comes back from (d, zp): "fp16" (Q4_1) or "q4_k" (block_mins)."""
-        return "q4_k" if self.fmt == "Q4_K" else "fp16"
+        return weight_formats.get(self.fmt).mins
 
 
 def _halves(raw: np.ndarray, at: int) -> np.ndarray:
@@ -303,10 +303,11 @@ def block_mins(d: np.ndarray, zp: np.ndarray, kind: str = "fp16") -> np.ndarray:
     return np.ldexp(np.rint(np.ldexp(mant, K_MIN_BITS)), exp - K_MIN_BITS).astype(np.float32)
 
 
-# Node metadata of a Q5_1 / Q5_K MatMulNBits (its format: "Q5_1", "Q5_K") and of the MatMul
-# that adds its block minimums beside it ("term"): compiler/block_minimums.py folds the two, and
-# passes/quantize_linears.py leaves the term's float MatMul alone.
-MINIMUMS_KEY = "qwc.block_minimums"
+# Node metadata of the MatMul that adds a Q5_1 / Q5_K linear's block minimums beside it ("term"):
+# compiler/block_minimums.py folds it into the linear, and passes/quantize_linears.py leaves its
+# float MatMul alone. (Graphs written before the formats' markers carried the linear's format
+# under the same key: weight_formats.format_of reads it there.)
+MINIMUMS_KEY = weight_formats.LEGACY_MINIMUMS_KEY
 
 
 def minimums_form(node) -> str | None:
@@ -338,22 +339,6 @@ def minimums_term(x: str, product: str, minimums_t: str, block_shape: str, last_
 def minimums_constants(k: int) -> dict[str, np.ndarray]:
     """minimums_term's two constants for K inputs, by the names the graph writers give them."""
     return {f"block_shape_{k}": np.array([0, 0, k // BLOCK, BLOCK], np.int64), "last_axis": np.array([-1], np.int64)}
-
-
-# Node metadata of a MatMulNBits with float zero points in the canonical graph: its minimums'
-# form for block_mins, absent for Q4_1's ("fp16"). Metadata, not an attribute: onnxruntime
-# refuses attributes MatMulNBits does not define, and ignores metadata.
-MINS_KEY = "qwc.block_mins"
-
-
-def block_mins_form(node) -> str:
-    """A MatMulNBits node's minimums' form (block_mins' `kind`)."""
-    return next((p.value for p in node.metadata_props if p.key == MINS_KEY), "fp16")
-
-
-def set_block_mins_form(node, form: str) -> None:
-    p = node.metadata_props.add()
-    p.key, p.value = MINS_KEY, form
 
 
 def requantize(w: np.ndarray, to: str) -> Blocks:

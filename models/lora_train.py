@@ -145,7 +145,7 @@ def attach_lora(model, source: str, s: LoraSettings):
 def train_memory(cfg, s: LoraSettings) -> int:
     """Estimated peak bytes: the float32 model (and its 4-bit copy's dequantized weights for
     QA-LoRA, which replace it), each layer's saved activations for the backward pass, the logits
-    with their float copy, log-softmax and gradients, and the interpreter (docs/results.md, "Adapters":
+    with their float copy, log-softmax and gradients, and the interpreter (docs/history/README.md, "Adapters":
     measured against it on SmolLM2)."""
     h, i, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     params = v * h * (1 if cfg.tie_word_embeddings else 2) + L * (4 * h * h + 3 * h * i)

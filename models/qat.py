@@ -127,7 +127,7 @@ class QatSettings:
     batch: int = 4
     group_size: int = 32
     quantize_embedding: bool = False
-    fake_quant_after: int | None = None   # None: after 10% of the steps
+    fake_quant_after: int | None = None   # None: after a tenth of the steps
     warmup: int = 10                      # linear learning-rate warm-up steps
     save_every: int = 50
     seed: int = 0

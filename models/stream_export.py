@@ -12,9 +12,9 @@ embedding of a 7B: ~3.3 GB).
 
 A GGUF's quantized weights are written as the canonical graph's ops, not as float:
 MatMulNBits (and GatherBlockQuantized for the embedding) on the file's own blocks where they
-are Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K (models/gguf_blocks.py; a Q4_K node is
-marked with how its minimums come back, gguf_blocks.MINS_KEY; a Q6_K one has 8-bit blocks of 16;
-a Q5_1 / Q5_K one adds its block minimums through a small term beside it), or on
+are Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K (models/gguf_blocks.py; each node marked
+with its format's record, qwc/weight_formats.py; a Q6_K one has 8-bit blocks of 16; a Q5_1 /
+Q5_K one adds its block minimums through a small term beside it), or on
 `--requant`'s blocks for a type qwc has no kernel for. The passes quantize only what is still float, so these reach the artifact
 bit for bit; the graph still runs in onnxruntime.
 
@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from qwc import progress
+from qwc import progress, weight_formats
 from qwc.atomic import publish, staging_dir
 from qwc.config import foreign_graph_files, sidecar_paths
 from qwc.errors import QwcError
@@ -87,39 +87,37 @@ class _Writer:
         self.file.close(sync=True)
 
 
-def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProto:
-    cfg = ckpt.config
-    n_layers, kv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    nodes: list[onnx.NodeProto] = []
+class _GraphBuilder:
+    """The graph's nodes as they are made, each weight written as its node needs it."""
 
-    def node(op, inputs, outputs, name, domain="", **attrs):
-        nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+    def __init__(self, ckpt: Checkpoint, w: _Writer, requant: str):
+        self.ckpt, self.cfg, self.w, self.requant = ckpt, ckpt.config, w, requant
+        self.nodes: list[onnx.NodeProto] = []
+        self.bar = progress.bar(total=len(expected_tensors(self.cfg)), desc="writing weights", unit="tensor")
+        self.constants: set[str] = set()
+        self.formats = Counter()   # what the quantized weights were written as: (GGUF type, kept or written)
+
+    def node(self, op, inputs, outputs, name, domain="", **attrs) -> str:
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
         return outputs[0]
 
-    names = list(expected_tensors(cfg))
-    bar = progress.bar(total=len(names), desc="writing weights", unit="tensor")
-
-    def weight(hf: str, transpose: bool = False) -> str:
-        a = ckpt.tensor(hf)
+    def weight(self, hf: str, transpose: bool = False) -> str:
+        a = self.ckpt.tensor(hf)
         if transpose:
             a = a.T           # nn.Linear's [out, in] -> MatMul's [in, out], as the exporter folds it
-        out = w.add(hf if not transpose else hf + ".T", a)
+        out = self.w.add(hf if not transpose else hf + ".T", a)
         del a
-        bar.update(1)
+        self.bar.update(1)
         return out
 
-    constants: set[str] = set()
-
-    def constant(name: str, a: np.ndarray) -> str:
+    def constant(self, name: str, a: np.ndarray) -> str:
         """A small constant several nodes share, written once."""
-        if name not in constants:
-            constants.add(name)
-            w.add(name, a)
+        if name not in self.constants:
+            self.constants.add(name)
+            self.w.add(name, a)
         return name
 
-    formats = Counter()   # what the quantized weights were written as: (GGUF type, kept or written)
-
-    def blocks(hf: str, embedding: bool = False) -> _Quantized | None:
+    def blocks(self, hf: str, embedding: bool = False) -> _Quantized | None:
         """A GGUF-quantized weight as MatMulNBits inputs: kept as it is, or in `requant` where
         qwc has no kernel for its type. None: a float weight, which the passes quantize. An
         embedding with minimums (GatherBlockQuantized has neither float zero points nor
@@ -127,145 +125,174 @@ def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProt
         [V, K/32, 1] that the gather's d (q - 8) is added to, and a Q5_1 / Q5_K one's
         minimums are those offsets as they are (the gather gives d (u - 128)); tied, the head's
         MatMulNBits shares its bytes, and it is written in `requant`."""
-        kind = ckpt.quant_types.get(hf)
+        kind = self.ckpt.quant_types.get(hf)
         if kind is None:
             return None
-        tied = embedding and cfg.tie_word_embeddings
-        b = ckpt.blocks(hf) if not (tied and kind in ("Q4_1", "Q4_K", *gguf_blocks.WITH_MINIMUMS)) else None
+        tied = embedding and self.cfg.tie_word_embeddings
+        b = self.ckpt.blocks(hf) if not (tied and kind in ("Q4_1", "Q4_K", *gguf_blocks.WITH_MINIMUMS)) else None
         if b is None:
-            b = gguf_blocks.requantize(ckpt.tensor(hf), requant)
-        formats[kind, b.fmt] += 1
+            b = gguf_blocks.requantize(self.ckpt.tensor(hf), self.requant)
+        self.formats[kind, b.fmt] += 1
         stem = hf.removesuffix(".weight")
-        codes, scales = w.add(stem + ".qweight", b.codes), w.add(stem + ".scales", b.scales)
-        out = _Quantized(codes, scales, *_minimums_inputs(w, b, stem, embedding), b.fmt)
+        codes, scales = self.w.add(stem + ".qweight", b.codes), self.w.add(stem + ".scales", b.scales)
+        out = _Quantized(codes, scales, *_minimums_inputs(self.w, b, stem, embedding), b.fmt)
         del b
-        bar.update(1)
+        self.bar.update(1)
         return out
 
-    def matmul_nbits(x: str, q: _Quantized, n: int, k: int, out: str, path: str, bias: str | None = None) -> str:
+    def matmul_nbits(self, x: str, q: _Quantized, n: int, k: int, out: str, path: str, bias: str | None = None) -> str:
         inputs = [x, q.codes, q.scales] + ([q.zero_points] if q.zero_points or bias else []) + (["", bias] if bias else [])
-        y = node("MatMulNBits", inputs, [out if not q.minimums else out + ".codes_term"], path + "/MatMulNBits",
-                 domain=MS_DOMAIN, K=k, N=n, bits=q.bits, block_size=q.block)
-        if q.zero_points and q.mins != "fp16":
-            gguf_blocks.set_block_mins_form(nodes[-1], q.mins)
+        y = self.node("MatMulNBits", inputs, [out if not q.minimums else out + ".codes_term"], path + "/MatMulNBits",
+                      domain=MS_DOMAIN, K=k, N=n, bits=q.bits, block_size=q.block)
+        weight_formats.mark(self.nodes[-1], q.fmt)
         if not q.minimums:
             return y
         # Q5_1 / Q5_K: plus each block's minimum times the block's sum of x (onnxruntime's
         # MatMulNBits takes no float zero points on 8-bit codes); compile time folds these
         # nodes into the kernels' block offsets (compiler/block_minimums.py)
-        gguf_blocks.set_minimums_form(nodes[-1], q.fmt)
-        shape, axis = (constant(name, a) for name, a in gguf_blocks.minimums_constants(k).items())
-        nodes.extend(gguf_blocks.minimums_term(x, y, q.minimums, shape, axis, out, path + "/block_minimums"))
+        shape, axis = (self.constant(name, a) for name, a in gguf_blocks.minimums_constants(k).items())
+        self.nodes.extend(gguf_blocks.minimums_term(x, y, q.minimums, shape, axis, out, path + "/block_minimums"))
         return out
 
-    def linear(x: str, module: str, bias: bool = False) -> str:
+    def linear(self, x: str, module: str, bias: bool = False) -> str:
         path = "/" + module.replace(".", "/")
         # a Llama file has no q/k/v biases (Checkpoint.zero_biases): no add of zeros, which
         # the few-token GEMMs would run as kernels of their own (3 launches a layer)
-        bias = bias and not (ckpt.zero_biases and module + ".bias" not in ckpt.shapes)
-        q = blocks(module + ".weight")
+        bias = bias and not (self.ckpt.zero_biases and module + ".bias" not in self.ckpt.shapes)
+        q = self.blocks(module + ".weight")
         if q is not None:
-            n, k = ckpt.shapes[module + ".weight"]
-            return matmul_nbits(x, q, n, k, module + ".out", path, weight(module + ".bias") if bias else None)
-        y = node("MatMul", [x, weight(module + ".weight", transpose=True)], [module + ".out"], path + "/MatMul")
+            n, k = self.ckpt.shapes[module + ".weight"]
+            return self.matmul_nbits(x, q, n, k, module + ".out", path, self.weight(module + ".bias") if bias else None)
+        y = self.node("MatMul", [x, self.weight(module + ".weight", transpose=True)], [module + ".out"], path + "/MatMul")
         if bias:
-            y = node("Add", [y, weight(module + ".bias")], [module + ".biased"], path + "/Add")
+            y = self.node("Add", [y, self.weight(module + ".bias")], [module + ".biased"], path + "/Add")
         return y
 
-    embed_q = blocks("model.embed_tokens.weight", embedding=True)
-    if embed_q is None:
-        embed = weight("model.embed_tokens.weight")
-        hidden = node("Gather", [embed, "input_ids"], ["embedding"], "/model/embed_tokens/Gather", axis=0)
-    else:   # as passes/quantize_embedding.py writes it
-        codes, scales, offsets, bits, block = embed_q.codes, embed_q.scales, embed_q.zero_points, embed_q.bits, embed_q.block
-        scales3 = node("Unsqueeze", [scales, w.add("axis_two", np.array([2], np.int64))],
+    def embedding(self) -> tuple[str, str | None, _Quantized | None]:
+        """(the hidden states, the float table's name or None, the quantized table or None)."""
+        embed_q = self.blocks("model.embed_tokens.weight", embedding=True)
+        if embed_q is None:
+            embed = self.weight("model.embed_tokens.weight")
+            return self.node("Gather", [embed, "input_ids"], ["embedding"], "/model/embed_tokens/Gather", axis=0), \
+                embed, None
+        # as passes/quantize_embedding.py writes it
+        q, node = embed_q, self.node
+        scales3 = node("Unsqueeze", [q.scales, self.w.add("axis_two", np.array([2], np.int64))],
                        ["embed_tokens.scales3"], "/model/embed_tokens/Unsqueeze")
-        blocks_out = node("GatherBlockQuantized", [codes, "input_ids", scales3], ["embedding_blocks"],
+        blocks_out = node("GatherBlockQuantized", [q.codes, "input_ids", scales3], ["embedding_blocks"],
                           "/model/embed_tokens/GatherBlockQuantized", domain=MS_DOMAIN, gather_axis=0,
-                          quantize_axis=2, block_size=block, bits=bits)
-        if offsets:   # an untied Q4_1 / Q4_K table: d (q - 8) + c (Q5_1 / Q5_K: d q + m), a block's c added to its 32
+                          quantize_axis=2, block_size=q.block, bits=q.bits)
+        if q.zero_points:   # an untied Q4_1 / Q4_K table: d (q - 8) + c (Q5_1 / Q5_K: d q + m), a block's c added to its 32
             # (c [V, K/32, 1]: three axes, so that passes/quantize_embedding.py, which takes a
             # float Gather of a [V, H] table for the embedding, leaves this one alone)
-            row_offsets = node("Gather", [offsets, "input_ids"], ["embedding_block_offsets"],
+            row_offsets = node("Gather", [q.zero_points, "input_ids"], ["embedding_block_offsets"],
                                "/model/embed_tokens/Gather_offsets", axis=0)
             blocks_out = node("Add", [blocks_out, row_offsets], ["embedding_blocks_offset"],
                               "/model/embed_tokens/Add_offsets")
-        hidden = node("Reshape", [blocks_out, w.add("embedding_shape", np.array([0, 0, cfg.hidden_size], np.int64))],
-                      ["embedding"], "/model/embed_tokens/Reshape")
-    cos, sin = model_rotary_caches(cfg)
-    cos, sin = w.add("rotary_cos_cache", cos), w.add("rotary_sin_cache", sin)
-    # GroupQueryAttention's lengths: seqlens_k = sum(mask) - 1, total = mask's width (int32).
-    one = w.add("one", np.array([1], np.int64))
-    msum = node("ReduceSum", ["attention_mask", one], ["mask_sum"], "/lengths/ReduceSum", keepdims=0)
-    seqlens = node("Cast", [node("Sub", [msum, one], ["seqlens_k_i64"], "/lengths/Sub")], ["seqlens_k"],
-                   "/lengths/Cast", to=TensorProto.INT32)
-    total = node("Cast", [node("Shape", ["attention_mask"], ["total_seq_len_i64"], "/lengths/Shape", start=1, end=2)],
-                 ["total_seq_len"], "/lengths/Cast_1", to=TensorProto.INT32)
+        shape = self.w.add("embedding_shape", np.array([0, 0, self.cfg.hidden_size], np.int64))
+        return node("Reshape", [blocks_out, shape], ["embedding"], "/model/embed_tokens/Reshape"), None, embed_q
 
-    eps = float(cfg.rms_norm_eps)
-    residual = None   # the running sum; None before the first layer
-    branch = None     # the last sublayer's output, added to it by the next norm
-    for i in range(n_layers):
-        p = f"model.layers.{i}"
-        gain = weight(f"{p}.input_layernorm.weight")
-        if residual is None:
-            x = node("SimplifiedLayerNormalization", [hidden, gain], [f"{p}.in_norm"],
-                     f"/{p.replace('.', '/')}/input_layernorm", axis=-1, epsilon=eps, stash_type=1)
-            residual = hidden
-        else:
-            x, residual = _skip_norm(node, residual, branch, gain, p, "input_layernorm", eps)
-        q = linear(x, f"{p}.self_attn.q_proj", bias=True)
-        k = linear(x, f"{p}.self_attn.k_proj", bias=True)
-        v = linear(x, f"{p}.self_attn.v_proj", bias=True)
+    def lengths(self) -> tuple[str, str]:
+        """GroupQueryAttention's lengths: seqlens_k = sum(mask) - 1, total = mask's width (int32)."""
+        node, one = self.node, self.w.add("one", np.array([1], np.int64))
+        msum = node("ReduceSum", ["attention_mask", one], ["mask_sum"], "/lengths/ReduceSum", keepdims=0)
+        seqlens = node("Cast", [node("Sub", [msum, one], ["seqlens_k_i64"], "/lengths/Sub")], ["seqlens_k"],
+                       "/lengths/Cast", to=TensorProto.INT32)
+        total = node("Cast", [node("Shape", ["attention_mask"], ["total_seq_len_i64"], "/lengths/Shape", start=1, end=2)],
+                     ["total_seq_len"], "/lengths/Cast_1", to=TensorProto.INT32)
+        return seqlens, total
+
+    def layer(self, i: int, x: str, rotary: tuple[str, str], lengths: tuple[str, str], residual: str) -> tuple[str, str]:
+        """Layer i from its normed input `x`: (the MLP's output, the running sum after attention)."""
+        cfg, node, p = self.cfg, self.node, f"model.layers.{i}"
+        cos, sin = rotary
+        q = self.linear(x, f"{p}.self_attn.q_proj", bias=True)
+        k = self.linear(x, f"{p}.self_attn.k_proj", bias=True)
+        v = self.linear(x, f"{p}.self_attn.v_proj", bias=True)
         pp = "/" + p.replace(".", "/") + "/self_attn"
         k = node("RotaryEmbedding", [k, "position_ids", cos, sin], [f"{p}.k_rot"], pp + "/k_rotary",
-                 domain=MS_DOMAIN, interleaved=0, num_heads=kv)
+                 domain=MS_DOMAIN, interleaved=0, num_heads=cfg.num_key_value_heads)
         q = node("RotaryEmbedding", [q, "position_ids", cos, sin], [f"{p}.q_rot"], pp + "/q_rotary",
                  domain=MS_DOMAIN, interleaved=0, num_heads=cfg.num_attention_heads)
         attn = node("GroupQueryAttention",
-                    [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total],
+                    [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", *lengths],
                     [f"{p}.attn", f"present.{i}.key", f"present.{i}.value"], pp + "/GroupQueryAttention",
-                    domain=MS_DOMAIN, kv_num_heads=kv, num_heads=cfg.num_attention_heads)
-        o = linear(attn, f"{p}.self_attn.o_proj")
-        x, residual = _skip_norm(node, residual, o, weight(f"{p}.post_attention_layernorm.weight"),
-                                 p, "post_attention_layernorm", eps)
-        gate = linear(x, f"{p}.mlp.gate_proj")
-        silu = node("Mul", [gate, node("Sigmoid", [gate], [f"{p}.gate_sigmoid"], f"/{p.replace('.', '/')}/mlp/Sigmoid")],
-                    [f"{p}.silu"], f"/{p.replace('.', '/')}/mlp/Mul")
-        up = linear(x, f"{p}.mlp.up_proj")
-        act = node("Mul", [silu, up], [f"{p}.act"], f"/{p.replace('.', '/')}/mlp/Mul_1")
-        branch = linear(act, f"{p}.mlp.down_proj")
-    x, _ = _skip_norm(node, residual, branch, weight("model.norm.weight"), "model", "norm", eps)
-    if cfg.tie_word_embeddings and embed_q is not None:
-        matmul_nbits(x, embed_q, cfg.vocab_size, cfg.hidden_size, "logits", "/lm_head")
-    elif not cfg.tie_word_embeddings and (head_q := blocks("lm_head.weight")) is not None:
-        matmul_nbits(x, head_q, cfg.vocab_size, cfg.hidden_size, "logits", "/lm_head")
-    elif cfg.tie_word_embeddings:
-        head = node("Transpose", [embed], ["lm_head.weight.T"], "/lm_head/Transpose", perm=[1, 0])
-        node("MatMul", [x, head], ["logits"], "/lm_head/MatMul")
-    else:
-        node("MatMul", [x, weight("lm_head.weight", transpose=True)], ["logits"], "/lm_head/MatMul")
-    bar.close()
-    if formats:
-        said = ", ".join(f"{c} {a}" + (f" -> {b}" if a != b else _EXACT_AS.get(a, "")) for (a, b), c in sorted(formats.items()))
-        progress.info(f"[qwc] quantized weights as the file gives them: {said}"
-                      + ("" if all(a == b for a, b in formats) else f" (--requant {requant})"))
+                    domain=MS_DOMAIN, kv_num_heads=cfg.num_key_value_heads, num_heads=cfg.num_attention_heads)
+        o = self.linear(attn, f"{p}.self_attn.o_proj")
+        x, residual = _skip_norm(node, residual, o, self.weight(f"{p}.post_attention_layernorm.weight"),
+                                 p, "post_attention_layernorm", float(cfg.rms_norm_eps))
+        mlp = f"/{p.replace('.', '/')}/mlp"
+        gate = self.linear(x, f"{p}.mlp.gate_proj")
+        silu = node("Mul", [gate, node("Sigmoid", [gate], [f"{p}.gate_sigmoid"], mlp + "/Sigmoid")],
+                    [f"{p}.silu"], mlp + "/Mul")
+        up = self.linear(x, f"{p}.mlp.up_proj")
+        act = node("Mul", [silu, up], [f"{p}.act"], mlp + "/Mul_1")
+        return self.linear(act, f"{p}.mlp.down_proj"), residual
 
-    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
-              helper.make_tensor_value_info("attention_mask", i64, ["batch", "total"]),
-              helper.make_tensor_value_info("position_ids", i64, ["batch", "seq"])]
-    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "seq", cfg.vocab_size])]
-    for i in range(n_layers):
-        for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, ["batch", kv, "cache_len", hd]))
-            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, ["batch", kv, "present_len", hd]))
-    graph = helper.make_graph(nodes, "qwen2", inputs, outputs, initializer=w.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-                              producer_name="qwc", ir_version=10)
-    # passes/pipeline.py: STREAM_EXPORT_KEY (models/ does not import passes/)
-    helper.set_model_props(model, {"qwc.stream_export": "1"})
-    return model
+    def lm_head(self, x: str, embed: str | None, embed_q: _Quantized | None) -> None:
+        cfg, node = self.cfg, self.node
+        if cfg.tie_word_embeddings and embed_q is not None:
+            self.matmul_nbits(x, embed_q, cfg.vocab_size, cfg.hidden_size, "logits", "/lm_head")
+        elif not cfg.tie_word_embeddings and (head_q := self.blocks("lm_head.weight")) is not None:
+            self.matmul_nbits(x, head_q, cfg.vocab_size, cfg.hidden_size, "logits", "/lm_head")
+        elif cfg.tie_word_embeddings:
+            head = node("Transpose", [embed], ["lm_head.weight.T"], "/lm_head/Transpose", perm=[1, 0])
+            node("MatMul", [x, head], ["logits"], "/lm_head/MatMul")
+        else:
+            node("MatMul", [x, self.weight("lm_head.weight", transpose=True)], ["logits"], "/lm_head/MatMul")
+
+    def report(self) -> None:
+        if self.formats:
+            said = ", ".join(f"{c} {a}" + (f" -> {b}" if a != b else _EXACT_AS.get(a, ""))
+                             for (a, b), c in sorted(self.formats.items()))
+            progress.info(f"[qwc] quantized weights as the file gives them: {said}"
+                          + ("" if all(a == b for a, b in self.formats) else f" (--requant {self.requant})"))
+
+    def model(self) -> onnx.ModelProto:
+        cfg, kv, hd = self.cfg, self.cfg.num_key_value_heads, self.cfg.head_dim
+        f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+        inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
+                  helper.make_tensor_value_info("attention_mask", i64, ["batch", "total"]),
+                  helper.make_tensor_value_info("position_ids", i64, ["batch", "seq"])]
+        outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "seq", cfg.vocab_size])]
+        for i in range(cfg.num_hidden_layers):
+            for kind in ("key", "value"):
+                inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32,
+                                                            ["batch", kv, "cache_len", hd]))
+                outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32,
+                                                             ["batch", kv, "present_len", hd]))
+        graph = helper.make_graph(self.nodes, "qwen2", inputs, outputs, initializer=self.w.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+                                  producer_name="qwc", ir_version=10)
+        # passes/pipeline.py: STREAM_EXPORT_KEY (models/ does not import passes/)
+        helper.set_model_props(model, {"qwc.stream_export": "1"})
+        return model
+
+
+def build(ckpt: Checkpoint, w: _Writer, requant: str = "q8_0") -> onnx.ModelProto:
+    """The whole graph, in the order the torch exporter's fused graph has it."""
+    g, cfg = _GraphBuilder(ckpt, w, requant), ckpt.config
+    hidden, embed, embed_q = g.embedding()
+    cos, sin = model_rotary_caches(cfg)
+    rotary = (w.add("rotary_cos_cache", cos), w.add("rotary_sin_cache", sin))
+    lengths = g.lengths()
+    eps = float(cfg.rms_norm_eps)
+    residual, branch = None, None   # the running sum (None before the first layer); the last sublayer's output
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        gain = g.weight(f"{p}.input_layernorm.weight")
+        if residual is None:
+            x = g.node("SimplifiedLayerNormalization", [hidden, gain], [f"{p}.in_norm"],
+                       f"/{p.replace('.', '/')}/input_layernorm", axis=-1, epsilon=eps, stash_type=1)
+            residual = hidden
+        else:
+            x, residual = _skip_norm(g.node, residual, branch, gain, p, "input_layernorm", eps)
+        branch, residual = g.layer(i, x, rotary, lengths, residual)
+    x, _ = _skip_norm(g.node, residual, branch, g.weight("model.norm.weight"), "model", "norm", eps)
+    g.lm_head(x, embed, embed_q)
+    g.bar.close()
+    g.report()
+    return g.model()
 
 
 def _minimums_inputs(w: _Writer, b: gguf_blocks.Blocks, stem: str, embedding: bool) -> tuple[str, int, str, int, str]:

@@ -40,7 +40,7 @@ from .graph import ROW_ACTIVATIONS_KEY, Graph, has_zero_points, matmul_nbits_dim
 MODES = ("block", "row", "auto")
 # Rows where a linear's error in them exceeds its block error by at most this (relative-error
 # units): on SmolLM2 / Austen it kept the all-block perplexity with half the multiply-adds on
-# rows, where 0.02 lost 1.2% (docs/results/accuracy.md)
+# rows, where 0.02 lost perplexity (docs/history/accuracy.md)
 ROW_MARGIN = 0.01
 WINDOW = 512        # tokens a calibration prefill
 SAMPLE_EVERY = 4    # of each window's tokens, every 4th measures the errors (a 7B's linears in numpy)

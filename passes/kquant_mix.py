@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import re
 
+from qwc import weight_formats
+
 FORMATS = ("q4_0", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k")
 SUPER = 256   # a K-quant super-block
-# bits a weight of each format, with its scales (the summary's bits-per-weight figure)
-BITS = {"Q4_K": 4.5, "Q5_K": 5.5, "Q5_0": 5.5, "Q5_1": 6.0, "Q6_K": 6.5625, "Q8_0": 8.5}
-# a super-block format's own fallback where rows are not whole super-blocks (llama.cpp's)
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+# bits a weight of each format the mixes write, with its scales (the summary's bits-per-weight
+# figure), and a super-block format's own fallback where rows are not whole super-blocks
+# (llama.cpp's): qwc/weight_formats.py's records
+BITS = {f.name: f.bits_per_weight for f in weight_formats.FORMATS.values() if f.quantizer or f.name == "Q8_0"}
+FALLBACK = {f.name: f.fallback for f in weight_formats.FORMATS.values() if f.fallback}
 
 
 def more_bits(layer: int, layers: int) -> bool:

@@ -17,7 +17,7 @@ class PassOptions:
     q8: list[str] = field(default_factory=list)   # fnmatch patterns of linears made Q8_0 at --bits 4
     # Fold each RMSNorm gain into the linears after it. Off by default: for post-training
     # quantization it spreads the gain's outliers over every Q4_0 block (a worse perplexity on
-    # SmolLM2, docs/results/accuracy.md); the compiled norm applies the gain for free inside
+    # SmolLM2, docs/history/accuracy.md); the compiled norm applies the gain for free inside
     # the activation quantizer. A QAT checkpoint's gains are already folded (all ones).
     fold_norm_gains: bool = False
     untie_lm_head: bool = False         # with fold_norm_gains: the lm_head's own weight, so the final norm folds

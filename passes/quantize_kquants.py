@@ -76,9 +76,8 @@ def _quantize(g: Graph, model: onnx.ModelProto, todo: list, options: PassOptions
         packed = g.add_init(b.codes, f"{name}.qweight")
         scales = g.add_init(b.scales, f"{name}.scales")
         zp = g.add_init(b.zero_points, f"{name}.zero_points") if b.zero_points is not None else None
-        node = emit_matmul_nbits(g, n, w, b.block, name, packed=packed, scales=scales, bits=b.bits, zero_points=zp)
-        if zp is not None and b.mins != "fp16":
-            gguf_blocks.set_block_mins_form(node, b.mins)
+        node = emit_matmul_nbits(g, n, w, b.block, name, packed=packed, scales=scales, bits=b.bits, zero_points=zp,
+                                 fmt=b.fmt)
         if b.minimums is not None:
             _add_minimums_term(g, node, b, name)
         counts[fmt] = counts.get(fmt, 0) + 1
@@ -103,7 +102,6 @@ def _add_minimums_term(g: Graph, node: onnx.NodeProto, b: gguf_blocks.Blocks, na
     out, k = node.output[0], b.codes.shape[1] * gguf_blocks.BLOCK
     node.output[0] = out + ".codes_term"
     g.producer[node.output[0]] = node
-    gguf_blocks.set_minimums_form(node, b.fmt)
     minimums_t = g.add_init(np.ascontiguousarray(b.minimums.T), f"{name}.block_minimums.T")
     shape, axis = (g.inits[c].name if c in g.inits else g.add_init(a, c)
                    for c, a in gguf_blocks.minimums_constants(k).items())

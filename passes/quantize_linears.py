@@ -17,6 +17,7 @@ import fnmatch
 import numpy as np
 import onnx
 
+from qwc import weight_formats
 from qwc.errors import QwcError
 from qwc.models.gguf_blocks import minimums_form
 from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0, row_chunks
@@ -64,10 +65,11 @@ def linears_to_quantize(g: Graph, options: PassOptions) -> list[tuple[onnx.NodeP
 
 def emit_matmul_nbits(g: Graph, n: onnx.NodeProto, w_nk: np.ndarray, block: int, name: str,
                       packed: str | None = None, scales: str | None = None, bits: int = 4,
-                      zero_points: str | None = None) -> onnx.NodeProto:
+                      zero_points: str | None = None, fmt: str | None = None) -> onnx.NodeProto:
     """Replace MatMul node `n` (weight given as [N, K]) by MatMulNBits, folding a constant bias
-    Add that follows it. `packed`/`scales` (and `zero_points`: float ones, Q4_1 / Q4_K) reuse
-    already-quantized initializers."""
+    Add that follows it, marked with its weight format `fmt` (qwc/weight_formats.py; default
+    Q8_0 for 8 bits, else Q4_0). `packed`/`scales` (and `zero_points`: float ones, Q4_1 /
+    Q4_K) reuse already-quantized initializers."""
     nn, k = w_nk.shape
     if packed is None:
         check_quantizable(w_nk, name)
@@ -89,8 +91,10 @@ def emit_matmul_nbits(g: Graph, n: onnx.NodeProto, w_nk: np.ndarray, block: int,
             g.remove_node(add)
             out = add.output[0]
     g.remove_node(n)
-    return g.node("MatMulNBits", inputs, [out], name=g.fresh(name + ".MatMulNBits"), domain=MS_DOMAIN,
+    node = g.node("MatMulNBits", inputs, [out], name=g.fresh(name + ".MatMulNBits"), domain=MS_DOMAIN,
                   K=k, N=nn, bits=bits, block_size=block)
+    weight_formats.mark(node, fmt or ("Q8_0" if bits == 8 else "Q4_0"))
+    return node
 
 
 F16_MAX_SCALE = 65504.0   # Q4_0's block scale is a float16

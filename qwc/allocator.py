@@ -23,7 +23,7 @@ import sys
 # Not glibc's maximum (65535): a block freed on another thread than the one that allocated it
 # stays in the freeing thread's cache, so with no bound a server whose threads pass objects
 # along (the grammar worker's masks, the event loop's requests) grew with every tool-call
-# request for good (bench/soak.py; docs/results/reliability.md); 512 a size holds a step's
+# request for good (bench/soak.py; docs/history/reliability.md); 512 a size holds a step's
 # objects, and still keeps up to 512 a size of what other threads free (a bounded hoard, but
 # it grew a structured-output server for minutes on x86, where it buys nothing).
 TUNABLE = "glibc.malloc.tcache_count=512"

@@ -109,5 +109,5 @@ def usable_cpus() -> int:
 
 def max_threads() -> int:
     """The most worker threads qwc starts. TVM's pool spins while it waits, so every thread past
-    the cores slows a step down (16 threads on 2 cores: 9x slower; 256 never finish)."""
+    the cores slows a step down (16 threads on 2 cores: many times slower; 256 never finish)."""
     return max(8, 4 * usable_cpus())

@@ -9,7 +9,7 @@ MAX_BATCH = 256   # `qwc compile --max-batch`: sequences one batched decode step
 # `--draft-max`'s default: tokens a speculative draft proposes at most. With the token before it
 # a verify call then has 8 tokens, the most the x86 GEMM takes in decode's streams (x86/vnni.py:
 # FEW_TOKENS); a ninth token puts the call on prefill's tiles, which cost a step more
-# (docs/results/serving.md has the costs).
+# (docs/history/serving.md has the costs).
 DRAFT_MAX = 7
 
 

@@ -1,7 +1,7 @@
 """Refuse a stage, in one line, when its estimated peak memory exceeds what the machine has.
 
 Without it a 3B export was killed by the OOM killer after a minute, with no message. Each
-stage estimates its peak from the model's shapes (the figures are measured: docs/results.md,
+stage estimates its peak from the model's shapes (the figures are measured: docs/history/README.md,
 "Model sizes") and compares it with the memory available now: MemAvailable, capped by the
 cgroup's limit when the process runs in a container. The error names both figures and the
 option that lowers the need; `--no-memory-check` skips the check (swap, an estimate that is

@@ -30,7 +30,7 @@ def _blocks(w: np.ndarray, block: int) -> np.ndarray:
 
 
 # Rows are quantized in chunks of about this many elements: the arithmetic's float32
-# temporaries are ~4x the chunk, not ~4x the weight (a 7B's embedding is 545M elements).
+# temporaries are a few times the chunk, not a few times the weight (a 7B's embedding is 545M elements).
 CHUNK_ELEMENTS = 1 << 24
 
 

@@ -3,7 +3,7 @@
 A decode step streams every weight once (~290 MB for Qwen2.5-0.5B). In 4 KiB pages that is
 ~70,000 TLB misses a step, and the GEMVs' prefetches run into page walks; one anonymous
 mapping advised MADV_HUGEPAGE is served in 2 MiB pages wherever the kernel's THP setting is
-"always" or "madvise" (Debian's default): decode +5-12% on the 0.5B shape (docs/design.md).
+"always" or "madvise" (Debian's default): a faster decode (docs/history/x86-speed.md).
 Where huge pages are unavailable the mapping is plain memory and everything works the same.
 
 Each array is a 64-byte aligned slice of the mapping (TVM takes foreign memory only so

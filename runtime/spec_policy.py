@@ -7,7 +7,7 @@ it) took longer a cache position than a decode step takes stops drafting for a n
 that doubles with each such call (up to SPEC_BACKOFF's last figure), then tries again: what is
 worth drafting changes along a reply (a quote, then free text). The waits are short and judged
 on the last call alone, because a reply that copies does so in bursts, and a miss just before a
-burst would cost the whole burst (bench/speculate.py measured the alternatives; docs/results.md).
+burst would cost the whole burst (bench/speculate.py measured the alternatives; docs/history/README.md).
 
 What a verify call costs grows with its length at a rate that depends on the model and the
 machine, with a jump where a call leaves the decode kernels' streams. So the drafter's own

@@ -21,7 +21,7 @@ from qwc.limits import DRAFT_MAX
 
 # A verify call of k + 1 tokens costs more than a decode step and grows with k, slowly until
 # the ninth token leaves decode's streams for prefill's tiles, hence DRAFT_MAX (qwc/limits.py).
-# So a draft pays only where its tokens are often right (docs/results/serving.md, "Prompt
+# So a draft pays only where its tokens are often right (docs/history/serving.md, "Prompt
 # lookup").
 NGRAM_MAX = 4      # the longest context suffix looked up first
 NGRAM_MIN = 3      # the shortest (2-grams matched more often and were right less often, in a trial on SmolLM2)

@@ -106,3 +106,52 @@ def test_every_link_and_its_anchor_resolves():
             if f not in headings or (anchor and anchor not in headings[f]):
                 bad.append(f"{doc.name} -> {target}#{anchor}")
     assert bad == []
+
+
+# A measured figure in prose: a ratio or a share ("1.34x", "0.78-0.86x", "40%"); "4x8" and
+# "0x10" are shapes and numbers, not figures
+PROSE_FIGURE = re.compile(r"(?<![\w.])-?\d[\d,.]*(?:-\d[\d,.]*)?(?:x|%)(?!\w)")
+CODE_FOLDERS = ("qwc", "models", "passes", "compiler", "runtime", "eval", "bench", "scripts")
+DESIGN_LINES = 600
+
+
+def code_prose(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and docstring in `source`."""
+    import io
+    import tokenize
+
+    toks = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    out = []
+    for i, t in enumerate(toks):
+        before = toks[i - 1].type if i else tokenize.NEWLINE
+        if t.type == tokenize.COMMENT or (
+                t.type == tokenize.STRING and before in (tokenize.INDENT, tokenize.NEWLINE, tokenize.NL, tokenize.DEDENT)
+                and t.string.lstrip("rbuRBU").startswith(('"""', "'''"))):
+            out.append((t.start[0], t.string))
+    return out
+
+
+def figures_in_code(paths) -> list[str]:
+    return [f"{p.relative_to(ROOT) if p.is_relative_to(ROOT) else p.name}:{line}: {m.group()}" for p in paths for line, text in code_prose(p.read_text())
+            for m in PROSE_FIGURE.finditer(text)]
+
+
+def test_design_states_decisions_not_figures():
+    """design.md holds the design and its reasons; what was measured is on figures.md and in
+    history/, where a decision links (issue: docs that state the present)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    assert len(text.splitlines()) <= DESIGN_LINES
+    assert PROSE_FIGURE.findall(text) == []
+
+
+def test_code_comments_hold_no_figures():
+    """A comment says why, not how fast: its figure would go stale where the docs' are replaced."""
+    paths = [p for d in CODE_FOLDERS for p in sorted((ROOT / d).rglob("*.py"))]
+    assert len(paths) > 100
+    assert figures_in_code(paths) == []
+
+
+def test_the_figure_checks_see_what_they_look_for(tmp_path):
+    f = tmp_path / "k.py"
+    f.write_text('"""Decode takes 0.78-0.86x the time."""\nx = "2x"  # a 4x8 tile, 40% fewer\ny = 0x10\n')
+    assert [w.split(": ")[1] for w in figures_in_code([f])] == ["0.78-0.86x", "40%"]

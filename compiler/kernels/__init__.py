@@ -1,8 +1,11 @@
 """TIR kernels per ISA family. `generic` is correct everywhere; ISA folders specialise.
 
-The W4A8 builders by the names compiler/targets.py's KERNEL_RULES give them, found through
-its KERNEL_MODULES (kernel_module); what the W4A8 kernels share (signature, zero point, the
-interface every ISA module exports) is in w4a8.py.
+This module is the kernel registry, the one place that imports the ISA folders (arm/, x86/):
+the W4A8 builders by the names compiler/targets.py's KERNEL_RULES give them, found through
+its KERNEL_MODULES (kernel_module); the Q6_K kernels by IntDots.q6_k's names (Q6_K_MODULES,
+q6_k_module); and the shared activation quantizer's schedule constants for an ISA's layouts
+(quantizer_schedule). What the W4A8 kernels share (signature, zero point, the interface every
+ISA module exports) is in w4a8.py. tests/test_layering.py holds every other module to it.
 """
 
 # A kernel carrying this attribute was scheduled by its writer (explicit parallel, vector or
@@ -13,6 +16,29 @@ SCHEDULED = "qwc.scheduled"
 # sibling_gemvs.py) may merge or extend; its value is the kernel's `dot`, which the fused
 # kernel is built with (decode_gemv).
 DECODE_GEMV = "qwc.decode_gemv"
+
+
+# The module under compiler/kernels that builds each Q6_K kernel IntDots.q6_k names
+Q6_K_MODULES = {"vnni": "x86.q6_k", "sdot": "arm.q6_k"}
+# The ISA folder whose schedule constants each activation layout of act_quant.fused_quantizer takes
+LAYOUT_ISA = {"plain": "x86", "arm": "arm", "arm_pairs": "arm", "arm_rows": "arm", "arm_rows_flat": "arm"}
+
+
+def q6_k_module(name: str):
+    """The module that builds the Q6_K kernel `name` (targets.IntDots.q6_k: "vnni", "sdot")."""
+    import importlib
+
+    if name not in Q6_K_MODULES:
+        raise ValueError(f"unknown Q6_K kernel {name!r} (known: {', '.join(Q6_K_MODULES)})")
+    return importlib.import_module(f"{__name__}.{Q6_K_MODULES[name]}")
+
+
+def quantizer_schedule(layout: str) -> dict:
+    """The schedule constants of the activation quantizer's `layout`, from the ISA folder that
+    owns it (its QUANTIZER_SCHEDULE)."""
+    import importlib
+
+    return importlib.import_module(f"{__name__}.{LAYOUT_ISA[layout]}").QUANTIZER_SCHEDULE
 
 
 def dot_bits(dot: str) -> int:

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from . import vector_math
-from .arm import PARALLEL_BLOCKS, RMS_TASKS
+from . import quantizer_schedule, vector_math
 from .kernel_cache import cached_kernel
-from .x86 import ROW_GROUP, SILU_STAGE
+
+# The ISA folders' schedule constants for the layouts they own (kernels/__init__.py: the registry):
+# ARM's for "arm" / "arm_pairs" / "arm_rows*", x86's for "plain"
+PARALLEL_BLOCKS, RMS_TASKS = quantizer_schedule("arm")["PARALLEL_BLOCKS"], quantizer_schedule("arm")["RMS_TASKS"]
+ROW_GROUP, SILU_STAGE = quantizer_schedule("plain")["ROW_GROUP"], quantizer_schedule("plain")["SILU_STAGE"]
 
 BLOCK = 32
 HALF = BLOCK // 2

@@ -15,7 +15,7 @@ many-core machines):
 
 The register tiles follow the target's vector registers ((count, bytes):
 targets.vector_registers): tiles sized for AVX-512's 32 registers spill their accumulators on
-AVX2's 16 (docs/results/long-context.md has the measurements).
+AVX2's 16 (docs/history/long-context.md has the measurements).
 
 No pass carries a dependency from tile to tile but a max or a sum, so the tiles overlap in the
 core, where the online form's per-tile rescale chain (max -> exp -> rescale -> update)
@@ -136,7 +136,7 @@ def _score_tile(g: int, registers) -> tuple[int, int, int]:
     groups). Every head in one group if it fits, with SCORE_STREAMS tiles if those fit too;
     else one tile, the heads in groups that each fit (AVX2's 16 registers: 7 heads in 2
     groups of 4; 2 tiles of 7 heads, as AVX-512 takes them, spilled: the passes before the
-    values 1.9x slower, kernel harness, 4k cached tokens)."""
+    values slower, kernel harness, 4k cached tokens: docs/history/long-context.md)."""
     budget, per_head = _accumulator_bytes(registers), KEY_TILE * 4
     if SCORE_STREAMS * g * per_head <= budget:
         return SCORE_STREAMS, g, 1
@@ -149,8 +149,8 @@ def _value_tile(g: int, head_dim: int, registers, kv_dtype: str) -> tuple[int, i
     one with the fewest vector operations a key, counting for each tile a key the larger of
     its FMAs and its loads (a weight broadcast per head and the V vectors, two operations
     each where they are widened from float16: a load and a convert), both at two a cycle on
-    the cores qwc targets. AVX2, 7 heads: 4 heads x 16 dims, 1.16x faster than 1 x 64 (which
-    widens each V vector 7 times) and 1.07x than 3 x 32 (kernel harness, 4k cached tokens)."""
+    the cores qwc targets. AVX2, 7 heads: 4 heads x 16 dims, faster than 1 x 64 (which
+    widens each V vector 7 times) and than 3 x 32 (kernel harness, 4k cached tokens)."""
     budget, width = _accumulator_bytes(registers), registers[1]
     widen_ops = {"float32": 1, "float16": 2, "q8_0": 3}[kv_dtype]   # q8_0: load, sign-extend, convert
     best = None

@@ -93,7 +93,7 @@ def query_block(T, s, block: int = QUERY_BLOCK, groups: bool = False):
     ones (s // 16, at least 1), so a 48-token chunk still makes 16 tasks a head for 64-128
     threads. `groups` (query groups, AVX-512): always `block`. A block widens each span once
     for its groups, as much work as a group's pass over it: blocks of 4 at a 64-token chunk
-    took 1.6x the time of blocks of 18 at 128 cached tokens (one layer, 2 threads, Intel Xeon)."""
+    took longer than blocks of 18 at 128 cached tokens (one layer, 2 threads, Intel Xeon)."""
     if groups:
         return T.int64(block)
     return T.max(T.min(s // 16, T.int64(block)), T.int64(1))

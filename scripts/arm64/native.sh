@@ -3,7 +3,7 @@
 # (debootstrap) run through QEMU 10's qemu-aarch64 registered with binfmt_misc, so that every
 # process inside, pip's and the compiler's children too, is aarch64. It proves installs and
 # behaviour, not speed. Not part of CI (about half an hour, an hour more with --board-bench); its
-# results go in docs/results/arm-native.md.
+# results go in docs/history/arm-native.md.
 #
 #   scripts/arm64/native.sh [--tests 'PYTEST ARGS' | --no-tests] [--board-bench [native|cross]]
 #
@@ -40,7 +40,7 @@ BINFMT=/proc/sys/fs/binfmt_misc
 # The test files that need no torch (scripts/setup.sh installs none on aarch64; most of the suite
 # builds the `tiny` preset in torch) and fit in minutes of emulation: the torch-free route from a
 # GGUF to a served answer, sampling, grammars, tool calls, the scheduler's policy, Q4 packing,
-# the kernel cache, and the repository's own checks. docs/results/arm-native.md: the choice, time.
+# the kernel cache, and the repository's own checks. docs/history/arm-native.md: the choice, time.
 TESTS=${QWC_NATIVE_TESTS:-tests/models/test_torch_free.py tests/runtime/test_sampling.py tests/runtime/test_grammar.py
   tests/runtime/test_scheduler_policy.py tests/runtime/test_tools.py tests/runtime/test_progress.py tests/passes/test_q4.py
   tests/compiler/test_kernel_cache.py tests/test_layering.py tests/test_code_shape.py tests/test_docs.py}

@@ -100,7 +100,7 @@ def test_a_second_compile_links_every_kernel_from_the_cache(tiny_q4, tiny_host_a
     n, hits, built = map(int, re.search(r"(\d+) kernels: (\d+) from the cache, (\d+) built", line).groups())
     # One kernel was built again in one of six runs of this file beside test_kernel_cache.py
     # (-n 2), never alone: its TIR differed between the two compiles, for a reason not found yet
-    # (docs/results/compiler.md). The rest must come from the cache.
+    # (docs/history/compiler.md). The rest must come from the cache.
     assert n > 20 and hits >= n - 1 and built <= 1
     steps = [[72, 101, 108, 108, 111], 5, 6]
     logits = []

@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize
 from onnx import helper
 from tvm import relax
 
+from qwc import weight_formats
 from qwc.compiler.build import build
 from qwc.compiler.frontend import MatMulNBits
 from qwc.compiler.kernels import row_groups
@@ -55,9 +56,9 @@ def _node(b: gguf_blocks.Blocks, n: int, k: int) -> onnx.ModelProto:
     inits = [onnx.numpy_helper.from_array(x, name) for x, name in parts]
     node = helper.make_node("MatMulNBits", ["x", *(name for _, name in parts)], ["y"], domain="com.microsoft",
                             K=k, N=n, bits=8, block_size=32)
-    if b.minimums is not None:   # (the format in the node's metadata, as the fold keeps it)
+    weight_formats.mark(node, b.fmt)   # (the format's marker, as the export writes and the fold keeps it)
+    if b.minimums is not None:
         node.attribute.append(helper.make_attribute(BLOCK_OFFSETS_ATTR, 1))
-        gguf_blocks.set_minimums_form(node, b.fmt)
     return helper.make_model(helper.make_graph([node], "g", [], [], inits))
 
 

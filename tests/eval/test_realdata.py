@@ -103,7 +103,7 @@ def test_readme_demo_answers_paris_and_follows_llama_cpp(smollm2, tmp_path, caps
     """The README's first command on the file as shipped (Q4_1 linears, Q8_0 embedding, kept as
     they are): the continuation starts " Paris"; fed llama.cpp's 32 greedy tokens, qwc picks
     each of them too, or holds it within NEAR_TIE of its own pick (W4A8 activations, as
-    llama.cpp's, with rounding of their own: docs/results.md counts the near ties)."""
+    llama.cpp's, with rounding of their own: docs/history/README.md counts the near ties)."""
     from tokenizers import Tokenizer
 
     from qwc.config import sidecar_paths

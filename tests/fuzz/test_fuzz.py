@@ -1,4 +1,4 @@
-"""The reliability campaign of bench/fuzz.py in the test suite: every named bad-input case (the
+"""The reliability campaign of tests/fuzz/campaign.py in the test suite: every named bad-input case (the
 reliability issue's list and the ones that complete each family) and a seeded sample of the
 random mutations. Each must end in one clean `qwc: error:` line (or `qwc: interrupted`) or a
 correct result, with nothing half-written or left behind and no user file touched."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-import fuzz  # bench/fuzz.py (pyproject.toml: pytest's pythonpath)
+import campaign as fuzz  # tests/fuzz/campaign.py, beside this file
 import pytest
 
 RANDOM_SEED = 20261123
@@ -59,7 +59,7 @@ def test_the_harness_sees_each_bad_outcome(model, tmp_path):
 
 
 def test_campaign_has_the_promised_size():
-    """The campaign bench/fuzz.py runs by default: at least 300 cases over all five families."""
+    """The campaign tests/fuzz/campaign.py runs by default: at least 300 cases over all five families."""
     named = fuzz.named_cases()
     cases = named + fuzz.random_cases(320 - len(named), 0)
     assert len(cases) >= 300

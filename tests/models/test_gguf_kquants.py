@@ -26,6 +26,7 @@ from test_gguf_formats import (
     write_random_model,
 )
 
+from qwc import weight_formats
 from qwc.cli import main
 from qwc.config import ModelConfig, sidecar_paths
 from qwc.errors import QwcError
@@ -240,7 +241,7 @@ def test_graph_holds_the_files_codes_and_scales(k_model):
             assert flat[0, 0]
             assert np.array_equal(codes.reshape(q.shape)[~flat], q[~flat]) and not codes.reshape(q.shape)[flat].any()
             assert np.array_equal(scales[~flat], dd[~flat]) and np.all(scales[flat] == 1), hf
-            assert gguf_blocks.block_mins_form(node) == "q4_k"
+            assert weight_formats.format_of(node).name == "Q4_K" and weight_formats.marked(node) is not None
             back = gguf_blocks.block_mins(scales, inits[node.input[3]], "q4_k")
             assert np.array_equal(back, mins), hf
         seen[kind] += 1
@@ -615,7 +616,7 @@ def test_q5_graph_holds_the_files_codes_scales_and_minimums_and_runs_in_onnxrunt
     seen = {Q.Q5_K: 0, Q.Q5_1: 0}
     for node, inits, hf, raw, kind, n, k in _graph_linears(*q5_model):
         q, scales, mins = _q5_file(raw, kind, n, k)
-        assert gguf_blocks.minimums_form(node) == kind.name
+        assert weight_formats.marked(node).name == kind.name
         assert np.array_equal(inits[node.input[1]].reshape(n, k).astype(np.int32) - 128, q), hf
         assert np.array_equal(inits[node.input[2]], scales), hf
         add = next(x for x in nodes if node.output[0] in x.input)

@@ -16,6 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from onnx import TensorProto, helper, numpy_helper
 
 import qwc.kquants as kq
+from qwc import weight_formats
 from qwc.cli import main
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
@@ -214,7 +215,7 @@ def test_a_q4_k_linear_runs_in_onnxruntime_as_the_file_decodes(tiny_lm):
     model = quantize_kquants.run(model, opts)
     (node,) = model.graph.node
     assert node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN and len(node.input) == 4
-    assert gguf_blocks.block_mins_form(node) == "q4_k"
+    assert weight_formats.marked(node).name == "Q4_K"
     want = gguf_dequantize(kq.quantize_q4_k(w, imp), Q.Q4_K).reshape(w.shape)
     x = rng.standard_normal((5, 512)).astype(np.float32)
     y = session(model).run(None, {"x": x})[0]

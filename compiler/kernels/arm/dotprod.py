@@ -63,7 +63,7 @@ def negated_block_sums(T, ad, off, halved: bool, lanes: int = 1):
     |off| < 2^24), where `scvtf` and a multiply took two; times ad this is -(ad x off x factor)
     to the bit, since a power of two commutes with the rounding. The decode GEMV takes the
     vector form on the broadcast offset its sdot chains start from: one instruction less a
-    block (~1% of a Q4_K row group's; docs/results/weight-formats.md)."""
+    block (a small share of a Q4_K row group's; docs/history/weight-formats.md)."""
     shift = block_sum_shift(halved)
     if lanes == 1:   # LLVM folds the convert and the power of two into `scvtf s, w, #s`
         return ad * (T.Cast("float32", off) * T.float32(2.0 ** -shift))
@@ -285,7 +285,7 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
         # UNROLL blocks an iteration: the loop's own counter, compare, branch and pointer
         # increments were a share of a block's instructions worth saving (instructions are
         # what the ARM targets are held to); four ran out of registers. The blocks in order,
-        # so the same sums (docs/results/weight-formats.md).
+        # so the same sums (docs/history/weight-formats.md).
         with T.serial(0, (b1 - b0) // UNROLL) as bu:
             for u in range(UNROLL):
                 block(w, ws, wc, aq, ad, off, acc, g, b0 + bu * UNROLL + u)

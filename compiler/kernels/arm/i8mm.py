@@ -25,7 +25,7 @@ in cycles per multiply-add, 0.0368 against 0.0383 and 0.0424); the unpacked
 weights of a block serve every pair of the tile. A lone leftover pair joins the last whole
 tile's five: as one 6-pair tile (converting plainly) where the weights have no block offsets
 (Q4_0, Q8_0, per-row activations: fewer instructions than tiles of 4 and 2), as tiles of 4 and
-2 where they have (Q4_1, Q4_K: their 6-pair tile spills; docs/results/arm.md). Other leftovers
+2 where they have (Q4_1, Q4_K: their 6-pair tile spills; docs/history/arm.md). Other leftovers
 take tiles of 4, 2 and 1 pairs, an odd last token a pair with itself, stored once. Decode (one
 token) stays on sdot: smmla would waste half its work.
 
@@ -282,7 +282,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         # instructions than a 5-pair tile and a 1-pair one (whose multiply-adds cost twice).
         # Without block offsets as one 6-pair tile; with them (Q4_1, Q4_K) as tiles of 4 and
         # 2, since their 6-pair tile fills the 32 vector registers (moves and spills in its
-        # loop; docs/results/weight-formats.md, docs/results/arm.md). Other leftovers below.
+        # loop; docs/history/weight-formats.md, docs/history/arm.md). Other leftovers below.
         # T.bind: a name assigned plainly in a macro becomes a one-element buffer, which TVM
         # gives a workspace allocation (a call, per task for those inside the loop)
         merge = T.bind(merge_last(rows_in))

@@ -7,6 +7,8 @@ ROW_GROUP = 4          # fused_quantizer: rows a task of a many-row RMSNorm quan
 # before it quantizes them. Each block's chain (exp, divide, then the block's max, scale and
 # rounding) is ~100 instructions long end to end, and one block after another the core's
 # scheduler held little more than one; staged, it overlaps several, with the same bits
-# (docs/results/serving.md, "Latency chains on x86"). ARM keeps a block at a time (unmeasured
+# (docs/history/serving.md, "Latency chains on x86"). ARM keeps a block at a time (unmeasured
 # there).
 SILU_STAGE = 8
+# what kernels/__init__.py's registry hands the shared quantizer for the "plain" layout
+QUANTIZER_SCHEDULE = {"ROW_GROUP": ROW_GROUP, "SILU_STAGE": SILU_STAGE}

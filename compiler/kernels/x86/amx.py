@@ -13,13 +13,13 @@ is what a block costs. Two sets of tile registers alternate between even and odd
 block b + 1's multiply is issued before block b's tile is scaled.
 
 A row group's B tiles are made once and serve all its token tiles (made a tile at a time, a
-block's B tile was read by `tileloadd` right after the vector stores that wrote it: 0.79-0.90x
-VNNI's speed, against 1.21-1.50x made once: Q4_0, the 1.5B's shapes, 512 tokens, 2 threads).
+block's B tile was read by `tileloadd` right after the vector stores that wrote it: slower than
+VNNI, where made once it is faster: docs/history/x86-speed.md).
 
 The codes become signed int8 as the B tiles are made: q - 8 for Q4_0's nibbles and the
 five-bit codes, q = u - 128 for Q8_0's unsigned bytes u. The signed-by-signed `tdpbssd` then
 needs no zero-point start, where VNNI's unsigned operand starts from the quantizer's offset (a
-broadcast and an add a token and block: with them, Q8_0's tiles were 0.95-1.09x VNNI's).
+broadcast and an add a token and block: with them, Q8_0's tiles were no faster than VNNI's).
 
 Linux grants AMX's tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
 qwc/cpu.py's enable_amx, called before an artifact with these kernels runs.

@@ -16,12 +16,12 @@ scaled by their sub-blocks' d sc, then by the activations' scale (`term`).
 Scales: sc [G, NB, 32] int8 (A's 16 rows, then B's), d [G, NB/8, 16] float32 per super-block
 (models/gguf_blocks.py: q6_k_factors): 6.625 bits a weight against the file's 6.5625. (Codes
 as bytes, which vpdpbusd reads with nothing to rebuild, were 8.625: decode reads every weight
-from DRAM, so the bytes it saves outweigh the logic ops; docs/results/weight-formats.md.)
+from DRAM, so the bytes it saves outweigh the logic ops; docs/history/weight-formats.md.)
 
 One kernel serves prefill and decode. Prefill: a task per row group, tiles of TOKENS tokens
 (leftovers one at a time) over all of the group's blocks. One token (decode): STREAMS row
 groups a task in lockstep, prefetched PREFETCH blocks ahead, as the Q8_0 decode GEMV reads
-(x86/vnni.py); a lone group a task was 1.23x the Q8_0 GEMV's time on a 7B's output
+(x86/vnni.py); a lone group a task was slower than the Q8_0 GEMV on a 7B's output
 (bench/q6_k.py).
 """
 
@@ -34,7 +34,7 @@ from ..w4a8 import store_rows, token_count
 
 SUB = 16            # Q6_K's sub-block
 SUPER_BLOCKS = 8    # 32-blocks a super-block of 256
-TOKENS = 8          # a prefill tile: 8 accumulators and 16 integer chains (1.08x -> 1.11x Q8_0's time at 4: bench/q6_k.py)
+TOKENS = 8          # a prefill tile: 8 accumulators and 16 integer chains (nearer Q8_0's time than 4: bench/q6_k.py)
 PREFETCH = 4        # blocks ahead a decode token's weights are prefetched into L1
 STREAMS = 4         # row groups a decode task reads in lockstep (x86/vnni.py's STREAMS)
 VPDPBUSD = "llvm.x86.avx512.vpdpbusd.512"
@@ -121,8 +121,8 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
     def term(lo, hi, sc, d, ad, g, b, t):
         """float32x16: block b's term of rows 16g .. from its sub-blocks' integer sums lo (A) and
         hi (B), (lo sc_A d + hi sc_B d) x the activations' scale. In float: two `vpmulld` a token
-        and block (sc in the integer domain) took 1.15-1.18x the Q8_0 GEMM's prefill time, on
-        the port `vpdpbusd` uses; this form 1.08-1.13x (bench/q6_k.py). sc d is the file's d sc
+        and block (sc in the integer domain) took longer than this form against the Q8_0 GEMM, on
+        the port `vpdpbusd` uses (bench/q6_k.py). sc d is the file's d sc
         (exact); the sums' products are rounded, as any float kernel's. Decode and prefill share
         it, so a token's logits are the same in either (design.md, "One arithmetic for a token")."""
         dv = d.vload([g, b // SUPER_BLOCKS, 0], "float32x16")
@@ -224,7 +224,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
     @T.macro
     def prefill_groups(w, aq, st, ad, sc, d, y, bias_buf, ar):
         """A task a row group: its codes rebuilt once as bytes, which every tile then reads
-        (rebuilt in each tile they cost the GEMM 1.27-1.32x the Q8_0 one's time: bench/q6_k.py),
+        (rebuilt in each tile they cost the GEMM more than the Q8_0 one: bench/q6_k.py),
         then with AMX (`ar`: the activations in sub-block order) its whole 16-token tiles on
         AMX, and the tokens left in tiles of TOKENS and of one."""
         for g in T.parallel(ng):

@@ -12,7 +12,7 @@ block, which starts the accumulation.
 
 Prefill runs tiles of `tokens` tokens over a group, so each unpacked weight vector serves all
 of them and the group's weights (nb x 256 bytes: 39 KiB at K = 4864) stay in L1/L2. This
-replaced a two-rows-per-vector form with a horizontal sum per row: 1.75x on pp512 and 1.5x
+replaced a two-rows-per-vector form with a horizontal sum per row, faster in prefill and
 on decode for the 0.5B shape (docs/design.md).
 
 Five-bit codes (a GGUF's Q5_0 / Q5_1 / Q5_K: dot "vnni5", row_groups.pack_five_bit) run on the
@@ -40,7 +40,7 @@ from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 # vector uops), and its unpacking (4 and + 4 shifts, the scales' convert: 10) once: 8 tokens
 # take that share from 2.5 uops a token to 1.25. AVX-512's 32 registers hold the 8 sums, the 8
 # unpacked vectors and the int32 chains (no spills), and 8 beat 4 (bench/prefill_gemm.py,
-# docs/results/x86-speed.md). AVX2's 16 registers keep 4. With a token's sums in two chains
+# docs/history/x86-speed.md). AVX2's 16 registers keep 4. With a token's sums in two chains
 # (q4_matmul: accumulate) 7-token tiles were level with 8 on long prompts and slower on short
 # ones (more tiles for the same tokens): 8 stay.
 DEFAULT_TOKENS = {"vnni": 8, "avx2": 4, "vnni8": 8, "vnni5": 8}
@@ -53,7 +53,7 @@ PREFILL_BIAS = True   # prefill_gemm(..., bias=True): the bias added as the rows
 # flight across those restarts. With four streams (below) whose restarts fall at different
 # times it no longer pays: L1 at 4 blocks alone decodes faster than 8 blocks into L1 plus 32
 # into L2, and 2 blocks is slower; non-temporal prefetches, and prefetching the scale stream
-# too, were slower still (docs/design.md, docs/results/x86-speed.md).
+# too, were slower still (docs/design.md, docs/history/x86-speed.md).
 PREFETCH = ((4, 3),)   # (blocks ahead, LLVM locality: 3 = L1, 2 = L2)
 # Decode reads STREAMS far-apart row groups in lockstep, block by block: each thread then has
 # STREAMS sequential streams in flight whose page crossings fall at different times, so one
@@ -157,7 +157,7 @@ def _scales(T, ws, wc, g, b):
 # decode_gemv does (PREFETCH; past a group's last block into the next group's first) and the
 # leftover tokens in tiles of 4, 2 and 1 without prefetch (where a prefetch cost more than it
 # hid). It beat the prefill form (4-token tiles, leftovers one at a time) at every batch size
-# (bench/decode_step.py; docs/results/serving.md).
+# (bench/decode_step.py; docs/history/serving.md).
 BATCHED_DECODE_TOKENS = 8
 
 # A few tokens (a batched decode step of few sequences, a speculative verify call, a short
@@ -167,7 +167,7 @@ BATCHED_DECODE_TOKENS = 8
 # accumulator a token, so fewer streams at more tokens: FEW_STREAMS[M - 1], each entry the
 # fastest count measured on the 0.5B shape for AVX-512 VNNI and for AVX2 (whose 16-row
 # accumulator is two of its 16 registers), against each other and against 8-token tiles
-# (docs/results/serving.md, "Few tokens in decode's streams").
+# (docs/history/serving.md, "Few tokens in decode's streams").
 # With 8-token tiles and int32 offsets a block's arithmetic at 5-8 tokens takes as long as its
 # weights take to arrive, and decode's 4 blocks ahead no longer hid that: AVX-512 prefetches
 # FEW_AHEAD blocks ahead a thread, over its streams (4 streams: 4 each, as decode); then one
@@ -224,9 +224,9 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         latency: 4864 x 896 at 136 tokens, 2 threads, Intel Xeon, 350-355 -> 399-411 GMAC/s
         (with NEXT_GROUP; Q8_0 332-336 -> 391; the few-token forms at M = 4 / 8 211 -> 239 /
         349 -> 356). One chain of 8 a token (no joining add) was still latency-bound in the
-        tiles: two of 4 take 0.95-0.99x its time at 9-200 tokens (4864 x 896 and 896 x 4864;
-        Q8_0 0.94-0.96x from 64 tokens). The few-token forms, bound by their weights' arrival,
-        were level at Q4_0 and 1.03x at Q8_0, so they keep one. The integer sums are exact in
+        tiles: two of 4 take less of its time at 9-200 tokens (4864 x 896 and 896 x 4864;
+        Q8_0 from 64 tokens). The few-token forms, bound by their weights' arrival,
+        were level or slower, so they keep one. The integer sums are exact in
         any order: the same bits. AVX2 a token at a time (_block_dot)."""
         if dot == "avx2":   # decided when the kernel is built
             for t in T.unroll(count):
@@ -405,7 +405,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
             if scale_dtype == q4_k_scales.SCALE_DTYPE:   # decided when the kernel is built
                 # Q4_K's compact scales made once a group into float32 scales and offsets, which
                 # every tile then reads as the expanded form's: made once a tile, they cost the
-                # GEMM 1.05-1.16x its time (bench/q4_k.py). Views shaped as the weights' groups,
+                # GEMM more time (bench/q4_k.py). Views shaped as the weights' groups,
                 # offset so that group g's entries are this task's copy.
                 made = T.decl_buffer((2 * nb * ROWS,), "float32", scope="global")
                 es = T.decl_buffer((ng, nb, ROWS), "float32", data=made.data, elem_offset=-g * (nb * ROWS))

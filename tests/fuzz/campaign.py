@@ -17,7 +17,7 @@ Families: onnx (mutated graphs), artifact (corrupted model.qwc), options (hostil
 flags and API calls), paths (existing outputs, full disk, concurrent writers, signals),
 inputs (bad eval/export inputs).
 
-    python bench/fuzz.py --cases 320 --seed 0 [--jobs 2] [--keep DIR] [--json out.json]
+    python tests/fuzz/campaign.py --cases 320 --seed 0 [--jobs 2] [--keep DIR] [--json out.json]
 
 tests/fuzz/test_fuzz.py runs every named case and a seeded sample of the random ones.
 """
@@ -496,10 +496,14 @@ _DELETE = object()
 
 def named_cases() -> list[Case]:
     """Every case the reliability issue lists, by name, plus the ones that complete the families."""
-    C = []
     art = ["run", "a.qwc", "--prompt", PROMPT, "--max-new-tokens", "8"]
+    return [c for family in (_onnx_cases, _artifact_cases, _options_cases, _paths_cases, _inputs_cases)
+            for c in family(art)]
 
-    # onnx: mutated graphs into compile and optimize
+
+def _onnx_cases(art: list[str]) -> list[Case]:
+    """The onnx family: mutated graphs into compile and optimize."""
+    C = []
     def fp16(m):
         import numpy as np
         from onnx import numpy_helper
@@ -585,8 +589,12 @@ def named_cases() -> list[Case]:
                      ("rope_theta", "fast"), ("num_key_value_heads", 3), ("rms_norm_eps", -1)):
         C.append(Case("inputs", f"hf-config-{key}-{bad}", ["compile", "m.onnx", "-o", "o.qwc"],
                       setup=hf_config(**{key: bad}), output="o.qwc"))
+    return C
 
-    # artifact: manifest fields and files
+
+def _artifact_cases(art: list[str]) -> list[Case]:
+    """The artifact family: manifest fields and files."""
+    C = []
     edits = {
         "layers-3": lambda m: _set(m, "model/num_hidden_layers", 3),
         "head-dim-0": lambda m: _set(m, "model/head_dim", 0),
@@ -641,8 +649,12 @@ def named_cases() -> list[Case]:
         Case("artifact", "eval-on-corrupt", ["eval", "a.qwc", "--ppl", "t.txt"],
              setup=both(edit_manifest(lambda m: _set(m, "model/head_dim", -2)), _text_file)),
     ]
+    return C
 
-    # options: prompts, flags and API calls
+
+def _options_cases(art: list[str]) -> list[Case]:
+    """The options family: prompts, flags and API calls."""
+    C = []
     def run_args(*extra, prompt=PROMPT):
         return ["run", "a.qwc", "--prompt", prompt, "--max-new-tokens", "4", *extra]
 
@@ -746,8 +758,12 @@ def named_cases() -> list[Case]:
                   "    l = e.prefill(np.array([1, 2, 3], np.int32)); e.decode(np.int64(4)); e.decode(int(l.argmax()))\n"
                   "    assert len(list(e.generate([5, 6], max_new_tokens=3))) >= 0\n",
                   setup=copy_artifact, expect=("ok",)))
+    return C
 
-    # paths: outputs that exist, full disk, concurrent writers, signals
+
+def _paths_cases(art: list[str]) -> list[Case]:
+    """The paths family: outputs that exist, full disk, concurrent writers, signals."""
+    C = []
     C += [
         Case("paths", "compile-into-user-dir", ["compile", "m.onnx", "-o", "out"],
              setup=both(copy_graph(), user_file("out/user-notes.txt"))),
@@ -827,8 +843,12 @@ def named_cases() -> list[Case]:
         Case("paths", "sigkill-export-then-rerun", ["export", "tiny", "-o", "o.onnx"],
              signal_at=("tracing", 2.0, signal.SIGKILL), then=["export", "tiny", "-o", "o.onnx"], expect=("ok",)),
     ]
+    return C
 
-    # inputs: eval and export
+
+def _inputs_cases(art: list[str]) -> list[Case]:
+    """The inputs family: eval and export."""
+    C = []
     C += [
         Case("inputs", "eval-ppl-binary", ["eval", "a.qwc", "--ppl", "bin.txt"],
              setup=both(copy_artifact, user_file("bin.txt", bytes(range(256)) * 8))),
