@@ -47,9 +47,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kquant_error import q6_k_overrides  # noqa: E402
+from qwc.bench.kquant_error import q6_k_overrides
+from qwc.bench.llamacpp import VERSION
+from qwc.bench.llamacpp import tools as llamacpp_tools
 
 QWC = [sys.executable, "-m", "qwc"]
 
@@ -79,21 +79,13 @@ def evaluate(model: Path | str, work: Path, a, choices: Path, tag: str) -> dict:
     return json.loads(out.read_text())
 
 
-def llamacpp_tools() -> Path:
-    r = subprocess.run(["bash", str(Path(__file__).parent / "llamacpp.sh"), "x86"], text=True,
-                       stdout=subprocess.PIPE)
-    if r.returncode != 0:
-        sys.exit("accuracy: building llama.cpp (bench/llamacpp.sh x86) failed")
-    return Path(r.stdout.strip().splitlines()[-1])
-
-
 def llamacpp_eval(tools: Path, gguf: Path, work: Path, a, tag: str) -> dict:
     """llama-perplexity on the same text and chunks, in `qwc eval --json`'s shape."""
     out = work / f"eval-{tag}-c{a.chunks}.json"
     if not out.is_file():
         from qwc.eval.data import novel
 
-        cmd = [str(tools / "llama-perplexity-0.3.36"), "-m", str(gguf), "-f", str(novel("prideprejudice")),
+        cmd = [str(tools / f"llama-perplexity-{VERSION}"), "-m", str(gguf), "-f", str(novel("prideprejudice")),
                "-c", "512", "--chunks", str(a.chunks), "-t", str(a.threads), "-b", "512"]
         r = subprocess.run(cmd, text=True, capture_output=True)
         m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", r.stdout + r.stderr)
@@ -109,7 +101,7 @@ def llamacpp_imatrix(tools: Path, src: Path, out: Path, threads: int) -> Path:
         from qwc.eval.data import novel
 
         tmp = out.with_suffix(".partial.dat")
-        cmd = [str(tools / "llama-imatrix-0.3.36"), "-m", str(src), "-f", str(novel("emma")), "-c", "512",
+        cmd = [str(tools / f"llama-imatrix-{VERSION}"), "-m", str(src), "-f", str(novel("emma")), "-c", "512",
                "--chunks", "8", "-t", str(threads), "-o", str(tmp)]
         r = subprocess.run(cmd, text=True, capture_output=True)
         if r.returncode != 0 or not tmp.exists():
@@ -121,7 +113,7 @@ def llamacpp_imatrix(tools: Path, src: Path, out: Path, threads: int) -> Path:
 def llamacpp_quantized(tools: Path, src: Path, out: Path, *opt: str, kind: str = "Q4_0") -> Path:
     if not out.exists():
         tmp = out.with_suffix(".partial")
-        cmd = [str(tools / "llama-quantize-0.3.36"), "--allow-requantize", *opt, str(src), str(tmp), kind]
+        cmd = [str(tools / f"llama-quantize-{VERSION}"), "--allow-requantize", *opt, str(src), str(tmp), kind]
         r = subprocess.run(cmd, text=True, capture_output=True)
         if r.returncode != 0:
             sys.exit(f"accuracy: {' '.join(cmd)} failed: {r.stderr.strip()[-400:]}")
@@ -182,7 +174,7 @@ def main() -> None:
 
     from qwc.eval.data import smollm2_path
 
-    tools = llamacpp_tools() if any(r.startswith("llamacpp") or r == "q4_k_m-llama-imatrix" for r in wanted) else None
+    tools = llamacpp_tools("x86") if any(r.startswith("llamacpp") or r == "q4_k_m-llama-imatrix" for r in wanted) else None
     q4out = ("--output-tensor-type", "q4_0", "--token-embedding-type", "q4_0")
     floats = {"float": lambda: "smollm2", "ft": lambda: trained("ft", "--fake-quant-after", str(a.qat_steps)),
               **{f"sleb{n}": (lambda n=n: pruned(n)) for n in PRUNED}}

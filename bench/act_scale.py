@@ -30,12 +30,8 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODES = ("block", "row", "row-asym")
 

@@ -16,12 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from prefill_gemm import best_time, shapes  # noqa: E402  (bench/prefill_gemm.py)
+from qwc.bench.prefill_gemm import best_time, shapes
 
 FORMS = ("q4_0", "q4_k", "q8_0", "q5_k", "q6_k")
 

@@ -60,8 +60,9 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts" / "arm64"))
-import emulation  # noqa: E402  (scripts/arm64/emulation.py)
+from qwc.bench import emulation
+from qwc.bench.llamacpp import VERSION
+from qwc.bench.llamacpp import tools as peer_tools
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwc" / "bench"
 PRESET = "qwen2.5-0.5b"
@@ -137,7 +138,7 @@ def llama_session(x86_tools: Path, gguf: Path, tokens: int, ctx: int, work: Path
     llama-completion loads it instead of prefilling."""
     prompt, session = prompt_file(tokens, work), work / f"session-{gguf.stem}-{tokens}.bin"
     if not session.is_file():
-        cmd = [str(x86_tools / "llama-completion-0.3.36"), "-m", str(gguf), *completion_args(prompt, 1, ctx),
+        cmd = [str(x86_tools / f"llama-completion-{VERSION}"), "-m", str(gguf), *completion_args(prompt, 1, ctx),
                "--no-warmup", "-t", str(len(os.sched_getaffinity(0))), "--verbose-prompt", "--prompt-cache", str(session)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
         if r.returncode != 0 or not session.is_file():
@@ -304,7 +305,7 @@ def mca(loop: list[str]) -> tuple[float, int, int] | None:
     """(cycles, instructions, multiply-adds) per iteration of a loop body on Neoverse-N2
     (bench/n2_model.py's llvm-mca call); the multiply-adds from its dot instructions (sdot 16,
     smmla 32)."""
-    from n2_model import mca_cycles
+    from qwc.bench.n2_model import mca_cycles
 
     cycles = mca_cycles(loop)
     macs = sum(16 if t.startswith("sdot") else 32 if t.startswith("smmla") else 0 for t in loop)
@@ -446,15 +447,6 @@ def main():
     shutil.rmtree(work, ignore_errors=True)
 
 
-def peer_tools(build: str) -> Path:
-    """The folder of llama.cpp's aarch64 tools of `build` (bench/llamacpp.sh builds it once)."""
-    r = subprocess.run(["bash", str(REPO / "bench" / "llamacpp.sh"), build], stdout=subprocess.PIPE, text=True)
-    if r.returncode != 0:
-        sys.exit(f"{Path(sys.argv[0]).stem}: bench/llamacpp.sh {build} failed"
-                 + (" (set KLEIDIAI_SRC, or --peer-builds repack)" if build.startswith("arm64-kleidiai") else ""))
-    return Path(r.stdout.strip().splitlines()[-1])
-
-
 def count_peers(args, env, plug, work: Path, manifest, prefill, decode, tables) -> None:
     """llama.cpp's rows, one per build of --peer-builds and per output format, into `tables`
     (rows, splits, attributors)."""
@@ -464,7 +456,7 @@ def count_peers(args, env, plug, work: Path, manifest, prefill, decode, tables) 
              else peer_ggufs(manifest))
     for build in args.peer_builds.split(","):
         tools = peer_tools(PEER_BUILDS[build])
-        bench, completion = str(tools / "llama-bench-0.3.36"), str(tools / "llama-completion-0.3.36")
+        bench, completion = str(tools / f"llama-bench-{VERSION}"), str(tools / f"llama-completion-{VERSION}")
         l_attr, c_attr = Attributor(bench, static=True), Attributor(completion, static=True)
         for head, gguf in ggufs.items():
             if args.only_q4_output and head != "Q4_0":
@@ -498,8 +490,7 @@ def count_peers(args, env, plug, work: Path, manifest, prefill, decode, tables) 
 
 def peer_ggufs(manifest) -> dict[str, Path]:
     """The preset's weights as llama.cpp GGUFs, Q4_0 and Q8_0 output, written once (cached)."""
-    from gguf_q4_0 import write_gguf_q4_0
-
+    from qwc.bench.gguf_q4_0 import write_gguf_q4_0
     from qwc.models.presets import load_preset
 
     out = {"Q4_0": CACHE / f"{PRESET}-q4_0.gguf", "Q8_0": CACHE / f"{PRESET}-q4_0-q8out.gguf"}
@@ -520,8 +511,7 @@ def peer_ggufs(manifest) -> dict[str, Path]:
 
 def checkpoint_gguf(manifest, ckpt: Path) -> dict[str, Path]:
     """The checkpoint's weights as a Q4_0 GGUF (Q4_0 output, qwc's default), written once."""
-    from gguf_q4_0 import write_gguf_q4_0_checkpoint
-
+    from qwc.bench.gguf_q4_0 import write_gguf_q4_0_checkpoint
     from qwc.models.hf import open_hf_dir
 
     c = open_hf_dir(ckpt)
@@ -599,5 +589,4 @@ def attribution_tables(manifest, rows, splits, attributors, with_mca: bool):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "bench"))
     main()

@@ -71,11 +71,11 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts" / "arm64"))
-sys.path.insert(0, str(REPO / "bench"))
-import emulation  # noqa: E402  (scripts/arm64/emulation.py)
-import n2_model  # noqa: E402
-from arm_icount import (  # noqa: E402
+from qwc.bench import (
+    emulation,
+    n2_model,
+)
+from qwc.bench.arm_icount import (
     CACHE,
     MATRIX_RE,
     PEER_BUILDS,
@@ -86,6 +86,7 @@ from arm_icount import (  # noqa: E402
     peer_tools,
     plugin,
 )
+from qwc.bench.llamacpp import VERSION
 
 THREADS = (1, 8, 32, 64, 128)
 DECODE = (4, 2, 6)          # prompt, steps a, steps b
@@ -263,7 +264,7 @@ def run_llama(env, plug, marks, bench, gguf, args, threads, out: Path) -> np.nda
 
 def llama_runner(build: str, env, plug, gguf: Path):
     """run(kind, n, threads, out) for llama.cpp's aarch64 `build` (bench/llamacpp.sh)."""
-    bench = str(peer_tools(build) / "llama-bench-0.3.36")
+    bench = str(peer_tools(build) / f"llama-bench-{VERSION}")
     classes, lmarks, lattr = SymbolClasses(bench), llama_marks(bench), Attributor(bench, static=True)
     # ggml's own pool: idle workers sleep between graphs instead of polling (the OpenMP build's
     # OMP_WAIT_POLICY=passive); polling is waiting either way, left out of every figure, but
@@ -517,8 +518,7 @@ def plot(rows, threads, kinds, path, title):
 
 def peer_gguf(manifest) -> Path:
     """The artifact's preset as a llama.cpp GGUF, every linear and the output Q4_0 (cached)."""
-    from gguf_q4_0 import write_gguf_q4_0
-
+    from qwc.bench.gguf_q4_0 import write_gguf_q4_0
     from qwc.models.presets import PRESET_NAMES, load_preset
 
     name = manifest.get("model", {}).get("name")

@@ -26,8 +26,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-import n2_model  # noqa: E402
+from qwc.bench import n2_model
 
 MACS = {"smmla": 32, "sdot": 16}
 PROMPT = 48   # the tokens of the calling function: the kernel itself takes any number

@@ -33,9 +33,7 @@ def main() -> None:
     a = ap.parse_args()
     counts = [int(b) for b in a.batches.split(",")]
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
-    sys.path.insert(0, str(HERE))
-    from serve import decode_steps
-
+    from qwc.bench.serve import decode_steps
     from qwc.runtime.engine import Engine
 
     engines = {art: Engine(art, ctx=max(512, a.depth + (a.chunk or 0) + 16), threads=a.threads) for art in a.artifacts}

@@ -25,8 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from peers import llamacpp_tools, prepare  # noqa: E402  (bench/peers.py)
+from qwc.bench.llamacpp import VERSION, llama_bench
+from qwc.bench.llamacpp import tools as llamacpp_tools
+from qwc.bench.peers import prepare
 
 
 def _ints(text: str) -> list[int]:
@@ -56,23 +57,15 @@ def qwc_bench(art: Path, threads: int, depth: int, prompt: int, gen: int, reps: 
     return {row["test"]: row["tps"] for row in json.loads(r.stdout)["results"]}
 
 
-def llama_bench(tool: Path, gguf: Path, threads: int, depth: int, prompt: int, gen: int, reps: int,
-                kv: str = "f16") -> dict[str, float]:
-    """{test: tok/s} from llama-bench's JSON (its mean over `reps`), named as qwc bench names them."""
-    cmd = [str(tool), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
-           "-r", str(reps), "-ctk", kv, "-ctv", kv, "-o", "json"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"llama-bench failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-    out = {}
-    for t in json.loads(r.stdout):
-        kind, n = ("tg", t["n_gen"]) if t["n_gen"] else ("pp", t["n_prompt"])
-        out[f"{kind}{n}" + (f" @ d{t['n_depth']}" if t.get("n_depth") else "")] = t["avg_ts"]
-    return out
+def peer_bench(tool: Path, gguf: Path, threads: int, depth: int, prompt: int, gen: int, reps: int,
+               kv: str = "f16") -> dict[str, float]:
+    """{test: tok/s} of llama-bench at `depth` with a `kv` cache (bench/llamacpp.py reads it)."""
+    args = ["-p", str(prompt), "-n", str(gen), "-d", str(depth), "-ctk", kv, "-ctv", kv]
+    return llama_bench(tool, gguf, threads, args, reps)[0]
 
 
 def run(args) -> list[dict]:
-    tool = llamacpp_tools("x86") / "llama-bench-0.3.36"
+    tool = llamacpp_tools("x86") / f"llama-bench-{VERSION}"
     plans = [(d, args.prompt, args.gen) for d in args.depths] + ([(0, args.long, 0)] if args.long else [])
     arts = {kv: prepare(Path(args.workdir), kv_dtype=kv) for kv in args.kv}
     rows = []
@@ -84,7 +77,7 @@ def run(args) -> list[dict]:
                     print(f"[depth] {kv} KV, {threads} threads, d{depth}, pp{prompt} tg{gen}: "
                           f"round {rnd + 1}/{args.rounds}", file=sys.stderr, flush=True)
                     got = {"qwc": qwc_bench(paths["qwc"], threads, depth, prompt, gen, args.reps),
-                           "llama.cpp": llama_bench(tool, paths["gguf"], threads, depth, prompt, gen, args.reps,
+                           "llama.cpp": peer_bench(tool, paths["gguf"], threads, depth, prompt, gen, args.reps,
                                                     "f16" if kv == "f32" else kv)}
                     for engine, tests in got.items():
                         for test, tps in tests.items():

@@ -15,13 +15,10 @@ bytes each reads (five-bit codes 7 bits a weight with their float32 scales and o
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from q4_k import two_forms_table  # noqa: E402  (the same Q4_K / Q5_K places: q4_k.SHAPES)
+from qwc.bench.q4_k import two_forms_table
 
 
 def _weights(k: int, n: int, seed: int, five_bit: bool) -> list[np.ndarray]:
@@ -61,8 +58,7 @@ def _function(k: int, n: int, m: int, five_bit: bool, copies: int):
 
 
 def main() -> None:
-    from q6_k import arguments
-
+    from qwc.bench.q6_k import arguments
     from qwc.compiler.targets import five_bit_path, get_target
 
     args = arguments(__doc__).parse_args()

@@ -30,6 +30,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from qwc.bench.artifacts import chain
+from qwc.bench.llamacpp import VERSION
+
 HERE = Path(__file__).resolve().parent
 QWC = [sys.executable, "-m", "qwc"]
 PRESET = "qwen2.5-0.5b"
@@ -37,22 +40,19 @@ PRESET = "qwen2.5-0.5b"
 
 def prepare(fmt: str, work: Path) -> tuple[Path, Path]:
     """(the GGUF, the host artifact compiled from it)."""
-    sys.path.insert(0, str(HERE))
     from gguf import GGMLQuantizationType
-    from gguf_q4_0 import write_gguf_q4_0
 
+    from qwc.bench.gguf_q4_0 import write_gguf_q4_0
     from qwc.models.presets import load_preset
 
     work.mkdir(parents=True, exist_ok=True)
-    gguf, onnx_, art = work / f"{fmt}.gguf", work / f"{fmt}.onnx", work / f"{fmt}.qwc"
+    gguf = work / f"{fmt}.gguf"
     if not gguf.exists():
         kind = GGMLQuantizationType[fmt.upper()]
         write_gguf_q4_0(load_preset(PRESET), gguf.with_suffix(".partial"), head_bits=4 if fmt == "q4_0" else 8,
                         linears=kind)
         gguf.with_suffix(".partial").rename(gguf)
-    subprocess.run(QWC + ["-q", "export", str(gguf), "-o", str(onnx_)], check=True)
-    subprocess.run(QWC + ["-q", "compile", str(onnx_), "--target", "host", "-o", str(art)], check=True)
-    return gguf, art
+    return gguf, chain(gguf, work, fmt, optimize=None, fresh=("onnx", "qwc"))["qwc"]
 
 
 def without_merges(src: Path, dst: Path) -> Path:
@@ -81,19 +81,14 @@ def prepare_file(src: Path, work: Path) -> tuple[Path, Path]:
     """(the GGUF for llama.cpp, the host artifact qwc compiles from it: --gguf)."""
     work.mkdir(parents=True, exist_ok=True)
     mine = without_merges(src, work / f"{src.stem}.qwc.gguf")
-    onnx_, art = work / f"{src.stem}.onnx", work / f"{src.stem}.qwc"
-    subprocess.run(QWC + ["export", str(mine), "-o", str(onnx_)], check=True)
-    subprocess.run(QWC + ["-q", "compile", str(onnx_), "--target", "host", "-o", str(art)], check=True)
-    return src, art
+    return src, chain(mine, work, src.stem, optimize=None, fresh=("onnx", "qwc"))["qwc"]
 
 
 def quantized_file(mix: str, size: str, work: Path) -> Path:
     """llama-quantize's `mix` (Q4_K_M, ...) of a random checkpoint of Qwen2.5-`size`'s shapes
     (bench/make_checkpoint.py), written as F16 first."""
-    sys.path.insert(0, str(HERE))
-    from gguf_q4_0 import write_gguf_q4_0_checkpoint
-    from peers import llamacpp_tools
-
+    from qwc.bench.gguf_q4_0 import write_gguf_q4_0_checkpoint
+    from qwc.bench.llamacpp import tools as llamacpp_tools
     from qwc.models.hf import open_hf_dir
 
     work.mkdir(parents=True, exist_ok=True)
@@ -106,7 +101,7 @@ def quantized_file(mix: str, size: str, work: Path) -> Path:
     if not f16.exists():
         write_gguf_q4_0_checkpoint(open_hf_dir(ckpt), f16.with_suffix(".partial"), f16=True)
         f16.with_suffix(".partial").rename(f16)
-    quantize = llamacpp_tools("x86") / "llama-quantize-0.3.36"
+    quantize = llamacpp_tools("x86") / f"llama-quantize-{VERSION}"
     subprocess.run([str(quantize), str(f16), str(out.with_suffix(".partial")), mix.upper()], check=True,
                    stdout=subprocess.DEVNULL)
     out.with_suffix(".partial").rename(out)
@@ -128,8 +123,7 @@ def main() -> None:
     a = p.parse_args()
     if a.mix:
         a.gguf = quantized_file(a.mix, a.size, a.workdir)
-    sys.path.insert(0, str(HERE))
-    from scale import alternating
+    from qwc.bench.scale import alternating
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in ("q4_0", "q4_1", "q8_0")]
     if unknown:

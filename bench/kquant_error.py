@@ -34,10 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from peers import llamacpp_tools  # noqa: E402
+from qwc.bench.llamacpp import VERSION
+from qwc.bench.llamacpp import tools as llamacpp_tools
 
 WORK = Path.home() / ".cache" / "qwc" / "kquant_error"
 QWC = [sys.executable, "-m", "qwc", "-q"]
@@ -159,11 +157,11 @@ def compare(name: str, src: Path, exported: Path, t: Path, threads: int, skip: t
     d = WORK / name
     imat = d / "emma.imatrix.gguf"
     if not imat.exists():
-        run([str(t / "llama-imatrix-0.3.36"), "-m", str(src), "-f", str(novel("emma")), "-c", "512", "--chunks", "8",
+        run([str(t / f"llama-imatrix-{VERSION}"), "-m", str(src), "-f", str(novel("emma")), "-c", "512", "--chunks", "8",
              "-t", str(threads), "-o", str(imat)], "llama-imatrix")
     lq = d / "llama-q4_k_m.gguf"
     if not lq.exists():
-        run([str(t / "llama-quantize-0.3.36"), "--allow-requantize", "--imatrix", str(imat), *q6_k_overrides(src),
+        run([str(t / f"llama-quantize-{VERSION}"), "--allow-requantize", "--imatrix", str(imat), *q6_k_overrides(src),
              str(src), str(lq), "Q4_K_M"], "llama-quantize")
     qg = d / "qwc-q4_k_m.onnx"
     if not qg.exists():

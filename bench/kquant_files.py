@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from qwc.bench.llamacpp import VERSION
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 PORT = 8937
 
 
@@ -65,10 +65,10 @@ def follow(art: Path, onnx_: Path, prompt: str, tokens: list[int]) -> tuple[int,
 
 
 def main() -> None:
-    from accuracy import llamacpp_quantized
     from gguf import GGUFReader
-    from peers import llamacpp_tools
 
+    from qwc.bench.accuracy import llamacpp_quantized
+    from qwc.bench.llamacpp import tools as llamacpp_tools
     from qwc.cli import main as qwc
     from qwc.eval.data import smollm2_path
 
@@ -90,7 +90,7 @@ def main() -> None:
             assert qwc(["-q", "compile", str(onnx_), "-o", str(art)]) in (0, None)
         types = Counter(t.tensor_type.name for t in GGUFReader(gguf).tensors if t.name.startswith("blk."))
         types = ", ".join(f"{c} {k}" for k, c in types.most_common() if k != "F32")
-        text, tokens = server_tokens(tools / "llama-server-0.3.36", gguf, args.prompt, args.tokens)
+        text, tokens = server_tokens(tools / f"llama-server-{VERSION}", gguf, args.prompt, args.tokens)
         agree, gap = follow(art, onnx_, args.prompt, tokens)
         print(f"| {mix} | {types} | {json.dumps(text)} | {agree} / {len(tokens)} | "
               f"{f'{gap:.3f}' if agree < len(tokens) else '-'} |", flush=True)

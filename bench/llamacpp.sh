@@ -33,7 +33,7 @@
 # that sdist already fetched (its .tar.gz), for a machine where pip is slow: under emulation it
 # takes longer than fetching it outside and copying it in.
 set -euo pipefail
-VERSION=0.3.36
+VERSION=$(sed -n 's/^VERSION = "\(.*\)".*/\1/p' "$(dirname "$0")/llamacpp.py")   # one place: bench/llamacpp.py
 BUILD=${1:?usage: bench/llamacpp.sh x86|x86-gcc|arm64|arm64-native|arm64-kleidiai|arm64-kleidiai-omp [DIR]}
 cpu=
 [[ $BUILD == x86* ]] && cpu=-$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-8)

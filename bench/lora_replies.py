@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
 
 
 def prompts(n: int) -> list[str]:
@@ -53,7 +52,7 @@ def replies(url: str, models: list[str], texts: list[str], tokens: int) -> dict:
 
 
 def served(art: Path, models: list[str], texts: list[str], tokens: int, *extra: str) -> dict:
-    from serve import start, stop, wait_ready
+    from qwc.bench.serve import start, stop, wait_ready
 
     proc, line = start([sys.executable, "-m", "qwc", "serve", str(art), "--port", "0", "--max-batch", "4",
                         "--model-name", "base", *extra], r"serving .* at http://")
@@ -99,8 +98,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "qwc" / "lora-bench")
     a = ap.parse_args()
-    from lora import made
-
+    from qwc.bench.lora import made
     from qwc.eval.data import smollm2_path
 
     gguf, w = str(smollm2_path()), a.work

@@ -34,13 +34,12 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def artifacts(workdir: Path, threads: int) -> dict[str, Path]:
     """The plain and the slots artifact of the canonical graph (both rebuilt: this checkout's kernels)."""
-    from peers import prepare
+    from qwc.bench.peers import prepare
 
     paths = prepare(workdir, max_batch=8)
     slots = workdir / "q-b8-lora64.qwc"
@@ -133,7 +132,8 @@ def per_step(paths: dict, ranks: list[int], threads: int, workdir: Path) -> list
 
 async def _load(base: str, models: list[str], requests: int, max_tokens: int, seed: int) -> dict:
     import httpx
-    from serve import client, plans_for
+
+    from qwc.bench.serve import client, plans_for
 
     plans = plans_for(len(models), requests, seed)
     out: list = []
@@ -147,8 +147,7 @@ async def _load(base: str, models: list[str], requests: int, max_tokens: int, se
 
 
 def served(paths: dict, a: argparse.Namespace, workdir: Path) -> dict:
-    from serve import start, stop, wait_ready, warm
-
+    from qwc.bench.serve import start, stop, wait_ready, warm
     from qwc.manifest import read_manifest
 
     cfg = read_manifest(paths["slots"]).model

@@ -19,11 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qwc.config import ModelConfig  # noqa: E402
-from qwc.models.checkpoint import expected_tensors  # noqa: E402
-from qwc.models.tokenizer import byte_level_tokenizer, special_ids  # noqa: E402
+from qwc.config import ModelConfig
+from qwc.models.checkpoint import expected_tensors
+from qwc.models.tokenizer import byte_level_tokenizer, special_ids
 
 # Qwen2.5's published config.json values (hidden, intermediate, layers, heads, kv heads,
 # vocab, tied embeddings); head_dim is hidden / heads = 64 (0.5B) or 128.

@@ -38,9 +38,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import n2_model  # noqa: E402
-from make_checkpoint import SHAPES  # noqa: E402
+from qwc.bench import n2_model
+from qwc.bench.make_checkpoint import SHAPES
 
 PP, TG = 512, 128
 BARRIER_US = 2.0

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import time
@@ -32,6 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from qwc import cpu
+from qwc.bench.artifacts import chain
+from qwc.bench.llamacpp import VERSION, llama_bench
+from qwc.bench.llamacpp import tools as llamacpp_tools
 
 SYSTEMS = ["qwc", "ort_int4", "ort_int4_acc0", "ort_fp32", "torch_fp32", "llamacpp_q4_0", "llamacpp_q4_0_gcc"]
 LLAMACPP_BUILDS = {"llamacpp_q4_0": "x86", "llamacpp_q4_0_gcc": "x86-gcc"}
@@ -48,24 +50,13 @@ def _tokens(n: int, seed: int = 0) -> list[int]:
 def prepare(workdir: Path, max_batch: int = 1, kv_dtype: str | None = None) -> dict[str, Path]:
     """The model's files; the artifact with decode_batch for `max_batch` sequences if >= 2, its
     KV cache of `kv_dtype` ("f32" / "f16" / "q8_0"; None: qwc's default)."""
-    workdir.mkdir(parents=True, exist_ok=True)
     name = "q" + (f"-b{max_batch}" if max_batch > 1 else "") + (f"-kv{kv_dtype}" if kv_dtype else "")
-    paths = {"onnx": workdir / "q.onnx", "q4": workdir / "q.q4.onnx",
-             "qwc": workdir / f"{name}.qwc", "gguf": workdir / "q.q4_0.gguf"}
-    qwc = [sys.executable, "-m", "qwc"]
-    if not paths["onnx"].exists():
-        subprocess.run(qwc + ["export", PRESET, "-o", str(paths["onnx"])], check=True)
-    if not paths["q4"].exists():
-        subprocess.run(qwc + ["optimize", str(paths["onnx"]), "-o", str(paths["q4"])], check=True)
     # The artifact is what is measured: always rebuilt, so it has this checkout's kernels.
-    shutil.rmtree(paths["qwc"], ignore_errors=True)
-    subprocess.run(qwc + ["compile", str(paths["q4"]), "--target", "host", "--act-bits", "8",
-                          "--max-batch", str(max_batch), "-o", str(paths["qwc"])]
-                   + (["--kv-dtype", kv_dtype] if kv_dtype else []), check=True)
+    options = ("--act-bits", "8", "--max-batch", str(max_batch)) + (("--kv-dtype", kv_dtype) if kv_dtype else ())
+    paths = chain(PRESET, workdir, "q", compile_=options, artifact=name)
+    paths["gguf"] = Path(workdir) / "q.q4_0.gguf"
     if not paths["gguf"].exists():
-        sys.path.insert(0, str(Path(__file__).parent))
-        from gguf_q4_0 import write_gguf_q4_0
-
+        from qwc.bench.gguf_q4_0 import write_gguf_q4_0
         from qwc.models.presets import load_preset
 
         write_gguf_q4_0(load_preset(PRESET), paths["gguf"])
@@ -177,28 +168,16 @@ class TorchRunner(Runner):
         return self._run([token])
 
 
-def llamacpp_tools(build: str) -> Path:
-    r = subprocess.run(["bash", str(Path(__file__).parent / "llamacpp.sh"), build], text=True, stdout=subprocess.PIPE)
-    if r.returncode != 0:
-        raise SystemExit(f"bench/llamacpp.sh {build} failed")
-    return Path(r.stdout.strip().splitlines()[-1])
-
-
 def measure_llama_bench(build: str, paths, threads: int, reps=3) -> dict:
     """llama.cpp's own llama-bench on the same GGUF: pp128 and pp512 from an empty cache, tg128
     after 512 tokens of context (-d 512), the median of `reps` runs each, as `measure` does."""
-    bench = llamacpp_tools(build) / "llama-bench-0.3.36"
+    bench = llamacpp_tools(build) / f"llama-bench-{VERSION}"
     out, log = {}, ""
     for args in (["-p", "128,512", "-n", "0"], ["-p", "0", "-n", "128", "-d", "512"]):
-        cmd = [str(bench), "-m", str(paths["gguf"]), "-t", str(threads), "-r", str(reps), "-o", "json", "-v", *args]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"{bench.name} exited {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
-        log += r.stderr
-        for test in json.loads(r.stdout):
-            key = "decode" if test["n_gen"] else f"prefill_{test['n_prompt']}"
-            samples = sorted(test["samples_ts"])
-            out[key] = samples[len(samples) // 2]
+        rates, said = llama_bench(bench, paths["gguf"], threads, ["-v", *args], reps)
+        log += said
+        for test, tps in rates.items():   # pp128, pp512, "tg128 @ d512"
+            out["decode" if test.startswith("tg") else "prefill_" + test[2:]] = tps
     # the worker's waited-for children are the llama-bench runs: their peak RSS
     out["rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     out["amx"] = "AMX" in log

@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode_attention import _ints, child_rows  # noqa: E402  (bench/decode_attention.py)
+from qwc.bench.decode_attention import _ints, child_rows
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 KINDS = {"f16": "float16", "f32": "float32", "q8_0": "q8_0"}

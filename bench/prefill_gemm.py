@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gemv import gemv_graph, ort_gemv  # noqa: E402  (bench/gemv.py)
+from qwc.bench.gemv import gemv_graph, ort_gemv
 
 # (d_model, d_ff) of the sizes users run
 SIZES = {"0.5b": (896, 4864), "1.5b": (1536, 8960), "3b": (2048, 11008), "7b": (3584, 18944)}

@@ -15,13 +15,9 @@ weight bytes each reads (compact 4.625 bits a weight, expanded 6).
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # (name, N, K) of the Q4_K tensors of a Q4_K_M file (llama.cpp's other ffn_down layers are Q6_K)
 SHAPES = {"1.5b": [("attn_q", 1536, 1536), ("ffn_up", 8960, 1536), ("ffn_down", 1536, 8960)],
@@ -105,7 +101,7 @@ def two_forms_table(args, labels: tuple[str, str], function, bytes_a_weight: flo
 
 
 def main() -> None:
-    from q6_k import arguments
+    from qwc.bench.q6_k import arguments
 
     p = arguments(__doc__)
     p.add_argument("--target", default="host")

@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # (name, N, K) of the Q6_K tensors of a Q4_K_M file
 SHAPES = {"1.5b": [("ffn_down", 1536, 8960), ("attn_v", 256, 1536)],

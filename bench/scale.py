@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from qwc.bench.llamacpp import VERSION
+
 HERE = Path(__file__).resolve().parent
 QWC = [sys.executable, "-m", "qwc"]
 
@@ -84,9 +86,7 @@ def speed(ckpt: Path, art: Path, work: Path, threads: int, rounds: int) -> dict:
     """pp512 and tg128 (from an empty cache, llama-bench's definition) of the host artifact and
     of llama.cpp (its strongest build here, bench/llamacpp.sh x86) on a Q4_0 GGUF of the same
     weights, in alternating rounds (qwc, llama.cpp, qwc, ...): the machine is shared."""
-    sys.path.insert(0, str(HERE))
-    from gguf_q4_0 import write_gguf_q4_0_checkpoint
-
+    from qwc.bench.gguf_q4_0 import write_gguf_q4_0_checkpoint
     from qwc.models.hf import open_hf_dir
 
     gguf = work / f"{ckpt.name}.q4_0.gguf"
@@ -99,9 +99,10 @@ def speed(ckpt: Path, art: Path, work: Path, threads: int, rounds: int) -> dict:
 def alternating(art: Path, gguf: Path, threads: int, rounds: int) -> dict:
     """pp512 and tg128 of `qwc bench` on the artifact and of llama-bench (bench/llamacpp.sh x86)
     on the GGUF, round by round in turn; medians per system and test, and every run."""
-    from peers import llamacpp_tools
+    from qwc.bench.llamacpp import llama_bench as peer_bench
+    from qwc.bench.llamacpp import tools as llamacpp_tools
 
-    llama_bench = llamacpp_tools("x86") / "llama-bench-0.3.36"
+    llama_bench = llamacpp_tools("x86") / f"llama-bench-{VERSION}"
     env = dict(os.environ, TVM_NUM_THREADS=str(threads))
     got: dict[str, dict[str, list[float]]] = {"qwc": {}, "llama.cpp": {}}
     for _ in range(rounds):
@@ -109,11 +110,8 @@ def alternating(art: Path, gguf: Path, threads: int, rounds: int) -> dict:
                                     "--json"], check=True, capture_output=True, text=True, env=env).stdout
         for row in json.loads(out)["results"]:
             got["qwc"].setdefault(row["test"], []).append(row["tps"])
-        out = subprocess.run([str(llama_bench), "-m", str(gguf), "-t", str(threads), "-p", "512", "-n", "128",
-                              "-r", "1", "-o", "json"], check=True, capture_output=True, text=True).stdout
-        for row in json.loads(out):
-            test = f"tg{row['n_gen']}" if row["n_gen"] else f"pp{row['n_prompt']}"
-            got["llama.cpp"].setdefault(test, []).append(row["avg_ts"])
+        for test, tps in peer_bench(llama_bench, gguf, threads, ["-p", "512", "-n", "128"])[0].items():
+            got["llama.cpp"].setdefault(test, []).append(tps)
     return {sys_: {t: sorted(v)[len(v) // 2] for t, v in tests.items()} | {"runs": tests}
             for sys_, tests in got.items()}
 

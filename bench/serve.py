@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qwc.bench.llamacpp import VERSION
+
 HERE = Path(__file__).parent
 SEPARATE = "qwc, --no-mixed-steps"
 
@@ -226,11 +228,11 @@ def main() -> None:
         ap.error(f"--prompt-tokens {a.prompt_tokens!r}: expected LO,HI with 1 <= LO <= HI")
     a.ctx = a.ctx or max(512, a.shared_prefix + lengths[1] + a.max_tokens)
     counts = [int(c) for c in a.clients.split(",")]
-    sys.path.insert(0, str(HERE))
-    from peers import llamacpp_tools, prepare
+    from qwc.bench.llamacpp import tools as llamacpp_tools
+    from qwc.bench.peers import prepare
 
     paths = prepare(a.workdir, max_batch=max(max(counts), 2))
-    server = llamacpp_tools("x86") / "llama-server-0.3.36"
+    server = llamacpp_tools("x86") / f"llama-server-{VERSION}"
     ray = f"qwc, {a.ray_replicas} replicas on Ray" if a.ray_replicas else None
     results: dict = {"qwc": {}, "llama-server": {}, **({"qwc, no reuse": {}} if a.shared_prefix else {}),
                      **({ray: {}} if ray else {}), **({SEPARATE: {}} if a.compare_mixed else {})}

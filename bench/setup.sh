@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Benchmark extras: matplotlib for the charts, and llama.cpp's own tools (llama-bench,
-# llama-perplexity, llama-quantize, llama-server) built from the llama-cpp-python 0.3.36 sdist for
+# llama-perplexity, llama-quantize, llama-server) built from the llama-cpp-python sdist (bench/llamacpp.py: VERSION) for
 # this CPU by bench/llamacpp.sh: the strongest build (clang, native, AMX where the CPU has it) and
 # the GCC build beside it. ~20 minutes a build on 2 cores, cached in ~/.cache/qwc. Debian's
 # llvm-19 for llvm-mca's Neoverse-N2 model (bench/arm_icount.py --mca, bench/arm_threads.py).

@@ -194,9 +194,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "bench")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    sys.path.insert(0, str(HERE))
-    from peers import prepare
-    from serve import start, stop, wait_ready
+    from qwc.bench.peers import prepare
+    from qwc.bench.serve import start, stop, wait_ready
 
     paths = prepare(a.workdir, max_batch=a.clients)
     proc, line = start([sys.executable, "-m", "qwc", "serve", str(paths["qwc"]), "--port", "0",

@@ -57,13 +57,13 @@ import functools
 import json
 import os
 import re
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
+from qwc.bench.llamacpp import VERSION
 from qwc.chat_template import ChatTemplate
 from qwc.eval.data import novel, read_text
 from qwc.limits import DRAFT_MAX
@@ -141,11 +141,10 @@ class Peer:
     both started at once (only the one asked works at a time)."""
 
     def __init__(self, args):
-        sys.path.insert(0, str(Path(__file__).parent))
-        from peers import llamacpp_tools
-        from serve import start, wait_ready
+        from qwc.bench.llamacpp import tools as llamacpp_tools
+        from qwc.bench.serve import start, wait_ready
 
-        server = llamacpp_tools("x86") / "llama-server-0.3.36"
+        server = llamacpp_tools("x86") / f"llama-server-{VERSION}"
         self.procs, self.base = {}, {}
         # llama-server drafts only with --spec-type; at most as many tokens as qwc's drafts (of
         # 3, 7 and 16 a draft, 7 was its fastest on SmolLM2's float target)
@@ -170,7 +169,7 @@ class Peer:
                 int(t.get("draft_n_accepted", 0)))
 
     def stop(self):
-        from serve import stop
+        from qwc.bench.serve import stop
 
         for proc in self.procs.values():
             stop(proc)

@@ -59,6 +59,15 @@ def tiny_lm():
     return load_preset("tiny")
 
 
+@pytest.fixture(scope="module")
+def hf_base(tiny_lm, tmp_path_factory):
+    """The tiny model as a Hugging Face directory: the base adapters are read against."""
+    src = tmp_path_factory.mktemp("base") / "hf"
+    tiny_lm.model.save_pretrained(src)
+    tiny_lm.tokenizer.save(str(src / "tokenizer.json"))
+    return src
+
+
 @pytest.fixture(scope="session")
 def tiny_onnx(tiny_lm, tmp_path_factory):
     from qwc.models.export import export_onnx

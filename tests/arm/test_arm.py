@@ -10,10 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import emulation  # scripts/arm64/emulation.py (pyproject.toml: pytest's pythonpath)
 import numpy as np
 import pytest
 
+from qwc.bench import emulation
 from qwc.compiler.compile import compile_file
 from qwc.runtime.engine import Engine
 
@@ -365,7 +365,7 @@ def test_icount_attribution_names_the_parallel_bodies_after_their_kernels(builds
     """bench/arm_icount.py: lib.so's parallel loop bodies are unnamed code placed after the
     named functions; each is named after a kernel that launches it, so a kernel's work is not
     counted under whatever symbol precedes the bodies."""
-    import arm_icount  # bench/arm_icount.py
+    from qwc.bench import arm_icount
 
     lib = str(builds["arm-yitian", 8] / "lib.so")
     named = {name for _, _, name in arm_icount._symbols(lib)}

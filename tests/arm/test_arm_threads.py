@@ -4,9 +4,10 @@ TVM's pool at the asked thread count)."""
 
 from __future__ import annotations
 
-import arm_threads  # bench/arm_threads.py (pyproject.toml: pytest's pythonpath)
 import numpy as np
 import pytest
+
+from qwc.bench import arm_threads
 
 LIB = (0x10000, 0x20000)   # where the "lib.so" of the hand-made records is mapped
 
@@ -72,8 +73,7 @@ def test_tiny_decode_under_qemu_splits_the_same_work_over_four_threads(tiny_q4, 
     """Both the phases plugin and the launch marks on a real artifact: the work a token is the
     same at 1 and 4 threads, every launch is seen at both, and 4 threads shorten the path
     without beating a perfect split."""
-    import emulation
-
+    from qwc.bench import emulation
     from qwc.compiler.compile import compile_file
 
     art = tmp_path / "tiny-yitian.qwc"

@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import n2_table  # bench/n2_table.py (pyproject.toml: pytest's pythonpath)
 import pytest
+
+from qwc.bench import n2_table
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

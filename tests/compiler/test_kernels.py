@@ -297,8 +297,9 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     import re
     import subprocess
 
-    import emulation
     import tvm
+
+    from qwc.bench import emulation
 
     env = emulation.arm64_env()
     t = get_target(target)
@@ -351,9 +352,9 @@ def test_arm_per_row_gemm_under_qemu(tmp_path, target):
     decode (M = 1) and a K off whole blocks keep their blocks."""
     import subprocess
 
-    import emulation
     import tvm
 
+    from qwc.bench import emulation
     from qwc.q4 import quantize_rows_asym
 
     env = emulation.arm64_env()

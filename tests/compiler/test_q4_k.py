@@ -126,8 +126,9 @@ def test_arm_kernels_read_compact_q4_k_as_the_expanded_form(tmp_path):
     at 1, 3, 9 and 17 tokens: the compact form's bits are the expanded one's."""
     import subprocess
 
-    import emulation
     import tvm
+
+    from qwc.bench import emulation
 
     inputs, names = {}, []
     for target in ("arm-yitian", "arm-neon"):

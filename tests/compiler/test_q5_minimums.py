@@ -192,8 +192,9 @@ def test_arm_kernels_add_the_block_minimums(tmp_path):
     and 17 tokens, Q5_K and Q5_1."""
     import subprocess
 
-    import emulation
     import tvm
+
+    from qwc.bench import emulation
 
     env, cases = emulation.arm64_env(), []
     for target in ("arm-yitian", "arm-neon"):

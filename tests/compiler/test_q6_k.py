@@ -116,8 +116,9 @@ def test_q6_k_arm_kernel_computes_llama_cpps_w6a8(tmp_path):
     qemu-aarch64, on the x86 test's cases at 1, 3, 9 and 17 tokens, 1 and 4 threads (the same
     bits: a task owns its rows)."""
 
-    import emulation
     import tvm
+
+    from qwc.bench import emulation
 
     t = get_target("arm-yitian")
     bb, inputs, refs = relax.BlockBuilder(), {}, {}

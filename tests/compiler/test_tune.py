@@ -172,7 +172,7 @@ def _free_port() -> int:
 def tracker(tmp_path_factory):
     """A TVM RPC tracker and a server on 127.0.0.1: the emulated arm64 Python of scripts/arm64
     (key `arm64`, through scripts/arm64/rpc_server.py)."""
-    import emulation
+    from qwc.bench import emulation
 
     logs = tmp_path_factory.mktemp("rpc")
     port = _free_port()

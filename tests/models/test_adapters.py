@@ -28,14 +28,6 @@ def _random_adapter(model, folder, r=4, alpha=8, seed=1, target=LINEARS, **confi
 
 
 @pytest.fixture(scope="module")
-def hf_base(tiny_lm, tmp_path_factory):
-    src = tmp_path_factory.mktemp("base") / "hf"
-    tiny_lm.model.save_pretrained(src)
-    tiny_lm.tokenizer.save(str(src / "tokenizer.json"))
-    return src
-
-
-@pytest.fixture(scope="module")
 def peft_dir(tiny_lm, tmp_path_factory):
     folder = tmp_path_factory.mktemp("adapter") / "lora"
     _random_adapter(tiny_lm.model, folder)

@@ -19,14 +19,6 @@ from conftest import random_peft_adapter
 
 
 @pytest.fixture(scope="module")
-def hf_base(tiny_lm, tmp_path_factory):
-    src = tmp_path_factory.mktemp("base") / "hf"
-    tiny_lm.model.save_pretrained(src)
-    tiny_lm.tokenizer.save(str(src / "tokenizer.json"))
-    return src
-
-
-@pytest.fixture(scope="module")
 def good_adapter(tiny_lm, tmp_path_factory):
     folder = tmp_path_factory.mktemp("adapter") / "lora"
     random_peft_adapter(tiny_lm.model, folder, r=4, alpha=8, seed=1, target=["q_proj", "v_proj"])

@@ -254,8 +254,7 @@ def test_artifact_keeps_the_blocks_and_matches_the_float_reference(gguf_model, h
 @pytest.mark.slow
 @pytest.mark.parametrize("act", [32, 8])
 def test_formats_on_arm_yitian_match_the_host(gguf_model, host_builds, tmp_path, act):
-    import emulation
-
+    from qwc.bench import emulation
     from qwc.compiler.compile import compile_file
 
     d, _ = gguf_model

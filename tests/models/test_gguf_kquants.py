@@ -308,8 +308,7 @@ def _arm_yitian_follows_the_host(d, host_builds, tmp_path) -> dict:
     """d/m.onnx compiled for arm-yitian runs STEPS under qemu near the host's Q8_0-activation
     build: an activation on a rounding boundary may move by one step of its block's scale
     between the two ISAs' kernels (see test_gguf_formats' ARM test). Returns its manifest."""
-    import emulation
-
+    from qwc.bench import emulation
     from qwc.compiler.compile import compile_file
 
     env = emulation.arm64_env()
@@ -534,8 +533,7 @@ def test_arm_yitian_params_at_rest_give_the_logits_of_params_stored_whole(q4_k_m
     codes as bytes, params.bin keeps both near the file's size (q4_k_scales / q4_k_offsets,
     six_bit) and the engine under qemu unpacks them: the logits of the same model stored
     whole, to the bit."""
-    import emulation
-
+    from qwc.bench import emulation
     from qwc.compiler.compile import compile_file
 
     d, env = q4_k_m_model[0], emulation.arm64_env()

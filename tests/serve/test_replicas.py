@@ -14,8 +14,8 @@ import time
 import httpx
 import openai
 import pytest
-from replicas import SYSTEMS, requests_across_a_kill  # bench/replicas.py (pyproject.toml: pytest's pythonpath)
 
+from qwc.bench.replicas import SYSTEMS, requests_across_a_kill
 from qwc.compiler.compile import compile_file
 from qwc.errors import QwcError
 from qwc.runtime.affinity import IMBALANCE, Homes, merge_metrics, prefix_key, rank

@@ -8,9 +8,9 @@ import json
 import jsonschema
 import openai
 import pytest
-from structured import PERSON  # bench/structured.py: the schema its cost is measured with
 from test_serve import Server  # the server process helper (tests/serve is not a package)
 
+from qwc.bench.structured import PERSON  # the schema its cost is measured with
 from qwc.cli import main
 
 pytestmark = [pytest.mark.realdata, pytest.mark.slow]

@@ -1,6 +1,6 @@
 """The environment for running qwc's runtime under qemu-aarch64, shared by tests/arm/test_arm.py,
-the kernel tests and bench/arm_icount.py: prepares it with setup.sh if missing, and reads its
-env.sh."""
+the kernel tests and bench/arm_icount.py: prepares it with scripts/arm64/setup.sh if missing,
+reads its env.sh, and builds the command lines of the runners in scripts/arm64."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from qwc.allocator import with_tunable
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
+REPO = Path(__file__).resolve().parent.parent
+HERE = REPO / "scripts" / "arm64"   # setup.sh and the runners the emulated python runs
 
 
 def arm64_env(single_thread: bool = False) -> dict:
