@@ -42,8 +42,12 @@ w = d (u - 128) + m. The graph adds m times each block's sum of the activations 
 MatMulNBits (models/stream_export.py), which compile time folds into the kernels' block offsets
 (compiler/block_minimums.py); the MatMul of that term is marked MINIMUMS_KEY.
 
-Other GGUF types (IQ, Q2_K, Q3_K) have no kernel here: they are dequantized and quantized again
-to the format the user names (`--requant`, Q8_0 by default: the one that loses least).
+IQ4_NL (blocks of 32: an fp16 d, 4-bit indices into a fixed int8 code book) and IQ4_XS (the
+book in super-blocks of 256 with 6-bit sub-block scales) are 8-bit codes book[q] + 128 with
+scales d (d (ls - 32)): Q8_0's form, exact.
+
+Other GGUF types (other IQ, Q2_K, Q3_K) have no kernel here: they are dequantized and quantized
+again to the format the user names (`--requant`, Q8_0 by default: the one that loses least).
 """
 
 from __future__ import annotations
@@ -133,6 +137,8 @@ def _rows(raw: np.ndarray, fmt: str, name: str) -> Blocks:
     """Rows raw [R, K/per, size] of a `fmt` tensor as Blocks."""
     if fmt == "Q6_K":
         return _q6_k(raw, name)
+    if fmt in ("IQ4_NL", "IQ4_XS"):
+        return _iq4(raw, fmt, name)
     d = _halves(raw, 0)
     if fmt in ("Q4_K", "Q5_K"):
         return _k_quant(raw, fmt, d, _halves(raw, 2), name)
@@ -178,6 +184,25 @@ def _k_quant(raw: np.ndarray, fmt: str, d: np.ndarray, dmin: np.ndarray, name: s
         return _with_zero_points("Q4_K", q.reshape(n, -1, BLOCK), scales, mins, name)
     fifth = (raw[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1   # bit j of byte l: sub-block j
     return Blocks(fmt, (q + 16 * fifth + 128).astype(np.uint8).reshape(n, -1, BLOCK), scales, minimums=mins)
+
+
+def _iq4(raw: np.ndarray, fmt: str, name: str) -> Blocks:
+    """IQ4_NL blocks [N, K/32, 18] (fp16 d, 16 bytes of indices) or IQ4_XS super-blocks
+    [N, K/256, 136] (fp16 d, the 6-bit sub-block scales' high bit pairs as a uint16 and low
+    nibbles as 4 bytes, then 8 sub-blocks of indices) as 8-bit codes book[q] + 128 in blocks of
+    32, with scales d (IQ4_XS: d (ls - 32) a sub-block, exact in float32)."""
+    book = np.asarray(weight_formats.get(fmt).code_book, np.int16) + 128
+    d = _halves(raw, 0)
+    _finite(d, fmt, name)
+    n, nb = raw.shape[:2]
+    if fmt == "IQ4_NL":
+        return Blocks(fmt, book[_gguf_nibbles(raw[..., 2:])].astype(np.uint8), d)
+    high = (raw[..., 2:4].copy().view(np.uint16)[..., 0, None] >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    low = np.stack([raw[..., 4:8] & 15, raw[..., 4:8] >> 4], axis=-1).reshape(n, nb, 8)   # sub-block 2i: byte i's low nibble
+    ls = (low.astype(np.int32) | (high.astype(np.int32) << 4)) - 32
+    scales = (d[..., None] * ls).reshape(n, -1).astype(np.float32)
+    codes = book[_gguf_nibbles(raw[..., 8:].reshape(n, nb, 8, 16))].astype(np.uint8)
+    return Blocks(fmt, codes.reshape(n, nb * 8, BLOCK), scales)
 
 
 def _q6_k(raw: np.ndarray, name: str) -> Blocks:

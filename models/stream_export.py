@@ -314,7 +314,8 @@ def _minimums_inputs(w: _Writer, b: gguf_blocks.Blocks, stem: str, embedding: bo
 
 # How the export's summary line names a type kept in a form other than its own blocks
 _EXACT_AS = {"Q5_0": " (exact, as 8-bit codes)", "Q5_1": " (exact, as 8-bit codes and block minimums)",
-             "Q5_K": " (exact, as 8-bit codes and block minimums)", "Q6_K": " (exact, 8-bit blocks of 16)"}
+             "Q5_K": " (exact, as 8-bit codes and block minimums)", "Q6_K": " (exact, 8-bit blocks of 16)",
+             "IQ4_NL": " (exact, as 8-bit codes)", "IQ4_XS": " (exact, as 8-bit codes)"}
 
 
 def _skip_norm(node, residual: str, branch: str, gain: str, prefix: str, which: str, eps: float):

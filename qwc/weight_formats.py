@@ -40,6 +40,7 @@ class WeightFormat:
     quantizer: str | None = None    # qwc.kquants' function making it from float (`--format` mixes)
     fallback: str | None = None     # what llama-quantize writes for a row not of whole super-blocks
     mins: str = "fp16"              # zero points: how a minimum comes back (gguf_blocks.block_mins)
+    code_book: tuple[int, ...] | None = None   # the int8 values 4-bit indices stand for (IQ4), or None
 
     @property
     def bits_per_weight(self) -> float:
@@ -50,6 +51,8 @@ class WeightFormat:
         return self.block > 32
 
 
+# llama.cpp's IQ4 code book (kvalues_iq4nl): a 4-bit index stands for one of these int8 values
+IQ4_BOOK = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # The rewrites every integer-dot linear takes last: its codes and scales into the row groups
 # its kernels read (compiler/repack.py)
 _ROW_GROUPS = ("repack_weights",)
@@ -70,6 +73,15 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
                  quantizer="quantize_q5_k", fallback="Q5_1"),
     WeightFormat("Q6_K", 14, 256, 210, 8, 16, "none", 64, ("q6_k_linears",), at_rest="q6_k_codes",
                  quantizer="quantize_q6_k", fallback="Q8_0"),
+    # IQ4: each block's values book[q] are 8-bit codes book[q] + 128 in the graph, with the
+    # block's scale (IQ4_XS: d times the sub-block's 6-bit scale less 32, exact in float32), so
+    # they run exactly on the W8A8 kernels as Q8_0 does; their own 4-bit kernels (the indices
+    # and the book, a byte shuffle) are still to come, the bytes a decode reads meanwhile 8.5 a
+    # weight against the file's 4.5 / 4.25
+    WeightFormat("IQ4_NL", 20, 32, 18, 8, 32, "none", 16, ("row_activations", "q8_0_nibble_halves", *_ROW_GROUPS),
+                 code_book=IQ4_BOOK),
+    WeightFormat("IQ4_XS", 23, 256, 136, 8, 32, "none", 16, ("row_activations", "q8_0_nibble_halves", *_ROW_GROUPS),
+                 fallback="IQ4_NL", code_book=IQ4_BOOK),
 )}
 
 # GGUF type names whose blocks the exporter keeps as they are (others are requantized)

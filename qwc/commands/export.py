@@ -29,9 +29,9 @@ def register(sub) -> None:
                         "auto (default): stream checkpoints of 1B parameters and more, and GGUF files with "
                         "quantized weights (which only the streaming writer keeps)")
     e.add_argument("--requant", choices=("q8_0", "q4_0"), default="q8_0",
-                   help="a GGUF's weights in a type qwc has no kernel for (Q5_1, Q5_K, Q6_K, IQ) are written in this "
-                        "one (default q8_0, the one that loses least); Q4_0, Q4_1, Q8_0, Q5_0 and Q4_K are kept "
-                        "exactly")
+                   help="a GGUF's weights in a type qwc does not keep (Q2_K, Q3_K, IQ types but IQ4_NL / IQ4_XS) "
+                        "are written in this one (default q8_0, the one that loses least); Q4_0, Q4_1, Q8_0, Q5_0, "
+                        "Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS are kept exactly")
     e.add_argument("--lora", action="append", metavar="ADAPTER[:SCALE]",
                    help="merge a LoRA adapter before quantization (repeatable): a PEFT directory or a llama.cpp "
                         "GGUF adapter; a QA-LoRA adapter merges exactly into 4-bit blocks (Q4_1). SCALE: default 1")

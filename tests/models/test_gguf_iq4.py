@@ -1,0 +1,136 @@
+"""llama.cpp's IQ4_NL and IQ4_XS kept exactly (a format added through qwc/weight_formats.py's
+table: a record each and a parser in models/gguf_blocks.py): the file's blocks read as the gguf
+package reads them, every linear marked with its record, the exported graph in onnxruntime as
+the float reference on the file's dequantized weights, and the compiled artifact's greedy
+tokens onnxruntime's on that graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from test_gguf_formats import STEPS, _config, assert_graph_follows_the_float_reference, write_random_model
+
+from qwc import weight_formats
+from qwc.cli import main
+from qwc.config import ModelConfig, sidecar_paths
+from qwc.models import gguf_blocks
+
+from conftest import greedy_against_onnxruntime
+
+
+def random_iq4(rng, n: int, k: int, fmt: str) -> np.ndarray:
+    """[n, K/block * bytes] of random IQ4 blocks whose d are small fp16 values (every index and
+    sub-block scale, 0 and negative ones included, as random bytes)."""
+    f = weight_formats.get(fmt)
+    raw = rng.integers(0, 256, (n, k // f.block, f.block_bytes), dtype=np.uint8)
+    d = rng.uniform(0.0005, 0.004 if fmt == "IQ4_XS" else 0.02, (n, k // f.block)).astype(np.float16)
+    raw[..., 0:2] = d[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("fmt", ["IQ4_NL", "IQ4_XS"])
+def test_blocks_are_what_the_gguf_package_reads(fmt):
+    rng = np.random.default_rng(1)
+    raw = random_iq4(rng, 40, 512, fmt)
+    b = gguf_blocks.from_gguf(raw, fmt, (40, 512), "w")
+    assert (b.bits, b.block, b.codes.shape) == (8, 32, (40, 16, 32))
+    assert set(np.unique(b.codes.astype(np.int16) - 128)) <= set(weight_formats.IQ4_BOOK)
+    assert np.array_equal(gguf_blocks.dequantize(b), dequantize(raw, Q[fmt]).reshape(40, 512))
+
+
+@pytest.fixture(scope="module")
+def iq4_model(tmp_path_factory):
+    """A tied qwen2 GGUF (hidden 256, so IQ4_XS's super-blocks fit) whose attention linears are
+    IQ4_XS and MLP ones IQ4_NL; exported as the file gives it and dequantized (the reference)."""
+    d = tmp_path_factory.mktemp("iq4")
+    cfg = _config("tiny-iq4", hidden=256, intermediate=512)
+
+    def matrix(rng, name, shape):
+        fmt = "IQ4_XS" if "self_attn" in name else "IQ4_NL" if ".mlp." in name else None
+        if fmt is None:   # the tied embedding in Q8_0
+            from gguf.quants import quantize
+            return quantize((0.1 * rng.standard_normal(shape)).astype(np.float32), Q.Q8_0), Q.Q8_0
+        return random_iq4(rng, *shape, fmt), Q[fmt]
+
+    write_random_model(d / "m.gguf", cfg, matrix, seed=3)
+    assert main(["-q", "export", str(d / "m.gguf"), "-o", str(d / "m.onnx")]) == 0
+    assert main(["-q", "export", str(d / "m.gguf"), "--exporter", "torch", "-o", str(d / "float.onnx")]) == 0
+    return d
+
+
+def test_every_iq4_linear_is_kept_and_marked(iq4_model):
+    from gguf import GGUFReader
+
+    file = {t.name: t for t in GGUFReader(iq4_model / "m.gguf").tensors}
+    model = onnx.load(str(iq4_model / "m.onnx"))
+    inits = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(iq4_model)) for t in model.graph.initializer}
+    seen = {"IQ4_NL": 0, "IQ4_XS": 0}
+    for n in model.graph.node:
+        if n.op_type != "MatMulNBits" or n.name.startswith("/lm_head"):
+            continue
+        fmt = weight_formats.marked(n).name
+        layer, module = n.name.split("/")[3], n.name.split("/")[5]
+        t = file[f"blk.{layer}.{gguf_name(module)}.weight"]
+        assert fmt == t.tensor_type.name
+        want = dequantize(t.data, t.tensor_type).reshape(inits[n.input[1]].shape[0], -1)
+        got = (inits[n.input[1]].astype(np.float32) - 128) * inits[n.input[2]][..., None]
+        assert np.array_equal(got.reshape(want.shape), want), n.name
+        seen[fmt] += 1
+    assert seen == {"IQ4_NL": 6, "IQ4_XS": 8}
+
+
+def gguf_name(module: str) -> str:
+    return {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+            "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}[module]
+
+
+def test_the_graph_is_the_float_reference(iq4_model):
+    assert_graph_follows_the_float_reference(iq4_model)
+
+
+def _compile(d, act_bits: int, target: str = "host"):
+    art = d / f"{target}-a{act_bits}.qwc"
+    if not art.exists():
+        assert main(["-q", "compile", str(d / "m.onnx"), "--target", target, "--act-bits", str(act_bits),
+                     "--kv-dtype", "f32", "-o", str(art)]) == 0
+    return art
+
+
+@pytest.mark.parametrize("act_bits", [32, 8])
+def test_compiled_greedy_tokens_are_onnxruntimes(iq4_model, act_bits):
+    """Float activations: float rounding against onnxruntime on the same graph. Q8_0 activations:
+    llama.cpp's arithmetic, held to test_gguf_formats' bound for W8A8 (an activation on a
+    rounding boundary moves by a step of its block's scale; a wrong kernel is off by O(1))."""
+    import json
+
+    art = _compile(iq4_model, act_bits)
+    formats = {f["format"] for f in json.loads((art / "manifest.json").read_text())["quantization"]["linears"]}
+    assert {"iq4_nl", "iq4_xs"} <= formats
+    cfg = ModelConfig.load(sidecar_paths(iq4_model / "m.onnx")[0])
+    greedy_against_onnxruntime(art, iq4_model / "m.onnx", cfg, STEPS[0], 6, 64, tol=1e-3 if act_bits == 32 else 3e-2)
+
+
+@pytest.mark.arm
+@pytest.mark.slow
+def test_arm_yitian_matches_the_host(iq4_model, tmp_path):
+    """The W8A8 kernels (smmla prefill, sdot decode) under qemu, against the host's build."""
+    import json
+    import subprocess
+
+    from qwc.bench import emulation
+    from qwc.runtime.engine import Engine
+
+    env = emulation.arm64_env()
+    art, host = _compile(iq4_model, 8, "arm-yitian"), Engine(_compile(iq4_model, 8), ctx=64)
+    out = tmp_path / "arm.npy"
+    steps = json.dumps([STEPS[0][0].tolist()] + [int(t[0, 0]) for t in STEPS[1:]])
+    r = subprocess.run(emulation.engine_command(env, art, out, steps), env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = np.stack([host.prefill(STEPS[0][0])] + [host.decode(int(t[0, 0])) for t in STEPS[1:]])
+    arm = np.load(out)
+    assert np.abs(arm - want).max() / np.abs(want).max() < 2e-2   # test_gguf_formats' bound, and its reason
+    assert np.array_equal(arm.argmax(-1), want.argmax(-1))
