@@ -201,6 +201,16 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
+    def slot_states(self) -> list[tuple[int, "Request | None", int]]:
+        """Every slot as (its row, the request running in it or None, the prompt tokens in its
+        cache): a snapshot for `qwc serve`'s /slots, read while the scheduler's thread runs."""
+        with self._cv:
+            running = {r.seq.row: (r.req, r.fed) for r in list(self._running)}
+            idle = [s.row for s in list(self._free)]
+        states = [(row, *running[row]) for row in running]
+        states += [(row, None, len(self.prefix_cache.held(row))) for row in idle]
+        return sorted(states, key=lambda s: s[0])
+
     # -- the scheduler's thread -----------------------------------------------------------
     def _place(self, req: Request):
         """The slot `req` runs in and how many of its prompt tokens that slot's cache holds

@@ -1,7 +1,8 @@
 """`qwc serve`: the OpenAI HTTP API over the continuous-batching scheduler.
 
 /v1/completions and /v1/chat/completions (streaming as server-sent events, or one JSON reply),
-/v1/models, /health, and Prometheus /metrics. Errors are OpenAI's shape,
+/v1/models, /health, Prometheus /metrics, and llama-server's /tokenize, /detokenize, /props and
+/slots (runtime/server_info.py). Errors are OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 for a bad request (malformed JSON, a
 prompt longer than the context, sampling values out of range, options this server does not
 implement), 404 for a model that is neither the base nor an adapter it serves (OpenAI's
@@ -29,6 +30,7 @@ from dataclasses import dataclass, replace
 
 from qwc.errors import QwcError
 
+from . import server_info
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Request, Scheduler
 from .tools import CallStream, ToolError, call_grammar, fallback_messages, parse_tools, split_calls, template_messages
@@ -344,6 +346,10 @@ class Api:
             raise ApiError(400, str(e), "messages") from None
         return self._encode(text, "messages")
 
+    def chat_tokens(self, body: dict) -> list[int]:
+        """The prompt a chat request's `messages` make (the model's template applied)."""
+        return self._chat_prompt(body, [])
+
     def _encode(self, text: str, param: str) -> list[int]:
         try:
             ids = self.engine.encode(text)
@@ -409,6 +415,26 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
     async def models(request: HttpRequest):
         api.check_key(request.headers.get("authorization"))
         return api.models()
+
+    @app.post("/tokenize")
+    async def tokenize(request: HttpRequest):
+        api.check_key(request.headers.get("authorization"))
+        return server_info.tokenize(api, server_info.checked_json(await request.body(), ApiError), ApiError)
+
+    @app.post("/detokenize")
+    async def detokenize(request: HttpRequest):
+        api.check_key(request.headers.get("authorization"))
+        return server_info.detokenize(api, server_info.checked_json(await request.body(), ApiError), ApiError)
+
+    @app.get("/props")
+    async def props(request: HttpRequest):
+        api.check_key(request.headers.get("authorization"))
+        return server_info.props(api)
+
+    @app.get("/slots")
+    async def slots(request: HttpRequest):
+        api.check_key(request.headers.get("authorization"))
+        return server_info.slots(api)
 
     async def complete(request: HttpRequest, chat: bool):
         api.check_key(request.headers.get("authorization"))
