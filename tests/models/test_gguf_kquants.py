@@ -265,7 +265,7 @@ def test_artifact_runs_the_kept_formats_as_the_float_reference(k_model, host_bui
     cfg = ModelConfig.load(sidecar_paths(d / "m.onnx")[0])
     manifest = json.loads((host_builds[8] / "manifest.json").read_text())
     linears = {f["format"]: f["count"] for f in manifest["quantization"]["linears"]}
-    assert linears == {"q4_k": 10, "q8_0": 5}   # Q5_0's 8-bit codes, and the tied Q8_0 head
+    assert linears == {"q4_k": 10, "q5_0": 4, "q8_0": 1}   # Q5_0 by its marker (8-bit codes), the tied Q8_0 head
     assert manifest["quantization"]["weight_layout"]["row_groups_16"] >= 10   # Q4_K in the kernels' layout
     assert manifest["quantization"]["weight_layout"]["q4_k_compact_scales"] == 10   # with the file's factors
     ref = np.stack([r[0, -1] for r in ort_kv_logits(d / "float.onnx", cfg, STEPS[0], STEPS[1:])])

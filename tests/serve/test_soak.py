@@ -4,7 +4,7 @@ else is named; of memory, growth is peak to peak after the warm-up."""
 
 import json
 
-from soak import SCHEMA, rss_growth, structured_problem  # bench/soak.py
+from qwc.bench.soak import SCHEMA, rss_growth, structured_problem
 
 SCHEMA_BODY = {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}
 TOOL_BODY = {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]}
