@@ -174,12 +174,7 @@ class Api:
 
     def parse(self, raw: bytes, chat: bool) -> tuple[list[Request], dict]:
         """The validated Requests (n of them, not yet submitted) and the reply's fixed fields."""
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
+        body = server_info.checked_json(raw, ApiError)
         adapter = self.adapter_slot(body.get("model"))
         _unsupported(body, chat)
         top = _logprobs(body, chat)

@@ -134,6 +134,7 @@ def props(api) -> dict:
 
 
 def checked_json(raw: bytes, error) -> dict:
+    """A request body as a JSON object, or `error`'s 400 (every endpoint's first check)."""
     import json
 
     try:
