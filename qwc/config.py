@@ -173,8 +173,9 @@ class ModelConfig:
             head_dim = hidden // heads
         field_checks.multiple(source, "num_attention_heads", heads, "num_key_value_heads", kv_heads)
         vocab = count("vocab_size")
-        theta_key = ("rope_parameters" if d.get("rope_parameters") else "rope_scaling") + ".rope_theta" \
-            if "rope_theta" in rope else "rope_theta"
+        # transformers 5 writes it inside rope_parameters, 4 at the top level
+        where = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+        theta_key = f"{where}.rope_theta" if "rope_theta" in rope else "rope_theta"
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         cfg = cls(
             name=name,

@@ -24,8 +24,9 @@ from .kernel_cache import cached_kernel
 
 # The ISA folders' schedule constants for the layouts they own (kernels/__init__.py: the registry):
 # ARM's for "arm" / "arm_pairs" / "arm_rows*", x86's for "plain"
-PARALLEL_BLOCKS, RMS_TASKS = quantizer_schedule("arm")["PARALLEL_BLOCKS"], quantizer_schedule("arm")["RMS_TASKS"]
-ROW_GROUP, SILU_STAGE = quantizer_schedule("plain")["ROW_GROUP"], quantizer_schedule("plain")["SILU_STAGE"]
+_ARM, _X86 = quantizer_schedule("arm"), quantizer_schedule("plain")
+PARALLEL_BLOCKS, RMS_TASKS = _ARM["PARALLEL_BLOCKS"], _ARM["RMS_TASKS"]
+ROW_GROUP, SILU_STAGE = _X86["ROW_GROUP"], _X86["SILU_STAGE"]
 
 BLOCK = 32
 HALF = BLOCK // 2
