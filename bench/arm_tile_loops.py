@@ -1,10 +1,15 @@
-"""The block loops of an ARM target's Q4_0 prefill GEMM, one per tile shape the kernel has:
-instructions, multiply-adds and llvm-mca's Neoverse-N2 cycles a block, from the
-cross-compiled kernel's disassembly (no emulation: a loop's instructions are what every
-iteration executes).
+"""The block loops of an ARM target's Q4_0 prefill GEMM, one per tile shape the kernel has
+(or, with --decode, of the sdot decode GEMV on Q4_0 or Q4_K): instructions, multiply-adds and
+llvm-mca's Neoverse-N2 cycles a block, from the cross-compiled kernel's disassembly (no
+emulation: a loop's instructions are what every iteration executes).
 
     .venv/bin/python bench/arm_tile_loops.py [--target arm-yitian|arm-neon] [--act block|row]
                                              [--n 64] [--k 896]
+    .venv/bin/python bench/arm_tile_loops.py --decode q4_k|q4_k-expanded|q4_0 [--n 256] [--k 1536]
+
+The decode GEMV's compact Q4_K has two loops: the sub-block loop (its integer sums) inside the
+super-block loop (that plus the float work once a super-block), whose figures are per
+super-block; the expanded form's and Q4_0's loop takes UNROLL blocks an iteration.
 
 Prints one row per loop holding the GEMM's dot instructions (smmla: 32 multiply-adds, sdot:
 16): instructions and cycles per iteration (one block of 32 across the tile) and per
@@ -63,6 +68,37 @@ def build_gemm(target: str, m: int, n: int, k: int, rows: bool, out: Path) -> Pa
     return lib
 
 
+def build_decode_gemv(target: str, n: int, k: int, form: str, out: Path) -> Path:
+    """lib.so with one function calling the sdot decode GEMV of an N x K linear in `form`
+    (q4_k: the compact factors on Q8_K activations; q4_k-expanded: float32 d sc and c; q4_0).
+    Only its code is read: the inputs are never made."""
+    import tvm
+    from tvm import relax
+
+    from qwc.compiler.build import build
+    from qwc.compiler.kernels import decode_gemv, q4_k_scales
+    from qwc.compiler.kernels.row_groups import ROWS, groups
+    from qwc.compiler.targets import get_target
+
+    t = get_target(target)
+    nb, sdt = k // 32, {"q4_k": "uint8", "q4_k-expanded": "float32", "q4_0": "float16"}[form]
+    ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(sdt, groups(n), nb)
+    offsets = form != "q4_0"
+    shapes = [("aq", [1, nb, 32], "int8"), ("ad", [1, nb], "float32"), ("off", [1, nb], "int32"),
+              ("w", [groups(n), nb, 4, 4 * ROWS], "uint8"), ("s", list(ws_shape), ws_dtype)]
+    shapes += [("c", list(wc_shape), wc_dtype)] if offsets else []
+    params = [relax.Var(x, relax.TensorType(shape, dtype)) for x, shape, dtype in shapes]
+    bb = relax.BlockBuilder()
+    with bb.function("gemv", params):
+        with bb.dataflow():
+            kernel = bb.add_func(decode_gemv(((n, False, offsets),), nb, sdt, dot="sdot"), "decode_gemv")
+            gv = bb.emit_output(bb.emit(relax.call_tir(kernel, params, relax.TensorType([1, n], "float32"))))
+        bb.emit_func_output(gv)
+    lib = out / "gemv.so"
+    build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
+    return lib
+
+
 def loops(lib: Path, dot: str) -> list[list[tuple[str, str]]]:
     """Every loop (a backward branch's span, under 600 instructions) holding `dot`, once each."""
     dis = subprocess.run(["aarch64-linux-gnu-objdump", "-d", "--no-show-raw-insn", str(lib)],
@@ -89,16 +125,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="arm-yitian", choices=("arm-yitian", "arm-neon"))
     p.add_argument("--act", default="block", choices=("block", "row"), help="the activations' scales")
-    p.add_argument("--n", type=int, default=64)
-    p.add_argument("--k", type=int, default=896)
+    p.add_argument("--decode", choices=("q4_k", "q4_k-expanded", "q4_0"),
+                   help="the sdot decode GEMV's loops on this weight form, instead of the prefill GEMM's")
+    p.add_argument("--n", type=int, help="rows (default 64; 256 with --decode)")
+    p.add_argument("--k", type=int, help="columns (default 896; 1536 with --decode)")
     args = p.parse_args()
-    if args.k % 32 or args.k < 32 or args.n < 1:
-        sys.exit("arm_tile_loops: --k a positive multiple of 32, --n from 1")
-    dot = "smmla" if args.target == "arm-yitian" else "sdot"
+    n = args.n or (256 if args.decode else 64)
+    k = args.k or (1536 if args.decode else 896)
+    step = 256 if args.decode and args.decode.startswith("q4_k") else 32
+    if k % step or k < step or n < 1:
+        sys.exit(f"arm_tile_loops: --k a positive multiple of {step}, --n from 1")
+    dot = "sdot" if args.decode or args.target == "arm-neon" else "smmla"
     with tempfile.TemporaryDirectory() as d:
-        found = loops(build_gemm(args.target, PROMPT, args.n, args.k, args.act == "row", Path(d)), dot)
-    print(f"{args.target}, Q4_0, {args.act} activations, N = {args.n}, K = {args.k}: the loops holding {dot}\n")
-    print(f"| {dot} a block | instructions a block | multiply-adds | instructions / MAC | N2 cycles a block "
+        if args.decode:
+            found = loops(build_decode_gemv(args.target, n, k, args.decode, Path(d)), dot)
+        else:
+            found = loops(build_gemm(args.target, PROMPT, n, k, args.act == "row", Path(d)), dot)
+    what = f"the decode GEMV, {args.decode}" if args.decode else f"Q4_0, {args.act} activations"
+    print(f"{args.target}, {what}, N = {n}, K = {k}: the loops holding {dot}\n")
+    print(f"| {dot} an iteration | instructions an iteration | multiply-adds | instructions / MAC | N2 cycles an iteration "
           "| N2 cycles / MAC | mix |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for body in sorted(found, key=lambda b: -sum(o == dot for o, _ in b)):

@@ -30,12 +30,14 @@ from qwc.passes.graph import (
     COLUMN_BLOCKS_OP,
     FIVE_BIT_ATTR,
     NIBBLE_HALVES_ATTR,
+    Q4_K_SCALES_ATTR,
     Q6_K_ATTR,
     ROW_ACTIVATIONS_ATTR,
 )
 from qwc.passes.last_position import GQA_STEP_INPUTS, STEP_LOGIT_TOKENS, STEP_SEGMENTS, STEP_TOKENS_OP
 
 from .kernels import decode_attention, generic, kv_cache, prefill_attention, prefill_bias, w4a8_gemm
+from .kernels.q4_k_scales import SCALE_DTYPE
 from .kernels.w4a8 import ZERO_POINT
 from .lora_slots import LORA_SLOT
 from .lora_slots import OP as LORA_OP
@@ -58,6 +60,10 @@ class ImportContext:
     batched: bool = False                           # B sequences, each with its own cache row
     step: bool = False                              # segments of tokens of B rows (build.py: step)
     verify: bool = False                            # decode's attention for each new token (build.py: verify)
+    # every activation quantizer that can scales by super-blocks (act_quant's super_blocks):
+    # where an ARM graph has compact Q4_K linears, whose decode GEMV reads only those, so that
+    # the linears reading one input (q, k and v; gate and up) still share one quantizer
+    super_blocks: bool = False
 
     def kname(self, name: str) -> str:
         return f"{self.prefix}_{name}" if self.prefix else name
@@ -254,7 +260,9 @@ class MatMulNBits(F.OnnxOpConverter):
             kernel = bb.add_func(decode_gemv(((n, fused_bias, has_c),), nb, sdt, dot=dot),
                                  _kname(f"{stem}_gemv_{dot}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
                                         f"{'_bias' if fused_bias else ''}"))
-        q, scale, off = _quantized(bb, a2, k, nb, one_token, layout)
+        # compact Q4_K on ARM: the decode GEMV reads activations scaled by super-blocks only
+        q, scale, off = _quantized(bb, a2, k, nb, one_token, layout,
+                                   super_blocks=w4a8.isa == "arm" and sdt == SCALE_DTYPE)
         if zero_offset:
             off = bb.emit(relax.op.zeros(off.ty.shape, "int32"))
         args = [q, scale, off, w, s] + ([offsets] if has_c else []) + ([row_sums] if per_row else []) + (
@@ -263,18 +271,22 @@ class MatMulNBits(F.OnnxOpConverter):
         return y, None if fused_bias else bias
 
 
-def _quantized(bb, a2, k: int, nb: int, one_token: bool, layout: str):
+def _quantized(bb, a2, k: int, nb: int, one_token: bool, layout: str, super_blocks: bool = False):
     """(aq, ad, off) of the activation quantizer (act_quant.fused_quantizer) on a2 [M, K] in
-    `layout`: what every integer-dot linear reads (scales and offsets [M, NB, 2] in "arm_pairs")."""
+    `layout`: what every integer-dot linear reads (scales and offsets [M, NB, 2] in "arm_pairs").
+    Scaled by super-blocks where the linear asks (`super_blocks`) or the graph does
+    (ImportContext.super_blocks) and the layout and K allow."""
     from .kernels import act_quant
 
+    super_blocks = (super_blocks or _ctx().super_blocks) and act_quant.takes_super_blocks(k, layout)
     m = a2.ty.shape[0]
     offsets = [m, nb, 2] if layout in ("arm_pairs", "arm_rows") else [m, nb]
     scales = [m, 2] if layout in act_quant.ROW_LAYOUTS else offsets   # (s, s zp) a token
     q8 = [relax.TensorType(shape=[m, nb, act_quant.BLOCK], dtype="int8"),
           relax.TensorType(shape=scales, dtype="float32"), relax.TensorType(shape=offsets, dtype="int32")]
-    quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token, layout=layout),
-                        _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token, layout=layout)))
+    quant = bb.add_func(act_quant.fused_quantizer(k, ZERO_POINT, one_token, layout=layout, super_blocks=super_blocks),
+                        _kname(act_quant.quantizer_name(k, ZERO_POINT, one_token, layout=layout,
+                                                        super_blocks=super_blocks)))
     parts = bb.emit(relax.call_tir(quant, [a2], q8))
     return tuple(bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
 
@@ -498,6 +510,15 @@ def qwc_converters():
         F._get_convert_map = stock
 
 
+def _compact_q4_k_on_arm(model: onnx.ModelProto, act_bits: int, features) -> bool:
+    """Whether the graph has a Q4_K linear with compact scales (compiler/repack_q4_k.py) on an
+    ARM target's W4A8 kernels: its activations are then scaled by super-blocks (ImportContext)."""
+    if q4_0_path(32, 4, act_bits, features) != "arm":
+        return False
+    return any(n.op_type == "MatMulNBits" and any(a.name == Q4_K_SCALES_ATTR and a.i for a in n.attribute)
+               for n in model.graph.node)
+
+
 def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "", act_bits: int = 32,
                  features: frozenset = frozenset(), tuned: dict | None = None, fuse: bool = True,
                  batched: bool = False, kv_dtype: str = "float32", step: bool = False, verify: bool = False):
@@ -537,7 +558,7 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
             shapes[i.name] = [batch, dims[1], cache, kv_cache.cache_width(kv_dtype, dims[3])]
             dtypes[i.name] = kv_cache.cache_element(kv_dtype)
     ctx = ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {}), batched=batched, step=step,
-                        verify=verify)
+                        verify=verify, super_blocks=_compact_q4_k_on_arm(model, act_bits, features))
     token = _CONTEXT.set(ctx)
     try:
         with qwc_converters(), warnings.catch_warnings():

@@ -85,8 +85,10 @@ def fuse_quantizer_inputs(kname):
             one_row = getattr(a2.ty.shape[0], "value", None) == 1
             zp, layout = int(mark["zero_point"]), str(mark["layout"])
             kind = "silu_mul" if silu else "rms"
-            kernel = act_quant.fused_quantizer(k, zp, one_row, silu is not None, rms[2] if rms else None, layout)
-            gv = rw.builder_.add_func(kernel, kname(act_quant.quantizer_name(k, zp, one_row, kind, layout)))
+            sb = bool(int(mark.get("super_blocks", 0)))
+            kernel = act_quant.fused_quantizer(k, zp, one_row, silu is not None, rms[2] if rms else None, layout,
+                                               super_blocks=sb)
+            gv = rw.builder_.add_func(kernel, kname(act_quant.quantizer_name(k, zp, one_row, kind, layout, sb)))
             inputs = [rows(rw, x, k) for x in silu] if silu else [rows(rw, rms[0], k), rw.var(rms[1])]
             return rw.emit(relax.call_tir(gv, inputs, list(binding.var.ty.fields)))
         return rewrite

@@ -2,7 +2,8 @@
 stored bytes (the forms and the runtime's unpacking: qwc/params_at_rest.py).
 
 The candidates are read off the graph: the sub-block scales and block offsets of a linear with
-block offsets (a Q4_K's on ARM's sdot / smmla kernels, expanded to float32 for them) and a
+block offsets (a Q4_K's on ARM's sdot / smmla kernels where it keeps the expanded float32
+form: compiler/repack_q4_k.py) and a
 Q6_K linear's codes as bytes. Whether one is stored at rest is decided by its values: it is
 packed, unpacked again as the runtime will, and kept so only if that gives back every bit
 (else it is written as it is, and nothing else changes).

@@ -8,8 +8,7 @@ against the file's 4.5. Here the file's factors are taken back instead
 with the same block terms to the bit.
 
 A Q4_K linear keeps the expanded form where the target's kernels read it so
-(targets.IntDots.q4_k_compact: ARM, whose sdot GEMV the conversions cost too many
-instructions), where its weights have other readers (a tied embedding's gather reads the
+(targets.IntDots.q4_k_compact: none of qwc's W4A8 targets today), where its weights have other readers (a tied embedding's gather reads the
 expanded scales), and where some super-block's factors are not an fp16 and 6-bit integers (not
 written as Q4_K).
 """

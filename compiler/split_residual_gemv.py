@@ -49,7 +49,7 @@ def split_residual_gemv(kname, threads: int):
                 return done[key]
             n, k, nb = int(out.ty.shape[-1]), int(x.ty.shape[1]), int(args[3].ty.shape[1])
             block_split = getattr(kernel_module(gemv_dot(mod[gv])), "block_split", None)   # the GEMV's module's
-            split = block_split(n, nb, threads) if block_split is not None else 1
+            split = block_split(n, nb, threads, str(args[4].ty.dtype)) if block_split is not None else 1
             if split == 1 or n != k or any(o.same_as(out) for o, _ in done):
                 return None
             zp, layout, eps = int(mark["zero_point"]), str(mark["layout"]), float(mark["eps"])
@@ -59,9 +59,10 @@ def split_residual_gemv(kname, threads: int):
                 gv.name_hint + f"_split{split}")
             parts = rw.emit(relax.call_tir(gemv, [rw.var(a) for a in args],
                                            relax.TensorType([split, n], "float32")))
+            sb = bool(int(mark.get("super_blocks", 0)))
             quant = rw.builder_.add_func(
-                act_quant.fused_quantizer(k, zp, True, rms_eps=eps, layout=layout, parts=split),
-                kname(act_quant.quantizer_name(k, zp, True, "rms", layout) + f"_parts{split}"))
+                act_quant.fused_quantizer(k, zp, True, rms_eps=eps, layout=layout, parts=split, super_blocks=sb),
+                kname(act_quant.quantizer_name(k, zp, True, "rms", layout, sb) + f"_parts{split}"))
             fields = list(binding.var.ty.fields)
             res = rw.emit(relax.call_tir(quant, [parts, rw.var(gamma)],
                                          fields + [relax.TensorType([1, k], "float32")]))

@@ -155,10 +155,11 @@ class IntDots:
     # Q8_0 at compile time (compiler/repack_q6_k.py), close but not exact
     q6_k: str | None = None
     # llama.cpp's Q4_K in the W4A8 kernels with the file's compact factors (kernels/q4_k_scales.py:
-    # 4.625 bits a weight), or expanded to float32 scales and block offsets (6 bits). x86:
-    # compact, its decode memory-bound (fewer bytes, less time). ARM: expanded, because the
-    # factors' conversions cost the sdot GEMV more decode instructions, the measure the
-    # ARM targets are held to (docs/history/weight-formats.md)
+    # 4.625 bits a weight), or expanded to float32 scales and block offsets (6 bits). Compact on
+    # every target: a decode at many threads is bound by the bytes it reads. ARM's decode GEMV
+    # takes them as llama.cpp's Q4_K x Q8_K dot (the sub-block scales on integer sums, on
+    # activations scaled by super-blocks: kernels/arm/dotprod.py), so the factors cost it no
+    # conversions a block (docs/history/weight-formats.md)
     q4_k_compact: bool = False
     # llama.cpp's Q5_0 / Q5_1 / Q5_K as five-bit codes 0..31 with a block offset each
     # (row_groups.pack_five_bit, compiler/repack_five_bit.py) on the kernel of that name
@@ -208,10 +209,10 @@ _VNNI_AMX = replace(_VNNI, amx=True)
 # The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
 # (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
 _AVX2 = IntDots("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8), q4_k_compact=True)
-_SDOT = IntDots("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8", "sdot",
+_SDOT = IntDots("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8", "sdot", q4_k_compact=True,
                 row_layout="arm_rows_flat")
 _SMMLA = IntDots("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12), "sdot8", "smmla8", "sdot",
-                 row_layout="arm_rows")
+                 q4_k_compact=True, row_layout="arm_rows")
 
 # The module under compiler/kernels that builds each W4A8 kernel the rules name (the interface
 # it exports: kernels/w4a8.py). A new ISA kernel is that module, an entry here and a rule.

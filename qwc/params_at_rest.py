@@ -1,8 +1,9 @@
 """Parameters stored smaller than the kernels read them, and made whole at load.
 
-Some kernels read a weight in a form larger than the file's: ARM's sdot / smmla kernels take a
-Q4_K linear's sub-block factors expanded to float32 (scale d sc and offset c a block, since
-converting the file's 6-bit integers there costs decode instructions) and Q6_K's codes as bytes.
+Some kernels read a weight in a form larger than the file's: ARM's sdot / smmla kernels take
+Q6_K's codes as bytes, and a Q4_K linear's sub-block factors expanded to float32 (scale d sc and
+offset c a block) where it cannot take the compact form (compiler/repack_q4_k.py: a tied
+embedding's gather reads them too; artifacts compiled before ARM read Q4_K compact).
 params.bin keeps such a parameter in a form close to the GGUF's, and the runtime rebuilds the
 kernels' form as it loads it (runtime/engine.py), to the bit. The compiler writes a parameter
 in its at-rest form only where that round trip is exact (compiler/pack_at_rest.py), so the

@@ -10,6 +10,13 @@ activation formats"): one scale and one zero point per row (token), KleidiAI's q
 ARM GEMMs that then multiply each block by the weight scale only (kernels/arm/i8mm.py: q4_gemm
 and kernels/arm/dotprod.py: q4_dot, `per_row`).
 
+On the ARM layouts "arm" and "arm_pairs" the quantizer can also scale by super-blocks of 256
+(`super_blocks`: llama.cpp's Q8_K, which its K-quant dots take): d = amax / 127 over the
+super-block, written at each of its 8 blocks' places, the codes and block sums as before. So
+the layout is unchanged and every kernel reading blocks reads these too, while the K-quant
+kernels (kernels/arm/dotprod.py: the compact Q4_K GEMV) read one scale a super-block and apply
+the sub-block scales to integer sums.
+
 The quantizer can also take the MLP's gate and up projections and quantize silu(gate) * up
 (the down projection's input): SiLU·mul then costs neither a kernel of its own, nor a pass
 over 4864 floats a token, nor a libm exp per element (kernels/vector_math.py).
@@ -30,11 +37,14 @@ ROW_GROUP, SILU_STAGE = _X86["ROW_GROUP"], _X86["SILU_STAGE"]
 
 BLOCK = 32
 HALF = BLOCK // 2
+SUPER = 256   # a super-block's elements (super_blocks)
+SUPER_LAYOUTS = ("arm", "arm_pairs")   # the layouts that take super-block scales
 LANES = 16   # fp32 lanes of the squares (rms_eps)
 LAYOUTS = ("plain", "arm", "arm_pairs", "arm_rows", "arm_rows_flat")   # see fused_quantizer
 ROW_LAYOUTS = ("arm_rows", "arm_rows_flat")   # a scale and zero point a row: ad [M, 2]
 # The attribute that marks fused_quantizer's kernels, with what built them ("kind": "plain",
-# "silu_mul" or "rms"; "layout"; "zero_point"; "eps" of an RMSNorm), for the import-time fusion passes
+# "silu_mul" or "rms"; "layout"; "zero_point"; "eps" of an RMSNorm; "super_blocks" where it
+# scales by super-blocks), for the import-time fusion passes
 QUANTIZER = "qwc.act_quantizer"
 EVENS = [2 * i for i in range(HALF)]
 ODDS = [2 * i + 1 for i in range(HALF)]
@@ -61,20 +71,18 @@ def pair_index(i, b, e, m, paired):
                                        i * BLOCK + e)
 
 
-def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int, flat=None):
+def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int, flat=None, amax=None):
     """Emit block b of row i (aq [., NB, 32], ad and off [., NB]) from its elements 0..15 and
     16..31 (two float32x16 values): the whole blocks' code, shared by the quantizer and by
     the decode GEMV that quantizes its own output (kernels/x86/vnni.py). T: TVMScript's or the
     IR builder's tirx module. The offset is an int32. With `flat` (the ARM quantizers), aq, ad
     and off are flat int8, float32 and int32 buffers and flat = (aq_at, scale_at): byte e of
-    the block goes to aq[aq_at(e)], the scale and the offset to each index of scale_at."""
+    the block goes to aq[aq_at(e)], the scale and the offset to each index of scale_at.
+    `amax`: the largest |x| the scale is made from (a super-block's), else the block's own."""
     ev = _let(T, "ev", tirx.Shuffle([lo, hi], EVENS))
     od = _let(T, "od", tirx.Shuffle([lo, hi], ODDS))
-    # |x| >= 0 orders like its bit pattern: an integer max reduces as a tree, where
-    # llvm.vector.reduce.fmax (NaN-aware) is a chain of 16 scalar steps.
-    amax = _let(T, "amax", T.reinterpret("float32", T.call_llvm_pure_intrin(
-        "int32", f"llvm.vector.reduce.smax.v{HALF}i32",
-        T.reinterpret(f"int32x{HALF}", T.max(T.fabs(ev), T.fabs(od))))))
+    if amax is None:
+        amax = _let(T, "amax", abs_max(T, T.max(T.fabs(ev), T.fabs(od))))
     d = _let(T, "d", amax / T.float32(127))
     for at in [(i, b)] if flat is None else [(at,) for at in flat[1]]:
         T.buffer_store(ad, d, list(at))
@@ -101,6 +109,14 @@ def quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point: int, flat=None):
                            [T.ramp(aq_at(e), 1, 8)])
     for at in scale_at:
         T.buffer_store(off, total * T.int32(zero_point), [at])
+
+
+def abs_max(T, v):
+    """The largest lane of v (float32 x HALF, every lane >= 0). |x| >= 0 orders like its bit
+    pattern: an integer max reduces as a tree, where llvm.vector.reduce.fmax (NaN-aware) is a
+    chain of 16 scalar steps."""
+    return T.reinterpret("float32", T.call_llvm_pure_intrin("int32", f"llvm.vector.reduce.smax.v{HALF}i32",
+                                                             T.reinterpret(f"int32x{HALF}", v)))
 
 
 def quantize_row_block(T, lo, hi, sv, zv, aq, off, flat, zero_point: int):
@@ -138,15 +154,22 @@ def row_scale_and_zero_point(T, lo, hi):
     return s, T.call_llvm_pure_intrin("float32", "llvm.round.f32", T.float32(0) - lo / s) - T.float32(128)
 
 
-def quantizer_name(k: int, zero_point: int, one_row: bool, kind: str = "plain", layout: str = "plain") -> str:
+def quantizer_name(k: int, zero_point: int, one_row: bool, kind: str = "plain", layout: str = "plain",
+                   super_blocks: bool = False) -> str:
     """The kernel name fused_quantizer's kernel goes by in a module (without the entry point's prefix)."""
     stem = {"plain": "", "silu_mul": "silu_", "rms": "rms_"}[kind]
-    return f"act_q8_{stem}{k}_{int(one_row)}_sum{-zero_point}" + ("" if layout == "plain" else f"_{layout}")
+    return (f"act_q8_{stem}{k}_{int(one_row)}_sum{-zero_point}" + ("" if layout == "plain" else f"_{layout}")
+            + ("_k" if super_blocks else ""))
+
+
+def takes_super_blocks(k: int, layout: str) -> bool:
+    """Whether a quantizer of rows of K in `layout` can scale by super-blocks (super_blocks)."""
+    return k % SUPER == 0 and layout in SUPER_LAYOUTS
 
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = False, rms_eps: float | None = None,
-                    layout: str = "plain", parts: int = 1):
+                    layout: str = "plain", parts: int = 1, super_blocks: bool = False):
     """a [M, K] float32 -> (aq [M, NB, 32] int8 de-interleaved per block, scale [M, NB],
     zero_point x block sum [M, NB]), in one pass and one kernel: separate stages would cost a
     parallel launch each, which dominates a decode step's activation work (K = 896: 28 blocks).
@@ -165,6 +188,8 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     [M, NB, 2], each written twice: see flat), "arm_rows" (the codes and offsets as in
     "arm_pairs", with one scale and zero point a row: ad [M, 2] holds (s, s zp); prefill only),
     "arm_rows_flat" (the same scales, the codes and offsets as in "arm": the sdot GEMM's).
+    `super_blocks` ("arm" and "arm_pairs", K a multiple of 256): one scale a super-block, at
+    each of its blocks' places (llama.cpp's Q8_K; the module's docstring).
 
     Whole blocks are 16-lane vectors (loaded contiguously, de-interleaved by a shuffle); a
     last partial block (K not a multiple of 32) runs one element at a time."""
@@ -177,8 +202,12 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     row_scale = layout in ROW_LAYOUTS
     if row_scale and (one_row or parts != 1 or k % BLOCK):
         raise ValueError("the per-row layout is prefill's, on whole blocks")
+    if super_blocks and not takes_super_blocks(k, layout):
+        raise ValueError(f"super-block scales need K a multiple of {SUPER} in layout {'/'.join(SUPER_LAYOUTS)}, "
+                         f"got K {k} in {layout!r}")
     nb = (k + BLOCK - 1) // BLOCK
     full = k // BLOCK
+    sub = SUPER // BLOCK if super_blocks else 1   # the blocks one scale covers
     # One row over the threads by blocks, on the ARM targets (64-128-core servers), where a
     # serial kernel keeps every other thread waiting: worth a launch from PARALLEL_BLOCKS
     # blocks on (the MLP's silu(gate) * up; a 7B's hidden size). The RMSNorm quantizer needs
@@ -187,7 +216,7 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
     # order, so more tasks would add more repeated sums than they take blocks off the slowest.
     split_blocks = one_row and layout != "plain" and rms_eps is None and full >= PARALLEL_BLOCKS
     split_rms = one_row and layout != "plain" and rms_eps is not None and full >= 2
-    chunk = -(-full // RMS_TASKS) if split_rms else 0
+    chunk = -(-full // (RMS_TASKS * sub)) * sub if split_rms else 0   # whole super-blocks a task
     row_groups = rms_eps is not None and not one_row and layout == "plain"   # rms_row_group
     staged = silu_mul and layout == "plain"   # blocks: SILU_STAGE
     rms_tasks = -(-full // chunk) if split_rms else 0
@@ -235,6 +264,20 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         lo = T.bind(x_at(a, g, u, i, T.ramp(b * BLOCK, 1, HALF), HALF))
         hi = T.bind(x_at(a, g, u, i, T.ramp(b * BLOCK + HALF, 1, HALF), HALF))
         quantize_block(T, lo, hi, aq, ad, off, i, b, zero_point, flat(i, b))
+
+    @T.macro
+    def super_block(a, g, u, aq, ad, off, i, s):
+        """Super-block s of row i (blocks 8s .. 8s + 7): its values staged once (the norm or
+        silu(gate) * up evaluated once), their largest |x|, then the blocks at that scale."""
+        xs = T.decl_buffer((SUPER + HALF,), "float32", scope="global")   # the values, then 16 running maxima
+        xs[T.ramp(SUPER, 1, HALF)] = T.broadcast(T.float32(0), HALF)
+        for v in range(SUPER // HALF):
+            xs[T.ramp(v * HALF, 1, HALF)] = x_at(a, g, u, i, T.ramp(s * SUPER + v * HALF, 1, HALF), HALF)
+            xs[T.ramp(SUPER, 1, HALF)] = T.max(xs[T.ramp(SUPER, 1, HALF)], T.fabs(xs[T.ramp(v * HALF, 1, HALF)]))
+        top = T.bind(abs_max(T, xs[T.ramp(SUPER, 1, HALF)]))
+        for j in range(sub):
+            quantize_block(T, xs[T.ramp(j * BLOCK, 1, HALF)], xs[T.ramp(j * BLOCK + HALF, 1, HALF)], aq, ad, off, i,
+                           s * sub + j, zero_point, flat(i, s * sub + j), amax=top)
 
     @T.macro
     def block_tail(a, g, u, aq, ad, off, i, b):
@@ -320,7 +363,10 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
 
     @T.macro
     def blocks(a, g, u, aq, ad, off, i):
-        if staged:   # decided when the kernel is built
+        if super_blocks:   # decided when the kernel is built (K: whole super-blocks)
+            for s in range(full // sub):
+                super_block(a, g, u, aq, ad, off, i, s)
+        elif staged:
             xs = T.decl_buffer((SILU_STAGE * BLOCK,), "float32", scope="global")
             for c in range(full // SILU_STAGE):
                 for v in range(SILU_STAGE * 2):
@@ -365,8 +411,12 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
 
     @T.macro
     def blocks_parallel(a, g, u, aq, ad, off, i):
-        for b in T.parallel(full):
-            block_vec(a, g, u, aq, ad, off, i, b)
+        if super_blocks:
+            for s in T.parallel(full // sub):
+                super_block(a, g, u, aq, ad, off, i, s)
+        else:
+            for b in T.parallel(full):
+                block_vec(a, g, u, aq, ad, off, i, b)
         for b in range(full, nb):
             block_tail(a, g, u, aq, ad, off, i, b)
 
@@ -382,12 +432,15 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
             inv_rms(a, own, i, r)
             if nb > full and c == 0:
                 inv[0] = r[0]   # for the partial last block
-            for j in range(chunk):
-                if c * chunk + j < full:
-                    block_vec(a, g, r, aq, ad, off, i, c * chunk + j)
+            for j in range(chunk // sub):
+                if c * chunk + j * sub < full:
+                    if super_blocks:
+                        super_block(a, g, r, aq, ad, off, i, c * (chunk // sub) + j)
+                    else:
+                        block_vec(a, g, r, aq, ad, off, i, c * chunk + j)
                     if parts > 1:
-                        h[0, T.ramp((c * chunk + j) * BLOCK, 1, BLOCK)] = row(
-                            a, i, T.ramp((c * chunk + j) * BLOCK, 1, BLOCK))
+                        h[0, T.ramp((c * chunk + j * sub) * BLOCK, 1, BLOCK * sub)] = row(
+                            a, i, T.ramp((c * chunk + j * sub) * BLOCK, 1, BLOCK * sub))
         for b in range(full, nb):   # a partial last block, with the first task's 1 / rms
             block_tail(a, g, inv, aq, ad, off, i, b)
         if parts > 1:
@@ -437,7 +490,8 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
 
     def mark(kernel, kind):
         eps = {} if rms_eps is None else {"eps": rms_eps}
-        return kernel.with_attr(QUANTIZER, {"kind": kind, "layout": layout, "zero_point": zero_point, **eps})
+        return kernel.with_attr(QUANTIZER, {"kind": kind, "layout": layout, "zero_point": zero_point, **eps,
+                                             **({"super_blocks": 1} if super_blocks else {})})
 
     if silu_mul:
         @T.prim_func(private=True, check_well_formed=False)

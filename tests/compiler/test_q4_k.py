@@ -1,6 +1,7 @@
 """Q4_K's compact scales (kernels/q4_k_scales.py, compiler/repack_q4_k.py): the file's factors
-come back from the canonical graph's float32 scales, and every W4A8 kernel reading them (x86
-VNNI and AVX2; ARM sdot and smmla under qemu) gives the expanded form's numbers to the bit."""
+come back from the canonical graph's float32 scales; the x86 W4A8 kernels reading them (VNNI and
+AVX2) give the expanded form's numbers to the bit, and the ARM ones (sdot and smmla under qemu),
+on Q8_K activations, the file's weights times those activations."""
 
 from __future__ import annotations
 
@@ -119,41 +120,140 @@ def test_x86_kernels_read_compact_q4_k_as_the_expanded_form(dot, k, n, m):
     assert np.abs(outs[0] - ref).max() < 2e-2 * np.abs(ref).max()
 
 
+def q8_k(a: np.ndarray) -> np.ndarray:
+    """a quantized as llama.cpp's Q8_K, a scale a super-block of 256 (d = amax / 127, codes
+    rounded half away from zero, act_quant's super_blocks), back in float64."""
+    m, k = a.shape
+    sb = a.reshape(m, k // 256, 256)
+    d = np.abs(sb).max(-1, keepdims=True) / np.float32(127)
+    x = sb / np.where(d > 0, d, np.float32(1))
+    return (np.sign(x) * np.floor(np.abs(x) + np.float32(0.5)) * d.astype(np.float64)).reshape(m, k)
+
+
+def _decode_split_case(bb, name: str, k: int, n: int, raw: np.ndarray, split: int):
+    """The ARM decode GEMV on compact Q4_K with its blocks in `split` parts of whole
+    super-blocks (compiler/split_residual_gemv.py), the parts summed after."""
+    from qwc.compiler.kernels import act_quant, decode_gemv
+
+    b, _, _ = _blocks(raw, n, k)
+    w, ws, wc = pack(b.codes, b.scales, b.zero_points)
+    nb = k // 32
+    av = relax.Var("a", relax.TensorType([1, k], "float32"))
+    vs = [relax.Var(x, relax.TensorType(list(x_.shape), str(x_.dtype))) for x, x_ in zip("wsc", (w, ws, wc))]
+    with bb.function(name, [av, *vs]):
+        with bb.dataflow():
+            quant = bb.add_func(act_quant.fused_quantizer(k, -8, True, layout="arm", super_blocks=True), "quant_k")
+            q = bb.emit(relax.call_tir(quant, [av], [relax.TensorType([1, nb, 32], "int8"),
+                                                     relax.TensorType([1, nb], "float32"),
+                                                     relax.TensorType([1, nb], "int32")]))
+            act = [bb.emit(relax.TupleGetItem(q, j)) for j in range(3)]
+            gemv = bb.add_func(decode_gemv(((n, False, True),), nb, "uint8", dot="sdot", split=split),
+                               f"gemv_k_split{split}_{k}")
+            ys = bb.emit(relax.call_tir(gemv, act + vs, relax.TensorType([split, n], "float32")))
+            gv = bb.emit_output(bb.emit(relax.op.sum(ys, axis=[0], keepdims=True)))
+        bb.emit_func_output(gv)
+    return [w, ws, wc]
+
+
 @pytest.mark.arm
 @pytest.mark.slow
-def test_arm_kernels_read_compact_q4_k_as_the_expanded_form(tmp_path):
+def test_arm_kernels_on_compact_q4_k_take_q8_k_activations(tmp_path):
     """arm-yitian (smmla prefill, sdot decode) and arm-neon (sdot prefill) under qemu-aarch64,
-    at 1, 3, 9 and 17 tokens: the compact form's bits are the expanded one's."""
-    import subprocess
-
+    at 1, 3, 9 and 17 tokens, and the decode GEMV split in parts of whole super-blocks: the
+    compact form's activations are Q8_K's (a scale a super-block), its decode GEMV takes the
+    sub-block scales on integer sums, and every result is the file's weights times those
+    activations within float32 rounding, the same bits at 1, 3, 8 and 64 threads."""
     import tvm
 
     from qwc.bench import emulation
 
-    inputs, names = {}, []
+    env, inputs, refs = emulation.arm64_env(), {}, {}
     for target in ("arm-yitian", "arm-neon"):
-        bb = relax.BlockBuilder()
+        bb, prefix = relax.BlockBuilder(), target.replace("-", "_")
         for k, n in CASES:
             for m in (1, 3, 9, 17):
                 raw, a = _inputs(k, n, m)
-                for compact in (True, False):
-                    name = f"{target.replace('-', '_')}_{k}_{n}_{m}_{int(compact)}"
-                    for i, x in enumerate([a, *_emit(bb, name, k, n, m, raw, compact, target)]):
-                        inputs[f"{name}/{i}"] = x
-                    names.append(name)
+                name = f"{prefix}_{k}_{n}_{m}"
+                for i, x in enumerate([a, *_emit(bb, name, k, n, m, raw, True, target)]):
+                    inputs[f"{name}/{i}"] = x
+                refs[name] = q8_k(a) @ dequantize(raw, Q.Q4_K).reshape(n, k).T.astype(np.float64)
+            raw, a = _inputs(k, n, 1)
+            for split in range(2, k // 256 + 1):   # parts of 1 .. super-blocks
+                name = f"{prefix}_split{split}_{k}_{n}"
+                for i, x in enumerate([a, *_decode_split_case(bb, name, k, n, raw, split)]):
+                    inputs[f"{name}/{i}"] = x
+                refs[name] = refs[f"{prefix}_{k}_{n}_1"]
         t = get_target(target)
-        build(bb.get(), t).export_library(str(tmp_path / f"{target}.so"),
-                                          fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
-    env, got = emulation.arm64_env(), {}
-    for target in ("arm-yitian", "arm-neon"):
-        prefix = target.replace("-", "_")
-        np.savez(tmp_path / "in.npz", **{x: v for x, v in inputs.items() if x.startswith(prefix)})
-        out = tmp_path / f"{target}.npz"
-        cmd = emulation.python_command(env, emulation.HERE / "run_module.py", tmp_path / f"{target}.so",
-                                       tmp_path / "in.npz", out)
-        r = subprocess.run(cmd, env=dict(env, TVM_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stderr[-2000:]
-        got.update(np.load(out))
-    for name in names:
-        if name.endswith("_1"):
-            assert np.array_equal(got[name], got[name[:-1] + "0"]), name
+        lib = tmp_path / f"{target}.so"
+        build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
+        ours = {x: v for x, v in inputs.items() if x.startswith(prefix)}
+        outs = emulation.run_library(env, lib, ours, tmp_path, threads=(1, 3, 8, 64))
+        for name, ref in refs.items():
+            if name.startswith(prefix):
+                got = outs[0][name]
+                np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=name)
+                for other in outs[1:]:
+                    assert np.array_equal(other[name], got), name
+
+
+def _host(func):
+    import tvm
+
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                       target=get_target("host").tvm_target())
+
+
+@pytest.mark.parametrize("kind, k, m", [("plain", 512, 1), ("plain", 8960, 1), ("rms", 1536, 1), ("rms", 768, 5),
+                                        ("silu", 768, 3), ("silu", 8960, 1), ("parts", 1536, 1)])
+def test_the_quantizer_by_super_blocks_is_llama_cpps_q8_k(kind, k, m):
+    """act_quant's super_blocks ("arm" layout; the decode forms run by super-blocks in parallel,
+    the RMSNorm's in tasks of whole super-blocks): one scale a super-block at each of its
+    blocks' places, codes as Q8_K rounds them, each block's offset -8 x the sum of its codes."""
+    import tvm
+
+    from qwc.compiler.kernels import act_quant
+
+    rng = np.random.default_rng(k + m)
+    x = rng.standard_normal((2 if kind == "parts" else m, k)).astype(np.float32)
+    nb = k // 32
+    outs = [np.zeros((m, nb, 32), np.int8), np.zeros((m, nb), np.float32), np.zeros((m, nb), np.int32)]
+    gamma = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    up = rng.standard_normal((m, k)).astype(np.float32)
+    if kind == "plain":
+        f, args, want = act_quant.fused_quantizer(k, -8, m == 1, layout="arm", super_blocks=True), [x], x
+    elif kind == "silu":
+        f, args = act_quant.fused_quantizer(k, -8, m == 1, silu_mul=True, layout="arm", super_blocks=True), [x, up]
+        want = x / (1 + np.exp(-x)) * up
+    else:
+        parts = 2 if kind == "parts" else 1
+        f = act_quant.fused_quantizer(k, -8, m == 1, rms_eps=1e-6, layout="arm", parts=parts, super_blocks=True)
+        args = [x, gamma]
+        h = x.sum(0, keepdims=True) if parts > 1 else x
+        want = h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-6) * gamma
+        if parts > 1:
+            outs.append(np.zeros((1, k), np.float32))
+    got = [tvm.runtime.tensor(o) for o in outs]
+    _host(f)(*(tvm.runtime.tensor(a) for a in args), *got)
+    aq, ad, off = (g.numpy() for g in got[:3])
+    sb = want.reshape(m, -1, 256)
+    d = np.abs(sb).max(-1) / np.float32(127)
+    np.testing.assert_allclose(ad, np.repeat(d, 8, axis=1), rtol=1e-6)
+    codes = np.concatenate([aq[..., :16, None], aq[..., 16:, None]], -1).reshape(m, k)   # de-interleaved
+    r = (want.astype(np.float32) / np.repeat(ad, 32, axis=1)).astype(np.float32)
+    expect = np.sign(r) * np.floor(np.abs(r) + np.float32(0.5))   # halves away from zero
+    if kind == "plain":   # the same input: the same codes
+        assert np.array_equal(codes, expect)
+    else:   # the norm or silu(gate) * up computed in another order: a code off by one at a tie at most
+        assert np.abs(codes - expect).max() <= 1 and (codes != expect).mean() < 1e-3
+    assert np.array_equal(off, -8 * aq.astype(np.int32).sum(-1))
+    if kind == "parts":
+        assert np.array_equal(got[3].numpy(), x.sum(0, keepdims=True))
+
+
+def test_super_block_scales_need_whole_super_blocks_in_an_arm_layout():
+    from qwc.compiler.kernels import act_quant
+
+    with pytest.raises(ValueError, match="K a multiple of 256"):
+        act_quant.fused_quantizer(896, -8, True, layout="arm", super_blocks=True)
+    with pytest.raises(ValueError, match="in 'plain'"):
+        act_quant.fused_quantizer(512, -8, True, super_blocks=True)

@@ -78,14 +78,15 @@ def _lane(T, v, i):
 def _slice_dot(T, w, aq, off, g, b, q, t, bits: int = 4):
     """int32x4: rows 16g+4q .. +3, block b, token t, as one chain of 8 sdot (one expression:
     named temporaries would become per-thread allocations inside the parallel loop). Q4_0
-    starts from the quantizer's offsets; Q8_0's signed codes from 0."""
+    starts from the quantizer's offsets; Q8_0's signed codes, and with `off` None the raw
+    nibbles 0..15 (compact Q4_K: its minimums are a term of their own), from 0."""
     if bits == 8:
         acc = T.broadcast(T.int32(0), LANES)
         for i in range(INT8_CHUNKS):
             v = T.reinterpret("int8x16", w.vload([g, b, i, 16 * q], "uint8x16"))
             acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, v, _lane(T, aq.vload([t, b, 16 * (i // 4)], "int8x16"), i % 4))
         return acc
-    acc = T.broadcast(off[t, b], LANES)
+    acc = T.broadcast(T.int32(0) if off is None else off[t, b], LANES)
     for i in range(4):
         v = w.vload([g, b, i, 16 * q], "uint8x16")
         lo = T.reinterpret("int8x16", v & T.broadcast(T.uint8(15), 16))
@@ -105,6 +106,15 @@ def _negated_offsets_term(T, ws, wc, ad, off, g, b, q, t):
          else wc.vload([g, b, LANES * q], "float32x4"))
     return c * negated_block_sums(T, T.broadcast(ad[t, b], LANES), T.broadcast(off[t, b], LANES), halved=True,
                                   lanes=LANES)
+
+
+def _widened_lanes(T, v, q):
+    """int32x4 of bytes 4q .. 4q + 3 of v (uint8x16), zero-extended: one `tbl` whose indices
+    are int32 lanes -256 + 4q + r (byte 4q + r, then three indices past the table: zeros), where
+    a 4-byte load and two widenings took three instructions."""
+    idx = T.reinterpret("int8x16", T.ramp(T.int32(-256 + LANES * q), 1, LANES))
+    return T.reinterpret("int32x4", T.call_llvm_pure_intrin("int8x16", "llvm.aarch64.neon.tbl1.v16i8",
+                                                              T.reinterpret("int8x16", v), idx))
 
 
 def _scales(T, ws, wc, g, b, q):
@@ -192,6 +202,14 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
                 store_per_row(y, acc, first + t, g, q, t, ad, rs)
 
     @T.macro
+    def slice_tiles(w, aq, off, ws, ad, y, wc, gq, rs):
+        """Task gq's tiles: rows 16g + 4q .. + 3 (g, q = gq // SLICES, gq % SLICES) of every token."""
+        for it in range(rows_in // tm):
+            tile(w, aq, off, ws, ad, y, wc, gq // SLICES, gq % SLICES, it * tm, tm, rs)
+        for i in range(rows_in // tm * tm, rows_in):
+            tile(w, aq, off, ws, ad, y, wc, gq // SLICES, gq % SLICES, i, 1, rs)
+
+    @T.macro
     def body(w, aq, off, ws, ad, y, wc, rs):
         if tm == 1:
             for g in T.parallel(ng):
@@ -201,10 +219,22 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
             # a task per slice, as the smmla GEMM's (arm/i8mm.py): few groups still fill T threads
             # (g, q) written out at each use: let-bound, they cost LLVM two registers and spills
             for gq in T.parallel(ng * SLICES):
-                for it in range(rows_in // tm):
-                    tile(w, aq, off, ws, ad, y, wc, gq // SLICES, gq % SLICES, it * tm, tm, rs)
-                for i in range(rows_in // tm * tm, rows_in):
-                    tile(w, aq, off, ws, ad, y, wc, gq // SLICES, gq % SLICES, i, 1, rs)
+                if scale_dtype == q4_k_scales.SCALE_DTYPE:   # decided when the kernel is built
+                    # compact Q4_K's factors made once a task into its slice's float32 scales
+                    # and offsets, read by every tile as the expanded form's (as arm/i8mm.py's)
+                    made = T.decl_buffer((2 * nb * LANES,), "float32", scope="global")
+                    for b in range(nb):
+                        made[T.ramp(b * LANES, 1, LANES)] = q4_k_scales.scales(T, ws, wc, gq // SLICES, b,
+                                                                               LANES * (gq % SLICES), LANES)
+                        made[T.ramp((nb + b) * LANES, 1, LANES)] = q4_k_scales.offsets(
+                            T, ws, wc, gq // SLICES, b, LANES * (gq % SLICES), LANES)
+                    es = T.decl_buffer((ng, nb, ROWS), "float32", data=made.data, strides=[nb * LANES, LANES, 1],
+                                       elem_offset=-(gq // SLICES) * (nb * LANES) - gq % SLICES * LANES)
+                    ec = T.decl_buffer((ng, nb, ROWS), "float32", data=made.data, strides=[nb * LANES, LANES, 1],
+                                       elem_offset=nb * LANES - (gq // SLICES) * (nb * LANES) - gq % SLICES * LANES)
+                    slice_tiles(w, aq, off, es, ad, y, ec, gq, rs)
+                else:
+                    slice_tiles(w, aq, off, ws, ad, y, wc, gq, rs)
 
     if per_row:
         return gemm_kernel(n, nb, scale_dtype, rows_in, body, chunks=chunks(bits), row_sums=True)
@@ -230,19 +260,22 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
         raise ValueError("the ARM decode GEMV has no silu_mul / quantize epilogue")
     if split != 1 and (len(outputs) != 1 or not 1 <= split <= nb):
         raise ValueError(f"a decode GEMV splits the blocks of one output, not {len(outputs)} into {split}")
+    if scale_dtype == q4_k_scales.SCALE_DTYPE and split > nb // q4_k_scales.SUB_BLOCKS:
+        raise ValueError(f"a compact Q4_K decode GEMV splits whole super-blocks: {split} parts of {nb} blocks")
     return _decode_gemv(tuple(outputs), nb, scale_dtype, split, dot)
 
 
-def block_split(n: int, nb: int, threads: int) -> int:
+def block_split(n: int, nb: int, threads: int, scale_dtype: str = "float16") -> int:
     """How many parts a decode GEMV of N rows and nb blocks splits its blocks into, so that
     `threads` threads have a task each: a projection of fewer row groups than threads (a
     0.5B's o and down: 56 groups) leaves the others idle for a whole task. 1 when the groups
     fill the threads (more parts would shorten no thread's work under TVM's static chunks).
     A part is at least 2 blocks: a task's fixed cost (its accumulators' start and store) is
-    ~30 instructions against ~100 a block."""
+    ~30 instructions against ~100 a block. Compact Q4_K's parts are whole super-blocks."""
     g = groups(n)
+    units = nb // q4_k_scales.SUB_BLOCKS if scale_dtype == q4_k_scales.SCALE_DTYPE else nb
     split = 1
-    while g * split * 2 <= threads and nb // (split * 2) >= 2:
+    while g * split * 2 <= threads and units // (split * 2) >= (1 if units < nb else 2):
         split *= 2
     return split
 
@@ -278,19 +311,51 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
                 value = value - _negated_offsets_term(T, ws, wc, ad, off, g, b, q, 0)
             T.buffer_store(acc, value, [T.ramp(q * LANES, 1, LANES)])
 
+    def super_block(w, ws, wc, aq, ad, off, acc, g, s):
+        """Compact Q4_K (kernels/q4_k_scales.py), super-block s of row group g, on activations
+        scaled by super-blocks (act_quant's super_blocks: ad the same at its 8 blocks), as
+        llama.cpp's Q4_K x Q8_K dot: per slice, each sub-block's dot of the raw nibbles times
+        its 6-bit scale sc, and the activations' block offset times the minimum's mn, summed
+        as int32 (both exact: |sum mn off| < 2^24 converts exactly); then one convert and one
+        FMA each with d ad and dmin ad. The float work comes once a super-block, where the
+        expanded form's came every block."""
+        ia = T.decl_buffer((2 * SLICES * LANES,), "int32", scope="global")   # a stack slot: see q4_dot
+        for q in range(2 * SLICES):
+            T.buffer_store(ia, T.broadcast(T.int32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
+        with T.serial(0, q4_k_scales.SUB_BLOCKS) as j:
+            b = s * q4_k_scales.SUB_BLOCKS + j
+            for q in range(SLICES):
+                sc, mn = (_widened_lanes(T, ws.vload([g, b, at], "uint8x16"), q) for at in (0, ROWS))
+                T.buffer_store(ia, ia[T.ramp(q * LANES, 1, LANES)] + _slice_dot(T, w, aq, None, g, b, q, 0) * sc,
+                               [T.ramp(q * LANES, 1, LANES)])
+                at = T.ramp((SLICES + q) * LANES, 1, LANES)
+                T.buffer_store(ia, ia[at] + mn * T.broadcast(off[0, b], LANES), [at])
+        a = T.broadcast(ad[0, s * q4_k_scales.SUB_BLOCKS], LANES)
+        for q in range(SLICES):
+            d = T.Cast("float32x4", wc.vload([g, s, LANES * q], "float16x4"))
+            dmin = T.Cast("float32x4", wc.vload([g, s, ROWS + LANES * q], "float16x4"))
+            mins = T.call_llvm_pure_intrin("float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32",
+                                           ia[T.ramp((SLICES + q) * LANES, 1, LANES)], T.int32(block_sum_shift(True)))
+            T.buffer_store(acc, acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, ia[T.ramp(q * LANES, 1, LANES)]) * (
+                d * a) + mins * (dmin * a), [T.ramp(q * LANES, 1, LANES)])
+
     def group(w, ws, wc, bias, y, n, aq, ad, off, g, part=0, b0=0, b1=nb):
         acc = T.decl_buffer((SLICES * LANES,), "float32", scope="global")   # a stack slot: see q4_dot
         for q in range(SLICES):
             T.buffer_store(acc, T.broadcast(T.float32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
-        # UNROLL blocks an iteration: the loop's own counter, compare, branch and pointer
-        # increments were a share of a block's instructions worth saving (instructions are
-        # what the ARM targets are held to); four ran out of registers. The blocks in order,
-        # so the same sums (docs/history/weight-formats.md).
-        with T.serial(0, (b1 - b0) // UNROLL) as bu:
-            for u in range(UNROLL):
-                block(w, ws, wc, aq, ad, off, acc, g, b0 + bu * UNROLL + u)
-        for b in range(b0 + (b1 - b0) // UNROLL * UNROLL, b1):
-            block(w, ws, wc, aq, ad, off, acc, g, b)
+        if compact:   # whole super-blocks (the parts' bounds are)
+            with T.serial(b0 // q4_k_scales.SUB_BLOCKS, b1 // q4_k_scales.SUB_BLOCKS) as s:
+                super_block(w, ws, wc, aq, ad, off, acc, g, s)
+        else:
+            # UNROLL blocks an iteration: the loop's own counter, compare, branch and pointer
+            # increments were a share of a block's instructions worth saving (instructions are
+            # what the ARM targets are held to); four ran out of registers. The blocks in order,
+            # so the same sums (docs/history/weight-formats.md).
+            with T.serial(0, (b1 - b0) // UNROLL) as bu:
+                for u in range(UNROLL):
+                    block(w, ws, wc, aq, ad, off, acc, g, b0 + bu * UNROLL + u)
+            for b in range(b0 + (b1 - b0) // UNROLL * UNROLL, b1):
+                block(w, ws, wc, aq, ad, off, acc, g, b)
         for q in range(SLICES):   # doubled: halved_float
             row = g * ROWS + q * LANES
 
@@ -311,6 +376,16 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
                                     T.buffer_store(y, value(i, 1), [part, row + i])
 
     bits = dot_bits(dot)
+    # compact Q4_K's scales (super_block), which every output of one launch shares (its format)
+    compact = scale_dtype == q4_k_scales.SCALE_DTYPE
+    if compact and bits != 4:
+        raise ValueError(f"compact K-quant scales on the ARM decode GEMV are Q4_K's, not {bits}-bit codes'")
+    # a part's blocks: [p nb / split, (p + 1) nb / split), in whole super-blocks for compact Q4_K
+    unit = q4_k_scales.SUB_BLOCKS if compact else 1
+
+    def bound(p):
+        return p * (nb // unit) // split * unit
+
     with IRBuilder() as ib:
         with T.prim_func(private=True):
             # opaque: FuseOps leaves it whole; DECODE_GEMV marks it for the decode fusions
@@ -330,12 +405,12 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
             if split > 1:
                 (w, ws, wc, bias, n), y = weights[0], ys[0]
                 with T.parallel(0, groups(n) * split) as task:
-                    # part p: blocks [p nb / split, (p + 1) nb / split); the bias once, in part 0
+                    # part p: blocks [bound(p), bound(p + 1)); the bias once, in part 0
                     for p in range(split):
                         with T.If(task % split == p):
                             with T.Then():
                                 group(w, ws, wc, bias if p == 0 else None, y, n, aq, ad, off, task // split,
-                                      p, p * nb // split, (p + 1) * nb // split)
+                                      p, bound(p), bound(p + 1))
             else:
                 total = sum(groups(o[0]) for o in outputs)
                 with T.parallel(0, total) as task:

@@ -274,6 +274,30 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         return tirx.And(m // 2 % tile_pairs == 1, m // 2 > tile_pairs)
 
     @T.macro
+    def slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left):
+        """Task gq's tiles: rows 16g + 4q .. + 3 (g, q = gq // SLICES, gq % SLICES) of every token."""
+        for it in range(whole):
+            tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs, rs)
+        if not offsets and tile_pairs == MERGE_INTO:   # decided when the kernel is built
+            if merge:   # a lone leftover pair rides with the last whole tile
+                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs,
+                     tile_pairs + 1, rs)
+        # the pairs left over (fewer than a tile's, or, with block offsets, 6 where a lone
+        # pair joined the last tile's): tiles of 4, 2 and 1 pairs
+        p4 = T.bind(rows_in // 2 - left)
+        if tile_pairs > 4:
+            if left >= 4:
+                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4, rs)
+        p2 = T.bind(p4 + left // 4 * 4)
+        if tile_pairs > 2:
+            if left % 4 >= 2:
+                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2, rs)
+        if left % 2 == 1:
+            tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + left % 4 // 2 * 2), 1, rs)
+        if rows_in % 2 == 1:
+            last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1, rs)
+
+    @T.macro
     def body(w, aq, off, ws, ad, y, wc, rs):
         aqf = T.decl_buffer((rows_in * nb * 32,), "int8", data=aq.data)
         adf = T.decl_buffer((rows_in * 2 if per_row else rows_in * nb * 2,), "float32", data=ad.data)
@@ -293,26 +317,25 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         # run of slices, so below that a thread still takes whole groups. (g, q) are written
         # out at each use: let-bound, they cost LLVM two registers and spills in the tile loop.
         for gq in T.parallel(ng * SLICES):
-            for it in range(whole):
-                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs, rs)
-            if not offsets and tile_pairs == MERGE_INTO:   # decided when the kernel is built
-                if merge:   # a lone leftover pair rides with the last whole tile
-                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs,
-                         tile_pairs + 1, rs)
-            # the pairs left over (fewer than a tile's, or, with block offsets, 6 where a lone
-            # pair joined the last tile's): tiles of 4, 2 and 1 pairs
-            p4 = T.bind(rows_in // 2 - left)
-            if tile_pairs > 4:
-                if left >= 4:
-                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4, rs)
-            p2 = T.bind(p4 + left // 4 * 4)
-            if tile_pairs > 2:
-                if left % 4 >= 2:
-                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2, rs)
-            if left % 2 == 1:
-                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + left % 4 // 2 * 2), 1, rs)
-            if rows_in % 2 == 1:
-                last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1, rs)
+            if scale_dtype == q4_k_scales.SCALE_DTYPE:   # decided when the kernel is built
+                # Q4_K's compact factors made once a task into its slice's float32 scales and
+                # offsets, which every tile then reads as the expanded form's: made once a
+                # tile, they cost each tile's blocks their conversions again (as x86's
+                # groups_of). Views shaped as the expanded [G, NB, 16], strided and offset so
+                # that this task's rows 16g + 4q .. + 3 are its copy.
+                made = T.decl_buffer((2 * nb * LANES,), "float32", scope="global")
+                for b in range(nb):
+                    made[T.ramp(b * LANES, 1, LANES)] = q4_k_scales.scales(T, ws, wc, gq // SLICES, b,
+                                                                           LANES * (gq % SLICES), LANES)
+                    made[T.ramp((nb + b) * LANES, 1, LANES)] = q4_k_scales.offsets(T, ws, wc, gq // SLICES, b,
+                                                                                   LANES * (gq % SLICES), LANES)
+                es = T.decl_buffer((ng, nb, ROWS), "float32", data=made.data, strides=[nb * LANES, LANES, 1],
+                                   elem_offset=-(gq // SLICES) * (nb * LANES) - gq % SLICES * LANES)
+                ec = T.decl_buffer((ng, nb, ROWS), "float32", data=made.data, strides=[nb * LANES, LANES, 1],
+                                   elem_offset=nb * LANES - (gq // SLICES) * (nb * LANES) - gq % SLICES * LANES)
+                slice_tiles(w, aqf, adf, offf, es, ec, y, gq, rs, merge, whole, left)
+            else:
+                slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left)
 
     if per_row:
         return gemm_kernel(n, nb, scale_dtype, rows_in, body, pair_scales=True, chunks=chunks(bits), row_sums=True)
