@@ -15,6 +15,9 @@ import collections
 from pathlib import Path
 
 
+DERIVED = ("rotary_cos_cache", "rotary_sin_cache")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact", type=Path)
@@ -42,6 +45,10 @@ def main() -> None:
     print(f"| GGUF tensors | {tensors:,} | 1.000 |")
     print(f"| params.bin (stored) | {stored:,} | {stored / tensors:.3f}x |")
     print(f"| parameters in memory | {memory:,} | {memory / tensors:.3f}x |")
+    # tables the compiler derives (rotary cos / sin), which no GGUF tensor holds
+    derived = sum(q.memory_bytes for q in m.params if q.name.startswith(DERIVED))
+    print(f"| weights in memory (less {derived:,} bytes of rotary tables) | {memory - derived:,} "
+          f"| {(memory - derived) / tensors:.3f}x |")
     forms = collections.Counter()
     saved = collections.Counter()
     for q in m.params:

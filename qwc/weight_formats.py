@@ -35,7 +35,9 @@ class WeightFormat:
     offsets: str              # a block's offset: "none" (implied), "zero_points" or "minimums"
     code_span: int            # distinct codes a weight takes (16, 32, 64, 256)
     rewrites: tuple[str, ...] = ()   # the weights phase's rewrites for it (compiler/pipeline.py)
-    activations: str = "q8_0"       # the int8 activations its integer-dot kernels take
+    # the int8 activations its integer-dot kernels take; ARM's compact Q4_K GEMV takes them scaled
+    # by super-blocks ("q8_k": compiler/kernels/act_quant.py), which the target, not the format, decides
+    activations: str = "q8_0"
     at_rest: str | None = None      # ARM's stored form where it differs from the kernels'
     quantizer: str | None = None    # qwc.kquants' function making it from float (`--format` mixes)
     fallback: str | None = None     # what llama-quantize writes for a row not of whole super-blocks

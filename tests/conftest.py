@@ -212,6 +212,16 @@ def random_q5_k(rng, n: int, k: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
+def q8_k(a: np.ndarray) -> np.ndarray:
+    """a quantized as llama.cpp's Q8_K, a scale a super-block of 256 (d = amax / 127, codes
+    rounded half away from zero, act_quant's super_blocks), back in float64."""
+    m, k = a.shape
+    sb = a.reshape(m, k // 256, 256)
+    d = np.abs(sb).max(-1, keepdims=True) / np.float32(127)
+    x = sb / np.where(d > 0, d, np.float32(1))
+    return (np.sign(x) * np.floor(np.abs(x) + np.float32(0.5)) * d.astype(np.float64)).reshape(m, k)
+
+
 def compact_k_factors(ws: np.ndarray, wc: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Kernel-layout compact K-quant scales (kernels/q4_k_scales.py: sc, mn [G, nb, 32] uint8; d,
     dmin [G, nb/8, 32] fp16) -> (d sc, -dmin mn) [N, nb] float32, read apart from the kernels."""

@@ -18,7 +18,7 @@ from qwc.compiler.repack_q4_k import pack
 from qwc.compiler.targets import get_target
 from qwc.models import gguf_blocks
 
-from conftest import random_q4_k
+from conftest import q8_k, random_q4_k
 
 
 def _blocks(raw: np.ndarray, n: int, k: int):
@@ -118,16 +118,6 @@ def test_x86_kernels_read_compact_q4_k_as_the_expanded_form(dot, k, n, m):
     assert np.array_equal(outs[0], outs[1])
     ref = a @ dequantize(raw, Q.Q4_K).reshape(n, k).T
     assert np.abs(outs[0] - ref).max() < 2e-2 * np.abs(ref).max()
-
-
-def q8_k(a: np.ndarray) -> np.ndarray:
-    """a quantized as llama.cpp's Q8_K, a scale a super-block of 256 (d = amax / 127, codes
-    rounded half away from zero, act_quant's super_blocks), back in float64."""
-    m, k = a.shape
-    sb = a.reshape(m, k // 256, 256)
-    d = np.abs(sb).max(-1, keepdims=True) / np.float32(127)
-    x = sb / np.where(d > 0, d, np.float32(1))
-    return (np.sign(x) * np.floor(np.abs(x) + np.float32(0.5)) * d.astype(np.float64)).reshape(m, k)
 
 
 def _decode_split_case(bb, name: str, k: int, n: int, raw: np.ndarray, split: int):

@@ -16,7 +16,7 @@ from qwc.compiler.targets import get_target, kernel_summary
 from qwc.models import gguf_blocks
 from qwc.q4 import quantize_q8_0
 
-from conftest import random_q6_k
+from conftest import q8_k, random_q6_k
 
 
 def test_q6_k_blocks_dequantize_as_llama_cpp_does():
@@ -44,9 +44,11 @@ def test_q6_k_factors_give_the_files_d_and_sc_back():
     assert not np.array_equal(sc[3:], file_sc[3:])                    # the even ones: d 2x, sc / 2
 
 
-def _emit_q6_k(bb, name: str, k: int, n: int, m: int, raw: np.ndarray, bias: np.ndarray | None, target: str):
+def _emit_q6_k(bb, name: str, k: int, n: int, m: int, raw: np.ndarray, bias: np.ndarray | None, target: str,
+               super_blocks: bool = False):
     """Function `name`(a, w, sc, d[, bias]) through the Q6_K kernel of `target`, as the importer
-    emits it; returns the weights in its layout."""
+    emits it (`super_blocks`: in a graph whose activations are scaled by super-blocks, as an
+    ARM graph with compact Q4_K); returns the weights in its layout."""
     from qwc.compiler.frontend import _CONTEXT, ImportContext
 
     t = get_target(target)
@@ -55,7 +57,7 @@ def _emit_q6_k(bb, name: str, k: int, n: int, m: int, raw: np.ndarray, bias: np.
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
     vs = [relax.Var(x, relax.TensorType(list(a.shape), str(a.dtype))) for x, a in (("w", w), ("sc", sc), ("d", d))]
     bv = relax.Var("bias", relax.TensorType([n], "float32")) if bias is not None else None
-    token = _CONTEXT.set(ImportContext(prefix=name, act_bits=8, features=t.features))
+    token = _CONTEXT.set(ImportContext(prefix=name, act_bits=8, features=t.features, super_blocks=super_blocks))
     try:
         with bb.function(name, [av, *vs] + ([bv] if bv is not None else [])):
             with bb.dataflow():
@@ -114,7 +116,8 @@ def test_q6_k_kernel_computes_llama_cpps_w6a8(k, n, m, with_bias):
 def test_q6_k_arm_kernel_computes_llama_cpps_w6a8(tmp_path):
     """The sdot form (signed codes, no chain starts) cross-compiled for arm-yitian and run under
     qemu-aarch64, on the x86 test's cases at 1, 3, 9 and 17 tokens, 1 and 4 threads (the same
-    bits: a task owns its rows)."""
+    bits: a task owns its rows); and the same on activations scaled by super-blocks (Q8_K, as
+    beside compact Q4_K), against their float64 products."""
 
     import tvm
 
@@ -129,6 +132,11 @@ def test_q6_k_arm_kernel_computes_llama_cpps_w6a8(tmp_path):
             for i, x in enumerate([a, *_emit_q6_k(bb, name, k, n, m, raw, bias, "arm-yitian")]):
                 inputs[f"{name}/{i}"] = x
             refs[name] = (ref, scale)
+            w = dequantize(raw, Q.Q6_K).reshape(n, k).astype(np.float64)
+            a8 = q8_k(a)
+            for i, x in enumerate([a, *_emit_q6_k(bb, name + "_k", k, n, m, raw, bias, "arm-yitian", True)]):
+                inputs[f"{name}_k/{i}"] = x
+            refs[name + "_k"] = (a8 @ w.T + (0 if bias is None else bias), np.abs(a8) @ np.abs(w).T)
     lib = tmp_path / "q6_k.so"
     build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
     outs = emulation.run_library(emulation.arm64_env(), lib, inputs, tmp_path, threads=(1, 4))

@@ -304,10 +304,20 @@ def test_kept_formats_on_arm_yitian_match_the_host(k_model, host_builds, tmp_pat
     assert manifest["quantization"]["weight_layout"]["q4_k_compact_scales"] == 10   # the file's factors, as x86
 
 
+# Where an ARM graph has compact Q4_K, its activations are scaled by super-blocks of 256 (llama.cpp's
+# Q8_K), the host's by blocks of 32: a coarser rounding of every activation, so the two builds are
+# each held to the float reference, the ARM one at Q8_K's looser bound (its error on the Q4_K_M-like
+# file, whose activations have wide super-blocks, measured 0.042 of the largest logit)
+Q8_K_TOLERANCE = 6e-2
+
+
 def _arm_yitian_follows_the_host(d, host_builds, tmp_path) -> dict:
     """d/m.onnx compiled for arm-yitian runs STEPS under qemu near the host's Q8_0-activation
     build: an activation on a rounding boundary may move by one step of its block's scale
-    between the two ISAs' kernels (see test_gguf_formats' ARM test). Returns its manifest."""
+    between the two ISAs' kernels (see test_gguf_formats' ARM test). With compact Q4_K the ARM
+    build's activations are Q8_K's: then both builds are held to the float reference instead,
+    and the ARM build's greedy token is the reference's own or within Q8_K's tolerance of it.
+    Returns its manifest."""
     from qwc.bench import emulation
     from qwc.compiler.compile import compile_file
 
@@ -319,10 +329,20 @@ def _arm_yitian_follows_the_host(d, host_builds, tmp_path) -> dict:
     r = subprocess.run(emulation.engine_command(env, art, out, steps), env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
+    manifest = json.loads((art / "manifest.json").read_text())
     arm, host = np.load(out), _compiled_logits(host_builds[8])
-    assert np.abs(arm - host).max() / np.abs(host).max() < 2e-2
-    assert np.array_equal(arm.argmax(-1), host.argmax(-1))
-    return json.loads((art / "manifest.json").read_text())
+    if "q4_k_compact_scales" not in manifest["quantization"]["weight_layout"]:
+        assert np.abs(arm - host).max() / np.abs(host).max() < 2e-2
+        assert np.array_equal(arm.argmax(-1), host.argmax(-1))
+        return manifest
+    cfg = ModelConfig.load(sidecar_paths(d / "m.onnx")[0])
+    ref = np.stack([r[0, -1] for r in ort_kv_logits(d / "float.onnx", cfg, STEPS[0], STEPS[1:])])
+    span = np.abs(ref).max()
+    assert np.abs(host - ref).max() / span < 3e-2        # Q8_0 activations, as the host test holds
+    assert np.abs(arm - ref).max() / span < Q8_K_TOLERANCE
+    chosen = ref[np.arange(len(ref)), arm.argmax(-1)]
+    assert (ref.max(-1) - chosen <= Q8_K_TOLERANCE * span).all()
+    return manifest
 
 
 def test_an_unknown_type_id_fails_the_export_naming_the_tensor(tmp_path, capsys):
@@ -529,9 +549,9 @@ def test_expanded_q4_k_stored_at_rest_loads_to_the_bit_on_the_host(q4_k_m_model,
 @pytest.mark.arm
 @pytest.mark.slow
 def test_arm_yitian_params_at_rest_give_the_logits_of_params_stored_whole(q4_k_m_model, tmp_path, monkeypatch):
-    """On arm-yitian, where the kernels read Q4_K's factors expanded to float32 and Q6_K's
-    codes as bytes, params.bin keeps both near the file's size (q4_k_scales / q4_k_offsets,
-    six_bit) and the engine under qemu unpacks them: the logits of the same model stored
+    """On arm-yitian, where the kernels read Q6_K's codes as bytes (and Q4_K's factors in the
+    file's compact form, nothing to unpack), params.bin keeps the codes near the file's size
+    (six_bit) and the engine under qemu unpacks them: the logits of the same model stored
     whole, to the bit."""
     from qwc.bench import emulation
     from qwc.compiler.compile import compile_file
@@ -548,9 +568,9 @@ def test_arm_yitian_params_at_rest_give_the_logits_of_params_stored_whole(q4_k_m
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-2000:]
         logits[name] = np.load(tmp_path / f"{name}.npy")
-    assert _at_rest_forms(tmp_path / "rest.qwc") == {"q4_k_scales": 10, "q4_k_offsets": 10, "six_bit": 4}
+    assert _at_rest_forms(tmp_path / "rest.qwc") == {"six_bit": 4}   # Q4_K: the kernels read its compact form
     rest, whole = ((tmp_path / f"{n}.qwc" / "params.bin").stat().st_size for n in ("rest", "whole"))
-    assert rest < 0.85 * whole
+    assert rest < 0.95 * whole   # (Q6_K's codes, four in three bytes)
     assert np.array_equal(logits["rest"].view(np.uint32), logits["whole"].view(np.uint32))
 
 
