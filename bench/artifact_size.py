@@ -14,7 +14,6 @@ import argparse
 import collections
 from pathlib import Path
 
-
 DERIVED = ("rotary_cos_cache", "rotary_sin_cache")
 
 
