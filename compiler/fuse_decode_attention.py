@@ -73,7 +73,7 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str, le
         for var, e in defs.values.items():
             mark = kernel_attr(mod, e, act_quant.QUANTIZER)
             # (not a quantizer by super-blocks: a task's head is half of one)
-            if (mark is None or mark["kind"] != "plain" or mark["layout"] != layout or int(mark.get("super_blocks", 0))
+            if (mark is None or mark["kind"] != "plain" or mark["layout"] != layout or act_quant.marked_super_blocks(mark)
                     or int(mark["zero_point"]) != zero_point):
                 continue
             src = defs.unreshaped(call_args(e)[0])

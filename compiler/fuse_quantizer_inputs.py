@@ -85,7 +85,7 @@ def fuse_quantizer_inputs(kname):
             one_row = getattr(a2.ty.shape[0], "value", None) == 1
             zp, layout = int(mark["zero_point"]), str(mark["layout"])
             kind = "silu_mul" if silu else "rms"
-            sb = bool(int(mark.get("super_blocks", 0)))
+            sb = act_quant.marked_super_blocks(mark)
             kernel = act_quant.fused_quantizer(k, zp, one_row, silu is not None, rms[2] if rms else None, layout,
                                                super_blocks=sb)
             gv = rw.builder_.add_func(kernel, kname(act_quant.quantizer_name(k, zp, one_row, kind, layout, sb)))

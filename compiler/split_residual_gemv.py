@@ -59,7 +59,7 @@ def split_residual_gemv(kname, threads: int):
                 gv.name_hint + f"_split{split}")
             parts = rw.emit(relax.call_tir(gemv, [rw.var(a) for a in args],
                                            relax.TensorType([split, n], "float32")))
-            sb = bool(int(mark.get("super_blocks", 0)))
+            sb = act_quant.marked_super_blocks(mark)
             quant = rw.builder_.add_func(
                 act_quant.fused_quantizer(k, zp, True, rms_eps=eps, layout=layout, parts=split, super_blocks=sb),
                 kname(act_quant.quantizer_name(k, zp, True, "rms", layout, sb) + f"_parts{split}"))

@@ -162,6 +162,11 @@ def quantizer_name(k: int, zero_point: int, one_row: bool, kind: str = "plain", 
             + ("_k" if super_blocks else ""))
 
 
+def marked_super_blocks(mark) -> bool:
+    """Whether the quantizer whose QUANTIZER attribute is `mark` scales by super-blocks."""
+    return bool(int(mark.get("super_blocks", 0)))
+
+
 def takes_super_blocks(k: int, layout: str) -> bool:
     """Whether a quantizer of rows of K in `layout` can scale by super-blocks (super_blocks)."""
     return k % SUPER == 0 and layout in SUPER_LAYOUTS

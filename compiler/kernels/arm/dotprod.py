@@ -273,9 +273,11 @@ def block_split(n: int, nb: int, threads: int, scale_dtype: str = "float16") -> 
     A part is at least 2 blocks: a task's fixed cost (its accumulators' start and store) is
     ~30 instructions against ~100 a block. Compact Q4_K's parts are whole super-blocks."""
     g = groups(n)
-    units = nb // q4_k_scales.SUB_BLOCKS if scale_dtype == q4_k_scales.SCALE_DTYPE else nb
+    compact = scale_dtype == q4_k_scales.SCALE_DTYPE
+    units = nb // q4_k_scales.SUB_BLOCKS if compact else nb   # what a part holds whole
+    least = 1 if compact else 2   # a part's fewest units: a super-block, or 2 blocks
     split = 1
-    while g * split * 2 <= threads and units // (split * 2) >= (1 if units < nb else 2):
+    while g * split * 2 <= threads and units // (split * 2) >= least:
         split *= 2
     return split
 
