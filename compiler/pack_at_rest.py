@@ -3,22 +3,21 @@ stored bytes (the forms and the runtime's unpacking: qwc/params_at_rest.py).
 
 The candidates are read off the graph: the sub-block scales and block offsets of a linear with
 block offsets (a Q4_K's on ARM's sdot / smmla kernels where it keeps the expanded float32
-form: compiler/repack_q4_k.py) and a
-Q6_K linear's codes as bytes. Whether one is stored at rest is decided by its values: it is
+form: compiler/repack_q4_k.py). Whether one is stored at rest is decided by its values: it is
 packed, unpacked again as the runtime will, and kept so only if that gives back every bit
-(else it is written as it is, and nothing else changes).
+(else it is written as it is, and nothing else changes). Q6_K's codes are no longer a
+candidate: every Q6_K kernel reads them at six bits (compiler/repack_q6_k.py); the runtime
+still unpacks `six_bit` for artifacts compiled before.
 """
 
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnx
 
 from qwc import weight_formats
-from qwc.params_at_rest import CHUNK, FREE, ROWS, SUPER, THREADS, stored_nbytes, unpack
-from qwc.passes.graph import Q6_K_ATTR, has_block_offsets
+from qwc.params_at_rest import FREE, ROWS, SUPER, stored_nbytes, unpack
+from qwc.passes.graph import has_block_offsets
 
 
 def _names(name: str) -> tuple[str, str]:
@@ -36,10 +35,7 @@ def plan(model: onnx.ModelProto) -> dict[str, dict]:
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":
             continue
-        if any(a.name == Q6_K_ATTR and a.i for a in node.attribute):
-            for name in _names(node.input[1]):
-                out[name] = {"form": "six_bit"}
-        elif has_block_offsets(node) and weight_formats.format_of(node).name == "Q4_K" and len(node.input) > 3 and node.input[3]:
+        if has_block_offsets(node) and weight_formats.format_of(node).name == "Q4_K" and len(node.input) > 3 and node.input[3]:
             for scales, offsets in zip(_names(node.input[2]), _names(node.input[3])):
                 out[scales] = {"form": "q4_k_scales"}
                 out[offsets] = {"form": "q4_k_offsets", "scales": scales}
@@ -52,9 +48,6 @@ def pack(spec: dict, value: np.ndarray, scales: np.ndarray | None = None) -> np.
     form = spec["form"]
     if stored_nbytes(form, str(value.dtype), value.shape) is None:
         return None
-    if form == "six_bit":   # checked a chunk at a time: the codes are the largest parameters
-        stored = _six_bit(value)
-        return stored if stored is not None and _six_bit_comes_back(stored, value) else None
     if form == "q4_k_offsets":
         if scales is None or scales.dtype != np.float32 or scales.shape != value.shape:
             return None
@@ -68,39 +61,6 @@ def pack(spec: dict, value: np.ndarray, scales: np.ndarray | None = None) -> np.
     back = np.empty_like(value)
     unpack(form, stored, back, scales)
     return stored if np.array_equal(back.view(np.uint8), value.view(np.uint8)) else None
-
-
-def _six_bit(q: np.ndarray) -> np.ndarray | None:
-    """Bytes of two's-complement values in -32..31 -> four in three (qwc.params_at_rest: six_bit),
-    in chunks on a few threads."""
-    flat = q.reshape(-1).view(np.uint8)
-    out = np.empty(flat.size // 4 * 3, np.uint8)
-    step = CHUNK // 3 * 4
-
-    def chunk(start: int) -> bool:
-        u = (flat[start:start + step] + np.uint8(32)).reshape(-1, 4)   # q + 32, 0..63 if q fits
-        if u.max(initial=0) > 63:
-            return False
-        b = out[start // 4 * 3:(start + u.size) // 4 * 3].reshape(-1, 3)
-        b[:, 0] = u[:, 0] | (u[:, 1] << 6)
-        b[:, 1] = (u[:, 1] >> 2) | (u[:, 2] << 4)
-        b[:, 2] = (u[:, 2] >> 4) | (u[:, 3] << 2)
-        return True
-
-    starts = range(0, flat.size, step)
-    with ThreadPoolExecutor(min(THREADS, len(starts)) or 1) as pool:
-        return out if all(pool.map(chunk, starts)) else None
-
-
-def _six_bit_comes_back(stored: np.ndarray, q: np.ndarray) -> bool:
-    flat = q.reshape(-1).view(np.uint8)
-    for start in range(0, stored.size, CHUNK):
-        part = stored[start:start + CHUNK]
-        back = np.empty(part.size // 3 * 4, np.uint8)
-        unpack("six_bit", part, back)
-        if not np.array_equal(back, flat[start // 3 * 4:start // 3 * 4 + back.size]):
-            return False
-    return True
 
 
 def _super_rows(v: np.ndarray) -> np.ndarray:

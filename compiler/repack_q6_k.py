@@ -3,9 +3,10 @@ of 16 with float32 scales d sc: models/gguf_blocks.py).
 
 Where the target has a Q6_K kernel (targets.q6_k_path: kernels/x86/q6_k.py, kernels/arm/q6_k.py)
 the weights go into its layout: the codes in the W8A8 row groups' order (row_groups.pack_int8),
-on x86 at six bits (six_bit_codes: q in 0..63, 6 chunks a block), on ARM as bytes q - 32
-(signed); the int8 sub-block scales sc [G, NB, 32] and the super-block scales d [G, NB/8, 16]
-float32, the pair taken back from the products by gguf_blocks.q6_k_factors. The node is marked
+at six bits, 6 chunks a block, in each ISA's own arrangement (x86: six_bit_codes, q in 0..63;
+ARM: arm_six_bit_codes, q - 32 as six-bit two's complement, read as 4 (q - 32)); the int8
+sub-block scales sc [G, NB, 32] and the super-block scales d [G, NB/8, 16] float32 (on ARM
+d / 4, exactly), the pair taken back from the products by gguf_blocks.q6_k_factors. The node is marked
 graph.Q6_K_ATTR with inputs (x, codes, sc, "", "", bias, d).
 
 Elsewhere (AVX2, arm-neon without dotprod, float activations) each Q6_K weight is
@@ -38,8 +39,8 @@ def is_q6_k(node: onnx.NodeProto) -> bool:
 
 def pack(u: np.ndarray, s: np.ndarray, isa: str = "x86") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Codes u [N, K/16, 16] (q + 96) and scales d sc [N, K/16] -> the `isa` kernel's codes
-    (x86: six_bit_codes [G, K/32, 6, 64]; arm: q - 32 in two's complement, [G, K/32, 8, 64]),
-    sc [G, K/32, 32] int8 and d [G, K/256, 16] float32. Rows past N are zeros (q = 32)."""
+    [G, K/32, 6, 64] (x86: six_bit_codes; arm: arm_six_bit_codes), sc [G, K/32, 32] int8 and
+    d [G, K/256, 16] float32 (arm: d / 4). Rows past N are zeros (q = 32)."""
     from qwc.models.gguf_blocks import q6_k_factors
 
     from .kernels.row_groups import ROWS, groups, pack_int8
@@ -53,7 +54,8 @@ def pack(u: np.ndarray, s: np.ndarray, isa: str = "x86") -> tuple[np.ndarray, np
     def codes(r: int) -> np.ndarray:   # rows r .. r + ROWS_AT_ONCE (whole row groups) in the layout
         rows = u[r:r + ROWS_AT_ONCE].reshape(-1, nb, 32)
         w, _ = pack_int8(rows, np.ones(rows.shape[:2], np.float32), signed=isa == "arm")
-        return six_bit_codes(w - np.uint8(96)) if isa == "x86" else w   # u = q + 96 -> q (rows past N: 32)
+        # u = q + 96 -> q (rows past N: 32); arm: q - 32 in two's complement
+        return six_bit_codes(w - np.uint8(96)) if isa == "x86" else arm_six_bit_codes(w)
 
     # a chunk of rows at a time: a 7B output's layouts whole took 1.1 GB more of temporaries
     g = groups(n)
@@ -66,7 +68,7 @@ def pack(u: np.ndarray, s: np.ndarray, isa: str = "x86") -> tuple[np.ndarray, np
     scp[:n] = sc.reshape(n, nb, 2)
     scp = scp.reshape(g, ROWS, nb, 2).transpose(0, 2, 3, 1).reshape(g, nb, 2 * ROWS)   # [g, b, A rows, B rows]
     dp = np.zeros((g * ROWS, nsub * SUB // SUPER), np.float32)
-    dp[:n] = d
+    dp[:n] = d if isa == "x86" else d / np.float32(4)   # ARM reads 4 (q - 32): exact
     dp = dp.reshape(g, ROWS, -1).transpose(0, 2, 1)
     return w, np.ascontiguousarray(scp), np.ascontiguousarray(dp)
 
@@ -84,6 +86,21 @@ def six_bit_codes(q: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([nib, high], axis=2).astype(np.uint8))
 
 
+
+
+def arm_six_bit_codes(q: np.ndarray) -> np.ndarray:
+    """Signed codes q - 32 [G, NB, 8, 64] (the W8A8 row-group chunks, as uint8) -> [G, NB, 6, 64]:
+    of chunks 4h .. 4h + 3, with t = (q - 32) mod 64, chunk 3h holds 4 t0 plus t3's bits 4-5,
+    3h + 1 holds 4 t1 plus its bits 2-3, 3h + 2 holds 4 t2 plus its bits 0-1
+    (kernels/arm/q6_k.py: _codes)."""
+    t = q & np.uint8(63)
+    out = np.empty((*q.shape[:2], 6, q.shape[-1]), np.uint8)
+    for h in range(2):
+        t0, t1, t2, t3 = (t[:, :, 4 * h + j] for j in range(4))
+        out[:, :, 3 * h] = (t0 << 2) | (t3 >> 4)
+        out[:, :, 3 * h + 1] = (t1 << 2) | ((t3 >> 2) & 3)
+        out[:, :, 3 * h + 2] = (t2 << 2) | (t3 & 3)
+    return out
 
 
 def _as_q8_0(u: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

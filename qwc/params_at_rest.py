@@ -1,17 +1,18 @@
 """Parameters stored smaller than the kernels read them, and made whole at load.
 
 Some kernels read a weight in a form larger than the file's: ARM's sdot / smmla kernels take
-Q6_K's codes as bytes, and a Q4_K linear's sub-block factors expanded to float32 (scale d sc and
-offset c a block) where it cannot take the compact form (compiler/repack_q4_k.py: a tied
-embedding's gather reads them too; artifacts compiled before ARM read Q4_K compact).
+a Q4_K linear's sub-block factors expanded to float32 (scale d sc and offset c a block) where
+it cannot take the compact form (compiler/repack_q4_k.py: a tied embedding's gather reads them
+too; artifacts compiled before ARM read Q4_K compact), and ARM's Q6_K kernel took its codes as
+bytes in artifacts compiled before it read six bits (2026-12-02): `six_bit` loads those.
 params.bin keeps such a parameter in a form close to the GGUF's, and the runtime rebuilds the
 kernels' form as it loads it (runtime/engine.py), to the bit. The compiler writes a parameter
 in its at-rest form only where that round trip is exact (compiler/pack_at_rest.py), so the
 library's inputs are the same arrays either way.
 
 Forms (the manifest's `at_rest` of a parameter; its `nbytes` are the stored bytes):
-- `six_bit`: bytes whose two's-complement values are in -32..31 (Q6_K's q as ARM's kernels
-  read it, int8 or uint8), four in three bytes: u = q + 32 and
+- `six_bit`: bytes whose two's-complement values are in -32..31 (Q6_K's q - 32 as ARM's
+  kernel read it before 2026-12-02, int8 or uint8), four in three bytes: u = q + 32 and
   x = u0 | u1 << 6 | u2 << 12 | u3 << 18, little-endian.
 - `q4_k_scales`: float32 [G, B, 16] (row groups of 16: kernels/row_groups.py), each row's
   eight consecutive blocks a super-block with s = d sc: sc uint8 [G, B, 16] (0..63), then d

@@ -85,8 +85,9 @@ def gather_q4_row_groups(w, idx, s):
 def _int8_row_group_gather(w, idx, scale, *, signed: bool, name: str, six_bit: bool = False):
     """Rows `idx` [...] of 8-bit codes in the W8A8 kernels' row groups (row_groups.pack_int8;
     w [G, nb, 8, 4 x ROWS] in de-interleaved order, q (`signed`, ARM) or q + 128 (x86); with
-    `six_bit`, Q6_K's six-bit form of q + 32: repack_q6_k.six_bit_codes) -> [..., nb, 32],
-    element e of block b of row r in group g times scale(g, b, r, e)."""
+    `six_bit`, Q6_K's six-bit forms [G, nb, 6, 4 x ROWS]: x86's of q + 32, six_bit_codes, or
+    with `signed` ARM's of 4 q, arm_six_bit_codes (repack_q6_k.py)) -> [..., nb, 32], element e
+    of block b of row r in group g times scale(g, b, r, e)."""
     from .row_groups import ROWS
 
     nb = w.shape[1]
@@ -96,6 +97,15 @@ def _int8_row_group_gather(w, idx, scale, *, signed: bool, name: str, six_bit: b
         row = idx[tuple(pre)].astype("int64")
         g, r, p = row // ROWS, row % ROWS, e // 2 + 16 * (e % 2)   # evens first, then odds
         c, at = p // 4, r * 4 + p % 4
+        if six_bit and signed:   # chunk 4h + j of chunks 3h .. 3h + 2: 4 q in bytes
+            h, j = c // 4, c % 4
+
+            def part(i, shift):
+                return (w[g, b, 3 * h + i, at].astype("int32") % 4) << shift
+
+            four_q = tirx.if_then_else(j < 3, w[g, b, 3 * h + tirx.min(j, 2), at].astype("int32") // 4 * 4,
+                                       part(0, 6) + part(1, 4) + part(2, 2))
+            return (four_q - tirx.if_then_else(four_q > 127, 256, 0)).astype("float32") * scale(g, b, r, e)
         if six_bit:
             nib = w[g, b, c % 4, at].astype("int32")
             top = w[g, b, 4 + c // 4, at].astype("int32")
@@ -118,14 +128,15 @@ def gather_q8_row_groups(w, idx, s, *, signed: bool):
 
 def gather_q6_k_row_groups(w, idx, sc, d, *, isa: str):
     """Rows `idx` [...] of a Q6_K weight stored for its `isa`'s kernel (compiler/repack_q6_k.py:
-    the codes in Q8_0's order, q - 32 signed on ARM, six-bit q on x86; int8 sub-block scales
-    sc [G, nb, 32], A's 16 rows then B's; d [G, nb / 8, ROWS]) -> [..., nb, 32]: the tied
-    embedding of a Q6_K output, each weight (d sc) (q - 32) as the file's."""
+    the codes in Q8_0's order at six bits, each ISA's arrangement; int8 sub-block scales sc
+    [G, nb, 32], A's 16 rows then B's; d [G, nb / 8, ROWS], on ARM d / 4 for its codes 4 (q - 32))
+    -> [..., nb, 32]: the tied embedding of a Q6_K output, each weight (d sc) (q - 32) as the
+    file's."""
     from .row_groups import ROWS
 
     return _int8_row_group_gather(
         w, idx, lambda g, b, r, e: sc[g, b, (e // 16) * ROWS + r].astype("float32") * d[g, b // 8, r],
-        signed=isa == "arm", six_bit=isa == "x86", name="gather_q6_k_row_groups")
+        signed=isa == "arm", six_bit=True, name="gather_q6_k_row_groups")
 
 
 def rotary(x, pos, cos, sin, *, heads: int):

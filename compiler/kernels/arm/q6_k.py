@@ -1,14 +1,22 @@
 """llama.cpp's Q6_K weights with NEON `sdot`, exactly: w = d sc (q - 32), one int8 scale sc a
 sub-block of 16 weights and one float d a super-block of 256 (x86's form: kernels/x86/q6_k.py).
 
-The codes come in the W8A8 row groups as signed bytes q - 32 (row_groups.pack_int8, as ARM's
-Q8_0): each 64-byte chunk c holds 4 bytes of each of 16 rows, i.e. four 16-byte slices of 4
+The codes are kept at six bits, as the file has them: a decode step at many threads reads
+memory more than it computes, so the bytes a weight take its time. Each code is t = (q - 32)
+mod 64, a six-bit two's complement, and the kernel reads 4t as a signed byte (so d is stored
+divided by 4, exactly). In the W8A8 row groups' order (row_groups.pack_int8, as ARM's Q8_0)
+each 64-byte chunk c of a block holds 4 bytes of each of 16 rows, i.e. four 16-byte slices of 4
 rows, meeting activation bytes 4c..4c+3 of the de-interleaved block (32-bit lane c % 4 of its
-half c // 4: an indexed `sdot`, as arm/dotprod.py takes them). A 32-block's sub-blocks are
-chunks {0, 1, 4, 5} (elements 0-15) and {2, 3, 6, 7} (16-31): each is its own chain of four
-`sdot` from 0 (the codes are signed: no offset, so the activation quantizer's outputs are
-used as they are). Each integer sum is converted and scaled by its sub-block's d sc, then by
-the activations' scale.
+half c // 4: an indexed `sdot`, as arm/dotprod.py takes them). Chunks 4h .. 4h + 3 are stored
+in three, A B C (compiler/repack_q6_k.py: arm_six_bit_codes): A = 4 t0 plus t3's top two bits,
+B = 4 t1 plus its middle two, C = 4 t2 plus its low two. So chunks 4h .. 4h + 2 are A, B, C
+with their low two bits cleared (one `and` each) and chunk 4h + 3 is C << 2 with B, then A,
+shifted in above (`shl` and two `sli`): six instructions for four vectors of codes.
+
+A 32-block's sub-blocks are chunks {0, 1, 4, 5} (elements 0-15) and {2, 3, 6, 7} (16-31): each
+is its own chain of four `sdot` from 0 (the codes are signed: no offset, so the activation
+quantizer's outputs are used as they are). Each integer sum is converted and scaled by its
+sub-block's d sc, then by the activations' scale.
 
 A task is one slice (4 rows) of a row group, so a 256-row attn_v is 64 tasks for a 64-128-core
 server rather than 16; its tokens in tiles of TOKENS (leftovers, and decode's one token, one
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 from .. import SCHEDULED
 from ..kernel_cache import cached_kernel
-from ..row_groups import INT8_CHUNKS, ROWS, groups
+from ..row_groups import ROWS, groups
 from ..w4a8 import store_rows, token_count
 
 LANES = 4            # rows a slice: int32 lanes of a 128-bit vector
@@ -29,6 +37,8 @@ SUB = 16             # Q6_K's sub-block
 SUPER_BLOCKS = 8     # 32-blocks a super-block of 256
 TOKENS = 4           # a tile: 4 x (2 integer chains + 1 float sum) of NEON's 32 registers
 SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
+SLI = "llvm.aarch64.neon.vsli.v16i8"
+CODE_CHUNKS = 6      # stored 64-byte chunks a block: eight chunks of codes at six bits
 
 
 def _chunk(i, sub_b: bool):
@@ -36,11 +46,30 @@ def _chunk(i, sub_b: bool):
     return i % 2 + (i // 2) * 4 + (2 if sub_b else 0)
 
 
+def _codes(w, g, b, q, c):
+    """int8x16: 4 (q - 32) of chunk c (0..7) of block b, slice q (rows 16g + 4q .. +3), from
+    the three stored chunks of its half (module docstring)."""
+    from tvm.script import tirx as T
+
+    h, j = divmod(c, 4)
+
+    def stored(i):
+        return w.vload([g, b, 3 * h + i, 16 * q], "uint8x16")
+
+    if j < 3:
+        v = stored(j) & T.broadcast(T.uint8(0xFC), 16)
+    else:
+        v = stored(2) << T.broadcast(T.uint8(2), 16)
+        v = T.call_llvm_pure_intrin("uint8x16", SLI, v, stored(1), T.int32(4))
+        v = T.call_llvm_pure_intrin("uint8x16", SLI, v, stored(0), T.int32(6))
+    return T.reinterpret("int8x16", v)
+
+
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q6_k_matmul(n: int, nb: int, m: int | None = None):
     """y [M, N] = the quantized activations (aq [M, NB, 32], their scales ad [M, NB]: act_quant
-    layout "arm") times the Q6_K weights w [G, NB, 8, 64] (signed codes) with sc [G, NB, 32] and
-    d [G, NB/8, 16] (compiler/repack_q6_k.py). M any number of tokens, or `m` fixed."""
+    layout "arm") times the Q6_K weights w [G, NB, 6, 64] (six-bit codes) with sc [G, NB, 32]
+    and d / 4 [G, NB/8, 16] (compiler/repack_q6_k.py). M any number of tokens, or `m` fixed."""
     from tvm import tirx
     from tvm.script import tirx as T
 
@@ -54,7 +83,7 @@ def q6_k_matmul(n: int, nb: int, m: int | None = None):
         acc = T.broadcast(T.int32(0), LANES)
         for i in range(4):
             c = _chunk(i, sub_b)
-            v = T.reinterpret("int8x16", w.vload([g, b, c, 16 * q], "uint8x16"))
+            v = _codes(w, g, b, q, c)
             lane = T.reinterpret("int8x16", tirx.Shuffle(
                 [T.reinterpret("int32x4", aq.vload([t, b, 16 * (c // 4)], "int8x16"))], [c % 4] * 4))
             acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, v, lane)
@@ -82,7 +111,7 @@ def q6_k_matmul(n: int, nb: int, m: int | None = None):
             store_rows(y, first + t, g * ROWS + LANES * q, LANES, n, acc, t * LANES, None)
 
     @T.prim_func(private=True)
-    def kernel(var_aq: T.handle, var_ad: T.handle, w: T.Buffer((ng, nb, INT8_CHUNKS, 4 * ROWS), "uint8"),
+    def kernel(var_aq: T.handle, var_ad: T.handle, w: T.Buffer((ng, nb, CODE_CHUNKS, 4 * ROWS), "uint8"),
                sc: T.Buffer((ng, nb, 2 * SUB), "int8"), d: T.Buffer((ng, nb // SUPER_BLOCKS, ROWS), "float32"),
                var_y: T.handle):
         T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True})   # opaque: FuseOps leaves it whole
