@@ -179,7 +179,9 @@ class MatMulNBits(F.OnnxOpConverter):
         aq, ad, off = _quantized(bb, a2, k, nb, one_token, layout)
         q6_k = q6_k_module(kernels_for(_ctx().features).int_dots.q6_k)   # the target's Q6_K kernel module
         if arm:
-            kernel = bb.add_func(q6_k.q6_k_matmul(n, nb), _kname(f"q6_k_matmul_sdot_{n}x{nb}"))
+            sb = _ctx().super_blocks and act_quant.takes_super_blocks(k, layout)   # as _quantized scaled them
+            kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, super_blocks=sb),
+                                 _kname(f"q6_k_matmul_sdot_{n}x{nb}{'_k' if sb else ''}"))
             y = bb.emit(relax.call_tir(kernel, [aq, ad, w, sc, d], relax.TensorType(shape=[m, n], dtype="float32")))
             y = bb.emit(relax.op.reshape(y, [*lead, n]))
             return y if bias is None else bb.emit(relax.op.add(y, bias))

@@ -16,7 +16,9 @@ shifted in above (`shl` and two `sli`): six instructions for four vectors of cod
 A 32-block's sub-blocks are chunks {0, 1, 4, 5} (elements 0-15) and {2, 3, 6, 7} (16-31): each
 is its own chain of four `sdot` from 0 (the codes are signed: no offset, so the activation
 quantizer's outputs are used as they are). Each integer sum is converted and scaled by its
-sub-block's d sc, then by the activations' scale.
+sub-block's d sc, then by the activations' scale; on activations scaled by super-blocks (an
+ARM graph with compact Q4_K: frontend.ImportContext.super_blocks) the sub-block scales
+multiply the integer sums instead, and the float work comes once a super-block.
 
 A task is one slice (4 rows) of a row group, so a 256-row attn_v is 64 tasks for a 64-128-core
 server rather than 16; its tokens in tiles of TOKENS (leftovers, and decode's one token, one
@@ -66,10 +68,14 @@ def _codes(w, g, b, q, c):
 
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
-def q6_k_matmul(n: int, nb: int, m: int | None = None):
+def q6_k_matmul(n: int, nb: int, m: int | None = None, super_blocks: bool = False):
     """y [M, N] = the quantized activations (aq [M, NB, 32], their scales ad [M, NB]: act_quant
     layout "arm") times the Q6_K weights w [G, NB, 6, 64] (six-bit codes) with sc [G, NB, 32]
-    and d / 4 [G, NB/8, 16] (compiler/repack_q6_k.py). M any number of tokens, or `m` fixed."""
+    and d / 4 [G, NB/8, 16] (compiler/repack_q6_k.py). M any number of tokens, or `m` fixed.
+    With `super_blocks` the activations have one scale a super-block (act_quant's, llama.cpp's
+    Q8_K): the sub-block scales multiply the int32 sums, and a super-block's sum is converted
+    and scaled once, as llama.cpp's ggml_vec_dot_q6_K_q8_K does (bounded: 16 sub-blocks of
+    16 |4 (q - 32)| 127 |sc| 127 < 2^31)."""
     from tvm import tirx
     from tvm.script import tirx as T
 
@@ -97,6 +103,32 @@ def q6_k_matmul(n: int, nb: int, m: int | None = None):
                 + T.Cast("float32x4", chain(w, aq, g, b, q, t, True))
                 * (T.Cast("float32x4", sc.vload([g, b, SUB + LANES * q], "int8x4")) * dv)) * T.broadcast(ad[t, b], LANES)
 
+    def int_term(w, aq, sc, g, b, q, t):
+        """int32x4: block b's sum of the slice for token t, A sc_A + B sc_B."""
+        return (chain(w, aq, g, b, q, t, False) * T.Cast("int32x4", sc.vload([g, b, LANES * q], "int8x4"))
+                + chain(w, aq, g, b, q, t, True) * T.Cast("int32x4", sc.vload([g, b, SUB + LANES * q], "int8x4")))
+
+    @T.macro
+    def tile_k(w, aq, ad, sc, d, y, g, q, first, count):
+        """tile, on activations scaled by super-blocks: the float work once a super-block."""
+        acc = T.decl_buffer((count * LANES,), "float32", scope="global")
+        isum = T.decl_buffer((count * LANES,), "int32", scope="global")
+        for t in T.unroll(count):
+            acc[T.ramp(t * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+        for s in range(nb // SUPER_BLOCKS):
+            for t in T.unroll(count):
+                isum[T.ramp(t * LANES, 1, LANES)] = T.broadcast(T.int32(0), LANES)
+            for j in range(SUPER_BLOCKS):
+                for t in T.unroll(count):
+                    isum[T.ramp(t * LANES, 1, LANES)] = isum[T.ramp(t * LANES, 1, LANES)] + int_term(
+                        w, aq, sc, g, s * SUPER_BLOCKS + j, q, first + t)
+            for t in T.unroll(count):
+                acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + T.Cast(
+                    "float32x4", isum[T.ramp(t * LANES, 1, LANES)]) * (d.vload([g, s, LANES * q], "float32x4")
+                                                                       * T.broadcast(ad[first + t, s * SUPER_BLOCKS], LANES))
+        for t in T.unroll(count):
+            store_rows(y, first + t, g * ROWS + LANES * q, LANES, n, acc, t * LANES, None)
+
     @T.macro
     def tile(w, aq, ad, sc, d, y, g, q, first, count):
         """Rows 16g+4q .. +3 of tokens first .. first + count - 1, over every block."""
@@ -110,6 +142,8 @@ def q6_k_matmul(n: int, nb: int, m: int | None = None):
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS + LANES * q, LANES, n, acc, t * LANES, None)
 
+    tiles = tile_k if super_blocks else tile
+
     @T.prim_func(private=True)
     def kernel(var_aq: T.handle, var_ad: T.handle, w: T.Buffer((ng, nb, CODE_CHUNKS, 4 * ROWS), "uint8"),
                sc: T.Buffer((ng, nb, 2 * SUB), "int8"), d: T.Buffer((ng, nb // SUPER_BLOCKS, ROWS), "float32"),
@@ -120,8 +154,8 @@ def q6_k_matmul(n: int, nb: int, m: int | None = None):
         y = T.match_buffer(var_y, (rows_in, n), "float32")
         for task in T.parallel(ng * SLICES):
             for it in range(rows_in // TOKENS):
-                tile(w, aq, ad, sc, d, y, task // SLICES, task % SLICES, it * TOKENS, TOKENS)
+                tiles(w, aq, ad, sc, d, y, task // SLICES, task % SLICES, it * TOKENS, TOKENS)
             for i in range(rows_in // TOKENS * TOKENS, rows_in):
-                tile(w, aq, ad, sc, d, y, task // SLICES, task % SLICES, i, 1)
+                tiles(w, aq, ad, sc, d, y, task // SLICES, task % SLICES, i, 1)
 
     return kernel
