@@ -45,22 +45,21 @@ def python_command(env: dict, script, *args, plugin: str | None = None) -> list[
 
 def run_library(env: dict, lib, inputs: dict, workdir, threads=(1,), timeout: int = 600) -> list:
     """Every function of a cross-compiled Relax library on `inputs` ("<function>/<i>": argument
-    i; run_module.py), once for each thread count: the outputs of each run ({function: array}).
-    Raises with the run's stderr if one fails or runs other than every function on aarch64."""
+    i; run_module.py), once for each thread count, in one emulated process: the outputs of each
+    run ({function: array}). Raises with the run's stderr if one fails or runs other than every
+    function on aarch64."""
     import numpy as np
 
     workdir = Path(workdir)
     np.savez(workdir / "in.npz", **inputs)
     functions = len({k.split("/")[0] for k in inputs})
-    outs = []
-    for t in threads:
-        out = workdir / f"out{t}.npz"
-        r = subprocess.run(python_command(env, HERE / "run_module.py", lib, workdir / "in.npz", out),
-                           env=dict(env, TVM_NUM_THREADS=str(t)), capture_output=True, text=True, timeout=timeout)
-        if r.returncode != 0 or r.stdout.split() != ["aarch64", str(functions)]:
-            raise RuntimeError(f"run_module.py at {t} threads: {r.stdout.strip()} {r.stderr[-2000:]}")
-        outs.append(np.load(out))
-    return outs
+    counts = ",".join(map(str, threads))
+    r = subprocess.run(python_command(env, HERE / "run_module.py", lib, workdir / "in.npz", workdir / "out{t}.npz", counts),
+                       env=dict(env, TVM_NUM_THREADS=str(max(threads))), capture_output=True, text=True,
+                       timeout=timeout * len(threads))
+    if r.returncode != 0 or r.stdout.split() != ["aarch64", str(functions)] * len(threads):
+        raise RuntimeError(f"run_module.py at {counts} threads: {r.stdout.strip()} {r.stderr[-2000:]}")
+    return [np.load(workdir / f"out{t}.npz") for t in threads]
 
 
 def engine_command(env: dict, artifact, out, steps_json: str, plugin: str | None = None) -> list[str]:
