@@ -73,7 +73,7 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("Q5_K", 13, 256, 176, 8, 32, "minimums", 32,
                  ("block_minimums", "q8_0_nibble_halves", "five_bit_codes", *_ROW_GROUPS),
                  quantizer="quantize_q5_k", fallback="Q5_1"),
-    WeightFormat("Q6_K", 14, 256, 210, 8, 16, "none", 64, ("q6_k_linears",), at_rest="q6_k_codes",
+    WeightFormat("Q6_K", 14, 256, 210, 8, 16, "none", 64, ("q6_k_linears",),
                  quantizer="quantize_q6_k", fallback="Q8_0"),
     # IQ4: each block's values book[q] are 8-bit codes book[q] + 128 in the graph, with the
     # block's scale (IQ4_XS: d times the sub-block's 6-bit scale less 32, exact in float32), so
