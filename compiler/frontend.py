@@ -179,7 +179,7 @@ class MatMulNBits(F.OnnxOpConverter):
         aq, ad, off = _quantized(bb, a2, k, nb, one_token, layout)
         q6_k = q6_k_module(kernels_for(_ctx().features).int_dots.q6_k)   # the target's Q6_K kernel module
         if arm:
-            sb = _ctx().super_blocks and act_quant.takes_super_blocks(k, layout)   # as _quantized scaled them
+            sb = _scaled_by_super_blocks(k, layout)   # as _quantized scaled them
             kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, super_blocks=sb),
                                  _kname(f"q6_k_matmul_sdot_{n}x{nb}{'_k' if sb else ''}"))
             y = bb.emit(relax.call_tir(kernel, [aq, ad, w, sc, d], relax.TensorType(shape=[m, n], dtype="float32")))
@@ -273,6 +273,14 @@ class MatMulNBits(F.OnnxOpConverter):
         return y, None if fused_bias else bias
 
 
+def _scaled_by_super_blocks(k: int, layout: str, asked: bool = False) -> bool:
+    """Whether _quantized scales rows of K in `layout` by super-blocks: where the linear asks
+    or the graph does (ImportContext.super_blocks), and the layout and K allow."""
+    from .kernels import act_quant
+
+    return (asked or _ctx().super_blocks) and act_quant.takes_super_blocks(k, layout)
+
+
 def _quantized(bb, a2, k: int, nb: int, one_token: bool, layout: str, super_blocks: bool = False):
     """(aq, ad, off) of the activation quantizer (act_quant.fused_quantizer) on a2 [M, K] in
     `layout`: what every integer-dot linear reads (scales and offsets [M, NB, 2] in "arm_pairs").
@@ -280,7 +288,7 @@ def _quantized(bb, a2, k: int, nb: int, one_token: bool, layout: str, super_bloc
     (ImportContext.super_blocks) and the layout and K allow."""
     from .kernels import act_quant
 
-    super_blocks = (super_blocks or _ctx().super_blocks) and act_quant.takes_super_blocks(k, layout)
+    super_blocks = _scaled_by_super_blocks(k, layout, super_blocks)
     m = a2.ty.shape[0]
     offsets = [m, nb, 2] if layout in ("arm_pairs", "arm_rows") else [m, nb]
     scales = [m, 2] if layout in act_quant.ROW_LAYOUTS else offsets   # (s, s zp) a token
