@@ -84,7 +84,7 @@ def build_decode_gemv(target: str, n: int, k: int, form: str, out: Path) -> Path
 
     t = get_target(target)
     nb, sdt = k // 32, {"q4_k": "uint8", "q4_k-expanded": "float32", "q4_0": "float16"}[form]
-    ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(sdt, groups(n), nb)
+    ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(sdt, groups(n), nb, "arm")
     offsets = form != "q4_0"
     shapes = [("aq", [1, nb, 32], "int8"), ("ad", [1, nb], "float32"), ("off", [1, nb], "int32"),
               ("w", [groups(n), nb, 4, 4 * ROWS], "uint8"), ("s", list(ws_shape), ws_dtype)]
@@ -116,7 +116,7 @@ def build_q6_k(target: str, n: int, k: int, super_blocks: bool, out: Path) -> Pa
     t = get_target(target)
     nb, g = k // 32, groups(n)
     shapes = [("aq", [1, nb, 32], "int8"), ("ad", [1, nb], "float32"), ("w", [g, nb, q6_k.CODE_CHUNKS, 4 * ROWS], "uint8"),
-              ("sc", [g, nb, 2 * q6_k.SUB], "int8"), ("d", [g, nb // q6_k.SUPER_BLOCKS, ROWS], "float32")]
+              ("sc", [g, nb, 2 * q6_k.SUB], "int8"), ("d", [g, nb // q6_k.SUPER_BLOCKS, ROWS], "float16")]
     params = [relax.Var(x, relax.TensorType(shape, dtype)) for x, shape, dtype in shapes]
     bb = relax.BlockBuilder()
     with bb.function("gemv", params):

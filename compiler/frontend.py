@@ -180,8 +180,9 @@ class MatMulNBits(F.OnnxOpConverter):
         q6_k = q6_k_module(kernels_for(_ctx().features).int_dots.q6_k)   # the target's Q6_K kernel module
         if arm:
             sb = _scaled_by_super_blocks(k, layout)   # as _quantized scaled them
-            kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, super_blocks=sb),
-                                 _kname(f"q6_k_matmul_sdot_{n}x{nb}{'_k' if sb else ''}"))
+            ddt = str(d.ty.dtype)   # the file's fp16 where it holds every d (repack_q6_k.pack)
+            kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, super_blocks=sb, d_dtype=ddt),
+                                 _kname(f"q6_k_matmul_sdot_{n}x{nb}{'_k' if sb else ''}_{ddt}"))
             y = bb.emit(relax.call_tir(kernel, [aq, ad, w, sc, d], relax.TensorType(shape=[m, n], dtype="float32")))
             y = bb.emit(relax.op.reshape(y, [*lead, n]))
             return y if bias is None else bb.emit(relax.op.add(y, bias))

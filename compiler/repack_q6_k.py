@@ -6,7 +6,8 @@ the weights go into its layout: the codes in the W8A8 row groups' order (row_gro
 at six bits, 6 chunks a block, in each ISA's own arrangement (x86: six_bit_codes, q in 0..63;
 ARM: arm_six_bit_codes, q - 32 as six-bit two's complement, read as 4 (q - 32)); the int8
 sub-block scales sc [G, NB, 32] and the super-block scales d [G, NB/8, 16] float32 (on ARM
-d / 4, exactly), the pair taken back from the products by gguf_blocks.q6_k_factors. The node is marked
+float16, the file's bytes, where every d is an fp16, as llama.cpp's are), the pair taken back
+from the products by gguf_blocks.q6_k_factors. The node is marked
 graph.Q6_K_ATTR with inputs (x, codes, sc, "", "", bias, d).
 
 Elsewhere (AVX2, arm-neon without dotprod, float activations) each Q6_K weight is
@@ -40,7 +41,7 @@ def is_q6_k(node: onnx.NodeProto) -> bool:
 def pack(u: np.ndarray, s: np.ndarray, isa: str = "x86") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Codes u [N, K/16, 16] (q + 96) and scales d sc [N, K/16] -> the `isa` kernel's codes
     [G, K/32, 6, 64] (x86: six_bit_codes; arm: arm_six_bit_codes), sc [G, K/32, 32] int8 and
-    d [G, K/256, 16] float32 (arm: d / 4). Rows past N are zeros (q = 32)."""
+    d [G, K/256, 16] float32 (arm: float16 where every d is one). Rows past N are zeros (q = 32)."""
     from qwc.models.gguf_blocks import q6_k_factors
 
     from .kernels.row_groups import ROWS, groups, pack_int8
@@ -68,8 +69,10 @@ def pack(u: np.ndarray, s: np.ndarray, isa: str = "x86") -> tuple[np.ndarray, np
     scp[:n] = sc.reshape(n, nb, 2)
     scp = scp.reshape(g, ROWS, nb, 2).transpose(0, 2, 3, 1).reshape(g, nb, 2 * ROWS)   # [g, b, A rows, B rows]
     dp = np.zeros((g * ROWS, nsub * SUB // SUPER), np.float32)
-    dp[:n] = d if isa == "x86" else d / np.float32(4)   # ARM reads 4 (q - 32): exact
+    dp[:n] = d
     dp = dp.reshape(g, ROWS, -1).transpose(0, 2, 1)
+    if isa == "arm" and np.array_equal(dp.astype(np.float16).astype(np.float32), dp):
+        dp = dp.astype(np.float16)   # the file's two bytes a super-block and row, not four
     return w, np.ascontiguousarray(scp), np.ascontiguousarray(dp)
 
 

@@ -129,13 +129,15 @@ def gather_q8_row_groups(w, idx, s, *, signed: bool):
 def gather_q6_k_row_groups(w, idx, sc, d, *, isa: str):
     """Rows `idx` [...] of a Q6_K weight stored for its `isa`'s kernel (compiler/repack_q6_k.py:
     the codes in Q8_0's order at six bits, each ISA's arrangement; int8 sub-block scales sc
-    [G, nb, 32], A's 16 rows then B's; d [G, nb / 8, ROWS], on ARM d / 4 for its codes 4 (q - 32))
-    -> [..., nb, 32]: the tied embedding of a Q6_K output, each weight (d sc) (q - 32) as the
-    file's."""
+    [G, nb, 32], A's 16 rows then B's; d [G, nb / 8, ROWS], on ARM scaled by 1/4 for its codes
+    4 (q - 32), exactly) -> [..., nb, 32]: the tied embedding of a Q6_K output, each weight
+    (d sc) (q - 32) as the file's."""
     from .row_groups import ROWS
 
+    quarter = 0.25 if isa == "arm" else 1.0
     return _int8_row_group_gather(
-        w, idx, lambda g, b, r, e: sc[g, b, (e // 16) * ROWS + r].astype("float32") * d[g, b // 8, r],
+        w, idx, lambda g, b, r, e: sc[g, b, (e // 16) * ROWS + r].astype("float32") * (
+            d[g, b // 8, r].astype("float32") * quarter),
         signed=isa == "arm", six_bit=True, name="gather_q6_k_row_groups")
 
 

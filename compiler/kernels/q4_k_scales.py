@@ -6,14 +6,20 @@ which the kernels take in the Q4_0 form plus a block offset c = m + 8 d sc
 float32 a row and block: 2 bits a weight beside the codes' 4, where the file spends 0.5. The
 compact form keeps the file's factors instead (compiler/repack_q4_k.py writes it):
 
-- ws [G, NB, 32] uint8: per row group and block, the 16 rows' 6-bit sc, then their mn;
+- ws [G, NB, 32] uint8: per row group and block, the 16 rows' 6-bit sc, then their mn (x86);
+  on ARM ws [G, NB/2, 48] uint8 holds them at six bits, as the file does: per row group and
+  pair of blocks (2p, 2p + 1), three 16-byte vectors A = sc0 + 64 (mn1 & 3), B = mn0 + 64
+  ((mn1 >> 2) & 3), C = sc1 + 64 (mn1 >> 4) (ARM_PAIR; compiler/repack_q4_k.py writes it);
 - wc [G, NB/8, 32] float16: per row group and super-block of 256, the 16 rows' d, then dmin.
 
-4.625 bits a weight in all. The kernels make d sc and c = 8 d sc - dmin mn in registers once
-a block and row group (a tile's tokens share them): d sc and dmin mn are exact products of an
-fp16 and a 6-bit integer, and c is rounded once, as the expanded form's float32 c is, so a
-block's terms are the same to the bit. The kernels tell the form by the scales' dtype:
-SCALE_DTYPE.
+4.625 bits a weight in all on x86, 4.5 on ARM (the file's): a decode step at 64-128 threads
+takes the time of the bytes it reads. ARM's three values a pair cost one `and` each, the
+fourth two `sri` and a shift (arm_pair), for 16 rows x 64 weights. The kernels make d sc and
+c = 8 d sc - dmin mn in registers once a block and row group (a tile's tokens share them):
+d sc and dmin mn are exact products of an fp16 and a 6-bit integer, and c is rounded once, as
+the expanded form's float32 c is, so a block's terms are the same to the bit. The kernels
+tell the form by the scales' dtype (SCALE_DTYPE), and ARM's pairs by their shape
+(is_arm_pairs).
 """
 
 from __future__ import annotations
@@ -22,24 +28,60 @@ from .row_groups import ROWS
 
 SCALE_DTYPE = "uint8"
 SUB_BLOCKS = 8   # blocks of 32 in a super-block
+ARM_PAIR = 3 * ROWS   # ARM's bytes of a row group's sc and mn for a pair of blocks
+SRI = "llvm.aarch64.neon.vsri.v16i8"
 
 
-def buffers(scale_dtype: str, ng: int, nb: int) -> tuple[tuple, str, tuple, str]:
-    """(ws shape, ws dtype, wc shape, wc dtype) of a W4A8 kernel whose scales are `scale_dtype`:
-    this module's form for SCALE_DTYPE, else the expanded [G, NB, 16] scales and float32 offsets."""
+def buffers(scale_dtype: str, ng: int, nb: int, isa: str = "x86") -> tuple[tuple, str, tuple, str]:
+    """(ws shape, ws dtype, wc shape, wc dtype) of a W4A8 kernel of `isa` ("x86" | "arm")
+    whose scales are `scale_dtype`: this module's form for SCALE_DTYPE (ARM's six-bit pairs on
+    "arm"), else the expanded [G, NB, 16] scales and float32 offsets."""
     if scale_dtype == SCALE_DTYPE:
         if nb % SUB_BLOCKS:
             raise ValueError(f"Q4_K's compact scales need whole super-blocks of {SUB_BLOCKS} blocks, got {nb} blocks")
-        return (ng, nb, 2 * ROWS), SCALE_DTYPE, (ng, nb // SUB_BLOCKS, 2 * ROWS), "float16"
+        ws = (ng, nb // 2, ARM_PAIR) if isa == "arm" else (ng, nb, 2 * ROWS)
+        return ws, SCALE_DTYPE, (ng, nb // SUB_BLOCKS, 2 * ROWS), "float16"
     return (ng, nb, ROWS), scale_dtype, (ng, nb, ROWS), "float32"
+
+
+def is_arm_pairs(ws) -> bool:
+    """Whether the compact scales ws are ARM's six-bit pairs (by their shape: buffers)."""
+    return int(ws.shape[-1]) == ARM_PAIR
+
+
+def arm_pair(T, ws, g, p):
+    """ARM's sc and mn of blocks 2p and 2p + 1, row group g, as uint8x16 (rows in order):
+    ((sc0, sc1), (mn0, mn1)). mn1 is C's top two bits with B's, then A's, shifted in below
+    by `sri` (each keeps the bits above those it inserts), then shifted down."""
+    a, b, c = (ws.vload([g, p, i * ROWS], "uint8x16") for i in range(3))
+    low = T.broadcast(T.uint8(0x3F), 16)
+    mn1 = T.call_llvm_pure_intrin("uint8x16", SRI, c, b, T.int32(2))
+    mn1 = T.call_llvm_pure_intrin("uint8x16", SRI, mn1, a, T.int32(4))
+    return (a & low, c & low), (b & low, mn1 >> T.broadcast(T.uint8(2), 16))
+
+
+def _arm_small(T, ws, g, b, lane, lanes: int, second: bool):
+    """uint8 x lanes: sc (or, `second`, mn) of rows 16g + lane .. of block b (any expression) in
+    ARM's pairs, in plain arithmetic: the prefill kernels make them once a task."""
+    def v(i):
+        return ws.vload([g, b // 2, i * ROWS + lane], f"uint8x{lanes}")
+
+    def bits(x, at: int):
+        return (x >> T.broadcast(T.uint8(6), lanes)) << T.broadcast(T.uint8(at), lanes)
+
+    low = T.broadcast(T.uint8(0x3F), lanes)
+    if second:
+        return T.Select(b % 2 == 0, v(1) & low, bits(v(0), 0) | bits(v(1), 2) | bits(v(2), 4))
+    return T.Select(b % 2 == 0, v(0) & low, v(2) & low)
 
 
 def _factor(T, ws, wc, g, b, lane, lanes: int, second: bool):
     """float32 x lanes: rows 16g + lane .. of block b, d sc (or, `second`, dmin mn): exact."""
     at = ROWS if second else 0
     big = T.Cast(f"float32x{lanes}", wc.vload([g, b // SUB_BLOCKS, at + lane], f"float16x{lanes}"))
-    small = T.Cast(f"float32x{lanes}", ws.vload([g, b, at + lane], f"uint8x{lanes}"))
-    return big * small
+    small = (_arm_small(T, ws, g, b, lane, lanes, second) if is_arm_pairs(ws)
+             else ws.vload([g, b, at + lane], f"uint8x{lanes}"))
+    return big * T.Cast(f"float32x{lanes}", small)
 
 
 def scales(T, ws, wc, g, b, lane, lanes: int):

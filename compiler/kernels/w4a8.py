@@ -56,7 +56,7 @@ def token_count(m: int | None):
 
 
 def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: bool = False, chunks: int = 4,
-                offsets: bool = False, bias: bool = False, row_sums: bool = False):
+                offsets: bool = False, bias: bool = False, row_sums: bool = False, isa: str = "x86"):
     """The PrimFunc of a W4A8 matmul whose root block is the macro `body(w, aq, off, ws, ad, y,
     wc)`. The offsets off are int32: they start the integer accumulators. `pair_scales`: ad and
     off are [M, NB, 2] (act_quant layout "arm_pairs"); `chunks`: the weights' 64-byte chunks a
@@ -67,12 +67,13 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
     to add as it stores; `row_sums`: the activations are per row (act_quant.ROW_LAYOUTS: ad
     [M, 2] holds each row's scale and scale x zero point) and each weight row's sum of its
     values rs [N] float32 follows the scales, which the body takes last in the place of a bias
-    (kernels/arm/i8mm.py, kernels/arm/dotprod.py)."""
+    (kernels/arm/i8mm.py, kernels/arm/dotprod.py). `isa`: the weights' layout ("x86" | "arm":
+    compact Q4_K's scales differ, q4_k_scales.buffers)."""
     ng = groups(n)
     act = (rows_in, nb, 2) if pair_scales else (rows_in, nb)
     if row_sums and (offsets or bias):
         raise ValueError("the per-row GEMM takes neither block offsets nor a bias")
-    ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(scale_dtype, ng, nb)
+    ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(scale_dtype, ng, nb, isa)
 
     @T.macro
     def root(var_aq, var_ad, var_off, var_y, w, ws, wc, bias):

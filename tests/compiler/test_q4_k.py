@@ -59,24 +59,44 @@ def test_scales_that_are_no_fp16_times_six_bits_keep_the_expanded_form():
     assert pack(b.codes, b.scales, b.zero_points) is not None
 
 
+def test_arm_stores_sc_and_mn_at_six_bits_in_pairs_of_blocks():
+    """ARM's compact scales are the file's 12 bytes of sc and mn a super-block and row: 48
+    bytes a row group and pair of blocks, from which kernels/q4_k_scales.py's rule (the low
+    six bits of A, B, C; mn1 from their top two bits) gives back every sc and mn."""
+    n, k = 40, 512
+    b, mins, free = _blocks(random_q4_k(np.random.default_rng(5), n, k), n, k)
+    _, sc, _, mn = gguf_blocks.q4_k_factors(b.scales, mins, free)
+    _, ws, wc = pack(b.codes, b.scales, b.zero_points, "arm")
+    _, ws_x86, _ = pack(b.codes, b.scales, b.zero_points)
+    g = row_groups.groups(n)
+    assert ws.shape == (g, k // 64, 48) and ws.nbytes * 8 == g * 16 * k // 32 * 12
+    a, bb_, c = (ws[..., 16 * i:16 * (i + 1)] for i in range(3))
+    got_sc = np.stack([a & 63, c & 63], 2).reshape(g, -1, 16)
+    got_mn = np.stack([bb_ & 63, (a >> 6) | ((bb_ >> 6) << 2) | ((c >> 6) << 4)], 2).reshape(g, -1, 16)
+    rows = np.arange(g * 16) < n
+    assert np.array_equal(got_sc.transpose(0, 2, 1).reshape(g * 16, -1)[rows], sc)
+    assert np.array_equal(got_mn.transpose(0, 2, 1).reshape(g * 16, -1)[rows], mn)
+    assert np.array_equal(ws_x86[..., :16], got_sc) and np.array_equal(ws_x86[..., 16:], got_mn)
+
+
 def _emit(bb, name: str, k: int, n: int, m: int, raw: np.ndarray, compact: bool, target: str):
     """Function `name`(a, w, s, c) through `target`'s W4A8 kernels on the compact form, or on the expanded one made from the same factors (float32 d sc and
     c = 8 d sc - dmin mn, as compiler/repack.py's q4_1_block_offsets gives them); returns
     those weights."""
     b, mins, free = _blocks(raw, n, k)
-    w, ws, wc = pack(b.codes, b.scales, b.zero_points)
+    t = get_target(target)
+    isa = "arm" if t.arch == "aarch64" else "x86"
+    w, ws, wc = pack(b.codes, b.scales, b.zero_points, isa)
     if not compact:
         d, sc, dmin, mn = gguf_blocks.q4_k_factors(b.scales, mins, free)
         s = np.repeat(d, 8, axis=1).astype(np.float64) * sc
         c = (8 * s - np.repeat(dmin, 8, axis=1).astype(np.float64) * mn).astype(np.float32)
         w, ws = row_groups.pack(b.codes, s.astype(np.float32))
         wc = row_groups.pack_offsets(c)
-    t = get_target(target)
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
     vs = [relax.Var(x, relax.TensorType(list(a.shape), str(a.dtype))) for x, a in zip("wsc", (w, ws, wc))]
     with bb.function(name, [av, *vs]):
         with bb.dataflow():
-            isa = "arm" if t.arch == "aarch64" else "x86"
             gv = bb.emit_output(MatMulNBits.q4_0_matmul(bb, av, vs[0], vs[1], k, n, isa, t.features, offsets=vs[2]))
         bb.emit_func_output(gv)
     return [w, ws, wc]
@@ -126,7 +146,7 @@ def _decode_split_case(bb, name: str, k: int, n: int, raw: np.ndarray, split: in
     from qwc.compiler.kernels import act_quant, decode_gemv
 
     b, _, _ = _blocks(raw, n, k)
-    w, ws, wc = pack(b.codes, b.scales, b.zero_points)
+    w, ws, wc = pack(b.codes, b.scales, b.zero_points, "arm")
     nb = k // 32
     av = relax.Var("a", relax.TensorType([1, k], "float32"))
     vs = [relax.Var(x, relax.TensorType(list(x_.shape), str(x_.dtype))) for x, x_ in zip("wsc", (w, ws, wc))]

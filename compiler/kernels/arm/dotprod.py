@@ -237,13 +237,13 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
                     slice_tiles(w, aq, off, ws, ad, y, wc, gq, rs)
 
     if per_row:
-        return gemm_kernel(n, nb, scale_dtype, rows_in, body, chunks=chunks(bits), row_sums=True)
+        return gemm_kernel(n, nb, scale_dtype, rows_in, body, chunks=chunks(bits), row_sums=True, isa="arm")
 
     @T.macro
     def block_body(w, aq, off, ws, ad, y, wc):
         body(w, aq, off, ws, ad, y, wc, None)
 
-    return gemm_kernel(n, nb, scale_dtype, rows_in, block_body, chunks=chunks(bits), offsets=offsets)
+    return gemm_kernel(n, nb, scale_dtype, rows_in, block_body, chunks=chunks(bits), offsets=offsets, isa="arm")
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
@@ -324,10 +324,19 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
         ia = T.decl_buffer((2 * SLICES * LANES,), "int32", scope="global")   # a stack slot: see q4_dot
         for q in range(2 * SLICES):
             T.buffer_store(ia, T.broadcast(T.int32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
+        # the super-block's sc and mn out of their six bits first, into bytes on the stack that
+        # the block loop reads as it read them stored so: decoded in that loop, two blocks an
+        # iteration held more vectors than NEON's 32 and spilled
+        small = T.decl_buffer((q4_k_scales.SUB_BLOCKS * 2 * ROWS,), "uint8", scope="global")
+        for p in range(q4_k_scales.SUB_BLOCKS // 2):
+            scs, mns = q4_k_scales.arm_pair(T, ws, g, s * (q4_k_scales.SUB_BLOCKS // 2) + p)
+            for half in range(2):
+                for i, v in enumerate((scs[half], mns[half])):
+                    T.buffer_store(small, v, [T.ramp(((2 * p + half) * 2 + i) * ROWS, 1, ROWS)])
         with T.serial(0, q4_k_scales.SUB_BLOCKS) as j:
             b = s * q4_k_scales.SUB_BLOCKS + j
             for q in range(SLICES):
-                sc, mn = (_widened_lanes(T, ws.vload([g, b, at], "uint8x16"), q) for at in (0, ROWS))
+                sc, mn = (_widened_lanes(T, small.vload([(j * 2 + i) * ROWS], "uint8x16"), q) for i in range(2))
                 T.buffer_store(ia, ia[T.ramp(q * LANES, 1, LANES)] + _slice_dot(T, w, aq, None, g, b, q, 0) * sc,
                                [T.ramp(q * LANES, 1, LANES)])
                 at = T.ramp((SLICES + q) * LANES, 1, LANES)
@@ -398,7 +407,7 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
             weights = []
             for i, (n, has_bias, has_offsets) in enumerate(outputs):
                 w = T.arg(f"w{i}", T.buffer((groups(n), nb, chunks(bits), 4 * ROWS), "uint8"))
-                ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(scale_dtype, groups(n), nb)
+                ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(scale_dtype, groups(n), nb, "arm")
                 ws = T.arg(f"s{i}", T.buffer(ws_shape, ws_dtype))
                 wc = T.arg(f"c{i}", T.buffer(wc_shape, wc_dtype)) if has_offsets else None
                 bias = T.arg(f"bias{i}", T.buffer((n,), "float32")) if has_bias else None

@@ -338,11 +338,12 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                 slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left)
 
     if per_row:
-        return gemm_kernel(n, nb, scale_dtype, rows_in, body, pair_scales=True, chunks=chunks(bits), row_sums=True)
+        return gemm_kernel(n, nb, scale_dtype, rows_in, body, pair_scales=True, chunks=chunks(bits), row_sums=True,
+                           isa="arm")
 
     @T.macro
     def block_body(w, aq, off, ws, ad, y, wc):
         body(w, aq, off, ws, ad, y, wc, None)
 
     return gemm_kernel(n, nb, scale_dtype, rows_in, block_body, pair_scales=True,
-                       chunks=chunks(bits), offsets=offsets)
+                       chunks=chunks(bits), offsets=offsets, isa="arm")

@@ -3,15 +3,17 @@ sub-block of 16 weights and one float d a super-block of 256 (x86's form: kernel
 
 The codes are kept at six bits, as the file has them: a decode step at many threads reads
 memory more than it computes, so the bytes a weight take its time. Each code is t = (q - 32)
-mod 64, a six-bit two's complement, and the kernel reads 4t as a signed byte (so d is stored
-divided by 4, exactly). In the W8A8 row groups' order (row_groups.pack_int8, as ARM's Q8_0)
-each 64-byte chunk c of a block holds 4 bytes of each of 16 rows, i.e. four 16-byte slices of 4
-rows, meeting activation bytes 4c..4c+3 of the de-interleaved block (32-bit lane c % 4 of its
-half c // 4: an indexed `sdot`, as arm/dotprod.py takes them). Chunks 4h .. 4h + 3 are stored
-in three, A B C (compiler/repack_q6_k.py: arm_six_bit_codes): A = 4 t0 plus t3's top two bits,
-B = 4 t1 plus its middle two, C = 4 t2 plus its low two. So chunks 4h .. 4h + 2 are A, B, C
-with their low two bits cleared (one `and` each) and chunk 4h + 3 is C << 2 with B, then A,
-shifted in above (`shl` and two `sli`): six instructions for four vectors of codes.
+mod 64, a six-bit two's complement, and the kernel reads 4t as a signed byte (so d is scaled by
+1/4 as it is read, exactly). d is the file's fp16 where every d of the weight is one (as
+llama.cpp's are), else float32 (d_dtype). In the W8A8 row groups' order (row_groups.pack_int8,
+as ARM's Q8_0) each 64-byte chunk c of a block holds 4 bytes of each of 16 rows, i.e. four
+16-byte slices of 4 rows, meeting activation bytes 4c..4c+3 of the de-interleaved block (32-bit
+lane c % 4 of its half c // 4: an indexed `sdot`, as arm/dotprod.py takes them). Chunks 4h ..
+4h + 3 are stored in three, A B C (compiler/repack_q6_k.py: arm_six_bit_codes): A = 4 t0 plus
+t3's top two bits, B = 4 t1 plus its middle two, C = 4 t2 plus its low two. So chunks 4h .. 4h
++ 2 are A, B, C with their low two bits cleared (one `and` each) and chunk 4h + 3 is C << 2
+with B, then A, shifted in above (`shl` and two `sli`): six instructions for four vectors of
+codes.
 
 A 32-block's sub-blocks are chunks {0, 1, 4, 5} (elements 0-15) and {2, 3, 6, 7} (16-31): each
 is its own chain of four `sdot` from 0 (the codes are signed: no offset, so the activation
@@ -67,11 +69,18 @@ def _codes(w, g, b, q, c):
     return T.reinterpret("int8x16", v)
 
 
+def _quarter_d(d, g, s, q):
+    """float32x4: d / 4 of rows 16g + 4q .. + 3, super-block s (exact: a power of two)."""
+    from tvm.script import tirx as T
+
+    return T.Cast("float32x4", d.vload([g, s, LANES * q], f"{d.dtype}x4")) * T.broadcast(T.float32(0.25), LANES)
+
+
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
-def q6_k_matmul(n: int, nb: int, m: int | None = None, super_blocks: bool = False):
+def q6_k_matmul(n: int, nb: int, m: int | None = None, super_blocks: bool = False, d_dtype: str = "float16"):
     """y [M, N] = the quantized activations (aq [M, NB, 32], their scales ad [M, NB]: act_quant
     layout "arm") times the Q6_K weights w [G, NB, 6, 64] (six-bit codes) with sc [G, NB, 32]
-    and d / 4 [G, NB/8, 16] (compiler/repack_q6_k.py). M any number of tokens, or `m` fixed.
+    and d [G, NB/8, 16] `d_dtype` (compiler/repack_q6_k.py). M any number of tokens, or `m` fixed.
     With `super_blocks` the activations have one scale a super-block (act_quant's, llama.cpp's
     Q8_K): the sub-block scales multiply the int32 sums, and a super-block's sum is converted
     and scaled once, as llama.cpp's ggml_vec_dot_q6_K_q8_K does (bounded: 16 sub-blocks of
@@ -95,9 +104,9 @@ def q6_k_matmul(n: int, nb: int, m: int | None = None, super_blocks: bool = Fals
             acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, v, lane)
         return acc
 
-    def term(w, aq, ad, sc, d, g, b, q, t):
-        """float32x4: block b's term of the slice for token t, (A sc_A d + B sc_B d) x the scale."""
-        dv = d.vload([g, b // SUPER_BLOCKS, LANES * q], "float32x4")
+    def term(w, aq, ad, sc, dv, g, b, q, t):
+        """float32x4: block b's term of the slice for token t, (A sc_A d + B sc_B d) x the scale
+        (dv: its super-block's d / 4)."""
         return (T.Cast("float32x4", chain(w, aq, g, b, q, t, False))
                 * (T.Cast("float32x4", sc.vload([g, b, LANES * q], "int8x4")) * dv)
                 + T.Cast("float32x4", chain(w, aq, g, b, q, t, True))
@@ -124,7 +133,7 @@ def q6_k_matmul(n: int, nb: int, m: int | None = None, super_blocks: bool = Fals
                         w, aq, sc, g, s * SUPER_BLOCKS + j, q, first + t)
             for t in T.unroll(count):
                 acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + T.Cast(
-                    "float32x4", isum[T.ramp(t * LANES, 1, LANES)]) * (d.vload([g, s, LANES * q], "float32x4")
+                    "float32x4", isum[T.ramp(t * LANES, 1, LANES)]) * (_quarter_d(d, g, s, q)
                                                                        * T.broadcast(ad[first + t, s * SUPER_BLOCKS], LANES))
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS + LANES * q, LANES, n, acc, t * LANES, None)
@@ -135,10 +144,11 @@ def q6_k_matmul(n: int, nb: int, m: int | None = None, super_blocks: bool = Fals
         acc = T.decl_buffer((count * LANES,), "float32", scope="global")   # a stack slot: see x86/vnni.py
         for t in T.unroll(count):
             acc[T.ramp(t * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
-        for b in range(nb):
-            for t in T.unroll(count):
-                acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + term(
-                    w, aq, ad, sc, d, g, b, q, first + t)
+        for s in range(nb // SUPER_BLOCKS):   # d once a super-block; the blocks in order
+            for j in range(SUPER_BLOCKS):
+                for t in T.unroll(count):
+                    acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + term(
+                        w, aq, ad, sc, _quarter_d(d, g, s, q), g, s * SUPER_BLOCKS + j, q, first + t)
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS + LANES * q, LANES, n, acc, t * LANES, None)
 
@@ -146,7 +156,7 @@ def q6_k_matmul(n: int, nb: int, m: int | None = None, super_blocks: bool = Fals
 
     @T.prim_func(private=True)
     def kernel(var_aq: T.handle, var_ad: T.handle, w: T.Buffer((ng, nb, CODE_CHUNKS, 4 * ROWS), "uint8"),
-               sc: T.Buffer((ng, nb, 2 * SUB), "int8"), d: T.Buffer((ng, nb // SUPER_BLOCKS, ROWS), "float32"),
+               sc: T.Buffer((ng, nb, 2 * SUB), "int8"), d: T.Buffer((ng, nb // SUPER_BLOCKS, ROWS), d_dtype),
                var_y: T.handle):
         T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True})   # opaque: FuseOps leaves it whole
         aq = T.match_buffer(var_aq, (rows_in, nb, 32), "int8")
