@@ -4,6 +4,13 @@ the host, then llama-server's greedy continuation of a prompt against qwc fed ll
 tokens, step by step:
 
     .venv/bin/python bench/kquant_files.py [--mixes Q4_K_M,Q5_K_M,Q4_K_S,Q6_K] [--tokens 16]
+        [--target host|arm-yitian|arm-neon] [--gguf FILE]
+
+An ARM target's artifact is cross-compiled and fed the same steps under qemu
+(scripts/arm64/setup.sh), one emulated engine run a file. `--gguf FILE` takes that file as it
+is instead of SmolLM2's mixes (e.g. bench/formats.py's llama-quantize Q4_K_M of a random
+1.5B: its merges are dropped for qwc's export, formats.without_merges). Both engines are given
+the prompt as the export's tokenizer encodes it, as token ids.
 
 The table has each file's tensor types (SmolLM2's rows of 576 make most of them the fallbacks
 Q5_0 / Q5_1 / Q8_0), llama.cpp's text, how many of llama.cpp's tokens qwc picks too, and where
@@ -27,8 +34,9 @@ HERE = Path(__file__).resolve().parent
 PORT = 8937
 
 
-def server_tokens(server: Path, gguf: Path, prompt: str, n: int) -> tuple[str, list[int]]:
-    """llama-server's greedy text and tokens (temperature 0, up to n, its end of text ends it)."""
+def server_tokens(server: Path, gguf: Path, prompt: list[int], n: int) -> tuple[str, list[int]]:
+    """llama-server's greedy text and tokens after the prompt's ids (temperature 0, up to n,
+    its end of text ends it)."""
     srv = subprocess.Popen([str(server), "-m", str(gguf), "--port", str(PORT), "-t", "2", "-c", "256"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -47,52 +55,90 @@ def server_tokens(server: Path, gguf: Path, prompt: str, n: int) -> tuple[str, l
     return r["content"], r["tokens"]
 
 
-def follow(art: Path, onnx_: Path, prompt: str, tokens: list[int]) -> tuple[int, float]:
-    """(qwc's picks equal to llama.cpp's tokens, the largest logit gap where they differ)."""
+def prompt_ids(onnx_: Path, prompt: str) -> list[int]:
+    """The prompt as the export's tokenizer (its sidecar) encodes it."""
     from tokenizers import Tokenizer
 
     from qwc.config import sidecar_paths
-    from qwc.runtime.engine import Engine
 
-    ids = Tokenizer.from_file(str(sidecar_paths(onnx_)[1])).encode(prompt, add_special_tokens=False).ids
-    eng = Engine(art, ctx=64)
-    logits, agree, gap = eng.prefill(ids), 0, 0.0
-    for t in tokens:
-        agree += int(logits.argmax()) == t
-        gap = max(gap, float(logits.max() - logits[t]))
-        logits = eng.decode(t)
+    return Tokenizer.from_file(str(sidecar_paths(onnx_)[1])).encode(prompt, add_special_tokens=False).ids
+
+
+def follow(art: Path, ids: list[int], tokens: list[int], target: str = "host") -> tuple[int, float]:
+    """(qwc's picks equal to llama.cpp's tokens, the largest logit gap where they differ): the
+    prompt ids, then each of llama.cpp's tokens fed in turn; on an ARM target under qemu."""
+    import numpy as np
+
+    if target == "host":
+        from qwc.runtime.engine import Engine
+
+        eng = Engine(art, ctx=64)
+        rows = [eng.prefill(ids)] + [eng.decode(t) for t in tokens[:-1]]
+    else:
+        from qwc.bench import emulation
+
+        env, out = emulation.arm64_env(), art.with_suffix(".steps.npy")
+        r = subprocess.run(emulation.engine_command(env, art, out, json.dumps([ids] + tokens[:-1])), env=env,
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"kquant_files: the emulated engine failed: {r.stderr[-2000:]}")
+        rows = list(np.load(out))
+    agree = sum(int(row.argmax()) == t for row, t in zip(rows, tokens))
+    gap = max(float(row.max() - row[t]) for row, t in zip(rows, tokens))
     return agree, gap
+
+
+def _files(args, tools) -> list[tuple[str, Path, Path]]:
+    """(name, the file llama-server reads, the file qwc exports) of each row."""
+    from qwc.bench.accuracy import llamacpp_quantized
+    from qwc.eval.data import smollm2_path
+
+    if args.gguf:
+        from qwc.bench.formats import without_merges
+
+        return [(args.gguf.name, args.gguf, without_merges(args.gguf, args.workdir / f"{args.gguf.stem}-qwc.gguf"))]
+    out = []
+    for mix in args.mixes.split(","):
+        gguf = llamacpp_quantized(tools, smollm2_path(), args.workdir / f"smollm2-{mix}.gguf", kind=mix)
+        out.append((mix, gguf, gguf))
+    return out
 
 
 def main() -> None:
     from gguf import GGUFReader
 
-    from qwc.bench.accuracy import llamacpp_quantized
     from qwc.bench.llamacpp import tools as llamacpp_tools
     from qwc.cli import main as qwc
-    from qwc.eval.data import smollm2_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mixes", default="Q4_K_M,Q5_K_M,Q4_K_S,Q6_K")
+    p.add_argument("--gguf", type=Path, help="this file as it is, instead of SmolLM2's mixes")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--prompt", default="The capital of France is")
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "kquant_files")
+    p.add_argument("--target", default="host", choices=("host", "arm-yitian", "arm-neon"),
+                   help="the artifact's target (ARM: run under qemu)")
     args = p.parse_args()
+    if args.gguf and not args.gguf.is_file():
+        raise SystemExit(f"kquant_files: no file {args.gguf}")
     tools = llamacpp_tools("x86")
     args.workdir.mkdir(parents=True, exist_ok=True)
+    print(f"qwc on {args.target}\n")
     print("| file | its types | llama.cpp's text | qwc picks llama.cpp's token | largest gap where not |")
     print("| --- | --- | --- | ---: | ---: |")
-    for mix in args.mixes.split(","):
-        gguf = llamacpp_quantized(tools, smollm2_path(), args.workdir / f"smollm2-{mix}.gguf", kind=mix)
-        onnx_, art = args.workdir / f"smollm2-{mix}.onnx", args.workdir / f"smollm2-{mix}.qwc"
+    for name, gguf, ours in _files(args, tools):
+        stem = args.workdir / ours.stem
+        onnx_, art = stem.with_suffix(".onnx"), Path(f"{stem}-{args.target}.qwc")
+        if not onnx_.exists():
+            assert qwc(["-q", "export", str(ours), "-o", str(onnx_)]) in (0, None)
         if not art.exists():
-            assert qwc(["-q", "export", str(gguf), "-o", str(onnx_)]) in (0, None)
-            assert qwc(["-q", "compile", str(onnx_), "-o", str(art)]) in (0, None)
+            assert qwc(["-q", "compile", str(onnx_), "-o", str(art), "--target", args.target]) in (0, None)
         types = Counter(t.tensor_type.name for t in GGUFReader(gguf).tensors if t.name.startswith("blk."))
         types = ", ".join(f"{c} {k}" for k, c in types.most_common() if k != "F32")
-        text, tokens = server_tokens(tools / f"llama-server-{VERSION}", gguf, args.prompt, args.tokens)
-        agree, gap = follow(art, onnx_, args.prompt, tokens)
-        print(f"| {mix} | {types} | {json.dumps(text)} | {agree} / {len(tokens)} | "
+        ids = prompt_ids(onnx_, args.prompt)
+        text, tokens = server_tokens(tools / f"llama-server-{VERSION}", gguf, ids, args.tokens)
+        agree, gap = follow(art, ids, tokens, args.target)
+        print(f"| {name} | {types} | {json.dumps(text)} | {agree} / {len(tokens)} | "
               f"{f'{gap:.3f}' if agree < len(tokens) else '-'} |", flush=True)
 
 

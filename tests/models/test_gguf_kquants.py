@@ -311,13 +311,14 @@ def test_kept_formats_on_arm_yitian_match_the_host(k_model, host_builds, tmp_pat
 Q8_K_TOLERANCE = 6e-2
 
 
-def _arm_yitian_follows_the_host(d, host_builds, tmp_path) -> dict:
+def _arm_yitian_follows_the_host(d, host_builds, tmp_path, greedy: list[int] | None = None) -> dict:
     """d/m.onnx compiled for arm-yitian runs STEPS under qemu near the host's Q8_0-activation
     build: an activation on a rounding boundary may move by one step of its block's scale
     between the two ISAs' kernels (see test_gguf_formats' ARM test). With compact Q4_K the ARM
     build's activations are Q8_K's: then both builds are held to the float reference instead,
     and the ARM build's greedy token is the reference's own or within Q8_K's tolerance of it.
-    Returns its manifest."""
+    `greedy`: llama-server's greedy tokens on the same file, which the ARM build's picks
+    after STEPS[0] and each of them fed in turn must equal. Returns its manifest."""
     from qwc.bench import emulation
     from qwc.compiler.compile import compile_file
 
@@ -329,6 +330,12 @@ def _arm_yitian_follows_the_host(d, host_builds, tmp_path) -> dict:
     r = subprocess.run(emulation.engine_command(env, art, out, steps), env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
+    if greedy is not None:
+        picked = tmp_path / "greedy.npy"
+        r = subprocess.run(emulation.engine_command(env, art, picked, json.dumps([STEPS[0][0].tolist()] + greedy[:-1])),
+                           env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert np.load(picked).argmax(-1).tolist() == greedy
     manifest = json.loads((art / "manifest.json").read_text())
     arm, host = np.load(out), _compiled_logits(host_builds[8])
     if "q4_k_compact_scales" not in manifest["quantization"]["weight_layout"]:
@@ -504,8 +511,9 @@ def _with_q6_k_d(raw: np.ndarray, value) -> np.ndarray:
 def test_q6_k_on_arm_yitian_matches_the_host(q4_k_m_model, q4_k_m_builds, tmp_path):
     """Q6_K on the sdot kernel (kernels/arm/q6_k.py) in the whole model under qemu, against the
     host's VNNI one: Q8_0 activations on both, so a rounding boundary may move one activation
-    by a step between the ISAs' quantizers (as in the Q4_K test above)."""
-    manifest = _arm_yitian_follows_the_host(q4_k_m_model[0], q4_k_m_builds, tmp_path)
+    by a step between the ISAs' quantizers (as in the Q4_K test above); its greedy tokens are
+    llama-server's."""
+    manifest = _arm_yitian_follows_the_host(q4_k_m_model[0], q4_k_m_builds, tmp_path, LLAMA_CPP_GREEDY_Q4_K_M)
     assert {f["format"]: f["count"] for f in manifest["quantization"]["linears"]} == {"q4_k": 10, "q6_k": 4, "q8_0": 1}
 
 
@@ -549,9 +557,10 @@ def test_expanded_q4_k_stored_at_rest_loads_to_the_bit_on_the_host(q4_k_m_model,
 @pytest.mark.arm
 @pytest.mark.slow
 def test_arm_yitian_reads_the_files_k_quant_bytes_with_nothing_to_unpack(q4_k_m_model, tmp_path):
-    """On arm-yitian the kernels read Q4_K's factors in the file's compact form and Q6_K's
-    codes at six bits: params.bin holds the kernels' arrays (nothing at rest for the runtime to
-    unpack), each Q6_K weight six bits of code plus its int8 scale a 16 and float32 d a 256.
+    """On arm-yitian the kernels read Q4_K's factors in the file's compact form (sc and mn at
+    six bits) and Q6_K's codes at six bits: params.bin holds the kernels' arrays (nothing at
+    rest for the runtime to unpack), each Q6_K weight six bits of code plus its int8 scale a 16
+    and the file's fp16 d a 256, each Q4_K weight its sc and mn in 12 bytes a 256 as the file.
     Their logits: _arm_yitian_follows_the_host."""
     from qwc.compiler.compile import compile_file
 
@@ -566,7 +575,13 @@ def test_arm_yitian_reads_the_files_k_quant_bytes_with_nothing_to_unpack(q4_k_m_
         g, nb, chunks, width = p["shape"]
         assert (chunks, width, p["dtype"]) == (6, 64, "uint8")   # 6 bits a weight: 16 rows x 32 in 6 x 64 bytes
         bits = {q: 8 * params[name + q]["nbytes"] / (g * 16 * nb * 32) for q in ("_sc", "_d")}
-        assert bits == {"_sc": 0.5, "_d": 0.125}
+        assert bits == {"_sc": 0.5, "_d": 0.0625}
+    manifest = json.loads((art / "manifest.json").read_text())
+    pairs = [p for p in params.values() if p["dtype"] == "uint8" and len(p["shape"]) == 3 and p["shape"][-1] == 48]
+    assert len(pairs) == manifest["quantization"]["weight_layout"]["q4_k_compact_scales"] > 0
+    for p in pairs:   # [G, NB/2, 48]: 16 rows' sc and mn of two blocks of 32
+        g, pairs_, _ = p["shape"]
+        assert 8 * p["nbytes"] / (g * 16 * 2 * pairs_ * 32) == 0.375
 
 
 @pytest.mark.slow
@@ -729,6 +744,7 @@ def _with_half(raw: np.ndarray, at: int, value) -> np.ndarray:
 @pytest.mark.arm
 @pytest.mark.slow
 def test_q5_on_arm_yitian_matches_the_host(q5_model, q5_builds, tmp_path):
-    """Q5_K and Q5_1 on the sdot / smmla W8A8 kernels with their minimums as block offsets."""
-    manifest = _arm_yitian_follows_the_host(q5_model[0], q5_builds, tmp_path)
+    """Q5_K and Q5_1 on the sdot / smmla W8A8 kernels with their minimums as block offsets; the
+    greedy tokens are llama-server's."""
+    manifest = _arm_yitian_follows_the_host(q5_model[0], q5_builds, tmp_path, LLAMA_CPP_GREEDY_Q5)
     assert {f["format"]: f["count"] for f in manifest["quantization"]["linears"]} == {"q5_k": 12, "q5_1": 2, "q8_0": 1}
