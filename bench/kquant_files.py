@@ -128,7 +128,7 @@ def main() -> None:
     print("| --- | --- | --- | ---: | ---: |")
     for name, gguf, ours in _files(args, tools):
         stem = args.workdir / ours.stem
-        onnx_, art = stem.with_suffix(".onnx"), Path(f"{stem}-{args.target}.qwc")
+        onnx_, art = Path(f"{stem}.onnx"), Path(f"{stem}-{args.target}.qwc")   # (stems with dots: 2.5)
         if not onnx_.exists():
             assert qwc(["-q", "export", str(ours), "-o", str(onnx_)]) in (0, None)
         if not art.exists():
