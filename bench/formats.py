@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "formats")
     p.add_argument("--json", type=Path)
     p.add_argument("--gguf", type=Path, help="bench this GGUF (any formats) instead of --formats' files")
-    p.add_argument("--mix", choices=("q4_k_m", "q4_k_s", "q5_k_m", "q6_k"),
+    p.add_argument("--mix", choices=("q4_0", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k"),
                    help="bench llama-quantize's mix of a random model (--size) instead")
     p.add_argument("--size", default="1.5b", help="with --mix: Qwen2.5's size (bench/make_checkpoint.py's: 0.5b, 1.5b, 7b)")
     a = p.parse_args()
