@@ -155,11 +155,11 @@ class IntDots:
     # Q8_0 at compile time (compiler/repack_q6_k.py), close but not exact
     q6_k: str | None = None
     # llama.cpp's Q4_K in the W4A8 kernels with the file's compact factors (kernels/q4_k_scales.py:
-    # 4.625 bits a weight on x86, the file's 4.5 on ARM), or expanded to float32 scales and block offsets (6 bits). Compact on
-    # every target: a decode at many threads is bound by the bytes it reads. ARM's decode GEMV
-    # takes them as llama.cpp's Q4_K x Q8_K dot (the sub-block scales on integer sums, on
-    # activations scaled by super-blocks: kernels/arm/dotprod.py), so the factors cost it no
-    # conversions a block (docs/history/weight-formats.md)
+    # 4.625 bits a weight on x86, the file's 4.5 on ARM), or expanded to float32 scales and block
+    # offsets (6 bits). Compact on every target: a decode at many threads is bound by the bytes
+    # it reads. ARM's decode GEMV takes them as llama.cpp's Q4_K x Q8_K dot (the sub-block
+    # scales on integer sums, on activations scaled by super-blocks: kernels/arm/dotprod.py), so
+    # the factors cost it no conversions a block (docs/history/weight-formats.md)
     q4_k_compact: bool = False
     # llama.cpp's Q5_0 / Q5_1 / Q5_K as five-bit codes 0..31 with a block offset each
     # (row_groups.pack_five_bit, compiler/repack_five_bit.py) on the kernel of that name

@@ -134,10 +134,12 @@ def gather_q6_k_row_groups(w, idx, sc, d, *, isa: str):
     (d sc) (q - 32) as the file's."""
     from .row_groups import ROWS
 
-    quarter = 0.25 if isa == "arm" else 1.0
+    def super_scale(g, b, r):
+        dv = d[g, b // 8, r].astype("float32")
+        return dv * 0.25 if isa == "arm" else dv
+
     return _int8_row_group_gather(
-        w, idx, lambda g, b, r, e: sc[g, b, (e // 16) * ROWS + r].astype("float32") * (
-            d[g, b // 8, r].astype("float32") * quarter),
+        w, idx, lambda g, b, r, e: sc[g, b, (e // 16) * ROWS + r].astype("float32") * super_scale(g, b, r),
         signed=isa == "arm", six_bit=True, name="gather_q6_k_row_groups")
 
 
