@@ -282,6 +282,44 @@ def block_split(n: int, nb: int, threads: int, scale_dtype: str = "float16") -> 
     return split
 
 
+def _q4_k_super_block(T, w, ws, wc, aq, ad, off, acc, g, s):
+    """Compact Q4_K (kernels/q4_k_scales.py), super-block s of row group g, on activations
+    scaled by super-blocks (act_quant's super_blocks: ad the same at its 8 blocks), as
+    llama.cpp's Q4_K x Q8_K dot: per slice, each sub-block's dot of the raw nibbles times
+    its 6-bit scale sc, and the activations' block offset times the minimum's mn, summed
+    as int32 (both exact: |sum mn off| < 2^24 converts exactly); then one convert and one
+    FMA each with d ad and dmin ad. The float work comes once a super-block, where the
+    expanded form's came every block. Part of _decode_gemv (T: its IR builder's tirx)."""
+    ia = T.decl_buffer((2 * SLICES * LANES,), "int32", scope="global")   # a stack slot: see q4_dot
+    for q in range(2 * SLICES):
+        T.buffer_store(ia, T.broadcast(T.int32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
+    # the super-block's sc and mn out of their six bits first, into bytes on the stack that
+    # the block loop reads as it read them stored so: decoded in that loop, two blocks an
+    # iteration held more vectors than NEON's 32 and spilled
+    small = T.decl_buffer((q4_k_scales.SUB_BLOCKS * 2 * ROWS,), "uint8", scope="global")
+    for p in range(q4_k_scales.SUB_BLOCKS // 2):
+        scs, mns = q4_k_scales.arm_pair(T, ws, g, s * (q4_k_scales.SUB_BLOCKS // 2) + p)
+        for half in range(2):
+            for i, v in enumerate((scs[half], mns[half])):
+                T.buffer_store(small, v, [T.ramp(((2 * p + half) * 2 + i) * ROWS, 1, ROWS)])
+    with T.serial(0, q4_k_scales.SUB_BLOCKS) as j:
+        b = s * q4_k_scales.SUB_BLOCKS + j
+        for q in range(SLICES):
+            sc, mn = (_widened_lanes(T, small.vload([(j * 2 + i) * ROWS], "uint8x16"), q) for i in range(2))
+            T.buffer_store(ia, ia[T.ramp(q * LANES, 1, LANES)] + _slice_dot(T, w, aq, None, g, b, q, 0) * sc,
+                           [T.ramp(q * LANES, 1, LANES)])
+            at = T.ramp((SLICES + q) * LANES, 1, LANES)
+            T.buffer_store(ia, ia[at] + mn * T.broadcast(off[0, b], LANES), [at])
+    a = T.broadcast(ad[0, s * q4_k_scales.SUB_BLOCKS], LANES)
+    for q in range(SLICES):
+        d = T.Cast("float32x4", wc.vload([g, s, LANES * q], "float16x4"))
+        dmin = T.Cast("float32x4", wc.vload([g, s, ROWS + LANES * q], "float16x4"))
+        mins = T.call_llvm_pure_intrin("float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32",
+                                       ia[T.ramp((SLICES + q) * LANES, 1, LANES)], T.int32(block_sum_shift(True)))
+        T.buffer_store(acc, acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, ia[T.ramp(q * LANES, 1, LANES)]) * (
+            d * a) + mins * (dmin * a), [T.ramp(q * LANES, 1, LANES)])
+
+
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str, split: int = 1,
                  dot: str = "sdot"):
@@ -313,50 +351,13 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
                 value = value - _negated_offsets_term(T, ws, wc, ad, off, g, b, q, 0)
             T.buffer_store(acc, value, [T.ramp(q * LANES, 1, LANES)])
 
-    def super_block(w, ws, wc, aq, ad, off, acc, g, s):
-        """Compact Q4_K (kernels/q4_k_scales.py), super-block s of row group g, on activations
-        scaled by super-blocks (act_quant's super_blocks: ad the same at its 8 blocks), as
-        llama.cpp's Q4_K x Q8_K dot: per slice, each sub-block's dot of the raw nibbles times
-        its 6-bit scale sc, and the activations' block offset times the minimum's mn, summed
-        as int32 (both exact: |sum mn off| < 2^24 converts exactly); then one convert and one
-        FMA each with d ad and dmin ad. The float work comes once a super-block, where the
-        expanded form's came every block."""
-        ia = T.decl_buffer((2 * SLICES * LANES,), "int32", scope="global")   # a stack slot: see q4_dot
-        for q in range(2 * SLICES):
-            T.buffer_store(ia, T.broadcast(T.int32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
-        # the super-block's sc and mn out of their six bits first, into bytes on the stack that
-        # the block loop reads as it read them stored so: decoded in that loop, two blocks an
-        # iteration held more vectors than NEON's 32 and spilled
-        small = T.decl_buffer((q4_k_scales.SUB_BLOCKS * 2 * ROWS,), "uint8", scope="global")
-        for p in range(q4_k_scales.SUB_BLOCKS // 2):
-            scs, mns = q4_k_scales.arm_pair(T, ws, g, s * (q4_k_scales.SUB_BLOCKS // 2) + p)
-            for half in range(2):
-                for i, v in enumerate((scs[half], mns[half])):
-                    T.buffer_store(small, v, [T.ramp(((2 * p + half) * 2 + i) * ROWS, 1, ROWS)])
-        with T.serial(0, q4_k_scales.SUB_BLOCKS) as j:
-            b = s * q4_k_scales.SUB_BLOCKS + j
-            for q in range(SLICES):
-                sc, mn = (_widened_lanes(T, small.vload([(j * 2 + i) * ROWS], "uint8x16"), q) for i in range(2))
-                T.buffer_store(ia, ia[T.ramp(q * LANES, 1, LANES)] + _slice_dot(T, w, aq, None, g, b, q, 0) * sc,
-                               [T.ramp(q * LANES, 1, LANES)])
-                at = T.ramp((SLICES + q) * LANES, 1, LANES)
-                T.buffer_store(ia, ia[at] + mn * T.broadcast(off[0, b], LANES), [at])
-        a = T.broadcast(ad[0, s * q4_k_scales.SUB_BLOCKS], LANES)
-        for q in range(SLICES):
-            d = T.Cast("float32x4", wc.vload([g, s, LANES * q], "float16x4"))
-            dmin = T.Cast("float32x4", wc.vload([g, s, ROWS + LANES * q], "float16x4"))
-            mins = T.call_llvm_pure_intrin("float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32",
-                                           ia[T.ramp((SLICES + q) * LANES, 1, LANES)], T.int32(block_sum_shift(True)))
-            T.buffer_store(acc, acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, ia[T.ramp(q * LANES, 1, LANES)]) * (
-                d * a) + mins * (dmin * a), [T.ramp(q * LANES, 1, LANES)])
-
     def group(w, ws, wc, bias, y, n, aq, ad, off, g, part=0, b0=0, b1=nb):
         acc = T.decl_buffer((SLICES * LANES,), "float32", scope="global")   # a stack slot: see q4_dot
         for q in range(SLICES):
             T.buffer_store(acc, T.broadcast(T.float32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
         if compact:   # whole super-blocks (the parts' bounds are)
             with T.serial(b0 // q4_k_scales.SUB_BLOCKS, b1 // q4_k_scales.SUB_BLOCKS) as s:
-                super_block(w, ws, wc, aq, ad, off, acc, g, s)
+                _q4_k_super_block(T, w, ws, wc, aq, ad, off, acc, g, s)
         else:
             # UNROLL blocks an iteration: the loop's own counter, compare, branch and pointer
             # increments were a share of a block's instructions worth saving (instructions are
