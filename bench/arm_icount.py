@@ -73,7 +73,7 @@ PREFILL = {"prefill": (4, 12), "prefill_steady": (24, 48)}
 RUN_TIMEOUT = 4 * 3600
 # llama.cpp's matrix kernels on this build (4x8 repack: dotprod GEMV, i8mm GEMM) and the
 # quantizer of its activations; the Q8_0 output runs through the generic vec-dot
-MATRIX_RE = re.compile(r"(q[48]_gemv|q[48]_gemm|ggml_gemv_|ggml_gemm_|vec_dot_q8_0|vec_dot_q4_0|kai_run_matmul)")
+MATRIX_RE = re.compile(r"(q[458]_gemv|q[458]_gemm|q6_k_matmul|ggml_gemv_|ggml_gemm_|vec_dot_q\d_|kai_run_matmul)")
 # llama.cpp's aarch64 builds (bench/llamacpp.sh): the Q4_0 repack's (GCC, OpenMP), and KleidiAI's
 # kernels on ggml's own pool (clang) or on OpenMP (GCC)
 PEER_BUILDS = {"repack": "arm64", "kleidiai": "arm64-kleidiai", "kleidiai-omp": "arm64-kleidiai-omp"}

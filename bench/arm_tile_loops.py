@@ -1,13 +1,14 @@
 """The block loops of an ARM target's Q4_0 prefill GEMM, one per tile shape the kernel has
-(or, with --decode, of the sdot decode GEMV on Q4_0 or Q4_K, or of the Q6_K kernel at one
+(or, with --decode, of the sdot decode GEMV on Q4_0, Q4_K or five-bit codes, or of the Q6_K kernel at one
 token on activations scaled by super-blocks or, q6_k-blocks, by blocks): instructions,
 multiply-adds and
 llvm-mca's Neoverse-N2 cycles a block, from the cross-compiled kernel's disassembly (no
 emulation: a loop's instructions are what every iteration executes).
 
     .venv/bin/python bench/arm_tile_loops.py [--target arm-yitian|arm-neon] [--act block|row]
-                                             [--n 64] [--k 896]
-    .venv/bin/python bench/arm_tile_loops.py --decode q4_k|q4_k-expanded|q4_0|q6_k|q6_k-blocks [--n 256] [--k 1536]
+                                             [--form q4_0|q5_k|q5_1] [--n 64] [--k 896]
+    .venv/bin/python bench/arm_tile_loops.py --decode q4_k|q4_k-expanded|q4_0|q5_k|q5_1|q6_k|q6_k-blocks
+                                             [--n 256] [--k 1536]
 
 The decode GEMV's compact Q4_K has two loops: the sub-block loop (its integer sums) inside the
 super-block loop (that plus the float work once a super-block), whose figures are per
@@ -40,29 +41,49 @@ PROMPT = 48   # the tokens of the calling function: the kernel itself takes any 
 BRANCH = re.compile(r"(b\.\w+|b|cbn?z|tbn?z)$")
 
 
-def build_gemm(target: str, m: int, n: int, k: int, rows: bool, out: Path) -> Path:
-    """lib.so with one function through the target's Q4_0 prefill GEMM (M tokens). Only its
-    code is read: the row sums are an input, never computed."""
+def _weights(form: str, n: int, k: int, isa: str) -> tuple[list[np.ndarray], int]:
+    """The prefill GEMM's weight arrays of an N x K linear in `form` (q4_0; q5_k, q5_1: five-bit
+    codes with compact factors or float32 block offsets), and their bits."""
+    from qwc.compiler.kernels import row_groups
+    from qwc.compiler.repack_q4_k import compact_scales
+    from qwc.q4 import pack_nibbles, quantize_q4_0
+
+    rng = np.random.default_rng(0)
+    if form == "q4_0":
+        q, d = quantize_q4_0(rng.standard_normal((n, k)).astype(np.float32))
+        return list(row_groups.pack(pack_nibbles(q), d)), 4
+    d = rng.uniform(0.01, 0.02, (n, k // 32)).astype(np.float32)
+    w, s = row_groups.pack_five_bit(rng.integers(0, 32, (n, k // 32, 32)), d)
+    if form == "q5_1":
+        return [w, s, row_groups.pack_offsets(-8 * d)], 5
+    sc = rng.integers(1, 64, (n, k // 32))
+    mn = rng.integers(0, 64, (n, k // 32))
+    scale, dmin = np.float16(0.001), np.float16(0.0005)
+    return [w, *compact_scales((scale * sc).astype(np.float32), -(dmin * mn).astype(np.float32),
+                               np.zeros((n, k // 32), bool), isa)], 5
+
+
+def build_gemm(target: str, m: int, n: int, k: int, rows: bool, out: Path, form: str = "q4_0") -> Path:
+    """lib.so with one function through the target's prefill GEMM (M tokens) on weights in
+    `form` (_weights). Only its code is read: the row sums are an input, never computed."""
     import tvm
     from tvm import relax
 
     from qwc.compiler.build import build
     from qwc.compiler.frontend import MatMulNBits
-    from qwc.compiler.kernels import row_groups
     from qwc.compiler.targets import get_target
-    from qwc.q4 import pack_nibbles, quantize_q4_0
 
     t = get_target(target)
-    q, d = quantize_q4_0(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32))
-    wp = pack_nibbles(q)
-    wp, d = row_groups.pack(wp, d)
+    weights, bits = _weights(form, n, k, "arm")
     bb = relax.BlockBuilder()
-    params = [relax.Var("a", relax.TensorType([m, k], "float32")), relax.Var("w", relax.TensorType(list(wp.shape), "uint8")),
-              relax.Var("s", relax.TensorType(list(d.shape), str(d.dtype)))]
+    params = [relax.Var("a", relax.TensorType([m, k], "float32"))] + [
+        relax.Var(f"w{i}", relax.TensorType(list(x.shape), str(x.dtype))) for i, x in enumerate(weights)]
     rv = relax.Var("r", relax.TensorType([n], "float32")) if rows else None
     with bb.function("gemm", params + ([rv] if rv is not None else [])):
         with bb.dataflow():
-            y = MatMulNBits.q4_0_matmul(bb, params[0], params[1], params[2], k, n, "arm", t.features, row_sums=rv)
+            offsets = params[3] if len(params) > 3 else None
+            y = MatMulNBits.q4_0_matmul(bb, params[0], params[1], params[2], k, n, "arm", t.features, row_sums=rv,
+                                        offsets=offsets, bits=bits)
             gv = bb.emit_output(y)
         bb.emit_func_output(gv)
     lib = out / "gemm.so"
@@ -72,28 +93,31 @@ def build_gemm(target: str, m: int, n: int, k: int, rows: bool, out: Path) -> Pa
 
 def build_decode_gemv(target: str, n: int, k: int, form: str, out: Path) -> Path:
     """lib.so with one function calling the sdot decode GEMV of an N x K linear in `form`
-    (q4_k: the compact factors on Q8_K activations; q4_k-expanded: float32 d sc and c; q4_0).
-    Only its code is read: the inputs are never made."""
+    (q4_k: the compact factors on Q8_K activations; q4_k-expanded: float32 d sc and c; q4_0;
+    q5_k and q5_1: five-bit codes with compact factors or float32 block offsets). Only its
+    code is read: the inputs are never made."""
     import tvm
     from tvm import relax
 
     from qwc.compiler.build import build
-    from qwc.compiler.kernels import decode_gemv, q4_k_scales
-    from qwc.compiler.kernels.row_groups import ROWS, groups
+    from qwc.compiler.kernels import decode_gemv, dot_bits, q4_k_scales
+    from qwc.compiler.kernels.row_groups import ROWS, chunks, groups
     from qwc.compiler.targets import get_target
 
     t = get_target(target)
-    nb, sdt = k // 32, {"q4_k": "uint8", "q4_k-expanded": "float32", "q4_0": "float16"}[form]
+    nb = k // 32
+    sdt = {"q4_k": "uint8", "q4_k-expanded": "float32", "q4_0": "float16", "q5_k": "uint8", "q5_1": "float16"}[form]
+    dot = "sdot5" if form.startswith("q5") else "sdot"
     ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(sdt, groups(n), nb, "arm")
     offsets = form != "q4_0"
     shapes = [("aq", [1, nb, 32], "int8"), ("ad", [1, nb], "float32"), ("off", [1, nb], "int32"),
-              ("w", [groups(n), nb, 4, 4 * ROWS], "uint8"), ("s", list(ws_shape), ws_dtype)]
+              ("w", [groups(n), nb, chunks(dot_bits(dot)), 4 * ROWS], "uint8"), ("s", list(ws_shape), ws_dtype)]
     shapes += [("c", list(wc_shape), wc_dtype)] if offsets else []
     params = [relax.Var(x, relax.TensorType(shape, dtype)) for x, shape, dtype in shapes]
     bb = relax.BlockBuilder()
     with bb.function("gemv", params):
         with bb.dataflow():
-            kernel = bb.add_func(decode_gemv(((n, False, offsets),), nb, sdt, dot="sdot"), "decode_gemv")
+            kernel = bb.add_func(decode_gemv(((n, False, offsets),), nb, sdt, dot=dot), "decode_gemv")
             gv = bb.emit_output(bb.emit(relax.call_tir(kernel, params, relax.TensorType([1, n], "float32"))))
         bb.emit_func_output(gv)
     lib = out / "gemv.so"
@@ -155,14 +179,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="arm-yitian", choices=("arm-yitian", "arm-neon"))
     p.add_argument("--act", default="block", choices=("block", "row"), help="the activations' scales")
-    p.add_argument("--decode", choices=("q4_k", "q4_k-expanded", "q4_0", "q6_k", "q6_k-blocks"),
+    p.add_argument("--form", default="q4_0", choices=("q4_0", "q5_k", "q5_1"),
+                   help="the prefill GEMM's weights (q5_k, q5_1: five-bit codes)")
+    p.add_argument("--decode", choices=("q4_k", "q4_k-expanded", "q4_0", "q5_k", "q5_1", "q6_k", "q6_k-blocks"),
                    help="the sdot decode GEMV's loops on this weight form, instead of the prefill GEMM's")
     p.add_argument("--n", type=int, help="rows (default 64; 256 with --decode)")
     p.add_argument("--k", type=int, help="columns (default 896; 1536 with --decode)")
     args = p.parse_args()
+    if args.form != "q4_0" and (args.decode or args.act == "row"):
+        sys.exit("arm_tile_loops: --form is the prefill GEMM's weights, on blocks' activations")
     n = args.n or (256 if args.decode else 64)
-    k = args.k or (1536 if args.decode else 896)
-    step = 256 if args.decode and args.decode.startswith(("q4_k", "q6_k")) else 32
+    k = args.k or (1536 if args.decode or args.form == "q5_k" else 896)
+    step = 256 if args.form == "q5_k" or args.decode and args.decode.startswith(("q4_k", "q5_k", "q6_k")) else 32
     if k % step or k < step or n < 1:
         sys.exit(f"arm_tile_loops: --k a positive multiple of {step}, --n from 1")
     dot = "sdot" if args.decode or args.target == "arm-neon" else "smmla"
@@ -172,8 +200,8 @@ def main() -> None:
         elif args.decode:
             found = loops(build_decode_gemv(args.target, n, k, args.decode, Path(d)), dot)
         else:
-            found = loops(build_gemm(args.target, PROMPT, n, k, args.act == "row", Path(d)), dot)
-    what = f"the decode GEMV, {args.decode}" if args.decode else f"Q4_0, {args.act} activations"
+            found = loops(build_gemm(args.target, PROMPT, n, k, args.act == "row", Path(d), args.form), dot)
+    what = f"the decode GEMV, {args.decode}" if args.decode else f"{args.form}, {args.act} activations"
     print(f"{args.target}, {what}, N = {n}, K = {k}: the loops holding {dot}\n")
     print(f"| {dot} an iteration | instructions an iteration | multiply-adds | instructions / MAC | N2 cycles an iteration "
           "| N2 cycles / MAC | mix |")

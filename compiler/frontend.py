@@ -227,8 +227,8 @@ class MatMulNBits(F.OnnxOpConverter):
         w4a8 = kernels_for(features).int_dots
         if bits == 8:
             dot = w4a8.q8_decode if one_token else w4a8.q8_prefill
-        elif bits == 5:   # (repack_five_bit.py wrote them only where the target has the kernel)
-            dot = w4a8.q5
+        elif bits == 5:   # (repack_five_bit.py wrote them only where the target has the kernels)
+            dot = w4a8.q5 if one_token else w4a8.q5_prefill
         else:
             dot = w4a8.decode if one_token else w4a8.prefill
         stem = f"q{bits}"

@@ -1,5 +1,6 @@
 """A GGUF's Q5_0, Q5_1 and Q5_K linears stored as five-bit codes where the target has a kernel
-for them (targets.IntDots.q5: x86 VNNI's "vnni5"), not as the bytes the canonical graph holds.
+for them (targets.IntDots.q5: x86 VNNI's "vnni5", ARM's "sdot5"), not as the bytes the
+canonical graph holds.
 
 Their MatMulNBits hold 8-bit codes u whose values span 32 (models/gguf_blocks.py): Q5_1 / Q5_K
 u = q + 128 with each block's minimum m as block offsets (compiler/block_minimums.py), Q5_0
@@ -7,9 +8,10 @@ u = q - 16 + 128. Both become codes q in 0..31 (row_groups.pack_five_bit: 5 bits
 against 8), which the kernels read as Q4_0's nibbles are read: their sums start at -8 sum(a),
 so w = d (q - 8) + c a block, c = m + 8 d (rounded once, as Q4_K's c), or Q5_0's -8 d (exact);
 the block offsets add c times the activations' block sum, one FMA a block
-(kernels/x86/vnni.py: _codes rebuilds each chunk of codes from its nibbles and its bit). A
-Q5_K tensor keeps the file's factors as a compact Q4_K does (kernels/q4_k_scales.py: 6-bit sc
-and mn a block, fp16 d and dmin a super-block, so 5.625 bits a weight, against the file's 5.5),
+(kernels/x86/vnni.py: _codes rebuilds each chunk of codes from its nibbles and its bit; ARM's
+kernels/arm/dotprod.py: _five_bit_codes). A Q5_K tensor keeps the file's factors as a compact
+Q4_K does (kernels/q4_k_scales.py: 6-bit sc and mn a block, fp16 d and dmin a super-block, so
+5.625 bits a weight on x86 and the file's 5.5 on ARM),
 where they come back (repack_q4_k.compact_scales); else float32 d sc and c (7 bits). A weight
 something else reads too (a tied embedding's gather) keeps its bytes.
 """
@@ -34,7 +36,7 @@ from qwc.passes.graph import (
 )
 
 from .repack_q4_k import SUPER, compact_scales
-from .targets import five_bit_path
+from .targets import five_bit_path, kernels_for
 
 SPAN = 32   # five bits' codes
 
@@ -73,7 +75,8 @@ def five_bit_codes(model: onnx.ModelProto, act_bits: int, features) -> int:
         q = u - np.uint8(low)
         w, s = row_groups.pack_five_bit(q, d)
         m = tensor_array(inits[node.input[3]]) if minimums else None
-        compact = compact_scales(d, m, ~q.any(-1)) if fmt.name == "Q5_K" and k % SUPER == 0 else None
+        isa = kernels_for(features).int_dots.isa   # (compact_scales' form: ARM's six-bit pairs)
+        compact = compact_scales(d, m, ~q.any(-1), isa) if fmt.name == "Q5_K" and k % SUPER == 0 else None
         if compact is not None:   # Q5_K with the file's factors (kernels/q4_k_scales.py), as compact Q4_K
             s, c = compact
             node.attribute.append(helper.make_attribute(Q4_K_SCALES_ATTR, 1))

@@ -161,12 +161,13 @@ class IntDots:
     # scales on integer sums, on activations scaled by super-blocks: kernels/arm/dotprod.py), so
     # the factors cost it no conversions a block (docs/history/weight-formats.md)
     q4_k_compact: bool = False
-    # llama.cpp's Q5_0 / Q5_1 / Q5_K as five-bit codes 0..31 with a block offset each
-    # (row_groups.pack_five_bit, compiler/repack_five_bit.py) on the kernel of that name
-    # ("vnni5"), or None: they stay 8-bit codes on the W8A8 kernels. x86 VNNI only: decode reads
-    # every weight, and the bytes are 5/8 of the codes'; ARM keeps bytes (no rebuilding
-    # instructions, the measure the ARM targets are held to)
+    # llama.cpp's Q5_0 / Q5_1 / Q5_K as five-bit codes 0..31 with a block offset each, or Q5_K's
+    # compact factors (row_groups.pack_five_bit, compiler/repack_five_bit.py): the decode GEMV
+    # and prefill GEMM for them ("vnni5", "sdot5", "smmla5"), or None: they stay 8-bit codes on
+    # the W8A8 kernels. Decode at many threads reads every weight, and the bytes are 5/8 of the
+    # codes'; each nibble costs ARM an insert of its fifth bit (kernels/arm/dotprod.py)
     q5: str | None = None
+    q5_prefill: str | None = None
     # the prefill GEMM's whole 16-token tiles on AMX's tile multiply (kernels/x86/amx.py), the
     # leftover tokens, decode and the batched decode step on the VNNI kernels: a block's 16 x 16
     # dots are one instruction, so what is left is scaling them (docs/history/x86-speed.md)
@@ -204,20 +205,21 @@ class Kernels:
 
 
 _VNNI = IntDots("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8", "vnni", q4_k_compact=True,
-                q5="vnni5")
+                q5="vnni5", q5_prefill="vnni5")
 _VNNI_AMX = replace(_VNNI, amx=True)
 # The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
 # (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
 _AVX2 = IntDots("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8), q4_k_compact=True)
 _SDOT = IntDots("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8", "sdot", q4_k_compact=True,
-                row_layout="arm_rows_flat")
+                q5="sdot5", q5_prefill="sdot5", row_layout="arm_rows_flat")
 _SMMLA = IntDots("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12), "sdot8", "smmla8", "sdot",
-                 q4_k_compact=True, row_layout="arm_rows")
+                 q4_k_compact=True, q5="sdot5", q5_prefill="smmla5", row_layout="arm_rows")
 
 # The module under compiler/kernels that builds each W4A8 kernel the rules name (the interface
 # it exports: kernels/w4a8.py). A new ISA kernel is that module, an entry here and a rule.
 KERNEL_MODULES = {"vnni": "x86.vnni", "avx2": "x86.vnni", "sdot": "arm.dotprod", "smmla": "arm.i8mm",
-                  "vnni8": "x86.vnni", "sdot8": "arm.dotprod", "smmla8": "arm.i8mm", "vnni5": "x86.vnni"}
+                  "vnni8": "x86.vnni", "sdot8": "arm.dotprod", "smmla8": "arm.i8mm", "vnni5": "x86.vnni",
+                  "sdot5": "arm.dotprod", "smmla5": "arm.i8mm"}
 
 KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     # Decode attention: three passes on x86, faster than the online kernel at depth; on ARM a
@@ -264,7 +266,7 @@ def q8_0_path(block: int, bits: int, act_bits: int, features) -> str | None:
 
 
 def five_bit_path(block: int, bits: int, act_bits: int, features) -> str | None:
-    """The kernel ("vnni5") a MatMulNBits of 8-bit codes in blocks of 32 whose codes fit five
+    """The decode kernel ("vnni5", "sdot5") a MatMulNBits of 8-bit codes in blocks of 32 whose codes fit five
     bits (a GGUF's Q5_0 / Q5_1 / Q5_K) takes as five-bit codes (IntDots.q5), else None."""
     if bits != 8 or block != 32 or act_bits != 8:
         return None
@@ -318,7 +320,7 @@ def kernel_summary(target: Target) -> dict[str, str]:
     q8 = (f"w8a8-{w.q8_decode}/{w.q8_prefill}" if w.q8_decode else "2x w4a8") if w else "2x w4a32"
     q6 = f"w6a8-{w.q6_k}" if w and w.q6_k else "as q8_0"
     q4k = ("w4a8-compact" if w.q4_k_compact else "w4a8-expanded") if w else "w4a32"   # its scales' form
-    q5 = f"w5a8-{w.q5}" if w and w.q5 else "as q8_0"   # Q5_0 / Q5_1 / Q5_K: five-bit codes, or bytes
+    q5 = f"w5a8-{w.q5}/{w.q5_prefill}" if w and w.q5 else "as q8_0"   # Q5_0 / Q5_1 / Q5_K: five-bit codes, or bytes
     prefill = f"w4a8-{w.prefill}{'+amx' if w.amx else ''}" if w else "w4a32"
     return {"decode": f"w4a8-{w.decode}" if w else "w4a32", "prefill": prefill,
             "attention": k.decode_attention, "q8_0": q8, "q4_k": q4k, "q5": q5, "q6_k": q6}

@@ -43,7 +43,7 @@ def quantizer_schedule(layout: str) -> dict:
 
 def dot_bits(dot: str) -> int:
     """The weights' bits a kernel by this name reads: the W8A8 forms ("vnni8", "sdot8",
-    "smmla8": targets.KERNEL_MODULES) Q8_0 codes, "vnni5" five-bit codes
+    "smmla8": targets.KERNEL_MODULES) Q8_0 codes, "vnni5" / "sdot5" five-bit codes
     (row_groups.pack_five_bit), the others Q4_0 nibbles."""
     return 8 if dot.endswith("8") else 5 if dot.endswith("5") else 4
 

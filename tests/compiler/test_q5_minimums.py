@@ -1,9 +1,9 @@
-"""A GGUF's Q5_1 / Q5_K linears (8-bit codes u - 128 = q with a minimum m a block,
-models/gguf_blocks.py) on the targets' kernels: five-bit codes on x86 VNNI ("vnni5",
-compiler/repack_five_bit.py), the W8A8 kernels with m as block offsets (x86 VNNI as bytes; ARM
-sdot and smmla under qemu), two Q4_0 halves where there are none (AVX2, and float activations), each against the file's dequantized weights times the activations as the
-kernels quantize them (llama.cpp's Q8_0 blocks), which the 8-bit integer sums make exact up to
-float rounding."""
+"""A GGUF's Q5_0 / Q5_1 / Q5_K linears (8-bit codes u - 128 = q with a minimum m a block,
+models/gguf_blocks.py) on the targets' kernels: five-bit codes on x86 VNNI ("vnni5") and ARM
+sdot ("sdot5", under qemu; compiler/repack_five_bit.py), two Q4_0 halves where there are none
+(AVX2, and float activations), each against the file's dequantized weights times the
+activations as the kernels quantize them (llama.cpp's Q8_0 blocks; Q8_K's for ARM's Q5_K),
+which the integer sums make exact up to float rounding."""
 
 from __future__ import annotations
 
@@ -62,13 +62,15 @@ def _node(b: gguf_blocks.Blocks, n: int, k: int) -> onnx.ModelProto:
     return helper.make_model(helper.make_graph([node], "g", [], [], inits))
 
 
-def _emit(bb, name: str, b: gguf_blocks.Blocks, k: int, n: int, m: int, target: str, act_bits: int = 8):
+def _emit(bb, name: str, b: gguf_blocks.Blocks, k: int, n: int, m: int, target: str, act_bits: int = 8,
+          as_bytes: bool = False):
     """Function `name`(a, weights...) through `target`'s kernels for the node, laid out as
-    compile time lays it out; returns those weights."""
+    compile time lays it out (`as_bytes`: as codes that do not fit five bits are); returns
+    those weights."""
     t = get_target(target)
     isa = "arm" if t.arch == "aarch64" else "x86"
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
-    if five_bit_path(32, 8, act_bits, t.features):   # five-bit codes (repack_five_bit.py)
+    if five_bit_path(32, 8, act_bits, t.features) and not as_bytes:   # five-bit codes (repack_five_bit.py)
         model = _node(b, n, k)
         assert five_bit_codes(model, act_bits, t.features) == 1
         inits = {x.name: tensor_array(x) for x in model.graph.initializer}
@@ -161,8 +163,8 @@ def test_q5_blocks_are_the_files_weights():
         assert np.array_equal(gguf_blocks.dequantize(b), dequantize(raw, kind).reshape(8, 512)), kind
 
 
-# (the W8A8 form with offsets, which VNNI would take for codes that span more than five bits, is
-# the ARM kernels' form: test_arm_kernels_add_the_block_minimums)
+# (the W8A8 form with offsets, which VNNI takes for codes that span more than five bits, is
+# the ARM test's "bytes" cases: test_arm_kernels_take_five_bit_codes)
 X86 = {"vnni5": ("x86-avx512", "avx512_vnni", 8), "avx2": ("x86-avx2", "avx2", 8), "f32": ("x86-avx512", "avx512f", 32)}
 
 
@@ -187,35 +189,42 @@ def test_x86_kernels_add_the_block_minimums(path, kind, m, k, n):
 
 @pytest.mark.arm
 @pytest.mark.slow
-def test_arm_kernels_add_the_block_minimums(tmp_path):
-    """arm-yitian (smmla prefill, sdot decode) and arm-neon (sdot) under qemu-aarch64, at 1, 3, 9
-    and 17 tokens, Q5_K and Q5_1."""
-    import subprocess
-
+def test_arm_kernels_take_five_bit_codes(tmp_path):
+    """arm-yitian (smmla5 prefill, sdot5 decode) and arm-neon (sdot5) under qemu-aarch64, at 1,
+    3, 9, 13 (whole tiles and a lone pair) and 17 tokens, Q5_K (the file's factors, on Q8_K activations as compact Q4_K's), Q5_1 and
+    Q5_0 (block offsets, on Q8_0 blocks): five bits a weight in memory; and Q5_1 as bytes on the
+    W8A8 kernels. Each result is the file's weights times the activations within float32
+    rounding, the same bits at 1, 3, 8 and 64 threads."""
     import tvm
 
     from qwc.bench import emulation
 
-    env, cases = emulation.arm64_env(), []
+    from conftest import q8_k
+
+    env, inputs, refs = emulation.arm64_env(), {}, {}
     for target in ("arm-yitian", "arm-neon"):
-        bb, inputs = relax.BlockBuilder(), {}
-        for kind in (Q.Q5_K, Q.Q5_1):
+        bb, prefix = relax.BlockBuilder(), target.replace("-", "_")
+        # (Q5_1 "bytes": the W8A8 kernels with block offsets, which codes wider than five bits take)
+        for kind, as_bytes in ((Q.Q5_K, False), (Q.Q5_1, False), (Q.Q5_0, False), (Q.Q5_1, True)):
             for k, n in CASES:
-                for m in (1, 3, 9, 17):
+                for m in (1, 3, 9, 13, 17):
                     raw, b = _weights(kind, n, k, k + n + m)
                     a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-                    name = f"f_{kind.name}_{k}_{n}_{m}"
-                    for i, x in enumerate([a, *_emit(bb, name, b, k, n, m, target)]):
+                    name = f"{prefix}_{kind.name}{'_bytes' if as_bytes else ''}_{k}_{n}_{m}"
+                    weights = _emit(bb, name, b, k, n, m, target, as_bytes=as_bytes)
+                    assert weights[0].shape[2] == (row_groups.INT8_CHUNKS if as_bytes else row_groups.FIVE_BIT_CHUNKS)
+                    for i, x in enumerate([a, *weights]):
                         inputs[f"{name}/{i}"] = x
-                    cases.append((target, name, _q8_reference(a, dequantize(raw, kind).reshape(n, k))))
+                    w = dequantize(raw, kind).reshape(n, k)
+                    refs[name] = (q8_k(a) @ w.T.astype(np.float64) if kind == Q.Q5_K else _q8_reference(a, w))
         t = get_target(target)
         lib = tmp_path / f"{target}.so"
         build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
-        np.savez(tmp_path / f"{target}-in.npz", **inputs)
-        cmd = emulation.python_command(env, emulation.HERE / "run_module.py", lib, tmp_path / f"{target}-in.npz",
-                                       tmp_path / f"{target}.npz")
-        r = subprocess.run(cmd, env=dict(env, TVM_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stderr[-2000:]
-    for target, name, ref in cases:
-        got = np.load(tmp_path / f"{target}.npz")[name]
-        assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max(), (target, name)
+        ours = {x: v for x, v in inputs.items() if x.startswith(prefix)}
+        outs = emulation.run_library(env, lib, ours, tmp_path, threads=(1, 3, 8, 64))
+        for name, ref in refs.items():
+            if name.startswith(prefix):
+                got = outs[0][name]
+                np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=name)
+                for other in outs[1:]:
+                    assert np.array_equal(other[name], got), name

@@ -157,8 +157,8 @@ def test_targets_say_which_read_q4_k_compact():
     assert kernel_summary(get_target("x86-avx2"))["q4_k"] == "w4a8-compact"
     assert kernel_summary(get_target("arm-yitian"))["q4_k"] == "w4a8-compact"   # (on Q8_K activations)
     assert kernel_summary(get_target("arm-neon"))["q4_k"] == "w4a8-compact"
-    assert kernel_summary(get_target("x86-avx512"))["q5"] == "w5a8-vnni5"   # (compiler/repack_five_bit.py)
-    assert kernel_summary(get_target("arm-yitian"))["q5"] == "as q8_0"
+    assert kernel_summary(get_target("x86-avx512"))["q5"] == "w5a8-vnni5/vnni5"   # (compiler/repack_five_bit.py)
+    assert kernel_summary(get_target("arm-yitian"))["q5"] == "w5a8-sdot5/smmla5"
 
 
 @pytest.mark.parametrize("isa", ["x86", "arm"])

@@ -23,6 +23,11 @@ The same kernels take Q8_0 weights as W8A8 (dot "sdot8"): eight chunks a block o
 already in the activations' order (row_groups.pack_int8), so a block is 8 loads and 8 sdot a
 slice with nothing unpacked, started from 0 (the codes are signed: no offset).
 
+A GGUF's Q5_0, Q5_1 and Q5_K take them too (dot "sdot5"): five-bit codes 0..31 as x86's
+(row_groups.pack_five_bit: four chunks of nibbles and one of fifth bits, 5 bits a weight where
+bytes took 8), each nibble made a code by one `sli` or `sri` with its fifth bit
+(_five_bit_codes); their block offsets, or Q5_K's compact factors, as Q4_1's and Q4_K's.
+
 The prefill GEMM also takes per-token activations (`per_row`, act_quant layout
 "arm_rows_flat": design.md, "Two activation formats"), as arm/i8mm.py's does: a block's dots
 then take the rows' weight scales only, and the store applies the token's scale and zero point,
@@ -41,7 +46,8 @@ from ..w4a8 import block_sum_shift, gemm_kernel, store_rows, token_count
 LANES = 4          # int32 lanes of a 128-bit vector: rows per slice
 SLICES = ROWS // LANES
 SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
-DEFAULT_TOKENS = {"sdot": 4, "sdot8": 4}      # prefill tile width (arm-neon), as x86/vnni.py's
+SLI = "llvm.aarch64.neon.vsli.v16i8"
+DEFAULT_TOKENS = {"sdot": 4, "sdot8": 4, "sdot5": 4}      # prefill tile width (arm-neon), as x86/vnni.py's
 # decode_gemv's: a task holds 16 rows, a Q8_0 block 32 (no quantize); "split": parts of the blocks
 DECODE_EPILOGUES = frozenset({"bias", "split"})
 UNROLL = 2          # blocks an iteration of the decode GEMV's loop (_decode_gemv: group)
@@ -78,8 +84,9 @@ def _lane(T, v, i):
 def _slice_dot(T, w, aq, off, g, b, q, t, bits: int = 4):
     """int32x4: rows 16g+4q .. +3, block b, token t, as one chain of 8 sdot (one expression:
     named temporaries would become per-thread allocations inside the parallel loop). Q4_0
-    starts from the quantizer's offsets; Q8_0's signed codes, and with `off` None the raw
-    nibbles 0..15 (compact Q4_K: its minimums are a term of their own), from 0."""
+    (and five-bit codes, `bits` 5, whose block offsets carry the rest) starts from the
+    quantizer's offsets; Q8_0's signed codes, and with `off` None the raw codes 0..15 or 0..31
+    (compact Q4_K and Q5_K: their minimums are a term of their own), from 0."""
     if bits == 8:
         acc = T.broadcast(T.int32(0), LANES)
         for i in range(INT8_CHUNKS):
@@ -89,11 +96,28 @@ def _slice_dot(T, w, aq, off, g, b, q, t, bits: int = 4):
     acc = T.broadcast(T.int32(0) if off is None else off[t, b], LANES)
     for i in range(4):
         v = w.vload([g, b, i, 16 * q], "uint8x16")
-        lo = T.reinterpret("int8x16", v & T.broadcast(T.uint8(15), 16))
-        hi = T.reinterpret("int8x16", v >> T.broadcast(T.uint8(4), 16))
+        if bits == 5:
+            lo, hi = _five_bit_codes(T, v, w.vload([g, b, 4, 16 * q], "uint8x16"), i)
+        else:
+            lo = T.reinterpret("int8x16", v & T.broadcast(T.uint8(15), 16))
+            hi = T.reinterpret("int8x16", v >> T.broadcast(T.uint8(4), 16))
         acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, lo, _lane(T, aq.vload([t, b, 0], "int8x16"), i))
         acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, hi, _lane(T, aq.vload([t, b, 16], "int8x16"), i))
     return acc
+
+
+def _five_bit_codes(T, v, fifth, i: int):
+    """(low, high) int8x16: the five-bit codes of chunks i and i + 4 (row_groups.pack_five_bit)
+    from stored chunk i's nibbles v and the fifth bits' chunk, whose bits i and i + 4 hold
+    theirs. z = (fifth >> i) & 0x11 has the low code's bit at 0 and the high code's at 4 with
+    zeros above each, so one `sli` (z << 4 over v's low nibble) and one `sri` (v >> 4 under
+    z's top four bits) make the codes: a nibble's one instruction each, as Q4_0's `and` and
+    `ushr`, plus the mask and shift that make z."""
+    shifted = fifth if i == 0 else fifth >> T.broadcast(T.uint8(i), 16)
+    z = shifted & T.broadcast(T.uint8(0x11), 16)
+    low = T.call_llvm_pure_intrin("uint8x16", SLI, v, z, T.int32(4))
+    high = T.call_llvm_pure_intrin("uint8x16", q4_k_scales.SRI, z, v, T.int32(4))
+    return T.reinterpret("int8x16", low), T.reinterpret("int8x16", high)
 
 
 def _negated_offsets_term(T, ws, wc, ad, off, g, b, q, t):
@@ -282,14 +306,15 @@ def block_split(n: int, nb: int, threads: int, scale_dtype: str = "float16") -> 
     return split
 
 
-def _q4_k_super_block(T, w, ws, wc, aq, ad, off, acc, g, s):
+def _q4_k_super_block(T, w, ws, wc, aq, ad, off, acc, g, s, bits: int):
     """Compact Q4_K (kernels/q4_k_scales.py), super-block s of row group g, on activations
     scaled by super-blocks (act_quant's super_blocks: ad the same at its 8 blocks), as
-    llama.cpp's Q4_K x Q8_K dot: per slice, each sub-block's dot of the raw nibbles times
-    its 6-bit scale sc, and the activations' block offset times the minimum's mn, summed
-    as int32 (both exact: |sum mn off| < 2^24 converts exactly); then one convert and one
-    FMA each with d ad and dmin ad. The float work comes once a super-block, where the
-    expanded form's came every block. Part of _decode_gemv (T: its IR builder's tirx)."""
+    llama.cpp's Q4_K x Q8_K dot: per slice, each sub-block's dot of the raw codes (nibbles;
+    Q5_K's five bits with `bits` 5) times its 6-bit scale sc, and the activations' block
+    offset times the minimum's mn, summed as int32 (the minimums' exact: |sum mn off| < 2^24
+    converts exactly); then one convert and one FMA each with d ad and dmin ad. The float
+    work comes once a super-block, where the expanded form's came every block. Part of
+    _decode_gemv (T: its IR builder's tirx)."""
     ia = T.decl_buffer((2 * SLICES * LANES,), "int32", scope="global")   # a stack slot: see q4_dot
     for q in range(2 * SLICES):
         T.buffer_store(ia, T.broadcast(T.int32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
@@ -306,7 +331,7 @@ def _q4_k_super_block(T, w, ws, wc, aq, ad, off, acc, g, s):
         b = s * q4_k_scales.SUB_BLOCKS + j
         for q in range(SLICES):
             sc, mn = (_widened_lanes(T, small.vload([(j * 2 + i) * ROWS], "uint8x16"), q) for i in range(2))
-            T.buffer_store(ia, ia[T.ramp(q * LANES, 1, LANES)] + _slice_dot(T, w, aq, None, g, b, q, 0) * sc,
+            T.buffer_store(ia, ia[T.ramp(q * LANES, 1, LANES)] + _slice_dot(T, w, aq, None, g, b, q, 0, bits) * sc,
                            [T.ramp(q * LANES, 1, LANES)])
             at = T.ramp((SLICES + q) * LANES, 1, LANES)
             T.buffer_store(ia, ia[at] + mn * T.broadcast(off[0, b], LANES), [at])
@@ -339,7 +364,7 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
     With `split` > 1 (one output): y is [split, N], a task one row group over one part of
     the blocks (block_split), the bias added to part 0; the RMSNorm quantizer that reads y sums
     the parts (act_quant.fused_quantizer's `parts`; compiler/split_residual_gemv.py).
-    `dot` "sdot8": Q8_0 weights (8 chunks a block)."""
+    `dot` "sdot8": Q8_0 weights (8 chunks a block); "sdot5": five-bit codes (5 chunks)."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
@@ -357,7 +382,7 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
             T.buffer_store(acc, T.broadcast(T.float32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
         if compact:   # whole super-blocks (the parts' bounds are)
             with T.serial(b0 // q4_k_scales.SUB_BLOCKS, b1 // q4_k_scales.SUB_BLOCKS) as s:
-                _q4_k_super_block(T, w, ws, wc, aq, ad, off, acc, g, s)
+                _q4_k_super_block(T, w, ws, wc, aq, ad, off, acc, g, s, bits)
         else:
             # UNROLL blocks an iteration: the loop's own counter, compare, branch and pointer
             # increments were a share of a block's instructions worth saving (instructions are
@@ -390,8 +415,8 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
     bits = dot_bits(dot)
     # compact Q4_K's scales (super_block), which every output of one launch shares (its format)
     compact = scale_dtype == q4_k_scales.SCALE_DTYPE
-    if compact and bits != 4:
-        raise ValueError(f"compact K-quant scales on the ARM decode GEMV are Q4_K's, not {bits}-bit codes'")
+    if compact and bits not in (4, 5):
+        raise ValueError(f"compact K-quant scales on the ARM decode GEMV are Q4_K's or Q5_K's, not {bits}-bit codes'")
     # a part's blocks: [p nb / split, (p + 1) nb / split), in whole super-blocks for compact Q4_K
     unit = q4_k_scales.SUB_BLOCKS if compact else 1
 

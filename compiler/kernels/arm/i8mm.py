@@ -31,11 +31,15 @@ token) stays on sdot: smmla would waste half its work.
 
 Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k of a row pair
 is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumulation started
-from 0 instead of the offsets.
+from 0 instead of the offsets. Five-bit codes (dot "smmla5": a GGUF's Q5_0 / Q5_1 / Q5_K,
+row_groups.pack_five_bit) zip their nibbles as Q4_0's and their fifth bits alike, each made a
+code by one insert (_five_bit_rows), with their block offsets or Q5_K's compact factors as
+Q4_1's and Q4_K's.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from tvm import tirx
 
 from .. import dot_bits, q4_k_scales
@@ -48,7 +52,8 @@ LANES = 4          # rows per 128-bit slice of a chunk
 SLICES = ROWS // LANES
 MERGE_INTO = 5     # tile pairs after which a lone leftover pair joins the last tile's (6, or 4 + 2)
 SMMLA = "llvm.aarch64.neon.smmla.v4i32.v16i8"
-DEFAULT_TOKENS = {"smmla": 10, "smmla8": 10}   # 5 token pairs a prefill tile: see this module's docstring
+SLI = "llvm.aarch64.neon.vsli.v16i8"
+DEFAULT_TOKENS = {"smmla": 10, "smmla8": 10, "smmla5": 10}   # 5 token pairs a prefill tile: see this module's docstring
 DECODE_EPILOGUES = frozenset()     # prefill only: decode runs arm/dotprod.py's GEMV
 PREFILL_BIAS = False   # a bias is its own kernel after the GEMM
 
@@ -65,12 +70,33 @@ def _rows(T, w, g, b, q, k, rp, bits: int = 4):
                          [0, 4, 1, 5] if rp == 0 else [2, 6, 3, 7])
         return T.reinterpret("int8x16", z)
     i = 2 * (k % 2)
+    pattern = [0, 4, 1, 5] if rp == 0 else [2, 6, 3, 7]
     z = tirx.Shuffle([T.reinterpret("int32x4", w.vload([g, b, i, 16 * q], "uint8x16")),
-                      T.reinterpret("int32x4", w.vload([g, b, i + 1, 16 * q], "uint8x16"))],
-                     [0, 4, 1, 5] if rp == 0 else [2, 6, 3, 7])
+                      T.reinterpret("int32x4", w.vload([g, b, i + 1, 16 * q], "uint8x16"))], pattern)
     v = T.reinterpret("uint8x16", z)
+    if bits == 5:
+        return _five_bit_rows(T, v, w.vload([g, b, 4, 16 * q], "uint8x16"), i, pattern, k >= 2)
     v = (v >> T.broadcast(T.uint8(4), 16)) if k >= 2 else (v & T.broadcast(T.uint8(15), 16))
     return T.reinterpret("int8x16", v)
+
+
+def _five_bit_rows(T, v, fifth, i: int, pattern, high: bool):
+    """int8x16: _rows' pair of rows of five-bit codes (row_groups.pack_five_bit): v the zipped
+    nibbles of chunks i and i + 1 (their low nibbles chunks i, i + 1 of the codes, their high
+    ones chunks i + 4, i + 5), `fifth` the slice's fifth bits. Zipped the same way, each row's
+    first 4 bytes take bits i (low) and i + 4 (high) of its fifth-bit bytes and its next 4 bits
+    i + 1 and i + 5: one `ushl` by -i and -(i + 1) in those lanes and an `and` with 0x11 leave
+    z with the low code's bit at 0 and the high code's at 4, as dotprod._five_bit_codes' z,
+    and one `sli` or `sri` makes the codes."""
+    zipped = T.reinterpret("uint8x16", tirx.Shuffle([T.reinterpret("int32x4", fifth)] * 2, pattern))
+    def lane(shift):   # an int32 lane of four bytes `shift`
+        return T.broadcast(T.int32(int(np.array([shift] * 4, np.int8).view(np.int32)[0])), 4)
+
+    shifts = T.reinterpret("int8x16", tirx.Shuffle([lane(-i), lane(-(i + 1))], [0, 4, 1, 5]))
+    z = T.call_llvm_pure_intrin("uint8x16", "llvm.aarch64.neon.ushl.v16i8", zipped, shifts) & T.broadcast(T.uint8(0x11), 16)
+    if high:
+        return T.reinterpret("int8x16", T.call_llvm_pure_intrin("uint8x16", q4_k_scales.SRI, z, v, T.int32(4)))
+    return T.reinterpret("int8x16", T.call_llvm_pure_intrin("uint8x16", SLI, v, z, T.int32(4)))
 
 
 def _pair_dot(T, w, aqf, init, g, b, q, rp, base, bits: int = 4):
