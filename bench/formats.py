@@ -84,20 +84,22 @@ def prepare_file(src: Path, work: Path) -> tuple[Path, Path]:
     return src, chain(mine, work, src.stem, optimize=None, fresh=("onnx", "qwc"))["qwc"]
 
 
-def quantized_file(mix: str, size: str, work: Path) -> Path:
+def quantized_file(mix: str, size: str, work: Path, layers: int | None = None) -> Path:
     """llama-quantize's `mix` (Q4_K_M, ...) of a random checkpoint of Qwen2.5-`size`'s shapes
-    (bench/make_checkpoint.py), written as F16 first."""
+    (bench/make_checkpoint.py; `layers`: its first N layers only), written as F16 first."""
     from qwc.bench.gguf_q4_0 import write_gguf_q4_0_checkpoint
     from qwc.bench.llamacpp import tools as llamacpp_tools
     from qwc.models.hf import open_hf_dir
 
     work.mkdir(parents=True, exist_ok=True)
-    out = work / f"qwen2.5-{size}-{mix}.gguf"
+    stem = f"qwen2.5-{size}" + (f"-{layers}layers" if layers is not None else "")
+    out = work / f"{stem}-{mix}.gguf"
     if out.exists():
         return out
-    ckpt, f16 = work / f"qwen2.5-{size}", work / f"qwen2.5-{size}-f16.gguf"
+    ckpt, f16 = work / stem, work / f"{stem}-f16.gguf"
     if not (ckpt / "config.json").exists():
-        subprocess.run([sys.executable, str(HERE / "make_checkpoint.py"), size, "-o", str(ckpt)], check=True)
+        cut = ["--layers", str(layers)] if layers is not None else []
+        subprocess.run([sys.executable, str(HERE / "make_checkpoint.py"), size, "-o", str(ckpt), *cut], check=True)
     if not f16.exists():
         write_gguf_q4_0_checkpoint(open_hf_dir(ckpt), f16.with_suffix(".partial"), f16=True)
         f16.with_suffix(".partial").rename(f16)
@@ -120,9 +122,10 @@ def main() -> None:
     p.add_argument("--mix", choices=("q4_0", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k"),
                    help="bench llama-quantize's mix of a random model (--size) instead")
     p.add_argument("--size", default="1.5b", help="with --mix: Qwen2.5's size (bench/make_checkpoint.py's: 0.5b, 1.5b, 7b)")
+    p.add_argument("--layers", type=int, help="with --mix: the model's first N layers only (7b: 4, the 7B cut)")
     a = p.parse_args()
     if a.mix:
-        a.gguf = quantized_file(a.mix, a.size, a.workdir)
+        a.gguf = quantized_file(a.mix, a.size, a.workdir, a.layers)
     from qwc.bench.scale import alternating
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in ("q4_0", "q4_1", "q8_0")]

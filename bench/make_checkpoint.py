@@ -3,7 +3,10 @@ generation_config.json, bf16 safetensors shards of at most --shard-gb with
 model.safetensors.index.json, and a byte-level tokenizer.json. Written shard by shard, so a
 7B (15 GB) is made in about one shard of memory; seeded, so every machine gets the same bytes.
 
-    .venv/bin/python bench/make_checkpoint.py 7b -o build/ckpt/qwen2.5-7b [--shard-gb 4] [--seed 0]
+    .venv/bin/python bench/make_checkpoint.py 7b -o build/ckpt/qwen2.5-7b [--shard-gb 4] [--seed 0] [--layers N]
+
+--layers N cuts the model to its first N layers (the 7B's 4: the `qwen2.5-7b-4layers` preset's
+shape, which emulation runs and bench/n2_table.py scales to 28 layers).
 
 No model hub is reachable here: these stand in for the real checkpoints in the scale table
 (bench/scale.py). Their text is noise; their sizes, shapes and file layout are the real ones.
@@ -33,10 +36,15 @@ SHAPES = {
 }
 
 
-def config(size: str) -> ModelConfig:
+def config(size: str, layers: int | None = None) -> ModelConfig:
     h, i, n, heads, kv, vocab, tied = SHAPES[size]
+    if layers is not None:
+        if not 1 <= layers <= n:
+            raise SystemExit(f"make_checkpoint: --layers from 1 to {n} for {size}, got {layers}")
+        n = layers
     bos, eos = special_ids(byte_level_tokenizer())
-    return ModelConfig(name=f"qwen2.5-{size}-random", vocab_size=vocab, hidden_size=h, intermediate_size=i,
+    name = f"qwen2.5-{size}-random" + (f"-{layers}layers" if layers is not None else "")
+    return ModelConfig(name=name, vocab_size=vocab, hidden_size=h, intermediate_size=i,
                        num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
                        head_dim=h // heads, rope_theta=1000000.0, rms_norm_eps=1e-6,
                        max_position_embeddings=32768, tie_word_embeddings=tied, bos_token_id=bos,
@@ -64,8 +72,8 @@ def tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Ten
     return (std * torch.randn(shape, generator=gen)).to(torch.bfloat16)
 
 
-def write(size: str, out: Path, shard_gb: float, seed: int) -> None:
-    cfg = config(size)
+def write(size: str, out: Path, shard_gb: float, seed: int, layers: int | None = None) -> None:
+    cfg = config(size, layers)
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     shapes = expected_tensors(cfg)
@@ -94,7 +102,8 @@ def write(size: str, out: Path, shard_gb: float, seed: int) -> None:
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids}, indent=1))
     byte_level_tokenizer().save(str(out / "tokenizer.json"))
-    print(f"{out}: Qwen2.5-{size} shapes, {total / 2**30:.2f} GiB bf16 in {len(shards)} shards", file=sys.stderr)
+    print(f"{out}: Qwen2.5-{size} shapes, {cfg.num_hidden_layers} layers, {total / 2**30:.2f} GiB bf16 in "
+          f"{len(shards)} shards", file=sys.stderr)
 
 
 def main() -> None:
@@ -103,8 +112,9 @@ def main() -> None:
     p.add_argument("-o", "--output", type=Path, required=True)
     p.add_argument("--shard-gb", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, help="only the first N layers (a cut of the model)")
     a = p.parse_args()
-    write(a.size, a.output, a.shard_gb, a.seed)
+    write(a.size, a.output, a.shard_gb, a.seed, a.layers)
 
 
 if __name__ == "__main__":

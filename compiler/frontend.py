@@ -312,6 +312,9 @@ class GatherBlockQuantized(F.OnnxOpConverter):
             isa = q6_k_path(16, 8, _ctx().act_bits, _ctx().features)
             return bb.emit_te(generic.gather_q6_k_row_groups, w, idx, s, inputs[3], isa=isa,
                               primfunc_name_hint=_kname("gather_q6_k_packed"))
+        if attr.get(Q4_K_SCALES_ATTR):   # an untied Q4_K table's compact factors (repack_q4_k.q4_k_gather)
+            return bb.emit_te(generic.gather_q4_k_compact, w, idx, s, inputs[3],
+                              primfunc_name_hint=_kname("gather_q4_k_compact"))
         if len(w.ty.shape) == 4:  # shared with an lm_head whose kernel reads a repacked layout
             if int(attr.get("bits", 4)) == 8:   # the W8A8 kernels' (row_groups.pack_int8)
                 signed = q8_0_path(32, 8, _ctx().act_bits, _ctx().features) == "arm"

@@ -82,6 +82,7 @@ def linear_formats(model) -> tuple[tuple, int | None]:
 def weights(model, act_bits: int, target) -> WeightsDone:
     """Phase 0: the weights phase, on the canonical graph in place."""
     from .repack import float_column_blocks, half_gather_scales
+    from .repack_q4_k import q4_k_gather
     from .row_activations import chosen
 
     rewrites, done, out = weight_rewrites(), {}, WeightsDone()
@@ -101,11 +102,13 @@ def weights(model, act_bits: int, target) -> WeightsDone:
     with progress.stage("repacking weights for the target's kernels"):
         for name in ("q8_0_nibble_halves", "q4_k_compact", "q4_1_block_offsets", "five_bit_codes", "repack_weights"):
             done[name] = rewrites[name](model, act_bits, features)
+        embedding = q4_k_gather(model, features)   # an untied Q4_K table at the file's bytes
         half_gather_scales(model)
         column_blocks = float_column_blocks(model, features)
     repacked = done["repack_weights"] + done["q4_k_compact"] + done["five_bit_codes"]
     out.layout = {k: v for k, v in (("row_groups_16", repacked), ("q4_k_compact_scales", done["q4_k_compact"]),
-                                    ("five_bit_codes", done["five_bit_codes"]), ("column_blocks", column_blocks)) if v}
+                                    ("five_bit_codes", done["five_bit_codes"]), ("column_blocks", column_blocks),
+                                    ("q4_k_compact_embedding", embedding)) if v}
     return out
 
 

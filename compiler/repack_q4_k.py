@@ -130,3 +130,107 @@ def q4_k_compact(model: onnx.ModelProto, act_bits: int, features) -> tuple[int, 
                                helper.make_attribute(Q4_K_SCALES_ATTR, 1)])
         compact += 1
     return compact, expanded
+
+
+def q4_k_gather(model: onnx.ModelProto, features) -> int:
+    """An untied Q4_K embedding table (models/stream_export.py: a GatherBlockQuantized of its
+    codes and scales d sc, plus a Gather of its block offsets c = m + 8 d sc, added) made one
+    gather of the file's factors in kernels/q4_k_scales.py's form (ARM's six-bit pairs on ARM),
+    which generic.gather_q4_k_compact reads: the file's 4.5 bits a weight on ARM, 4.625 on x86,
+    where the expanded scales and offsets took 6 (a 7B's table is 545M weights). Taken where
+    the factors come back exactly and give the graph's offsets to the bit (a Q4_1 table's do
+    not); else the table stays as it is. Returns the tables rewritten."""
+    from qwc import weight_formats
+
+    graph = Graph(model)
+    inits, consumers, producer = graph.inits, graph.consumers, graph.producer
+    dots = kernels_for(features).int_dots
+    for node in model.graph.node:
+        if node.op_type != "GatherBlockQuantized":
+            continue
+        attrs = {a.name: a.i for a in node.attribute}
+        fmt = weight_formats.marked(node)   # (a graph exported before the table was marked has none:
+        if (fmt is not None and fmt.name != "Q4_K") or attrs.get("bits") != 4 or attrs.get("block_size") != 32:
+            continue                        # its factors coming back to the bit say Q4_K then)
+        parts = _offset_gather(node, inits, consumers, producer)
+        if parts is None:
+            continue
+        add, gather, scale_src = parts
+        codes = tensor_array(inits[node.input[0]])
+        s = tensor_array(inits[scale_src]).astype(np.float32).reshape(codes.shape[:2])
+        c = tensor_array(inits[gather.input[0]]).astype(np.float32).reshape(codes.shape[:2])
+        if codes.shape[1] % (SUPER // 32):
+            continue
+        factors = _table_factors(codes, s, c, dots.isa if dots else "x86")
+        if factors is None:
+            continue
+        ws, wc = factors
+        stem = node.input[0]
+        names = (stem + ".qwc_q4_k_sc_mn", stem + ".qwc_q4_k_d")
+        for name, a in zip(names, (ws, wc)):
+            model.graph.initializer.append(new_tensor(a, name))
+        unsq = producer.get(node.input[2])
+        dead = [gather, add] + ([unsq] if unsq is not None else [])
+        old = [gather.input[0], scale_src] + ([x for x in unsq.input] if unsq is not None else [])
+        del node.input[2:]
+        node.input.extend(names)
+        node.output[0] = add.output[0]
+        node.attribute.append(helper.make_attribute(Q4_K_SCALES_ATTR, 1))
+        for n in dead:
+            model.graph.node.remove(n)
+        for name in old:
+            if name in inits and not any(name in x.input for x in model.graph.node):
+                model.graph.initializer.remove(inits.pop(name))
+        return 1
+    return 0
+
+
+def _offset_gather(node, inits, consumers, producer):
+    """(the Add, the offsets' Gather, the scales' initializer) of the export's untied table
+    gather `node`, or None where the graph is not that form or something else reads its codes,
+    scales or offsets (a tied head)."""
+    readers = consumers.get(node.output[0], [])
+    if len(readers) != 1 or readers[0].op_type != "Add":
+        return None
+    add = readers[0]
+    other = add.input[1] if add.input[0] == node.output[0] else add.input[0]
+    gather = producer.get(other)
+    if gather is None or gather.op_type != "Gather" or gather.input[1] != node.input[1]:
+        return None
+    unsq = producer.get(node.input[2])
+    scale_src = unsq.input[0] if unsq is not None and unsq.op_type == "Unsqueeze" else node.input[2]
+    only = {node.input[0]: node, gather.input[0]: gather, scale_src: unsq or node}
+    if unsq is not None and consumers.get(unsq.output[0], []) != [node]:
+        return None
+    if any(x not in inits or consumers.get(x, []) != [r] for x, r in only.items()):
+        return None
+    if len(consumers.get(gather.output[0], [])) != 1:
+        return None
+    return add, gather, scale_src
+
+
+def _table_factors(codes: np.ndarray, s: np.ndarray, c: np.ndarray, isa: str):
+    """compact_scales of a table's d sc `s` and block offsets c = m + 8 d sc [V, K/32], or
+    None. c was rounded to float32 (models/stream_export.py), so c - 8 d sc is m only nearly:
+    each super-block's dmin and mn are the fp16 and 6-bit integers (the largest mn tried from
+    63 down, as six_bit_factors does) that give its c again to the bit."""
+    n, nb = s.shape
+    v = -(c.astype(np.float64) - 8 * s.astype(np.float64)).reshape(n, -1, 8)   # dmin mn, nearly
+    cc, ss = c.reshape(v.shape), 8 * s.astype(np.float64).reshape(v.shape)
+    top = v.max(-1)
+    dmin, mn = np.zeros(top.shape, np.float32), np.zeros(v.shape, np.uint8)
+    todo = np.ones(top.shape, bool)
+    for j in range(63, 0, -1):
+        at = np.flatnonzero(todo)
+        if not at.size:
+            break
+        cand = (np.maximum(top.reshape(-1)[at], 0) / j).astype(np.float16).astype(np.float32)
+        q = np.clip(np.rint(v.reshape(-1, 8)[at] / np.where(cand > 0, cand, 1)[:, None]), 0, 63) * (cand > 0)[:, None]
+        back = (ss.reshape(-1, 8)[at] - cand[:, None].astype(np.float64) * q).astype(np.float32)
+        ok = (back == cc.reshape(-1, 8)[at]).all(-1)
+        dmin.reshape(-1)[at[ok]], mn.reshape(-1, 8)[at[ok]] = cand[ok], q[ok]
+        todo.reshape(-1)[at[ok]] = False
+    if todo.any():
+        return None
+    mins = -(np.repeat(dmin, 8, axis=1) * mn.reshape(n, nb)).astype(np.float32)
+    return compact_scales(s, mins, ~codes.any(-1), isa)

@@ -182,6 +182,7 @@ class _GraphBuilder:
         blocks_out = node("GatherBlockQuantized", [q.codes, "input_ids", scales3], ["embedding_blocks"],
                           "/model/embed_tokens/GatherBlockQuantized", domain=MS_DOMAIN, gather_axis=0,
                           quantize_axis=2, block_size=q.block, bits=q.bits)
+        weight_formats.mark(self.nodes[-1], q.fmt)   # (compile time keeps an untied Q4_K table compact)
         if q.zero_points:   # an untied Q4_1 / Q4_K table: d (q - 8) + c (Q5_1 / Q5_K: d q + m), a block's c added to its 32
             # (c [V, K/32, 1]: three axes, so that passes/quantize_embedding.py, which takes a
             # float Gather of a [V, H] table for the embedding, leaves this one alone)

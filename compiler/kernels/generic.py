@@ -82,6 +82,27 @@ def gather_q4_row_groups(w, idx, s):
     return te.compute((*idx.shape, nb, 32), body, name="gather_q4_row_groups")
 
 
+def gather_q4_k_compact(w, idx, ws, wc):
+    """Rows `idx` [...] of an untied Q4_K table (compiler/repack_q4_k.py: q4_k_gather): its
+    codes as GatherBlockQuantized holds them (w [V, nb, 16], byte t elements 2t and 2t + 1),
+    its factors in kernels/q4_k_scales.py's compact form (x86's bytes or ARM's six-bit pairs,
+    in row groups) -> [..., nb, 32]: d sc q - dmin mn, the file's weights."""
+    from . import q4_k_scales
+    from .row_groups import ROWS
+
+    nb = w.shape[1]
+
+    def body(*i):
+        *pre, b, e = i
+        row = idx[tuple(pre)].astype("int64")
+        byte = w[row, b, e // 2]
+        q = tirx.if_then_else(e % 2 == 0, byte & tirx.const(15, "uint8"), byte >> tirx.const(4, "uint8"))
+        scale, minimum = q4_k_scales.element_factors(ws, wc, row // ROWS, b, row % ROWS)
+        return scale * q.astype("float32") - minimum
+
+    return te.compute((*idx.shape, nb, 32), body, name="gather_q4_k_compact")
+
+
 def _int8_row_group_gather(w, idx, scale, *, signed: bool, name: str, six_bit: bool = False):
     """Rows `idx` [...] of 8-bit codes in the W8A8 kernels' row groups (row_groups.pack_int8;
     w [G, nb, 8, 4 x ROWS] in de-interleaved order, q (`signed`, ARM) or q + 128 (x86); with

@@ -84,6 +84,25 @@ def _factor(T, ws, wc, g, b, lane, lanes: int, second: bool):
     return big * T.Cast(f"float32x{lanes}", small)
 
 
+def element_factors(ws, wc, g, b, r):
+    """(d sc, dmin mn) float32 of row 16g + r, block b (TE / TIR expressions of scalars, either
+    form): what a gather of one row reads, where the kernels' vector forms read 16 rows."""
+    from tvm import tirx
+
+    def u8(v):
+        return tirx.const(v, "uint8")
+
+    if is_arm_pairs(ws):
+        a, bb, c = (ws[g, b // 2, i * ROWS + r] for i in range(3))
+        even = b % 2 == 0
+        sc = tirx.if_then_else(even, a & u8(0x3F), c & u8(0x3F))
+        mn = tirx.if_then_else(even, bb & u8(0x3F), (a >> u8(6)) | ((bb >> u8(6)) << u8(2)) | ((c >> u8(6)) << u8(4)))
+    else:
+        sc, mn = ws[g, b, r], ws[g, b, ROWS + r]
+    d, dmin = (wc[g, b // SUB_BLOCKS, at + r].astype("float32") for at in (0, ROWS))
+    return d * sc.astype("float32"), dmin * mn.astype("float32")
+
+
 def scales(T, ws, wc, g, b, lane, lanes: int):
     """float32 x lanes: the block scales d sc of rows 16g + lane .. + lanes - 1, block b."""
     return _factor(T, ws, wc, g, b, lane, lanes, False)

@@ -187,11 +187,57 @@ def test_an_untied_embedding_with_minimums_is_the_files(tmp_path, capsys, kind):
     assert main(["-q", "compile", str(tmp_path / "m.onnx"), "--kv-dtype", "f32", "-o", str(art)]) == 0
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["quantization"]["embedding_bits"] == (4 if kind == Q.Q4_K else 8)
+    if kind == Q.Q4_K:   # the table at the file's factors (test_an_untied_q4_k_table_gathers_the_files_weights)
+        assert manifest["quantization"]["weight_layout"]["q4_k_compact_embedding"] == 1
+        assert not any("embed_tokens" in p["name"] and p["dtype"] == "float32" for p in manifest["params"])
     ref = np.stack([r[0, -1] for r in ort_kv_logits(tmp_path / "float.onnx", cfg, STEPS[0], STEPS[1:])])
     got = _compiled_logits(art)
     # Q8_0 activations, as llama.cpp's (3.1% for this Q5_K model: its kernels are exact against
     # the quantized activations, tests/compiler/test_q5_minimums.py)
     assert np.abs(got - ref).max() / np.abs(ref).max() < (3e-2 if kind == Q.Q4_K else 5e-2)
+
+
+@pytest.mark.parametrize("target", ["x86-avx512", "arm-yitian"])
+def test_an_untied_q4_k_table_gathers_the_files_weights(tmp_path, target):
+    """compile time's q4_k_gather takes an untied Q4_K table's factors back from the graph's
+    scales and block offsets (compiler/repack_q4_k.py) into the target's compact form (x86's
+    bytes, ARM's six-bit pairs): one gather node, no float32 table left, and the gather
+    kernel's rows are the file's weights to the bit."""
+    import dataclasses
+
+    import tvm
+
+    from qwc.compiler.kernels import generic
+    from qwc.compiler.repack_q4_k import q4_k_gather
+    from qwc.compiler.targets import get_target
+    from qwc.passes.graph import tensor_array
+
+    cfg = dataclasses.replace(_config("tiny-kquants", hidden=256, intermediate=512), tie_word_embeddings=False)
+
+    def matrix(rng, name, shape):
+        if "embed" in name:
+            return random_q4_k(rng, *shape), Q.Q4_K
+        return quantize((0.1 * rng.standard_normal(shape)).astype(np.float32), Q.Q8_0), Q.Q8_0
+
+    raw = write_random_model(tmp_path / "m.gguf", cfg, matrix, 3)["model.embed_tokens.weight"][0]
+    assert main(["-q", "export", str(tmp_path / "m.gguf"), "-o", str(tmp_path / "m.onnx")]) == 0
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    assert q4_k_gather(model, get_target(target).features) == 1
+    gbq = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert len(gbq) == 1 and not any(n.op_type in ("Gather", "Add") and "embed" in n.name for n in model.graph.node)
+    inits = {t.name: tensor_array(t) for t in model.graph.initializer}
+    assert not any("embed_tokens" in name and a.dtype == np.float32 for name, a in inits.items())
+    w, ws, wc = (inits[x] for x in (gbq[0].input[0], gbq[0].input[2], gbq[0].input[3]))
+    assert ws.shape[-1] == (48 if target.startswith("arm") else 32)
+    v = w.shape[0]
+    ids = tvm.te.placeholder((v,), "int64", name="ids")
+    args = [tvm.te.placeholder(x.shape, str(x.dtype)) for x in (w, ws, wc)]
+    out = generic.gather_q4_k_compact(args[0], ids, args[1], args[2])
+    f = tvm.compile(tvm.te.create_prim_func([args[0], ids, args[1], args[2], out]), target="llvm")
+    got = tvm.runtime.tensor(np.zeros((v, w.shape[1], 32), np.float32))
+    f(*(tvm.runtime.tensor(x) for x in (w, np.arange(v, dtype=np.int64), ws, wc)), got)
+    want = dequantize(raw, Q.Q4_K).reshape(v, -1)
+    assert np.array_equal(got.numpy().reshape(v, -1), want)
 
 
 def _file_codes(raw: np.ndarray, kind: Q, n: int, k: int) -> tuple[np.ndarray, ...]:
