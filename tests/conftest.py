@@ -298,3 +298,26 @@ def llamacpp_scripts():
                     t.extract(m, stage, filter="data")
         os.replace(stage, cache)
     return cache
+
+
+def assert_arm_library_follows(bb, target: str, inputs: dict, refs: dict, prefix: str, tmp_path) -> None:
+    """Build bb's functions for the ARM `target`, run those named `prefix`... under qemu at 1, 3, 8
+    and 64 threads, and hold each to its reference in `refs` within float32 rounding (2e-6 of its
+    largest value), the same bits at every thread count."""
+    import tvm
+
+    from qwc.bench import emulation
+    from qwc.compiler.build import build
+    from qwc.compiler.targets import get_target
+
+    t = get_target(target)
+    lib = tmp_path / f"{target}.so"
+    build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
+    ours = {x: v for x, v in inputs.items() if x.startswith(prefix)}
+    outs = emulation.run_library(emulation.arm64_env(), lib, ours, tmp_path, threads=(1, 3, 8, 64))
+    for name, ref in refs.items():
+        if name.startswith(prefix):
+            got = outs[0][name]
+            np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=name)
+            for other in outs[1:]:
+                assert np.array_equal(other[name], got), name

@@ -18,7 +18,7 @@ from qwc.compiler.repack_q4_k import pack
 from qwc.compiler.targets import get_target
 from qwc.models import gguf_blocks
 
-from conftest import q8_k, random_q4_k
+from conftest import assert_arm_library_follows, q8_k, random_q4_k
 
 
 def _blocks(raw: np.ndarray, n: int, k: int):
@@ -173,11 +173,8 @@ def test_arm_kernels_on_compact_q4_k_take_q8_k_activations(tmp_path):
     compact form's activations are Q8_K's (a scale a super-block), its decode GEMV takes the
     sub-block scales on integer sums, and every result is the file's weights times those
     activations within float32 rounding, the same bits at 1, 3, 8 and 64 threads."""
-    import tvm
 
-    from qwc.bench import emulation
-
-    env, inputs, refs = emulation.arm64_env(), {}, {}
+    inputs, refs = {}, {}
     for target in ("arm-yitian", "arm-neon"):
         bb, prefix = relax.BlockBuilder(), target.replace("-", "_")
         for k, n in CASES:
@@ -193,17 +190,7 @@ def test_arm_kernels_on_compact_q4_k_take_q8_k_activations(tmp_path):
                 for i, x in enumerate([a, *_decode_split_case(bb, name, k, n, raw, split)]):
                     inputs[f"{name}/{i}"] = x
                 refs[name] = refs[f"{prefix}_{k}_{n}_1"]
-        t = get_target(target)
-        lib = tmp_path / f"{target}.so"
-        build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
-        ours = {x: v for x, v in inputs.items() if x.startswith(prefix)}
-        outs = emulation.run_library(env, lib, ours, tmp_path, threads=(1, 3, 8, 64))
-        for name, ref in refs.items():
-            if name.startswith(prefix):
-                got = outs[0][name]
-                np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=name)
-                for other in outs[1:]:
-                    assert np.array_equal(other[name], got), name
+        assert_arm_library_follows(bb, target, inputs, refs, prefix, tmp_path)
 
 
 def _host(func):

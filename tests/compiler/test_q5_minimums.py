@@ -25,7 +25,7 @@ from qwc.compiler.targets import five_bit_path, get_target, q8_0_path
 from qwc.models import gguf_blocks
 from qwc.passes.graph import BLOCK_OFFSETS_ATTR, tensor_array
 
-from conftest import compact_k_factors, random_q5_k
+from conftest import assert_arm_library_follows, compact_k_factors, random_q5_k
 
 # K = 768: three super-blocks; N = 150: x86 decode's four streams and a ragged last row group
 CASES = [(512, 40), (768, 150)]
@@ -195,13 +195,9 @@ def test_arm_kernels_take_five_bit_codes(tmp_path):
     Q5_0 (block offsets, on Q8_0 blocks): five bits a weight in memory; and Q5_1 as bytes on the
     W8A8 kernels. Each result is the file's weights times the activations within float32
     rounding, the same bits at 1, 3, 8 and 64 threads."""
-    import tvm
-
-    from qwc.bench import emulation
-
     from conftest import q8_k
 
-    env, inputs, refs = emulation.arm64_env(), {}, {}
+    inputs, refs = {}, {}
     for target in ("arm-yitian", "arm-neon"):
         bb, prefix = relax.BlockBuilder(), target.replace("-", "_")
         # (Q5_1 "bytes": the W8A8 kernels with block offsets, which codes wider than five bits take)
@@ -217,14 +213,4 @@ def test_arm_kernels_take_five_bit_codes(tmp_path):
                         inputs[f"{name}/{i}"] = x
                     w = dequantize(raw, kind).reshape(n, k)
                     refs[name] = (q8_k(a) @ w.T.astype(np.float64) if kind == Q.Q5_K else _q8_reference(a, w))
-        t = get_target(target)
-        lib = tmp_path / f"{target}.so"
-        build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
-        ours = {x: v for x, v in inputs.items() if x.startswith(prefix)}
-        outs = emulation.run_library(env, lib, ours, tmp_path, threads=(1, 3, 8, 64))
-        for name, ref in refs.items():
-            if name.startswith(prefix):
-                got = outs[0][name]
-                np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=name)
-                for other in outs[1:]:
-                    assert np.array_equal(other[name], got), name
+        assert_arm_library_follows(bb, target, inputs, refs, prefix, tmp_path)
