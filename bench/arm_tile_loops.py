@@ -1,5 +1,5 @@
 """The block loops of an ARM target's Q4_0 prefill GEMM, one per tile shape the kernel has
-(or, with --decode, of the sdot decode GEMV on Q4_0, Q4_K or five-bit codes, or of the Q6_K kernel at one
+(or, with --decode, of the sdot decode GEMV on Q4_0, Q4_K, five-bit codes or IQ4 indices, or of the Q6_K kernel at one
 token on activations scaled by super-blocks or, q6_k-blocks, by blocks): instructions,
 multiply-adds and
 llvm-mca's Neoverse-N2 cycles a block, from the cross-compiled kernel's disassembly (no
@@ -7,7 +7,7 @@ emulation: a loop's instructions are what every iteration executes).
 
     .venv/bin/python bench/arm_tile_loops.py [--target arm-yitian|arm-neon] [--act block|row]
                                              [--form q4_0|q5_k|q5_1] [--n 64] [--k 896]
-    .venv/bin/python bench/arm_tile_loops.py --decode q4_k|q4_k-expanded|q4_0|q5_k|q5_1|q6_k|q6_k-blocks
+    .venv/bin/python bench/arm_tile_loops.py --decode q4_k|q4_k-expanded|q4_0|q5_k|q5_1|q6_k|q6_k-blocks|iq4
                                              [--n 256] [--k 1536]
 
 The decode GEMV's compact Q4_K has two loops: the sub-block loop (its integer sums) inside the
@@ -94,7 +94,8 @@ def build_gemm(target: str, m: int, n: int, k: int, rows: bool, out: Path, form:
 def build_decode_gemv(target: str, n: int, k: int, form: str, out: Path) -> Path:
     """lib.so with one function calling the sdot decode GEMV of an N x K linear in `form`
     (q4_k: the compact factors on Q8_K activations; q4_k-expanded: float32 d sc and c; q4_0;
-    q5_k and q5_1: five-bit codes with compact factors or float32 block offsets). Only its
+    q5_k and q5_1: five-bit codes with compact factors or float32 block offsets; iq4: IQ4_NL's
+    4-bit indices into the book). Only its
     code is read: the inputs are never made."""
     import tvm
     from tvm import relax
@@ -106,10 +107,11 @@ def build_decode_gemv(target: str, n: int, k: int, form: str, out: Path) -> Path
 
     t = get_target(target)
     nb = k // 32
-    sdt = {"q4_k": "uint8", "q4_k-expanded": "float32", "q4_0": "float16", "q5_k": "uint8", "q5_1": "float16"}[form]
-    dot = "sdot5" if form.startswith("q5") else "sdot"
+    sdt = {"q4_k": "uint8", "q4_k-expanded": "float32", "q4_0": "float16", "q5_k": "uint8", "q5_1": "float16",
+           "iq4": "float16"}[form]
+    dot = "sdot5" if form.startswith("q5") else "sdot_iq4" if form == "iq4" else "sdot"
     ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(sdt, groups(n), nb, "arm")
-    offsets = form != "q4_0"
+    offsets = form not in ("q4_0", "iq4")
     shapes = [("aq", [1, nb, 32], "int8"), ("ad", [1, nb], "float32"), ("off", [1, nb], "int32"),
               ("w", [groups(n), nb, chunks(dot_bits(dot)), 4 * ROWS], "uint8"), ("s", list(ws_shape), ws_dtype)]
     shapes += [("c", list(wc_shape), wc_dtype)] if offsets else []
@@ -181,7 +183,7 @@ def main() -> None:
     p.add_argument("--act", default="block", choices=("block", "row"), help="the activations' scales")
     p.add_argument("--form", default="q4_0", choices=("q4_0", "q5_k", "q5_1"),
                    help="the prefill GEMM's weights (q5_k, q5_1: five-bit codes)")
-    p.add_argument("--decode", choices=("q4_k", "q4_k-expanded", "q4_0", "q5_k", "q5_1", "q6_k", "q6_k-blocks"),
+    p.add_argument("--decode", choices=("q4_k", "q4_k-expanded", "q4_0", "q5_k", "q5_1", "q6_k", "q6_k-blocks", "iq4"),
                    help="the sdot decode GEMV's loops on this weight form, instead of the prefill GEMM's")
     p.add_argument("--n", type=int, help="rows (default 64; 256 with --decode)")
     p.add_argument("--k", type=int, help="columns (default 896; 1536 with --decode)")

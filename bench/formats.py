@@ -119,7 +119,7 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "formats")
     p.add_argument("--json", type=Path)
     p.add_argument("--gguf", type=Path, help="bench this GGUF (any formats) instead of --formats' files")
-    p.add_argument("--mix", choices=("q4_0", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k"),
+    p.add_argument("--mix", choices=("q4_0", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs"),
                    help="bench llama-quantize's mix of a random model (--size) instead")
     p.add_argument("--size", default="1.5b", help="with --mix: Qwen2.5's size (bench/make_checkpoint.py's: 0.5b, 1.5b, 7b)")
     p.add_argument("--layers", type=int, help="with --mix: the model's first N layers only (7b: 4, the 7B cut)")

@@ -29,6 +29,7 @@ from qwc.passes.graph import (
     BLOCK_OFFSETS_ATTR,
     COLUMN_BLOCKS_OP,
     FIVE_BIT_ATTR,
+    IQ4_ATTR,
     NIBBLE_HALVES_ATTR,
     Q4_K_SCALES_ATTR,
     Q6_K_ATTR,
@@ -96,6 +97,9 @@ class MatMulNBits(F.OnnxOpConverter):
             lo = cls.q4_0_matmul(bb, a, inputs[6], inputs[7], k, n, path, bias=bias, offsets=zp,
                                  zero_offset=zp is None)
             return bb.emit(relax.op.add(hi, lo))
+        if attr.get(IQ4_ATTR):   # 4-bit indices into the book (repack_iq4.py)
+            isa = kernels_for(_ctx().features).int_dots.isa
+            return cls.q4_0_matmul(bb, a, w, s, k, n, isa, bias=bias, book=True)
         if attr.get(FIVE_BIT_ATTR):   # five-bit codes plus block offsets (repack_five_bit.py)
             isa = q8_0_path(block, bits, _ctx().act_bits, _ctx().features)
             return cls.q4_0_matmul(bb, a, w, s, k, n, isa, bias=bias, offsets=zp, bits=5)
@@ -123,7 +127,7 @@ class MatMulNBits(F.OnnxOpConverter):
 
     @classmethod
     def q4_0_matmul(cls, bb, a, w, s, k: int, n: int, path: str, features=None, bias=None, offsets=None,
-                    zero_offset: bool = False, bits: int = 4, row_sums=None):
+                    zero_offset: bool = False, bits: int = 4, row_sums=None, book: bool = False):
         """a [..., K] (+ bias [N]) through one of qwc's Q4_0 kernels on [M, K] rows ("f32":
         W4A32; "x86", "arm": W4A8 integer dots; "generic": the TE kernels, for block offsets on
         a target without the others; with `bits` 8, the target's W8A8 kernels for
@@ -134,7 +138,9 @@ class MatMulNBits(F.OnnxOpConverter):
         `zero_offset` (W4A8 only): the integer dots start from 0, not from the quantizer's -8 x
         sum(a): the codes count as 0..15 (a Q8_0's low nibbles: repack.q8_0_nibble_halves).
         `row_sums` (W4A8 / W8A8 prefill where the target has the form): the weight rows' sums
-        [N], and the prefill GEMM takes activations with a scale and zero point a token."""
+        [N], and the prefill GEMM takes activations with a scale and zero point a token.
+        `book`: 4-bit indices into IQ4's code book on the target's kernels for them
+        (targets.IntDots.iq4)."""
         lead = list(a.ty.shape)[:-1]
         a2 = bb.emit(relax.op.reshape(a, [-1, k]))
         m = a2.ty.shape[0]
@@ -147,7 +153,7 @@ class MatMulNBits(F.OnnxOpConverter):
         else:
             y, bias = cls._int8_dot(bb, a2, m, one_token, w, s, k, n,
                                     _ctx().features if features is None else features, bias, zero_offset, bits,
-                                    offsets, row_sums)
+                                    offsets, row_sums, book)
             offsets = None   # the kernel added the term
         if offsets is not None:
             sums = bb.emit_te(generic.block_sums, a2, k=k, act_bits=_ctx().act_bits,
@@ -208,7 +214,7 @@ class MatMulNBits(F.OnnxOpConverter):
 
     @staticmethod
     def _int8_dot(bb, a2, m, one_token: bool, w, s, k: int, n: int, features, bias=None, zero_offset: bool = False,
-                  bits: int = 4, offsets=None, row_sums=None):
+                  bits: int = 4, offsets=None, row_sums=None, book: bool = False):
         """W4A8 through an ISA's integer dot-product kernel (vpdpbusd / sdot / smmla), all
         reading the row-group layout compile-time repacking wrote (kernels/row_groups.py), after
         the activation quantizer (the fusion passes give it the RMSNorm or SiLU·mul before it:
@@ -222,13 +228,15 @@ class MatMulNBits(F.OnnxOpConverter):
         nb = (k + act_quant.BLOCK - 1) // act_quant.BLOCK
         sdt = str(s.ty.dtype)
         # `qwc tune` measures the Q4_0 GEMMs; a Q8_0 one takes its module's tile
-        tokens = None if one_token or bits != 4 else _ctx().tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")
+        tokens = None if one_token or bits != 4 or book else _ctx().tuned.get(f"q4_a8_gemm_{n}x{k}", {}).get("tokens")
         fused_bias = False
         w4a8 = kernels_for(features).int_dots
         if bits == 8:
             dot = w4a8.q8_decode if one_token else w4a8.q8_prefill
         elif bits == 5:   # (repack_five_bit.py wrote them only where the target has the kernels)
             dot = w4a8.q5 if one_token else w4a8.q5_prefill
+        elif book:   # (so did repack_iq4.py)
+            dot = w4a8.iq4 if one_token else w4a8.iq4_prefill
         else:
             dot = w4a8.decode if one_token else w4a8.prefill
         stem = f"q{bits}"
@@ -242,7 +250,7 @@ class MatMulNBits(F.OnnxOpConverter):
         # the server grouped it; a one-token GEMV's blocks cost it nothing to save.
         ctx = _ctx()
         per_row = (row_sums is not None and not one_token and w4a8.row_layout is not None and not has_c
-                   and not zero_offset and bits in (4, 8) and k % act_quant.BLOCK == 0
+                   and not zero_offset and bits in (4, 8) and not book and k % act_quant.BLOCK == 0
                    and not (ctx.batched or ctx.step or ctx.verify))
         if per_row:
             layout = w4a8.row_layout

@@ -42,6 +42,7 @@ def weight_rewrites() -> dict:
     from .block_minimums import fold_block_minimums
     from .repack import q4_1_block_offsets, q8_0_nibble_halves, repack_weights
     from .repack_five_bit import five_bit_codes
+    from .repack_iq4 import iq4_indices
     from .repack_q4_k import q4_k_compact
     from .repack_q6_k import q6_k_linears
     from .row_activations import mark_row_activations
@@ -51,6 +52,8 @@ def weight_rewrites() -> dict:
         "block_minimums": lambda m, a, f: fold_block_minimums(m),
         # next: where Q6_K becomes Q8_0, the manifest's formats say so
         "q6_k_linears": lambda m, a, f: q6_k_linears(m, a, f)[0],
+        # before row_activations: an IQ4 linear the target has kernels for takes its indices
+        "iq4_indices": iq4_indices,
         "row_activations": mark_row_activations,   # before repacking: it reads the plain codes
         "q8_0_nibble_halves": q8_0_nibble_halves,
         "q4_k_compact": lambda m, a, f: q4_k_compact(m, a, f)[0],
@@ -92,6 +95,7 @@ def weights(model, act_bits: int, target) -> WeightsDone:
         with progress.stage("Q6_K weights for the target's kernels"):
             done["q6_k_linears"] = rewrites["q6_k_linears"](model, act_bits, features)
     out.formats, out.embedding_bits = linear_formats(model)
+    done["iq4_indices"] = rewrites["iq4_indices"](model, act_bits, features)
     done["row_activations"] = out.row_linears = rewrites["row_activations"](model, act_bits, features)
     if chosen(model):
         int8 = sum(f.count for f in out.formats if f.format in ("q4_0", "q8_0"))
@@ -105,9 +109,10 @@ def weights(model, act_bits: int, target) -> WeightsDone:
         embedding = q4_k_gather(model, features)   # an untied Q4_K table at the file's bytes
         half_gather_scales(model)
         column_blocks = float_column_blocks(model, features)
-    repacked = done["repack_weights"] + done["q4_k_compact"] + done["five_bit_codes"]
+    repacked = done["repack_weights"] + done["q4_k_compact"] + done["five_bit_codes"] + done["iq4_indices"]
     out.layout = {k: v for k, v in (("row_groups_16", repacked), ("q4_k_compact_scales", done["q4_k_compact"]),
-                                    ("five_bit_codes", done["five_bit_codes"]), ("column_blocks", column_blocks),
+                                    ("five_bit_codes", done["five_bit_codes"]), ("iq4_indices", done["iq4_indices"]),
+                                    ("column_blocks", column_blocks),
                                     ("q4_k_compact_embedding", embedding)) if v}
     return out
 

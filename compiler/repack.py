@@ -36,6 +36,7 @@ from qwc.passes.graph import (
 from qwc.q4 import pack_nibbles
 
 from .repack_five_bit import is_five_bit
+from .repack_iq4 import is_iq4
 from .repack_q4_k import is_compact_q4_k
 from .targets import q4_0_path, q8_0_path
 
@@ -50,8 +51,9 @@ def repack_weights(model: onnx.ModelProto, act_bits: int, features) -> int:
     offsets_done: set[str] = set()
     count = 0
     for node in g.node:
-        if node.op_type != "MatMulNBits" or len(node.input) < 3 or is_compact_q4_k(node) or is_five_bit(node):
-            continue   # (a compact Q4_K or five-bit codes are already in their kernels' layout)
+        if (node.op_type != "MatMulNBits" or len(node.input) < 3 or is_compact_q4_k(node) or is_five_bit(node)
+                or is_iq4(node)):
+            continue   # (a compact Q4_K, five-bit codes or IQ4's indices are already in their kernels' layout)
         _, _, block, bits = matmul_nbits_dims(node)
         int8 = q8_0_path(block, bits, act_bits, features) if not has_zero_points(node) else None
         if not int8 and q4_0_path(block, bits, act_bits, features, has_zero_points(node)) in (None, "f32"):

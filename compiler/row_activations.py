@@ -20,6 +20,7 @@ from onnx import helper
 from qwc.passes.graph import (
     BLOCK_OFFSETS_ATTR,
     FIVE_BIT_ATTR,
+    IQ4_ATTR,
     NIBBLE_HALVES_ATTR,
     Q4_K_SCALES_ATTR,
     Q6_K_ATTR,
@@ -36,7 +37,7 @@ from qwc.q4 import unpack_nibbles
 from .targets import kernels_for, q4_0_path, q8_0_path
 
 ROW_SUMS_INPUT = 6   # MatMulNBits' inputs: a, codes, scales, zero points, g_idx, bias, then this
-_OTHER_FORMS = (BLOCK_OFFSETS_ATTR, FIVE_BIT_ATTR, NIBBLE_HALVES_ATTR, Q4_K_SCALES_ATTR, Q6_K_ATTR)
+_OTHER_FORMS = (BLOCK_OFFSETS_ATTR, FIVE_BIT_ATTR, IQ4_ATTR, NIBBLE_HALVES_ATTR, Q4_K_SCALES_ATTR, Q6_K_ATTR)
 
 
 def chosen(model: onnx.ModelProto) -> set[str]:

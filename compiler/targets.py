@@ -168,6 +168,12 @@ class IntDots:
     # codes'; each nibble costs ARM an insert of its fifth bit (kernels/arm/dotprod.py)
     q5: str | None = None
     q5_prefill: str | None = None
+    # llama.cpp's IQ4_NL / IQ4_XS as 4-bit indices into their code book, looked up by one byte
+    # shuffle a vector (kernels/code_book.py, compiler/repack_iq4.py): the decode GEMV and the
+    # prefill GEMM for them, or None: they stay the book's values as 8-bit codes on the W8A8
+    # kernels (AVX2's vpmaddubsw pairs of those would overflow int16, as Q8_0's do)
+    iq4: str | None = None
+    iq4_prefill: str | None = None
     # the prefill GEMM's whole 16-token tiles on AMX's tile multiply (kernels/x86/amx.py), the
     # leftover tokens, decode and the batched decode step on the VNNI kernels: a block's 16 x 16
     # dots are one instruction, so what is left is scaling them (docs/history/x86-speed.md)
@@ -205,21 +211,23 @@ class Kernels:
 
 
 _VNNI = IntDots("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8", "vnni", q4_k_compact=True,
-                q5="vnni5", q5_prefill="vnni5")
+                q5="vnni5", q5_prefill="vnni5", iq4="vnni_iq4", iq4_prefill="vnni_iq4")
 _VNNI_AMX = replace(_VNNI, amx=True)
 # The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
 # (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
 _AVX2 = IntDots("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8), q4_k_compact=True)
 _SDOT = IntDots("arm", "sdot", "sdot", "arm", "arm", (1, 2, 4, 8), "sdot8", "sdot8", "sdot", q4_k_compact=True,
-                q5="sdot5", q5_prefill="sdot5", row_layout="arm_rows_flat")
+                q5="sdot5", q5_prefill="sdot5", iq4="sdot_iq4", iq4_prefill="sdot_iq4", row_layout="arm_rows_flat")
 _SMMLA = IntDots("arm", "sdot", "smmla", "arm", "arm_pairs", (4, 8, 10, 12), "sdot8", "smmla8", "sdot",
-                 q4_k_compact=True, q5="sdot5", q5_prefill="smmla5", row_layout="arm_rows")
+                 q4_k_compact=True, q5="sdot5", q5_prefill="smmla5", iq4="sdot_iq4", iq4_prefill="smmla_iq4",
+                 row_layout="arm_rows")
 
 # The module under compiler/kernels that builds each W4A8 kernel the rules name (the interface
 # it exports: kernels/w4a8.py). A new ISA kernel is that module, an entry here and a rule.
 KERNEL_MODULES = {"vnni": "x86.vnni", "avx2": "x86.vnni", "sdot": "arm.dotprod", "smmla": "arm.i8mm",
                   "vnni8": "x86.vnni", "sdot8": "arm.dotprod", "smmla8": "arm.i8mm", "vnni5": "x86.vnni",
-                  "sdot5": "arm.dotprod", "smmla5": "arm.i8mm"}
+                  "sdot5": "arm.dotprod", "smmla5": "arm.i8mm", "vnni_iq4": "x86.vnni", "sdot_iq4": "arm.dotprod",
+                  "smmla_iq4": "arm.i8mm"}
 
 KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     # Decode attention: three passes on x86, faster than the online kernel at depth; on ARM a
@@ -274,6 +282,15 @@ def five_bit_path(block: int, bits: int, act_bits: int, features) -> str | None:
     return w.q5 if w else None
 
 
+def iq4_path(block: int, act_bits: int, features) -> str | None:
+    """The decode kernel ("vnni_iq4", "sdot_iq4") an IQ4_NL / IQ4_XS MatMulNBits (blocks of 32)
+    takes as 4-bit indices into the book (IntDots.iq4), else None."""
+    if block != 32 or act_bits != 8:
+        return None
+    w = kernels_for(features).int_dots
+    return w.iq4 if w else None
+
+
 def q6_k_path(block: int, bits: int, act_bits: int, features) -> str | None:
     """"x86" / "arm" when a MatMulNBits of 8-bit codes in blocks of 16 (llama.cpp's Q6_K
     sub-blocks, models/gguf_blocks.py) takes the target's own Q6_K kernel (IntDots.q6_k: its
@@ -321,9 +338,10 @@ def kernel_summary(target: Target) -> dict[str, str]:
     q6 = f"w6a8-{w.q6_k}" if w and w.q6_k else "as q8_0"
     q4k = ("w4a8-compact" if w.q4_k_compact else "w4a8-expanded") if w else "w4a32"   # its scales' form
     q5 = f"w5a8-{w.q5}/{w.q5_prefill}" if w and w.q5 else "as q8_0"   # Q5_0 / Q5_1 / Q5_K: five-bit codes, or bytes
+    iq4 = f"w4a8-{w.iq4}/{w.iq4_prefill}" if w and w.iq4 else "as q8_0"   # IQ4_NL / IQ4_XS: indices, or the values
     prefill = f"w4a8-{w.prefill}{'+amx' if w.amx else ''}" if w else "w4a32"
     return {"decode": f"w4a8-{w.decode}" if w else "w4a32", "prefill": prefill,
-            "attention": k.decode_attention, "q8_0": q8, "q4_k": q4k, "q5": q5, "q6_k": q6}
+            "attention": k.decode_attention, "q8_0": q8, "q4_k": q4k, "q5": q5, "q6_k": q6, "iq4": iq4}
 
 
 def describe_targets() -> list[tuple[Target, dict[str, str]]]:

@@ -334,6 +334,9 @@ Q4_K_SCALES_ATTR = "qwc_q4_k_scales"
 # ... and a Q5_0 / Q5_1 / Q5_K one whose codes it stored at five bits (compiler/repack_five_bit.py;
 # also marked BLOCK_OFFSETS_ATTR): inputs (x, codes [G, NB, 5, 64], scales, block offsets, ...).
 FIVE_BIT_ATTR = "qwc_five_bit"
+# ... and an IQ4_NL / IQ4_XS one whose codes it stored as 4-bit indices into the book, in the
+# row groups Q4_0's nibbles take (compiler/repack_iq4.py): inputs (x, indices [G, NB, 4, 64], scales, ...).
+IQ4_ATTR = "qwc_iq4"
 # ... and a Q4_0 / Q8_0 one whose prefill takes activations with a scale and zero point a token
 # (compiler/row_activations.py): input 6 is then each weight row's sum of its values [N].
 ROW_ACTIVATIONS_ATTR = "qwc_row_activations"

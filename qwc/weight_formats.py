@@ -77,13 +77,14 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
                  quantizer="quantize_q6_k", fallback="Q8_0"),
     # IQ4: each block's values book[q] are 8-bit codes book[q] + 128 in the graph, with the
     # block's scale (IQ4_XS: d times the sub-block's 6-bit scale less 32, exact in float32), so
-    # they run exactly on the W8A8 kernels as Q8_0 does; their own 4-bit kernels (the indices
-    # and the book, a byte shuffle) are still to come, the bytes a decode reads meanwhile 8.5 a
-    # weight against the file's 4.5 / 4.25
-    WeightFormat("IQ4_NL", 20, 32, 18, 8, 32, "none", 16, ("row_activations", "q8_0_nibble_halves", *_ROW_GROUPS),
+    # that the graph runs in onnxruntime. Where the target has kernels for them they become the
+    # file's 4-bit indices again, looked up in the book by a byte shuffle (compiler/repack_iq4.py);
+    # elsewhere they run exactly on the W8A8 kernels as Q8_0 does
+    WeightFormat("IQ4_NL", 20, 32, 18, 8, 32, "none", 16,
+                 ("iq4_indices", "row_activations", "q8_0_nibble_halves", *_ROW_GROUPS), code_book=IQ4_BOOK),
+    WeightFormat("IQ4_XS", 23, 256, 136, 8, 32, "none", 16,
+                 ("iq4_indices", "row_activations", "q8_0_nibble_halves", *_ROW_GROUPS), fallback="IQ4_NL",
                  code_book=IQ4_BOOK),
-    WeightFormat("IQ4_XS", 23, 256, 136, 8, 32, "none", 16, ("row_activations", "q8_0_nibble_halves", *_ROW_GROUPS),
-                 fallback="IQ4_NL", code_book=IQ4_BOOK),
 )}
 
 # GGUF type names whose blocks the exporter keeps as they are (others are requantized)

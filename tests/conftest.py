@@ -202,6 +202,18 @@ def random_q4_k(rng, n: int, k: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
+def random_iq4(rng, n: int, k: int, fmt: str) -> np.ndarray:
+    """[n, K/block * bytes] of random IQ4 blocks whose d are small fp16 values (every index and
+    sub-block scale, 0 and negative ones included, as random bytes)."""
+    from qwc import weight_formats
+
+    f = weight_formats.get(fmt)
+    raw = rng.integers(0, 256, (n, k // f.block, f.block_bytes), dtype=np.uint8)
+    d = rng.uniform(0.0005, 0.004 if fmt == "IQ4_XS" else 0.02, (n, k // f.block)).astype(np.float16)
+    raw[..., 0:2] = d[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
 def random_q5_k(rng, n: int, k: int) -> np.ndarray:
     """[N, K/256 * 176] bytes of Q5_K super-blocks: random codes, fifth bits and 6-bit scales and
     mins, fp16 d and dmin of weights ~0.1 (as random_q4_k's, codes to 31)."""

@@ -17,8 +17,8 @@ def run(args: argparse.Namespace) -> None:
     from qwc.compiler.targets import describe_targets
 
     rows = [(t.name, t.arch, ",".join(sorted(t.features)) or "-", k["decode"], k["prefill"], k["attention"],
-             k["q8_0"], k["q4_k"], k["q5"], k["q6_k"], t.description) for t, k in describe_targets()]
-    head = ("target", "arch", "features", "decode", "prefill", "attention", "q8_0", "q4_k", "q5", "q6_k", "")
+             k["q8_0"], k["q4_k"], k["q5"], k["q6_k"], k["iq4"], t.description) for t, k in describe_targets()]
+    head = ("target", "arch", "features", "decode", "prefill", "attention", "q8_0", "q4_k", "q5", "q6_k", "iq4", "")
     widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
     for r in (head, *rows):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

@@ -13,10 +13,10 @@ from qwc.compiler.kernels.row_groups import chunks, groups
 from qwc.compiler.targets import get_target
 
 # (dot, with Q4_1's block offsets, scale dtype, blocks of K): Q4_0; Q4_K's compact factors
-# with its minimums; Q8_0's bytes; Q5_K's five-bit codes with offsets; odd block counts (the
-# pipelined loop's tail)
+# with its minimums; Q8_0's bytes; Q5_K's five-bit codes with offsets; IQ4's indices into the
+# book (its scales fp16 as IQ4_NL's, float32 as IQ4_XS's); odd block counts (the pipelined loop's tail)
 FORMS = [("vnni", False, "float16", 6), ("vnni", True, q4_k_scales.SCALE_DTYPE, 16), ("vnni8", False, "float16", 5),
-         ("vnni5", True, "float32", 7)]
+         ("vnni5", True, "float32", 7), ("vnni_iq4", False, "float16", 6), ("vnni_iq4", False, "float32", 5)]
 
 
 def _needs_amx():
@@ -113,7 +113,7 @@ def test_amx_library_builds_anywhere():
     import tvm
 
     target = get_target("x86-amx").tvm_target()
-    for dot in ("vnni", "vnni8", "vnni5"):
+    for dot in ("vnni", "vnni8", "vnni5", "vnni_iq4"):
         lib = tvm.compile(tvm.IRModule({"main": w4a8_gemm(dot, 32, 4, "float16", amx=True)
                                         .with_attr("global_symbol", "main")}), target=target)
         asm = lib.mod.inspect_source("asm") if hasattr(lib, "mod") else lib.inspect_source("asm")

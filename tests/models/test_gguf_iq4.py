@@ -18,17 +18,7 @@ from qwc.cli import main
 from qwc.config import ModelConfig, sidecar_paths
 from qwc.models import gguf_blocks
 
-from conftest import greedy_against_onnxruntime
-
-
-def random_iq4(rng, n: int, k: int, fmt: str) -> np.ndarray:
-    """[n, K/block * bytes] of random IQ4 blocks whose d are small fp16 values (every index and
-    sub-block scale, 0 and negative ones included, as random bytes)."""
-    f = weight_formats.get(fmt)
-    raw = rng.integers(0, 256, (n, k // f.block, f.block_bytes), dtype=np.uint8)
-    d = rng.uniform(0.0005, 0.004 if fmt == "IQ4_XS" else 0.02, (n, k // f.block)).astype(np.float16)
-    raw[..., 0:2] = d[..., None].view(np.uint8)
-    return raw.reshape(n, -1)
+from conftest import greedy_against_onnxruntime, random_iq4
 
 
 @pytest.mark.parametrize("fmt", ["IQ4_NL", "IQ4_XS"])

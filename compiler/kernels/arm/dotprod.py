@@ -28,6 +28,10 @@ A GGUF's Q5_0, Q5_1 and Q5_K take them too (dot "sdot5"): five-bit codes 0..31 a
 bytes took 8), each nibble made a code by one `sli` or `sri` with its fifth bit
 (_five_bit_codes); their block offsets, or Q5_K's compact factors, as Q4_1's and Q4_K's.
 
+A GGUF's IQ4_NL / IQ4_XS (dot "sdot_iq4": kernels/code_book.py) keep Q4_0's nibbles as 4-bit
+indices, each made its int8 value by one `tbl` into the book after Q4_0's `and` or `ushr`; the
+values are signed, so their sums start from 0 as Q8_0's do.
+
 The prefill GEMM also takes per-token activations (`per_row`, act_quant layout
 "arm_rows_flat": design.md, "Two activation formats"), as arm/i8mm.py's does: a block's dots
 then take the rows' weight scales only, and the store applies the token's scale and zero point,
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from .. import DECODE_GEMV, SCHEDULED, dot_bits, q4_k_scales
+from .. import DECODE_GEMV, SCHEDULED, code_book, dot_bits, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import INT8_CHUNKS, ROWS, chunks, groups
 from ..w4a8 import block_sum_shift, gemm_kernel, store_rows, token_count
@@ -47,7 +51,8 @@ LANES = 4          # int32 lanes of a 128-bit vector: rows per slice
 SLICES = ROWS // LANES
 SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
 SLI = "llvm.aarch64.neon.vsli.v16i8"
-DEFAULT_TOKENS = {"sdot": 4, "sdot8": 4, "sdot5": 4}      # prefill tile width (arm-neon), as x86/vnni.py's
+TBL = "llvm.aarch64.neon.tbl1.v16i8"
+DEFAULT_TOKENS = {"sdot": 4, "sdot8": 4, "sdot5": 4, "sdot_iq4": 4}      # prefill tile width (arm-neon), as x86/vnni.py's
 # decode_gemv's: a task holds 16 rows, a Q8_0 block 32 (no quantize); "split": parts of the blocks
 DECODE_EPILOGUES = frozenset({"bias", "split"})
 UNROLL = 2          # blocks an iteration of the decode GEMV's loop (_decode_gemv: group)
@@ -81,23 +86,28 @@ def _lane(T, v, i):
     return T.reinterpret("int8x16", tirx.Shuffle([T.reinterpret("int32x4", v)], [i] * 4))
 
 
-def _slice_dot(T, w, aq, off, g, b, q, t, bits: int = 4):
+def _slice_dot(T, w, aq, off, g, b, q, t, bits: int = 4, book: bool = False):
     """int32x4: rows 16g+4q .. +3, block b, token t, as one chain of 8 sdot (one expression:
     named temporaries would become per-thread allocations inside the parallel loop). Q4_0
     (and five-bit codes, `bits` 5, whose block offsets carry the rest) starts from the
-    quantizer's offsets; Q8_0's signed codes, and with `off` None the raw codes 0..15 or 0..31
-    (compact Q4_K and Q5_K: their minimums are a term of their own), from 0."""
+    quantizer's offsets; Q8_0's signed codes, the book's values (`book`: 4-bit indices,
+    kernels/code_book.py), and with `off` None the raw codes 0..15 or 0..31 (compact Q4_K and
+    Q5_K: their minimums are a term of their own), from 0."""
     if bits == 8:
         acc = T.broadcast(T.int32(0), LANES)
         for i in range(INT8_CHUNKS):
             v = T.reinterpret("int8x16", w.vload([g, b, i, 16 * q], "uint8x16"))
             acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, v, _lane(T, aq.vload([t, b, 16 * (i // 4)], "int8x16"), i % 4))
         return acc
-    acc = T.broadcast(T.int32(0) if off is None else off[t, b], LANES)
+    acc = T.broadcast(T.int32(0) if off is None or book else off[t, b], LANES)
     for i in range(4):
         v = w.vload([g, b, i, 16 * q], "uint8x16")
         if bits == 5:
             lo, hi = _five_bit_codes(T, v, w.vload([g, b, 4, 16 * q], "uint8x16"), i)
+        elif book:
+            values = T.reinterpret("int8x16", code_book.table(T, 16, 0))
+            lo, hi = (T.call_llvm_pure_intrin("int8x16", TBL, values, T.reinterpret("int8x16", x))
+                      for x in (v & T.broadcast(T.uint8(15), 16), v >> T.broadcast(T.uint8(4), 16)))
         else:
             lo = T.reinterpret("int8x16", v & T.broadcast(T.uint8(15), 16))
             hi = T.reinterpret("int8x16", v >> T.broadcast(T.uint8(4), 16))
@@ -137,7 +147,7 @@ def _widened_lanes(T, v, q):
     are int32 lanes -256 + 4q + r (byte 4q + r, then three indices past the table: zeros), where
     a 4-byte load and two widenings took three instructions."""
     idx = T.reinterpret("int8x16", T.ramp(T.int32(-256 + LANES * q), 1, LANES))
-    return T.reinterpret("int32x4", T.call_llvm_pure_intrin("int8x16", "llvm.aarch64.neon.tbl1.v16i8",
+    return T.reinterpret("int32x4", T.call_llvm_pure_intrin("int8x16", TBL,
                                                               T.reinterpret("int8x16", v), idx))
 
 
@@ -152,10 +162,11 @@ def _scales(T, ws, wc, g, b, q):
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: int | None = None,
-           m: int | None = None, bits: int = 4, offsets: bool = False, per_row: bool = False):
+           m: int | None = None, bits: int = 4, offsets: bool = False, per_row: bool = False, book: bool = False):
     """y [M, N] from the de-interleaved int8 activations (aq, their scales ad, the -8 x sum
     offsets as int32: act_quant layout "arm") and the row-group weights (`bits` 4: Q4_0, 8:
-    Q8_0; `offsets`: with Q4_1's block offsets); M any, or `m` (tuning measures at fixed M).
+    Q8_0; `book`: 4-bit indices into the book; `offsets`: with Q4_1's block offsets); M any,
+    or `m` (tuning measures at fixed M).
     `per_row` (prefill): activations with a scale and zero point a row (layout
     "arm_rows_flat", ad [M, 2] = (s, s zp)), the weight rows' sums rs [N] the last input."""
     from tvm.script import tirx as T
@@ -192,7 +203,7 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
         for b in range(nb):
             for q in T.unroll(SLICES):
                 acc[T.ramp(q * LANES, 1, LANES)] = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(
-                    T, _slice_dot(T, w, aq, off, g, b, q, t, bits)) * (
+                    T, _slice_dot(T, w, aq, off, g, b, q, t, bits, book)) * (
                     _scales(T, ws, wc, g, b, q) * T.broadcast(ad[t, b], LANES))
                 if wc is not None:   # decided when the kernel is built
                     acc[T.ramp(q * LANES, 1, LANES)] = acc[T.ramp(q * LANES, 1, LANES)] - _negated_offsets_term(
@@ -211,10 +222,10 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
             for t in T.unroll(count):
                 if per_row:   # decided when the kernel is built
                     acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
-                        T, _slice_dot(T, w, aq, off, g, b, q, first + t, bits)) * _scales(T, ws, wc, g, b, q)
+                        T, _slice_dot(T, w, aq, off, g, b, q, first + t, bits, book)) * _scales(T, ws, wc, g, b, q)
                 else:
                     acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
-                        T, _slice_dot(T, w, aq, off, g, b, q, first + t, bits)) * (
+                        T, _slice_dot(T, w, aq, off, g, b, q, first + t, bits, book)) * (
                         _scales(T, ws, wc, g, b, q) * T.broadcast(ad[first + t, b], LANES))
                 if wc is not None:
                     acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] - _negated_offsets_term(
@@ -274,7 +285,7 @@ def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m
                  batched_decode: bool = False, dot: str = "sdot", offsets: bool = False, per_row: bool = False):
     """The registry's prefill GEMM (kernels/w4a8.py): q4_dot over tiles of tokens."""
     return q4_dot(n, nb, False, scale_dtype, tokens=tokens, m=m, bits=dot_bits(dot), offsets=offsets,
-                  per_row=per_row)
+                  per_row=per_row, book=code_book.reads_book(dot))
 
 
 def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str = "float16",
@@ -364,13 +375,14 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
     With `split` > 1 (one output): y is [split, N], a task one row group over one part of
     the blocks (block_split), the bias added to part 0; the RMSNorm quantizer that reads y sums
     the parts (act_quant.fused_quantizer's `parts`; compiler/split_residual_gemv.py).
-    `dot` "sdot8": Q8_0 weights (8 chunks a block); "sdot5": five-bit codes (5 chunks)."""
+    `dot` "sdot8": Q8_0 weights (8 chunks a block); "sdot5": five-bit codes (5 chunks);
+    "sdot_iq4": 4-bit indices into the book."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     def block(w, ws, wc, aq, ad, off, acc, g, b):
         for q in range(SLICES):
-            value = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, _slice_dot(T, w, aq, off, g, b, q, 0, bits)) * (
+            value = acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, _slice_dot(T, w, aq, off, g, b, q, 0, bits, book)) * (
                 _scales(T, ws, wc, g, b, q) * T.broadcast(ad[0, b], LANES))
             if wc is not None:
                 value = value - _negated_offsets_term(T, ws, wc, ad, off, g, b, q, 0)
@@ -412,7 +424,7 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
                                 with T.Then():
                                     T.buffer_store(y, value(i, 1), [part, row + i])
 
-    bits = dot_bits(dot)
+    bits, book = dot_bits(dot), code_book.reads_book(dot)
     # compact Q4_K's scales (super_block), which every output of one launch shares (its format)
     compact = scale_dtype == q4_k_scales.SCALE_DTYPE
     if compact and bits not in (4, 5):

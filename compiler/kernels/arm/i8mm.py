@@ -34,7 +34,8 @@ is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumul
 from 0 instead of the offsets. Five-bit codes (dot "smmla5": a GGUF's Q5_0 / Q5_1 / Q5_K,
 row_groups.pack_five_bit) zip their nibbles as Q4_0's and their fifth bits alike, each made a
 code by one insert (_five_bit_rows), with their block offsets or Q5_K's compact factors as
-Q4_1's and Q4_K's.
+Q4_1's and Q4_K's. A GGUF's IQ4_NL / IQ4_XS (dot "smmla_iq4": kernels/code_book.py) zip their
+4-bit indices as Q4_0's nibbles and make each its signed value by one `tbl`, started from 0.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import tirx
 
-from .. import dot_bits, q4_k_scales
+from .. import code_book, dot_bits, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, chunks, groups
 from ..w4a8 import gemm_kernel, token_count
@@ -53,16 +54,17 @@ SLICES = ROWS // LANES
 MERGE_INTO = 5     # tile pairs after which a lone leftover pair joins the last tile's (6, or 4 + 2)
 SMMLA = "llvm.aarch64.neon.smmla.v4i32.v16i8"
 SLI = "llvm.aarch64.neon.vsli.v16i8"
-DEFAULT_TOKENS = {"smmla": 10, "smmla8": 10, "smmla5": 10}   # 5 token pairs a prefill tile: see this module's docstring
+BOOK = "book"   # the codes of 4-bit indices into the book, where the helpers below take `bits`
+DEFAULT_TOKENS = {"smmla": 10, "smmla8": 10, "smmla5": 10, "smmla_iq4": 10}   # 5 token pairs a prefill tile: see this module's docstring
 DECODE_EPILOGUES = frozenset()     # prefill only: decode runs arm/dotprod.py's GEMV
 PREFILL_BIAS = False   # a bias is its own kernel after the GEMM
 
 
-def _rows(T, w, g, b, q, k, rp, bits: int = 4):
+def _rows(T, w, g, b, q, k, rp, bits: int | str = 4):
     """int8x16: rows (r, r + 1) = 16g + 4q + 2rp + (0, 1), 8 weights each, that meet
     activation piece k (0..3) of block b: chunks 2(k % 2), 2(k % 2) + 1 zipped (packed, so
-    one zip serves both nibbles), low nibbles for k < 2, high ones for k >= 2. Q8_0 codes:
-    chunks 2k, 2k + 1 zipped, as they are."""
+    one zip serves both nibbles), low nibbles for k < 2, high ones for k >= 2 (`bits` BOOK:
+    each index then looked up). Q8_0 codes: chunks 2k, 2k + 1 zipped, as they are."""
     assert rp in (0, 1)   # a Python int: it picks the zip pattern
     if bits == 8:
         z = tirx.Shuffle([T.reinterpret("int32x4", w.vload([g, b, 2 * k, 16 * q], "uint8x16")),
@@ -77,6 +79,9 @@ def _rows(T, w, g, b, q, k, rp, bits: int = 4):
     if bits == 5:
         return _five_bit_rows(T, v, w.vload([g, b, 4, 16 * q], "uint8x16"), i, pattern, k >= 2)
     v = (v >> T.broadcast(T.uint8(4), 16)) if k >= 2 else (v & T.broadcast(T.uint8(15), 16))
+    if bits == BOOK:
+        return T.call_llvm_pure_intrin("int8x16", "llvm.aarch64.neon.tbl1.v16i8",
+                                       T.reinterpret("int8x16", code_book.table(T, 16, 0)), T.reinterpret("int8x16", v))
     return T.reinterpret("int8x16", v)
 
 
@@ -99,7 +104,7 @@ def _five_bit_rows(T, v, fifth, i: int, pattern, high: bool):
     return T.reinterpret("int8x16", T.call_llvm_pure_intrin("uint8x16", SLI, v, z, T.int32(4)))
 
 
-def _pair_dot(T, w, aqf, init, g, b, q, rp, base, bits: int = 4):
+def _pair_dot(T, w, aqf, init, g, b, q, rp, base, bits: int | str = 4):
     """int32x4 [r0 t0, r0 t1, r1 t0, r1 t1] of block b for the row pair rp of slice q and the
     token pair whose interleaved block-b activations start at flat index `base`, from `init` (the
     pair's offsets); one expression (named temporaries would become per-thread allocations)."""
@@ -121,14 +126,15 @@ def _convert(T, pairs: int, v):
     return halved_float(T, v) if pairs <= FIXED_POINT_PAIRS else T.Cast("float32x4", v)
 
 
-def _pair_update(T, w, aqf, adf, offf, ws, wc, g, b, q, rp, at, pairs: int, bits: int = 4, per_row: bool = False):
+def _pair_update(T, w, aqf, adf, offf, ws, wc, g, b, q, rp, at, pairs: int, bits: int | str = 4,
+                 per_row: bool = False):
     """float32x4: block b's contribution to row pair rp of slice q for the token pair whose
     block-b entries start at `at` (in token units: activations at 32 at, scales and offsets at
-    2 at), in a tile of `pairs` pairs: the pair dot from its offsets (Q8_0: from 0), converted,
+    2 at), in a tile of `pairs` pairs: the pair dot from its offsets (Q8_0, BOOK: from 0), converted,
     times [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1]; `per_row` (activations with a scale a
     row): times the weight scales [d r0, d r0, d r1, d r1] only, the row scales applied once
     as the tile stores."""
-    init = T.broadcast(T.int32(0), 4) if bits == 8 else offf.vload([at * 2], "int32x4")
+    init = T.broadcast(T.int32(0), 4) if bits in (8, BOOK) else offf.vload([at * 2], "int32x4")
     dot = _pair_dot(T, w, aqf, init, g, b, q, rp, at * 32, bits)
     if per_row:
         return _convert(T, pairs, dot) * _row_scales(T, ws, wc, g, b, q, rp)
@@ -166,7 +172,8 @@ def _row_offsets(T, ws, wc, g, b, q, rp):
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
                  batched_decode: bool = False, dot: str = "smmla", offsets: bool = False, per_row: bool = False):
     """The registry's prefill GEMM (kernels/w4a8.py): q4_gemm."""
-    return q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m, bits=dot_bits(dot), offsets=offsets, per_row=per_row)
+    return q4_gemm(n, nb, scale_dtype, tokens=tokens, m=m, bits=dot_bits(dot), offsets=offsets, per_row=per_row,
+                   book=code_book.reads_book(dot))
 
 
 def decode_gemv(outputs, nb: int, scale_dtype: str = "float16", silu_mul: bool = False, quantize: int | None = None,
@@ -177,10 +184,11 @@ def decode_gemv(outputs, nb: int, scale_dtype: str = "float16", silu_mul: bool =
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = None, m: int | None = None,
-            bits: int = 4, offsets: bool = False, per_row: bool = False):
+            bits: int = 4, offsets: bool = False, per_row: bool = False, book: bool = False):
     """y [M, N] (M >= 1, any, or `m` for tuning) from the pair-interleaved int8 activations
     (act_quant layout "arm_pairs") and the row-group weights (`bits` 4: Q4_0, 8: Q8_0;
-    `offsets`: with Q4_1's block offsets), in tiles of `tokens` (even).
+    `book`: 4-bit indices into the book; `offsets`: with Q4_1's block offsets), in tiles of
+    `tokens` (even).
     `per_row`: activations with one scale and zero point a row (layout "arm_rows"; design.md,
     "Two activation formats"). A block then costs the dots and one FMA by the weight scales;
     the tile's stores apply y = s (sum over blocks) - s zp R, with R each weight row's sum of
@@ -190,6 +198,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
     if per_row and offsets:
         raise ValueError("the per-row GEMM takes no block offsets (Q4_1 / Q4_K need each block's activation sum)")
     ng = groups(n)
+    codes = BOOK if book else bits   # what the helpers unpack
     ragged = n % ROWS != 0
     tile_pairs = max(1, (tokens or DEFAULT_TOKENS["smmla"]) // 2)   # the tile's unpacked weights serve them all
     rows_in = token_count(m)
@@ -217,23 +226,23 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                 # loop variable's `rp == 0` would not be).
                 if wc is None:   # decided when the kernel is built
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits, per_row)
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, per_row)
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits, per_row)
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes, per_row)
                 elif pairs > FIXED_POINT_PAIRS:   # Q4_1 in the full-register 6-pair tile: no held value
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) - (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes) - (
                         _row_offsets(T, ws, wc, g, b, q, 0) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) - (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes) - (
                         _row_offsets(T, ws, wc, g, b, q, 1) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                 else:   # Q4_1: the pair's block sums once for both row pairs
                     sums = T.bind(_pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, bits) - (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes) - (
                         _row_offsets(T, ws, wc, g, b, q, 0) * sums)
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, bits) - (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes) - (
                         _row_offsets(T, ws, wc, g, b, q, 1) * sums)
         if rs is not None:   # decided when the kernel is built: s (sum over blocks) - s zp R
             for p in T.unroll(pairs):
@@ -255,11 +264,11 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
 
     def _single_dot(T, w, aqf, offf, g, b, q, rp, t):
         """The odd last token t (plain aq layout) against itself: B's halves both hold it."""
-        acc = T.broadcast(T.int32(0) if bits == 8 else offf[(b * rows_in + t) * 2], 4)
+        acc = T.broadcast(T.int32(0) if codes in (8, BOOK) else offf[(b * rows_in + t) * 2], 4)
         for k in range(4):
             piece = T.reinterpret("int8x16", T.broadcast(
                 T.reinterpret("int64", aqf.vload([(b * rows_in + t) * 32 + 8 * k], "int8x8")), 2))
-            acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp, bits), piece)
+            acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp, codes), piece)
         return acc
 
     def token_scale(T, adf, b, t):

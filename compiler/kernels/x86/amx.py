@@ -27,7 +27,7 @@ qwc/cpu.py's enable_amx, called before an artifact with these kernels runs.
 
 from __future__ import annotations
 
-from .. import dot_bits
+from .. import code_book, dot_bits
 from ..row_groups import ROWS
 
 TOKENS = 16        # tokens a tile: the rows of an A tile
@@ -68,6 +68,9 @@ def macros(T, nb: int, dot: str, codes, scales):
     TVM's 1 KiB stack bound, so that LLVM keeps them in registers), through cs [2, 256], the
     stored C tiles."""
     bits = dot_bits(dot)
+    # what makes a code chunk's bytes signed: q - 8 from Q4_0's nibbles; the book's codes
+    # book[q] + 128 (kernels/code_book.py), as Q8_0's q + 128, less 128
+    signed = 128 if code_book.reads_book(dot) else 248
 
     def intrin(name, *args):
         return _intrin(T, name, *args)
@@ -92,7 +95,8 @@ def macros(T, nb: int, dot: str, codes, scales):
     @T.macro
     def make_b(w, bt, g):
         """Row group g's B tiles as signed codes: Q8_0's chunk r as row r, q = u - 128; the
-        others' rows 0-3 the low codes of chunks 0-3, rows 4-7 the high ones, as q - 8."""
+        others' rows 0-3 the low codes of chunks 0-3, rows 4-7 the high ones, as q - 8 (the
+        book's values: book[q])."""
         for b in range(nb):
             if bits == 8:   # decided when the kernel is built
                 for r in T.unroll(8):
@@ -101,9 +105,9 @@ def macros(T, nb: int, dot: str, codes, scales):
             else:
                 for r in T.unroll(4):
                     bt[b, T.ramp(r * 4 * ROWS, 1, 4 * ROWS)] = codes(w, g, b, r, False) + T.broadcast(
-                        T.uint8(248), 4 * ROWS)
+                        T.uint8(signed), 4 * ROWS)
                     bt[b, T.ramp((4 + r) * 4 * ROWS, 1, 4 * ROWS)] = codes(w, g, b, r, True) + T.broadcast(
-                        T.uint8(248), 4 * ROWS)
+                        T.uint8(signed), 4 * ROWS)
 
     @T.macro
     def multiply(aq, bt, cs, b, first, s):

@@ -26,11 +26,14 @@ dot(q, a) = dot(u, a) - 128 x sum(a), which is 16 x the quantizer's offset: the 
 starts there, and a block is 8 vpdpbusd with nothing unpacked. AVX2 has no such form (its
 vpmaddubsw pair sums of u x a overflow int16); there Q8_0 runs as two 4-bit halves
 (compiler/repack.py).
+
+A GGUF's IQ4_NL / IQ4_XS (dot "vnni_iq4": kernels/code_book.py) keep Q4_0's nibbles as 4-bit
+indices, each chunk made the codes u = book[q] + 128 by one vpshufb; their sums start as Q8_0's.
 """
 
 from __future__ import annotations
 
-from .. import DECODE_GEMV, SCHEDULED, dot_bits, q4_k_scales
+from .. import DECODE_GEMV, SCHEDULED, code_book, dot_bits, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, chunks, groups
 from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
@@ -43,7 +46,7 @@ from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
 # docs/history/x86-speed.md). AVX2's 16 registers keep 4. With a token's sums in two chains
 # (q4_matmul: accumulate) 7-token tiles were level with 8 on long prompts and slower on short
 # ones (more tiles for the same tokens): 8 stay.
-DEFAULT_TOKENS = {"vnni": 8, "avx2": 4, "vnni8": 8, "vnni5": 8}
+DEFAULT_TOKENS = {"vnni": 8, "avx2": 4, "vnni8": 8, "vnni5": 8, "vnni_iq4": 8}
 DECODE_EPILOGUES = frozenset({"bias", "silu_mul", "quantize"})   # decode_gemv's
 PREFILL_BIAS = True   # prefill_gemm(..., bias=True): the bias added as the rows are stored
 
@@ -81,16 +84,20 @@ def _block_dot(T, w, aq, off, g, b, t, dot: str = "vnni"):
 def _start(T, off, t, b, dot: str):
     """int32: where token t's block b sums start. Q4_0 (and five-bit codes, whose block offsets
     carry the rest: compiler/repack_five_bit.py): the quantizer's -8 x sum(a), an int32 from
-    memory (a broadcast load, no ALU work); Q8_0's u = q + 128: 16 times that."""
-    return off[t, b] * T.int32(16) if dot_bits(dot) == 8 else off[t, b]
+    memory (a broadcast load, no ALU work); Q8_0's u = q + 128 and the book's codes: 16 times that."""
+    return off[t, b] * T.int32(16) if dot_bits(dot) == 8 or code_book.reads_book(dot) else off[t, b]
 
 
 def _codes(T, w, g, b, i, high: bool, dot: str):
     """uint8x64: the 16 rows' codes of block b that meet activation bytes 4j..4j+3, j = i (+ 4
     if `high`): Q4_0's chunk i, its low or high nibbles; Q8_0's chunk j, as it is; five-bit
     codes' chunk j, its four low bits from chunk i's low or high nibbles and its fifth from bit j
-    of chunk 4 (row_groups.pack_five_bit), moved to bit 4: a shift, and one and-or."""
+    of chunk 4 (row_groups.pack_five_bit), moved to bit 4: a shift, and one and-or; 4-bit
+    indices (code_book) looked up in the book, the codes book[q] + 128."""
     bits = dot_bits(dot)
+    if code_book.reads_book(dot):
+        nibbles = _codes(T, w, g, b, i, high, "vnni")
+        return T.call_llvm_pure_intrin("uint8x64", "llvm.x86.avx512.pshuf.b.512", code_book.table(T, 64, 128), nibbles)
     if bits == 8:
         return w.vload([g, b, i + 4 if high else i, 0], "uint8x64")
     if bits == 5:
@@ -174,9 +181,9 @@ BATCHED_DECODE_TOKENS = 8
 # stream beat two at M = 5, and two were only level with four at M = 4, so four stay there.
 # AVX2's counts (not measured on an AVX2 machine since) stay.
 FEW_STREAMS = {"vnni": (4, 4, 4, 4, 1, 1, 1, 1), "vnni8": (4, 4, 4, 4, 2, 1, 1, 1), "avx2": (4, 4, 4, 4, 2, 1, 1, 1),
-               "vnni5": (4, 4, 4, 4, 1, 1, 1, 1)}   # (five-bit: vnni's, not measured apart)
+               "vnni5": (4, 4, 4, 4, 1, 1, 1, 1), "vnni_iq4": (4, 4, 4, 4, 1, 1, 1, 1)}   # (vnni's, not measured apart)
 FEW_TOKENS = len(FEW_STREAMS["vnni"])
-FEW_AHEAD = {"vnni": 16, "vnni8": 16, "vnni5": 16}
+FEW_AHEAD = {"vnni": 16, "vnni8": 16, "vnni5": 16, "vnni_iq4": 16}
 
 # Prefill reads a row group's weights from DRAM in its first tile and from L1 in the others;
 # that first tile prefetches the weights and scales of the group NEXT_GROUP on (the thread's
