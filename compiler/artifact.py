@@ -13,6 +13,7 @@ compile never leaves a half-written artifact.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -52,6 +53,12 @@ def write_params(path: Path, names: list[str], values: dict, at_rest: dict[str, 
             index.append(Param(name, str(a.dtype), tuple(a.shape), offset, data.nbytes,
                                None if stored is None else dict(spec)))
             offset += data.nbytes
+        # The runtime maps params.bin (runtime/memory.py). Pages a write leaves in the page cache
+        # are partly small folios, mapped 4 KiB a page, where the kernels' weights want 2 MiB
+        # pages; written out and dropped, the file is read back at the first load in large ones.
+        f.flush()
+        os.fdatasync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return index
 
 

@@ -89,13 +89,13 @@ class OrtScorer(Scorer):
 class QwcScorer(Scorer):
     backend = "qwc"
 
-    def __init__(self, path: str, threads: int | None = None, ctx: int = 2048):
+    def __init__(self, path: str, threads: int | None = None, ctx: int = 2048, map_weights: bool = True):
         super().__init__(path)
         from qwc.manifest import read_manifest
         from qwc.runtime.engine import Engine
 
         max_ctx = read_manifest(Path(path)).model.context_length
-        self.engine = Engine(path, ctx=min(ctx, max_ctx), threads=threads)
+        self.engine = Engine(path, ctx=min(ctx, max_ctx), threads=threads, map_weights=map_weights)
         if self.engine.tokenizer is None:
             raise QwcError(f"{path}: artifact has no tokenizer")
         self.tokenizer = self.engine.tokenizer
@@ -106,11 +106,11 @@ class QwcScorer(Scorer):
         return self.engine.score(ids)
 
 
-def open_scorer(path: str, threads: int | None = None, ctx: int = 2048) -> Scorer:
-    """The backend a model's form implies."""
+def open_scorer(path: str, threads: int | None = None, ctx: int = 2048, map_weights: bool = True) -> Scorer:
+    """The backend a model's form implies (`map_weights`: an artifact's, Engine's)."""
     p = Path(path)
     if p.is_dir() and (p / "manifest.json").is_file():
-        return QwcScorer(path, threads, ctx)
+        return QwcScorer(path, threads, ctx, map_weights)
     if p.suffix.lower() == ".onnx":
         if not p.is_file():
             raise QwcError(f"{path}: no such file")

@@ -118,10 +118,12 @@ def check_runs_here(manifest: Manifest) -> None:
 
 class Engine:
     def __init__(self, path, ctx: int = 512, threads: int | None = None, verify_hashes: bool = True,
-                 oversubscribe: bool = False):
+                 oversubscribe: bool = False, map_weights: bool = True):
         """`oversubscribe` lifts the bound on threads (4 per usable CPU) to OVERSUBSCRIBED_THREADS,
         for emulation, where the guest's threads are many more than the host's cores and are
-        counted, not timed (bench/arm_threads.py); waiting threads then sleep instead of spin."""
+        counted, not timed (bench/arm_threads.py); waiting threads then sleep instead of spin.
+        `map_weights`: the parameters are params.bin's pages, mapped (runtime/memory.py:
+        MappedFile); False reads them into memory of the process's own (`--no-mmap`)."""
         self.path = Path(path)
         cap = OVERSUBSCRIBED_THREADS if oversubscribe else max_threads()
         what = "threads"
@@ -178,7 +180,7 @@ class Engine:
         self.max_batch = functions.max_batch if self._decode_batch else 1
         # new tokens a prefill / score call takes at most (the library's memory is planned for it)
         self._chunk = min(PREFILL_CHUNK, functions.max_tokens_per_call or PREFILL_CHUNK)
-        self.params = self._load_params()
+        self.params = self._load_params(map_weights)
         self._kv_heads, self._head_dim = self.model.num_key_value_heads, self.model.head_dim
         self._n_cache = 2 * self.model.num_hidden_layers   # a key and a value per layer
         # `qwc compile --kv-dtype`: the format, and the buffers' element type and row width
@@ -314,37 +316,63 @@ class Engine:
             raise QwcError(f"{self.path}: the manifest's vocab_size {self.vocab_size} is not the library's {n} "
                            "(corrupt artifact; recompile it)")
 
-    def _load_params(self):
-        """Read each parameter straight into its place in one huge-page arena (runtime/memory.py):
-        no mapping of the whole file and no second copy, so the peak memory is the parameters
-        once."""
+    def _load_params(self, map_weights: bool):
+        """The parameters as TVM tensors, in the manifest's order. Mapped: each is a view of
+        params.bin's mapping, except those stored at rest in a smaller form (and any not 64-byte
+        aligned), unpacked into an arena. Copied: each read straight into its place in one
+        huge-page arena (runtime/memory.py), so the peak memory is the parameters once.
+        `self.mapped_bytes` / `self.copied_bytes` say which took what."""
         path = self.path / "params.bin"
         size = path.stat().st_size
         specs = self.manifest.params
-        arena = memory.arena_for((p.shape, p.dtype) for p in specs)
+        for p in specs:   # before anything is mapped or read
+            if p.offset + p.nbytes > size:
+                raise QwcError(f"{self.path}: params.bin is truncated ({p.name} ends at byte {p.offset + p.nbytes}, "
+                               f"file has {size})")
+        mapped = memory.MappedFile(path) if map_weights and size else None
+        in_file = {p.name for p in specs if mapped is not None and p.at_rest is None and p.offset % memory.ALIGN == 0}
+        arena = memory.arena_for((p.shape, p.dtype) for p in specs if p.name not in in_file)
         arrays = {}
-        with open(path, "rb") as f:
-            for p in specs:
-                end = p.offset + p.nbytes
-                if end > size:
-                    raise QwcError(f"{self.path}: params.bin is truncated ({p.name} ends at byte {end}, "
-                                   f"file has {size})")
+        for p in specs:
+            if p.name in in_file:
+                self._check_size(p, np.dtype(p.dtype).itemsize * int(np.prod(p.shape, dtype=np.int64)))
+                arrays[p.name] = mapped.view(p.offset, p.shape, p.dtype)
+            else:
                 arrays[p.name] = arena.take(p.shape, p.dtype)
+        with open(path, "rb") as f:
             # an offsets' scales first: its unpacking reads them (qwc/params_at_rest.py)
             for p in sorted(specs, key=lambda p: bool(p.at_rest and p.at_rest["form"] == "q4_k_offsets")):
-                self._read_param(f, p, arrays)
+                if p.name not in in_file:
+                    self._read_param(f, p, arrays, mapped)
+        self.mapped_bytes = sum(p.nbytes for p in specs if p.name in in_file)
+        self.copied_bytes = sum(arrays[p.name].nbytes for p in specs if p.name not in in_file)
         return [self._tvm.runtime.from_dlpack(arrays[p.name]) for p in specs]
 
-    def _read_param(self, f, p, arrays: dict) -> None:
-        """Read `p` into its place in `arrays`, unpacked if it is stored at rest."""
-        a = arrays[p.name]
-        if p.at_rest is None and a.nbytes != p.nbytes:
+    def describe_weights(self) -> str:
+        """Where the parameters are: mapped from params.bin, in memory of the process's own, or both."""
+        gib = (lambda n: f"{n / 2**30:.2f} GiB")
+        if not self.mapped_bytes:
+            return f"{gib(self.copied_bytes)} of weights read into memory"
+        copied = f", {gib(self.copied_bytes)} unpacked into memory" if self.copied_bytes else ""
+        return f"{gib(self.mapped_bytes)} of weights mapped from params.bin{copied}"
+
+    def _check_size(self, p, nbytes: int) -> None:
+        if p.at_rest is None and nbytes != p.nbytes:
             raise QwcError(f"{self.path}: {p.name} is {p.nbytes} bytes in the manifest, "
-                           f"not the {a.nbytes} of its shape and dtype (corrupt artifact)")
-        into = a if p.at_rest is None else np.empty(p.nbytes, np.uint8)
-        f.seek(p.offset)
-        if f.readinto(memoryview(into.reshape(-1)).cast("B")) != into.nbytes:
-            raise QwcError(f"{self.path}: params.bin ended while reading {p.name}")
+                           f"not the {nbytes} of its shape and dtype (corrupt artifact)")
+
+    def _read_param(self, f, p, arrays: dict, mapped: memory.MappedFile | None) -> None:
+        """Read `p` into its place in `arrays`, unpacked if it is stored at rest (from the
+        mapping where there is one: its stored bytes are not copied first)."""
+        a = arrays[p.name]
+        self._check_size(p, a.nbytes)
+        if p.at_rest is not None and mapped is not None:
+            into = mapped.bytes[p.offset:p.offset + p.nbytes]
+        else:
+            into = a if p.at_rest is None else np.empty(p.nbytes, np.uint8)
+            f.seek(p.offset)
+            if f.readinto(memoryview(into.reshape(-1)).cast("B")) != into.nbytes:
+                raise QwcError(f"{self.path}: params.bin ended while reading {p.name}")
         if p.at_rest is not None:
             params_at_rest.unpack(p.at_rest["form"], into, a, arrays.get(p.at_rest.get("scales")))
 

@@ -8,6 +8,12 @@ Where huge pages are unavailable the mapping is plain memory and everything work
 
 Each array is a 64-byte aligned slice of the mapping (TVM takes foreign memory only so
 aligned) and is handed to TVM without a copy; the TVM tensors keep the mapping alive.
+
+The parameters are instead mapped from params.bin itself (MappedFile), as llama.cpp maps its
+GGUF: no copy at load, pages shared with every other process that maps the file and kept in
+the page cache across restarts. The mapping is private (copy-on-write), so no write through it
+could reach the file, and writable, so numpy hands it to TVM by DLPack as any array; nothing
+writes a parameter, so its pages stay the page cache's.
 """
 
 from __future__ import annotations
@@ -49,6 +55,30 @@ class Arena:
             raise ValueError(f"arena of {len(self._bytes)} bytes cannot hold {n} more at {start}")
         self._used = start + n
         return self._bytes[start:start + n].view(dtype).reshape(shape)
+
+
+class MappedFile:
+    """The file at `path` mapped copy-on-write, its pages read in ahead (MADV_POPULATE_READ:
+    page-cache pages mapped without a fault each, never copied) where the kernel has it."""
+
+    POPULATE_READ = 22   # Linux 5.14's MADV_POPULATE_READ (Python 3.11's mmap does not name it)
+
+    def __init__(self, path):
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        for advice in (getattr(mmap, "MADV_HUGEPAGE", None), self.POPULATE_READ):
+            try:   # (file pages are huge only where the file system keeps large folios)
+                if advice is not None:
+                    self._map.madvise(advice)
+            except OSError:   # an older kernel: pages fault in on first use instead
+                pass
+        self.bytes = np.frombuffer(self._map, np.uint8)
+
+    def view(self, offset: int, shape, dtype) -> np.ndarray:
+        """The array of `shape` and `dtype` stored at `offset` (64-byte aligned), not copied."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self.bytes[offset:offset + n].view(dtype).reshape(shape)
 
 
 def arena_for(arrays) -> Arena:

@@ -30,7 +30,7 @@ def drafter(args, eng):
         from .speculate import DraftModel
 
         try:
-            small = Engine(args.draft, ctx=eng.ctx, threads=eng.threads)
+            small = Engine(args.draft, ctx=eng.ctx, threads=eng.threads, map_weights=not getattr(args, "no_mmap", False))
         except QwcError as e:
             raise QwcError(f"--draft: {e}") from None
         return DraftModel(small, eng, args.draft_max)
@@ -97,7 +97,7 @@ def server_parts(args):
     serve_needs()
     check_draft_options(args)
     ctx, said = chosen_context(args, sequences=args.max_batch)
-    eng = Engine(args.model, ctx=ctx, threads=args.threads)
+    eng = Engine(args.model, ctx=ctx, threads=args.threads, map_weights=not args.no_mmap)
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
     adapters(args, eng, name)
     drafts = drafter(args, eng)

@@ -6,11 +6,12 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from qwc import progress
 from qwc.errors import QwcError
 
-from .options import nonnegative, positive, thread_count
+from .options import mmap_option, nonnegative, positive, thread_count
 
 
 def register(sub) -> None:
@@ -24,11 +25,13 @@ def register(sub) -> None:
     b.add_argument("--ctx", type=nonnegative, default=0, help="KV-cache size (default: what the tests need)")
     b.add_argument("--threads", type=thread_count, default=None)
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    mmap_option(b)
     b.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> None:
 
+    start = time.perf_counter()
     if "tvm" not in sys.modules:
         os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     from qwc.runtime.bench import run_bench
@@ -39,7 +42,9 @@ def run(args: argparse.Namespace) -> None:
     need = args.n_depth + max(args.n_prompt, args.n_gen)
     if args.ctx and args.ctx < need:
         raise QwcError(f"--ctx {args.ctx} is less than the {need} tokens the tests need (depth + the longest test)")
-    eng = Engine(args.model, ctx=max(args.ctx, need, 16), threads=args.threads)
+    eng = Engine(args.model, ctx=max(args.ctx, need, 16), threads=args.threads, map_weights=not args.no_mmap)
+    load_s = time.perf_counter() - start
+    progress.info(f"[qwc] loaded in {load_s:.2f}s ({eng.describe_weights()})")
     rows = run_bench(eng, args.n_prompt, args.n_gen, reps=args.repetitions, depth=args.n_depth,
                      progress=lambda line: progress.info(f"[qwc] {line}"))
     m, t = eng.manifest.model, eng.manifest.target
@@ -47,7 +52,8 @@ def run(args: argparse.Namespace) -> None:
     quant = eng.manifest.quantization
     if args.json:
         print(json.dumps({"model": m.name, "target": t.name, "threads": eng.threads,
-                          "params_bytes": size, "quantization": quant.to_dict(), "results": rows}, indent=1))
+                          "params_bytes": size, "load_s": load_s, "mapped_bytes": eng.mapped_bytes,
+                          "quantization": quant.to_dict(), "results": rows}, indent=1))
         return
     w = max(6, *(len(r["test"]) for r in rows))
     print(f"| {'model':14s} | {'size':>10s} | {'target':10s} | {'act':>4s} | {'threads':>7s} | {'test':>{w}s} | {'t/s':>16s} |")

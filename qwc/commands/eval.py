@@ -9,7 +9,7 @@ import sys
 
 from qwc.errors import QwcError
 
-from .options import int_at_least, positive, thread_count
+from .options import int_at_least, mmap_option, positive, thread_count
 
 
 def register(sub) -> None:
@@ -25,6 +25,7 @@ def register(sub) -> None:
     v.add_argument("--items", type=positive, default=None, help="score only the first N items")
     v.add_argument("--threads", type=thread_count, default=None)
     v.add_argument("--json", action="store_true", help="print the results as JSON")
+    mmap_option(v)
     v.set_defaults(func=run)
 
 
@@ -43,7 +44,8 @@ def run(args: argparse.Namespace) -> None:
 
     text = read_text(resolve_text(args.ppl)) if args.ppl else None
     items = read_choices(args.choices) if args.choices else None
-    scorer = open_scorer(resolve_model(args.model), threads=args.threads, ctx=max(args.ctx, 2048))
+    scorer = open_scorer(resolve_model(args.model), threads=args.threads, ctx=max(args.ctx, 2048),
+                         map_weights=not args.no_mmap)
     out = {"model": args.model, "backend": scorer.backend}
     if text is not None:
         r = perplexity(scorer, text, ctx=args.ctx, chunks=args.chunks)

@@ -96,6 +96,13 @@ def speculation_options(p: argparse.ArgumentParser) -> None:
                    help="the shortest n-gram of the context a draft is looked up by (default 3; from 4 down to it)")
 
 
+def mmap_option(p: argparse.ArgumentParser) -> None:
+    """--no-mmap (the commands that load an artifact: Engine's map_weights)."""
+    p.add_argument("--no-mmap", action="store_true",
+                   help="read the weights into this process's memory instead of mapping params.bin (as llama.cpp's "
+                        "flag): a slower start, and no sharing of the pages with other processes that map it")
+
+
 def calibration_options(p: argparse.ArgumentParser, what: str, tokens: int) -> None:
     """--calib and --calib-tokens (eval/data.calibration_ids reads them)."""
     p.add_argument("--calib", default="austen:emma", metavar="TEXT",

@@ -12,7 +12,17 @@ from qwc import progress
 from qwc.errors import QwcError
 from qwc.limits import MAX_LORA_RANK
 
-from .options import check_utf8, float_in, int_in, nonnegative, positive, seed_value, speculation_options, thread_count
+from .options import (
+    check_utf8,
+    float_in,
+    int_in,
+    mmap_option,
+    nonnegative,
+    positive,
+    seed_value,
+    speculation_options,
+    thread_count,
+)
 
 RUN_CONTEXT = 512   # the cache without --ctx: a prompt and a reply, not the model's whole context
 
@@ -44,11 +54,12 @@ def register(sub) -> None:
     r.add_argument("--max-lora-rank", type=int_in(1, MAX_LORA_RANK), metavar="R",
                    help="refuse an adapter above rank R (default: the artifact's bound)")
     speculation_options(r)
+    mmap_option(r)
     r.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> None:
-
+    start = time.perf_counter()
     if "tvm" not in sys.modules:
         os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # the runtime alone: faster start, less memory
     from pathlib import Path
@@ -63,7 +74,7 @@ def run(args: argparse.Namespace) -> None:
     check_draft_options(args)
     t0 = time.perf_counter()
     ctx = args.ctx if args.ctx is not None else default_context(read_manifest(Path(args.model)), 1, RUN_CONTEXT)[0]
-    eng = Engine(args.model, ctx=ctx, threads=args.threads)
+    eng = Engine(args.model, ctx=ctx, threads=args.threads, map_weights=not args.no_mmap)
     adapter = None
     if args.lora:
         from qwc.runtime.adapters import load_adapters
@@ -76,8 +87,7 @@ def run(args: argparse.Namespace) -> None:
     check_speculation(eng, speculate)   # before the prompt is echoed
     if warning := speculation_warning(eng, speculate):
         print(f"qwc: warning: {warning}", file=sys.stderr, flush=True)
-    weights = eng.manifest.weight_bytes
-    progress.info(f"[qwc] loaded {args.model} ({weights / 2**30:.2f} GiB of weights) in {time.perf_counter() - t0:.1f}s; "
+    progress.info(f"[qwc] loaded {args.model} ({eng.describe_weights()}) in {time.perf_counter() - t0:.1f}s; "
                   f"{eng.kv_summary()}")
     if adapter:
         progress.info(f"[qwc] {eng.adapters.describe()}")
@@ -93,8 +103,10 @@ def run(args: argparse.Namespace) -> None:
     check_utf8(args.prompt, "--prompt")
     constraint = run_constraint(eng, args)
     sys.stdout.write(args.prompt)
+    first = None   # seconds from the command's start to the first generated token
     for piece in eng.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sp, constraint=constraint,
                               speculate=speculate, adapter=adapter):
+        first = first or time.perf_counter() - start
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -106,7 +118,8 @@ def run(args: argparse.Namespace) -> None:
         spec = f", {st['draft_tokens_kept']} of {st['draft_tokens']} draft tokens kept"
     progress.info(f"[qwc] prompt {st['prompt_tokens']} tokens at {rate(st['prompt_tokens'], st['prompt_s'])}, "
                   f"generated {st['generated']} at {rate(st['generated'], st['generate_s'])} "
-                  f"({eng.threads} threads, {eng.pos} tokens in context{spec})")
+                  f"({eng.threads} threads, {eng.pos} tokens in context{spec})"
+                  + (f"; first token {first:.2f}s after start" if first else ""))
 
 
 def run_constraint(eng, args: argparse.Namespace):

@@ -8,7 +8,7 @@ from qwc import progress
 from qwc.errors import QwcError
 from qwc.limits import MAX_LORA_RANK
 
-from .options import int_at_least, int_in, nonnegative, positive, speculation_options, thread_count
+from .options import int_at_least, int_in, mmap_option, nonnegative, positive, speculation_options, thread_count
 
 
 def register(sub) -> None:
@@ -33,6 +33,7 @@ def register(sub) -> None:
                          "default their decode tokens ride in the chunk's call (artifacts compiled with "
                          "--max-batch >= 2), which reads the weights once for both")
     speculation_options(sv)
+    mmap_option(sv)
     sv.add_argument("--spec-batch", type=positive, default=1, metavar="N",
                     help="speculate only while at most N sequences decode; more take the batched step, which "
                          "reads the weights once for all (default 1)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -215,6 +216,61 @@ def test_params_and_cache_are_aligned_slices_of_zeroed_arenas(tiny_host_artifact
     assert b.ctypes.data - a.ctypes.data == ALIGN and not b.any()
     with pytest.raises(ValueError, match="cannot hold"):
         arena.take((40,), "float32")
+
+
+def _params_mappings(art) -> list[dict[str, int]]:
+    """This process's mappings of `art`'s params.bin, each its smaps fields in kB."""
+    blocks = re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read())
+    target = str((art / "params.bin").resolve())
+    return [{k: int(v) for k, v in re.findall(r"^(\w+):\s+(\d+) kB", b, re.M)}
+            for b in blocks if b.splitlines()[0].endswith(" " + target)]
+
+
+def test_weights_are_params_bins_pages_unless_no_mmap(tiny_host_artifact, tmp_path):
+    """Mapped (the default, runtime/memory.py: MappedFile) every parameter is a page of params.bin's
+    mapping, resident and none of it the process's own (anonymous); --no-mmap reads them into
+    memory. The logits are the same bits either way."""
+    art = copy_artifact(tiny_host_artifact, tmp_path)
+    size = (art / "params.bin").stat().st_size
+    mapped = Engine(art, ctx=32)
+    assert mapped.mapped_bytes == mapped.manifest.weight_bytes and mapped.copied_bytes == 0
+    assert "mapped from params.bin" in mapped.describe_weights()
+    [vma] = _params_mappings(art)
+    assert vma["Rss"] * 1024 >= size - 4096 and vma["Anonymous"] == 0
+    copied = Engine(art, ctx=32, map_weights=False)
+    assert copied.mapped_bytes == 0 and copied.copied_bytes == mapped.manifest.weight_bytes
+    assert len(_params_mappings(art)) == 1 and "read into memory" in copied.describe_weights()
+    for eng in (mapped, copied):
+        eng.logits = [eng.prefill([1, 2, 3, 4])] + [eng.decode(t) for t in (5, 6, 7)]
+    assert all(np.array_equal(a, b) for a, b in zip(mapped.logits, copied.logits))
+
+
+def test_run_says_how_it_loaded_the_weights(tiny_host_artifact, capsys):
+    for flags, said in (([], "mapped from params.bin"), (["--no-mmap"], "read into memory")):
+        assert main(["run", str(tiny_host_artifact), "--prompt", "a", "--max-new-tokens", "2", *flags]) in (0, None)
+        err = capsys.readouterr().err
+        assert said in err and re.search(r"first token [0-9.]+s after start", err), err
+
+
+def test_a_replaced_artifact_leaves_a_loaded_engine_on_its_old_weights(tiny_q4, tmp_path):
+    """`qwc compile -o` over the artifact a server has mapped renames a new folder into place and
+    deletes the old one: the loaded engine keeps its mapping of the old file (same logits), and
+    the next start loads the new artifact."""
+    from qwc.compiler.compile import compile_file
+
+    art = tmp_path / "m.qwc"
+    compile_file(tiny_q4, "host", art, act_bits=32, kv_type="f32")
+    old = Engine(art, ctx=32)
+    before = old.prefill([1, 2, 3, 4])
+    compile_file(tiny_q4, "host", art, act_bits=8, kv_type="f32")   # other weights' layout, other kernels
+    old.reset()
+    assert np.array_equal(old.prefill([1, 2, 3, 4]), before)
+    # (a new process: this one's dynamic loader hands back the lib.so already loaded from that path)
+    out = tmp_path / "new.npy"
+    subprocess.run([sys.executable, "-c", "import sys, numpy as np; from qwc.runtime.engine import Engine; "
+                    "e = Engine(sys.argv[1], ctx=32); assert e.manifest.quantization.activation_bits == 8; "
+                    "np.save(sys.argv[2], e.prefill([1, 2, 3, 4]))", str(art), str(out)], check=True)
+    assert old.manifest.quantization.activation_bits == 32 and not np.array_equal(np.load(out), before)
 
 
 def test_artifact_for_another_architecture(tiny_host_artifact, tmp_path, capsys):
