@@ -100,6 +100,33 @@ def _import_tvm():
     return tvm
 
 
+# lib.so files this process loaded, by path: the (device, inode) each path held then
+_LOADED_LIBRARIES: dict[str, tuple[int, int]] = {}
+
+
+def _library_path(lib: Path) -> tuple[str, bool]:
+    """The path to dlopen `lib` by, and whether it is an alias to unlink once loaded. The dynamic loader hands back the library it already loaded
+    from a path, so an artifact replaced at the same path (`qwc compile -o` over it) would run its
+    old code against its new manifest; a file that is not the one loaded from that path before is
+    loaded through a link of its own name (unlinked once loaded: the mapping keeps the file)."""
+    key, st = str(lib.resolve()), lib.stat()
+    held = _LOADED_LIBRARIES.setdefault(key, (st.st_dev, st.st_ino))
+    if held == (st.st_dev, st.st_ino):
+        return key, False
+    import tempfile
+
+    fd, alias = tempfile.mkstemp(suffix=".so", prefix="qwc-lib-")
+    os.close(fd)
+    os.unlink(alias)
+    try:
+        os.link(lib, alias)
+    except OSError:   # another file system than the temp folder's
+        import shutil
+
+        shutil.copyfile(lib, alias)
+    return alias, True
+
+
 def check_runs_here(manifest: Manifest) -> None:
     t = manifest.target
     here = cpu.machine_arch()
@@ -164,7 +191,12 @@ class Engine:
         self.ctx = int(ctx)
         self.device = tvm.cpu()
         try:
-            lib = tvm.runtime.load_module(str(self.path / "lib.so"))
+            path, alias = _library_path(self.path / "lib.so")
+            try:
+                lib = tvm.runtime.load_module(path)
+            finally:
+                if alias:
+                    os.unlink(path)
             self.vm = VirtualMachine(lib, self.device)
         except Exception as e:  # TVM's error types: not an ELF, wrong arch, missing symbols
             raise QwcError(f"{self.path}: lib.so cannot be loaded ({str(e).strip().splitlines()[-1]})") from None

@@ -254,8 +254,9 @@ def test_run_says_how_it_loaded_the_weights(tiny_host_artifact, capsys):
 
 def test_a_replaced_artifact_leaves_a_loaded_engine_on_its_old_weights(tiny_q4, tmp_path):
     """`qwc compile -o` over the artifact a server has mapped renames a new folder into place and
-    deletes the old one: the loaded engine keeps its mapping of the old file (same logits), and
-    the next start loads the new artifact."""
+    deletes the old one: the loaded engine keeps its mapping of the old file (same logits), and a
+    new Engine, in another process or in this one (runtime/engine.py: _library_path), loads the
+    new artifact."""
     from qwc.compiler.compile import compile_file
 
     art = tmp_path / "m.qwc"
@@ -265,12 +266,16 @@ def test_a_replaced_artifact_leaves_a_loaded_engine_on_its_old_weights(tiny_q4, 
     compile_file(tiny_q4, "host", art, act_bits=8, kv_type="f32")   # other weights' layout, other kernels
     old.reset()
     assert np.array_equal(old.prefill([1, 2, 3, 4]), before)
-    # (a new process: this one's dynamic loader hands back the lib.so already loaded from that path)
     out = tmp_path / "new.npy"
     subprocess.run([sys.executable, "-c", "import sys, numpy as np; from qwc.runtime.engine import Engine; "
                     "e = Engine(sys.argv[1], ctx=32); assert e.manifest.quantization.activation_bits == 8; "
                     "np.save(sys.argv[2], e.prefill([1, 2, 3, 4]))", str(art), str(out)], check=True)
     assert old.manifest.quantization.activation_bits == 32 and not np.array_equal(np.load(out), before)
+    # this process too, whose dynamic loader holds the old lib.so under that path
+    again = Engine(art, ctx=32)
+    assert again.manifest.quantization.activation_bits == 8 and np.array_equal(again.prefill([1, 2, 3, 4]), np.load(out))
+    old.reset()
+    assert np.array_equal(old.prefill([1, 2, 3, 4]), before)
 
 
 def test_artifact_for_another_architecture(tiny_host_artifact, tmp_path, capsys):
