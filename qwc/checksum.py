@@ -1,9 +1,25 @@
-"""File hashes recorded in artifacts (compiler) and checked on load (runtime)."""
+"""File hashes recorded in artifacts (compiler) and checked on load (runtime).
+
+Checking a 7B's params.bin reads 4 GB, the larger part of a warm start. A file's digest, once
+computed, is remembered under the file's identity (device, inode, size, modification time in
+nanoseconds), so that loading an unchanged artifact again reads nothing: any write, copy or
+replacement changes that identity and the file is read again (a file younger than two
+seconds is not recorded: its next write could keep its time). The records are small JSON files
+in `$QWC_VERIFY_CACHE` (`off`: none), else `$XDG_CACHE_HOME/qwc/verified`; a folder that cannot
+be written only means every load hashes.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import tempfile
+import time
 from pathlib import Path
+
+CACHE_ENV = "QWC_VERIFY_CACHE"
+RACY_NS = 2_000_000_000
 
 
 def sha256(path: Path) -> str:
@@ -12,3 +28,43 @@ def sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _cache_dir() -> Path | None:
+    where = os.environ.get(CACHE_ENV)
+    if where == "off":
+        return None
+    if where:
+        return Path(where)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwc" / "verified"
+
+
+def remembered_sha256(path: Path) -> str:
+    """sha256(path), read from the record of an earlier hash of this very file where there is one."""
+    path = Path(path).resolve()
+    st = path.stat()
+    identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    folder = _cache_dir()
+    record = folder / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json" if folder else None
+    if record is not None:
+        try:
+            held = json.loads(record.read_text())
+            if held.get("identity") == identity and isinstance(held.get("sha256"), str):
+                return held["sha256"]
+        except (OSError, ValueError):
+            pass
+    digest = sha256(path)
+    # As git's racily clean entries: a file written within the clock's granularity of its hash
+    # could be written again with the same time, so only a file older than RACY_NS is recorded.
+    if record is not None and time.time_ns() - st.st_mtime_ns > RACY_NS:
+        tmp = None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"path": str(path), "identity": identity, "sha256": digest}, f)
+            os.replace(tmp, record)
+        except OSError:   # a read-only cache: the next load hashes again
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+    return digest

@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from qwc import cpu, params_at_rest
-from qwc.checksum import sha256
+from qwc.checksum import remembered_sha256
 from qwc.cpu import max_threads
 from qwc.errors import QwcError
 from qwc.kv_formats import KV_TYPES, cache_row
@@ -169,7 +169,7 @@ class Engine:
                 f = self.path / name
                 if not f.is_file():
                     raise QwcError(f"{self.path}: {name} is missing")
-                if sha256(f) != digest:
+                if remembered_sha256(f) != digest:
                     raise QwcError(f"{self.path}: {name} does not match its hash in the manifest (corrupt artifact)")
         # TVM creates a thread's pool with TVM_NUM_THREADS workers (else half the logical CPUs:
         # one on a 2-vCPU VM) but uses no more of them than the cores it detects; _size_pool

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 
 import numpy as np
 import onnx
@@ -50,6 +51,8 @@ def _amx():
 # Every kernel a test compiles (here or in a `qwc` it runs) is scheduled: one left to TVM's
 # serial scalar loops fails the build rather than warn (compiler/schedule.py).
 os.environ[STRICT_ENV] = "error"
+# The digests an Engine remembers (qwc/checksum.py) go to a folder of the run's own, not the user's.
+os.environ.setdefault("QWC_VERIFY_CACHE", tempfile.mkdtemp(prefix="qwc-verified-"))
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,12 @@ artifact's self-checks (the typed manifest, hashes, architecture) and `qwc run` 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -276,6 +279,35 @@ def test_a_replaced_artifact_leaves_a_loaded_engine_on_its_old_weights(tiny_q4, 
     assert again.manifest.quantization.activation_bits == 8 and np.array_equal(again.prefill([1, 2, 3, 4]), np.load(out))
     old.reset()
     assert np.array_equal(old.prefill([1, 2, 3, 4]), before)
+
+
+def test_an_unchanged_artifact_is_not_hashed_again(tiny_host_artifact, tmp_path, monkeypatch, capsys):
+    """qwc/checksum.py: a file's digest is remembered by its identity, so a second load reads
+    nothing to check it; a file younger than two seconds is not remembered, and a changed one
+    (new bytes: a new time) is hashed again and refused."""
+    from qwc import checksum
+
+    monkeypatch.setenv(checksum.CACHE_ENV, str(tmp_path / "verified"))
+    art = copy_artifact(tiny_host_artifact, tmp_path)
+    hashed = []
+    real = checksum.sha256
+    monkeypatch.setattr(checksum, "sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    for f in art.iterdir():   # (copytree kept the originals' times)
+        os.utime(f)
+    Engine(art, ctx=16)
+    Engine(art, ctx=16)
+    assert hashed.count("params.bin") == 2   # just written: not remembered
+    past = time.time() - 60
+    for f in art.iterdir():
+        os.utime(f, (past, past))
+    hashed.clear()
+    Engine(art, ctx=16)
+    Engine(art, ctx=16)
+    assert hashed.count("params.bin") == 1 and hashed.count("lib.so") == 1
+    raw = bytearray((art / "params.bin").read_bytes())
+    raw[-1] ^= 1
+    (art / "params.bin").write_bytes(bytes(raw))
+    one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), "params.bin does not match its hash")
 
 
 def test_artifact_for_another_architecture(tiny_host_artifact, tmp_path, capsys):
