@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .cache_folders import cache_folder
+
 CACHE_ENV = "QWC_VERIFY_CACHE"
 RACY_NS = 2_000_000_000
 
@@ -30,21 +32,12 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _cache_dir() -> Path | None:
-    where = os.environ.get(CACHE_ENV)
-    if where == "off":
-        return None
-    if where:
-        return Path(where)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwc" / "verified"
-
-
 def remembered_sha256(path: Path) -> str:
     """sha256(path), read from the record of an earlier hash of this very file where there is one."""
     path = Path(path).resolve()
     st = path.stat()
     identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
-    folder = _cache_dir()
+    folder = cache_folder(CACHE_ENV, "verified")
     record = folder / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json" if folder else None
     if record is not None:
         try:

@@ -23,18 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from qwc.cache_folders import cache_folder
+
 CACHE_ENV = "QWC_KERNEL_CACHE"
 _COMPILER = Path(__file__).resolve().parent.parent   # compiler/: every file a kernel's TIR may depend on
 
 
 def cache_dir() -> Path | None:
     """The cache's folder, or None where it is off."""
-    where = os.environ.get(CACHE_ENV)
-    if where == "off":
-        return None
-    if where:
-        return Path(where)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwc" / "kernels"
+    return cache_folder(CACHE_ENV, "kernels")
 
 
 @functools.cache
