@@ -86,22 +86,28 @@ def prepare_file(src: Path, work: Path) -> tuple[Path, Path]:
 
 def quantized_file(mix: str, size: str, work: Path, layers: int | None = None) -> Path:
     """llama-quantize's `mix` (Q4_K_M, ...) of a random checkpoint of Qwen2.5-`size`'s shapes
-    (bench/make_checkpoint.py; `layers`: its first N layers only), written as F16 first."""
+    (bench/make_checkpoint.py; `layers`: its first N layers only), or of a Qwen3 preset's
+    (`size` its name: qwen3-0.6b, qwen3-8b-2layers, ...), written as F16 first."""
     from qwc.bench.gguf_q4_0 import write_gguf_q4_0_checkpoint
     from qwc.bench.llamacpp import tools as llamacpp_tools
     from qwc.models.hf import open_hf_dir
+    from qwc.models.presets import is_checkpoint_preset, preset_checkpoint
 
     work.mkdir(parents=True, exist_ok=True)
-    stem = f"qwen2.5-{size}" + (f"-{layers}layers" if layers is not None else "")
+    preset = is_checkpoint_preset(size)
+    if preset and layers is not None:
+        sys.exit(f"formats: --layers cuts Qwen2.5's checkpoints; {size} is a preset (its cuts are presets of their own)")
+    stem = size if preset else f"qwen2.5-{size}" + (f"-{layers}layers" if layers is not None else "")
     out = work / f"{stem}-{mix}.gguf"
     if out.exists():
         return out
     ckpt, f16 = work / stem, work / f"{stem}-f16.gguf"
-    if not (ckpt / "config.json").exists():
+    if not preset and not (ckpt / "config.json").exists():
         cut = ["--layers", str(layers)] if layers is not None else []
         subprocess.run([sys.executable, str(HERE / "make_checkpoint.py"), size, "-o", str(ckpt), *cut], check=True)
     if not f16.exists():
-        write_gguf_q4_0_checkpoint(open_hf_dir(ckpt), f16.with_suffix(".partial"), f16=True)
+        write_gguf_q4_0_checkpoint(preset_checkpoint(size) if preset else open_hf_dir(ckpt), f16.with_suffix(".partial"),
+                                   f16=True)
         f16.with_suffix(".partial").rename(f16)
     quantize = llamacpp_tools("x86") / f"llama-quantize-{VERSION}"
     subprocess.run([str(quantize), str(f16), str(out.with_suffix(".partial")), mix.upper()], check=True,
@@ -121,7 +127,8 @@ def main() -> None:
     p.add_argument("--gguf", type=Path, help="bench this GGUF (any formats) instead of --formats' files")
     p.add_argument("--mix", choices=("q4_0", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs"),
                    help="bench llama-quantize's mix of a random model (--size) instead")
-    p.add_argument("--size", default="1.5b", help="with --mix: Qwen2.5's size (bench/make_checkpoint.py's: 0.5b, 1.5b, 7b)")
+    p.add_argument("--size", default="1.5b", help="with --mix: Qwen2.5's size (bench/make_checkpoint.py's: 0.5b, 1.5b, "
+                                                 "7b), or a Qwen3 preset (qwen3-0.6b, qwen3-8b-2layers, ...)")
     p.add_argument("--layers", type=int, help="with --mix: the model's first N layers only (7b: 4, the 7B cut)")
     a = p.parse_args()
     if a.mix:

@@ -46,7 +46,7 @@ def write_gguf_q4_0(lm, path: Path, head_bits: int = 4, linears=GGMLQuantization
         kind = head if name in ("model.embed_tokens.weight", "lm_head.weight") else linears
         tensors[name] = (quantize(a, kind), kind) if a.ndim == 2 else (a, None)
     # llama.cpp refuses a BPE vocabulary without merges, even when ids are fed directly.
-    return write_gguf(path, "qwen2", cfg, tokens, types, tensors, merges=["\u0120 \u0120"],
+    return write_gguf(path, cfg.architecture, cfg, tokens, types, tensors, merges=["\u0120 \u0120"],
                       file_type=FILE_TYPES[linears])
 
 
@@ -79,5 +79,5 @@ def write_gguf_q4_0_checkpoint(ckpt, path: Path, f16: bool = False) -> Path:
                                     lambda name=name: _q4_0_by_rows(ckpt.tensor(name)))
         else:
             tensors[name] = Planned(tuple(shape), np.dtype(np.float32), None, lambda name=name: ckpt.tensor(name))
-    return write_gguf(path, "qwen2", cfg, tokens, types, tensors, merges=["\u0120 \u0120"],
+    return write_gguf(path, cfg.architecture, cfg, tokens, types, tensors, merges=["\u0120 \u0120"],
                       file_type=FILE_TYPES[half] if f16 else MOSTLY_Q4_0)

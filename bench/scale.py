@@ -5,7 +5,8 @@ artifact's size, and what running it costs, on random weights of the exact shape
         [--workdir build/scale] [--bench [--threads 2] [--rounds 2]] [--only-bench] [--json F] [--keep]
 
 Per size: bench/make_checkpoint.py writes a hub-style bf16 checkpoint (once, kept in
---workdir), then `qwc export` (streamed), `qwc optimize`, `qwc compile` for each target and,
+--workdir; a Qwen3 preset such as qwen3-32b-2layers is made in code instead, no checkpoint on
+disk), then `qwc export` (streamed), `qwc optimize`, `qwc compile` for each target and,
 on the host artifact, `qwc run` (peak RSS of answering a prompt). With --bench, pp512 / tg128
 of `qwc bench` against llama.cpp's llama-bench on a Q4_0 GGUF of the same checkpoint
 (bench/gguf_q4_0.py), in alternating rounds; --only-bench does only that, on the artifacts an
@@ -53,13 +54,16 @@ def size_of(path: Path) -> float:
 
 def one_size(size: str, targets: list[str], work: Path, bench: bool, keep: bool, threads: int = 2,
              rounds: int = 2) -> dict:
+    from qwc.models.presets import is_checkpoint_preset
+
     log = work / f"{size}.log"
     ckpt = work / f"qwen2.5-{size}"
-    if not (ckpt / "config.json").exists():
+    preset = is_checkpoint_preset(size)
+    if not preset and not (ckpt / "config.json").exists():
         subprocess.run([sys.executable, str(HERE / "make_checkpoint.py"), size, "-o", str(ckpt)], check=True)
-    r = {"size": size, "checkpoint_gib": size_of(ckpt), "stages": {}}
+    r = {"size": size, "checkpoint_gib": 0.0 if preset else size_of(ckpt), "stages": {}}
     onnx_, q4 = work / f"{size}.onnx", work / f"{size}.q4.onnx"
-    r["stages"]["export"] = run(QWC + ["export", str(ckpt), "-o", str(onnx_)], log)
+    r["stages"]["export"] = run(QWC + ["export", size if preset else str(ckpt), "-o", str(onnx_)], log)
     r["float_graph_gib"] = size_of(onnx_) + size_of(onnx_.with_name(onnx_.name + ".data"))
     r["stages"]["optimize"] = run(QWC + ["optimize", str(onnx_), "-o", str(q4)], log)
     if not keep:
@@ -75,23 +79,26 @@ def one_size(size: str, targets: list[str], work: Path, bench: bool, keep: bool,
         r["stages"]["run"] = run(QWC + ["run", str(art), "--prompt", "The capital of France is",
                                         "--max-new-tokens", "16", "--ctx", "512"], log)
         if bench:
-            r["speed"] = speed(ckpt, art, work, threads, rounds)
+            r["speed"] = speed(size if preset else ckpt, art, work, threads, rounds)
     if not keep:
         for p in list(work.glob(f"{size}.q4.onnx*")) + list(work.glob(f"{size}.q4.*.json")):
             p.unlink()
     return r
 
 
-def speed(ckpt: Path, art: Path, work: Path, threads: int, rounds: int) -> dict:
+def speed(ckpt: Path | str, art: Path, work: Path, threads: int, rounds: int) -> dict:
     """pp512 and tg128 (from an empty cache, llama-bench's definition) of the host artifact and
     of llama.cpp (its strongest build here, bench/llamacpp.sh x86) on a Q4_0 GGUF of the same
-    weights, in alternating rounds (qwc, llama.cpp, qwc, ...): the machine is shared."""
+    weights (`ckpt`: a checkpoint folder, or a Qwen3 preset's name), in alternating rounds
+    (qwc, llama.cpp, qwc, ...): the machine is shared."""
     from qwc.bench.gguf_q4_0 import write_gguf_q4_0_checkpoint
     from qwc.models.hf import open_hf_dir
+    from qwc.models.presets import preset_checkpoint
 
-    gguf = work / f"{ckpt.name}.q4_0.gguf"
+    gguf = work / f"{Path(ckpt).name}.q4_0.gguf"
     if not gguf.exists():
-        write_gguf_q4_0_checkpoint(open_hf_dir(ckpt), gguf.with_suffix(".partial"))
+        source = preset_checkpoint(ckpt) if isinstance(ckpt, str) else open_hf_dir(ckpt)
+        write_gguf_q4_0_checkpoint(source, gguf.with_suffix(".partial"))
         gguf.with_suffix(".partial").rename(gguf)
     return alternating(art, gguf, threads, rounds)
 
@@ -159,7 +166,10 @@ def main() -> None:
     results = []
     for size in a.sizes.split(","):
         if a.only_bench:
-            ckpt, art = a.workdir / f"qwen2.5-{size}", a.workdir / f"{size}-host.qwc"
+            from qwc.models.presets import is_checkpoint_preset
+
+            ckpt = size if is_checkpoint_preset(size) else a.workdir / f"qwen2.5-{size}"
+            art = a.workdir / f"{size}-host.qwc"
             results.append({"size": size, "speed": speed(ckpt, art, a.workdir, a.threads, a.rounds)})
         else:
             results.append(one_size(size, a.targets.split(","), a.workdir, a.bench, a.keep, a.threads, a.rounds))

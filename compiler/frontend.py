@@ -58,6 +58,7 @@ class ImportContext:
     features: frozenset = frozenset()               # the target's ISA features (targets.py)
     tuned: dict = field(default_factory=dict)       # tuning task key -> knobs (`--tuning-db`)
     rotary_kernels: dict = field(default_factory=dict)   # rotary kernel emitted -> its num_heads
+    head_norms: dict = field(default_factory=dict)       # those that norm each head first -> epsilon
     batched: bool = False                           # B sequences, each with its own cache row
     step: bool = False                              # segments of tokens of B rows (build.py: step)
     verify: bool = False                            # decode's attention for each new token (build.py: verify)
@@ -358,15 +359,45 @@ class RotaryEmbedding(F.OnnxOpConverter):
         heads = int(attr["num_heads"])
         x, pos = (v if isinstance(v, relax.Var) else bb.emit(v) for v in (x, pos))
         x_ty = x.ty
-        kernel = (generic.rotary_halves(int(x_ty.shape[2]), heads, str(pos.ty.dtype))
-                  if x_ty.ndim == 3 and isinstance(x_ty.shape[2], tirx.IntImm) and x_ty.dtype == "float32" else None)
-        if kernel is not None:   # the vector form; the TE one for head sizes it does not take
+        vector = x_ty.ndim == 3 and isinstance(x_ty.shape[2], tirx.IntImm) and x_ty.dtype == "float32"
+        normed = cls._head_norm(bb, x, heads) if vector else None
+        eps = None if normed is None else normed[2]
+        kernel = generic.rotary_halves(int(x_ty.shape[2]), heads, str(pos.ty.dtype), eps) if vector else None
+        if kernel is not None and normed is not None:   # Qwen3's QK-norm in the rotary kernel (kernels/head_norm.py)
+            out = bb.emit(relax.call_tir(bb.add_func(kernel, _kname("rotary_head_norm")), [normed[0], normed[1], pos, cos, sin],
+                                         relax.TensorType(shape=x_ty.shape, dtype="float32")))
+            _ctx().head_norms[bb.lookup_binding(out).args[0].name_hint] = eps
+        elif kernel is not None:   # the vector form; the TE one for head sizes it does not take
             out = bb.emit(relax.call_tir(bb.add_func(kernel, _kname("rotary")), [x, pos, cos, sin],
                                          relax.TensorType(shape=x_ty.shape, dtype="float32")))
         else:
             out = bb.emit_te(generic.rotary, x, pos, cos, sin, heads=heads, primfunc_name_hint=_kname("rotary"))
         _ctx().rotary_kernels[bb.lookup_binding(out).args[0].name_hint] = heads   # fuse_decode_attention.py
         return out
+
+    @staticmethod
+    def _head_norm(bb, x, heads: int):
+        """(y, gain, epsilon) where x is Qwen3's QK-norm of y [b, s, heads x head_dim] as the
+        passes write it: Reshape(RMSNorm over head_dim (Reshape(y) to [b, s, heads, head_dim])),
+        else None."""
+        def bound(v):
+            return bb.lookup_binding(v) if isinstance(v, relax.Var) else v
+
+        flat = bound(x)
+        norm = bound(flat.args[0]) if call_of(flat, "relax.reshape") else None
+        if not call_of(norm, "relax.nn.rms_norm") or [int(a) for a in norm.attrs.axes] not in ([-1], [3]):
+            return None
+        split = bound(norm.args[0])
+        y, gain = (split.args[0] if call_of(split, "relax.reshape") else None), norm.args[1]
+        d = int(x.ty.shape[2]) // heads
+
+        def dims(v):
+            return [getattr(n, "value", None) for n in v.ty.shape]
+
+        if y is None or y.ty.ndim != 3 or dims(norm.args[0])[2:] != [heads, d] or dims(gain) != [d]:
+            return None
+        y, gain = (v if isinstance(v, relax.Var) else bb.emit(v) for v in (y, gain))
+        return y, gain, float(norm.attrs.epsilon)
 
 
 class GroupQueryAttention(F.OnnxOpConverter):

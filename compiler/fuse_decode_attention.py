@@ -1,5 +1,6 @@
 """Decode's rotary, cache writes and attention as the one three-pass kernel, and the o
-projection's quantizer into it.
+projection's quantizer into it; with Qwen3's QK-norm (a rotary kernel that norms each head
+first, frontend.RotaryEmbedding), the norm too.
 
 As imported, one token's attention is five kernels: rotary of q and of k, the K and V cache
 writes, and the online attention (kernels/prefill_attention.py: attention). Where the target's rule
@@ -28,21 +29,27 @@ from .kernels import act_quant, decode_attention, kv_cache, prefill_attention
 from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr, static_dims
 
 
-def _rotary_operands(defs: Bindings, rotary_kernels: dict, x, heads: int, head_dim: int, lead: list):
-    """(x, position_ids, cos, sin) when x is a rotary of heads x head_dim of `lead` = [rows,
-    tokens] (None: any number) with cos and sin [P, head_dim / 2] (the layout
-    decode_attention's own rotary reads), else None."""
+def _rotary_operands(defs: Bindings, rotary_kernels: dict, head_norms: dict, x, heads: int, head_dim: int,
+                     lead: list):
+    """(x, position_ids, cos, sin, the head norm's gain, its epsilon) when x is a rotary of
+    heads x head_dim of `lead` = [rows, tokens] (None: any number) with cos and sin [P,
+    head_dim / 2] (the layout decode_attention's own rotary reads), else None; gain and epsilon
+    None where the rotary kernel norms no head (frontend.RotaryEmbedding)."""
     e = defs.value(x)
     if not call_of(e, "relax.call_tir") or rotary_kernels.get(e.args[0].name_hint) != heads:
         return None
     args = call_args(e)
+    eps = head_norms.get(e.args[0].name_hint)
+    gain = None
+    if eps is not None:   # (x, gain, position_ids, cos, sin)
+        gain = args.pop(1)
     if (static_dims(args[0]) != [*lead, heads * head_dim] or static_dims(args[1]) != lead
             or any(static_dims(t)[1] != head_dim // 2 for t in args[2:])):
         return None
-    return args
+    return [*args, gain, eps]
 
 
-def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str, lead: list):
+def _plan(mod, defs: Bindings, rotary_kernels: dict, head_norms: dict, zero_point, layout: str, lead: list):
     """{attention output var: what its fused call needs} for every fusable decode attention,
     and {o projection quantizer var: that attention output var} where zero_point is given."""
     fused, quantizers = {}, {}
@@ -60,15 +67,16 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str, le
         heads = static_dims(q)[2] // head_dim
         if static_dims(q)[:2] != lead or not decode_attention.fuses_decode_prologue(head_dim):
             continue
-        rq = _rotary_operands(defs, rotary_kernels, q, heads, head_dim, lead)
-        rk = _rotary_operands(defs, rotary_kernels, k, kv_heads, head_dim, lead)
-        if rq is None or rk is None or not all(a.same_as(b) for a, b in zip(rq[1:], rk[1:])):
+        rq = _rotary_operands(defs, rotary_kernels, head_norms, q, heads, head_dim, lead)
+        rk = _rotary_operands(defs, rotary_kernels, head_norms, k, kv_heads, head_dim, lead)
+        if rq is None or rk is None or not all(a.same_as(b) for a, b in zip(rq[1:4], rk[1:4])) or rq[5] != rk[5]:
             continue
-        inputs = [rq[0], rk[0], v, past_k, past_v, seqlens, *rq[1:]]
+        eps = rq[5]   # Qwen3's QK-norm: both normed with one epsilon, their gains after sin
+        inputs = [rq[0], rk[0], v, past_k, past_v, seqlens, *rq[1:4]] + ([] if eps is None else [rq[4], rk[4]])
         if any(defs.order.get(x, -1) > defs.order[kc] for x in inputs):
             continue   # the fused call goes where the K cache write was
         fused[out] = dict(kc=kc, vc=vc, inputs=inputs, q=q, past_k=past_k, past_v=past_v,
-                          heads=heads, kv_heads=kv_heads, head_dim=head_dim, scale=float(scale))
+                          heads=heads, kv_heads=kv_heads, head_dim=head_dim, scale=float(scale), head_norm=eps)
     if zero_point is not None:
         for var, e in defs.values.items():
             mark = kernel_attr(mod, e, act_quant.QUANTIZER)
@@ -87,9 +95,11 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, zero_point, layout: str, le
 
 def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, layout: str = "plain",
                           per_head: bool = False, registers: tuple[int, int] = (16, 32),
-                          split_keys: int | None = None, queries: bool = False, rows: bool = False):
+                          split_keys: int | None = None, queries: bool = False, rows: bool = False,
+                          head_norms: dict | None = None):
     """The pass; `kname` names a kernel in this entry point, `rotary_kernels` maps the rotary
-    kernels the import emitted to their head count (frontend.ImportContext), `zero_point`:
+    kernels the import emitted to their head count and `head_norms` those that norm each head
+    to the norm's epsilon (frontend.ImportContext), `zero_point`:
     also write the output's Q8_0 with this zero point (None: do not), in the activation
     `layout` the o projection's GEMV reads; `per_head`: a task per query head, not per kv head;
     `registers`: the target's vector registers (targets.vector_registers); `split_keys`: the
@@ -102,7 +112,7 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, l
     lead = [1, None] if queries else [None, 1] if rows else [1, 1]
 
     def make(mod, defs: Bindings):
-        fused, quantizers = _plan(mod, defs, rotary_kernels, zero_point, layout, lead)
+        fused, quantizers = _plan(mod, defs, rotary_kernels, head_norms or {}, zero_point, layout, lead)
         by_write = {f["kc"]: out for out, f in fused.items()}
         by_v_write = {f["vc"]: out for out, f in fused.items()}
         made = {}   # attention output var -> the fused call's (out, K cache, V cache) vars and call
@@ -117,10 +127,10 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, l
                 kernel = decode_attention.decode_attention(f["heads"], f["kv_heads"], f["head_dim"], f["scale"],
                                                str(pos.ty.dtype), zero_point if quantize else None, layout,
                                                1 if per_head else None, kv_dtype, registers, split_keys, queries,
-                                               rows)
+                                               rows, head_norm=f["head_norm"])
                 suffix = ("_queries" if queries else "_rows" if rows else "") + ("_heads" if per_head else "") + ("" if not quantize else "_q8" if layout == "plain"
                                                            else f"_q8_{layout}") + (
-                    "" if kv_dtype == "float32" else f"_{kv_dtype}")
+                    "" if kv_dtype == "float32" else f"_{kv_dtype}") + ("" if f["head_norm"] is None else "_head_norm")
                 gv = rw.builder_.add_func(kernel, kname("attention_3pass" + suffix))
                 nb = f["heads"] * f["head_dim"] // act_quant.BLOCK
                 q8 = [] if not quantize else [relax.TensorType(shape=[1, nb, act_quant.BLOCK], dtype="int8"),

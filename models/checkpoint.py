@@ -24,8 +24,8 @@ from .gguf_blocks import KEPT, Blocks
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen2 model of `cfg` needs, with its shape (HF naming; a tied lm_head is
-    the embedding, so it is not listed)."""
+    """Every tensor a Qwen2 or Qwen3 model of `cfg` needs, with its shape (HF naming; a tied
+    lm_head is the embedding, so it is not listed)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
@@ -35,13 +35,16 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{layer}."
         out.update({
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
-            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         })
+        if cfg.attention_bias:
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)})
     return out
 
 

@@ -1,4 +1,4 @@
-"""Loading a GGUF file of `llama` or `qwen2` architecture as a Qwen2 checkpoint.
+"""Loading a GGUF file of `llama`, `qwen2` or `qwen3` architecture as a Qwen2 or Qwen3 checkpoint.
 
 Every tensor can be read dequantized to float32 with the `gguf` package; weights in Q4_0,
 Q4_1 or Q8_0 can also be read as their blocks (models/gguf_blocks.py), which the streaming
@@ -28,7 +28,7 @@ from .checkpoint import Checkpoint
 if TYPE_CHECKING:
     from .qwen2 import LoadedModel
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 # ModelConfig's fields as llama.cpp's metadata keys spell them ({arch}: general.architecture)
 GGUF_KEYS = {
@@ -53,6 +53,8 @@ _LAYER_TENSORS = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",   # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -178,6 +180,7 @@ def config_from_gguf(reader: GGUFReader, path: Path) -> tuple[ModelConfig, str]:
         chat_template=_field(reader, "tokenizer.chat_template", required=False),
         rope_scaling=_rope_scaling(reader, arch, path),
         source=str(path),
+        architecture="qwen3" if arch == "qwen3" else "qwen2",
     )
     if cfg.chat_template is not None:
         field_checks.string(path, "tokenizer.chat_template", cfg.chat_template)

@@ -1,4 +1,4 @@
-"""Writing a Qwen2 / Llama model as a GGUF file: the metadata llama.cpp reads, and tensors
+"""Writing a Qwen2 / Qwen3 / Llama model as a GGUF file: the metadata llama.cpp reads, and tensors
 named the way `gguf_loader` maps them back. Used to hand llama.cpp the same weights as qwc
 (bench/) and to build GGUF files for the loader's tests."""
 
@@ -49,6 +49,9 @@ def write_gguf(path: Path, arch: str, cfg: ModelConfig, tokens: list[str], token
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:   # as llama.cpp's converter: only where it differs
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     if cfg.rope_scaling is not None:   # YaRN, as llama.cpp's converter writes Qwen2.5's
         w.add_rope_scaling_type(RopeScalingType.YARN)

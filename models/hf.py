@@ -1,4 +1,4 @@
-"""Loading a Hugging Face Qwen2 directory: config.json, *.safetensors, tokenizer files."""
+"""Loading a Hugging Face Qwen2 or Qwen3 directory: config.json, *.safetensors, tokenizer files."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import numpy as np
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
-from transformers import Qwen2Config
+from transformers import Qwen2Config, Qwen3Config
 
 from qwc.atomic import replace_dir, staging_dir
-from qwc.config import ModelConfig
+from qwc.config import ARCHITECTURES, ModelConfig
 from qwc.errors import QwcError
 from qwc.text import read_json_object
 
@@ -31,9 +31,9 @@ def open_hf_dir(path: Path) -> Checkpoint:
     if not cfg_path.is_file():
         raise QwcError(f"{path}: not a Hugging Face model directory (no config.json)")
     raw = read_json_object(cfg_path)
-    if raw.get("model_type") != "qwen2":
+    if raw.get("model_type") not in ARCHITECTURES:
         raise QwcError(f"{path}: unsupported architecture {raw.get('model_type')!r} "
-                       "(qwc compiles Qwen2 models)")
+                       "(qwc compiles Qwen2, Qwen2.5 and Qwen3's dense models)")
     # types and ranges first, then the sizes against the shards' tensors: transformers' own
     # config class would build a list as long as any num_hidden_layers it is handed
     first = ModelConfig.from_hf_dict(raw, name=path.name, source=str(cfg_path))
@@ -50,7 +50,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
             raise QwcError(f"{f}: corrupt safetensors file ({str(e).splitlines()[0]})") from None
     check_dimensions(first, shapes, str(cfg_path))
     try:
-        hf = Qwen2Config.from_dict(raw)
+        hf = (Qwen3Config if raw["model_type"] == "qwen3" else Qwen2Config).from_dict(raw)
     except (TypeError, ValueError, StrictDataclassError) as e:
         # huggingface_hub's validation errors say what is wrong on their last line
         why = [ln.strip() for ln in str(e).splitlines() if ln.strip()]

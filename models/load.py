@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from qwc.errors import QwcError
 
 from .checkpoint import Checkpoint
-from .presets import PRESET_NAMES, load_preset
+from .presets import PRESET_NAMES, is_checkpoint_preset, load_preset, preset_checkpoint
 
 if TYPE_CHECKING:
     from .qwen2 import LoadedModel
@@ -27,8 +27,11 @@ def load_source(source: str) -> LoadedModel:
 
 
 def open_checkpoint(source: str) -> Checkpoint:
-    """A HF directory or a .gguf file, opened without reading its weights."""
+    """A HF directory, a .gguf file or a preset made as a checkpoint, opened without reading
+    its weights."""
     path = Path(source)
+    if is_checkpoint_preset(source):
+        return preset_checkpoint(source)
     if source in PRESET_NAMES:
         raise QwcError(f"{source} is a preset built in code, not a checkpoint file")
     if path.is_dir():

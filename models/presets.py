@@ -1,4 +1,10 @@
-"""Presets built in code with seeded random weights: no download, same model everywhere."""
+"""Presets built in code with seeded random weights: no download, same model everywhere.
+
+Qwen2 presets are transformers' own random initialisation in torch. Qwen3 presets are
+checkpoints made in code (`preset_checkpoint`): each tensor drawn from a generator seeded by
+its name when it is read, so the full-size shapes (up to 32B) export through the streaming
+writer in bounded memory, as a downloaded checkpoint does, and the torch reference loads the
+same tensors."""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ from qwc import progress
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
 
-from .tokenizer import CHATML_TEMPLATE, byte_level_tokenizer, special_ids
+from .checkpoint import Checkpoint, expected_tensors
+from .tokenizer import CHATML_TEMPLATE, QWEN3_TEMPLATE, THINK_TOKENS, byte_level_tokenizer, special_ids
 
 # name -> (config fields, initializer std). Tiny's larger std gives logits with clear
 # winners, so greedy decoding is a meaningful check rather than a coin toss on ties.
@@ -57,26 +64,93 @@ _PRESETS: dict[str, tuple[dict, float]] = {
     ), 0.02),
 }
 
-PRESET_NAMES = tuple(_PRESETS)
+
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool, vocab: int = 151936,
+           head_dim: int = 128, kv_heads: int = 8) -> dict:
+    """A Qwen3 dense model's config fields (the published config.json's values)."""
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                tie_word_embeddings=tied, architecture="qwen3")
+
+
+# Qwen3 presets: name -> (config fields, the matrices' standard deviation). The 2-layer cuts
+# keep a shape's per-layer work and vocabulary at a size that exports, compiles and runs
+# under emulation.
+_QWEN3_PRESETS: dict[str, tuple[dict, float]] = {
+    # head_dim 64 is not hidden / heads (32), as in every Qwen3 (128 against 1024 / 16 in 0.6B)
+    "tiny-qwen3": (_qwen3(128, 320, 2, 4, True, vocab=288, head_dim=64, kv_heads=2) | dict(
+        rope_theta=10000.0, max_position_embeddings=2048), 0.15),
+    "qwen3-0.6b": (_qwen3(1024, 3072, 28, 16, True), 0.02),
+    "qwen3-1.7b": (_qwen3(2048, 6144, 28, 16, True), 0.02),
+    "qwen3-4b": (_qwen3(2560, 9728, 36, 32, True), 0.02),
+    "qwen3-8b": (_qwen3(4096, 12288, 36, 32, False), 0.02),
+    "qwen3-14b": (_qwen3(5120, 17408, 40, 40, False), 0.02),
+    "qwen3-32b": (_qwen3(5120, 25600, 64, 64, False), 0.02),
+    "qwen3-8b-2layers": (_qwen3(4096, 12288, 2, 32, False), 0.02),
+    "qwen3-32b-2layers": (_qwen3(5120, 25600, 2, 64, False), 0.02),
+}
+
+PRESET_NAMES = tuple(_PRESETS) + tuple(_QWEN3_PRESETS)
 
 if TYPE_CHECKING:
     from .qwen2 import LoadedModel
 
 
+def is_checkpoint_preset(name: str) -> bool:
+    """A preset made as a checkpoint (preset_checkpoint), which exports as one does."""
+    return name in _QWEN3_PRESETS
+
+
 def preset_config(name: str) -> ModelConfig:
-    if name not in _PRESETS:
+    if name not in PRESET_NAMES:
         raise QwcError(f"unknown preset {name!r} (known: {', '.join(PRESET_NAMES)})")
-    tok = byte_level_tokenizer()
-    bos, eos = special_ids(tok)
-    return ModelConfig(name=name, bos_token_id=bos, eos_token_ids=eos,
-                       chat_template=CHATML_TEMPLATE, source=f"preset:{name}", **_PRESETS[name][0])
+    qwen3 = is_checkpoint_preset(name)
+    bos, eos = special_ids(_preset_tokenizer(name))
+    fields = (_QWEN3_PRESETS if qwen3 else _PRESETS)[name][0]
+    return ModelConfig(name=name, bos_token_id=bos, eos_token_ids=eos, chat_template=QWEN3_TEMPLATE if qwen3 else CHATML_TEMPLATE,
+                       source=f"preset:{name}", **fields)
+
+
+def _preset_tokenizer(name: str):
+    return byte_level_tokenizer(THINK_TOKENS if is_checkpoint_preset(name) else ())
+
+
+def preset_checkpoint(name: str, seed: int = 0) -> Checkpoint:
+    """A Qwen3 preset as a checkpoint: each tensor made when read, from a generator seeded by
+    (seed, the tensor's name), so it is the same in every reader and order. Norm gains (q_norm
+    and k_norm's too) lie in [0.5, 1.5], so passes that fold or fuse them meet real values."""
+    import zlib
+
+    import numpy as np
+
+    if not is_checkpoint_preset(name):
+        raise QwcError(f"{name} is a preset built in torch, not a checkpoint")
+    cfg, std = preset_config(name), _QWEN3_PRESETS[name][1]
+    shapes = expected_tensors(cfg)
+
+    def read(tensor: str) -> np.ndarray:
+        rng = np.random.default_rng([seed, zlib.crc32(tensor.encode())])
+        shape = shapes[tensor]
+        if tensor.endswith("norm.weight"):
+            return rng.uniform(0.5, 1.5, shape).astype(np.float32)
+        out = np.empty(shape, np.float32)
+        for r in range(0, shape[0], 4096):   # a row chunk at a time: no float64 copy of a 600 MB table
+            out[r:r + 4096] = rng.standard_normal((min(4096, shape[0] - r), *shape[1:]), np.float32) * std
+        return out
+
+    return Checkpoint(cfg, _preset_tokenizer(name), f"preset:{name}", dict(shapes), read)
 
 
 def load_preset(name: str, seed: int = 0) -> LoadedModel:
     import torch  # here, not at import: a preset's name is checked where torch is not installed or loaded
 
-    from .qwen2 import LoadedModel, build_model
+    from .qwen2 import LoadedModel, build_model, from_checkpoint
 
+    if is_checkpoint_preset(name):
+        with progress.stage(f"building preset {name} (seed {seed})"):
+            return from_checkpoint(preset_checkpoint(name, seed), desc="making weights")
     cfg = preset_config(name)
     with progress.stage(f"building preset {name} (seed {seed})"):
         torch.manual_seed(seed)

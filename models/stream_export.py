@@ -207,10 +207,14 @@ class _GraphBuilder:
         """Layer i from its normed input `x`: (the MLP's output, the running sum after attention)."""
         cfg, node, p = self.cfg, self.node, f"model.layers.{i}"
         cos, sin = rotary
-        q = self.linear(x, f"{p}.self_attn.q_proj", bias=True)
-        k = self.linear(x, f"{p}.self_attn.k_proj", bias=True)
-        v = self.linear(x, f"{p}.self_attn.v_proj", bias=True)
+        bias = cfg.attention_bias
+        q = self.linear(x, f"{p}.self_attn.q_proj", bias=bias)
+        k = self.linear(x, f"{p}.self_attn.k_proj", bias=bias)
+        v = self.linear(x, f"{p}.self_attn.v_proj", bias=bias)
         pp = "/" + p.replace(".", "/") + "/self_attn"
+        if cfg.qk_norm:
+            q = self.head_norm(q, f"{p}.self_attn.q_norm", cfg.num_attention_heads)
+            k = self.head_norm(k, f"{p}.self_attn.k_norm", cfg.num_key_value_heads)
         k = node("RotaryEmbedding", [k, "position_ids", cos, sin], [f"{p}.k_rot"], pp + "/k_rotary",
                  domain=MS_DOMAIN, interleaved=0, num_heads=cfg.num_key_value_heads)
         q = node("RotaryEmbedding", [q, "position_ids", cos, sin], [f"{p}.q_rot"], pp + "/q_rotary",
@@ -229,6 +233,18 @@ class _GraphBuilder:
         up = self.linear(x, f"{p}.mlp.up_proj")
         act = node("Mul", [silu, up], [f"{p}.act"], mlp + "/Mul_1")
         return self.linear(act, f"{p}.mlp.down_proj"), residual
+
+    def head_norm(self, x: str, module: str, heads: int) -> str:
+        """Qwen3's QK-norm: an RMSNorm over each head of x [B, S, heads x head_dim], as
+        Reshape -> SimplifiedLayerNormalization -> Reshape (the form passes/fuse_rmsnorm.py
+        makes of the torch exporter's graph)."""
+        node, path = self.node, "/" + module.replace(".", "/")
+        per_head = self.constant(f"heads_shape_{heads}", np.array([0, 0, heads, self.cfg.head_dim], np.int64))
+        flat = self.constant(f"flat_shape_{heads}", np.array([0, 0, heads * self.cfg.head_dim], np.int64))
+        y = node("Reshape", [x, per_head], [module + ".heads"], path + "/Reshape")
+        y = node("SimplifiedLayerNormalization", [y, self.weight(module + ".weight")], [module + ".out"],
+                 path + "/SimplifiedLayerNormalization", axis=-1, epsilon=float(self.cfg.rms_norm_eps), stash_type=1)
+        return node("Reshape", [y, flat], [module + ".flat"], path + "/Reshape_1")
 
     def lm_head(self, x: str, embed: str | None, embed_q: _Quantized | None) -> None:
         cfg, node = self.cfg, self.node

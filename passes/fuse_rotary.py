@@ -6,12 +6,19 @@ Rewritten to Transpose(Reshape(RotaryEmbedding(lin, position_ids, cos_cache, sin
 reusing the original Reshape's shape, so the attention pass sees the rotated projection in
 [batch, seq, heads * head_dim] form.
 
+Qwen3's QK-norm sits between the view and the rotation: x = Transpose(SimplifiedLayerNorm(
+Reshape(lin))), the norm over each head that passes/fuse_rmsnorm.py made. The rotation then
+takes the normed heads flattened back, Reshape(SimplifiedLayerNorm(...), [0, 0, heads *
+head_dim]): the form models/stream_export.py writes, which compile time fuses into the
+rotary kernel (compiler/frontend.py: RotaryEmbedding).
+
 The cos/sin caches are initializers of [positions, head_dim / 2] computed from the model
 config (rope_theta, YaRN) in float32, the way transformers computes them (qwc/rotary.py).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 
 from qwc.errors import QwcError
@@ -34,6 +41,7 @@ def run(model: onnx.ModelProto, options: PassOptions | None = None) -> onnx.Mode
         if m is None:
             continue
         x_t, lin, shape, heads = m
+        lin = _flat_head_norm(g, lin, heads, cfg.head_dim)
         if caches is None:
             cos, sin = model_rotary_caches(cfg)
             caches = (g.add_init(cos, "rotary_cos_cache"), g.add_init(sin, "rotary_sin_cache"))
@@ -81,17 +89,37 @@ def _is_rotate_half_of(g: Graph, mul: onnx.NodeProto, x: str) -> bool:
 
 
 def _per_head_view(g: Graph, x: str, head_dim: int):
-    """x == Transpose[0,2,1,3](Reshape(lin, shape)) -> (x, lin, shape, heads)."""
+    """x == Transpose[0,2,1,3](Reshape(lin, shape)) -> (x, lin, shape, heads); with a
+    per-head norm between them, (x, the norm's name, shape, heads)."""
     t = _prod(g, x, "Transpose")
     if t is None or list(g.attr(t, "perm", [])) != [0, 2, 1, 3]:
         return None
-    r = _prod(g, t.input[0], "Reshape")
+    src = t.input[0]
+    norm = _prod(g, src, "SimplifiedLayerNormalization")
+    r = _prod(g, norm.input[0] if norm is not None else src, "Reshape")
     if r is None:
         return None
     heads = _heads_from_reshape(g, r, head_dim)
     if heads is None:
         return None
-    return x, r.input[0], r.input[1], heads
+    return x, norm.output[0] if norm is not None else r.input[0], r.input[1], heads
+
+
+def _flat_head_norm(g: Graph, lin: str, heads: int, head_dim: int) -> str:
+    """`lin` itself where it is a projection; a per-head norm's output [b, s, heads, head_dim]
+    flattened to [b, s, heads * head_dim] for RotaryEmbedding. The view the norm reads gets a
+    constant shape (the exporter computes it from Shape ops), so compile time sees the heads
+    (compiler/frontend.py: RotaryEmbedding fuses the norm)."""
+    norm = _prod(g, lin, "SimplifiedLayerNormalization")
+    if norm is None:
+        return lin
+    view = _prod(g, norm.input[0], "Reshape")
+    view.input[1] = g.add_init(np.array([0, 0, heads, head_dim], np.int64), "heads_shape")
+    for a in [a for a in view.attribute if a.name == "allowzero"]:   # 0s copy the input's dims
+        view.attribute.remove(a)
+    flat = g.fresh(lin + "_flat")
+    g.node("Reshape", [lin, g.add_init(np.array([0, 0, heads * head_dim], np.int64), "flat_heads_shape")], [flat])
+    return flat
 
 
 def _heads_from_reshape(g: Graph, r: onnx.NodeProto, head_dim: int) -> int | None:

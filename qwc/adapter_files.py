@@ -271,8 +271,8 @@ def _read_gguf(path: Path, cfg: ModelConfig, user_scale: float) -> Adapter:
         raise QwcError(f"{path}: not a LoRA adapter (general.type {meta('general.type')!r}, "
                        f"adapter.type {meta('adapter.type')!r}); a base model goes first, adapters in --lora")
     arch = meta("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise QwcError(f"{path}: an adapter for a {arch!r} model; qwc adapts qwen2 and llama")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise QwcError(f"{path}: an adapter for a {arch!r} model; qwc adapts qwen2, qwen3 and llama")
     alpha = meta("adapter.lora.alpha")
     if alpha is None:
         raise QwcError(f"{path}: GGUF adapter lacks adapter.lora.alpha")

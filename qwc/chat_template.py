@@ -27,9 +27,12 @@ class ChatTemplate:
         # does the template render tools itself (Qwen2.5's does; runtime/tools.py otherwise)
         self.knows_tools = "tools" in source and "tool_call" in source
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+               **variables) -> str:
+        """`variables`: the template's own switches (Qwen3's enable_thinking: OpenAI clients send
+        them as chat_template_kwargs, as vLLM and llama-server take them)."""
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._template.render(**variables, messages=messages, add_generation_prompt=add_generation_prompt,
                                          **({"tools": tools} if tools else {}))
         except self._error as e:
             raise QwcError(f"the model's chat template fails on these messages ({e})") from None

@@ -15,6 +15,8 @@ from . import field_checks
 from .errors import QwcError
 
 CONFIG_FORMAT = 1
+# HF config.json's model_type / ModelConfig.architecture values qwc compiles
+ARCHITECTURES = ("qwen2", "qwen3")
 
 
 YARN_KEYS = {"rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
@@ -72,6 +74,19 @@ class ModelConfig:
     # "factor", "original_max_position_embeddings"[, "beta_fast", "beta_slow",
     # "attention_factor", "mscale", "mscale_all_dim", "truncate"]}; None: plain rotary
     rope_scaling: dict | None = None
+    # "qwen2" (Qwen2, Qwen2.5, and Llama files as Qwen2 with zero biases) or "qwen3": Qwen3's
+    # dense models, an RMSNorm over each head of q and of k before rotary and no q/k/v
+    # biases (models/checkpoint.py: expected_tensors)
+    architecture: str = "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Each layer has q_norm and k_norm, gains of head_dim applied per head."""
+        return self.architecture == "qwen3"
+
+    @property
+    def attention_bias(self) -> bool:
+        return self.architecture == "qwen2"
 
     @property
     def context_length(self) -> int:
@@ -115,6 +130,9 @@ class ModelConfig:
             raise QwcError(f"{self.name}: tie_word_embeddings {self.tie_word_embeddings!r} must be true or false")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise QwcError(f"{self.name}: chat_template must be a string")
+        if self.architecture not in ARCHITECTURES:
+            raise QwcError(f"{self.name}: architecture {self.architecture!r} is not one qwc compiles "
+                           f"({', '.join(ARCHITECTURES)})")
         if self.rope_scaling is not None:
             self.rope_scaling = yarn_parameters(self.rope_scaling, self.name)
 
@@ -141,12 +159,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict, name: str, source: str) -> "ModelConfig":
-        """From a Hugging Face Qwen2 config.json (either transformers 4 or 5 spelling)."""
+        """From a Hugging Face Qwen2 or Qwen3 config.json (either transformers 4 or 5 spelling)."""
         if not isinstance(d, dict):
             raise QwcError(f"{source}: not a JSON object")
-        if d.get("model_type") != "qwen2":
-            raise QwcError(f"{source}: unsupported architecture {d.get('model_type')!r} "
-                           "(qwc compiles Qwen2 models)")
+        arch = d.get("model_type")
+        if arch not in ARCHITECTURES:
+            raise QwcError(f"{source}: unsupported architecture {arch!r} "
+                           "(qwc compiles Qwen2, Qwen2.5 and Qwen3's dense models)")
+        # Qwen3's attention_bias is false in every published config; a true one would need
+        # biases this architecture's graph does not have
+        if arch == "qwen3" and d.get("attention_bias"):
+            raise QwcError(f"{source}: attention_bias true is not supported for qwen3 (its models have none)")
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if not isinstance(rope, dict):
             raise QwcError(f"{source}: rope parameters {rope!r} are not a JSON object")
@@ -194,6 +217,7 @@ class ModelConfig:
             eos_token_ids=_token_ids(source, "eos_token_id", d.get("eos_token_id"), vocab, many=True),
             source=source,
             rope_scaling=scaling,
+            architecture=arch,
         )
         cfg.validate()
         return cfg

@@ -62,6 +62,21 @@ class TokenVocab:
                     raise QwcError(f"the tokenizer cannot give token bytes ({str(e).splitlines()[0]})") from None
             return self._ll
 
+    def single_token(self, text: str) -> int | None:
+        """The id of the token that is `text` by itself (an added token such as Qwen3's
+        <think>), or None."""
+        tok = self.tokenizer.token_to_id(text)
+        return tok if tok is not None and tok < self.limit else None
+
+    def marker(self, text: str) -> str:
+        """`text` as a Lark grammar's literal: as its token where it is a token of its own
+        (llguidance takes added tokens as special, which no string literal matches), else
+        the string."""
+        import json
+
+        tok = self.single_token(text)
+        return f"<[{tok}]>" if tok is not None else json.dumps(text)
+
     def token_bytes(self, tok: int) -> bytes:
         """The bytes a token stands for (a byte-level token may hold part of a character)."""
         b = self._bytes.get(tok)

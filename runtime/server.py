@@ -26,11 +26,12 @@ import json
 import math
 import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from qwc.errors import QwcError
 
 from . import server_info
+from .reasoning import ReasoningStream, split_reasoning
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Request, Scheduler
 from .tools import CallStream, ToolError, call_grammar, fallback_messages, parse_tools, split_calls, template_messages
@@ -50,6 +51,8 @@ class ApiError(Exception):
 class Settings:
     model_id: str
     api_key: str | None = None
+    reasoning_format: str = "auto"   # runtime/reasoning.py: FORMATS (a request's reasoning_format overrides it)
+    template_variables: dict = field(default_factory=dict)   # --chat-template-kwargs, under a request's own
 
 
 # -- request validation -------------------------------------------------------------------
@@ -189,7 +192,12 @@ class Api:
                 fns, choice = parse_tools(body.get("tools"), body.get("tool_choice"))
             except ToolError as e:
                 raise ApiError(400, str(e), e.param) from None
-        prompt = self._chat_prompt(body, fns if choice != "none" else []) if chat else self._prompt(body)
+        reasoning = None
+        if chat:
+            prompt, text = self._chat_prompt(body, fns if choice != "none" else [])
+            reasoning = self._reasoning(body, text)
+        else:
+            prompt = self._prompt(body)
         ctx = self.engine.ctx
         if len(prompt) + 1 > ctx:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; this server's context is {ctx} tokens "
@@ -216,7 +224,10 @@ class Api:
             if grammar is not None:
                 raise ApiError(400, "'tool_choice' required or a function cannot be combined with "
                                     "'response_format' or 'grammar'", "tool_choice")
-            grammar = self._checked(call_grammar(fns, None if choice == "required" else choice), "tools")
+            grammar = self._checked(call_grammar(fns, None if choice == "required" else choice, self.token_vocab()), "tools")
+        if grammar is not None and reasoning is not None:   # the answer follows it, the thinking does not
+            from .reasoning import thinking_grammar
+            grammar = thinking_grammar(grammar, self.token_vocab(), reasoning)
         if grammar is not None and ignore_eos:
             raise ApiError(400, "'ignore_eos' cannot be used with a grammar or response_format: "
                                 "the reply ends where the grammar does", "ignore_eos")
@@ -233,7 +244,7 @@ class Api:
         if echo:
             shown = body["prompt"] if isinstance(body.get("prompt"), str) else self.engine.tokenizer.decode(prompt)
         return reqs, {"model": body["model"], "stream": stream, "include_usage": bool(opts.get("include_usage")),
-                      "echo": shown, "tools": bool(fns) and choice != "none"}
+                      "echo": shown, "tools": bool(fns) and choice != "none", "reasoning": reasoning}
 
     def _checked(self, lark: str, param: str) -> str:
         """A Lark grammar, checked against this tokenizer."""
@@ -294,7 +305,8 @@ class Api:
             return list(p)
         raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", "prompt")
 
-    def _chat_prompt(self, body: dict, fns: list[dict]) -> list[int]:
+    def _chat_prompt(self, body: dict, fns: list[dict]) -> tuple[list[int], str]:
+        """The chat request's prompt: its tokens and its text."""
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "'messages' must be a non-empty list", "messages")
@@ -329,21 +341,41 @@ class Api:
                 self._chat = ChatTemplate(self.engine.model.chat_template)
             except QwcError as e:
                 raise ApiError(400, f"{e}; use /v1/completions", "messages") from None
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+            raise ApiError(400, "'chat_template_kwargs' must be an object of template variables "
+                                "(e.g. {\"enable_thinking\": false})", "chat_template_kwargs")
+        kwargs = {**self.settings.template_variables,
+                  **{k: v for k, v in kwargs.items() if k not in ("messages", "tools", "add_generation_prompt")}}
         try:
             if self._chat.knows_tools:
                 text = self._chat.render(template_messages(clean), tools=[{"type": "function", "function": f}
-                                                                          for f in fns] or None)
+                                                                          for f in fns] or None, **kwargs)
             else:
-                text = self._chat.render(fallback_messages(clean, fns))
+                text = self._chat.render(fallback_messages(clean, fns), **kwargs)
         except ToolError as e:
             raise ApiError(400, str(e), e.param) from None
         except QwcError as e:
             raise ApiError(400, str(e), "messages") from None
-        return self._encode(text, "messages")
+        return self._encode(text, "messages"), text
 
     def chat_tokens(self, body: dict) -> list[int]:
         """The prompt a chat request's `messages` make (the model's template applied)."""
-        return self._chat_prompt(body, [])
+        return self._chat_prompt(body, [])[0]
+
+    def _reasoning(self, body: dict, prompt_text: str) -> bool | None:
+        """How the reply's thinking is split off: None (not: the template has no think block,
+        the prompt closed an empty one, as Qwen3's enable_thinking false does, or the format is
+        none), else whether the reply begins inside the block."""
+        from .reasoning import FORMATS, closes_thinking, opens_thinking, template_thinks
+
+        fmt = body.get("reasoning_format", self.settings.reasoning_format)
+        if fmt not in FORMATS:
+            raise ApiError(400, f"'reasoning_format' must be one of {', '.join(FORMATS)}, not {fmt!r}",
+                           "reasoning_format")
+        if fmt == "none" or not template_thinks(self.engine.model.chat_template) or closes_thinking(prompt_text):
+            return None
+        return opens_thinking(prompt_text)
 
     def _encode(self, text: str, param: str) -> list[int]:
         try:
@@ -440,7 +472,7 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         shape = _Shape(rid, opts["model"], chat, reqs[0].logprobs,
                        api.token_vocab if reqs[0].logprobs is not None else None, len(opts["echo"] or ""),
-                       opts["tools"])
+                       opts["tools"], opts.get("reasoning"))
         metrics.request_started()
         reply = _Reply(reqs, opts, shape, chat, metrics, events.get, request.is_disconnected)
         if opts["stream"]:
@@ -490,6 +522,7 @@ class _Reply:
         reqs, opts, shape, chat, n = self.reqs, self.opts, self.shape, self.chat, len(self.reqs)
         done, lps, left, outcome = False, [[] for _ in reqs], n, None
         calls = [CallStream() for _ in reqs] if opts["tools"] else None   # hold back <tool_call>s
+        thinking = None if opts.get("reasoning") is None else [ReasoningStream(opts["reasoning"]) for _ in reqs]
         try:
             for i in range(n):
                 if chat:
@@ -502,10 +535,14 @@ class _Reply:
                     lps[i].append(value)
                     continue
                 if kind == "text":
-                    if calls:
-                        value = calls[i].feed(value)
-                    yield _sse(shape.chunk({"content": value} if chat else value, None, lps[i], i))
-                    lps[i] = []
+                    thought = ""
+                    if thinking:
+                        thought, value = thinking[i].feed(value)
+                    chunks = self._text_chunks(i, thought, value, calls, lps[i])
+                    for chunk in chunks:
+                        yield _sse(chunk)
+                    if chunks:   # (logprobs of text held back go with the chunk that shows it)
+                        lps[i] = []
                     continue
                 left -= 1
                 if value.startswith("error"):   # the other replies end with it
@@ -513,6 +550,12 @@ class _Reply:
                     outcome = value
                     yield _sse(ApiError(500, value, kind="server_error").body())
                     break
+                if value != "cancelled" and thinking:
+                    chunks = self._text_chunks(i, *thinking[i].finish(), calls, lps[i])
+                    for chunk in chunks:
+                        yield _sse(chunk)
+                    if chunks:
+                        lps[i] = []
                 if value != "cancelled" and calls:
                     chunks, value = self._tool_calls(calls[i], i, value)
                     for chunk in chunks:
@@ -531,6 +574,19 @@ class _Reply:
             if not done:          # the client went away mid-stream
                 self.cancel()
                 self.metrics.request_done("cancelled", 499, reqs)
+
+    def _text_chunks(self, i: int, thought: str, text: str, calls, lps: list) -> list[dict]:
+        """Reply i's chunks of a piece: its reasoning (reasoning_content), then its text
+        (content, less what the tool-call parser holds back); a reply that thinks sends no
+        empty content chunk, so a client sees the thinking first."""
+        if not self.chat:
+            return [self.shape.chunk(text, None, lps, i)]
+        out = [self.shape.chunk({"reasoning_content": thought}, None, lps, i)] if thought else []
+        if calls:
+            text = calls[i].feed(text)
+        if text or (not out and self.shape.reasoning is None):
+            out.append(self.shape.chunk({"content": text}, None, [] if out else lps, i))
+        return out
 
     def _tool_calls(self, calls: CallStream, i: int, finish: str) -> tuple[list[dict], str]:
         """At reply i's end: the chunks of the text its tool-call parser held back and of the
@@ -584,9 +640,10 @@ class _Shape:
     """OpenAI's reply objects for one request."""
 
     def __init__(self, rid: str, model: str, chat: bool, top: int | None = None, vocab=None, offset: int = 0,
-                 tools: bool = False):
+                 tools: bool = False, reasoning: bool | None = None):
         self.rid, self.model, self.chat, self.created = rid, model, chat, int(time.time())
         self.tools = tools                    # the replies' <tool_call>s become tool_calls
+        self.reasoning = reasoning            # Api._reasoning: None, or whether replies begin thinking
         self.top, self.vocab = top, vocab     # logprobs: how many alternatives; the token bytes' source
         self.start = offset                   # completions' text_offset: characters before the next token,
         self.offsets: dict[int, int] = {}     # per reply
@@ -646,6 +703,11 @@ class _Shape:
             choices = []
             for i, (t, f, lp) in enumerate(zip(texts, finish, lps)):
                 message = {"role": "assistant", "content": t}
+                if self.reasoning is not None:
+                    thought, message["content"] = split_reasoning(t, self.reasoning)
+                    if thought is not None:
+                        message["reasoning_content"] = thought
+                    t = message["content"]
                 if self.tools:
                     message["content"], calls = split_calls(t)
                     if calls:

@@ -107,4 +107,6 @@ def server_parts(args):
         progress.info(said)
     sched = Scheduler(eng, max_running=args.max_batch, max_queue=args.max_queue, min_reuse=args.reuse_prefix or None,
                       speculate=drafts, spec_batch=args.spec_batch, mixed_steps=not args.no_mixed_steps)
-    return eng, sched, create_app(eng, sched, Settings(model_id=name, api_key=args.api_key)), name
+    return eng, sched, create_app(eng, sched, Settings(model_id=name, api_key=args.api_key,
+                                                  reasoning_format=args.reasoning_format,
+                                                  template_variables=args.chat_template_kwargs)), name

@@ -76,10 +76,20 @@ def call_schema(fns: list[dict], name: str | None = None) -> dict:
     return one[0] if len(one) == 1 else {"anyOf": one}
 
 
-def call_grammar(fns: list[dict], name: str | None = None) -> str:
-    """A Lark grammar (llguidance's, with its %json rule) for exactly one call."""
-    return (f"start: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\n"
-            f"call: %json {json.dumps(call_schema(fns, name))}\n")
+def call_grammar(fns: list[dict], name: str | None = None, vocab=None) -> str:
+    """A Lark grammar (llguidance's, with its %json rule) for exactly one call; `vocab`
+    (runtime/grammar.py: TokenVocab) names a marker that is a token of its own (Qwen's
+    <tool_call>) as that token."""
+    def marker(s: str) -> str:
+        return vocab.marker(s) if vocab is not None else json.dumps(s)
+
+    from .grammar import JSON_WHITESPACE
+
+    # whitespace between the call's tokens bounded as in response_format's JSON: unbounded, a
+    # model can wander into it for ever
+    schema = {**call_schema(fns, name), "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+    return (f"start: {marker(OPEN)} {json.dumps(chr(10))} call {json.dumps(chr(10))} {marker(CLOSE)}\n"
+            f"call: %json {json.dumps(schema)}\n")
 
 
 def _arguments(call: dict) -> dict:

@@ -101,6 +101,8 @@ class _Call(NamedTuple):
     ad: Any
     off: Any
     part: Any
+    qg: Any = None     # Qwen3's QK-norm gains [head_dim] of q and k (None: no norm)
+    kg: Any = None
 
 
 class _Scratch(NamedTuple):
@@ -171,7 +173,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                      zero_point: int | None = None, layout: str = "plain", heads_per_task: int | None = None,
                      kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32),
                      split_keys: int | None = None, queries: bool = False, rows: bool = False,
-                     segments: bool = False):
+                     segments: bool = False, head_norm: float | None = None):
     """Arguments: q [1, 1, heads*head_dim] and k, v [1, 1, kv_heads*head_dim] before rotary, the
     K and V caches (of `kv_dtype`, written in place at slot seqlens[0]), seqlens [1],
     position_ids [1, 1] of `pos_dtype`, cos / sin [P, head_dim / 2], then the outputs: out (q's
@@ -199,10 +201,15 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
       q [1, t, ...] (rotated), caches [B, ...], segments [G, 3], positions [1, t], and out
       [1, t, ...] written in place at those tokens only.
 
-    `queries`, `rows` and `segments` take no `zero_point` (the o projection is a GEMM there)."""
+    `queries`, `rows` and `segments` take no `zero_point` (the o projection is a GEMM there).
+
+    `head_norm` (an epsilon; not with `segments`, whose queries come normed and rotated): Qwen3's
+    QK-norm, each head of q and k normed before it is rotated (kernels/head_norm.py), its gains
+    q_gain, k_gain [head_dim] the two arguments after sin."""
     from tvm.script import tirx as T
 
     from .act_quant import BLOCK, quantize_block
+    from .head_norm import inv_rms
 
     check_dtype(kv_dtype)
     group = heads // kv_heads
@@ -241,18 +248,37 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     def span_keys(cap):
         return split_keys if split else cap
 
+    norm = head_norm is not None
+    if norm and segments:
+        raise ValueError("decode_attention: a mixed step's queries come normed; head_norm goes with the others")
+    rms = inv_rms(T, head_dim, head_norm if norm else 0.0)
+
     @T.macro
-    def rotate(dst, at, x, row, tok, base, cos, sin, p):
+    def rotate(dst, at, x, row, tok, base, cos, sin, p, gain):
         """dst[at:] = the head at x[row, tok, base:] rotated at position p: x * cos + rotate_half(x) * sin,
         written as generic.rotary writes it ((-hi) * sin added, not subtracted): LLVM then
-        contracts it into the same FMA and the bits are the rotary kernel's."""
-        for c in range(hc):
-            lo = T.bind(x[row, tok, T.ramp(base + c * LANES, 1, LANES)])
-            hi = T.bind(x[row, tok, T.ramp(base + (c + hc) * LANES, 1, LANES)])
-            cs = T.bind(cos[p, T.ramp(c * LANES, 1, LANES)])
-            sn = T.bind(sin[p, T.ramp(c * LANES, 1, LANES)])
-            dst[T.ramp(at + c * LANES, 1, LANES)] = lo * cs + (-hi) * sn
-            dst[T.ramp(at + (c + hc) * LANES, 1, LANES)] = hi * cs + lo * sn
+        contracts it into the same FMA and the bits are the rotary kernel's. With head_norm the
+        head is normed first, times `gain`, as generic.rotary_halves norms it."""
+        if norm:
+            sq = T.decl_buffer((head_dim + 1,), "float32", scope="global")   # a stack slot
+            rms(x, row, tok, base, sq)
+            for c in range(hc):
+                lo = T.bind(x[row, tok, T.ramp(base + c * LANES, 1, LANES)] * T.broadcast(sq[head_dim], LANES)
+                            * gain[T.ramp(c * LANES, 1, LANES)])
+                hi = T.bind(x[row, tok, T.ramp(base + (c + hc) * LANES, 1, LANES)] * T.broadcast(sq[head_dim], LANES)
+                            * gain[T.ramp((c + hc) * LANES, 1, LANES)])
+                cs = T.bind(cos[p, T.ramp(c * LANES, 1, LANES)])
+                sn = T.bind(sin[p, T.ramp(c * LANES, 1, LANES)])
+                dst[T.ramp(at + c * LANES, 1, LANES)] = lo * cs + (-hi) * sn
+                dst[T.ramp(at + (c + hc) * LANES, 1, LANES)] = hi * cs + lo * sn
+        else:
+            for c in range(hc):
+                lo = T.bind(x[row, tok, T.ramp(base + c * LANES, 1, LANES)])
+                hi = T.bind(x[row, tok, T.ramp(base + (c + hc) * LANES, 1, LANES)])
+                cs = T.bind(cos[p, T.ramp(c * LANES, 1, LANES)])
+                sn = T.bind(sin[p, T.ramp(c * LANES, 1, LANES)])
+                dst[T.ramp(at + c * LANES, 1, LANES)] = lo * cs + (-hi) * sn
+                dst[T.ramp(at + (c + hc) * LANES, 1, LANES)] = hi * cs + lo * sn
 
     # decode_attention's steps, run by one task per kv head (kvh) in `attend` (and per item in
     # attend_items: a verify call's tokens, a batched step's rows, a mixed step's decode tokens)
@@ -262,7 +288,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         and value into the row's caches at `slot`."""
         k, v, kc, vc, k16, v16, cos, sin, pos = T.meta_var((io.k, io.v, io.kc, io.vc, io.k16, io.v16, io.cos, io.sin,
                                                             io.pos))
-        rotate(kr, 0, k, row, tok, kvh * head_dim, cos, sin, pos[row, tok])
+        rotate(kr, 0, k, row, tok, kvh * head_dim, cos, sin, pos[row, tok], io.kg)
         if q8:   # the same code as the cache writers' (kv_cache_write)
             q8_store(T, vc, v16, row, kvh, slot, False, head_dim, v, (row, tok, kvh * head_dim))
             q8_store(T, kc, k16, row, kvh, slot, True, head_dim, kr, (T.int64(0),))
@@ -286,7 +312,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                     qr[T.ramp(hh * head_dim + c * LANES, 1, LANES)] = q[row, tok, T.ramp(
                         (h0 + hh) * head_dim + c * LANES, 1, LANES)]
             else:
-                rotate(qr, hh * head_dim, q, row, tok, (h0 + hh) * head_dim, cos, sin, pos[row, tok])
+                rotate(qr, hh * head_dim, q, row, tok, (h0 + hh) * head_dim, cos, sin, pos[row, tok], io.qg)
             mx[T.ramp(hh * kt, 1, kt)] = T.broadcast(T.float32(NEG_INF), kt)
 
     def key_line(kc, k16, row, kvh, first, d, blk):
@@ -562,8 +588,9 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                           item(i, segs)[0], item(i, segs)[1])
 
     @T.macro
-    def kernel_body(handles, seqlens, pos, aq, ad, off):
-        """One token: handles (q, k, v, kc, vc, cos, sin, out) matched to their buffers."""
+    def kernel_body(handles, seqlens, pos, aq, ad, off, qg, kg):
+        """One token: handles (q, k, v, kc, vc, cos, sin, out) matched to their buffers; qg, kg
+        the head norm's gains (None without)."""
         # opaque: FuseOps leaves it whole; WRITES_Q8 tells the o projection its input is quantized
         T.func_attr({"tir.noalias": True, "op_pattern": 8, WRITES_Q8: quantize})
         var_q, var_k, var_v, var_kc, var_vc, var_cos, var_sin, var_out = T.meta_var(handles)
@@ -581,14 +608,14 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             attend(_Call(q, k, v, kc, vc, None, None, cap, pos, cos, sin, out,
                          T.decl_buffer((nb * BLOCK,), "int8", data=aq.data),
                          T.decl_buffer((nb,), "float32", data=ad.data),
-                         T.decl_buffer((nb,), "int32", data=off.data), None), seqlens)
+                         T.decl_buffer((nb,), "int32", data=off.data), None, qg, kg), seqlens)
         else:
-            attend(_Call(q, k, v, kc, vc, None, None, cap, pos, cos, sin, out, aq, ad, off, None), seqlens)
+            attend(_Call(q, k, v, kc, vc, None, None, cap, pos, cos, sin, out, aq, ad, off, None, qg, kg), seqlens)
 
     @T.macro
-    def items_body(handles, var_seqlens, var_pos, cap, positions, items, b, t):
+    def items_body(handles, var_seqlens, var_pos, cap, positions, items, b, t, qg, kg):
         """`queries` / `rows`: q [b, t, ...] with b = 1, t = items or b = items, t = 1; handles
-        (q, k, v, kc, vc, cos, sin, out) matched to their buffers."""
+        (q, k, v, kc, vc, cos, sin, out) matched to their buffers; qg, kg as kernel_body's."""
         T.func_attr({"tir.noalias": True, "op_pattern": 8, WRITES_Q8: False})
         var_q, var_k, var_v, var_kc, var_vc, var_cos, var_sin, var_out = T.meta_var(handles)
         q = T.match_buffer(var_q, (b, t, heads * head_dim), "float32")
@@ -602,8 +629,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
         sin = T.match_buffer(var_sin, (positions, head_dim // 2), "float32")
         out = T.match_buffer(var_out, (b, t, heads * head_dim), "float32")
         assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
-        attend_items(_Call(q, k, v, kc, vc, None, None, cap, pos, cos, sin, out, None, None, None, None), items,
-                     seqlens, None)
+        attend_items(_Call(q, k, v, kc, vc, None, None, cap, pos, cos, sin, out, None, None, None, None, qg, kg),
+                     items, seqlens, None)
 
     if segments:
         @T.prim_func(private=True, check_well_formed=False)
@@ -622,6 +649,16 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                          count, None, segs)
         return hand_scheduled(kernel)
 
+    if (rows or queries) and norm:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
+                   var_seqlens: T.handle, var_pos: T.handle, var_cos: T.handle, var_sin: T.handle,
+                   qg: T.Buffer((head_dim,), "float32"), kg: T.Buffer((head_dim,), "float32"), var_out: T.handle):
+            cap, positions, items = T.int64(), T.int64(), T.int64()
+            items_body((var_q, var_k, var_v, var_kc, var_vc, var_cos, var_sin, var_out), var_seqlens, var_pos, cap,
+                       positions, items, items if rows else T.int64(1), T.int64(1) if rows else items, qg, kg)
+        return hand_scheduled(kernel)
+
     if rows or queries:
         @T.prim_func(private=True, check_well_formed=False)
         def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
@@ -629,7 +666,18 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                    var_out: T.handle):
             cap, positions, items = T.int64(), T.int64(), T.int64()
             items_body((var_q, var_k, var_v, var_kc, var_vc, var_cos, var_sin, var_out), var_seqlens, var_pos, cap,
-                       positions, items, items if rows else T.int64(1), T.int64(1) if rows else items)
+                       positions, items, items if rows else T.int64(1), T.int64(1) if rows else items, None, None)
+        return hand_scheduled(kernel)
+
+    if quantize and norm:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
+                   seqlens: T.Buffer((1,), "int32"), pos: T.Buffer((1, 1), pos_dtype), var_cos: T.handle,
+                   var_sin: T.handle, qg: T.Buffer((head_dim,), "float32"), kg: T.Buffer((head_dim,), "float32"),
+                   var_out: T.handle, aq: T.Buffer((1, nb, BLOCK), "int8"), ad: T.Buffer((1, nb), "float32"),
+                   off: T.Buffer((1, nb), "int32")):
+            kernel_body((var_q, var_k, var_v, var_kc, var_vc, var_cos, var_sin, var_out), seqlens, pos, aq, ad, off,
+                        qg, kg)
         return hand_scheduled(kernel)
 
     if quantize:
@@ -638,12 +686,24 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                    seqlens: T.Buffer((1,), "int32"), pos: T.Buffer((1, 1), pos_dtype), var_cos: T.handle,
                    var_sin: T.handle, var_out: T.handle, aq: T.Buffer((1, nb, BLOCK), "int8"),
                    ad: T.Buffer((1, nb), "float32"), off: T.Buffer((1, nb), "int32")):
-            kernel_body((var_q, var_k, var_v, var_kc, var_vc, var_cos, var_sin, var_out), seqlens, pos, aq, ad, off)
+            kernel_body((var_q, var_k, var_v, var_kc, var_vc, var_cos, var_sin, var_out), seqlens, pos, aq, ad, off,
+                        None, None)
+        return hand_scheduled(kernel)
+
+    if norm:
+        @T.prim_func(private=True, check_well_formed=False)
+        def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
+                   seqlens: T.Buffer((1,), "int32"), pos: T.Buffer((1, 1), pos_dtype), var_cos: T.handle,
+                   var_sin: T.handle, qg: T.Buffer((head_dim,), "float32"), kg: T.Buffer((head_dim,), "float32"),
+                   var_out: T.handle):
+            kernel_body((var_q, var_k, var_v, var_kc, var_vc, var_cos, var_sin, var_out), seqlens, pos, None, None,
+                        None, qg, kg)
         return hand_scheduled(kernel)
 
     @T.prim_func(private=True, check_well_formed=False)
     def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_kc: T.handle, var_vc: T.handle,
                seqlens: T.Buffer((1,), "int32"), pos: T.Buffer((1, 1), pos_dtype), var_cos: T.handle,
                var_sin: T.handle, var_out: T.handle):
-        kernel_body((var_q, var_k, var_v, var_kc, var_vc, var_cos, var_sin, var_out), seqlens, pos, None, None, None)
+        kernel_body((var_q, var_k, var_v, var_kc, var_vc, var_cos, var_sin, var_out), seqlens, pos, None, None, None,
+                    None, None)
     return hand_scheduled(kernel)

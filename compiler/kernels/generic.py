@@ -313,18 +313,21 @@ ROTARY_LANES = 4   # fp32 lanes of the narrowest vector (NEON); wider targets wi
 
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
-def rotary_halves(width: int, heads: int, pos_dtype: str):
+def rotary_halves(width: int, heads: int, pos_dtype: str, head_norm: float | None = None):
     """`rotary` as TIR over the two halves of each head: one vector load of the low half, the
     high half and cos / sin each, two vector FMAs, two stores. The TE form indexes every
     element through `c % head_dim` and a select, which TVM scalarises (~12 instructions an
     element on aarch64; this takes ~1.5). Same expressions as `rotary`, so the same bits:
     lo * cos + (-hi) * sin and hi * cos + lo * sin. None where a half is not whole vectors.
 
-    x, y [b, s, width], pos [b, s], cos / sin [P, head_dim / 2]. Rows run on the calling
-    thread below schedule.MIN_PARALLEL elements (a decode step), in parallel above."""
+    x, y [b, s, width], pos [b, s], cos / sin [P, head_dim / 2]. With `head_norm` (an epsilon:
+    Qwen3's QK-norm, kernels/head_norm.py) each head is normed first, and a gain [head_dim]
+    comes after x. Rows run on the calling thread below schedule.MIN_PARALLEL elements (a
+    decode step), in parallel above."""
     from tvm.script import tirx as T
 
     from ..schedule import MIN_PARALLEL
+    from .head_norm import inv_rms
 
     d = width // heads
     half = d // 2
@@ -332,27 +335,41 @@ def rotary_halves(width: int, heads: int, pos_dtype: str):
         return None
     vecs = half // ROTARY_LANES
     L = ROTARY_LANES
+    norm = head_norm is not None
+    rms = inv_rms(T, d, head_norm if norm else 0.0)
 
     @T.macro
-    def row(x, pos, cos, sin, y, r, s):
+    def row(x, g, pos, cos, sin, y, r, s):
         bi = r // s
         si = r % s
         p = pos[bi, si]
         for h in range(heads):
-            for c in range(vecs):
-                lo = T.bind(x[bi, si, T.ramp(h * d + c * L, 1, L)])
-                hi = T.bind(x[bi, si, T.ramp(h * d + half + c * L, 1, L)])
-                cs = T.bind(cos[p, T.ramp(c * L, 1, L)])
-                sn = T.bind(sin[p, T.ramp(c * L, 1, L)])
-                y[bi, si, T.ramp(h * d + c * L, 1, L)] = lo * cs + (-hi) * sn
-                y[bi, si, T.ramp(h * d + half + c * L, 1, L)] = hi * cs + lo * sn
+            if norm:
+                sq = T.decl_buffer((d + 1,), "float32", scope="global")   # a stack slot
+                rms(x, bi, si, h * d, sq)
+                for c in range(vecs):
+                    lo = T.bind(x[bi, si, T.ramp(h * d + c * L, 1, L)] * T.broadcast(sq[d], L)
+                                * g[T.ramp(c * L, 1, L)])
+                    hi = T.bind(x[bi, si, T.ramp(h * d + half + c * L, 1, L)] * T.broadcast(sq[d], L)
+                                * g[T.ramp(half + c * L, 1, L)])
+                    cs = T.bind(cos[p, T.ramp(c * L, 1, L)])
+                    sn = T.bind(sin[p, T.ramp(c * L, 1, L)])
+                    y[bi, si, T.ramp(h * d + c * L, 1, L)] = lo * cs + (-hi) * sn
+                    y[bi, si, T.ramp(h * d + half + c * L, 1, L)] = hi * cs + lo * sn
+            else:
+                for c in range(vecs):
+                    lo = T.bind(x[bi, si, T.ramp(h * d + c * L, 1, L)])
+                    hi = T.bind(x[bi, si, T.ramp(h * d + half + c * L, 1, L)])
+                    cs = T.bind(cos[p, T.ramp(c * L, 1, L)])
+                    sn = T.bind(sin[p, T.ramp(c * L, 1, L)])
+                    y[bi, si, T.ramp(h * d + c * L, 1, L)] = lo * cs + (-hi) * sn
+                    y[bi, si, T.ramp(h * d + half + c * L, 1, L)] = hi * cs + lo * sn
 
-    @T.prim_func(private=True)
-    def kernel(var_x: T.handle, var_pos: T.handle, var_cos: T.handle, var_sin: T.handle, var_y: T.handle):
+    @T.macro
+    def rows(var_x, g, var_pos, var_cos, var_sin, var_y):
+        """Every row of x (one call's tokens), g: the norm's gain or None."""
         T.func_attr({"tir.noalias": True})
-        b = T.int64()
-        s_ = T.int64()
-        npos = T.int64()
+        b, s_, npos = T.int64(), T.int64(), T.int64()
         x = T.match_buffer(var_x, (b, s_, width), "float32")
         pos = T.match_buffer(var_pos, (b, s_), pos_dtype)
         cos = T.match_buffer(var_cos, (npos, half), "float32")
@@ -360,9 +377,20 @@ def rotary_halves(width: int, heads: int, pos_dtype: str):
         y = T.match_buffer(var_y, (b, s_, width), "float32")
         if b * s_ * width >= MIN_PARALLEL:
             for r in T.parallel(b * s_):
-                row(x, pos, cos, sin, y, r, s_)
+                row(x, g, pos, cos, sin, y, r, s_)
         else:
             for r in range(b * s_):
-                row(x, pos, cos, sin, y, r, s_)
+                row(x, g, pos, cos, sin, y, r, s_)
+
+    if norm:
+        @T.prim_func(private=True)
+        def kernel(var_x: T.handle, g: T.Buffer((d,), "float32"), var_pos: T.handle, var_cos: T.handle,
+                   var_sin: T.handle, var_y: T.handle):
+            rows(var_x, g, var_pos, var_cos, var_sin, var_y)
+        return hand_scheduled(kernel)
+
+    @T.prim_func(private=True)
+    def kernel(var_x: T.handle, var_pos: T.handle, var_cos: T.handle, var_sin: T.handle, var_y: T.handle):
+        rows(var_x, None, var_pos, var_cos, var_sin, var_y)
 
     return hand_scheduled(kernel)

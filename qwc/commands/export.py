@@ -15,10 +15,14 @@ from .options import NO_MEMORY_CHECK
 
 
 def register(sub) -> None:
+    from qwc.models.presets import PRESET_NAMES
+
     e = sub.add_parser("export", help="export a model to ONNX with a KV cache",
-                       description="Export a Qwen2 model (a preset, a Hugging Face directory or a "
-                                   ".gguf file) to ONNX with KV-cache inputs and outputs.")
-    e.add_argument("source", help="preset name (tiny, qwen2.5-0.5b, qwen2.5-7b-4layers), HF model directory, or .gguf file")
+                       epilog="presets (random weights of the named shapes, made in code): " + ", ".join(PRESET_NAMES),
+                       description="Export a Qwen2, Qwen2.5 or Qwen3 model (a preset, a Hugging Face directory "
+                                   "or a .gguf file) to ONNX with KV-cache inputs and outputs.")
+    e.add_argument("source", help="preset name (`qwc export --help` lists them below), HF model directory, "
+                                  "or .gguf file")
     e.add_argument("-o", "--output", required=True, help="output .onnx path")
     e.add_argument("--legacy-exporter", action="store_true",
                    help="use torch's TorchScript exporter (dynamo=False), as older toolchains did")
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace) -> None:
     from qwc.config import foreign_graph_files
     from qwc.eval.data import resolve_model
     from qwc.models.load import STREAM_FROM_PARAMS, open_checkpoint
-    from qwc.models.presets import PRESET_NAMES
+    from qwc.models.presets import PRESET_NAMES, is_checkpoint_preset
     from qwc.vocab import mismatch, token_span
 
     check_destination(args.output, foreign=foreign_graph_files)
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> None:
     source = resolve_model(args.source)
     if args.lora:
         return export_merged(args, source, t0)
-    if source in PRESET_NAMES:
+    if source in PRESET_NAMES and not is_checkpoint_preset(source):
         if args.exporter == "stream":
             raise QwcError(f"{source} is a preset built in torch; --exporter stream reads checkpoints "
                            "(a HF directory or a .gguf file)")
@@ -96,10 +100,10 @@ def export_merged(args: argparse.Namespace, source: str, t0: float) -> None:
     from qwc.adapter_files import read_adapter
     from qwc.models.load import open_checkpoint
     from qwc.models.lora_merge import checkpoint_of, merge
-    from qwc.models.presets import PRESET_NAMES
+    from qwc.models.presets import PRESET_NAMES, is_checkpoint_preset
     from qwc.models.stream_export import export_streaming, stream_memory
 
-    if source in PRESET_NAMES:
+    if source in PRESET_NAMES and not is_checkpoint_preset(source):
         from qwc.models.presets import load_preset
         ckpt = checkpoint_of(load_preset(source), f"preset:{source}")
     else:

@@ -56,6 +56,21 @@ def thread_count(text: str) -> int:
     return v
 
 
+def template_variables(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object of the chat template's own variables (Qwen3's
+    enable_thinking), as llama-server's flag of that name takes them."""
+    import json
+
+    try:
+        v = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON (e.g. '{{\"enable_thinking\": false}}')") from None
+    if not isinstance(v, dict) or not all(isinstance(k, str) and k.isidentifier() for k in v):
+        raise argparse.ArgumentTypeError("must be a JSON object of template variables (e.g. "
+                                         "'{\"enable_thinking\": false}')")
+    return {k: x for k, x in v.items() if k not in ("messages", "tools", "add_generation_prompt")}
+
+
 def seed_value(text: str) -> int:
     v = int_at_least(-1)(text)
     if v >= 2**63:

@@ -21,6 +21,7 @@ from .options import (
     positive,
     seed_value,
     speculation_options,
+    template_variables,
     thread_count,
 )
 
@@ -32,6 +33,9 @@ def register(sub) -> None:
     r.add_argument("model", help="model.qwc artifact folder")
     r.add_argument("--prompt", help="text to continue")
     r.add_argument("--chat", action="store_true", help="interactive chat with the model's chat template")
+    r.add_argument("--chat-template-kwargs", type=template_variables, default={}, metavar="JSON",
+                   help="--chat: variables for the chat template, e.g. '{\"enable_thinking\": false}' (Qwen3 answers "
+                        "without thinking)")
     r.add_argument("--max-new-tokens", type=nonnegative, default=32)
     r.add_argument("--ctx", type=positive, default=None,
                    help=f"KV-cache size in tokens (default {RUN_CONTEXT}, or the model's context where it is shorter)")
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> None:
                         frequency_penalty=args.frequency_penalty,
                         seed=None if args.seed == -1 else args.seed)   # -1: random, as llama.cpp
     if args.chat:
-        chat(eng, sp, args.max_new_tokens, speculate, adapter)
+        chat(eng, sp, args.max_new_tokens, speculate, adapter, args.chat_template_kwargs)
         return
     if args.prompt is None:
         raise QwcError("give --prompt TEXT (or --chat)")
@@ -150,7 +154,7 @@ def run_constraint(eng, args: argparse.Namespace):
     return vocab.constraint(grammar)
 
 
-def chat(eng, sp, max_new_tokens: int, speculate=None, adapter: str | None = None) -> None:
+def chat(eng, sp, max_new_tokens: int, speculate=None, adapter: str | None = None, variables: dict | None = None) -> None:
     from qwc.chat_template import ChatTemplate
 
     if not eng.model.chat_template:
@@ -169,7 +173,7 @@ def chat(eng, sp, max_new_tokens: int, speculate=None, adapter: str | None = Non
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        prompt = template.render(messages)
+        prompt = template.render(messages, **(variables or {}))
         reply = ""   # the earlier turns are in the cache already: only the new ones are prefilled
         for piece in eng.generate(prompt, max_new_tokens=max_new_tokens, sampling=sp, speculate=speculate,
                                   adapter=adapter):

@@ -8,7 +8,16 @@ from qwc import progress
 from qwc.errors import QwcError
 from qwc.limits import MAX_LORA_RANK
 
-from .options import int_at_least, int_in, mmap_option, nonnegative, positive, speculation_options, thread_count
+from .options import (
+    int_at_least,
+    int_in,
+    mmap_option,
+    nonnegative,
+    positive,
+    speculation_options,
+    template_variables,
+    thread_count,
+)
 
 
 def register(sub) -> None:
@@ -39,6 +48,13 @@ def register(sub) -> None:
                          "reads the weights once for all (default 1)")
     sv.add_argument("--threads", type=thread_count, default=None)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    sv.add_argument("--reasoning-format", choices=("auto", "deepseek", "none"), default="auto",
+                    help="a thinking model's reasoning (Qwen3's <think> block): auto / deepseek (default) return it "
+                         "apart as the message's reasoning_content; none leaves it in the content. A request's "
+                         "reasoning_format overrides it")
+    sv.add_argument("--chat-template-kwargs", type=template_variables, default={}, metavar="JSON",
+                    help="default variables for the chat template, e.g. '{\"enable_thinking\": false}'; a request's "
+                         "chat_template_kwargs add to them (llama-server's flag)")
     sv.add_argument("--model-name", help="the model id clients name (default: the artifact folder's name without .qwc)")
     sv.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
                     help="serve a LoRA adapter (a PEFT directory or a llama.cpp GGUF adapter) unmerged beside the "

@@ -8,7 +8,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from qwc.models.tokenizer import byte_level_tokenizer, special_ids
+from qwc.models.tokenizer import THINK_TOKENS, byte_level_tokenizer, special_ids
 from qwc.runtime.grammar import TokenVocab
 from qwc.runtime.sampling import Sampler, SamplingParams
 from qwc.runtime.tools import (
@@ -93,14 +93,15 @@ def test_fallback_messages_write_the_convention():
         template_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])
 
 
+@pytest.mark.parametrize("markers", [(), THINK_TOKENS], ids=["text markers", "<tool_call> a token (Qwen's)"])
 @pytest.mark.parametrize("choice", ["required", "get_time"])
-def test_random_logits_under_the_call_grammar_make_a_valid_call(choice):
-    tok = byte_level_tokenizer()
+def test_random_logits_under_the_call_grammar_make_a_valid_call(choice, markers):
+    tok = byte_level_tokenizer(markers)
     vocab = TokenVocab(tok, 300, set(special_ids(tok)[1]), tok.get_vocab_size())
     fns, named = parse_tools([WEATHER, TIME], choice if choice == "required" else
                              {"type": "function", "function": {"name": choice}})
     assert named == choice
-    grammar = call_grammar(fns, None if choice == "required" else choice)
+    grammar = call_grammar(fns, None if choice == "required" else choice, vocab)
     vocab.check(grammar)
     for seed in range(3):
         c = vocab.constraint(grammar)

@@ -322,7 +322,8 @@ def test_cancelled_stream_frees_its_slot(server):
     assert httpx.get(server.base + "/health").json() == {"status": "ok"}
 
 
-@pytest.mark.parametrize("path, body, status, code, words", [
+# Bad requests and the OpenAI error each gets (test_qwen3_serve.py sends them to a Qwen3 artifact too)
+BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
     ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model_not_found", "does not exist"),
@@ -365,7 +366,10 @@ def test_cancelled_stream_frees_its_slot(server):
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "a"}]}, 400, None, "role"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, None, "content"),
     ("/v1/nowhere", {}, 404, None, "no route"),
-])
+]
+
+
+@pytest.mark.parametrize("path, body, status, code, words", BAD_REQUESTS)
 def test_bad_requests_get_openai_errors(server, path, body, status, code, words):
     r = server.post(path, body)
     assert r.status_code == status
