@@ -53,6 +53,7 @@ class Settings:
     api_key: str | None = None
     reasoning_format: str = "auto"   # runtime/reasoning.py: FORMATS (a request's reasoning_format overrides it)
     template_variables: dict = field(default_factory=dict)   # --chat-template-kwargs, under a request's own
+    webui: bool = True   # the chat page at / (runtime/chat_page.html; --no-webui, as llama-server's flag)
 
 
 # -- request validation -------------------------------------------------------------------
@@ -402,12 +403,19 @@ class Api:
             raise ApiError(400, str(e)) from None
 
 
+def chat_page() -> str:
+    """The chat page served at / (runtime/chat_page.html): one self-contained file."""
+    from importlib.resources import files
+
+    return files(__package__).joinpath("chat_page.html").read_text(encoding="utf-8")
+
+
 def create_app(engine, scheduler: Scheduler, settings: Settings):
     """The FastAPI application (needs the `serve` extra)."""
     try:
         from fastapi import FastAPI
         from fastapi import Request as HttpRequest
-        from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+        from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
     except ImportError:
         raise QwcError("qwc serve needs the serve extra: pip install 'qwc[serve]'") from None
     from .metrics import Metrics
@@ -429,6 +437,13 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
     async def wrong_method(request, _):
         return JSONResponse(ApiError(405, f"{request.method} is not allowed on {request.url.path}").body(),
                             status_code=405)
+
+    if settings.webui:
+        page = chat_page()
+
+        @app.get("/")
+        async def chat():   # no key: the page asks for one where the /v1 routes need it
+            return HTMLResponse(page)
 
     @app.get("/health")
     async def health():

@@ -109,4 +109,5 @@ def server_parts(args):
                       speculate=drafts, spec_batch=args.spec_batch, mixed_steps=not args.no_mixed_steps)
     return eng, sched, create_app(eng, sched, Settings(model_id=name, api_key=args.api_key,
                                                   reasoning_format=args.reasoning_format,
-                                                  template_variables=args.chat_template_kwargs)), name
+                                                  template_variables=args.chat_template_kwargs,
+                                                  webui=not args.no_webui)), name

@@ -336,3 +336,23 @@ def assert_arm_library_follows(bb, target: str, inputs: dict, refs: dict, prefix
             np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=name)
             for other in outs[1:]:
                 assert np.array_equal(other[name], got), name
+
+
+def _converts_to_q8_0() -> bool:
+    """This machine's host target runs Q6_K, the Q5 formats and IQ4 as Q8_0 (`qwc targets`: an
+    x86 CPU without AVX-512 VNNI, such as AMD Zen 3)."""
+    from qwc import cpu
+
+    return cpu.machine_arch() == "x86_64" and not cpu.has("avx512_vnni")
+
+
+# The tests that read the file's own codes in a host artifact: not kept where the host converts.
+KEEPS_FILE_CODES = pytest.mark.skipif(_converts_to_q8_0(), reason="this CPU's host target runs Q6_K / Q5 / IQ4 as "
+                                      "Q8_0 (qwc targets), so its artifact does not hold the file's codes")
+# A known bug, found on an AMD Zen 3 (AVX2, no AVX-512): with Q8_0 activations, weights the
+# host converts to Q8_0 give logits far off (43% of their range on test_gguf_iq4's model),
+# while plain Q8_0 files and float activations are right. Strict: a fix makes these pass and
+# the marker must go.
+AVX2_CONVERTED_W8A8_BUG = pytest.mark.xfail(_converts_to_q8_0(), strict=True,
+                                            reason="known bug: Q6_K / Q5 / IQ4 converted to Q8_0 on an AVX2 host "
+                                                   "are wrong with Q8_0 activations")

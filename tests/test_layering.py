@@ -112,3 +112,17 @@ def test_every_package_folder_is_installed():
     folders = {".".join([pkg, *f.parent.relative_to(ROOT / d).parts])
                for pkg, d in tool["package-dir"].items() for f in (ROOT / d).rglob("*.py")}
     assert folders - listed == set()
+
+
+def test_building_the_cli_imports_only_qwc_and_the_runtime():
+    """Every command builds the whole parser: a runtime-only install (no qwc.models, no compiler)
+    must be able to, and a start pays for no stage it does not run."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from qwc.cli import build_parser; build_parser(); "
+            "print(json.dumps(sorted({m.split('.')[1] for m in sys.modules if m.startswith('qwc.')})))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(r.stdout))
+    assert not loaded & {"models", "passes", "compiler", "eval", "bench"}, loaded

@@ -39,6 +39,28 @@ bytes are the ones it wrote.
 
 The macros take their call's tensors as one bundle (_Call) and a task's scratch as another
 (_Scratch). The cache formats and K layout: kernels/kv_cache.py.
+
+The call's forms (decode_attention's arguments):
+
+- `heads_per_task` (a divisor of the group; default the whole group): fewer query heads a
+  task and more tasks (ARM: one head a task);
+- `split_keys` (a multiple of 16; None: no split): the keys in spans of that many, a task
+  each, merged after;
+- `registers`: the target's vector registers, which size the register tiles;
+- `queries`: t new tokens of one sequence (a speculative verify call), each attending as
+  its own decode step would, to the keys before it and itself: the same passes over the
+  same tiles, so its output is the decode step's to the bit (the online kernel's rescaling
+  is not, and a greedy reply with drafts would drift from the one without). The t keys
+  and values are written first, in a loop of their own; then a task per (token, kv head
+  or query heads, span);
+- `rows`: the same over one new token of each of B sequences (decode_batch: q, k, v, out
+  [B, 1, ...], cache rows [B, ...], row b's new token at slot seqlens[b], positions
+  [B, 1]), each row's output its decode step's to the bit;
+- `segments`: a mixed step's one-token segments (its decode tokens; prefill_attention's
+  `ragged` form takes the rest), their queries already rotated and their keys and values
+  already in the cache by the step's own kernels, whose bits are this kernel's prologue's:
+  q [1, t, ...] (rotated), caches [B, ...], segments [G, 3], positions [1, t], and out
+  [1, t, ...] written in place at those tokens only.
 """
 
 from __future__ import annotations
@@ -181,25 +203,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     blocks, in `layout`, act_quant.LAYOUTS: "plain" on x86, "arm" the sdot GEMV's). Needs
     `fuses_decode_prologue(head_dim)`.
 
-    - `heads_per_task` (a divisor of the group; default the whole group): fewer query heads a
-      task and more tasks (ARM: one head a task);
-    - `split_keys` (a multiple of 16; None: no split): the keys in spans of that many, a task
-      each, merged after;
-    - `registers`: the target's vector registers, which size the register tiles;
-    - `queries`: t new tokens of one sequence (a speculative verify call), each attending as
-      its own decode step would, to the keys before it and itself: the same passes over the
-      same tiles, so its output is the decode step's to the bit (the online kernel's rescaling
-      is not, and a greedy reply with drafts would drift from the one without). The t keys
-      and values are written first, in a loop of their own; then a task per (token, kv head
-      or query heads, span);
-    - `rows`: the same over one new token of each of B sequences (decode_batch: q, k, v, out
-      [B, 1, ...], cache rows [B, ...], row b's new token at slot seqlens[b], positions
-      [B, 1]), each row's output its decode step's to the bit;
-    - `segments`: a mixed step's one-token segments (its decode tokens; prefill_attention's
-      `ragged` form takes the rest), their queries already rotated and their keys and values
-      already in the cache by the step's own kernels, whose bits are this kernel's prologue's:
-      q [1, t, ...] (rotated), caches [B, ...], segments [G, 3], positions [1, t], and out
-      [1, t, ...] written in place at those tokens only.
+    The modes (`heads_per_task`, `split_keys`, `registers`, `queries`, `rows`, `segments`) are
+    described under "The call's forms" in the module's docstring.
 
     `queries`, `rows` and `segments` take no `zero_point` (the o projection is a GEMM there).
 

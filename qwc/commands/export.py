@@ -13,12 +13,27 @@ from qwc.errors import QwcError
 
 from .options import NO_MEMORY_CHECK
 
+PRESETS_EPILOG = "presets (random weights of the named shapes, made in code):"
+
+
+class _PresetsHelp(argparse.HelpFormatter):
+    """Help that lists the presets when it is shown, not when the parser is built: every qwc
+    command builds this parser, and a runtime-only install has no qwc.models."""
+
+    def add_text(self, text):
+        if text == PRESETS_EPILOG:
+            try:
+                from qwc.models.presets import PRESET_NAMES
+            except ImportError:
+                text += " this install lacks the exporter (pip install 'qwc[compile]')"
+            else:
+                text += " " + ", ".join(PRESET_NAMES)
+        super().add_text(text)
+
 
 def register(sub) -> None:
-    from qwc.models.presets import PRESET_NAMES
-
     e = sub.add_parser("export", help="export a model to ONNX with a KV cache",
-                       epilog="presets (random weights of the named shapes, made in code): " + ", ".join(PRESET_NAMES),
+                       epilog=PRESETS_EPILOG, formatter_class=_PresetsHelp,
                        description="Export a Qwen2, Qwen2.5 or Qwen3 model (a preset, a Hugging Face directory "
                                    "or a .gguf file) to ONNX with KV-cache inputs and outputs.")
     e.add_argument("source", help="preset name (`qwc export --help` lists them below), HF model directory, "

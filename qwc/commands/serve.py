@@ -48,6 +48,8 @@ def register(sub) -> None:
                          "reads the weights once for all (default 1)")
     sv.add_argument("--threads", type=thread_count, default=None)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    sv.add_argument("--no-webui", action="store_true",
+                    help="do not serve the chat page at / (llama-server's flag; the API is unchanged)")
     sv.add_argument("--reasoning-format", choices=("auto", "deepseek", "none"), default="auto",
                     help="a thinking model's reasoning (Qwen3's <think> block): auto / deepseek (default) return it "
                          "apart as the message's reasoning_content; none leaves it in the content. A request's "

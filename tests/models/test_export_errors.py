@@ -10,6 +10,7 @@ import pytest
 from test_load import _make_gguf
 
 from qwc.cli import main
+from qwc.models.presets import PRESET_NAMES
 
 
 def _run(args, capsys):
@@ -30,7 +31,7 @@ def _assert_clean_failure(code, err, out_dir, expect):
 def test_unknown_preset(tmp_path, capsys):
     out = tmp_path / "out"
     code, err = _run(["export", "tiniest", "-o", str(out / "m.onnx")], capsys)
-    _assert_clean_failure(code, err, out, "'tiniest' is neither a preset (tiny, qwen2.5-0.5b, qwen2.5-7b-4layers)")
+    _assert_clean_failure(code, err, out, f"'tiniest' is neither a preset ({', '.join(PRESET_NAMES)})")
 
 
 def test_missing_gguf(tmp_path, capsys):
@@ -139,4 +140,4 @@ def test_cli_process_exit_code_and_no_traceback(tmp_path):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
-        "qwc: error: 'nope' is neither a preset (tiny, qwen2.5-0.5b, qwen2.5-7b-4layers) nor an existing path"]
+        f"qwc: error: 'nope' is neither a preset ({', '.join(PRESET_NAMES)}) nor an existing path"]

@@ -1,7 +1,8 @@
 """`qwc serve`'s /tokenize, /detokenize, /props and /slots: llama-server's request shapes and
 vLLM's, the token counts the tokenizer gives, round trips of the README's prompt and of a
 multilingual text, llama-server's field names (a fixture of its response shapes), the slots
-while a stream runs, and bad input answered with a clean 400 naming the field."""
+while a stream runs, bad input answered with a clean 400 naming the field, and the chat page
+at / (its browser test: test_chat_page.py)."""
 
 from __future__ import annotations
 
@@ -130,3 +131,17 @@ def test_the_empty_and_the_padding_ids(server):
     assert server.post("/tokenize", {"content": ""}).json() == {"tokens": [], "count": 0, "max_model_len": 2048}
     # ids past the tokenizer but inside the model's padded vocabulary stand for no text
     assert server.post("/detokenize", {"tokens": [72, 287, 105]}).json()["content"] == "Hi"
+
+
+def test_the_chat_page_is_one_file_that_fetches_nothing_from_elsewhere(server, tiny_host_artifact):
+    r = httpx.get(server.base + "/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "/v1/chat/completions" in r.text and "/v1/models" in r.text
+    assert "http://" not in r.text and "https://" not in r.text and "//cdn" not in r.text
+    without = Server(tiny_host_artifact, "--no-webui")
+    try:
+        r = httpx.get(without.base + "/")
+        assert r.status_code == 404 and r.json()["error"]["message"] == "no route GET /"
+        assert httpx.get(without.base + "/v1/models").status_code == 200
+    finally:
+        without.close()
