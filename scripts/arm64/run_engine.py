@@ -67,10 +67,7 @@ def main() -> None:
     elif isinstance(steps, dict) and "verify" in steps:   # decode steps, and one verify call of their tokens
         prompt, new = steps["verify"], steps["tokens"]
         eng = Engine(artifact, ctx=len(prompt) + len(new) + 16, oversubscribe=True)
-        one, many = eng.sequence(), eng.sequence()
-        eng.prefill(prompt, one)
-        eng.prefill(prompt, many)
-        logits = [np.stack([eng.decode(t, one).copy() for t in new]), eng.verify(new, many)]
+        logits = list(decode_and_verify(eng, prompt, new))
     elif isinstance(steps, dict) and "lora" in steps:
         eng = Engine(artifact, ctx=64, oversubscribe=True)
         _load_package("qwc.models", repo / "models")
@@ -133,6 +130,18 @@ def lora_runs(eng, npz, steps):
         for slot, lg in enumerate(eng.decode_many([t, t], seqs)):
             rows[slot].append(lg.copy())
     return [np.array(x) for x in out + rows]
+
+
+def decode_and_verify(eng, prompt, new):
+    """`prompt` in two sequences, then `new` decoded a token a step in one and verified in one
+    call in the other: (the decode steps' logits, the verify call's), which must be equal to the
+    bit (compiler/kernels/decode_attention.py: `queries`)."""
+    import numpy as np
+
+    one, many = eng.sequence(), eng.sequence()
+    eng.prefill(prompt, one)
+    eng.prefill(prompt, many)
+    return np.stack([eng.decode(t, one).copy() for t in new]), eng.verify(new, many)
 
 
 def greedy_alone_and_batched(eng, prompts, n):

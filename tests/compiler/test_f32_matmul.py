@@ -102,6 +102,8 @@ def test_a_float_artifact_follows_onnxruntime_and_verifies_at_decodes_bits(tiny_
     generation takes onnxruntime's tokens with every step's logits within 1e-4 of their range;
     verify() of 5 tokens gives 5 decode steps' logits bit for bit, and so does a batched step
     of two sequences (their tokens are the GEMM's rows)."""
+    from run_engine import decode_and_verify
+
     from qwc.compiler.compile import compile_file
     from qwc.runtime.engine import Engine
 
@@ -118,12 +120,9 @@ def test_a_float_artifact_follows_onnxruntime_and_verifies_at_decodes_bits(tiny_
     greedy_against_onnxruntime(art, tiny_float, cfg, prompt, 8, 64, tol=1e-4)
 
     eng = Engine(art, ctx=64, threads=2)
-    a, b = eng.sequence(), eng.sequence()
-    eng.prefill(prompt[0], seq=a)
-    eng.prefill(prompt[0], seq=b)
     new = [5, 17, 42, 3, 99]
-    steps = np.stack([eng.decode(t, seq=a).copy() for t in new])
-    np.testing.assert_array_equal(eng.verify(new, seq=b), steps)
+    steps, verified = decode_and_verify(eng, prompt[0], new)
+    np.testing.assert_array_equal(verified, steps)
 
     assert eng._decode_batch is not None   # the batched step, not decode after decode
     pool = eng.pool(2)

@@ -246,7 +246,7 @@ def test_qk_norm_fuses_into_rotary_and_decode_attention_without_changing_a_bit(q
 def test_batched_mixed_and_verify_steps_are_the_decode_steps(qwen3_artifacts):
     """The batched step (decode attention's rows), a mixed step (its decode tokens rotated and
     normed by the step's rotary kernel) and a verify call (its queries) against decode alone."""
-    from run_engine import greedy_alone_and_batched, mixed_and_separate
+    from run_engine import decode_and_verify, greedy_alone_and_batched, mixed_and_separate
 
     from qwc.runtime.engine import Engine
 
@@ -256,9 +256,5 @@ def test_batched_mixed_and_verify_steps_are_the_decode_steps(qwen3_artifacts):
     np.testing.assert_array_equal(alone, batched)
     mixed, separate = mixed_and_separate(eng, prompts[:3] + [list(range(200, 237))], 8)
     assert np.array_equal(mixed, separate)
-    a, b = eng.sequence(), eng.sequence()
-    eng.prefill(prompts[1], seq=a)
-    eng.prefill(prompts[1], seq=b)
-    new = [5, 9, 13, 250, 17]
-    steps = np.stack([eng.decode(t, seq=a).copy() for t in new])
-    np.testing.assert_array_equal(eng.verify(new, seq=b), steps)
+    steps, verified = decode_and_verify(eng, prompts[1], [5, 9, 13, 250, 17])
+    np.testing.assert_array_equal(verified, steps)
