@@ -86,7 +86,10 @@ class Browser:
             time.sleep(0.05)
 
     def open(self, url: str) -> None:
+        """`url` navigated to and loaded: until then `document` may still be about:blank's or
+        have no body, and an expression that reads the page would throw."""
         self.call("Page.navigate", url=url)
+        self.wait_for(f"location.href === {json.dumps(url)} && document.readyState === 'complete'")
 
     def type(self, text: str) -> None:
         """Text typed into the focused element, as an input method would put it."""
