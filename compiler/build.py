@@ -16,6 +16,9 @@ and build it for a target.
          segments (cache row, first token, count; each a row's next tokens, as prefill takes
          them), their positions, and the logits of the L tokens named [1, L, vocab]: a
          scheduler step's decode tokens and a prompt chunk in one call (with decode_batch)
+    embed(score's inputs): every position's final-norm state [1, seq, hidden] in place of
+         the logits (embeddings: runtime/embeddings.py)
+    embed_step(step's inputs): the states [1, L, hidden] of the L tokens named (with step)
 
 All return (logits, present.*); the presents alias the cache buffers they were given (the
 cache is written in place), so the runtime never copies the cache.
@@ -58,7 +61,8 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
              score_nodes: list | None = None, tuned: dict | None = None,
              max_batch: int = 1, prefill_nodes: list | None = None,
              kv_dtype: str = "float32", step_nodes: list | None = None,
-             lora_chunks: int = 0) -> tuple[tvm.IRModule, list[str], dict]:
+             lora_chunks: int = 0, embed_nodes: list | None = None,
+             embed_step_nodes: list | None = None) -> tuple[tvm.IRModule, list[str], dict]:
     """The module, the param names in call order, and the param values (numpy arrays or, for
     the large ones, the model's TensorProtos: compiler/artifact.py reads each as it writes it).
     `model` gives prefill and decode (and, with `max_batch` >= 2, decode_batch for up to that
@@ -66,6 +70,8 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
     logits) and of `verify`; `prefill_nodes`, where given, replace model's nodes for prefill
     (passes/last_position.py: prefill_nodes); `kv_dtype` the cache buffers' element type;
     `step_nodes`, with `max_batch` >= 2, the step entry point's (last_position.step_nodes).
+    `embed_nodes` / `embed_step_nodes`, where given, those of embed and embed_step (the head
+    taken off: last_position.hidden_state_nodes).
     `lora_chunks` >= 1: the graph has adapter slots (compiler/lora_slots.py) of up to that many
     chunks of ranks, inputs after the cache."""
     n_cache = sum(1 for i in model.graph.input if i.name.startswith("past_key_values."))
@@ -77,22 +83,27 @@ def to_relax(model: onnx.ModelProto, act_bits: int = 32, features=frozenset(),
     entries = [("prefill", None, prefill_nodes, False), ("decode", 1, None, False)]
     if score_nodes is not None:
         entries += [("score", None, score_nodes, False), ("verify", None, score_nodes, False)]
+    if embed_nodes is not None:
+        entries.append(("embed", None, embed_nodes, False))
     if max_batch > 1:
         entries.append(("decode_batch", 1, None, True))
         if step_nodes is not None:
             entries.append(("step", None, step_nodes, False))
+        if embed_step_nodes is not None:
+            entries.append(("embed_step", None, embed_step_nodes, False))
+    step_bounds = {"seq": MAX_TOKENS_PER_CALL, "batch": max_batch, "segments": max_batch, "outputs": max_batch}
     bounds = {"prefill": {"seq": MAX_TOKENS_PER_CALL}, "score": {"seq": MAX_TOKENS_PER_CALL},
-              "verify": {"seq": VERIFY_TOKENS},
-              "decode_batch": {"batch": max_batch},
-              "step": {"seq": MAX_TOKENS_PER_CALL, "batch": max_batch, "segments": max_batch,
-                       "outputs": max_batch}}
+              "embed": {"seq": MAX_TOKENS_PER_CALL}, "verify": {"seq": VERIFY_TOKENS},
+              "decode_batch": {"batch": max_batch}, "step": step_bounds,
+              # an embedding call names every token of its segments (mean pooling reads them all)
+              "embed_step": {**step_bounds, "outputs": MAX_TOKENS_PER_CALL}}
     if lora_chunks:   # the padded rank bounds the shrink's output: one buffer for every call
         for b in bounds.values():
             b["lora_chunks"] = lora_chunks
         for name, *_ in entries:
             bounds.setdefault(name, {"lora_chunks": lora_chunks})
     for name, seq, nodes, batched in entries:
-        step = name == "step"
+        step = name in ("step", "embed_step")
         extra = STEP_INPUTS if step else ()
         with _nodes_swapped(skeleton, nodes), _inputs_added(skeleton, extra):
             mod = import_graph(skeleton, seq, prefix=name, act_bits=act_bits, features=features, tuned=tuned,

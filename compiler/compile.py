@@ -15,7 +15,7 @@ from qwc.errors import QwcError
 from qwc.kv_formats import KV_TYPES
 from qwc.limits import MAX_BATCH, MAX_LORA_RANK
 from qwc.manifest import Functions, LoraSlots, Quantization
-from qwc.passes.last_position import last_position_logits, prefill_nodes, step_nodes
+from qwc.passes.last_position import hidden_state_nodes, last_position_logits, prefill_nodes, step_nodes
 from qwc.passes.pipeline import load_canonical
 
 from .artifact import foreign_files
@@ -35,12 +35,13 @@ def compile_memory(model: onnx.ModelProto) -> int:
 
 def compile_file(src, target_name: str, out, options=None, act_bits: int | None = None, tuning_db=None,
                  max_batch: int = 1, memory_check: bool = True, kv_type: str | None = None,
-                 max_lora_rank: int = 0) -> dict:
+                 max_lora_rank: int = 0, embeddings: bool = False) -> dict:
     """`act_bits` None: the target's default (targets.default_act_bits). `max_batch` >= 2 adds
     the decode_batch entry point (compiler/build.py) for up to that many sequences. `kv_type`:
     the KV cache's element type by its KV_TYPES name (None: targets.default_kv_dtype).
     `max_lora_rank` >= 1: adapter slots for LoRA adapters of up to that rank, served unmerged
-    (compiler/lora_slots.py)."""
+    (compiler/lora_slots.py). `embeddings`: the embed entry points (and embed_step with
+    `max_batch` >= 2) for /v1/embeddings."""
     if target_name not in TARGET_NAMES:
         get_target(target_name)   # the unknown target's one line
     if act_bits not in (None, 8, 32):
@@ -63,13 +64,14 @@ def compile_file(src, target_name: str, out, options=None, act_bits: int | None 
     # written as they are made and read back one at a time for params.bin.
     with staging_dir(Path(out), folder=True, foreign=foreign_files) as scratch, weights_to(scratch / "weights.bin"):
         times = _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check,
-                         KV_TYPES[kv_type] if kv_type else default_kv_dtype(target), max_lora_rank)
+                         KV_TYPES[kv_type] if kv_type else default_kv_dtype(target), max_lora_rank, embeddings)
     from .kernels.kernel_cache import prune
     prune()   # the kernel cache's folder within its limit, its least recently used entries dropped
     return times
 
 
-def _functions(config, cache: list[str], max_batch: int, kv_dtype: str, lora: LoraSlots | None) -> Functions:
+def _functions(config, cache: list[str], max_batch: int, kv_dtype: str, lora: LoraSlots | None,
+               embeddings: bool = False) -> Functions:
     """The library's entry points and what the runtime hands them (the manifest's functions)."""
     from .build import MAX_TOKENS_PER_CALL, VERIFY_TOKENS
     from .kernels.kv_cache import KEY_TILE, supports
@@ -77,10 +79,14 @@ def _functions(config, cache: list[str], max_batch: int, kv_dtype: str, lora: Lo
     entries = {"prefill": "any number of new tokens", "decode": "one new token",
                "score": "prefill returning every position's logits",
                "verify": f"score of up to {VERIFY_TOKENS} tokens, each token's logits its decode step's"}
+    if embeddings:
+        entries["embed"] = "score returning every position's final-norm state [1, seq, hidden] (embeddings)"
     if max_batch > 1:
         entries["decode_batch"] = "one new token of each of B sequences, B <= max_batch, cache rows [B, ...]"
         entries["step"] = ("segments of B sequences' next tokens in one call (decode tokens and a prompt chunk), "
                            "the logits of the tokens named")
+        if embeddings:
+            entries["embed_step"] = "step returning the final-norm states [1, L, hidden] of the tokens named"
     # The fast attention reads K in key tiles of 16 (kernels/kv_cache.py): the runtime rounds
     # the buffers' capacity up to a multiple of this.
     tiles = supports(config.head_dim)
@@ -94,7 +100,7 @@ def _functions(config, cache: list[str], max_batch: int, kv_dtype: str, lora: Lo
 
 
 def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, memory_check, kv_dtype,
-             max_lora_rank) -> dict:
+             max_lora_rank, embeddings) -> dict:
     from .artifact import write_artifact
     from .build import build_for_artifact, to_relax
 
@@ -129,6 +135,8 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
     step = step_nodes(model, list(full.node)) if max_batch > 1 else None
     model = last_position_logits(model)
     score = list(full.node)
+    embed = hidden_state_nodes(score) if embeddings else None
+    embed_step = hidden_state_nodes(step) if embeddings and step is not None else None
     lora = None
     if max_lora_rank:
         from qwc.adapter_files import linear_shapes
@@ -140,6 +148,8 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
         score = with_slots(score, linears, shapes)
         prefill = with_slots(prefill, linears, shapes) if prefill is not None else None
         step = with_slots(step, linears, shapes) if step is not None else None
+        embed = with_slots(embed, linears, shapes) if embed is not None else None
+        embed_step = with_slots(embed_step, linears, shapes) if embed_step is not None else None
         decode = with_slots(list(model.graph.node), linears, shapes)
         del model.graph.node[:]
         model.graph.node.extend(decode)
@@ -150,7 +160,8 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
         mod, names, params = to_relax(model, act_bits=act_bits, features=target.features,
                                       score_nodes=score, prefill_nodes=prefill, tuned=tuned,
                                       max_batch=max_batch, kv_dtype=kv_dtype, step_nodes=step,
-                                      lora_chunks=lora.max_rank // lora.chunk if lora else 0)
+                                      lora_chunks=lora.max_rank // lora.chunk if lora else 0,
+                                      embed_nodes=embed, embed_step_nodes=embed_step)
     times["import"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with progress.stage(f"building for {target.name} ({target.triple}, {target.mcpu})"):
@@ -160,7 +171,7 @@ def _compile(src, target, out, config, options, act_bits, tuning_db, max_batch, 
                       f"{built.kernels - built.from_cache} built")
     times["build"] = time.perf_counter() - t0
     cache = [i.name for i in model.graph.input if i.name.startswith("past_key_values.")]
-    functions = _functions(config, cache, max_batch, kv_dtype, lora)
+    functions = _functions(config, cache, max_batch, kv_dtype, lora, embeddings)
     t0 = time.perf_counter()
     from .pack_at_rest import plan
     with progress.stage(f"writing {out}"):

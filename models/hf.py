@@ -48,6 +48,15 @@ def open_hf_dir(path: Path) -> Checkpoint:
                     where[k], shapes[k] = f, tuple(h.get_slice(k).get_shape())
         except (SafetensorError, OSError, ValueError) as e:
             raise QwcError(f"{f}: corrupt safetensors file ({str(e).splitlines()[0]})") from None
+    # saved from the bare decoder (transformers' Qwen2Model / Qwen3Model, as the Qwen3-Embedding
+    # models are): its tensors are the causal LM's without "model."
+    bare = "embed_tokens.weight" in where and "model.embed_tokens.weight" not in where
+
+    def hf_name(k: str) -> str:
+        return f"model.{k}" if bare and k != "lm_head.weight" else k
+
+    where = {hf_name(k): (f, k) for k, f in where.items()}   # HF name -> (file, the file's key)
+    shapes = {hf_name(k): v for k, v in shapes.items()}
     check_dimensions(first, shapes, str(cfg_path))
     try:
         hf = (Qwen3Config if raw["model_type"] == "qwen3" else Qwen2Config).from_dict(raw)
@@ -67,12 +76,12 @@ def open_hf_dir(path: Path) -> Checkpoint:
         shapes.pop("lm_head.weight", None)   # some tied checkpoints store the copy anyway
 
     def read(name: str) -> np.ndarray:
-        f = where[name]
+        f, key = where[name]
         try:
             # Opened per tensor: the file is memory-mapped while open, and every page read
             # would stay in this process's RSS (15 GB for a 7B) until the map is closed.
             with safe_open(str(f), framework="pt") as h:
-                t = h.get_tensor(name)
+                t = h.get_tensor(key)
         except (SafetensorError, OSError, ValueError) as e:
             raise QwcError(f"{f}: cannot read {name} ({str(e).splitlines()[0]})") from None
         return t.float().numpy()

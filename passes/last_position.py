@@ -3,7 +3,8 @@ and decode graphs (the `score` entry point keeps every position). For prefill it
 further back, as llama.cpp does (its graph keeps only the output rows from the last layer's
 MLP on): the last layer's o projection, MLP and final norm work on the last position only,
 since each is position-wise; only the keys and values every position writes to the cache,
-and the attention, need them all. On a 28-layer model that is a 28th of a prompt's MLP."""
+and the attention, need them all. On a 28-layer model that is a 28th of a prompt's MLP.
+The embed entry points take the head off instead (hidden_state_nodes)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,21 @@ def step_nodes(model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> list[onnx
                 raise QwcError(f"{n.name}: GroupQueryAttention with {len(n.input)} inputs (qwc reads up to "
                                f"{GQA_STEP_INPUTS})")
             n.input.extend([""] * (GQA_STEP_INPUTS - len(n.input)) + [STEP_SEGMENTS, "position_ids"])
+    return list(g.node)
+
+
+def hidden_state_nodes(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """`nodes` (an entry point's) with the head replaced by an Identity of its input, so that
+    the graph's 'logits' output carries the final norm's states [1, seq, hidden] instead: the
+    embed entry points (runtime/embeddings.py). Copies: `nodes` stay."""
+    g = onnx.GraphProto()
+    for n in nodes:
+        c = g.node.add()
+        c.CopyFrom(n)
+    head = next((n for n in g.node if "logits" in n.output), None)
+    if head is None:
+        raise QwcError("graph has no 'logits' output")
+    head.CopyFrom(helper.make_node("Identity", [head.input[0]], ["logits"], name="qwc_hidden_states"))
     return list(g.node)
 
 

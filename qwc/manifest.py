@@ -183,7 +183,7 @@ class LoraSlots:
                 "linears": [{"name": n, "in": k, "out": o} for n, k, o in self.linears]}
 
 
-ENTRY_POINTS = ("prefill", "decode", "score", "verify", "decode_batch", "step")
+ENTRY_POINTS = ("prefill", "decode", "score", "verify", "decode_batch", "step", "embed", "embed_step")
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,8 @@ class Engine:
         self._verify = self.vm["verify"] if "verify" in entries else None
         self._decode_batch = self.vm["decode_batch"] if "decode_batch" in entries else None
         self._step = self.vm["step"] if "step" in entries and self._decode_batch else None
+        self._embed = self.vm["embed"] if "embed" in entries else None
+        self._embed_step = self.vm["embed_step"] if "embed_step" in entries and self._step else None
         # sequences one decode_batch step takes (`qwc compile --max-batch`); 1: no such step
         self.max_batch = functions.max_batch if self._decode_batch else 1
         # new tokens a prefill / score call takes at most (the library's memory is planned for it)
@@ -222,9 +224,10 @@ class Engine:
         # The inputs' memory, reused: a step builds its inputs as views of it, where fresh
         # tensors a step cost a visible share of a small model's decode step.
         rows = self.max_batch
-        arena = memory.arena_for([((1, self.ctx), np.int64)] * 4 + [((rows, 3), np.int64), ((rows,), np.int64)])
+        arena = memory.arena_for([((1, self.ctx), np.int64)] * 5 + [((rows, 3), np.int64), ((rows,), np.int64)])
         self._ids, self._mask, self._positions, self._adapter_slots = (arena.take((1, self.ctx), np.int64)
                                                                        for _ in range(4))
+        self._named = arena.take((1, self.ctx), np.int64)[0]   # the tokens an embed_step call names
         self._segments, self._logit_tokens = arena.take((rows, 3), np.int64), arena.take((rows,), np.int64)
         self._mask[:] = 1
         self.seq = self.sequence()
@@ -580,6 +583,91 @@ class Engine:
             s.pos += t.shape[1]
             s.writes += 1
         return list(logits)
+
+    # -- embeddings (runtime/embeddings.py) ---------------------------------------------------
+    @property
+    def embeds(self) -> bool:
+        """Whether the library has the embed entry point (`qwc compile --embeddings`)."""
+        return self._embed is not None
+
+    @property
+    def embeds_in_batches(self) -> int:
+        """How many sequences' chunks one embedding call takes (embed_step: max_batch; else 1)."""
+        return self.max_batch if self._embed_step is not None else 1
+
+    def embed_parts(self, parts: list) -> list[np.ndarray]:
+        """Each (sequence, tokens, positions) of `parts` takes its tokens after what its cache
+        holds; returns each part's final-norm states at `positions` (indices into its tokens),
+        float32 [len(positions), hidden] copies. Several parts go in one embed_step call where
+        the library has it and they fit one (as step's); otherwise each runs on embed."""
+        if self._embed is None:
+            raise QwcError(f"{self.path}: artifact has no embed entry point (compile it with --embeddings)")
+        tokens = [self._token_ids(t, "embed") for _, t, _ in parts]
+        seqs = [s for s, _, _ in parts]
+        for s, t in zip(seqs, tokens):
+            if s.pos + t.shape[1] > s.capacity:
+                raise QwcError(f"{s.pos + t.shape[1]} tokens do not fit the context of {s.capacity}")
+        pool = seqs[0].pool if seqs else None
+        total = sum(t.shape[1] for t in tokens)
+        if (self._embed_step is None or len(parts) < 2 or pool is None or total > self.max_tokens_per_call
+                or max(s.row for s in seqs) + 1 > self.max_batch or any(s.pool is not pool for s in seqs)
+                or len({s.row for s in seqs}) != len(seqs)):
+            out = []
+            for (seq, _, rows), t in zip(parts, tokens):
+                states = [self._run(self._embed, t[:, i:i + self._chunk], seq) for i in range(0, t.shape[1], self._chunk)]
+                out.append(np.concatenate(states)[list(rows)].copy())
+            return out
+        return self._embed_batch(parts, tokens, pool)
+
+    def _embed_batch(self, parts: list, tokens: list, pool) -> list[np.ndarray]:
+        """embed_parts' one embed_step call: the parts as step's segments, the positions asked
+        for (at least one: a call returns a row) named as its tokens."""
+        tvm = self._tvm
+        self._size_pool()
+        total = sum(t.shape[1] for t in tokens)
+        ids, positions = self._ids[:, :total], self._positions[:, :total]
+        segments, slots = self._segments[:len(parts)], self._adapter_slots[:, :total]
+        named, at = [], 0
+        for g, ((s, _, rows), t) in enumerate(zip(parts, tokens)):
+            n = t.shape[1]
+            ids[0, at:at + n], slots[0, at:at + n] = t[0], s.adapter
+            positions[0, at:at + n] = np.arange(s.pos, s.pos + n)
+            segments[g] = s.row, at, n
+            named += [at + r for r in rows]
+            at += n
+        picked = self._named[:max(len(named), 1)]   # (the arena's: the library takes 64-byte aligned data)
+        picked[:] = named or [0]
+        args = [tvm.runtime.from_dlpack(x) for x in (ids, self._mask[:, :1], positions, segments, picked)]
+        rows = max(s.row for s, _, _ in parts) + 1
+        try:
+            out = self._embed_step(*args, *pool.cache(rows), *self._adapter_args(slots), *self.params)
+        except Exception as e:   # TVM's own error types
+            raise QwcError(f"{self.path}: the library refused its inputs "
+                           f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
+        states = np.from_dlpack(out[0])[0]
+        result, at = [], 0
+        for (s, _, rows), t in zip(parts, tokens):
+            result.append(states[at:at + len(rows)].copy())
+            at += len(rows)
+            s.pos += t.shape[1]
+            s.writes += 1
+        return result
+
+    def embed(self, inputs, pooling: str = "last") -> np.ndarray:
+        """Each input's (token ids, or text where the artifact has a tokenizer) final-norm state
+        pooled by `pooling` ("last", "mean", "cls") and L2-normalized: [inputs, hidden] float32.
+        Runs in the engine's own sequence, one input after another (`qwc serve` batches them:
+        runtime/scheduler.py)."""
+        from .embeddings import EmbeddingJob
+
+        ids = [self.encode(x) if isinstance(x, str) else list(self._token_ids(x, "embed")[0]) for x in inputs]
+        job = EmbeddingJob(ids, pooling)
+        while not job.finished:
+            parts = job.plan([self.seq.row], self.max_tokens_per_call, 1)
+            if parts[0].start == 0:
+                self.reset()
+            job.add(parts, self.embed_parts([(self.seq, p.tokens, p.rows) for p in parts]))
+        return job.vectors
 
     def _token_ids(self, tokens, what: str) -> np.ndarray:
         """`tokens` as a [1, n] int64 array, refusing anything that is not a non-empty flat

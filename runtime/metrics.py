@@ -51,6 +51,11 @@ class Metrics:
                     self.itl.observe(b - a)
         self.requests.labels("error" if outcome.startswith("error") else outcome, str(status)).inc()
 
+    def embeddings_done(self, tokens: int) -> None:
+        """A /v1/embeddings request's end: its inputs' tokens count as prompt tokens."""
+        self.prompt_tokens.inc(tokens)
+        self.requests.labels("embeddings", "200").inc()
+
     def render(self) -> str:
         from prometheus_client import generate_latest
 

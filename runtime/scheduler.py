@@ -147,6 +147,10 @@ class Scheduler:
         self.prefix_cache = PrefixCache(min_reuse)
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[_Running] = []
+        # /v1/embeddings' jobs (runtime/embeddings.py), oldest first, and the slots the first
+        # holds for inputs part-way through (row -> sequence)
+        self._embeds: collections.deque = collections.deque()
+        self._embed_seqs: dict[int, object] = {}
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -192,6 +196,22 @@ class Scheduler:
             self._waiting.append(req)
             self._cv.notify()
         return req
+
+    def submit_embedding(self, job):
+        """Queue an EmbeddingJob (runtime/embeddings.py); its `done` is set when its vectors (or
+        its error) are in. Each input must fit the context."""
+        if not job.inputs or any(not x for x in job.inputs):
+            raise QwcError("an embedding input needs at least one token")
+        longest = max(len(x) for x in job.inputs)
+        if longest > self.engine.ctx:
+            raise QwcError(f"an input has {longest} tokens; the context holds {self.engine.ctx}")
+        with self._cv:
+            if len(self._embeds) >= max(self.max_queue, 1):
+                raise QueueFull(f"the server is full: {len(self._embeds)} embedding requests queued")
+            job.t_submit = time.perf_counter()
+            self._embeds.append(job)
+            self._cv.notify()
+        return job
 
     @property
     def queued(self) -> int:
@@ -244,19 +264,77 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._waiting and not self._running:
+                while not self._stop and not self._waiting and not self._running and not self._embeds:
                     self._cv.wait()
                 if self._stop:
                     for run in list(self._running):
                         self._finish(run, "cancelled")
                     while self._waiting:
                         self._waiting.popleft().emit("done", "cancelled")
+                    while self._embeds:
+                        self._end_embedding("cancelled")
                     return
-                self._admit()
+                # an embedding job older than the oldest queued request takes free slots first
+                embed_first = self._embeds and (not self._waiting
+                                                or self._embeds[0].t_submit <= self._waiting[0].t_submit)
+                if not embed_first:
+                    self._admit()
+            if self._embeds:
+                self._embed_round()
+            if embed_first:
+                with self._cv:
+                    self._admit()
+            if not self._running:
+                continue
             try:
                 self._step()
             except Exception as e:   # a failing step ends its requests with the reason, not the server
                 self._fail(e)
+
+    def _embed_round(self) -> None:
+        """One embedding call of the oldest job (runtime/embeddings.py plans it): its inputs
+        part-way through in the slots they hold, new ones in free slots. A slot whose input
+        ended goes back to the free ones, its cache holding that input (the prefix cache's)."""
+        job = self._embeds[0]
+        if job.cancelled.is_set():
+            self._end_embedding("cancelled")
+            return
+        eng = self.engine
+        rows = {s.row: s for s in self._free if s.row < eng.embeds_in_batches or eng.embeds_in_batches == 1}
+        # while requests wait for a slot, a job that holds slots finishes those inputs and starts
+        # no others, so the slots it frees go to the requests
+        offered = [] if self._waiting and self._embed_seqs else sorted(rows)
+        try:
+            parts = job.plan(offered, eng.max_tokens_per_call, eng.embeds_in_batches)
+            if not parts:
+                return   # no free slot: generation holds them all, and frees one as it ends
+            for p in parts:
+                if p.row not in self._embed_seqs:
+                    seq = rows[p.row]
+                    self._free.remove(seq)
+                    eng.reset(seq)
+                    seq.adapter = job.adapter
+                    self._embed_seqs[p.row] = seq
+            states = eng.embed_parts([(self._embed_seqs[p.row], p.tokens, p.rows) for p in parts])
+            for row in job.add(parts, states):
+                self.prefix_cache.finished(row, job.inputs[next(p.index for p in parts if p.row == row)], job.adapter)
+                self._free.append(self._embed_seqs.pop(row))
+        except Exception as e:   # a failing call ends the job with the reason, not the server
+            self._end_embedding(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            return
+        if job.finished:
+            self._embeds.popleft()
+            job.done.set()
+
+    def _end_embedding(self, reason: str) -> None:
+        """The oldest embedding job ends without its vectors; the slots it held are free, their
+        caches holding nothing known."""
+        job = self._embeds.popleft()
+        for row, seq in list(self._embed_seqs.items()):
+            self.prefix_cache.finished(row, [], job.adapter)
+            self._free.append(seq)
+        self._embed_seqs.clear()
+        job.fail(reason)
 
     def _admit(self) -> None:
         """Queued requests into free slots, oldest first."""

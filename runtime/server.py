@@ -1,8 +1,8 @@
 """`qwc serve`: the OpenAI HTTP API over the continuous-batching scheduler.
 
 /v1/completions and /v1/chat/completions (streaming as server-sent events, or one JSON reply),
-/v1/models, /health, Prometheus /metrics, and llama-server's /tokenize, /detokenize, /props and
-/slots (runtime/server_info.py). Errors are OpenAI's shape,
+/v1/embeddings (runtime/embedding_requests.py), /v1/models, /health, Prometheus /metrics, and
+llama-server's /tokenize, /detokenize, /props and /slots (runtime/server_info.py). Errors are OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 for a bad request (malformed JSON, a
 prompt longer than the context, sampling values out of range, options this server does not
 implement), 404 for a model that is neither the base nor an adapter it serves (OpenAI's
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from qwc.errors import QwcError
 
-from . import server_info
+from . import embedding_requests, server_info
 from .reasoning import ReasoningStream, split_reasoning
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Request, Scheduler
@@ -54,6 +54,7 @@ class Settings:
     reasoning_format: str = "auto"   # runtime/reasoning.py: FORMATS (a request's reasoning_format overrides it)
     template_variables: dict = field(default_factory=dict)   # --chat-template-kwargs, under a request's own
     webui: bool = True   # the chat page at / (runtime/chat_page.html; --no-webui, as llama-server's flag)
+    pooling: str = "last"   # /v1/embeddings' default (runtime/embeddings.py: POOLINGS; --pooling)
 
 
 # -- request validation -------------------------------------------------------------------
@@ -299,7 +300,7 @@ class Api:
         if isinstance(p, str):
             if not p:
                 raise ApiError(400, "'prompt' is empty", "prompt")
-            return self._encode(p, "prompt")
+            return self.encode_text(p, "prompt")
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             if not all(0 <= t < self.engine.vocab_size for t in p):
                 raise ApiError(400, f"'prompt' token ids must be in [0, {self.engine.vocab_size})", "prompt")
@@ -358,7 +359,7 @@ class Api:
             raise ApiError(400, str(e), e.param) from None
         except QwcError as e:
             raise ApiError(400, str(e), "messages") from None
-        return self._encode(text, "messages"), text
+        return self.encode_text(text, "messages"), text
 
     def chat_tokens(self, body: dict) -> list[int]:
         """The prompt a chat request's `messages` make (the model's template applied)."""
@@ -378,7 +379,8 @@ class Api:
             return None
         return opens_thinking(prompt_text)
 
-    def _encode(self, text: str, param: str) -> list[int]:
+    def encode_text(self, text: str, param: str) -> list[int]:
+        """`text` as token ids; an empty encoding or a tokenizer error is a 400 naming `param`."""
         try:
             ids = self.engine.encode(text)
         except QwcError as e:
@@ -495,6 +497,29 @@ def create_app(engine, scheduler: Scheduler, settings: Settings):
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         status, body = await reply.whole()
         return JSONResponse(body, status_code=status)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: HttpRequest):
+        api.check_key(request.headers.get("authorization"))
+        job, fixed = embedding_requests.job(api, server_info.checked_json(await request.body(), ApiError), ApiError)
+        try:
+            scheduler.submit_embedding(job)
+        except QueueFull as e:
+            raise ApiError(503, f"{e}; retry later", code="server_overloaded", kind="server_error") from None
+        except QwcError as e:
+            raise ApiError(400, str(e), "input") from None
+        try:
+            while not await asyncio.to_thread(job.done.wait, 1.0):
+                if await request.is_disconnected():
+                    job.cancelled.set()
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+        if job.error is not None:
+            raise ApiError(500, f"the embedding failed: {job.error}", kind="server_error")
+        metrics.embeddings_done(job.tokens)
+        # a Response, not a dict: FastAPI's encoder walks a dict's every float, seconds for a batch
+        return JSONResponse(embedding_requests.reply(job, fixed))
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest):

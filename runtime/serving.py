@@ -110,4 +110,4 @@ def server_parts(args):
     return eng, sched, create_app(eng, sched, Settings(model_id=name, api_key=args.api_key,
                                                   reasoning_format=args.reasoning_format,
                                                   template_variables=args.chat_template_kwargs,
-                                                  webui=not args.no_webui)), name
+                                                  webui=not args.no_webui, pooling=args.pooling)), name

@@ -349,11 +349,15 @@ def _converts_to_q8_0() -> bool:
 # The tests that read the file's own codes in a host artifact: not kept where the host converts.
 KEEPS_FILE_CODES = pytest.mark.skipif(_converts_to_q8_0(), reason="this CPU's host target runs Q6_K / Q5 / IQ4 as "
                                       "Q8_0 (qwc targets), so its artifact does not hold the file's codes")
-# A known bug, found on an AMD Zen 3 (AVX2, no AVX-512): with Q8_0 activations, weights the
-# host converts to Q8_0 give logits far off (43% of their range on test_gguf_iq4's model), while
-# float activations are right. Not AVX2's arithmetic: arm-neon's Q8_0 kernels give the same
-# logits to six digits; it grows with how much the weights' block scales vary (issue 90's
-# note has the experiments). Strict: a fix makes these pass and the marker must go.
-AVX2_CONVERTED_W8A8_BUG = pytest.mark.xfail(_converts_to_q8_0(), strict=True,
-                                            reason="known bug: Q6_K / Q5 / IQ4 converted to Q8_0 on an AVX2 host "
-                                                   "are wrong with Q8_0 activations")
+# Random models near a tie: on a host that runs Q6_K / Q5 / IQ4 as Q8_0 (x86 without AVX-512
+# VNNI, such as AMD Zen 3), these tests' A8 logits are off their float reference (or llama.cpp's
+# recorded tokens) by more than the tolerance, because the models' attention is peaked enough
+# that rounding one linear's activations moves the logits by a quarter of their range (the IQ4
+# model: q_proj's input alone, 42%). That host's logits are the graph's with llama.cpp's Q8_0
+# activations (onnxruntime, bench/a8_reference.py: within 1.3% of the range, 0.0000 at most
+# steps), and on real files its greedy tokens are llama.cpp's (bench/kquant_files.py), so it is
+# the models and not the kernels; a VNNI host's rounding lands on the float side of these ties.
+# Not strict: a host whose rounding lands there too passes.
+A8_NEAR_TIES = pytest.mark.xfail(_converts_to_q8_0(), strict=False,
+                                 reason="random model near a tie that this host's Q8_0 activation rounding tips "
+                                        "(bench/a8_reference.py)")

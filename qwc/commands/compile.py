@@ -40,6 +40,10 @@ def register(sub) -> None:
                    help="adapter slots: `qwc serve --lora` and `qwc run --lora` then serve LoRA adapters of up "
                         "to rank R (rounded up to a multiple of 16) unmerged, any number of them, each request "
                         "its own (default: none; merge an adapter with `qwc export --lora` instead)")
+    c.add_argument("--embeddings", action="store_true",
+                   help="add the entry points `qwc serve` answers /v1/embeddings with (each position's final "
+                        "hidden state; with --max-batch, several inputs a call): more compile time and library "
+                        "code, so off by default, as llama-server's --embedding is")
     c.add_argument("--no-memory-check", action="store_true", help=NO_MEMORY_CHECK)
     c.set_defaults(func=run)
 
@@ -51,7 +55,7 @@ def run(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     times = compile_file(args.model, args.target, args.output, act_bits=args.act_bits, tuning_db=args.tuning_db,
                          max_batch=args.max_batch, memory_check=not args.no_memory_check, kv_type=args.kv_dtype,
-                         max_lora_rank=args.max_lora_rank or 0)
+                         max_lora_rank=args.max_lora_rank or 0, embeddings=args.embeddings)
     parts = ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
     progress.info(f"[qwc] compiled {args.model} for {args.target} -> {args.output} in "
                   f"{time.perf_counter() - t0:.1f}s ({parts})")

@@ -23,7 +23,7 @@ from .options import (
 def register(sub) -> None:
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
                         description="Serve an artifact over the OpenAI API (/v1/completions, /v1/chat/completions, "
-                                    "/v1/models; /health, /metrics). Needs the serve extra: pip install 'qwc[serve]'.")
+                                    "/v1/embeddings, /v1/models; /health, /metrics). Needs the serve extra: pip install 'qwc[serve]'.")
     sv.add_argument("model", help="model.qwc artifact folder")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int_at_least(0), default=8080, help="port (default 8080; 0: any free one)")
@@ -50,6 +50,10 @@ def register(sub) -> None:
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     sv.add_argument("--no-webui", action="store_true",
                     help="do not serve the chat page at / (llama-server's flag; the API is unchanged)")
+    sv.add_argument("--pooling", choices=("last", "mean", "cls"), default="last",
+                    help="how /v1/embeddings pools an input's final hidden states into its vector (llama-server's "
+                         "names): last token (default: a decoder LLM's, and Qwen3-Embedding's), mean of all, or the "
+                         "first token; a request's `pooling` overrides it. Vectors are L2-normalized")
     sv.add_argument("--reasoning-format", choices=("auto", "deepseek", "none"), default="auto",
                     help="a thinking model's reasoning (Qwen3's <think> block): auto / deepseek (default) return it "
                          "apart as the message's reasoning_content; none leaves it in the content. A request's "
