@@ -24,7 +24,12 @@ def register(sub) -> None:
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
                         description="Serve an artifact over the OpenAI API (/v1/completions, /v1/chat/completions, "
                                     "/v1/embeddings, /v1/models; /health, /metrics). Needs the serve extra: pip install 'qwc[serve]'.")
-    sv.add_argument("model", help="model.qwc artifact folder")
+    sv.add_argument("model", nargs="+", metavar="model",
+                    help="model.qwc artifact folder; several (or a folder of them) serve each request's `model` "
+                         "by its artifact (the folder's name without .qwc)")
+    sv.add_argument("--models-max", type=positive, default=1, metavar="N",
+                    help="with several models: at most N loaded at once, the least recently used idle one unloaded "
+                         "for another (default 1)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int_at_least(0), default=8080, help="port (default 8080; 0: any free one)")
     sv.add_argument("--max-batch", type=positive, default=8, help="sequences running at once (default 8)")
@@ -88,6 +93,12 @@ def run(args: argparse.Namespace) -> None:
     from qwc.runtime.serving import serve_needs, server_parts
 
     serve_needs()
+    from qwc.runtime.router import artifact_paths
+
+    paths = artifact_paths(args.model)
+    if len(paths) > 1:
+        return _serve_several(args, paths)
+    args.model = str(next(iter(paths.values())))
     if args.replica_cpus and args.ray is None and args.replicas == 1:
         raise QwcError("--replica-cpus pins replicas: give --replicas N (or --ray)")
     if args.ray is not None or args.replicas > 1:
@@ -120,3 +131,40 @@ def run(args: argparse.Namespace) -> None:
     finally:
         sched.stop()
 
+
+
+def _serve_several(args: argparse.Namespace, paths: dict) -> None:
+    """Several artifacts behind one address (runtime/router.py), each loaded on first use."""
+    import copy
+    import socket
+
+    import uvicorn
+
+    from qwc.runtime.router import ModelRouter
+    from qwc.runtime.server import chat_page
+    from qwc.runtime.serving import server_parts
+
+    for flag, given in (("--replicas", args.replicas > 1 or args.ray is not None), ("--lora", args.lora),
+                        ("--draft", args.draft), ("--model-name", args.model_name)):
+        if given:
+            raise QwcError(f"{flag} serves one artifact; give one model (this command has {len(paths)})")
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        raise QwcError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
+
+    def load(name: str, path):
+        one = copy.copy(args)
+        one.model, one.model_name = str(path), name
+        eng, sched, app, _ = server_parts(one)
+        sched.start()
+        return eng, sched, app
+
+    router = ModelRouter(paths, load, args.models_max, None if args.no_webui else chat_page())
+    host, port = sock.getsockname()[:2]
+    progress.info(f"[qwc] serving {len(paths)} models at http://{host}:{port}/v1 ({', '.join(map(repr, paths))}; "
+                  f"at most {args.models_max} loaded, each on first use)")
+    try:
+        uvicorn.Server(uvicorn.Config(router, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
+    finally:
+        router.close()
