@@ -614,8 +614,11 @@ class Engine:
                 or len({s.row for s in seqs}) != len(seqs)):
             out = []
             for (seq, _, rows), t in zip(parts, tokens):
-                states = [self._run(self._embed, t[:, i:i + self._chunk], seq) for i in range(0, t.shape[1], self._chunk)]
-                out.append(np.concatenate(states)[list(rows)].copy())
+                picked = []
+                for i in range(0, t.shape[1], self._chunk):   # each call's rows copied before the next
+                    states = self._run(self._embed, t[:, i:i + self._chunk], seq)
+                    picked += [states[r - i].copy() for r in rows if i <= r < i + self._chunk]
+                out.append(np.stack(picked) if picked else np.zeros((0, self.model.hidden_size), np.float32))
             return out
         return self._embed_batch(parts, tokens, pool)
 

@@ -132,7 +132,6 @@ def run(args: argparse.Namespace) -> None:
         sched.stop()
 
 
-
 def _serve_several(args: argparse.Namespace, paths: dict) -> None:
     """Several artifacts behind one address (runtime/router.py), each loaded on first use."""
     import copy
