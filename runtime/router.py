@@ -19,9 +19,11 @@ import asyncio
 import collections
 import gc
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import parse_qs
 
 from qwc import progress
 from qwc.errors import QwcError
@@ -61,10 +63,11 @@ class _Resident:
 class ModelRouter:
     """The ASGI application. `load(id, path)` builds a model's (engine, started scheduler, app)."""
 
-    def __init__(self, paths: dict[str, Path], load, models_max: int, page: str | None):
+    def __init__(self, paths: dict[str, Path], load, models_max: int, page: str | None, api_key: str | None = None):
         if models_max < 1:
             raise QwcError("--models-max must be at least 1")
         self.paths, self.load, self.models_max, self.page = paths, load, models_max, page
+        self.api_key = api_key   # /v1/models asks for it, as each model's own /v1 routes do
         self.resident: collections.OrderedDict[str, _Resident] = collections.OrderedDict()
         self._locks = {m: asyncio.Lock() for m in paths}
         self._room = asyncio.Condition()
@@ -79,6 +82,10 @@ class ModelRouter:
             return
         path, method = scope["path"], scope["method"]
         if method == "GET" and path in ("/v1/models", "/health", "/"):
+            if path == "/v1/models" and not self._authorized(scope):
+                return await _json(send, 401, _Refused(401, "invalid or missing API key (send 'Authorization: "
+                                                            "Bearer KEY')", code="invalid_api_key",
+                                                       kind="authentication_error").body)
             return await self._own(path, send)
         body, more = b"", True
         while more:
@@ -109,10 +116,15 @@ class ModelRouter:
             async with self._room:
                 self._room.notify_all()
 
+    def _authorized(self, scope) -> bool:
+        if self.api_key is None:
+            return True
+        given = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
+        return secrets.compare_digest(given.removeprefix("Bearer ").strip().encode(), self.api_key.encode())
+
     def _model_of(self, scope, body: bytes) -> str:
         """The model a request names: its body's `model`, or `?model=` on a GET."""
-        query = dict(p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p)
-        model = query.get("model")
+        model = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[0]
         if model is None and body:
             try:
                 parsed = json.loads(body)

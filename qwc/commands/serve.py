@@ -159,7 +159,7 @@ def _serve_several(args: argparse.Namespace, paths: dict) -> None:
         sched.start()
         return eng, sched, app
 
-    router = ModelRouter(paths, load, args.models_max, None if args.no_webui else chat_page())
+    router = ModelRouter(paths, load, args.models_max, None if args.no_webui else chat_page(), args.api_key)
     host, port = sock.getsockname()[:2]
     progress.info(f"[qwc] serving {len(paths)} models at http://{host}:{port}/v1 ({', '.join(map(repr, paths))}; "
                   f"at most {args.models_max} loaded, each on first use)")
