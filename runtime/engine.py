@@ -584,8 +584,7 @@ class Engine:
             s.writes += 1
         return list(logits)
 
-    # -- embeddings (runtime/embeddings.py) ---------------------------------------------------
-    @property
+    @property   # -- embeddings (runtime/embeddings.py)
     def embeds(self) -> bool:
         """Whether the library has the embed entry point (`qwc compile --embeddings`)."""
         return self._embed is not None
@@ -623,8 +622,7 @@ class Engine:
         return self._embed_batch(parts, tokens, pool)
 
     def _embed_batch(self, parts: list, tokens: list, pool) -> list[np.ndarray]:
-        """embed_parts' one embed_step call: the parts as step's segments, the positions asked
-        for (at least one: a call returns a row) named as its tokens."""
+        """embed_parts' one embed_step call: the parts as step's segments, the positions asked for named."""
         tvm = self._tvm
         self._size_pool()
         total = sum(t.shape[1] for t in tokens)
