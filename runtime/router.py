@@ -29,6 +29,12 @@ from qwc import progress
 from qwc.errors import QwcError
 
 
+def holds_artifacts(given: str) -> bool:
+    """Whether `given` is a folder of artifacts (not one itself)."""
+    p = Path(given)
+    return p.is_dir() and not (p / "manifest.json").is_file() and any(p.glob("*/manifest.json"))
+
+
 def artifact_paths(given: list[str]) -> dict[str, Path]:
     """Model id (the folder's name without .qwc) -> artifact folder, from the command line's
     artifacts or folders holding artifacts; an id given twice is an error."""

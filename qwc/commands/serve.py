@@ -93,12 +93,14 @@ def run(args: argparse.Namespace) -> None:
     from qwc.runtime.serving import serve_needs, server_parts
 
     serve_needs()
-    from qwc.runtime.router import artifact_paths
+    from qwc.runtime.router import artifact_paths, holds_artifacts
 
-    paths = artifact_paths(args.model)
-    if len(paths) > 1:
-        return _serve_several(args, paths)
-    args.model = str(next(iter(paths.values())))
+    if len(args.model) > 1 or holds_artifacts(args.model[0]):
+        paths = artifact_paths(args.model)
+        if len(paths) > 1:
+            return _serve_several(args, paths)
+        args.model = [str(next(iter(paths.values())))]
+    args.model = args.model[0]   # one artifact: its own checks, in the order they always ran
     if args.replica_cpus and args.ray is None and args.replicas == 1:
         raise QwcError("--replica-cpus pins replicas: give --replicas N (or --ray)")
     if args.ray is not None or args.replicas > 1:
