@@ -432,6 +432,14 @@ class Engine:
         self._size_pool()
         return int(self._tvm.get_global_func("runtime.NumThreads")())
 
+    def _call(self, fn, *args):
+        """fn(*args) on the library, TVM's own errors (its checks of shapes and dtypes) as one line."""
+        try:
+            return fn(*args)
+        except Exception as e:   # TVM's own error types
+            raise QwcError(f"{self.path}: the library refused its inputs "
+                           f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
+
     def _run(self, fn, tokens: np.ndarray, seq: Sequence) -> np.ndarray:
         tvm = self._tvm
         self._size_pool()
@@ -443,11 +451,7 @@ class Engine:
         args = [tvm.runtime.from_dlpack(x) for x in (self._ids[:, :s], self._mask[:, :pos + s], self._positions[:, :s])]
         slots = self._adapter_slots[:, :s]
         slots[:] = seq.adapter
-        try:
-            out = fn(*args, *seq.cache, *self._adapter_args(slots), *self.params)
-        except Exception as e:   # TVM's own error types: the library's checks of shapes and dtypes
-            raise QwcError(f"{self.path}: the library refused its inputs "
-                           f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
+        out = self._call(fn, *args, *seq.cache, *self._adapter_args(slots), *self.params)
         seq.pos += s
         seq.writes += 1
         return np.from_dlpack(out[0])[0]   # a view: the logits are not copied
@@ -507,11 +511,7 @@ class Engine:
         mask = pool.mask[:rows * total].reshape(rows, total)
         np.less_equal(np.arange(total), lens[:, None], out=mask, casting="unsafe")   # row b: lens[b] + 1 ones
         args = [tvm.runtime.from_dlpack(x) for x in (ids, mask, positions)]
-        try:
-            out = self._decode_batch(*args, *pool.cache(rows), *self._adapter_args(slots), *self.params)
-        except Exception as e:   # TVM's own error types
-            raise QwcError(f"{self.path}: the library refused its inputs "
-                           f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
+        out = self._call(self._decode_batch, *args, *pool.cache(rows), *self._adapter_args(slots), *self.params)
         logits = np.from_dlpack(out[0])
         for s in seqs:
             s.pos += 1
@@ -552,37 +552,49 @@ class Engine:
         for s, t in zip(seqs, tokens):
             if s.pos + t.shape[1] > s.capacity:
                 raise QwcError(f"{s.pos + t.shape[1]} tokens do not fit the context of {s.capacity} (use a larger --ctx)")
-        pool = seqs[0].pool if seqs else None
-        rows = max((s.row for s in seqs), default=-1) + 1
-        total = sum(t.shape[1] for t in tokens)
-        if (self._step is None or pool is None or rows > self.max_batch or total > self.max_tokens_per_call
-                or any(s.pool is not pool for s in seqs) or len({s.row for s in seqs}) != len(seqs)):
+        if not self._one_call(self._step, seqs, tokens):
             return [self.prefill(t[0], seq=s) for s, t in zip(seqs, tokens)]
-        tvm = self._tvm
-        self._size_pool()
-        ids, positions = self._ids[:, :total], self._positions[:, :total]
-        segments, last = self._segments[:len(parts)], self._logit_tokens[:len(parts)]
-        slots = self._adapter_slots[:, :total]
-        at = 0
+        segments = self._pack_segments(seqs, tokens)
+        last = self._logit_tokens[:len(parts)]
+        np.add(segments[:, 1], segments[:, 2] - 1, out=last)
+        return list(self._segments_call(self._step, seqs, tokens, last))
+
+    def _one_call(self, fn, seqs: list, tokens: list) -> bool:
+        """Whether `fn` (step, embed_step: None where the library lacks it) takes these
+        sequences' tokens in one call: rows of one pool, each once, up to max_batch of them,
+        and at most max_tokens_per_call tokens."""
+        pool = seqs[0].pool if seqs else None
+        return (fn is not None and pool is not None and max(s.row for s in seqs) + 1 <= self.max_batch
+                and sum(t.shape[1] for t in tokens) <= self.max_tokens_per_call
+                and all(s.pool is pool for s in seqs) and len({s.row for s in seqs}) == len(seqs))
+
+    def _pack_segments(self, seqs: list, tokens: list) -> np.ndarray:
+        """The sequences' tokens, positions and adapters in the input arena, one after another;
+        returns the segments (row, first token, count) [G, 3], a view of the arena."""
+        segments, at = self._segments[:len(seqs)], 0
         for g, (s, t) in enumerate(zip(seqs, tokens)):
             n = t.shape[1]
-            ids[0, at:at + n] = t[0]
-            slots[0, at:at + n] = s.adapter
-            positions[0, at:at + n] = np.arange(s.pos, s.pos + n)
+            self._ids[0, at:at + n], self._adapter_slots[0, at:at + n] = t[0], s.adapter
+            self._positions[0, at:at + n] = np.arange(s.pos, s.pos + n)
             segments[g] = s.row, at, n
             at += n
-        np.add(segments[:, 1], segments[:, 2] - 1, out=last)
-        args = [tvm.runtime.from_dlpack(x) for x in (ids, self._mask[:, :1], positions, segments, last)]
-        try:
-            out = self._step(*args, *pool.cache(rows), *self._adapter_args(slots), *self.params)
-        except Exception as e:   # TVM's own error types
-            raise QwcError(f"{self.path}: the library refused its inputs "
-                           f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
-        logits = np.from_dlpack(out[0])[0]
+        return segments
+
+    def _segments_call(self, fn, seqs: list, tokens: list, named: np.ndarray) -> np.ndarray:
+        """One call of `fn` (step, embed_step) on what _pack_segments laid out, returning the
+        rows of the tokens `named` [L, ...] (a view the next call overwrites); the sequences
+        move past their tokens."""
+        tvm = self._tvm
+        self._size_pool()
+        total = sum(t.shape[1] for t in tokens)
+        arrays = (self._ids[:, :total], self._mask[:, :1], self._positions[:, :total], self._segments[:len(seqs)], named)
+        args = [tvm.runtime.from_dlpack(x) for x in arrays]
+        cache = seqs[0].pool.cache(max(s.row for s in seqs) + 1)
+        out = self._call(fn, *args, *cache, *self._adapter_args(self._adapter_slots[:, :total]), *self.params)
         for s, t in zip(seqs, tokens):
             s.pos += t.shape[1]
             s.writes += 1
-        return list(logits)
+        return np.from_dlpack(out[0])[0]
 
     @property   # -- embeddings (runtime/embeddings.py)
     def embeds(self) -> bool:
@@ -606,11 +618,7 @@ class Engine:
         for s, t in zip(seqs, tokens):
             if s.pos + t.shape[1] > s.capacity:
                 raise QwcError(f"{s.pos + t.shape[1]} tokens do not fit the context of {s.capacity}")
-        pool = seqs[0].pool if seqs else None
-        total = sum(t.shape[1] for t in tokens)
-        if (self._embed_step is None or len(parts) < 2 or pool is None or total > self.max_tokens_per_call
-                or max(s.row for s in seqs) + 1 > self.max_batch or any(s.pool is not pool for s in seqs)
-                or len({s.row for s in seqs}) != len(seqs)):
+        if len(parts) < 2 or not self._one_call(self._embed_step, seqs, tokens):
             out = []
             for (seq, _, rows), t in zip(parts, tokens):
                 picked = []
@@ -619,40 +627,18 @@ class Engine:
                     picked += [states[r - i].copy() for r in rows if i <= r < i + self._chunk]
                 out.append(np.stack(picked) if picked else np.zeros((0, self.model.hidden_size), np.float32))
             return out
-        return self._embed_batch(parts, tokens, pool)
+        return self._embed_batch(parts, tokens)
 
-    def _embed_batch(self, parts: list, tokens: list, pool) -> list[np.ndarray]:
+    def _embed_batch(self, parts: list, tokens: list) -> list[np.ndarray]:
         """embed_parts' one embed_step call: the parts as step's segments, the positions asked for named."""
-        tvm = self._tvm
-        self._size_pool()
-        total = sum(t.shape[1] for t in tokens)
-        ids, positions = self._ids[:, :total], self._positions[:, :total]
-        segments, slots = self._segments[:len(parts)], self._adapter_slots[:, :total]
-        named, at = [], 0
-        for g, ((s, _, rows), t) in enumerate(zip(parts, tokens)):
-            n = t.shape[1]
-            ids[0, at:at + n], slots[0, at:at + n] = t[0], s.adapter
-            positions[0, at:at + n] = np.arange(s.pos, s.pos + n)
-            segments[g] = s.row, at, n
-            named += [at + r for r in rows]
-            at += n
+        seqs = [s for s, _, _ in parts]
+        segments = self._pack_segments(seqs, tokens)
+        named = [int(segments[g, 1]) + r for g, (_, _, rows) in enumerate(parts) for r in rows]
         picked = self._named[:max(len(named), 1)]   # (the arena's: the library takes 64-byte aligned data)
         picked[:] = named or [0]
-        args = [tvm.runtime.from_dlpack(x) for x in (ids, self._mask[:, :1], positions, segments, picked)]
-        rows = max(s.row for s, _, _ in parts) + 1
-        try:
-            out = self._embed_step(*args, *pool.cache(rows), *self._adapter_args(slots), *self.params)
-        except Exception as e:   # TVM's own error types
-            raise QwcError(f"{self.path}: the library refused its inputs "
-                           f"({str(e).strip().splitlines()[0][:200]}; corrupt artifact?)") from None
-        states = np.from_dlpack(out[0])[0]
-        result, at = [], 0
-        for (s, _, rows), t in zip(parts, tokens):
-            result.append(states[at:at + len(rows)].copy())
-            at += len(rows)
-            s.pos += t.shape[1]
-            s.writes += 1
-        return result
+        states = self._segments_call(self._embed_step, seqs, tokens, picked)
+        bounds = np.cumsum([0] + [len(rows) for _, _, rows in parts])
+        return [states[a:b].copy() for a, b in zip(bounds, bounds[1:])]
 
     def embed(self, inputs, pooling: str = "last") -> np.ndarray:
         """Each input's (token ids, or text where the artifact has a tokenizer) final-norm state
