@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
+
+from qwc.bench.serve import start, stop
 
 
 def passages(n: int) -> list[str]:
@@ -37,14 +38,9 @@ class Served:
     """`qwc serve ART` on a free port until closed."""
 
     def __init__(self, art: Path, threads: int, batch: int, pooling: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "qwc", "serve", str(art), "--port", "0", "--threads",
-                                      str(threads), "--max-batch", str(batch), "--pooling", pooling],
-                                     stderr=subprocess.PIPE, text=True)
-        for line in self.proc.stderr:
-            if m := re.search(r"at (http://[^ ]+)/v1", line):
-                self.base = m[1]
-                return
-        raise SystemExit(f"embeddings: the server did not start: {self.proc.stderr.read()}")
+        self.proc, line = start([sys.executable, "-m", "qwc", "serve", str(art), "--port", "0", "--threads",
+                                 str(threads), "--max-batch", str(batch), "--pooling", pooling], r"at http://")
+        self.base = re.search(r"at (http://[^ ]+)/v1", line)[1]
 
     def embed(self, inputs) -> np.ndarray:
         """One request; on one kept connection, as the `openai` client keeps it."""
@@ -56,8 +52,7 @@ class Served:
         return np.array([d["embedding"] for d in r.json()["data"]])
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+        stop(self.proc)
 
 
 def main() -> None:

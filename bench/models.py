@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from qwc.bench.serve import start, stop
 
 PROMPT = "The capital of France is"
 
@@ -27,14 +28,10 @@ class Served:
     """`qwc serve ARTS... OPTIONS` on a free port until closed; its log kept drained."""
 
     def __init__(self, *args):
-        self.proc = subprocess.Popen([sys.executable, "-m", "qwc", "serve", *map(str, args), "--port", "0",
-                                      "--threads", "2", "--ctx", "2048"], stderr=subprocess.PIPE, text=True)
-        for line in self.proc.stderr:
-            if m := re.search(r"at (http://[^ ]+)/v1", line):
-                self.base = m[1]
-                threading.Thread(target=self.proc.stderr.read, daemon=True).start()
-                return
-        raise SystemExit(f"models: the server did not start: {self.proc.stderr.read()}")
+        self.proc, line = start([sys.executable, "-m", "qwc", "serve", *map(str, args), "--port", "0",
+                                 "--threads", "2", "--ctx", "2048"], r"at http://")
+        self.base = re.search(r"at (http://[^ ]+)/v1", line)[1]
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()   # its load / unload lines
 
     def complete(self, model: str, n: int) -> str:
         r = httpx.post(self.base + "/v1/completions", timeout=600, json={
@@ -44,8 +41,7 @@ class Served:
         return r.json()["choices"][0]["text"]
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+        stop(self.proc)
 
 
 def _alone(art: Path, n: int) -> str:
