@@ -42,8 +42,9 @@ BRANCH = re.compile(r"(b\.\w+|b|cbn?z|tbn?z)$")
 
 
 def _weights(form: str, n: int, k: int, isa: str) -> tuple[list[np.ndarray], int]:
-    """The prefill GEMM's weight arrays of an N x K linear in `form` (q4_0; q5_k, q5_1: five-bit
-    codes with compact factors or float32 block offsets), and their bits."""
+    """The prefill GEMM's weight arrays of an N x K linear in `form` (q4_0; q4_k: nibbles with
+    compact factors; q5_k, q5_1: five-bit codes with compact factors or float32 block offsets),
+    and their bits."""
     from qwc.compiler.kernels import row_groups
     from qwc.compiler.repack_q4_k import compact_scales
     from qwc.q4 import pack_nibbles, quantize_q4_0
@@ -53,14 +54,17 @@ def _weights(form: str, n: int, k: int, isa: str) -> tuple[list[np.ndarray], int
         q, d = quantize_q4_0(rng.standard_normal((n, k)).astype(np.float32))
         return list(row_groups.pack(pack_nibbles(q), d)), 4
     d = rng.uniform(0.01, 0.02, (n, k // 32)).astype(np.float32)
-    w, s = row_groups.pack_five_bit(rng.integers(0, 32, (n, k // 32, 32)), d)
+    if form == "q4_k":
+        w, bits = row_groups.pack(pack_nibbles(rng.integers(0, 16, (n, k // 32, 32))), d)[0], 4
+    else:
+        (w, s), bits = row_groups.pack_five_bit(rng.integers(0, 32, (n, k // 32, 32)), d), 5
     if form == "q5_1":
         return [w, s, row_groups.pack_offsets(-8 * d)], 5
     sc = rng.integers(1, 64, (n, k // 32))
     mn = rng.integers(0, 64, (n, k // 32))
     scale, dmin = np.float16(0.001), np.float16(0.0005)
     return [w, *compact_scales((scale * sc).astype(np.float32), -(dmin * mn).astype(np.float32),
-                               np.zeros((n, k // 32), bool), isa)], 5
+                               np.zeros((n, k // 32), bool), isa)], bits
 
 
 def build_gemm(target: str, m: int, n: int, k: int, rows: bool, out: Path, form: str = "q4_0") -> Path:
@@ -181,8 +185,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="arm-yitian", choices=("arm-yitian", "arm-neon"))
     p.add_argument("--act", default="block", choices=("block", "row"), help="the activations' scales")
-    p.add_argument("--form", default="q4_0", choices=("q4_0", "q5_k", "q5_1"),
-                   help="the prefill GEMM's weights (q5_k, q5_1: five-bit codes)")
+    p.add_argument("--form", default="q4_0", choices=("q4_0", "q4_k", "q5_k", "q5_1"),
+                   help="the prefill GEMM's weights (q4_k: compact factors; q5_k, q5_1: five-bit codes)")
     p.add_argument("--decode", choices=("q4_k", "q4_k-expanded", "q4_0", "q5_k", "q5_1", "q6_k", "q6_k-blocks", "iq4"),
                    help="the sdot decode GEMV's loops on this weight form, instead of the prefill GEMM's")
     p.add_argument("--n", type=int, help="rows (default 64; 256 with --decode)")
@@ -191,8 +195,8 @@ def main() -> None:
     if args.form != "q4_0" and (args.decode or args.act == "row"):
         sys.exit("arm_tile_loops: --form is the prefill GEMM's weights, on blocks' activations")
     n = args.n or (256 if args.decode else 64)
-    k = args.k or (1536 if args.decode or args.form == "q5_k" else 896)
-    step = 256 if args.form == "q5_k" or args.decode and args.decode.startswith(("q4_k", "q5_k", "q6_k")) else 32
+    k = args.k or (1536 if args.decode or args.form in ("q4_k", "q5_k") else 896)
+    step = 256 if args.form in ("q4_k", "q5_k") or args.decode and args.decode.startswith(("q4_k", "q5_k", "q6_k")) else 32
     if k % step or k < step or n < 1:
         sys.exit(f"arm_tile_loops: --k a positive multiple of {step}, --n from 1")
     dot = "sdot" if args.decode or args.target == "arm-neon" else "smmla"

@@ -25,7 +25,7 @@ in cycles per multiply-add, 0.0368 against 0.0383 and 0.0424); the unpacked
 weights of a block serve every pair of the tile. A lone leftover pair joins the last whole
 tile's five: as one 6-pair tile (converting plainly) where the weights have no block offsets
 (Q4_0, Q8_0, per-row activations: fewer instructions than tiles of 4 and 2), as tiles of 4 and
-2 where they have (Q4_1, Q4_K: their 6-pair tile spills; docs/history/arm.md). Other leftovers
+2 where they have (Q4_1: its 6-pair tile spills; docs/history/arm.md). Other leftovers
 take tiles of 4, 2 and 1 pairs, an odd last token a pair with itself, stored once. Decode (one
 token) stays on sdot: smmla would waste half its work.
 
@@ -33,9 +33,18 @@ Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k o
 is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumulation started
 from 0 instead of the offsets. Five-bit codes (dot "smmla5": a GGUF's Q5_0 / Q5_1 / Q5_K,
 row_groups.pack_five_bit) zip their nibbles as Q4_0's and their fifth bits alike, each made a
-code by one insert (_five_bit_rows), with their block offsets or Q5_K's compact factors as
-Q4_1's and Q4_K's. A GGUF's IQ4_NL / IQ4_XS (dot "smmla_iq4": kernels/code_book.py) zip their
-4-bit indices as Q4_0's nibbles and make each its signed value by one `tbl`, started from 0.
+code by one insert (_five_bit_rows), with their block offsets as Q4_1's. A GGUF's IQ4_NL /
+IQ4_XS (dot "smmla_iq4": kernels/code_book.py) zip their 4-bit indices as Q4_0's nibbles and
+make each its signed value by one `tbl`, started from 0.
+
+Compact Q4_K and Q5_K (the file's factors, kernels/q4_k_scales.py, on Q8_K activations: one
+scale a super-block of 256) take llama.cpp's Q4_K x Q8_K dot instead of Q4_1's float work a
+block (tile_k): a block's pair dots of the raw codes, from 0, times its 6-bit sc (one `mla`)
+into int32 sums; the minimums' term, sum over a super-block's 8 blocks of mn x the
+activations' block sums, is itself a 2x8 by 8x2 product, so two smmla a row pair give it (the
+block sums, up to 32 x 127, split into a high part -64 .. 63 and a low part 0 .. 63, written
+as bytes once a GEMM: block_sum_bytes); one convert and one FMA each for d and dmin a
+super-block. Each task unpacks its rows' sc and mn once (task_factors).
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from tvm import tirx
 from .. import code_book, dot_bits, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, chunks, groups
-from ..w4a8 import gemm_kernel, token_count
+from ..w4a8 import ZERO_POINT, gemm_kernel, token_count
 from .dotprod import halved_float, negated_block_sums
 
 LANES = 4          # rows per 128-bit slice of a chunk
@@ -151,22 +160,31 @@ def _pair_sums(T, adf, offf, at, pairs: int):
 
 
 def _row_scales(T, ws, wc, g, b, q, rp):
-    """float32x4 [d r, d r, d r', d r'] of row pair rp (Q4_K's compact scales: d sc)."""
+    """float32x4 [d r, d r, d r', d r'] of row pair rp."""
     idx = [0, 0, 1, 1] if rp == 0 else [2, 2, 3, 3]
-    if ws.dtype == q4_k_scales.SCALE_DTYPE:
-        return tirx.Shuffle([q4_k_scales.scales(T, ws, wc, g, b, LANES * q, LANES)], idx)
     if ws.dtype == "float16":   # duplicated while fp16: one zip of 4 halves, then one convert
         return T.Cast("float32x4", tirx.Shuffle([ws.vload([g, b, LANES * q], "float16x4")], idx))
     return tirx.Shuffle([ws.vload([g, b, LANES * q], "float32x4")], idx)
 
 
 def _row_offsets(T, ws, wc, g, b, q, rp):
-    """float32x4 [c r, c r, c r', c r'] of row pair rp: Q4_1's block offsets (Q4_K's compact
-    scales: 8 d sc - dmin mn, kernels/q4_k_scales.py)."""
+    """float32x4 [c r, c r, c r', c r'] of row pair rp: Q4_1's block offsets."""
     idx = [0, 0, 1, 1] if rp == 0 else [2, 2, 3, 3]
-    if ws.dtype == q4_k_scales.SCALE_DTYPE:
-        return tirx.Shuffle([q4_k_scales.offsets(T, ws, wc, g, b, LANES * q, LANES)], idx)
     return tirx.Shuffle([wc.vload([g, b, LANES * q], "float32x4")], idx)
+
+
+def _sub_block_vectors(T, ws, g, b, q, rp):
+    """int32x4 [sc r, sc r, sc r', sc r'] of row pair rp of slice q, block b: what the compact
+    tile's int32 pair dots are multiplied by; made once a task (q4_gemm's task_factors)."""
+    idx = [0, 0, 1, 1] if rp == 0 else [2, 2, 3, 3]
+    return tirx.Shuffle([q4_k_scales.sub_block_ints(T, ws, g, b, LANES * q, LANES, False)], idx)
+
+
+def _super_factors(T, wc, g, s, q, rp, second: bool):
+    """float32x4 [d r, d r, d r', d r'] (or, `second`, dmin) of row pair rp of slice q,
+    super-block s: fp16, duplicated while fp16 and converted once."""
+    idx = [0, 0, 1, 1] if rp == 0 else [2, 2, 3, 3]
+    return T.Cast("float32x4", tirx.Shuffle([wc.vload([g, s, (ROWS if second else 0) + LANES * q], "float16x4")], idx))
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
@@ -262,9 +280,10 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                             else:
                                 y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * rp + j] = acc[8 * p + 4 * rp + 2 * j + tt]
 
-    def _single_dot(T, w, aqf, offf, g, b, q, rp, t):
-        """The odd last token t (plain aq layout) against itself: B's halves both hold it."""
-        acc = T.broadcast(T.int32(0) if codes in (8, BOOK) else offf[(b * rows_in + t) * 2], 4)
+    def _single_dot(T, w, aqf, offf, g, b, q, rp, t, raw: bool = False):
+        """The odd last token t (plain aq layout) against itself: B's halves both hold it (`raw`:
+        the codes as they are, from 0: the compact tile's)."""
+        acc = T.broadcast(T.int32(0) if raw or codes in (8, BOOK) else offf[(b * rows_in + t) * 2], 4)
         for k in range(4):
             piece = T.reinterpret("int8x16", T.broadcast(
                 T.reinterpret("int64", aqf.vload([(b * rows_in + t) * 32 + 8 * k], "int8x8")), 2))
@@ -302,6 +321,124 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                         y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2) * adf[
                             t * 2] - adf[t * 2 + 1] * rs[g * ROWS + LANES * q + 2 * rp + j]
 
+    supers = nb // q4_k_scales.SUB_BLOCKS
+
+    def pair_scales(adf, s, t0):
+        """float32x4 [a t0, a t1, a t0, a t1]: the token pair's activation scales in super-block s
+        (the same at its 8 blocks)."""
+        return adf.vload([(s * q4_k_scales.SUB_BLOCKS * rows_in + t0) * 2], "float32x4")
+
+    def super_terms(T, ia, a, mins, wc, g, q, s, at, rp):
+        """float32x4: super-block s's terms for row pair rp and tokens whose scales are `a`, from
+        the int32 sums of sc x dot at `at` and `mins` (sum of mn x the block sums), both halved
+        as the stores double: (sum sc dot) d a - (sum mn bsum) dmin a."""
+        return (halved_float(T, ia[T.ramp(at, 1, 4)]) * (_super_factors(T, wc, g, s, q, rp, False) * a)
+                - halved_float(T, mins) * (_super_factors(T, wc, g, s, q, rp, True) * a))
+
+    def super_mins(T, mns, sums, s, q_pair, rp):
+        """int32x4: sum over super-block s's blocks of mn x the activations' block sums, for row
+        pair rp and the token pair q_pair (sums: block_sum_bytes'), as two smmla: the block
+        sums' high parts, shifted by 6, then their low parts."""
+        rows = mns.vload([(s * 2 + rp) * 16], "int8x16")
+        at = (q_pair * supers + s) * 32
+        high = T.call_llvm_pure_intrin("int32x4", SMMLA, T.broadcast(T.int32(0), 4), rows,
+                                       sums.vload([at], "int8x16"))
+        return T.call_llvm_pure_intrin("int32x4", SMMLA, high << T.broadcast(T.int32(6), 4), rows,
+                                       sums.vload([at + 16], "int8x16"))
+
+    @T.macro
+    def tile_k(w, aqf, adf, made, mns, sums, wc, y, g, q, first, pairs):
+        """Compact Q4_K's (and Q5_K's) tile, rows 16g+4q .. +3 of `pairs` token pairs from token
+        `first`, as llama.cpp's Q4_K x Q8_K dot: per super-block, each block's pair dots of the
+        raw codes times its sc, summed as int32 (made: the task's sc vectors,
+        _sub_block_vectors), and the minimums' products by two smmla (super_mins); then one
+        convert and one FMA each with d a and dmin a, a the activations' scale, one a
+        super-block (act_quant's super_blocks). The float work of the expanded form's every
+        block comes once a super-block."""
+        acc = T.decl_buffer((pairs * 8,), "float32", scope="global")
+        ia = T.decl_buffer((pairs * 8,), "int32", scope="global")
+        for p in T.unroll(pairs * 2):
+            acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
+        for s in range(supers):
+            for p in T.unroll(pairs * 2):
+                ia[T.ramp(p * 4, 1, 4)] = T.broadcast(T.int32(0), 4)
+            for j in range(q4_k_scales.SUB_BLOCKS):
+                for p in T.unroll(pairs):
+                    ia[T.ramp(8 * p, 1, 4)] = ia[T.ramp(8 * p, 1, 4)] + _pair_dot(
+                        T, w, aqf, T.broadcast(T.int32(0), 4), g, s * 8 + j, q, 0,
+                        ((s * 8 + j) * rows_in + first + 2 * p) * 32, codes) * made[T.ramp((s * 8 + j) * 8, 1, 4)]
+                    ia[T.ramp(8 * p + 4, 1, 4)] = ia[T.ramp(8 * p + 4, 1, 4)] + _pair_dot(
+                        T, w, aqf, T.broadcast(T.int32(0), 4), g, s * 8 + j, q, 1,
+                        ((s * 8 + j) * rows_in + first + 2 * p) * 32, codes) * made[T.ramp((s * 8 + j) * 8 + 4, 1, 4)]
+            for p in T.unroll(pairs):
+                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + super_terms(
+                    T, ia, pair_scales(adf, s, first + 2 * p), super_mins(T, mns, sums, s, first // 2 + p, 0),
+                    wc, g, q, s, 8 * p, 0)
+                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + super_terms(
+                    T, ia, pair_scales(adf, s, first + 2 * p), super_mins(T, mns, sums, s, first // 2 + p, 1),
+                    wc, g, q, s, 8 * p + 4, 1)
+        for p in T.unroll(pairs):
+            for rp in T.unroll(2):
+                for j in T.unroll(2):
+                    for tt in T.unroll(2):
+                        if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
+                            y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * rp + j] = acc[
+                                8 * p + 4 * rp + 2 * j + tt] * T.float32(2)
+
+    @T.macro
+    def last_tile_k(w, aqf, adf, offf, made, mns, sums, wc, y, g, q, t):
+        """The odd last token in the compact form: tile_k's sums on _single_dot's lanes [r0 t,
+        r0 t, r1 t, r1 t] (its block sums a pair with itself: block_sum_bytes), stored once."""
+        acc = T.decl_buffer((8,), "float32", scope="global")
+        ia = T.decl_buffer((8,), "int32", scope="global")
+        for p in T.unroll(2):
+            acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
+        for s in range(supers):
+            for p in T.unroll(2):
+                ia[T.ramp(p * 4, 1, 4)] = T.broadcast(T.int32(0), 4)
+            for j in range(q4_k_scales.SUB_BLOCKS):
+                ia[T.ramp(0, 1, 4)] = ia[T.ramp(0, 1, 4)] + _single_dot(
+                    T, w, aqf, offf, g, s * 8 + j, q, 0, t, True) * made[T.ramp((s * 8 + j) * 8, 1, 4)]
+                ia[T.ramp(4, 1, 4)] = ia[T.ramp(4, 1, 4)] + _single_dot(
+                    T, w, aqf, offf, g, s * 8 + j, q, 1, t, True) * made[T.ramp((s * 8 + j) * 8 + 4, 1, 4)]
+            acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + super_terms(
+                T, ia, T.broadcast(adf[(s * q4_k_scales.SUB_BLOCKS * rows_in + t) * 2], 4),
+                super_mins(T, mns, sums, s, t // 2, 0), wc, g, q, s, 0, 0)
+            acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + super_terms(
+                T, ia, T.broadcast(adf[(s * q4_k_scales.SUB_BLOCKS * rows_in + t) * 2], 4),
+                super_mins(T, mns, sums, s, t // 2, 1), wc, g, q, s, 4, 1)
+        for rp in T.unroll(2):
+            for j in T.unroll(2):
+                if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
+                    y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2)
+
+    @T.macro
+    def block_sum_bytes(offf, sums):
+        """The activations' block sums (sum of a block's codes: its offset / ZERO_POINT) as the
+        minimums' smmla read them: per token pair and super-block, the high parts (sum >> 6,
+        -64 .. 63) of its 8 blocks for t0 then t1, then the low parts (sum & 63); the odd last
+        token a pair with itself. Once a GEMM, before its tasks."""
+        for tp in T.parallel((rows_in + 1) // 2):
+            for s in range(supers):
+                for tt in range(2):
+                    for j in range(q4_k_scales.SUB_BLOCKS):
+                        total = T.bind(offf[((s * 8 + j) * rows_in + 2 * tp) * 2 + T.if_then_else(
+                            2 * tp + 1 < rows_in, tt, 0)] // T.int32(ZERO_POINT))
+                        sums[(tp * supers + s) * 32 + tt * 8 + j] = T.Cast("int8", total >> 6)
+                        sums[(tp * supers + s) * 32 + 16 + tt * 8 + j] = T.Cast("int8", total & 63)
+
+    @T.macro
+    def task_factors(ws, made, mns, gq):
+        """Task gq's sc as int32 vectors of each row pair and block (made: tile_k's multipliers)
+        and its mn as bytes, per super-block and row pair, rows in order (mns: super_mins' A):
+        out of their six bits once a task, which each tile would otherwise unpack again."""
+        for b in range(nb):
+            made[T.ramp(b * 8, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 0)
+            made[T.ramp(b * 8 + 4, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 1)
+            for r in range(LANES):
+                mns[(b // 8 * 2 + r // 2) * 16 + r % 2 * 8 + b % 8] = T.Cast("int8", q4_k_scales.element_ints(
+                    ws, gq // SLICES, b, LANES * (gq % SLICES) + r)[1])
+
     def merge_last(m):
         """Whether a lone leftover pair joins the last whole tile's pairs (a PrimExpr of M)."""
         if tile_pairs != MERGE_INTO:
@@ -333,6 +470,37 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1, rs)
 
     @T.macro
+    def compact_tiles(w, aqf, adf, offf, made, mns, sums, wc, y, gq):
+        """Task gq's tiles in the compact form: whole tiles, then tiles of 4, 2 and 1 pairs for
+        the pairs left (slice_tiles' order, without its merged tile), then the odd last token."""
+        for it in range(rows_in // (2 * tile_pairs)):
+            tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs)
+        rest = T.bind(rows_in // 2 % tile_pairs)
+        p4 = T.bind(rows_in // 2 - rest)
+        if tile_pairs > 4:
+            if rest >= 4:
+                tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4)
+        p2 = T.bind(p4 + rest // 4 * 4)
+        if tile_pairs > 2:
+            if rest % 4 >= 2:
+                tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2)
+        if rest % 2 == 1:
+            tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + rest % 4 // 2 * 2), 1)
+        if rows_in % 2 == 1:
+            last_tile_k(w, aqf, adf, offf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, rows_in - 1)
+
+    @T.macro
+    def compact_body(w, aqf, adf, offf, ws, wc, y):
+        """The compact form's GEMM: the block sums' bytes once, then a task per 4-row slice."""
+        sums = T.decl_buffer(((rows_in + 1) // 2 * supers * 32,), "int8", scope="global")
+        block_sum_bytes(offf, sums)
+        for gq in T.parallel(ng * SLICES):
+            made = T.decl_buffer((nb * 8,), "int32", scope="global")
+            mns = T.decl_buffer((supers * 32,), "int8", scope="global")
+            task_factors(ws, made, mns, gq)
+            compact_tiles(w, aqf, adf, offf, made, mns, sums, wc, y, gq)
+
+    @T.macro
     def body(w, aq, off, ws, ad, y, wc, rs):
         aqf = T.decl_buffer((rows_in * nb * 32,), "int8", data=aq.data)
         adf = T.decl_buffer((rows_in * 2 if per_row else rows_in * nb * 2,), "float32", data=ad.data)
@@ -351,25 +519,10 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         # 8 on the 0.5B) then still fills 32-128 threads; TVM hands each thread a contiguous
         # run of slices, so below that a thread still takes whole groups. (g, q) are written
         # out at each use: let-bound, they cost LLVM two registers and spills in the tile loop.
-        for gq in T.parallel(ng * SLICES):
-            if scale_dtype == q4_k_scales.SCALE_DTYPE:   # decided when the kernel is built
-                # Q4_K's compact factors made once a task into its slice's float32 scales and
-                # offsets, which every tile then reads as the expanded form's: made once a
-                # tile, they cost each tile's blocks their conversions again (as x86's
-                # groups_of). Views shaped as the expanded [G, NB, 16], strided and offset so
-                # that this task's rows 16g + 4q .. + 3 are its copy.
-                made = T.decl_buffer((2 * nb * LANES,), "float32", scope="global")
-                for b in range(nb):
-                    made[T.ramp(b * LANES, 1, LANES)] = q4_k_scales.scales(T, ws, wc, gq // SLICES, b,
-                                                                           LANES * (gq % SLICES), LANES)
-                    made[T.ramp((nb + b) * LANES, 1, LANES)] = q4_k_scales.offsets(T, ws, wc, gq // SLICES, b,
-                                                                                   LANES * (gq % SLICES), LANES)
-                es = T.decl_buffer((ng, nb, ROWS), "float32", data=made.data, strides=[nb * LANES, LANES, 1],
-                                   elem_offset=-(gq // SLICES) * (nb * LANES) - gq % SLICES * LANES)
-                ec = T.decl_buffer((ng, nb, ROWS), "float32", data=made.data, strides=[nb * LANES, LANES, 1],
-                                   elem_offset=nb * LANES - (gq // SLICES) * (nb * LANES) - gq % SLICES * LANES)
-                slice_tiles(w, aqf, adf, offf, es, ec, y, gq, rs, merge, whole, left)
-            else:
+        if scale_dtype == q4_k_scales.SCALE_DTYPE:   # decided when the kernel is built
+            compact_body(w, aqf, adf, offf, ws, wc, y)
+        else:
+            for gq in T.parallel(ng * SLICES):
                 slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left)
 
     if per_row:
