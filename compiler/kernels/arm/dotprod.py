@@ -237,6 +237,51 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
                 store_per_row(y, acc, first + t, g, q, t, ad, rs)
 
     @T.macro
+    def tile_k(w, aq, off, made, ad, y, wc, g, q, first, count):
+        """Compact Q4_K's (and Q5_K's) tile, rows 16g+4q .. +3 of tokens first .. first+count-1,
+        as the decode GEMV's super-block (_q4_k_super_block): each block's dot of the raw codes
+        times its sc and the activations' block offset times its mn, summed as int32 (made: the
+        task's sc and mn of its rows, each block), then one convert and one FMA each with d a
+        and dmin a a super-block, a the activations' scale (act_quant's super_blocks)."""
+        acc = T.decl_buffer((count * LANES,), "float32", scope="global")
+        ia = T.decl_buffer((2 * count * LANES,), "int32", scope="global")
+        for t in T.unroll(count):
+            acc[T.ramp(t * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+        for s in range(nb // q4_k_scales.SUB_BLOCKS):
+            for t in T.unroll(2 * count):
+                ia[T.ramp(t * LANES, 1, LANES)] = T.broadcast(T.int32(0), LANES)
+            for j in range(q4_k_scales.SUB_BLOCKS):
+                for t in T.unroll(count):
+                    ia[T.ramp(t * LANES, 1, LANES)] = ia[T.ramp(t * LANES, 1, LANES)] + _slice_dot(
+                        T, w, aq, None, g, s * 8 + j, q, first + t, bits) * made[T.ramp((s * 8 + j) * LANES, 1, LANES)]
+                    ia[T.ramp((count + t) * LANES, 1, LANES)] = ia[T.ramp((count + t) * LANES, 1, LANES)] + made[
+                        T.ramp((nb + s * 8 + j) * LANES, 1, LANES)] * T.broadcast(off[first + t, s * 8 + j], LANES)
+            for t in T.unroll(count):
+                acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
+                    T, ia[T.ramp(t * LANES, 1, LANES)]) * (T.Cast("float32x4", wc.vload(
+                        [g, s, LANES * q], "float16x4")) * T.broadcast(ad[first + t, s * 8], LANES)) + T.call_llvm_pure_intrin(
+                    "float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", ia[T.ramp((count + t) * LANES, 1, LANES)],
+                    T.int32(block_sum_shift(True))) * (T.Cast("float32x4", wc.vload(
+                        [g, s, ROWS + LANES * q], "float16x4")) * T.broadcast(ad[first + t, s * 8], LANES))
+        for t in T.unroll(count):
+            store(y, acc, first + t, g, q, t)
+
+    @T.macro
+    def compact_tiles(w, aq, off, ws, ad, y, wc, gq):
+        """Task gq's tiles in the compact form (tile_k), its rows' sc and mn out of their six
+        bits once, as int32 vectors a block: made once a tile, each tile would unpack them again."""
+        made = T.decl_buffer((2 * nb * LANES,), "int32", scope="global")
+        for b in range(nb):
+            made[T.ramp(b * LANES, 1, LANES)] = q4_k_scales.sub_block_ints(T, ws, gq // SLICES, b,
+                                                                           LANES * (gq % SLICES), LANES, False)
+            made[T.ramp((nb + b) * LANES, 1, LANES)] = q4_k_scales.sub_block_ints(T, ws, gq // SLICES, b,
+                                                                                  LANES * (gq % SLICES), LANES, True)
+        for it in range(rows_in // tm):
+            tile_k(w, aq, off, made, ad, y, wc, gq // SLICES, gq % SLICES, it * tm, tm)
+        for i in range(rows_in // tm * tm, rows_in):
+            tile_k(w, aq, off, made, ad, y, wc, gq // SLICES, gq % SLICES, i, 1)
+
+    @T.macro
     def slice_tiles(w, aq, off, ws, ad, y, wc, gq, rs):
         """Task gq's tiles: rows 16g + 4q .. + 3 (g, q = gq // SLICES, gq % SLICES) of every token."""
         for it in range(rows_in // tm):
@@ -255,19 +300,7 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
             # (g, q) written out at each use: let-bound, they cost LLVM two registers and spills
             for gq in T.parallel(ng * SLICES):
                 if scale_dtype == q4_k_scales.SCALE_DTYPE:   # decided when the kernel is built
-                    # compact Q4_K's factors made once a task into its slice's float32 scales
-                    # and offsets, read by every tile as the expanded form's (as arm/i8mm.py's)
-                    made = T.decl_buffer((2 * nb * LANES,), "float32", scope="global")
-                    for b in range(nb):
-                        made[T.ramp(b * LANES, 1, LANES)] = q4_k_scales.scales(T, ws, wc, gq // SLICES, b,
-                                                                               LANES * (gq % SLICES), LANES)
-                        made[T.ramp((nb + b) * LANES, 1, LANES)] = q4_k_scales.offsets(
-                            T, ws, wc, gq // SLICES, b, LANES * (gq % SLICES), LANES)
-                    es = T.decl_buffer((ng, nb, ROWS), "float32", data=made.data, strides=[nb * LANES, LANES, 1],
-                                       elem_offset=-(gq // SLICES) * (nb * LANES) - gq % SLICES * LANES)
-                    ec = T.decl_buffer((ng, nb, ROWS), "float32", data=made.data, strides=[nb * LANES, LANES, 1],
-                                       elem_offset=nb * LANES - (gq // SLICES) * (nb * LANES) - gq % SLICES * LANES)
-                    slice_tiles(w, aq, off, es, ad, y, ec, gq, rs)
+                    compact_tiles(w, aq, off, ws, ad, y, wc, gq)
                 else:
                     slice_tiles(w, aq, off, ws, ad, y, wc, gq, rs)
 
