@@ -75,25 +75,28 @@ def _arm_small(T, ws, g, b, lane, lanes: int, second: bool):
     return T.Select(b % 2 == 0, v(0) & low, v(2) & low)
 
 
+def sub_block_bytes(T, ws, g, b, lane, lanes: int, second: bool):
+    """uint8 x lanes: sc (or, `second`, mn) of rows 16g + lane .. of block b, either form."""
+    return (_arm_small(T, ws, g, b, lane, lanes, second) if is_arm_pairs(ws)
+            else ws.vload([g, b, (ROWS if second else 0) + lane], f"uint8x{lanes}"))
+
+
 def sub_block_ints(T, ws, g, b, lane, lanes: int, second: bool):
-    """int32 x lanes: sc (or, `second`, mn) of rows 16g + lane .. of block b, either form: the
-    integers the ARM prefill GEMM multiplies its int32 block sums by (kernels/arm/i8mm.py)."""
-    small = (_arm_small(T, ws, g, b, lane, lanes, second) if is_arm_pairs(ws)
-             else ws.vload([g, b, (ROWS if second else 0) + lane], f"uint8x{lanes}"))
-    return T.Cast(f"int32x{lanes}", small)
+    """int32 x lanes: sub_block_bytes widened, the integers the ARM prefill GEMMs multiply their
+    int32 block sums by (kernels/arm/i8mm.py, kernels/arm/dotprod.py)."""
+    return T.Cast(f"int32x{lanes}", sub_block_bytes(T, ws, g, b, lane, lanes, second))
 
 
 def _factor(T, ws, wc, g, b, lane, lanes: int, second: bool):
     """float32 x lanes: rows 16g + lane .. of block b, d sc (or, `second`, dmin mn): exact."""
     at = ROWS if second else 0
     big = T.Cast(f"float32x{lanes}", wc.vload([g, b // SUB_BLOCKS, at + lane], f"float16x{lanes}"))
-    small = (_arm_small(T, ws, g, b, lane, lanes, second) if is_arm_pairs(ws)
-             else ws.vload([g, b, at + lane], f"uint8x{lanes}"))
-    return big * T.Cast(f"float32x{lanes}", small)
+    return big * T.Cast(f"float32x{lanes}", sub_block_bytes(T, ws, g, b, lane, lanes, second))
 
 
-def element_ints(ws, g, b, r):
-    """(sc, mn) uint8 of row 16g + r, block b (TE / TIR expressions of scalars, either form)."""
+def element_factors(ws, wc, g, b, r):
+    """(d sc, dmin mn) float32 of row 16g + r, block b (TE / TIR expressions of scalars, either
+    form): what a gather of one row reads, where the kernels' vector forms read 16 rows."""
     from tvm import tirx
 
     def u8(v):
@@ -104,14 +107,8 @@ def element_ints(ws, g, b, r):
         even = b % 2 == 0
         sc = tirx.if_then_else(even, a & u8(0x3F), c & u8(0x3F))
         mn = tirx.if_then_else(even, bb & u8(0x3F), (a >> u8(6)) | ((bb >> u8(6)) << u8(2)) | ((c >> u8(6)) << u8(4)))
-        return sc, mn
-    return ws[g, b, r], ws[g, b, ROWS + r]
-
-
-def element_factors(ws, wc, g, b, r):
-    """(d sc, dmin mn) float32 of row 16g + r, block b (TE / TIR expressions of scalars, either
-    form): what a gather of one row reads, where the kernels' vector forms read 16 rows."""
-    sc, mn = element_ints(ws, g, b, r)
+    else:
+        sc, mn = ws[g, b, r], ws[g, b, ROWS + r]
     d, dmin = (wc[g, b // SUB_BLOCKS, at + r].astype("float32") for at in (0, ROWS))
     return d * sc.astype("float32"), dmin * mn.astype("float32")
 

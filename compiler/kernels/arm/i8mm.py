@@ -180,6 +180,20 @@ def _sub_block_vectors(T, ws, g, b, q, rp):
     return tirx.Shuffle([q4_k_scales.sub_block_ints(T, ws, g, b, LANES * q, LANES, False)], idx)
 
 
+# byte k of a super-block's minimum rows (_minimum_rows): row 4q + k // 8, block k % 8; its
+# source, the blocks' 4-byte vectors concatenated: block k % 8's byte k // 8
+MINIMUM_ROWS = [j * LANES + r for r in range(LANES) for j in range(8)]
+
+
+def _minimum_rows(T, ws, g, s, q):
+    """int8x32: slice q's mn of super-block s as super_mins' A operands, row pair 0's then 1's:
+    each row's 8 blocks in a row (bytes r0 b0..b7, r1 b0..b7, r2 .., r3 ..), one shuffle of the
+    8 blocks' 4-byte vectors."""
+    rows = [q4_k_scales.sub_block_bytes(T, ws, g, s * q4_k_scales.SUB_BLOCKS + j, LANES * q, LANES, True)
+            for j in range(q4_k_scales.SUB_BLOCKS)]
+    return T.reinterpret("int8x32", tirx.Shuffle(rows, MINIMUM_ROWS))
+
+
 def _super_factors(T, wc, g, s, q, rp, second: bool):
     """float32x4 [d r, d r, d r', d r'] (or, `second`, dmin) of row pair rp of slice q,
     super-block s: fp16, duplicated while fp16 and converted once."""
@@ -435,9 +449,8 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         for b in range(nb):
             made[T.ramp(b * 8, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 0)
             made[T.ramp(b * 8 + 4, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 1)
-            for r in range(LANES):
-                mns[(b // 8 * 2 + r // 2) * 16 + r % 2 * 8 + b % 8] = T.Cast("int8", q4_k_scales.element_ints(
-                    ws, gq // SLICES, b, LANES * (gq % SLICES) + r)[1])
+        for s in range(supers):
+            mns[T.ramp(s * 32, 1, 32)] = _minimum_rows(T, ws, gq // SLICES, s, gq % SLICES)
 
     def merge_last(m):
         """Whether a lone leftover pair joins the last whole tile's pairs (a PrimExpr of M)."""
