@@ -520,7 +520,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         offf = T.decl_buffer((rows_in * nb * 2,), "int32", data=off.data)
         # One leftover pair after whole tiles of 5 is taken with the last of them: fewer
         # instructions than a 5-pair tile and a 1-pair one (whose multiply-adds cost twice).
-        # Without block offsets as one 6-pair tile; with them (Q4_1, Q4_K) as tiles of 4 and
+        # Without block offsets as one 6-pair tile; with them (Q4_1, Q5_1) as tiles of 4 and
         # 2, since their 6-pair tile fills the 32 vector registers (moves and spills in its
         # loop; docs/history/weight-formats.md, docs/history/arm.md). Other leftovers below.
         # T.bind: a name assigned plainly in a macro becomes a one-element buffer, which TVM
