@@ -201,6 +201,17 @@ def _super_factors(T, wc, g, s, q, rp, second: bool):
     return T.Cast("float32x4", tirx.Shuffle([wc.vload([g, s, (ROWS if second else 0) + LANES * q], "float16x4")], idx))
 
 
+def _single_dot(T, w, aqf, offf, g, b, q, rp, t, rows_in, codes, raw: bool = False):
+    """The odd last token t (plain aq layout) against itself: B's halves both hold it (`raw`:
+    the codes as they are, from 0: the compact tile's)."""
+    acc = T.broadcast(T.int32(0) if raw or codes in (8, BOOK) else offf[(b * rows_in + t) * 2], 4)
+    for k in range(4):
+        piece = T.reinterpret("int8x16", T.broadcast(
+            T.reinterpret("int64", aqf.vload([(b * rows_in + t) * 32 + 8 * k], "int8x8")), 2))
+        acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp, codes), piece)
+    return acc
+
+
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
                  batched_decode: bool = False, dot: str = "smmla", offsets: bool = False, per_row: bool = False):
     """The registry's prefill GEMM (kernels/w4a8.py): q4_gemm."""
@@ -212,6 +223,164 @@ def decode_gemv(outputs, nb: int, scale_dtype: str = "float16", silu_mul: bool =
                 dot: str = "smmla"):
     """Refused: decode runs arm/dotprod.py's GEMV (the rules name sdot for decode)."""
     raise ValueError(f"{dot} is a prefill GEMM only: its targets decode with sdot")
+
+
+def _compact_body(n: int, nb: int, rows_in, codes, tile_pairs: int):
+    """q4_gemm's body on compact Q4_K / Q5_K (the module's docstring: llama.cpp's Q4_K x Q8_K dot
+    in smmla tiles), as the macro compact_body(w, aqf, adf, offf, ws, wc, y)."""
+    from tvm.script import tirx as T
+
+    ng = groups(n)
+    ragged = n % ROWS != 0
+    supers = nb // q4_k_scales.SUB_BLOCKS
+
+    def pair_scales(adf, s, t0):
+        """float32x4 [a t0, a t1, a t0, a t1]: the token pair's activation scales in super-block s
+        (the same at its 8 blocks)."""
+        return adf.vload([(s * q4_k_scales.SUB_BLOCKS * rows_in + t0) * 2], "float32x4")
+
+    def super_terms(T, ia, a, mins, wc, g, q, s, at, rp):
+        """float32x4: super-block s's terms for row pair rp and tokens whose scales are `a`, from
+        the int32 sums of sc x dot at `at` and `mins` (sum of mn x the block sums), both halved
+        as the stores double: (sum sc dot) d a - (sum mn bsum) dmin a."""
+        return (halved_float(T, ia[T.ramp(at, 1, 4)]) * (_super_factors(T, wc, g, s, q, rp, False) * a)
+                - halved_float(T, mins) * (_super_factors(T, wc, g, s, q, rp, True) * a))
+
+    def super_mins(T, mns, sums, s, q_pair, rp):
+        """int32x4: sum over super-block s's blocks of mn x the activations' block sums, for row
+        pair rp and the token pair q_pair (sums: block_sum_bytes'), as two smmla: the block
+        sums' high parts, shifted by 6, then their low parts."""
+        rows = mns.vload([(s * 2 + rp) * 16], "int8x16")
+        at = (q_pair * supers + s) * 32
+        high = T.call_llvm_pure_intrin("int32x4", SMMLA, T.broadcast(T.int32(0), 4), rows,
+                                       sums.vload([at], "int8x16"))
+        return T.call_llvm_pure_intrin("int32x4", SMMLA, high << T.broadcast(T.int32(6), 4), rows,
+                                       sums.vload([at + 16], "int8x16"))
+
+    @T.macro
+    def tile_k(w, aqf, adf, made, mns, sums, wc, y, g, q, first, pairs):
+        """Compact Q4_K's (and Q5_K's) tile, rows 16g+4q .. +3 of `pairs` token pairs from token
+        `first`, as llama.cpp's Q4_K x Q8_K dot: per super-block, each block's pair dots of the
+        raw codes times its sc, summed as int32 (made: the task's sc vectors,
+        _sub_block_vectors), and the minimums' products by two smmla (super_mins); then one
+        convert and one FMA each with d a and dmin a, a the activations' scale, one a
+        super-block (act_quant's super_blocks). The float work of the expanded form's every
+        block comes once a super-block."""
+        acc = T.decl_buffer((pairs * 8,), "float32", scope="global")
+        ia = T.decl_buffer((pairs * 8,), "int32", scope="global")
+        for p in T.unroll(pairs * 2):
+            acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
+        for s in range(supers):
+            for p in T.unroll(pairs * 2):
+                ia[T.ramp(p * 4, 1, 4)] = T.broadcast(T.int32(0), 4)
+            for j in range(q4_k_scales.SUB_BLOCKS):
+                for p in T.unroll(pairs):
+                    ia[T.ramp(8 * p, 1, 4)] = ia[T.ramp(8 * p, 1, 4)] + _pair_dot(
+                        T, w, aqf, T.broadcast(T.int32(0), 4), g, s * 8 + j, q, 0,
+                        ((s * 8 + j) * rows_in + first + 2 * p) * 32, codes) * made[T.ramp((s * 8 + j) * 8, 1, 4)]
+                    ia[T.ramp(8 * p + 4, 1, 4)] = ia[T.ramp(8 * p + 4, 1, 4)] + _pair_dot(
+                        T, w, aqf, T.broadcast(T.int32(0), 4), g, s * 8 + j, q, 1,
+                        ((s * 8 + j) * rows_in + first + 2 * p) * 32, codes) * made[T.ramp((s * 8 + j) * 8 + 4, 1, 4)]
+            for p in T.unroll(pairs):
+                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + super_terms(
+                    T, ia, pair_scales(adf, s, first + 2 * p), super_mins(T, mns, sums, s, first // 2 + p, 0),
+                    wc, g, q, s, 8 * p, 0)
+                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + super_terms(
+                    T, ia, pair_scales(adf, s, first + 2 * p), super_mins(T, mns, sums, s, first // 2 + p, 1),
+                    wc, g, q, s, 8 * p + 4, 1)
+        for p in T.unroll(pairs):
+            for rp in T.unroll(2):
+                for j in T.unroll(2):
+                    for tt in T.unroll(2):
+                        if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
+                            y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * rp + j] = acc[
+                                8 * p + 4 * rp + 2 * j + tt] * T.float32(2)
+
+    @T.macro
+    def last_tile_k(w, aqf, adf, offf, made, mns, sums, wc, y, g, q, t):
+        """The odd last token in the compact form: tile_k's sums on _single_dot's lanes [r0 t,
+        r0 t, r1 t, r1 t] (its block sums a pair with itself: block_sum_bytes), stored once."""
+        acc = T.decl_buffer((8,), "float32", scope="global")
+        ia = T.decl_buffer((8,), "int32", scope="global")
+        for p in T.unroll(2):
+            acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
+        for s in range(supers):
+            for p in T.unroll(2):
+                ia[T.ramp(p * 4, 1, 4)] = T.broadcast(T.int32(0), 4)
+            for j in range(q4_k_scales.SUB_BLOCKS):
+                ia[T.ramp(0, 1, 4)] = ia[T.ramp(0, 1, 4)] + _single_dot(
+                    T, w, aqf, offf, g, s * 8 + j, q, 0, t, rows_in, codes, True) * made[T.ramp((s * 8 + j) * 8, 1, 4)]
+                ia[T.ramp(4, 1, 4)] = ia[T.ramp(4, 1, 4)] + _single_dot(
+                    T, w, aqf, offf, g, s * 8 + j, q, 1, t, rows_in, codes, True) * made[T.ramp((s * 8 + j) * 8 + 4, 1, 4)]
+            acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + super_terms(
+                T, ia, T.broadcast(adf[(s * q4_k_scales.SUB_BLOCKS * rows_in + t) * 2], 4),
+                super_mins(T, mns, sums, s, t // 2, 0), wc, g, q, s, 0, 0)
+            acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + super_terms(
+                T, ia, T.broadcast(adf[(s * q4_k_scales.SUB_BLOCKS * rows_in + t) * 2], 4),
+                super_mins(T, mns, sums, s, t // 2, 1), wc, g, q, s, 4, 1)
+        for rp in T.unroll(2):
+            for j in T.unroll(2):
+                if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
+                    y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2)
+
+    @T.macro
+    def block_sum_bytes(offf, sums):
+        """The activations' block sums (sum of a block's codes: its offset / ZERO_POINT) as the
+        minimums' smmla read them: per token pair and super-block, the high parts (sum >> 6,
+        -64 .. 63) of its 8 blocks for t0 then t1, then the low parts (sum & 63); the odd last
+        token a pair with itself. Once a GEMM, before its tasks."""
+        for tp in T.parallel((rows_in + 1) // 2):
+            for s in range(supers):
+                for tt in range(2):
+                    for j in range(q4_k_scales.SUB_BLOCKS):
+                        total = T.bind(offf[((s * 8 + j) * rows_in + 2 * tp) * 2 + T.if_then_else(
+                            2 * tp + 1 < rows_in, tt, 0)] // T.int32(ZERO_POINT))
+                        sums[(tp * supers + s) * 32 + tt * 8 + j] = T.Cast("int8", total >> 6)
+                        sums[(tp * supers + s) * 32 + 16 + tt * 8 + j] = T.Cast("int8", total & 63)
+
+    @T.macro
+    def task_factors(ws, made, mns, gq):
+        """Task gq's sc as int32 vectors of each row pair and block (made: tile_k's multipliers)
+        and its mn as bytes, per super-block and row pair, rows in order (mns: super_mins' A):
+        out of their six bits once a task, which each tile would otherwise unpack again."""
+        for b in range(nb):
+            made[T.ramp(b * 8, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 0)
+            made[T.ramp(b * 8 + 4, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 1)
+        for s in range(supers):
+            mns[T.ramp(s * 32, 1, 32)] = _minimum_rows(T, ws, gq // SLICES, s, gq % SLICES)
+
+    @T.macro
+    def compact_tiles(w, aqf, adf, offf, made, mns, sums, wc, y, gq):
+        """Task gq's tiles in the compact form: whole tiles, then tiles of 4, 2 and 1 pairs for
+        the pairs left (slice_tiles' order, without its merged tile), then the odd last token."""
+        for it in range(rows_in // (2 * tile_pairs)):
+            tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs)
+        rest = T.bind(rows_in // 2 % tile_pairs)
+        p4 = T.bind(rows_in // 2 - rest)
+        if tile_pairs > 4:
+            if rest >= 4:
+                tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4)
+        p2 = T.bind(p4 + rest // 4 * 4)
+        if tile_pairs > 2:
+            if rest % 4 >= 2:
+                tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2)
+        if rest % 2 == 1:
+            tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + rest % 4 // 2 * 2), 1)
+        if rows_in % 2 == 1:
+            last_tile_k(w, aqf, adf, offf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, rows_in - 1)
+
+    @T.macro
+    def compact_body(w, aqf, adf, offf, ws, wc, y):
+        """The compact form's GEMM: the block sums' bytes once, then a task per 4-row slice."""
+        sums = T.decl_buffer(((rows_in + 1) // 2 * supers * 32,), "int8", scope="global")
+        block_sum_bytes(offf, sums)
+        for gq in T.parallel(ng * SLICES):
+            made = T.decl_buffer((nb * 8,), "int32", scope="global")
+            mns = T.decl_buffer((supers * 32,), "int8", scope="global")
+            task_factors(ws, made, mns, gq)
+            compact_tiles(w, aqf, adf, offf, made, mns, sums, wc, y, gq)
+
+    return compact_body
 
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
@@ -294,16 +463,6 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                             else:
                                 y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * rp + j] = acc[8 * p + 4 * rp + 2 * j + tt]
 
-    def _single_dot(T, w, aqf, offf, g, b, q, rp, t, raw: bool = False):
-        """The odd last token t (plain aq layout) against itself: B's halves both hold it (`raw`:
-        the codes as they are, from 0: the compact tile's)."""
-        acc = T.broadcast(T.int32(0) if raw or codes in (8, BOOK) else offf[(b * rows_in + t) * 2], 4)
-        for k in range(4):
-            piece = T.reinterpret("int8x16", T.broadcast(
-                T.reinterpret("int64", aqf.vload([(b * rows_in + t) * 32 + 8 * k], "int8x8")), 2))
-            acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp, codes), piece)
-        return acc
-
     def token_scale(T, adf, b, t):
         """float32x4 of the odd last token's block-b scale (per_row: 1, the row's at the store)."""
         if per_row:
@@ -318,9 +477,9 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
         for b in range(nb):
             acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + halved_float(T, _single_dot(
-                T, w, aqf, offf, g, b, q, 0, t)) * (_row_scales(T, ws, wc, g, b, q, 0) * token_scale(T, adf, b, t))
+                T, w, aqf, offf, g, b, q, 0, t, rows_in, codes)) * (_row_scales(T, ws, wc, g, b, q, 0) * token_scale(T, adf, b, t))
             acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + halved_float(T, _single_dot(
-                T, w, aqf, offf, g, b, q, 1, t)) * (_row_scales(T, ws, wc, g, b, q, 1) * token_scale(T, adf, b, t))
+                T, w, aqf, offf, g, b, q, 1, t, rows_in, codes)) * (_row_scales(T, ws, wc, g, b, q, 1) * token_scale(T, adf, b, t))
             if wc is not None:   # Q4_1's block offsets times the token's block sum (halved)
                 acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] - _row_offsets(T, ws, wc, g, b, q, 0) * T.broadcast(
                     negated_block_sums(T, adf[(b * rows_in + t) * 2], offf[(b * rows_in + t) * 2], halved=True), 4)
@@ -334,123 +493,6 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                     else:
                         y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2) * adf[
                             t * 2] - adf[t * 2 + 1] * rs[g * ROWS + LANES * q + 2 * rp + j]
-
-    supers = nb // q4_k_scales.SUB_BLOCKS
-
-    def pair_scales(adf, s, t0):
-        """float32x4 [a t0, a t1, a t0, a t1]: the token pair's activation scales in super-block s
-        (the same at its 8 blocks)."""
-        return adf.vload([(s * q4_k_scales.SUB_BLOCKS * rows_in + t0) * 2], "float32x4")
-
-    def super_terms(T, ia, a, mins, wc, g, q, s, at, rp):
-        """float32x4: super-block s's terms for row pair rp and tokens whose scales are `a`, from
-        the int32 sums of sc x dot at `at` and `mins` (sum of mn x the block sums), both halved
-        as the stores double: (sum sc dot) d a - (sum mn bsum) dmin a."""
-        return (halved_float(T, ia[T.ramp(at, 1, 4)]) * (_super_factors(T, wc, g, s, q, rp, False) * a)
-                - halved_float(T, mins) * (_super_factors(T, wc, g, s, q, rp, True) * a))
-
-    def super_mins(T, mns, sums, s, q_pair, rp):
-        """int32x4: sum over super-block s's blocks of mn x the activations' block sums, for row
-        pair rp and the token pair q_pair (sums: block_sum_bytes'), as two smmla: the block
-        sums' high parts, shifted by 6, then their low parts."""
-        rows = mns.vload([(s * 2 + rp) * 16], "int8x16")
-        at = (q_pair * supers + s) * 32
-        high = T.call_llvm_pure_intrin("int32x4", SMMLA, T.broadcast(T.int32(0), 4), rows,
-                                       sums.vload([at], "int8x16"))
-        return T.call_llvm_pure_intrin("int32x4", SMMLA, high << T.broadcast(T.int32(6), 4), rows,
-                                       sums.vload([at + 16], "int8x16"))
-
-    @T.macro
-    def tile_k(w, aqf, adf, made, mns, sums, wc, y, g, q, first, pairs):
-        """Compact Q4_K's (and Q5_K's) tile, rows 16g+4q .. +3 of `pairs` token pairs from token
-        `first`, as llama.cpp's Q4_K x Q8_K dot: per super-block, each block's pair dots of the
-        raw codes times its sc, summed as int32 (made: the task's sc vectors,
-        _sub_block_vectors), and the minimums' products by two smmla (super_mins); then one
-        convert and one FMA each with d a and dmin a, a the activations' scale, one a
-        super-block (act_quant's super_blocks). The float work of the expanded form's every
-        block comes once a super-block."""
-        acc = T.decl_buffer((pairs * 8,), "float32", scope="global")
-        ia = T.decl_buffer((pairs * 8,), "int32", scope="global")
-        for p in T.unroll(pairs * 2):
-            acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
-        for s in range(supers):
-            for p in T.unroll(pairs * 2):
-                ia[T.ramp(p * 4, 1, 4)] = T.broadcast(T.int32(0), 4)
-            for j in range(q4_k_scales.SUB_BLOCKS):
-                for p in T.unroll(pairs):
-                    ia[T.ramp(8 * p, 1, 4)] = ia[T.ramp(8 * p, 1, 4)] + _pair_dot(
-                        T, w, aqf, T.broadcast(T.int32(0), 4), g, s * 8 + j, q, 0,
-                        ((s * 8 + j) * rows_in + first + 2 * p) * 32, codes) * made[T.ramp((s * 8 + j) * 8, 1, 4)]
-                    ia[T.ramp(8 * p + 4, 1, 4)] = ia[T.ramp(8 * p + 4, 1, 4)] + _pair_dot(
-                        T, w, aqf, T.broadcast(T.int32(0), 4), g, s * 8 + j, q, 1,
-                        ((s * 8 + j) * rows_in + first + 2 * p) * 32, codes) * made[T.ramp((s * 8 + j) * 8 + 4, 1, 4)]
-            for p in T.unroll(pairs):
-                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + super_terms(
-                    T, ia, pair_scales(adf, s, first + 2 * p), super_mins(T, mns, sums, s, first // 2 + p, 0),
-                    wc, g, q, s, 8 * p, 0)
-                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + super_terms(
-                    T, ia, pair_scales(adf, s, first + 2 * p), super_mins(T, mns, sums, s, first // 2 + p, 1),
-                    wc, g, q, s, 8 * p + 4, 1)
-        for p in T.unroll(pairs):
-            for rp in T.unroll(2):
-                for j in T.unroll(2):
-                    for tt in T.unroll(2):
-                        if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
-                            y[first + 2 * p + tt, g * ROWS + LANES * q + 2 * rp + j] = acc[
-                                8 * p + 4 * rp + 2 * j + tt] * T.float32(2)
-
-    @T.macro
-    def last_tile_k(w, aqf, adf, offf, made, mns, sums, wc, y, g, q, t):
-        """The odd last token in the compact form: tile_k's sums on _single_dot's lanes [r0 t,
-        r0 t, r1 t, r1 t] (its block sums a pair with itself: block_sum_bytes), stored once."""
-        acc = T.decl_buffer((8,), "float32", scope="global")
-        ia = T.decl_buffer((8,), "int32", scope="global")
-        for p in T.unroll(2):
-            acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
-        for s in range(supers):
-            for p in T.unroll(2):
-                ia[T.ramp(p * 4, 1, 4)] = T.broadcast(T.int32(0), 4)
-            for j in range(q4_k_scales.SUB_BLOCKS):
-                ia[T.ramp(0, 1, 4)] = ia[T.ramp(0, 1, 4)] + _single_dot(
-                    T, w, aqf, offf, g, s * 8 + j, q, 0, t, True) * made[T.ramp((s * 8 + j) * 8, 1, 4)]
-                ia[T.ramp(4, 1, 4)] = ia[T.ramp(4, 1, 4)] + _single_dot(
-                    T, w, aqf, offf, g, s * 8 + j, q, 1, t, True) * made[T.ramp((s * 8 + j) * 8 + 4, 1, 4)]
-            acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + super_terms(
-                T, ia, T.broadcast(adf[(s * q4_k_scales.SUB_BLOCKS * rows_in + t) * 2], 4),
-                super_mins(T, mns, sums, s, t // 2, 0), wc, g, q, s, 0, 0)
-            acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + super_terms(
-                T, ia, T.broadcast(adf[(s * q4_k_scales.SUB_BLOCKS * rows_in + t) * 2], 4),
-                super_mins(T, mns, sums, s, t // 2, 1), wc, g, q, s, 4, 1)
-        for rp in T.unroll(2):
-            for j in T.unroll(2):
-                if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
-                    y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2)
-
-    @T.macro
-    def block_sum_bytes(offf, sums):
-        """The activations' block sums (sum of a block's codes: its offset / ZERO_POINT) as the
-        minimums' smmla read them: per token pair and super-block, the high parts (sum >> 6,
-        -64 .. 63) of its 8 blocks for t0 then t1, then the low parts (sum & 63); the odd last
-        token a pair with itself. Once a GEMM, before its tasks."""
-        for tp in T.parallel((rows_in + 1) // 2):
-            for s in range(supers):
-                for tt in range(2):
-                    for j in range(q4_k_scales.SUB_BLOCKS):
-                        total = T.bind(offf[((s * 8 + j) * rows_in + 2 * tp) * 2 + T.if_then_else(
-                            2 * tp + 1 < rows_in, tt, 0)] // T.int32(ZERO_POINT))
-                        sums[(tp * supers + s) * 32 + tt * 8 + j] = T.Cast("int8", total >> 6)
-                        sums[(tp * supers + s) * 32 + 16 + tt * 8 + j] = T.Cast("int8", total & 63)
-
-    @T.macro
-    def task_factors(ws, made, mns, gq):
-        """Task gq's sc as int32 vectors of each row pair and block (made: tile_k's multipliers)
-        and its mn as bytes, per super-block and row pair, rows in order (mns: super_mins' A):
-        out of their six bits once a task, which each tile would otherwise unpack again."""
-        for b in range(nb):
-            made[T.ramp(b * 8, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 0)
-            made[T.ramp(b * 8 + 4, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 1)
-        for s in range(supers):
-            mns[T.ramp(s * 32, 1, 32)] = _minimum_rows(T, ws, gq // SLICES, s, gq % SLICES)
 
     def merge_last(m):
         """Whether a lone leftover pair joins the last whole tile's pairs (a PrimExpr of M)."""
@@ -482,36 +524,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         if rows_in % 2 == 1:
             last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1, rs)
 
-    @T.macro
-    def compact_tiles(w, aqf, adf, offf, made, mns, sums, wc, y, gq):
-        """Task gq's tiles in the compact form: whole tiles, then tiles of 4, 2 and 1 pairs for
-        the pairs left (slice_tiles' order, without its merged tile), then the odd last token."""
-        for it in range(rows_in // (2 * tile_pairs)):
-            tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs)
-        rest = T.bind(rows_in // 2 % tile_pairs)
-        p4 = T.bind(rows_in // 2 - rest)
-        if tile_pairs > 4:
-            if rest >= 4:
-                tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4)
-        p2 = T.bind(p4 + rest // 4 * 4)
-        if tile_pairs > 2:
-            if rest % 4 >= 2:
-                tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2)
-        if rest % 2 == 1:
-            tile_k(w, aqf, adf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + rest % 4 // 2 * 2), 1)
-        if rows_in % 2 == 1:
-            last_tile_k(w, aqf, adf, offf, made, mns, sums, wc, y, gq // SLICES, gq % SLICES, rows_in - 1)
-
-    @T.macro
-    def compact_body(w, aqf, adf, offf, ws, wc, y):
-        """The compact form's GEMM: the block sums' bytes once, then a task per 4-row slice."""
-        sums = T.decl_buffer(((rows_in + 1) // 2 * supers * 32,), "int8", scope="global")
-        block_sum_bytes(offf, sums)
-        for gq in T.parallel(ng * SLICES):
-            made = T.decl_buffer((nb * 8,), "int32", scope="global")
-            mns = T.decl_buffer((supers * 32,), "int8", scope="global")
-            task_factors(ws, made, mns, gq)
-            compact_tiles(w, aqf, adf, offf, made, mns, sums, wc, y, gq)
+    compact_body = _compact_body(n, nb, rows_in, codes, tile_pairs) if scale_dtype == q4_k_scales.SCALE_DTYPE else None
 
     @T.macro
     def body(w, aq, off, ws, ad, y, wc, rs):
