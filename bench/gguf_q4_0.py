@@ -81,3 +81,27 @@ def write_gguf_q4_0_checkpoint(ckpt, path: Path, f16: bool = False) -> Path:
             tensors[name] = Planned(tuple(shape), np.dtype(np.float32), None, lambda name=name: ckpt.tensor(name))
     return write_gguf(path, cfg.architecture, cfg, tokens, types, tensors, merges=["\u0120 \u0120"],
                       file_type=FILE_TYPES[half] if f16 else MOSTLY_Q4_0)
+
+
+def main() -> None:
+    """Write the Q4_0 GGUF of a checkpoint folder or a preset made as a checkpoint, a tensor at
+    a time: a 32B's file without its 65 GB bf16 checkpoint on disk (bench/scale.py --gguf)."""
+    import argparse
+
+    from qwc.models.load import open_checkpoint
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("source", help="a checkpoint folder, or a preset made as a checkpoint (qwen2.5-32b, qwen3-8b, ...)")
+    p.add_argument("-o", "--output", type=Path, required=True)
+    a = p.parse_args()
+    partial = a.output.with_name(a.output.name + ".partial")
+    try:
+        write_gguf_q4_0_checkpoint(open_checkpoint(a.source), partial)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    partial.rename(a.output)
+
+
+if __name__ == "__main__":
+    main()

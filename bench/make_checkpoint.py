@@ -6,7 +6,8 @@ model.safetensors.index.json, and a byte-level tokenizer.json. Written shard by 
     .venv/bin/python bench/make_checkpoint.py 7b -o build/ckpt/qwen2.5-7b [--shard-gb 4] [--seed 0] [--layers N]
 
 --layers N cuts the model to its first N layers (the 7B's 4: the `qwen2.5-7b-4layers` preset's
-shape, which emulation runs and bench/n2_table.py scales to 28 layers).
+shape, which emulation runs and bench/n2_table.py scales to 28 layers; the 14B's 16: its
+largest tensors in a checkpoint this disk holds beside its float graph).
 
 No model hub is reachable here: these stand in for the real checkpoints in the scale table
 (bench/scale.py). Their text is noise; their sizes, shapes and file layout are the real ones.
@@ -33,6 +34,8 @@ SHAPES = {
     "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
     "3b": (2048, 11008, 36, 16, 2, 151936, True),
     "7b": (3584, 18944, 28, 28, 4, 152064, False),
+    "14b": (5120, 13824, 48, 40, 8, 152064, False),
+    "32b": (5120, 27648, 64, 40, 8, 152064, False),
 }
 
 

@@ -43,10 +43,12 @@ SYSTEMS = ["You answer questions about geography, briefly and correctly. " * 3,
            "You are a terse math tutor: the steps, then the answer. " * 3]
 
 
-def start(art: Path, threads: int, replicas: int, batch: int) -> tuple[subprocess.Popen, str]:
+def start(art: Path, threads: int, replicas: int, batch: int,
+          flags: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`qwc serve` of `art` (with `replicas` replicas on Ray, if any) on a free port, and its URL."""
     extra = ["--replicas", str(replicas), "--ray"] if replicas else []
     proc = subprocess.Popen([sys.executable, "-m", "qwc", "serve", str(art), "--port", "0", "--threads", str(threads),
-                             "--max-batch", str(batch), "--model-name", "m", *extra],
+                             "--max-batch", str(batch), "--model-name", "m", *extra, *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, TVM_NUM_THREADS=str(threads)))
     for line in proc.stderr:

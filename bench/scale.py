@@ -3,6 +3,7 @@ artifact's size, and what running it costs, on random weights of the exact shape
 
     .venv/bin/python bench/scale.py [--sizes 1.5b,3b,7b] [--targets host,arm-yitian]
         [--workdir build/scale] [--bench [--threads 2] [--rounds 2]] [--only-bench] [--json F] [--keep]
+    .venv/bin/python bench/scale.py --gguf --sizes qwen2.5-32b [--workdir D] [--keep]
 
 Per size: bench/make_checkpoint.py writes a hub-style bf16 checkpoint (once, kept in
 --workdir; a Qwen3 preset such as qwen3-32b-2layers is made in code instead, no checkpoint on
@@ -14,6 +15,10 @@ earlier run left in --workdir. Each stage is its own process; its peak RSS is th
 wait4. Intermediate files are deleted after each size unless --keep (a 7B's float graph is
 30 GB). Disk: a 7B needs ~55 GB free while it runs (checkpoint 15 GB, float graph 30 GB, the
 Q4_0 graph and two artifacts 12 GB); the checkpoints stay in --workdir for the next run.
+
+--gguf is the route for sizes whose float checkpoint would not fit the disk (a 32B's is 65 GB):
+the preset's Q4_0 GGUF is written a tensor at a time, exported, compiled for the host and run
+for 32 tokens (`one_gguf`); the GGUF is deleted once exported, so a 32B needs ~40 GB free.
 """
 
 from __future__ import annotations
@@ -33,18 +38,36 @@ HERE = Path(__file__).resolve().parent
 QWC = [sys.executable, "-m", "qwc"]
 
 
-def run(cmd: list[str], log: Path) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GiB) of one process; its output goes to `log`."""
+def _status_kib(pid: int) -> dict[str, int]:
+    """/proc/PID/status's RssAnon and RssFile (KiB); empty once the process is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in lines if ln.startswith(("RssAnon", "RssFile")))}
+
+
+def run(cmd: list[str], log: Path) -> tuple[float, float, float, float]:
+    """Wall seconds, peak RSS (GiB), and the largest anonymous and file-backed resident memory
+    sampled every 0.1 s (GiB: mapped weights are file-backed, so peak RSS alone would count
+    them) of one process; its output goes to `log`."""
     t0 = time.perf_counter()
+    anon = file_ = 0
     with open(log, "a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        _, status, ru = os.wait4(p.pid, 0)
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            kib = _status_kib(p.pid)
+            anon, file_ = max(anon, kib.get("RssAnon", 0)), max(file_, kib.get("RssFile", 0))
+            time.sleep(0.1)
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode:
         raise SystemExit(f"scale: {' '.join(cmd[:4])} ... failed ({p.returncode}); see {log}")
-    return time.perf_counter() - t0, ru.ru_maxrss / 2**20
+    return time.perf_counter() - t0, ru.ru_maxrss / 2**20, anon / 2**20, file_ / 2**20
 
 
 def size_of(path: Path) -> float:
@@ -83,6 +106,33 @@ def one_size(size: str, targets: list[str], work: Path, bench: bool, keep: bool,
     if not keep:
         for p in list(work.glob(f"{size}.q4.onnx*")) + list(work.glob(f"{size}.q4.*.json")):
             p.unlink()
+    return r
+
+
+def one_gguf(size: str, work: Path, keep: bool, tokens: int = 32) -> dict:
+    """The large-model route without a float checkpoint on disk: the preset's Q4_0 GGUF written
+    a tensor at a time (bench/gguf_q4_0.py), `qwc export` of the GGUF, `qwc compile` for the
+    host, and `qwc run` of `tokens` tokens. The GGUF is deleted once exported unless `keep`
+    (a 32B's is 18 GB)."""
+    log, gguf = work / f"{size}.gguf.log", work / f"{size}.q4_0.gguf"
+    onnx_, art = work / f"{size}.gguf.onnx", work / f"{size}.gguf-host.qwc"
+    r: dict = {"size": size, "route": "gguf", "stages": {}}
+    if not gguf.exists():
+        r["stages"]["write gguf"] = run([sys.executable, str(HERE / "gguf_q4_0.py"), size, "-o", str(gguf)], log)
+    r["gguf_gib"] = size_of(gguf)
+    r["stages"]["export"] = run(QWC + ["export", str(gguf), "-o", str(onnx_)], log)
+    r["graph_gib"] = size_of(onnx_) + sum(size_of(p) for p in work.glob(f"{onnx_.name}.*"))
+    if not keep:
+        gguf.unlink()
+    shutil.rmtree(art, ignore_errors=True)
+    r["stages"]["compile host"] = run(QWC + ["compile", str(onnx_), "-o", str(art)], log)
+    r["artifact_gib host"] = size_of(art)
+    if not keep:
+        for p in work.glob(f"{onnx_.name}*"):
+            p.unlink()
+    r["stages"]["run"] = run(QWC + ["run", str(art), "--prompt", "The capital of France is",
+                                    "--max-new-tokens", str(tokens), "--ctx", "512"], log)
+    r["run_output"] = log.read_text().rsplit("$ ", 1)[-1]
     return r
 
 
@@ -135,13 +185,23 @@ def speed_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def _cell(stage: tuple) -> str:
+    """Wall time, peak RSS and, of that, the largest anonymous part (file-backed pages are
+    mapped weights or the page cache, shared and reclaimable)."""
+    return f"{stage[0]:.0f} s, {stage[1]:.2f} GiB ({stage[2]:.2f} anon)"
+
+
 def table(results: list[dict]) -> str:
-    stages = [s for s in results[0]["stages"]]
-    rows = ["| size | checkpoint | float graph | " + " | ".join(stages) + " |",
-            "| --- | ---: | ---: | " + " | ".join("---:" for _ in stages) + " |"]
+    stages = list(dict.fromkeys(s for r in results for s in r["stages"]))
+    first = [("checkpoint", "checkpoint_gib"), ("float graph", "float_graph_gib")]
+    if any(r.get("route") == "gguf" for r in results):
+        first = [("GGUF", "gguf_gib"), ("graph", "graph_gib")]
+    rows = ["| size | " + " | ".join(h for h, _ in first) + " | " + " | ".join(stages) + " |",
+            "| --- | " + " | ".join("---:" for _ in first + stages) + " |"]
     for r in results:
-        cells = [f"{r['stages'][s][0]:.0f} s, {r['stages'][s][1]:.2f} GiB" if s in r["stages"] else "-" for s in stages]
-        rows.append(f"| {r['size']} | {r['checkpoint_gib']:.2f} GiB | {r['float_graph_gib']:.2f} GiB | " + " | ".join(cells) + " |")
+        cells = [f"{r[k]:.2f} GiB" if k in r else "-" for _, k in first]
+        cells += [_cell(r["stages"][s]) if s in r["stages"] else "-" for s in stages]
+        rows.append(f"| {r['size']} | " + " | ".join(cells) + " |")
     arts = [(r["size"], k.split(" ", 1)[1], v) for r in results for k, v in r.items() if k.startswith("artifact_gib")]
     rows.append("")
     rows.append("artifacts: " + ", ".join(f"{s} {t} {v:.2f} GiB" for s, t, v in arts))
@@ -159,13 +219,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of the speed comparison")
     p.add_argument("--only-bench", action="store_true",
                    help="only the speed comparison, on the host artifacts an earlier run left")
-    p.add_argument("--keep", action="store_true", help="keep the float and canonical graphs")
+    p.add_argument("--keep", action="store_true", help="keep the float and canonical graphs (and the GGUF)")
+    p.add_argument("--gguf", action="store_true",
+                   help="sizes are checkpoint presets (qwen2.5-32b, ...): their Q4_0 GGUF written a tensor at a "
+                        "time, then export, compile for the host and a 32-token run; no float checkpoint on disk")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     results = []
     for size in a.sizes.split(","):
-        if a.only_bench:
+        if a.gguf:
+            results.append(one_gguf(size, a.workdir, a.keep))
+        elif a.only_bench:
             from qwc.models.presets import is_checkpoint_preset
 
             ckpt = size if is_checkpoint_preset(size) else a.workdir / f"qwen2.5-{size}"
@@ -178,7 +243,7 @@ def main() -> None:
         if a.json:
             a.json.write_text(json.dumps(results, indent=1))
     if not a.only_bench:
-        print("stage cells: wall time, peak RSS of the process (one process per stage)")
+        print("stage cells: wall time, peak RSS of the process (one process per stage), its largest anonymous part")
         print(table(results))
     if any("speed" in r for r in results):
         print(f"\nspeed, {a.threads} threads, tok/s (median of {a.rounds} alternating rounds); ratio = qwc / llama.cpp")

@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 
+from qwc import progress
 from qwc.config import ModelConfig
 
 from .gguf_loader import _GLOBAL_TENSORS, _LAYER_TENSORS
@@ -84,8 +85,8 @@ def write_gguf(path: Path, arch: str, cfg: ModelConfig, tokens: list[str], token
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, t in plan.items():   # in the order of the tensor infos
-        data = np.ascontiguousarray(t.make())
+    for name, t in progress.bar(plan.items(), total=len(plan), desc="writing tensors", unit="tensor"):
+        data = np.ascontiguousarray(t.make())   # in the order of the tensor infos
         if data.shape != tuple(t.shape) or data.dtype != t.dtype:
             raise ValueError(f"{name}: made {data.dtype}{list(data.shape)}, planned {np.dtype(t.dtype)}{list(t.shape)}")
         w.write_tensor_data(data)

@@ -1,10 +1,10 @@
 """Presets built in code with seeded random weights: no download, same model everywhere.
 
-Qwen2 presets are transformers' own random initialisation in torch. Qwen3 presets are
-checkpoints made in code (`preset_checkpoint`): each tensor drawn from a generator seeded by
-its name when it is read, so the full-size shapes (up to 32B) export through the streaming
-writer in bounded memory, as a downloaded checkpoint does, and the torch reference loads the
-same tensors."""
+Qwen2 presets are transformers' own random initialisation in torch. Qwen3 presets, and the
+whole Qwen2.5 7B, 14B and 32B (too large to build in torch here), are checkpoints made in code
+(`preset_checkpoint`): each tensor drawn from a generator seeded by its name when it is read,
+so the full-size shapes export through the streaming writer in bounded memory, as a
+downloaded checkpoint does, and the torch reference loads the same tensors."""
 
 from __future__ import annotations
 
@@ -92,7 +92,26 @@ _QWEN3_PRESETS: dict[str, tuple[dict, float]] = {
     "qwen3-32b-2layers": (_qwen3(5120, 25600, 2, 64, False), 0.02),
 }
 
-PRESET_NAMES = tuple(_PRESETS) + tuple(_QWEN3_PRESETS)
+
+def _qwen25(intermediate: int, layers: int, hidden: int = 5120, heads: int = 40, kv_heads: int = 8) -> dict:
+    """A Qwen2.5 model's config fields (the published config.json's values; heads of 128,
+    untied embeddings from 7B up)."""
+    return dict(vocab_size=152064, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128, rope_theta=1000000.0,
+                rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=False)
+
+
+# Qwen2.5 presets made as checkpoints, for the routes that write no float checkpoint
+# (bench/scale.py --gguf): the 7B for start times, 14B and 32B whose torch model would not fit
+# this machine's memory.
+_QWEN25_CHECKPOINT_PRESETS: dict[str, tuple[dict, float]] = {
+    "qwen2.5-7b": (_qwen25(18944, 28, hidden=3584, heads=28, kv_heads=4), 0.02),
+    "qwen2.5-14b": (_qwen25(13824, 48), 0.02),
+    "qwen2.5-32b": (_qwen25(27648, 64), 0.02),
+}
+_CHECKPOINT_PRESETS = _QWEN3_PRESETS | _QWEN25_CHECKPOINT_PRESETS
+
+PRESET_NAMES = tuple(_PRESETS) + tuple(_CHECKPOINT_PRESETS)
 
 if TYPE_CHECKING:
     from .qwen2 import LoadedModel
@@ -100,34 +119,35 @@ if TYPE_CHECKING:
 
 def is_checkpoint_preset(name: str) -> bool:
     """A preset made as a checkpoint (preset_checkpoint), which exports as one does."""
-    return name in _QWEN3_PRESETS
+    return name in _CHECKPOINT_PRESETS
 
 
 def preset_config(name: str) -> ModelConfig:
     if name not in PRESET_NAMES:
         raise QwcError(f"unknown preset {name!r} (known: {', '.join(PRESET_NAMES)})")
-    qwen3 = is_checkpoint_preset(name)
+    qwen3 = name in _QWEN3_PRESETS
     bos, eos = special_ids(_preset_tokenizer(name))
-    fields = (_QWEN3_PRESETS if qwen3 else _PRESETS)[name][0]
+    fields = (_CHECKPOINT_PRESETS if is_checkpoint_preset(name) else _PRESETS)[name][0]
     return ModelConfig(name=name, bos_token_id=bos, eos_token_ids=eos, chat_template=QWEN3_TEMPLATE if qwen3 else CHATML_TEMPLATE,
                        source=f"preset:{name}", **fields)
 
 
 def _preset_tokenizer(name: str):
-    return byte_level_tokenizer(THINK_TOKENS if is_checkpoint_preset(name) else ())
+    return byte_level_tokenizer(THINK_TOKENS if name in _QWEN3_PRESETS else ())
 
 
 def preset_checkpoint(name: str, seed: int = 0) -> Checkpoint:
-    """A Qwen3 preset as a checkpoint: each tensor made when read, from a generator seeded by
-    (seed, the tensor's name), so it is the same in every reader and order. Norm gains (q_norm
-    and k_norm's too) lie in [0.5, 1.5], so passes that fold or fuse them meet real values."""
+    """A preset made as a checkpoint (Qwen3's; Qwen2.5's 7B, 14B and 32B): each tensor made
+    when read, from a generator seeded by (seed, the tensor's name), so it is the same in every
+    reader and order. Norm gains (q_norm and k_norm's too) lie in [0.5, 1.5], so passes that
+    fold or fuse them meet real values."""
     import zlib
 
     import numpy as np
 
     if not is_checkpoint_preset(name):
         raise QwcError(f"{name} is a preset built in torch, not a checkpoint")
-    cfg, std = preset_config(name), _QWEN3_PRESETS[name][1]
+    cfg, std = preset_config(name), _CHECKPOINT_PRESETS[name][1]
     shapes = expected_tensors(cfg)
 
     def read(tensor: str) -> np.ndarray:

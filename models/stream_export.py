@@ -25,6 +25,7 @@ names are the same as for a torch export.
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
@@ -351,6 +352,31 @@ def stream_memory(ckpt: Checkpoint) -> int:
     return 6 * largest + 2**30
 
 
+def stream_disk(ckpt: Checkpoint, requant: str = "q8_0") -> int:
+    """Estimated bytes of the graph's weight file: float32 for a float tensor, a kept GGUF
+    type's own block bytes, `requant`'s for another quantized one. A lower bound, so that a
+    disk it refuses could not have held the graph."""
+    requant_bytes = gguf_blocks.KEPT[requant.upper()]
+    total = 0
+    for name, shape in expected_tensors(ckpt.config).items():
+        n, kind = int(np.prod(shape)), ckpt.quant_types.get(name)
+        if kind is None:
+            total += 4 * n
+        else:
+            block, nbytes = gguf_blocks.KEPT.get(kind, requant_bytes)
+            total += n // block * nbytes
+    return total
+
+
+def _check_disk(ckpt: Checkpoint, out: Path, requant: str) -> None:
+    """Refuse up front, in one line, a graph the disk cannot hold: a 32B's float graph is
+    131 GB, and running out hours in would waste the export."""
+    need, free = stream_disk(ckpt, requant), shutil.disk_usage(out.resolve().parent).free
+    if need > free:
+        raise QwcError(f"cannot write {out}: its weights need about {need / 2**30:.1f} GiB of disk, "
+                       f"{free / 2**30:.1f} GiB is free there")
+
+
 def export_streaming(ckpt: Checkpoint, out: Path, requant: str = "q8_0") -> Path:
     """Write `out`, `out.data`, `<stem>.config.json`, `<stem>.tokenizer.json` (atomically, as
     models/export.py does), reading the checkpoint one tensor at a time."""
@@ -358,6 +384,7 @@ def export_streaming(ckpt: Checkpoint, out: Path, requant: str = "q8_0") -> Path
     if out.suffix != ".onnx":
         raise QwcError(f"output {out} must end in .onnx")
     ckpt.check()
+    _check_disk(ckpt, out, requant)
     cfg_path, tok_path = sidecar_paths(out)
     data_name = out.name + ".data"
     with staging_dir(out, foreign=foreign_graph_files) as tmp:

@@ -18,17 +18,31 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import progress
 from .cache_folders import cache_folder
 
 CACHE_ENV = "QWC_VERIFY_CACHE"
 RACY_NS = 2_000_000_000
 
 
+# A file this large is hashed as a stage with a bar: at 32B, reading params.bin is a long,
+# otherwise silent wait on the first load.
+REPORTED_BYTES = 1 << 30
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    size = os.path.getsize(path)
+    if size < REPORTED_BYTES:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        return h.hexdigest()
+    with progress.stage(f"checking {Path(path).name} against its hash ({size / 2**30:.1f} GiB; once per file)"), \
+            open(path, "rb") as f, progress.bar(total=size, desc="hashing", unit="B", scaled=True) as bar:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
+            bar.update(len(chunk))
     return h.hexdigest()
 
 

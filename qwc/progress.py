@@ -36,8 +36,9 @@ def stage(name: str):
     info(f"[qwc] {name} done in {time.perf_counter() - t0:.1f}s")
 
 
-def bar(iterable=None, *, total=None, desc=None, unit="it"):
+def bar(iterable=None, *, total=None, desc=None, unit="it", scaled: bool = False):
     """A tqdm bar on stderr that disappears in quiet mode, and when stderr is not a terminal
-    (tqdm's disable=None): a log file gets the stage lines, not hundreds of redrawn frames."""
+    (tqdm's disable=None): a log file gets the stage lines, not hundreds of redrawn frames.
+    `scaled`: counts shown with binary prefixes (bytes as GiB)."""
     return tqdm(iterable, total=total, desc=desc, unit=unit, disable=True if _quiet else None,
-                file=sys.stderr, leave=False, dynamic_ncols=True)
+                file=sys.stderr, leave=False, dynamic_ncols=True, unit_scale=scaled, unit_divisor=1024)

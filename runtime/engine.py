@@ -31,6 +31,7 @@ from .sampling import SamplingParams
 
 PREFILL_CHUNK = 256
 OVERSUBSCRIBED_THREADS = 1024   # Engine(oversubscribe=True): emulated many-core runs
+COLD_BYTES = 64 << 20   # params.bin bytes outside the page cache worth telling the user about
 
 
 class Sequence:
@@ -164,6 +165,7 @@ class Engine:
             raise QwcError(f"ctx {ctx!r}: must be a positive integer")
         self.manifest = read_manifest(self.path)
         check_runs_here(self.manifest)
+        self.uncached_bytes = self._uncached_params()   # before the hash check reads the file in
         if verify_hashes:
             for name, digest in self.manifest.files.items():
                 f = self.path / name
@@ -383,13 +385,26 @@ class Engine:
         self.copied_bytes = sum(arrays[p.name].nbytes for p in specs if p.name not in in_file)
         return [self._tvm.runtime.from_dlpack(arrays[p.name]) for p in specs]
 
+    def _uncached_params(self) -> int | None:
+        """The bytes of params.bin not in the page cache as the load starts (None: unknown)."""
+        path = self.path / "params.bin"
+        if not path.is_file():
+            return None
+        cached = memory.cached_bytes(path)
+        return None if cached is None else path.stat().st_size - cached
+
     def describe_weights(self) -> str:
-        """Where the parameters are: mapped from params.bin, in memory of the process's own, or both."""
+        """Where the parameters are: mapped from params.bin, in memory of the process's own, or
+        both; and, when much of params.bin was not in the page cache, that the load read it from
+        the disk (a cold start's time is the disk's, not qwc's)."""
         gib = (lambda n: f"{n / 2**30:.2f} GiB")
+        cold = self.uncached_bytes or 0
+        from_disk = (f"; {gib(cold)} of it not in the page cache, read from disk"
+                     if cold > max(COLD_BYTES, (self.mapped_bytes + self.copied_bytes) // 20) else "")
         if not self.mapped_bytes:
-            return f"{gib(self.copied_bytes)} of weights read into memory"
+            return f"{gib(self.copied_bytes)} of weights read into memory{from_disk}"
         copied = f", {gib(self.copied_bytes)} unpacked into memory" if self.copied_bytes else ""
-        return f"{gib(self.mapped_bytes)} of weights mapped from params.bin{copied}"
+        return f"{gib(self.mapped_bytes)} of weights mapped from params.bin{copied}{from_disk}"
 
     def _check_size(self, p, nbytes: int) -> None:
         if p.at_rest is None and nbytes != p.nbytes:

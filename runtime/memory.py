@@ -18,7 +18,9 @@ writes a parameter, so its pages stay the page cache's.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 
 import numpy as np
 
@@ -79,6 +81,34 @@ class MappedFile:
         dtype = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return self.bytes[offset:offset + n].view(dtype).reshape(shape)
+
+
+def cached_bytes(path) -> int | None:
+    """How many of the file's bytes are in the page cache now (mincore(2) on a read-only mapping
+    of it, which reads nothing in), or None where mincore is not to be had. A load whose
+    params.bin is not cached waits on the disk, and says so (runtime/engine.py)."""
+    size = os.path.getsize(path)
+    if not size:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        pages = np.zeros(-(-size // mmap.PAGESIZE), np.uint8)
+        if libc.mincore(addr, size, pages.ctypes.data) != 0:
+            return None
+    finally:
+        libc.munmap(addr, size)
+    return min(size, int(np.count_nonzero(pages & 1)) * mmap.PAGESIZE)
 
 
 def arena_for(arrays) -> Arena:

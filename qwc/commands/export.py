@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> None:
         ckpt = open_checkpoint(source)
         c = ckpt.config
         warning = mismatch(c.vocab_size, token_span(ckpt.tokenizer))
-        if warning:
+        if warning and source not in PRESET_NAMES:   # a preset's byte-level tokenizer is its own
             print(f"qwc: warning: {args.source}: {warning}", file=sys.stderr, flush=True)
         # A GGUF's quantized weights are kept only by the streaming writer (the torch path
         # traces float32).

@@ -51,14 +51,14 @@ if [[ ! -x $DIR/sysroot/usr/bin/python3.11 ]]; then
   mv "$DIR/sysroot.partial" "$DIR/sysroot" && rm -rf "$state"
 fi
 
-stamp=$DIR/site/.qwc-tvm-$TVM_VERSION-ffi-$TVM_FFI_VERSION-rpc
+stamp=$DIR/site/.qwc-tvm-$TVM_VERSION-ffi-$TVM_FFI_VERSION-mld-0.6.0-rpc
 if [[ ! -f $stamp ]]; then
   say "installing aarch64 wheels (apache-tvm $TVM_VERSION, numpy, tokenizers, RPC server deps) into $DIR/site"
   rm -rf "$DIR/site.partial"
   python3 -m pip install -q --disable-pip-version-check --only-binary=:all: \
     --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 --python-version 3.11 \
     --implementation cp --abi cp311 --abi abi3 --abi none --target "$DIR/site.partial" \
-    "apache-tvm==$TVM_VERSION" "apache-tvm-ffi==$TVM_FFI_VERSION" "numpy==2.4.6" "tokenizers==0.23.3" \
+    "apache-tvm==$TVM_VERSION" "apache-tvm-ffi==$TVM_FFI_VERSION" "numpy==2.4.6" "ml-dtypes==0.6.0" "tokenizers==0.23.3" \
     "cloudpickle==3.1.2" "psutil==7.2.2" \
     2> >(grep -v "is ignored: it is neither" >&2)
   rm -rf "$DIR/site" && mv "$DIR/site.partial" "$DIR/site" && touch "$stamp"

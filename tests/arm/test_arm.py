@@ -243,11 +243,13 @@ def test_yitian_artifact_refused_on_a_cpu_without_its_features(arm64_env, builds
 
 @pytest.mark.parametrize("threads", [2, 8])
 def test_qwc_bench_runs_arm_artifacts_with_threads(arm64_env, builds, threads):
-    """`qwc bench --threads N` on an ARM artifact, as an ARM machine runs the CLI."""
+    """`qwc bench --threads N` on an ARM artifact, as an ARM machine runs the CLI; the runtime
+    maps params.bin there too (what it stores smaller at rest is unpacked beside it)."""
     cmd = emulation.cli_command(arm64_env, "bench", builds["arm-yitian", 8], "-p", "8", "-n", "4", "-r", "1",
                                 "--threads", threads)
     r = subprocess.run(cmd, env=arm64_env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"[0-9.]+ GiB of weights mapped from params\.bin", r.stderr), r.stderr[-2000:]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in r.stdout.splitlines() if "arm-yitian" in line]
     assert [row[5] for row in rows] == ["pp8", "tg4"]
     assert all(row[4] == str(threads) and float(row[6].split()[0]) > 0 for row in rows)

@@ -48,6 +48,20 @@ def test_presets_have_the_published_shapes(name):
     assert f"{name}-2layers" not in PRESET_NAMES or preset_config(f"{name}-2layers").num_hidden_layers == 2
 
 
+@pytest.mark.parametrize("name,hidden,layers,heads,kv,ffn,params", [
+    ("qwen2.5-7b", 3584, 28, 28, 4, 18944, 7.62e9), ("qwen2.5-14b", 5120, 48, 40, 8, 13824, 14.77e9),
+    ("qwen2.5-32b", 5120, 64, 40, 8, 27648, 32.76e9)])
+def test_qwen25_checkpoint_presets_have_the_published_shapes(name, hidden, layers, heads, kv, ffn, params):
+    # the published config.json's: heads of 128, vocab 152064, untied, q/k/v biases
+    cfg = preset_config(name)
+    assert (cfg.architecture, cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == ("qwen2", hidden, layers, ffn)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size, cfg.tie_word_embeddings) == (heads, kv, 152064, False)
+    t = expected_tensors(cfg)
+    assert t["model.layers.0.self_attn.k_proj.bias"] == (kv * 128,) and t["lm_head.weight"] == (152064, hidden)
+    assert sum(int(np.prod(s)) for s in t.values()) == pytest.approx(params, rel=1e-3)
+    assert preset_checkpoint(name).tensor("model.layers.0.self_attn.k_proj.bias").shape == (kv * 128,)
+
+
 def test_a_qwen3_config_json_reads_as_qwen3():
     raw = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936,

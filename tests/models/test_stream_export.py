@@ -247,3 +247,24 @@ def test_stages_refuse_up_front_when_memory_is_short(tiny_lm, tiny_q4, tmp_path,
     _fails(["-q", "compile", str(tiny_q4), "-o", str(out / "m.qwc")], capsys, "compiling tiny.q4.onnx needs about")
     assert not any(out.iterdir())                                              # nothing half-written
     assert main(["-q", "export", str(src), "-o", str(out / "m.onnx"), "--no-memory-check"]) == 0
+
+
+def test_the_export_refuses_a_graph_the_disk_cannot_hold(tmp_path, capsys, monkeypatch):
+    """A 32B's float graph is 131 GB: refused before a byte is written, naming both figures;
+    the estimate is a lower bound of what a streamed export writes."""
+    from collections import namedtuple
+
+    from qwc.models import stream_export
+    from qwc.models.presets import preset_checkpoint
+
+    out = tmp_path / "m.onnx"
+    assert main(["-q", "export", "tiny-qwen3", "-o", str(out), "--exporter", "stream"]) == 0
+    written = (tmp_path / "m.onnx.data").stat().st_size
+    # the rest is the rotary caches, large beside a tiny model's weights
+    assert 0.75 * written <= stream_export.stream_disk(preset_checkpoint("tiny-qwen3")) <= written
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(stream_export.shutil, "disk_usage", lambda p: usage(2**40, 2**40 - 10 * 2**30, 10 * 2**30))
+    _fails(["-q", "export", "qwen2.5-32b", "-o", str(tmp_path / "big.onnx")], capsys,
+           "big.onnx", "122.1 GiB of disk", "10.0 GiB is free")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m.onnx", "m.onnx.data", "m.config.json", "m.tokenizer.json"])

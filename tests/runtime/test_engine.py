@@ -310,6 +310,47 @@ def test_an_unchanged_artifact_is_not_hashed_again(tiny_host_artifact, tmp_path,
     one_line(capsys, main(["-q", "run", str(art), "--prompt", "a"]), "params.bin does not match its hash")
 
 
+def test_hashing_a_large_params_bin_is_reported(tiny_host_artifact, tmp_path, monkeypatch, capsys):
+    """A 32B's first load reads 17 GiB to check it: a stage line names the file and its size,
+    and the digest is the same as the quiet path's."""
+    from qwc import checksum, progress
+
+    monkeypatch.setenv(checksum.CACHE_ENV, "off")
+    monkeypatch.setattr(progress, "_quiet", False)   # an earlier `qwc -q` in this process
+    art = copy_artifact(tiny_host_artifact, tmp_path)
+    quiet = checksum.sha256(art / "params.bin")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(checksum, "REPORTED_BYTES", 1)
+    assert checksum.sha256(art / "params.bin") == quiet
+    assert "[qwc] checking params.bin against its hash (" in capsys.readouterr().err
+    assert main(["run", str(art), "--prompt", "a", "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("[qwc] checking params.bin") == 2 and err.index("done in") < err.index("[qwc] loaded")
+
+
+def test_a_load_from_a_cold_page_cache_says_it_read_the_disk(tiny_host_artifact, tmp_path, monkeypatch, capsys):
+    """mincore counts params.bin's cached pages (runtime/memory.py: cached_bytes): all of them
+    once read, fewer once the kernel is told to drop them; `qwc run` then says the load read
+    the disk, and a warm load does not."""
+    from qwc.runtime import engine, memory
+
+    art = copy_artifact(tiny_host_artifact, tmp_path)
+    params = art / "params.bin"
+    size = params.stat().st_size
+    params.read_bytes()
+    assert memory.cached_bytes(params) == size
+    monkeypatch.setattr(engine, "COLD_BYTES", 0)
+    for cold in (True, False):
+        if cold:
+            with open(params, "rb") as f:
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            assert memory.cached_bytes(params) < size
+        assert main(["run", str(art), "--prompt", "a", "--max-new-tokens", "1"]) == 0
+        said = "not in the page cache, read from disk" in capsys.readouterr().err
+        assert said == cold
+
+
 def test_artifact_for_another_architecture(tiny_host_artifact, tmp_path, capsys):
     art = copy_artifact(tiny_host_artifact, tmp_path)
     edit_manifest(art, lambda m: m["target"].update(name="arm-yitian", arch="aarch64"))
