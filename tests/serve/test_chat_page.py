@@ -23,7 +23,7 @@ from qwc.eval import data
 pytestmark = [pytest.mark.realdata, pytest.mark.slow]
 
 QUESTION = "What is the capital of France?"
-SYSTEM = "You are a helpful assistant."   # SmolLM2-135M names Paris with it, greedily
+SYSTEM = "You are a helpful assistant."
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +90,20 @@ def test_a_question_streams_a_reply_the_adapter_regenerate_and_stop(server, page
     page.evaluate("document.getElementById('input').value = ''")
 
     first = _ask(page, QUESTION)
-    assert "Paris" in first["text"], first
     assert first["who"] == "smol"
     assert first["chunks"] > 3 and len(set(first["lengths"])) > 1, first   # streamed, not one piece
     assert "tokens/s" in page.evaluate("document.getElementById('speed').textContent")
+    # the reply is the API's for this conversation, word for word (its first word is a near tie
+    # under Q8_0 activations: "The" or "La", 0.06 apart in log-probability on an AMD Zen 4)
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    assert first["text"] == client.chat.completions.create(
+        model="smol", temperature=0, max_tokens=32,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]).choices[0].message.content
 
     # the adapter: the page sends its name, and the reply is the API's for this conversation
     _set(page, "model", "austen")
     second = _ask(page, "And of Italy?")
     assert second["who"] == "austen"
-    client = openai.OpenAI(base_url=server.url, api_key="unused")
     want = client.chat.completions.create(
         model="austen", temperature=0, max_tokens=32,
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
