@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -144,16 +143,10 @@ def tiny_host_artifact(tiny_q4, tmp_path_factory):
     return out
 
 
-def greedy_against_onnxruntime(art, q4, cfg, prompt, n_steps: int, ctx: int, tol: float = 1e-3,
-                               q8_0_activations: bool = False):
+def greedy_against_onnxruntime(art, q4, cfg, prompt, n_steps: int, ctx: int, tol: float = 1e-3):
     """Greedy generation on the compiled module; onnxruntime on the canonical graph `q4` is fed
     the same tokens, and every step's logits agree within `tol` of their range. Returns the
-    engine, the references and the compiled module's logits.
-
-    `q8_0_activations`: an A8 artifact may instead agree with `q4` run with llama.cpp's Q8_0
-    activation rounding (bench/a8_reference.py). On a random model near a tie the two references
-    part by a quarter of the range and a host's A8 path lands on one of them (this AMD Zen 4's
-    on the rounded one, exactly); a wrong kernel is off both by O(1)."""
+    engine, the references and the compiled module's logits."""
     from qwc.passes.verify import run_steps, session
     from qwc.runtime.engine import Engine
 
@@ -165,22 +158,9 @@ def greedy_against_onnxruntime(art, q4, cfg, prompt, n_steps: int, ctx: int, tol
         steps.append(np.array([[tok]]))
         logits.append(eng.decode(tok))
     ref = [r[0, -1] for r in run_steps(session(str(q4)), cfg, steps, ctx=ctx)]
-    rounded = _q8_0_activation_logits(q4, cfg, steps, ctx) if q8_0_activations else ref
-    for r, a, g in zip(ref, rounded, logits):
-        assert min(np.abs(r - g).max(), np.abs(a - g).max()) / np.abs(r).max() < tol
+    for r, g in zip(ref, logits):
+        assert np.abs(r - g).max() / np.abs(r).max() < tol
     return eng, ref, logits
-
-
-def _q8_0_activation_logits(q4, cfg, steps, ctx: int):
-    """Each step's last logits from onnxruntime on `q4` with every linear's input rounded as
-    llama.cpp's Q8_0 activations are."""
-    from qwc.bench.a8_reference import with_q8_0_activations
-    from qwc.passes.verify import run_steps, session
-
-    with tempfile.TemporaryDirectory() as tmp:
-        a8 = Path(tmp) / "a8.onnx"
-        onnx.save(with_q8_0_activations(onnx.load(str(q4))), str(a8), save_as_external_data=True, location="a8.data")
-        return [r[0, -1] for r in run_steps(session(str(a8)), cfg, steps, ctx=ctx)]
 
 
 def random_peft_adapter(model, folder, r=4, alpha=None, seed=1, target=None, **config):
@@ -369,15 +349,3 @@ def _converts_to_q8_0() -> bool:
 # The tests that read the file's own codes in a host artifact: not kept where the host converts.
 KEEPS_FILE_CODES = pytest.mark.skipif(_converts_to_q8_0(), reason="this CPU's host target runs Q6_K / Q5 / IQ4 as "
                                       "Q8_0 (qwc targets), so its artifact does not hold the file's codes")
-# Random models near a tie: on a host that runs Q6_K / Q5 / IQ4 as Q8_0 (x86 without AVX-512
-# VNNI, such as AMD Zen 3), these tests' A8 logits are off their float reference (or llama.cpp's
-# recorded tokens) by more than the tolerance, because the models' attention is peaked enough
-# that rounding one linear's activations moves the logits by a quarter of their range (the IQ4
-# model: q_proj's input alone, 42%). That host's logits are the graph's with llama.cpp's Q8_0
-# activations (onnxruntime, bench/a8_reference.py: within 1.3% of the range, 0.0000 at most
-# steps), and on real files its greedy tokens are llama.cpp's (bench/kquant_files.py), so it is
-# the models and not the kernels; a VNNI host's rounding lands on the float side of these ties.
-# Not strict: a host whose rounding lands there too passes.
-A8_NEAR_TIES = pytest.mark.xfail(_converts_to_q8_0(), strict=False,
-                                 reason="random model near a tie that this host's Q8_0 activation rounding tips "
-                                        "(bench/a8_reference.py)")

@@ -35,7 +35,6 @@ from qwc.models import gguf_blocks
 from qwc.q4 import unpack_nibbles
 
 from conftest import (
-    A8_NEAR_TIES,
     KEEPS_FILE_CODES,
     compact_k_factors,
     one_line,
@@ -312,7 +311,6 @@ def host_builds(k_model):
 
 
 @pytest.mark.slow
-@A8_NEAR_TIES
 def test_artifact_runs_the_kept_formats_as_the_float_reference(k_model, host_builds):
     """Q4_K on the Q4_0 kernels with a block offset each, made from the file's factors
     (compiler/repack_q4_k.py), Q5_0 on the 8-bit paths; the manifest names them."""
@@ -340,7 +338,6 @@ NEAR_TIE = 0.1   # logits: where two engines' Q8_0 activations may round a tie e
 
 
 @pytest.mark.slow
-@A8_NEAR_TIES
 def test_greedy_tokens_follow_llama_cpp_on_the_same_file(host_builds):
     from qwc.runtime.engine import Engine
 
@@ -355,7 +352,6 @@ def test_greedy_tokens_follow_llama_cpp_on_the_same_file(host_builds):
 
 @pytest.mark.arm
 @pytest.mark.slow
-@A8_NEAR_TIES
 def test_kept_formats_on_arm_yitian_match_the_host(k_model, host_builds, tmp_path):
     manifest = _arm_yitian_follows_the_host(k_model[0], host_builds, tmp_path)
     assert manifest["quantization"]["weight_layout"]["q4_k_compact_scales"] == 10   # the file's factors, as x86
@@ -509,7 +505,7 @@ def test_q6_k_artifact_holds_the_files_codes_and_scales(q4_k_m_model, q4_k_m_bui
 
 
 @pytest.mark.slow
-@A8_NEAR_TIES
+@KEEPS_FILE_CODES
 def test_q6_k_artifact_runs_as_the_float_reference(q4_k_m_model, q4_k_m_builds):
     """Q6_K on its kernel (W6A8) and on the float-activation path (Q8_0 there); the manifest
     names the formats as they run."""
@@ -547,7 +543,6 @@ def _greedy_picks(art, tokens: list[int]) -> list[int]:
 
 
 @pytest.mark.slow
-@A8_NEAR_TIES
 def test_q6_k_greedy_tokens_equal_llama_cpps_on_the_same_file(q4_k_m_builds):
     assert _greedy_picks(q4_k_m_builds[8], LLAMA_CPP_GREEDY_Q4_K_M) == LLAMA_CPP_GREEDY_Q4_K_M
 
@@ -573,7 +568,7 @@ def _with_q6_k_d(raw: np.ndarray, value) -> np.ndarray:
 
 @pytest.mark.arm
 @pytest.mark.slow
-@A8_NEAR_TIES
+@KEEPS_FILE_CODES
 def test_q6_k_on_arm_yitian_matches_the_host(q4_k_m_model, q4_k_m_builds, tmp_path):
     """Q6_K on the sdot kernel (kernels/arm/q6_k.py) in the whole model under qemu, against the
     host's VNNI one: Q8_0 activations on both, so a rounding boundary may move one activation
@@ -786,7 +781,6 @@ LLAMA_CPP_GREEDY_Q5 = [49, 99, 152, 254, 199, 13, 57, 71]
 
 
 @pytest.mark.slow
-@A8_NEAR_TIES
 def test_q5_greedy_tokens_equal_llama_cpps_on_the_same_file(q5_builds):
     assert _greedy_picks(q5_builds[8], LLAMA_CPP_GREEDY_Q5) == LLAMA_CPP_GREEDY_Q5
 
@@ -812,7 +806,6 @@ def _with_half(raw: np.ndarray, at: int, value) -> np.ndarray:
 
 @pytest.mark.arm
 @pytest.mark.slow
-@A8_NEAR_TIES
 def test_q5_on_arm_yitian_matches_the_host(q5_model, q5_builds, tmp_path):
     """Q5_K (the file's factors, on Q8_K activations) and Q5_1 (block offsets) as five-bit codes
     on the sdot / smmla kernels; the greedy tokens are llama-server's."""
