@@ -19,28 +19,23 @@ is the weights.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
+from qwc.bench.mapped_weights import rollup
 from qwc.bench.replicas import start, stop
 from qwc.runtime.replicas import REPLICA_HEADER
 
 GIB = 2**30
 
 
-def rollup(pid: int) -> dict[str, int]:
-    """smaps_rollup's fields of process `pid`, in bytes."""
-    text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    return {k: int(v) * 1024 for k, v in re.findall(r"^(\w+):\s+(\d+) kB", text, re.M)}
-
-
-def ask(base: str) -> httpx.Response:
-    r = httpx.post(base + "/v1/completions", timeout=300, json={
-        "model": "m", "prompt": [5] * 16, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+def ask(base: str, token: int = 5, n: int = 4) -> httpx.Response:
+    """A greedy completion of 16 copies of `token`, `n` tokens long."""
+    r = httpx.post(base + "/v1/completions", timeout=600, json={
+        "model": "m", "prompt": [token] * 16, "max_tokens": n, "temperature": 0, "ignore_eos": True})
     r.raise_for_status()
     return r
 
@@ -52,10 +47,7 @@ def replica_pids(base: str, n: int, tries: int = 8) -> list[int]:
     seen: set[int] = set()
 
     def one(i: int) -> int:
-        r = httpx.post(base + "/v1/completions", timeout=600, json={
-            "model": "m", "prompt": [5 + i] * 16, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-        r.raise_for_status()
-        return int(r.headers[REPLICA_HEADER])
+        return int(ask(base, 5 + i, 8).headers[REPLICA_HEADER])
 
     with ThreadPoolExecutor(2 * n) as pool:
         for t in range(tries):

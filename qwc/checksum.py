@@ -11,6 +11,7 @@ be written only means every load hashes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -33,16 +34,17 @@ REPORTED_BYTES = 1 << 30
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     size = os.path.getsize(path)
-    if size < REPORTED_BYTES:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        return h.hexdigest()
-    with progress.stage(f"checking {Path(path).name} against its hash ({size / 2**30:.1f} GiB; once per file)"), \
-            open(path, "rb") as f, progress.bar(total=size, desc="hashing", unit="B", scaled=True) as bar:
+    with contextlib.ExitStack() as stack:
+        f = stack.enter_context(open(path, "rb"))
+        done = None
+        if size >= REPORTED_BYTES:
+            stack.enter_context(progress.stage(f"checking {Path(path).name} against its hash "
+                                               f"({size / 2**30:.1f} GiB; once per file)"))
+            done = stack.enter_context(progress.bar(total=size, desc="hashing", unit="B", scaled=True)).update
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
-            bar.update(len(chunk))
+            if done is not None:
+                done(len(chunk))
     return h.hexdigest()
 
 
