@@ -12,9 +12,11 @@ on the host artifact, `qwc run` (peak RSS of answering a prompt). With --bench, 
 of `qwc bench` against llama.cpp's llama-bench on a Q4_0 GGUF of the same checkpoint
 (bench/gguf_q4_0.py), in alternating rounds; --only-bench does only that, on the artifacts an
 earlier run left in --workdir. Each stage is its own process; its peak RSS is that process's, read with
-wait4. Intermediate files are deleted after each size unless --keep (a 7B's float graph is
-30 GB). Disk: a 7B needs ~55 GB free while it runs (checkpoint 15 GB, float graph 30 GB, the
-Q4_0 graph and two artifacts 12 GB); the checkpoints stay in --workdir for the next run.
+wait4. Intermediate files are deleted after each size unless --keep (the float graph as soon
+as it is optimized). Disk: a 7B needs ~42 GB free while it runs (checkpoint 15 GB, its float
+graph in bf16 15 GB, the Q4_0 graph and two artifacts 12 GB); a 14B ~68 GB at its peak
+(checkpoint and float graph 30 GB each, the Q4_0 graph 8 GB), then the compile's scratch, about
+three times its artifact; the checkpoints stay in --workdir for the next run.
 
 --gguf is the route for sizes whose float checkpoint would not fit the disk (a 32B's is 65 GB):
 the preset's Q4_0 GGUF is written a tensor at a time, exported, compiled for the host and run

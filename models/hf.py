@@ -40,12 +40,13 @@ def open_hf_dir(path: Path) -> Checkpoint:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise QwcError(f"{path}: no *.safetensors weights")
-    where, shapes = {}, {}
+    where, shapes, stored = {}, {}, {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
-                    where[k], shapes[k] = f, tuple(h.get_slice(k).get_shape())
+                    part = h.get_slice(k)
+                    where[k], shapes[k], stored[k] = f, tuple(part.get_shape()), part.get_dtype()
         except (SafetensorError, OSError, ValueError) as e:
             raise QwcError(f"{f}: corrupt safetensors file ({str(e).splitlines()[0]})") from None
     # saved from the bare decoder (transformers' Qwen2Model / Qwen3Model, as the Qwen3-Embedding
@@ -57,6 +58,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
 
     where = {hf_name(k): (f, k) for k, f in where.items()}   # HF name -> (file, the file's key)
     shapes = {hf_name(k): v for k, v in shapes.items()}
+    stored = {hf_name(k): v for k, v in stored.items() if v == "BF16"}
     check_dimensions(first, shapes, str(cfg_path))
     try:
         hf = (Qwen3Config if raw["model_type"] == "qwen3" else Qwen2Config).from_dict(raw)
@@ -86,7 +88,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
             raise QwcError(f"{f}: cannot read {name} ({str(e).splitlines()[0]})") from None
         return t.float().numpy()
 
-    ckpt = Checkpoint(cfg, tokenizer, str(path), shapes, read)
+    ckpt = Checkpoint(cfg, tokenizer, str(path), shapes, read, stored=stored)
     ckpt.check()
     return ckpt
 

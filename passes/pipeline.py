@@ -26,7 +26,7 @@ from . import (
     quantize_linears,
     schemas,
 )
-from .graph import WeightFile, external_location, materialize, node_label, tensor_bytes, weights_to
+from .graph import WeightFile, external_location, materialize, node_label, tensor_bytes, weights_to, widen_bf16_weights
 from .options import PassOptions
 
 PASSES = [
@@ -213,6 +213,7 @@ def load_graph(path, lazy: bool = False) -> onnx.ModelProto:
         raise QwcError(f"{path}: the graph has no nodes (an empty or non-ONNX file?)")
     if lazy:
         _resolve_external(model, path)
+    widen_bf16_weights(model)
     return model
 
 

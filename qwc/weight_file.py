@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from qwc import bf16
 from qwc.errors import QwcError
 
 PAGE = 4096
@@ -56,22 +57,28 @@ class WeightFile:
             e.key, e.value = k, v
         return t
 
-    def add(self, array: np.ndarray, name: str) -> onnx.TensorProto:
-        """`array` may be a view (a transposed weight): written a chunk of rows at a time."""
+    def add(self, array: np.ndarray, name: str, as_bf16: bool = False) -> onnx.TensorProto:
+        """`array` may be a view (a transposed weight): written a chunk of rows at a time.
+        `as_bf16`: float32 values that are bf16 values, written as a BFLOAT16 tensor
+        (qwc/bf16.py)."""
         a = np.asarray(array)
         offset = self._start()
         if a.ndim == 0:
             self._f.write(a.tobytes())
         else:
             rows = max(1, _CHUNK // max(1, a[0].nbytes))
-            for r in range(0, len(a), rows):
-                self._f.write(np.ascontiguousarray(a[r:r + rows]).data)   # little-endian on every host qwc runs on
+            for r in range(0, len(a), rows):   # little-endian on every host qwc runs on
+                self._f.write(bf16.to_bits(a[r:r + rows]).data if as_bf16 else np.ascontiguousarray(a[r:r + rows]).data)
+        if as_bf16:
+            return self._tensor(name, onnx.TensorProto.BFLOAT16, a.shape, offset, a.size * 2)
         return self._tensor(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape, offset, a.nbytes)
 
     def copy_in(self, t: onnx.TensorProto) -> onnx.TensorProto:
         """A copy of the external tensor `t` (in another file, by absolute path) in this one,
-        by chunks of the file."""
+        by chunks of the file. A float32 one stored as bf16 is written widened, as float32."""
         info = {e.key: e.value for e in t.external_data}
+        if bf16.stored_as_bf16(t):
+            return self._copy_widened(t, info)
         nbytes = int(np.prod(t.dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
         offset = self._start()
         with open(info["location"], "rb") as src:
@@ -84,6 +91,18 @@ class WeightFile:
                 self._f.write(chunk)
                 left -= len(chunk)
         return self._tensor(t.name, t.data_type, t.dims, offset, nbytes)
+
+    def _copy_widened(self, t: onnx.TensorProto, info: dict) -> onnx.TensorProto:
+        count = int(np.prod(t.dims, dtype=np.int64))
+        offset = self._start()
+        with open(info["location"], "rb") as src:
+            src.seek(int(info.get("offset", 0)))
+            for start in range(0, count, _CHUNK // 4):
+                part = bf16.read_widened(src, min(count - start, _CHUNK // 4))
+                if part.size < min(count - start, _CHUNK // 4):
+                    raise QwcError(f"initializer {t.name}: its external data file {info['location']} is truncated")
+                self._f.write(part.data)
+        return self._tensor(t.name, onnx.TensorProto.FLOAT, t.dims, offset, count * 4)
 
     def close(self, sync: bool = False) -> None:
         """`sync`: on disk before the caller publishes the file."""

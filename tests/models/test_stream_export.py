@@ -155,6 +155,48 @@ def test_optimize_reads_a_streamed_graph_lazily(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no staging left
 
 
+def _as_float32(src, dst) -> None:
+    """A copy of hub directory `src` with every tensor in float32 (the same values)."""
+    from safetensors.torch import load_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v.float() for k, v in load_file(str(f)).items()}, str(dst / f.name))
+        else:
+            (dst / f.name).write_bytes(f.read_bytes())
+
+
+@pytest.mark.parametrize("family", ["0.5b", "7b"])
+def test_a_bf16_checkpoint_exports_in_bf16_and_optimizes_to_the_float32_graphs_bytes(tmp_path, family):
+    """A bf16 checkpoint's matrices go to the graph in bf16 behind a Cast (half the disk), and
+    everything after the export is as from the float32 graph of the same values: the same Q4_0
+    bytes, the same float weights kept by --keep-float, the same onnxruntime logits."""
+    _hub_dir(tmp_path / "hf", family)
+    _as_float32(tmp_path / "hf", tmp_path / "hf32")
+    for src, name in ((tmp_path / "hf", "b"), (tmp_path / "hf32", "f")):
+        assert main(["-q", "export", str(src), "-o", str(tmp_path / f"{name}.onnx"), "--exporter", "stream"]) == 0
+        assert main(["-q", "optimize", str(tmp_path / f"{name}.onnx"), "-o", str(tmp_path / f"{name}.q4.onnx"),
+                     "--keep-float", "*down_proj"]) == 0
+    graph = onnx.load(str(tmp_path / "b.onnx"), load_external_data=False).graph
+    halves = [t for t in graph.initializer if t.data_type == onnx.TensorProto.BFLOAT16]
+    assert len(halves) == 2 * 7 + 1 + (family == "7b")   # the linears, the embedding, an untied head
+    assert sum(n.op_type == "Cast" and n.input[0] in {t.name for t in halves} for n in graph.node) == len(halves)
+    size = {n: (tmp_path / f"{n}.onnx.data").stat().st_size for n in "bf"}
+    assert 0.45 < size["b"] / size["f"] < 0.55
+    cfg = ModelConfig.load(sidecar_paths(tmp_path / "b.onnx")[0])
+    prompt, steps = _steps(cfg, seed=3)
+    for x, y in zip(ort_kv_logits(tmp_path / "b.onnx", cfg, prompt, steps),
+                    ort_kv_logits(tmp_path / "f.onnx", cfg, prompt, steps)):
+        assert np.array_equal(x, y)
+    got, want = (onnx.load(str(tmp_path / f"{n}.q4.onnx")) for n in "bf")
+    got = {t.name: onnx.numpy_helper.to_array(t) for t in got.graph.initializer}
+    want = {t.name: onnx.numpy_helper.to_array(t) for t in want.graph.initializer}
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in got)
+    kept = [k for k in got if "down_proj" in k and got[k].dtype == np.float32 and got[k].ndim == 2]
+    assert len(kept) == 2   # the float weights --keep-float kept, widened from bf16 into the output
+
+
 def test_weight_file_keeps_only_what_the_graph_reads(tmp_path):
     """A weight a pass wrote and a later pass dropped is not carried into the output's data file;
     small tensors stay in the message."""
