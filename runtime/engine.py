@@ -319,10 +319,9 @@ class Engine:
         inputs = [((slots, 1), np.int64)] * 2 + [((slots * (ctx + 1),), np.int64), ((slots, 1), np.int64)]
         arena = memory.arena_for([(shape, self._kv_dtype)] * self._n_cache + inputs)
         arrays = [arena.take(shape, self._kv_dtype) for _ in range(self._n_cache)]
-        if commit:
-            for a in arrays:
-                a.fill(0)
         ins = tuple(arena.take(s, d) for s, d in inputs)
+        if commit:
+            arena.commit()
         return Pool(arrays, ins, ctx, self._tvm.runtime.from_dlpack, mult)
 
     @property

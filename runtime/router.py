@@ -4,8 +4,8 @@ each request routed by its `model` field, as llama-server's router mode and llam
 Each model, once loaded, is what `qwc serve` runs for one artifact (runtime/serving.py:
 server_parts): its own engine, scheduler (so its own KV cache and batches) and HTTP app, to
 which the router hands the request whole (an ASGI call with the body it read). At most
-`--models-max` are resident: a request for another loads it in a worker thread, so the streams
-of the resident ones go on meanwhile, after unloading the least recently used model that has
+`--models-max` are resident: a request for another loads it in a thread of the lowest CPU
+priority, so the streams of the resident ones go on at their speed meanwhile, after unloading the least recently used model that has
 no request in flight (weights are mapped, so a load is cheap and an unload frees them). A model
 no artifact provides is OpenAI's 404 naming the ones there are.
 
@@ -20,6 +20,7 @@ import collections
 import gc
 import json
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ from urllib.parse import parse_qs
 
 from qwc import progress
 from qwc.errors import QwcError
+
+from .priority import lowest_priority
 
 
 def holds_artifacts(given: str) -> bool:
@@ -55,6 +58,38 @@ def artifact_paths(given: list[str]) -> dict[str, Path]:
                 raise QwcError(f"two artifacts are named {name!r} ({paths[name]}, {a}); rename one")
             paths[name] = a
     return paths
+
+
+async def _in_background(fn, *args):
+    """fn(*args) in a thread of its own at the lowest CPU priority, awaited. A load's work
+    (reading the library, committing the KV cache's pages, the first call) competes for the
+    cores with the resident models' streams, which on a small machine hold every core: at the
+    lowest priority it takes what they leave instead of slowing them. A fresh thread, because
+    a thread's priority cannot be raised back without privileges, and anything it starts
+    inherits it."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def work():
+        lowest_priority()
+        try:
+            result = fn(*args)
+        except BaseException as e:   # noqa: BLE001 -- handed to the awaiting coroutine as it is
+            loop.call_soon_threadsafe(_settle, done, None, e)
+        else:
+            loop.call_soon_threadsafe(_settle, done, result, None)
+
+    threading.Thread(target=work, name="qwc-load", daemon=True).start()
+    return await done
+
+
+def _settle(done: asyncio.Future, result, error) -> None:
+    if done.cancelled():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
 
 
 @dataclass
@@ -153,9 +188,10 @@ class ModelRouter:
             await self._make_room()
             t0 = time.perf_counter()
             try:
-                eng, sched, app = await asyncio.to_thread(self.load, model, self.paths[model])
+                eng, sched, app = await _in_background(self.load, model, self.paths[model])
             except QwcError as e:
                 raise _Refused(500, f"model {model!r} failed to load: {e}", "model", kind="server_error") from None
+            sched.start()   # from this thread: its own thread (and the TVM pool it makes) at the server's priority
             progress.info(f"[qwc] loaded {model!r} in {time.perf_counter() - t0:.1f}s "
                           f"({len(self.resident) + 1} of at most {self.models_max} resident)")
             self.resident[model] = _Resident(eng, sched, app)

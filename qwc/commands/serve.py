@@ -158,8 +158,7 @@ def _serve_several(args: argparse.Namespace, paths: dict) -> None:
         one = copy.copy(args)
         one.model, one.model_name = str(path), name
         eng, sched, app, _ = server_parts(one)
-        sched.start()
-        return eng, sched, app
+        return eng, sched, app   # the router starts the scheduler
 
     router = ModelRouter(paths, load, args.models_max, None if args.no_webui else chat_page(), args.api_key)
     host, port = sock.getsockname()[:2]

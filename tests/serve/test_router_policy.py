@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
 
 import httpx
 
@@ -14,7 +16,10 @@ from qwc.runtime.router import ModelRouter, artifact_paths
 
 class _Sched:
     def __init__(self, log, name):
-        self.log, self.name = log, name
+        self.log, self.name, self.started = log, name, False
+
+    def start(self):
+        self.started = True
 
     def stop(self):
         self.log.append(f"stop {self.name}")
@@ -61,6 +66,30 @@ def test_requests_go_to_their_model_and_the_least_recently_used_idle_one_goes(tm
             assert {m["id"]: m["status"]["value"] for m in models} == {"a": "loaded", "b": "unloaded", "c": "loaded"}
     asyncio.run(run())
     assert log == ["load a", "load b", "stop b", "load c"]   # b was the least recently used
+
+
+def test_a_load_runs_at_the_lowest_priority_and_its_scheduler_at_the_servers(tmp_path):
+    """The load competes for the cores with the other models' streams at the lowest priority,
+    SCHED_IDLE (a thread of its own); the scheduler it built is started afterwards from the
+    server's thread, so what serves the model does not inherit that priority."""
+    router, log = _router(tmp_path, models_max=2)
+    seen = {}
+    load = router.load
+
+    def niced_load(name, path):
+        seen[name] = (threading.get_native_id(), os.sched_getscheduler(0))
+        return load(name, path)
+    router.load = niced_load
+
+    async def run():
+        async with _client(router) as c:
+            for m in ("a", "b"):
+                assert (await c.post("/v1/completions", json={"model": m})).status_code == 200
+        return threading.get_native_id(), os.sched_getscheduler(0)
+    server_thread, server_policy = asyncio.run(run())
+    assert {m: policy for m, (_, policy) in seen.items()} == {"a": os.SCHED_IDLE, "b": os.SCHED_IDLE}
+    assert server_thread not in {tid for tid, _ in seen.values()} and server_policy == os.SCHED_OTHER
+    assert all(r.scheduler.started for r in router.resident.values()) and len(router.resident) == 2
 
 
 def test_a_model_with_a_request_in_flight_is_not_unloaded(tmp_path):
