@@ -5,9 +5,10 @@ Each model, once loaded, is what `qwc serve` runs for one artifact (runtime/serv
 server_parts): its own engine, scheduler (so its own KV cache and batches) and HTTP app, to
 which the router hands the request whole (an ASGI call with the body it read). At most
 `--models-max` are resident: a request for another loads it in a thread of the lowest CPU
-priority, so the streams of the resident ones go on at their speed meanwhile, after unloading the least recently used model that has
-no request in flight (weights are mapped, so a load is cheap and an unload frees them). A model
-no artifact provides is OpenAI's 404 naming the ones there are.
+priority, so the streams of the resident ones go on at their speed meanwhile, after unloading
+the least recently used model that has no request in flight (weights are mapped, so a load is
+cheap and an unload frees them). A model no artifact provides is OpenAI's 404 naming the ones
+there are.
 
 What is not a model's: `GET /v1/models` (every model, loaded or not), `/health`, the chat page
 at `/`. `/props`, `/slots` and `/metrics` take `?model=ID` (without it: the model last used).
