@@ -26,7 +26,7 @@ from qwc.checksum import sha256
 from qwc.config import ModelConfig
 from qwc.errors import QwcError
 from qwc.manifest import ALIGN, AT_REST_VERSION, ArtifactTarget, Functions, Manifest, Param, Quantization
-from qwc.passes.graph import tensor_array
+from qwc.passes.graph import active_weight_file, tensor_array, weight_file_offset
 
 LIB_SPACE = 64 << 20   # lib.so and its object files: ~1-6 MiB for the presets
 
@@ -38,8 +38,9 @@ def write_params(path: Path, names: list[str], values: dict, at_rest: dict[str, 
 
     at_rest = at_rest or {}
     index, offset = [], 0
+    last_read = _last_reads(names, values, at_rest)
     with open(path, "wb") as f:
-        for name in names:
+        for i, name in enumerate(names):
             a = _array(values[name])
             spec, stored = at_rest.get(name), None
             if spec is not None:
@@ -53,6 +54,8 @@ def write_params(path: Path, names: list[str], values: dict, at_rest: dict[str, 
             index.append(Param(name, str(a.dtype), tuple(a.shape), offset, data.nbytes,
                                None if stored is None else dict(spec)))
             offset += data.nbytes
+            if i in last_read and (wf := active_weight_file()) is not None:
+                wf.release(last_read[i])   # read for the last time: params.bin grows as the scratch file shrinks
         # The runtime maps params.bin (runtime/memory.py). Pages a write leaves in the page cache
         # are partly small folios, mapped 4 KiB a page, where the kernels' weights want 2 MiB
         # pages; written out and dropped, the file is read back at the first load in large ones.
@@ -60,6 +63,22 @@ def write_params(path: Path, names: list[str], values: dict, at_rest: dict[str, 
         os.fdatasync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return index
+
+
+def _last_reads(names: list[str], values: dict, at_rest: dict[str, dict]) -> dict[int, list[int]]:
+    """For write_params: at which parameter (its index in `names`) each tensor of the active
+    weight file is read for the last time (as itself, or as the scales of one stored at rest)
+    -> their offsets there."""
+    last: dict[int, int] = {}
+    for i, name in enumerate(names):
+        spec = at_rest.get(name) or {}
+        for v in (values[name], values.get(spec.get("scales"))):
+            if (at := weight_file_offset(v)) is not None:
+                last[at] = i
+    by_index: dict[int, list[int]] = {}
+    for at, i in last.items():
+        by_index.setdefault(i, []).append(at)
+    return by_index
 
 
 def _array(v) -> np.ndarray:

@@ -84,6 +84,8 @@ def linear_formats(model) -> tuple[tuple, int | None]:
 
 def weights(model, act_bits: int, target) -> WeightsDone:
     """Phase 0: the weights phase, on the canonical graph in place."""
+    from qwc.passes.graph import release_unused_weights
+
     from .repack import float_column_blocks, half_gather_scales
     from .repack_q4_k import q4_k_gather
     from .row_activations import chosen
@@ -103,12 +105,15 @@ def weights(model, act_bits: int, target) -> WeightsDone:
         progress.info(f"[qwc] prefill activations: {rows} linears with a scale and zero point a token, "
                       + (f"the other {int8 - rows} Q4_0 / Q8_0 ones in blocks of 32" if rows
                          else f"none on {target.name} (its GEMM has no per-token form): blocks of 32"))
+    release_unused_weights(model)   # what the passes made and replaced
     with progress.stage("repacking weights for the target's kernels"):
         for name in ("q8_0_nibble_halves", "q4_k_compact", "q4_1_block_offsets", "five_bit_codes", "repack_weights"):
             done[name] = rewrites[name](model, act_bits, features)
+            release_unused_weights(model)   # the forms it replaced: the scratch disk holds one form
         embedding = q4_k_gather(model, features)   # an untied Q4_K table at the file's bytes
         half_gather_scales(model)
         column_blocks = float_column_blocks(model, features)
+        release_unused_weights(model)
     repacked = done["repack_weights"] + done["q4_k_compact"] + done["five_bit_codes"] + done["iq4_indices"]
     out.layout = {k: v for k, v in (("row_groups_16", repacked), ("q4_k_compact_scales", done["q4_k_compact"]),
                                     ("five_bit_codes", done["five_bit_codes"]), ("iq4_indices", done["iq4_indices"]),

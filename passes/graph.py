@@ -85,6 +85,25 @@ def active_weight_file() -> WeightFile | None:
     return _weights.get()
 
 
+def weight_file_offset(t) -> int | None:
+    """Where in the active weight file tensor `t` lies (None: elsewhere, or not a TensorProto)."""
+    wf = _weights.get()
+    if wf is None or not isinstance(t, onnx.TensorProto) or external_location(t) != str(wf.path):
+        return None
+    return int(next(e.value for e in t.external_data if e.key == "offset"))
+
+
+def release_unused_weights(model: onnx.ModelProto) -> int:
+    """Release (WeightFile.release) every tensor of the active weight file that no initializer
+    of `model` refers to: those the passes and rewrites made and then replaced. Returns the
+    bytes released."""
+    wf = _weights.get()
+    if wf is None:
+        return 0
+    used = {weight_file_offset(t) for t in model.graph.initializer}
+    return wf.release(wf.held() - used)
+
+
 def new_tensor(array: np.ndarray, name: str) -> onnx.TensorProto:
     """An initializer holding `array`: in the active weight file if large, else in the message."""
     wf = _weights.get()

@@ -26,7 +26,16 @@ from . import (
     quantize_linears,
     schemas,
 )
-from .graph import WeightFile, external_location, materialize, node_label, tensor_bytes, weights_to, widen_bf16_weights
+from .graph import (
+    LARGE_TENSOR_BYTES,
+    WeightFile,
+    external_location,
+    materialize,
+    node_label,
+    tensor_bytes,
+    weights_to,
+    widen_bf16_weights,
+)
 from .options import PassOptions
 
 PASSES = [
@@ -69,7 +78,10 @@ _HINTS = {
 }
 
 
-def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
+def optimize(model: onnx.ModelProto, options: PassOptions, by_reference: bool = False) -> onnx.ModelProto:
+    """The passes, in order, on `model`. `by_reference`: large float tensors the passes left
+    (and large tensors kept as they came, such as a GGUF's blocks) stay in their data files
+    for the compiler to read there, instead of being copied into the active weight file."""
     options.validate()
     schemas.register()
     calibrated = [flag for flag, ids in (("--awq", options.awq_calibration), ("--gptq", options.gptq_calibration))
@@ -89,8 +101,9 @@ def optimize(model: onnx.ModelProto, options: PassOptions) -> onnx.ModelProto:
         progress.info(f"[qwc]   {name}: {len(model.graph.node)} nodes ({time.perf_counter() - t0:.1f}s)")
     check_canonical(model)
     # The float tensors a lazily loaded graph still has on disk: read in, or with a weight file
-    # active, the large ones copied into it (the output needs no file but its own).
-    materialize(model)
+    # active, the large ones copied into it (the output needs no file but its own; a compile
+    # reads them where they are).
+    materialize(model, max_bytes=LARGE_TENSOR_BYTES if by_reference else None)
     kept = [p for p in model.metadata_props if p.key != STREAM_EXPORT_KEY]
     del model.metadata_props[:]
     model.metadata_props.extend(kept)
@@ -384,7 +397,7 @@ def load_canonical(src, config, options=None, memory_check: bool = True,
     `by_reference`: large initializers may stay in their data files (the compiler reads them
     one at a time as it writes params.bin); the passes then write theirs to the active weight
     file (compiler/compile.py opens one)."""
-    from .graph import LARGE_TENSOR_BYTES, active_weight_file
+    from .graph import active_weight_file
 
     with progress.stage(f"loading {src}"):
         model = load_graph(src, lazy=True)
@@ -400,4 +413,4 @@ def load_canonical(src, config, options=None, memory_check: bool = True,
     with progress.stage("running passes (the graph is not canonical yet)"):
         options = options or PassOptions()
         options.config = config
-        return optimize(model, options)
+        return optimize(model, options, by_reference=by_reference)

@@ -39,6 +39,7 @@ class WeightFile:
         self._f = open(self.path, "wb")
         self.size = 0
         self.written: set[int] = set()   # offsets, to tell whether dropped tensors left garbage
+        self._sizes: dict[int, int] = {}   # offset -> bytes of each tensor not yet released
 
     def _start(self) -> int:
         pad = -self.size % PAGE
@@ -49,6 +50,7 @@ class WeightFile:
     def _tensor(self, name: str, data_type: int, dims, offset: int, nbytes: int) -> onnx.TensorProto:
         self.size = offset + nbytes
         self.written.add(offset)
+        self._sizes[offset] = nbytes
         self._f.flush()   # readable at once: a later pass may read what an earlier one wrote
         t = onnx.TensorProto(name=name, data_type=data_type, dims=list(dims),
                              data_location=onnx.TensorProto.EXTERNAL)
@@ -104,9 +106,48 @@ class WeightFile:
                 self._f.write(part.data)
         return self._tensor(t.name, onnx.TensorProto.FLOAT, t.dims, offset, count * 4)
 
+    def held(self) -> set[int]:
+        """The offsets of the tensors written here and not released."""
+        return set(self._sizes)
+
+    def release(self, offsets) -> int:
+        """Give the disk blocks of the tensors at `offsets` back to the file system: a hole
+        punched where each was (the file's size is unchanged; reading there gives zeros). A
+        compile's scratch file holds each weight as the passes made it, as each rewrite remade
+        it and until params.bin has it, about three times the artifact at its end (54 GB for a
+        32B) where most of those bytes are never read again. Returns the bytes released; none
+        where the file system cannot punch holes (the bytes then stay until the file goes)."""
+        freed = 0
+        for offset in offsets:
+            if offset not in self._sizes:
+                continue
+            end = -(-(offset + self._sizes.pop(offset)) // PAGE) * PAGE   # the next tensor starts on a page
+            if _punch_hole(self._f.fileno(), offset, end - offset):
+                freed += end - offset
+        return freed
+
     def close(self, sync: bool = False) -> None:
         """`sync`: on disk before the caller publishes the file."""
         self._f.flush()
         if sync:
             os.fsync(self._f.fileno())
         self._f.close()
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Deallocate [offset, offset + length) of the open file `fd` (Linux's fallocate); False
+    where the platform or file system does not do it (the bytes then stay on disk)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fallocate = libc.fallocate
+    except (OSError, AttributeError):
+        return False
+    fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    return fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0
+
