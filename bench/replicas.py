@@ -103,17 +103,19 @@ def affinity(base: str) -> tuple[int, bool]:
     return cached, all(len(h) == 1 for h in homes.values())
 
 
-def requests_across_a_kill(base: str, model: str, prompts: list, max_tokens: int, pid: int, timeout: float,
-                           wait: float, on_kill=None) -> tuple[list, int]:
+def requests_across_a_kill(base: str, model: str, prompts: list, max_tokens: int, pids: list, timeout: float,
+                           wait: float, on_kill=None) -> tuple[list, int, int]:
     """One completion a prompt, all at once (every second one streaming, greedy, `ignore_eos`);
-    process `pid` SIGKILLed once a stream it serves has sent a token (or after 60 s: on a loaded
-    machine a fixed delay can fire before any stream is live), then on_kill(the kill's time) if
+    the replica (one of `pids`) serving the first stream to send a token SIGKILLed then (or
+    pids[0] after 60 s: on a loaded machine a fixed delay can fire before any stream is live,
+    and the router may send every stream to one replica), then on_kill(the kill's time) if
     given; the requests waited for up to `wait` s after the kill. Each one's outcome, ("whole",
     status, completion tokens), ("stream", its error event's code or None, whether [DONE]
-    came) or ("failed", the exception), and how many still ran (tests/serve/test_replicas.py
-    shares it)."""
+    came) or ("failed", the exception), how many still ran, and the pid killed
+    (tests/serve/test_replicas.py shares it)."""
     out: list = [None] * len(prompts)
     live = threading.Event()
+    serving: list = []   # the replica of the first stream with a token
 
     def ask(i):
         body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -125,7 +127,8 @@ def requests_across_a_kill(base: str, model: str, prompts: list, max_tokens: int
                     for line in r.iter_lines():
                         if line.startswith("data: {") and "error" in json.loads(line[6:]):
                             error = json.loads(line[6:])["error"]["code"]
-                        elif line.startswith("data: {") and r.headers.get(REPLICA_HEADER) == str(pid):
+                        elif line.startswith("data: {") and r.headers.get(REPLICA_HEADER) in map(str, pids):
+                            serving.append(int(r.headers[REPLICA_HEADER]))
                             live.set()
                         done = done or line == "data: [DONE]"
                 out[i] = ("stream", error, done)
@@ -139,13 +142,14 @@ def requests_across_a_kill(base: str, model: str, prompts: list, max_tokens: int
     for t in threads:
         t.start()
     live.wait(60)
+    pid = serving[0] if serving else pids[0]
     os.kill(pid, signal.SIGKILL)
     t0 = time.time()
     if on_kill:
         on_kill(t0)
     for t in threads:
         t.join(max(1.0, wait - (time.time() - t0)))
-    return out, sum(t.is_alive() for t in threads)
+    return out, sum(t.is_alive() for t in threads), pid
 
 
 def kill_round(base: str) -> tuple[bool, str]:
@@ -158,14 +162,14 @@ def kill_round(base: str) -> tuple[bool, str]:
                 h = httpx.get(base + "/health", timeout=30).json()
             except httpx.HTTPError:
                 h = {"replicas": 0, "pids": []}
-            if h["replicas"] == len(pids) and pids[0] not in h["pids"]:
+            if h["replicas"] == len(pids) and set(h["pids"]) != set(pids):
                 back.append(time.time() - t0)
                 return
             time.sleep(0.5)
 
     watcher = threading.Thread(target=lambda: watch(killed[0]), daemon=True)
-    out, hung = requests_across_a_kill(base, "m", [[7 + i] * 16 for i in range(16)], 400, pids[0], 300, 200,
-                                       on_kill=lambda t0: (killed.append(t0), watcher.start()))
+    out, hung, _ = requests_across_a_kill(base, "m", [[7 + i] * 16 for i in range(16)], 400, pids, 300, 200,
+                                          on_kill=lambda t0: (killed.append(t0), watcher.start()))
     watcher.join(max(1.0, 130 - (time.time() - killed[0])))
     whole_ok = all(o[1:] == (200, 400) for o in out if o and o[0] == "whole")
     streams_ok = all(o[2] and o[1] in (None, "replica_lost") for o in out if o and o[0] == "stream")
