@@ -114,8 +114,8 @@ class WeightFile:
         """Give the disk blocks of the tensors at `offsets` back to the file system: a hole
         punched where each was (the file's size is unchanged; reading there gives zeros). A
         compile's scratch file holds each weight as the passes made it, as each rewrite remade
-        it and until params.bin has it, about three times the artifact at its end (54 GB for a
-        32B) where most of those bytes are never read again. Returns the bytes released; none
+        it and until params.bin has it, about three times the artifact at its end, where most of
+        those bytes are never read again. Returns the bytes released; none
         where the file system cannot punch holes (the bytes then stay until the file goes)."""
         freed = 0
         for offset in offsets:
@@ -150,4 +150,3 @@ def _punch_hole(fd: int, offset: int, length: int) -> bool:
         return False
     fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
     return fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0
-

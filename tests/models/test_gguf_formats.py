@@ -314,6 +314,37 @@ def test_other_types_are_requantized_to_the_named_format(tmp_path, capsys):
         assert not any(n.op_type == "MatMul" for n in model.graph.node)
 
 
+def test_a_bf16_gguf_exports_in_bf16_and_optimizes_to_the_f32_files_bytes(tmp_path):
+    """A BF16 GGUF (convert_hf_to_gguf.py --outtype bf16) keeps its matrices in bf16 in a
+    streamed graph, half the disk, and everything after the export is as from the F32 file of
+    the same values: the same onnxruntime logits, the same Q4_0 bytes."""
+    from qwc.bf16 import to_bits, widen
+
+    def matrices(bf16: bool):
+        def make(rng, name, shape):
+            bits = to_bits((0.1 * rng.standard_normal(shape)).astype(np.float32))
+            return (bits, Q.BF16) if bf16 else (widen(bits), None)
+        return make
+
+    cfg = _config(hidden=128, intermediate=256)
+    for name in ("b", "f"):
+        write_random_model(tmp_path / f"{name}.gguf", cfg, matrices(name == "b"), seed=1)
+        assert main(["-q", "export", str(tmp_path / f"{name}.gguf"), "-o", str(tmp_path / f"{name}.onnx"),
+                     "--exporter", "stream"]) == 0
+        assert main(["-q", "optimize", str(tmp_path / f"{name}.onnx"), "-o", str(tmp_path / f"{name}.q4.onnx")]) == 0
+    graph = onnx.load(str(tmp_path / "b.onnx"), load_external_data=False).graph
+    assert sum(t.data_type == onnx.TensorProto.BFLOAT16 for t in graph.initializer) == 2 * 7 + 1   # tied
+    size = {n: (tmp_path / f"{n}.onnx.data").stat().st_size for n in "bf"}
+    assert 0.45 < size["b"] / size["f"] < 0.55
+    cfg = ModelConfig.load(sidecar_paths(tmp_path / "b.onnx")[0])
+    for x, y in zip(ort_kv_logits(tmp_path / "b.onnx", cfg, STEPS[0], STEPS[1:]),
+                    ort_kv_logits(tmp_path / "f.onnx", cfg, STEPS[0], STEPS[1:])):
+        assert np.array_equal(x, y)
+    got, want = ({t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / f"{n}.q4.onnx")).graph.initializer}
+                 for n in "bf")
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in got)
+
+
 def test_awq_on_kept_weights_is_refused_in_one_line(gguf_model, tmp_path, capsys):
     d, _ = gguf_model
     text = tmp_path / "calib.txt"
