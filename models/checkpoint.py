@@ -89,7 +89,7 @@ class Checkpoint:
     quant_types: dict[str, str] = field(default_factory=dict)
     read_blocks: Callable[[str], Blocks] | None = None
     # name -> the float type the file stores it in where that is narrower than float32
-    # ("BF16"): the streamed export writes those matrices in it (qwc/bf16.py)
+    # ("BF16", "F16"): the streamed export writes those matrices in it (qwc/half_floats.py)
     stored: dict[str, str] = field(default_factory=dict)
     # ModelConfig field -> the key the file spells it with (a GGUF's "qwen2.block_count"), for
     # messages; a field not listed is named as it is (a config.json's own spelling)

@@ -253,10 +253,10 @@ def open_gguf(path: Path) -> Checkpoint:
     # Llama has no q/k/v biases: Qwen2's are zero.
     quant = {name: t.tensor_type.name for name, t in tensors.items()
              if t.tensor_type.name not in ("F32", "F16", "BF16", "F64") and len(shapes[name]) == 2}
-    # a BF16 file's matrices (convert_hf_to_gguf.py --outtype bf16) stay bf16 in a streamed graph
-    bf16 = {name: "BF16" for name, t in tensors.items() if t.tensor_type.name == "BF16"}
+    # an F16 or BF16 file's matrices (what convert_hf_to_gguf.py writes) stay so in a streamed graph
+    narrow = {name: t.tensor_type.name for name, t in tensors.items() if t.tensor_type.name in ("BF16", "F16")}
     ckpt = Checkpoint(cfg, tokenizer, str(path), shapes, read, zero_biases=arch == "llama",
-                      quant_types=quant, read_blocks=read_blocks, stored=bf16,
+                      quant_types=quant, read_blocks=read_blocks, stored=narrow,
                       keys={f: key.format(arch=arch) for f, key in GGUF_KEYS.items()})
     ckpt.check()
     return ckpt

@@ -58,7 +58,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
 
     where = {hf_name(k): (f, k) for k, f in where.items()}   # HF name -> (file, the file's key)
     shapes = {hf_name(k): v for k, v in shapes.items()}
-    stored = {hf_name(k): v for k, v in stored.items() if v == "BF16"}
+    stored = {hf_name(k): v for k, v in stored.items() if v in ("BF16", "F16")}
     check_dimensions(first, shapes, str(cfg_path))
     try:
         hf = (Qwen3Config if raw["model_type"] == "qwen3" else Qwen2Config).from_dict(raw)

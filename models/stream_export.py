@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from qwc import bf16, progress, weight_formats
+from qwc import half_floats, progress, weight_formats
 from qwc.atomic import publish, staging_dir
 from qwc.config import foreign_graph_files, sidecar_paths
 from qwc.errors import QwcError
@@ -74,18 +74,19 @@ class _Writer:
         self.inits: list[TensorProto] = []
         self.bytes = 0
 
-    def add(self, name: str, a: np.ndarray, as_bf16: bool = False) -> str:
+    def add(self, name: str, a: np.ndarray, narrow: str | None = None) -> str:
         """`a` may be a transposed view: it is written in row chunks, never copied whole (a
-        7B's lm_head is 2.2 GB in float32). `as_bf16`: float32 values that are bf16 values,
-        written as BFLOAT16 (qwc/bf16.py)."""
+        7B's lm_head is 2.2 GB in float32). `narrow` ("BF16", "F16"): float32 values that are
+        that type's, written in it (qwc/half_floats.py)."""
         if a.nbytes <= INLINE_BYTES:
-            if as_bf16:
-                self.inits.append(helper.make_tensor(name, TensorProto.BFLOAT16, a.shape, bf16.to_bits(a).tobytes(), raw=True))
+            if narrow:
+                self.inits.append(helper.make_tensor(name, half_floats.KINDS[narrow][0], a.shape,
+                                                     half_floats.to_bits(a, narrow).tobytes(), raw=True))
             else:
                 self.inits.append(onnx.numpy_helper.from_array(np.ascontiguousarray(a), name))
             return name
-        self.inits.append(self.file.add(a, name, as_bf16=as_bf16))
-        self.bytes += a.size * 2 if as_bf16 else a.nbytes
+        self.inits.append(self.file.add(a, name, narrow=narrow))
+        self.bytes += a.size * 2 if narrow else a.nbytes
         return name
 
     def close(self) -> None:
@@ -107,14 +108,15 @@ class _GraphBuilder:
         return outputs[0]
 
     def weight(self, hf: str, transpose: bool = False) -> str:
-        """The weight's name in the graph. A matrix the checkpoint holds in bf16 is written in
-        bf16 behind a Cast to float32 of that name: the same values in half the disk."""
+        """The weight's name in the graph. A matrix the checkpoint holds in bf16 or fp16 is
+        written in that type behind a Cast to float32 of that name: the same values in half the
+        disk."""
         a = self.ckpt.tensor(hf)
         if transpose:
             a = a.T           # nn.Linear's [out, in] -> MatMul's [in, out], as the exporter folds it
         name = hf if not transpose else hf + ".T"
-        if a.ndim == 2 and self.ckpt.stored.get(hf) == "BF16":
-            stored = self.w.add(name + ".bf16", a, as_bf16=True)
+        if a.ndim == 2 and (narrow := self.ckpt.stored.get(hf)) in half_floats.KINDS:
+            stored = self.w.add(f"{name}.{narrow.lower()}", a, narrow=narrow)
             out = self.node("Cast", [stored], [name], f"/{name}/Cast", to=TensorProto.FLOAT)
         else:
             out = self.w.add(name, a)
@@ -364,8 +366,8 @@ def stream_memory(ckpt: Checkpoint) -> int:
 
 
 def stream_disk(ckpt: Checkpoint, requant: str = "q8_0") -> int:
-    """Estimated bytes of the graph's weight file: float32 for a float tensor (bf16 for a
-    matrix the checkpoint holds in bf16), a kept GGUF type's own block bytes, `requant`'s for
+    """Estimated bytes of the graph's weight file: float32 for a float tensor (2 bytes for a
+    matrix the checkpoint holds in bf16 or fp16), a kept GGUF type's own block bytes, `requant`'s for
     another quantized one. A lower bound, so that a disk it refuses could not have held the
     graph."""
     requant_bytes = gguf_blocks.KEPT[requant.upper()]
@@ -373,7 +375,7 @@ def stream_disk(ckpt: Checkpoint, requant: str = "q8_0") -> int:
     for name, shape in expected_tensors(ckpt.config).items():
         n, kind = int(np.prod(shape)), ckpt.quant_types.get(name)
         if kind is None:
-            total += (2 if len(shape) == 2 and ckpt.stored.get(name) == "BF16" else 4) * n
+            total += (2 if len(shape) == 2 and ckpt.stored.get(name) in half_floats.KINDS else 4) * n
         else:
             block, nbytes = gguf_blocks.KEPT.get(kind, requant_bytes)
             total += n // block * nbytes

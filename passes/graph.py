@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qwc import bf16
+from qwc import half_floats
 from qwc.errors import QwcError
 from qwc.weight_file import WeightFile, external_location
 
@@ -33,8 +33,8 @@ def tensor_array(t: onnx.TensorProto) -> np.ndarray:
     count = int(np.prod(t.dims, dtype=np.int64))
     with open(info["location"], "rb") as f:
         f.seek(int(info.get("offset", 0)))
-        if bf16.stored_as_bf16(t):
-            a = bf16.read_widened(f, count)
+        if kind := half_floats.stored_as(t):
+            a = half_floats.read_widened(f, count, kind)
         else:
             a = np.fromfile(f, dtype=helper.tensor_dtype_to_np_dtype(t.data_type), count=count)
     if a.size != count:
@@ -48,15 +48,15 @@ def tensor_view(t: onnx.TensorProto) -> np.ndarray:
     if t.data_location != onnx.TensorProto.EXTERNAL:
         return numpy_helper.to_array(t)
     info = {e.key: e.value for e in t.external_data}
-    if bf16.stored_as_bf16(t):
-        return bf16.WidenedView(np.memmap(info["location"], dtype=np.uint16, mode="r",
-                                          offset=int(info.get("offset", 0)), shape=tuple(t.dims)))
+    if kind := half_floats.stored_as(t):
+        return half_floats.WidenedView(np.memmap(info["location"], dtype=np.uint16, mode="r",
+                                                 offset=int(info.get("offset", 0)), shape=tuple(t.dims)), kind)
     return np.memmap(info["location"], dtype=helper.tensor_dtype_to_np_dtype(t.data_type), mode="r",
                      offset=int(info.get("offset", 0)), shape=tuple(t.dims))
 
 
 def tensor_bytes(t: onnx.TensorProto) -> int:
-    """An initializer's payload size as it is read (float32 for one stored as bf16), without
+    """An initializer's payload size as it is read (float32 for one stored narrow), without
     reading external data."""
     if t.data_location == onnx.TensorProto.EXTERNAL:
         return int(np.prod(t.dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
@@ -133,12 +133,12 @@ def materialize(model: onnx.ModelProto, max_bytes: int | None = None) -> None:
         del t.external_data[:]
 
 
-def widen_bf16_weights(model: onnx.ModelProto) -> int:
-    """Each Cast to float32 of a bf16 initializer (a bf16 checkpoint's matrices as the
-    streamed export writes them, qwc/bf16.py) made a float32 initializer of the Cast's output
-    name: the graph the passes see is the float32 export's. An external one keeps its bf16
-    bytes on disk, marked, and is widened as it is read; one in the message is widened now.
-    Returns how many."""
+def widen_half_weights(model: onnx.ModelProto) -> int:
+    """Each Cast to float32 of a bf16 or fp16 initializer (a narrow checkpoint's matrices as the
+    streamed export writes them, qwc/half_floats.py) made a float32 initializer of the Cast's
+    output name: the graph the passes see is the float32 export's. An external one keeps its
+    narrow bytes on disk, marked, and is widened as it is read; one in the message is widened
+    now. Returns how many."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     uses: dict[str, int] = defaultdict(int)
@@ -149,7 +149,7 @@ def widen_bf16_weights(model: onnx.ModelProto) -> int:
     casts = {}
     for n in g.node:
         t = inits.get(n.input[0]) if n.op_type == "Cast" and n.domain in ("", "ai.onnx") and n.input else None
-        if (t is not None and t.data_type == onnx.TensorProto.BFLOAT16 and uses[t.name] == 1
+        if (t is not None and half_floats.kind_of_type(t.data_type) and uses[t.name] == 1
                 and n.output[0] not in outputs
                 and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT for a in n.attribute)):
             casts[t.name] = n
@@ -160,9 +160,9 @@ def widen_bf16_weights(model: onnx.ModelProto) -> int:
             continue
         t.name = casts[t.name].output[0]
         if t.data_location == onnx.TensorProto.EXTERNAL:
-            bf16.mark(t)
+            half_floats.mark(t)
         else:
-            a = bf16.widen(bf16.inline_bits(t))
+            a = half_floats.widen(half_floats.inline_bits(t), half_floats.kind_of_type(t.data_type))
             t.ClearField("int32_data")
             t.data_type, t.raw_data = onnx.TensorProto.FLOAT, a.tobytes()
     widened = {n.output[0] for n in casts.values()}

@@ -34,7 +34,7 @@ from .graph import (
     node_label,
     tensor_bytes,
     weights_to,
-    widen_bf16_weights,
+    widen_half_weights,
 )
 from .options import PassOptions
 
@@ -226,7 +226,7 @@ def load_graph(path, lazy: bool = False) -> onnx.ModelProto:
         raise QwcError(f"{path}: the graph has no nodes (an empty or non-ONNX file?)")
     if lazy:
         _resolve_external(model, path)
-    widen_bf16_weights(model)
+    widen_half_weights(model)
     return model
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qwc import bf16
+from qwc import half_floats
 from qwc.errors import QwcError
 
 PAGE = 4096
@@ -59,10 +59,10 @@ class WeightFile:
             e.key, e.value = k, v
         return t
 
-    def add(self, array: np.ndarray, name: str, as_bf16: bool = False) -> onnx.TensorProto:
+    def add(self, array: np.ndarray, name: str, narrow: str | None = None) -> onnx.TensorProto:
         """`array` may be a view (a transposed weight): written a chunk of rows at a time.
-        `as_bf16`: float32 values that are bf16 values, written as a BFLOAT16 tensor
-        (qwc/bf16.py)."""
+        `narrow` ("BF16", "F16"): float32 values that are that type's, written in it
+        (qwc/half_floats.py)."""
         a = np.asarray(array)
         offset = self._start()
         if a.ndim == 0:
@@ -70,17 +70,18 @@ class WeightFile:
         else:
             rows = max(1, _CHUNK // max(1, a[0].nbytes))
             for r in range(0, len(a), rows):   # little-endian on every host qwc runs on
-                self._f.write(bf16.to_bits(a[r:r + rows]).data if as_bf16 else np.ascontiguousarray(a[r:r + rows]).data)
-        if as_bf16:
-            return self._tensor(name, onnx.TensorProto.BFLOAT16, a.shape, offset, a.size * 2)
+                self._f.write(half_floats.to_bits(a[r:r + rows], narrow).data if narrow
+                              else np.ascontiguousarray(a[r:r + rows]).data)
+        if narrow:
+            return self._tensor(name, half_floats.KINDS[narrow][0], a.shape, offset, a.size * 2)
         return self._tensor(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape, offset, a.nbytes)
 
     def copy_in(self, t: onnx.TensorProto) -> onnx.TensorProto:
         """A copy of the external tensor `t` (in another file, by absolute path) in this one,
-        by chunks of the file. A float32 one stored as bf16 is written widened, as float32."""
+        by chunks of the file. A float32 one stored narrow is written widened, as float32."""
         info = {e.key: e.value for e in t.external_data}
-        if bf16.stored_as_bf16(t):
-            return self._copy_widened(t, info)
+        if kind := half_floats.stored_as(t):
+            return self._copy_widened(t, info, kind)
         nbytes = int(np.prod(t.dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
         offset = self._start()
         with open(info["location"], "rb") as src:
@@ -94,13 +95,13 @@ class WeightFile:
                 left -= len(chunk)
         return self._tensor(t.name, t.data_type, t.dims, offset, nbytes)
 
-    def _copy_widened(self, t: onnx.TensorProto, info: dict) -> onnx.TensorProto:
+    def _copy_widened(self, t: onnx.TensorProto, info: dict, kind: str) -> onnx.TensorProto:
         count = int(np.prod(t.dims, dtype=np.int64))
         offset = self._start()
         with open(info["location"], "rb") as src:
             src.seek(int(info.get("offset", 0)))
             for start in range(0, count, _CHUNK // 4):
-                part = bf16.read_widened(src, min(count - start, _CHUNK // 4))
+                part = half_floats.read_widened(src, min(count - start, _CHUNK // 4), kind)
                 if part.size < min(count - start, _CHUNK // 4):
                     raise QwcError(f"initializer {t.name}: its external data file {info['location']} is truncated")
                 self._f.write(part.data)

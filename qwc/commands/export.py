@@ -45,7 +45,7 @@ def register(sub) -> None:
                    help="torch: trace the float32 model with torch.export (the generic graph; ~8 bytes "
                         "a parameter of memory). stream: write the fused float graph straight from the "
                         "checkpoint a tensor at a time (bounded memory; HF directories and .gguf files; a "
-                        "bf16 checkpoint's matrices stay bf16, exactly, in half the disk). "
+                        "bf16 or fp16 checkpoint's matrices stay so, exactly, in half the disk). "
                         "auto (default): stream checkpoints of 1B parameters and more, and GGUF files with "
                         "quantized weights (which only the streaming writer keeps)")
     e.add_argument("--requant", choices=("q8_0", "q4_0"), default="q8_0",

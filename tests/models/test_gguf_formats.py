@@ -314,16 +314,17 @@ def test_other_types_are_requantized_to_the_named_format(tmp_path, capsys):
         assert not any(n.op_type == "MatMul" for n in model.graph.node)
 
 
-def test_a_bf16_gguf_exports_in_bf16_and_optimizes_to_the_f32_files_bytes(tmp_path):
-    """A BF16 GGUF (convert_hf_to_gguf.py --outtype bf16) keeps its matrices in bf16 in a
+@pytest.mark.parametrize("narrow", ["BF16", "F16"])
+def test_a_bf16_or_f16_gguf_exports_narrow_and_optimizes_to_the_f32_files_bytes(tmp_path, narrow):
+    """A BF16 or F16 GGUF (what convert_hf_to_gguf.py writes) keeps its matrices so in a
     streamed graph, half the disk, and everything after the export is as from the F32 file of
     the same values: the same onnxruntime logits, the same Q4_0 bytes."""
-    from qwc.bf16 import to_bits, widen
+    from qwc.half_floats import KINDS, to_bits, widen
 
-    def matrices(bf16: bool):
+    def matrices(keep: bool):
         def make(rng, name, shape):
-            bits = to_bits((0.1 * rng.standard_normal(shape)).astype(np.float32))
-            return (bits, Q.BF16) if bf16 else (widen(bits), None)
+            bits = to_bits((0.1 * rng.standard_normal(shape)).astype(np.float32), narrow)
+            return (bits, Q[narrow]) if keep else (widen(bits, narrow), None)
         return make
 
     cfg = _config(hidden=128, intermediate=256)
@@ -333,7 +334,7 @@ def test_a_bf16_gguf_exports_in_bf16_and_optimizes_to_the_f32_files_bytes(tmp_pa
                      "--exporter", "stream"]) == 0
         assert main(["-q", "optimize", str(tmp_path / f"{name}.onnx"), "-o", str(tmp_path / f"{name}.q4.onnx")]) == 0
     graph = onnx.load(str(tmp_path / "b.onnx"), load_external_data=False).graph
-    assert sum(t.data_type == onnx.TensorProto.BFLOAT16 for t in graph.initializer) == 2 * 7 + 1   # tied
+    assert sum(t.data_type == KINDS[narrow][0] for t in graph.initializer) == 2 * 7 + 1   # tied
     size = {n: (tmp_path / f"{n}.onnx.data").stat().st_size for n in "bf"}
     assert 0.45 < size["b"] / size["f"] < 0.55
     cfg = ModelConfig.load(sidecar_paths(tmp_path / "b.onnx")[0])

@@ -80,8 +80,8 @@ FAMILIES = {
 }
 
 
-def _hub_dir(path, family: str):
-    """A hub-style directory: bf16 weights in two safetensors shards with an index."""
+def _hub_dir(path, family: str, dtype=torch.bfloat16):
+    """A hub-style directory: bf16 (or `dtype`) weights in two safetensors shards with an index."""
     h, inter, heads, kv, hd, tied = FAMILIES[family]
     tok = byte_level_tokenizer()
     bos, eos = special_ids(tok)
@@ -96,7 +96,7 @@ def _hub_dir(path, family: str):
     for k, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
         fname = f"model-{k + 1:05d}-of-00002.safetensors"
         state = {n: ((1 + 0.1 * torch.randn(s, generator=gen)) if n.endswith("norm.weight")
-                     else 0.05 * torch.randn(s, generator=gen)).to(torch.bfloat16) for n, s in part}
+                     else 0.05 * torch.randn(s, generator=gen)).to(dtype) for n, s in part}
         save_file(state, str(path / fname))
         weight_map.update({n: fname for n in state})
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
@@ -167,19 +167,19 @@ def _as_float32(src, dst) -> None:
             (dst / f.name).write_bytes(f.read_bytes())
 
 
-@pytest.mark.parametrize("family", ["0.5b", "7b"])
-def test_a_bf16_checkpoint_exports_in_bf16_and_optimizes_to_the_float32_graphs_bytes(tmp_path, family):
-    """A bf16 checkpoint's matrices go to the graph in bf16 behind a Cast (half the disk), and
-    everything after the export is as from the float32 graph of the same values: the same Q4_0
-    bytes, the same float weights kept by --keep-float, the same onnxruntime logits."""
-    _hub_dir(tmp_path / "hf", family)
+@pytest.mark.parametrize("family,dtype", [("0.5b", "bfloat16"), ("7b", "bfloat16"), ("0.5b", "float16")])
+def test_a_bf16_or_fp16_checkpoint_exports_so_and_optimizes_to_the_float32_graphs_bytes(tmp_path, family, dtype):
+    """A bf16 (fp16) checkpoint's matrices go to the graph in bf16 (fp16) behind a Cast (half
+    the disk), and everything after the export is as from the float32 graph of the same values:
+    the same Q4_0 bytes, the same float weights kept by --keep-float, the same onnxruntime logits."""
+    _hub_dir(tmp_path / "hf", family, getattr(torch, dtype))
     _as_float32(tmp_path / "hf", tmp_path / "hf32")
     for src, name in ((tmp_path / "hf", "b"), (tmp_path / "hf32", "f")):
         assert main(["-q", "export", str(src), "-o", str(tmp_path / f"{name}.onnx"), "--exporter", "stream"]) == 0
         assert main(["-q", "optimize", str(tmp_path / f"{name}.onnx"), "-o", str(tmp_path / f"{name}.q4.onnx"),
                      "--keep-float", "*down_proj"]) == 0
     graph = onnx.load(str(tmp_path / "b.onnx"), load_external_data=False).graph
-    halves = [t for t in graph.initializer if t.data_type == onnx.TensorProto.BFLOAT16]
+    halves = [t for t in graph.initializer if t.data_type == getattr(onnx.TensorProto, dtype.upper())]
     assert len(halves) == 2 * 7 + 1 + (family == "7b")   # the linears, the embedding, an untied head
     assert sum(n.op_type == "Cast" and n.input[0] in {t.name for t in halves} for n in graph.node) == len(halves)
     size = {n: (tmp_path / f"{n}.onnx.data").stat().st_size for n in "bf"}
@@ -194,7 +194,7 @@ def test_a_bf16_checkpoint_exports_in_bf16_and_optimizes_to_the_float32_graphs_b
     want = {t.name: onnx.numpy_helper.to_array(t) for t in want.graph.initializer}
     assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in got)
     kept = [k for k in got if "down_proj" in k and got[k].dtype == np.float32 and got[k].ndim == 2]
-    assert len(kept) == 2   # the float weights --keep-float kept, widened from bf16 into the output
+    assert len(kept) == 2   # the float weights --keep-float kept, widened into the output
 
 
 def test_weight_file_keeps_only_what_the_graph_reads(tmp_path):
