@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from qwc import field_checks
+from qwc import field_checks, half_floats
 from qwc.config import ModelConfig, yarn_parameters
 from qwc.errors import QwcError
 from qwc.rotary import unpermute_rotary_rows
@@ -254,7 +254,7 @@ def open_gguf(path: Path) -> Checkpoint:
     quant = {name: t.tensor_type.name for name, t in tensors.items()
              if t.tensor_type.name not in ("F32", "F16", "BF16", "F64") and len(shapes[name]) == 2}
     # an F16 or BF16 file's matrices (what convert_hf_to_gguf.py writes) stay so in a streamed graph
-    narrow = {name: t.tensor_type.name for name, t in tensors.items() if t.tensor_type.name in ("BF16", "F16")}
+    narrow = {name: t.tensor_type.name for name, t in tensors.items() if t.tensor_type.name in half_floats.KINDS}
     ckpt = Checkpoint(cfg, tokenizer, str(path), shapes, read, zero_biases=arch == "llama",
                       quant_types=quant, read_blocks=read_blocks, stored=narrow,
                       keys={f: key.format(arch=arch) for f, key in GGUF_KEYS.items()})

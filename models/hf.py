@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 from transformers import Qwen2Config, Qwen3Config
 
+from qwc import half_floats
 from qwc.atomic import replace_dir, staging_dir
 from qwc.config import ARCHITECTURES, ModelConfig
 from qwc.errors import QwcError
@@ -58,7 +59,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
 
     where = {hf_name(k): (f, k) for k, f in where.items()}   # HF name -> (file, the file's key)
     shapes = {hf_name(k): v for k, v in shapes.items()}
-    stored = {hf_name(k): v for k, v in stored.items() if v in ("BF16", "F16")}
+    stored = {hf_name(k): v for k, v in stored.items() if v in half_floats.KINDS}
     check_dimensions(first, shapes, str(cfg_path))
     try:
         hf = (Qwen3Config if raw["model_type"] == "qwen3" else Qwen2Config).from_dict(raw)
