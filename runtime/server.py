@@ -158,9 +158,9 @@ class Api:
                                                    for n in names]}
 
     def adapter_slot(self, model) -> int:
-        """The slot of the model a request names: 0 for the base, an adapter's own; OpenAI's 404
-        for any other name."""
-        if model == self.settings.model_id:
+        """The slot of the model a request names: 0 for the base (or no name, as llama-server and
+        vLLM take a request without `model`), an adapter's own; OpenAI's 404 for any other name."""
+        if model is None or model == self.settings.model_id:
             return 0
         names = self.engine.adapters.names if self.engine.adapters is not None else []
         if isinstance(model, str) and model in names:
@@ -245,7 +245,8 @@ class Api:
         shown = None
         if echo:
             shown = body["prompt"] if isinstance(body.get("prompt"), str) else self.engine.tokenizer.decode(prompt)
-        return reqs, {"model": body["model"], "stream": stream, "include_usage": bool(opts.get("include_usage")),
+        return reqs, {"model": body.get("model") or self.settings.model_id, "stream": stream,
+                      "include_usage": bool(opts.get("include_usage")),
                       "echo": shown, "tools": bool(fns) and choice != "none", "reasoning": reasoning}
 
     def _checked(self, lark: str, param: str) -> str:

@@ -127,6 +127,20 @@ def test_sampling_with_a_seed_repeats(server):
     assert a == b
 
 
+def test_a_request_without_model_is_the_base_models(server):
+    """`model` left out (llama-server and vLLM take that) is the served model, not a 404."""
+    body = {"prompt": "Once upon", "max_tokens": 6, "temperature": 0}
+    named = server.post("/v1/completions", {**body, "model": "tiny"})
+    unnamed = server.post("/v1/completions", body)
+    assert unnamed.status_code == 200, unnamed.text
+    assert unnamed.json()["choices"][0]["text"] == named.json()["choices"][0]["text"]
+    assert unnamed.json()["model"] == "tiny"
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
+    named, unnamed = server.post("/v1/chat/completions", {**chat, "model": "tiny"}), server.post("/v1/chat/completions", chat)
+    assert unnamed.status_code == 200, unnamed.text
+    assert unnamed.json()["choices"][0]["message"] == named.json()["choices"][0]["message"]
+
+
 def test_penalties_and_logit_bias_are_the_engines(server, artifact):
     """presence_penalty, frequency_penalty and logit_bias reach the sampler as the Engine
     applies them (tests/runtime/test_sampling.py holds what they do), and a bias of 100 on
