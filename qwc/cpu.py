@@ -18,6 +18,9 @@ import os
 import platform
 from pathlib import Path
 
+from .errors import QwcError
+from .limits import is_int
+
 # getauxval keys and the AArch64 hwcap bits (linux/arch/arm64/include/uapi/asm/hwcap.h)
 _AT_HWCAP, _AT_HWCAP2 = 16, 26
 _ARM_BITS = {"neon": (_AT_HWCAP, 1), "dotprod": (_AT_HWCAP, 20), "sve": (_AT_HWCAP, 22),
@@ -111,3 +114,17 @@ def max_threads() -> int:
     """The most worker threads qwc starts. TVM's pool spins while it waits, so every thread past
     the cores slows a step down (16 threads on 2 cores: many times slower; 256 never finish)."""
     return max(8, 4 * usable_cpus())
+
+
+TVM_SPIN_COUNT = 300000   # TVM's own default spin of an idle pool worker (src/runtime/thread_pool.cc)
+
+
+def pool_spin_count(poll: int) -> int:
+    """llama.cpp's --poll level (0-100, default 50) as TVM's worker spin count: 50 is TVM's
+    default, 0 no spin. An idle worker spins on sched_yield, and an EEVDF kernel (Linux 6.6 on)
+    pushes a yielding thread's deadline back a slice each time, so beside another busy program
+    a worker that spun runs late once its work comes (docs/history/serving.md); 0 sleeps at
+    once, which costs each kernel launch a wake-up on a quiet machine."""
+    if not is_int(poll) or not 0 <= poll <= 100:
+        raise QwcError(f"poll {poll!r}: must be an integer from 0 to 100")
+    return poll * TVM_SPIN_COUNT // 50

@@ -31,6 +31,7 @@ from .sampling import SamplingParams
 
 PREFILL_CHUNK = 256
 OVERSUBSCRIBED_THREADS = 1024   # Engine(oversubscribe=True): emulated many-core runs
+SPIN = "TVM_THREAD_POOL_SPIN_COUNT"   # an idle pool worker's spin (qwc.cpu.pool_spin_count)
 COLD_BYTES = 64 << 20   # params.bin bytes outside the page cache worth telling the user about
 
 
@@ -146,12 +147,12 @@ def check_runs_here(manifest: Manifest) -> None:
 
 class Engine:
     def __init__(self, path, ctx: int = 512, threads: int | None = None, verify_hashes: bool = True,
-                 oversubscribe: bool = False, map_weights: bool = True):
+                 oversubscribe: bool = False, map_weights: bool = True, poll: int | None = None):
         """`oversubscribe` lifts the bound on threads (4 per usable CPU) to OVERSUBSCRIBED_THREADS,
         for emulation, where the guest's threads are many more than the host's cores and are
         counted, not timed (bench/arm_threads.py); waiting threads then sleep instead of spin.
         `map_weights`: the parameters are params.bin's pages, mapped (runtime/memory.py:
-        MappedFile); False reads them into memory of the process's own (`--no-mmap`)."""
+        MappedFile); False reads them into memory of the process's own (`--no-mmap`). `poll`: llama.cpp's --poll (cpu.pool_spin_count)."""
         self.path = Path(path)
         cap = OVERSUBSCRIBED_THREADS if oversubscribe else max_threads()
         what = "threads"
@@ -178,8 +179,8 @@ class Engine:
         # then sets the number used. Default: every usable core.
         self.threads = int(threads or len(os.sched_getaffinity(0)))
         os.environ["TVM_NUM_THREADS"] = str(self.threads)
-        if oversubscribe:   # read once, when the first pool starts
-            os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+        if poll is not None or oversubscribe:   # read once, when the first pool starts (emulated: no spin)
+            os.environ[SPIN] = str(cpu.pool_spin_count(poll)) if poll is not None else os.environ.get(SPIN, "0")
         self._pool_sized: set[int] = set()   # the threads whose TVM pool _size_pool has set
         tvm = _import_tvm()
         from tvm.runtime.vm import VirtualMachine  # runtime-only: works with TVM_USE_RUNTIME_LIB=1

@@ -97,7 +97,8 @@ def server_parts(args):
     serve_needs()
     check_draft_options(args)
     ctx, said = chosen_context(args, sequences=args.max_batch)
-    eng = Engine(args.model, ctx=ctx, threads=args.threads, map_weights=not args.no_mmap)
+    eng = Engine(args.model, ctx=ctx, threads=args.threads, map_weights=not args.no_mmap,
+                 poll=getattr(args, "poll", None))
     name = args.model_name or Path(args.model).resolve().name.removesuffix(".qwc")
     adapters(args, eng, name)
     drafts = drafter(args, eng)

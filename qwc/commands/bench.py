@@ -11,7 +11,7 @@ import time
 from qwc import progress
 from qwc.errors import QwcError
 
-from .options import mmap_option, nonnegative, positive, thread_count
+from .options import mmap_option, nonnegative, poll_option, positive, thread_count
 
 
 def register(sub) -> None:
@@ -26,6 +26,7 @@ def register(sub) -> None:
     b.add_argument("--threads", type=thread_count, default=None)
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
     mmap_option(b)
+    poll_option(b)
     b.set_defaults(func=run)
 
 
@@ -42,7 +43,8 @@ def run(args: argparse.Namespace) -> None:
     need = args.n_depth + max(args.n_prompt, args.n_gen)
     if args.ctx and args.ctx < need:
         raise QwcError(f"--ctx {args.ctx} is less than the {need} tokens the tests need (depth + the longest test)")
-    eng = Engine(args.model, ctx=max(args.ctx, need, 16), threads=args.threads, map_weights=not args.no_mmap)
+    eng = Engine(args.model, ctx=max(args.ctx, need, 16), threads=args.threads, map_weights=not args.no_mmap,
+                 poll=args.poll)
     load_s = time.perf_counter() - start
     progress.info(f"[qwc] loaded in {load_s:.2f}s ({eng.describe_weights()})")
     rows = run_bench(eng, args.n_prompt, args.n_gen, reps=args.repetitions, depth=args.n_depth,

@@ -118,6 +118,14 @@ def mmap_option(p: argparse.ArgumentParser) -> None:
                         "flag): a slower start, and no sharing of the pages with other processes that map it")
 
 
+def poll_option(p: argparse.ArgumentParser) -> None:
+    """--poll (the commands that run an artifact: Engine's poll)."""
+    p.add_argument("--poll", type=int_in(0, 100), default=None, metavar="0-100",
+                   help="how long idle worker threads poll for the next kernel before they sleep, as llama.cpp's "
+                        "flag (default 50): 0 sleeps at once, which avoids stalls of hundreds of ms beside "
+                        "other busy programs on the same cores, at a slower decode on a quiet machine")
+
+
 def calibration_options(p: argparse.ArgumentParser, what: str, tokens: int) -> None:
     """--calib and --calib-tokens (eval/data.calibration_ids reads them)."""
     p.add_argument("--calib", default="austen:emma", metavar="TEXT",

@@ -18,6 +18,7 @@ from .options import (
     int_in,
     mmap_option,
     nonnegative,
+    poll_option,
     positive,
     seed_value,
     speculation_options,
@@ -59,6 +60,7 @@ def register(sub) -> None:
                    help="refuse an adapter above rank R (default: the artifact's bound)")
     speculation_options(r)
     mmap_option(r)
+    poll_option(r)
     r.set_defaults(func=run)
 
 
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> None:
     check_draft_options(args)
     t0 = time.perf_counter()
     ctx = args.ctx if args.ctx is not None else default_context(read_manifest(Path(args.model)), 1, RUN_CONTEXT)[0]
-    eng = Engine(args.model, ctx=ctx, threads=args.threads, map_weights=not args.no_mmap)
+    eng = Engine(args.model, ctx=ctx, threads=args.threads, map_weights=not args.no_mmap, poll=args.poll)
     adapter = None
     if args.lora:
         from qwc.runtime.adapters import load_adapters

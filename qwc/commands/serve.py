@@ -13,6 +13,7 @@ from .options import (
     int_in,
     mmap_option,
     nonnegative,
+    poll_option,
     positive,
     speculation_options,
     template_variables,
@@ -48,6 +49,7 @@ def register(sub) -> None:
                          "--max-batch >= 2), which reads the weights once for both")
     speculation_options(sv)
     mmap_option(sv)
+    poll_option(sv)
     sv.add_argument("--spec-batch", type=positive, default=1, metavar="N",
                     help="speculate only while at most N sequences decode; more take the batched step, which "
                          "reads the weights once for all (default 1)")

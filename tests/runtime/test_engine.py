@@ -467,3 +467,31 @@ def test_ids_past_the_tokenizer_are_never_sampled(tiny_host_artifact):
     assert mismatch(151936, 151665) is None and mismatch(152064, 151665) is None   # Qwen2.5's own padding
     assert "covers 259 of the model's 151936" in mismatch(151936, 259)
     assert "past the model's vocabulary" in mismatch(100, 259)
+
+
+def test_poll_sets_the_pools_spin_and_leaves_the_tokens(tiny_host_artifact):
+    """--poll is llama.cpp's level (0-100, 50 its default) as TVM's spin count (50: TVM's own
+    300000, 0: workers sleep at once), set before the process's first pool reads it; the tokens
+    are the same at every level. A fresh process each, since TVM reads it once."""
+    from qwc.cpu import TVM_SPIN_COUNT, pool_spin_count
+
+    assert [pool_spin_count(p) for p in (0, 1, 50, 100)] == [0, TVM_SPIN_COUNT // 50, TVM_SPIN_COUNT, 2 * TVM_SPIN_COUNT]
+    for bad in (-1, 101, 2.5, "5"):
+        with pytest.raises(Exception, match="poll .* must be an integer from 0 to 100"):
+            pool_spin_count(bad)
+    said = {}
+    for level in (None, 0, 100):
+        out = subprocess.run([sys.executable, "-c", "import hashlib, os, sys; from qwc.runtime.engine import Engine; "
+                              "p = None if sys.argv[2] == 'None' else int(sys.argv[2]); "
+                              "e = Engine(sys.argv[1], ctx=32, poll=p); "
+                              "x = [e.prefill([1, 2, 3, 4])] + [e.decode(t) for t in (5, 6, 7)]; "
+                              "print(os.environ.get('TVM_THREAD_POOL_SPIN_COUNT'), "
+                              "hashlib.sha256(b''.join(a.tobytes() for a in x)).hexdigest())",
+                              str(tiny_host_artifact), str(level)], capture_output=True, text=True, check=True)
+        spin, tokens = out.stdout.strip().split(" ", 1)
+        said[level] = (spin, tokens)
+    assert [s for s, _ in said.values()] == ["None", "0", str(2 * TVM_SPIN_COUNT)]
+    assert len({t for _, t in said.values()}) == 1
+    r = subprocess.run([sys.executable, "-m", "qwc", "bench", str(tiny_host_artifact), "--poll", "101"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--poll" in r.stderr and "101" in r.stderr
