@@ -63,7 +63,7 @@ class ImportContext:
     step: bool = False                              # segments of tokens of B rows (build.py: step)
     verify: bool = False                            # decode's attention for each new token (build.py: verify)
     # every activation quantizer that can scales by super-blocks (act_quant's super_blocks):
-    # where an ARM graph has compact Q4_K linears, whose decode GEMV reads only those, so that
+    # where an ARM graph has compact Q4_K or IQ4_XS linears, whose kernels read only those, so that
     # the linears reading one input (q, k and v; gate and up) still share one quantizer
     super_blocks: bool = False
 
@@ -98,9 +98,9 @@ class MatMulNBits(F.OnnxOpConverter):
             lo = cls.q4_0_matmul(bb, a, inputs[6], inputs[7], k, n, path, bias=bias, offsets=zp,
                                  zero_offset=zp is None)
             return bb.emit(relax.op.add(hi, lo))
-        if attr.get(IQ4_ATTR):   # 4-bit indices into the book (repack_iq4.py)
+        if attr.get(IQ4_ATTR):   # 4-bit indices into the book (repack_iq4.py; zp: IQ4_XS's d on ARM)
             isa = kernels_for(_ctx().features).int_dots.isa
-            return cls.q4_0_matmul(bb, a, w, s, k, n, isa, bias=bias, book=True)
+            return cls.q4_0_matmul(bb, a, w, s, k, n, isa, bias=bias, book=True, offsets=zp)
         if attr.get(FIVE_BIT_ATTR):   # five-bit codes plus block offsets (repack_five_bit.py)
             isa = q8_0_path(block, bits, _ctx().act_bits, _ctx().features)
             return cls.q4_0_matmul(bb, a, w, s, k, n, isa, bias=bias, offsets=zp, bits=5)
@@ -272,7 +272,7 @@ class MatMulNBits(F.OnnxOpConverter):
             kernel = bb.add_func(decode_gemv(((n, fused_bias, has_c),), nb, sdt, dot=dot),
                                  _kname(f"{stem}_gemv_{dot}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
                                         f"{'_bias' if fused_bias else ''}"))
-        # compact Q4_K on ARM: the decode GEMV reads activations scaled by super-blocks only
+        # compact Q4_K and IQ4_XS on ARM: their kernels read activations scaled by super-blocks only
         q, scale, off = _quantized(bb, a2, k, nb, one_token, layout,
                                    super_blocks=w4a8.isa == "arm" and sdt == SCALE_DTYPE)
         if zero_offset:
@@ -563,13 +563,17 @@ def qwc_converters():
         F._get_convert_map = stock
 
 
-def _compact_q4_k_on_arm(model: onnx.ModelProto, act_bits: int, features) -> bool:
-    """Whether the graph has a Q4_K linear with compact scales (compiler/repack_q4_k.py) on an
-    ARM target's W4A8 kernels: its activations are then scaled by super-blocks (ImportContext)."""
+def _compact_k_scales_on_arm(model: onnx.ModelProto, act_bits: int, features) -> bool:
+    """Whether the graph has a Q4_K linear with compact scales (compiler/repack_q4_k.py) or an
+    IQ4_XS one with the file's (compiler/repack_iq4.py: d in its zero-point input) on an ARM
+    target's W4A8 kernels: its activations are then scaled by super-blocks (ImportContext)."""
     if q4_0_path(32, 4, act_bits, features) != "arm":
         return False
-    return any(n.op_type == "MatMulNBits" and any(a.name == Q4_K_SCALES_ATTR and a.i for a in n.attribute)
-               for n in model.graph.node)
+
+    from .repack_iq4 import is_iq4_xs_compact
+
+    return any(n.op_type == "MatMulNBits" and (any(a.name == Q4_K_SCALES_ATTR and a.i for a in n.attribute)
+                                               or is_iq4_xs_compact(n)) for n in model.graph.node)
 
 
 def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "", act_bits: int = 32,
@@ -611,7 +615,7 @@ def import_graph(model: onnx.ModelProto, seq: int | None = None, prefix: str = "
             shapes[i.name] = [batch, dims[1], cache, kv_cache.cache_width(kv_dtype, dims[3])]
             dtypes[i.name] = kv_cache.cache_element(kv_dtype)
     ctx = ImportContext(prefix, act_bits, frozenset(features), dict(tuned or {}), batched=batched, step=step,
-                        verify=verify, super_blocks=_compact_q4_k_on_arm(model, act_bits, features))
+                        verify=verify, super_blocks=_compact_k_scales_on_arm(model, act_bits, features))
     token = _CONTEXT.set(ctx)
     try:
         with qwc_converters(), warnings.catch_warnings():

@@ -87,6 +87,7 @@ def weights(model, act_bits: int, target) -> WeightsDone:
     from qwc.passes.graph import release_unused_weights
 
     from .repack import float_column_blocks, half_gather_scales
+    from .repack_iq4 import is_iq4_xs_compact
     from .repack_q4_k import q4_k_gather
     from .row_activations import chosen
 
@@ -98,6 +99,7 @@ def weights(model, act_bits: int, target) -> WeightsDone:
             done["q6_k_linears"] = rewrites["q6_k_linears"](model, act_bits, features)
     out.formats, out.embedding_bits = linear_formats(model)
     done["iq4_indices"] = rewrites["iq4_indices"](model, act_bits, features)
+    done["iq4_xs_compact_scales"] = sum(is_iq4_xs_compact(n) for n in model.graph.node)
     done["row_activations"] = out.row_linears = rewrites["row_activations"](model, act_bits, features)
     if chosen(model):
         int8 = sum(f.count for f in out.formats if f.format in ("q4_0", "q8_0"))
@@ -117,6 +119,7 @@ def weights(model, act_bits: int, target) -> WeightsDone:
     repacked = done["repack_weights"] + done["q4_k_compact"] + done["five_bit_codes"] + done["iq4_indices"]
     out.layout = {k: v for k, v in (("row_groups_16", repacked), ("q4_k_compact_scales", done["q4_k_compact"]),
                                     ("five_bit_codes", done["five_bit_codes"]), ("iq4_indices", done["iq4_indices"]),
+                                    ("iq4_xs_compact_scales", done["iq4_xs_compact_scales"]),
                                     ("column_blocks", column_blocks),
                                     ("q4_k_compact_embedding", embedding)) if v}
     return out

@@ -205,6 +205,34 @@ def _iq4(raw: np.ndarray, fmt: str, name: str) -> Blocks:
     return Blocks(fmt, codes.reshape(n, nb * 8, BLOCK), scales)
 
 
+def iq4_xs_factors(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """IQ4_XS's sub-block scales d (ls - 32) [N, K/32] float32 -> (d [N, K/256] float32, each
+    exactly an fp16, ls [N, K/32] uint8 in 0..63) with the same products to the bit, or None
+    where some super-block has no such pair (not written as IQ4_XS). llama.cpp's quantizer gives
+    the sub-block of largest |d (ls - 32)| ls - 32 = -32, so d = its scale / -32 at the first
+    try; each other multiplier of that sub-block is tried in turn where that fails (any pair
+    found gives the same products). A super-block of zeros takes d = 0, ls = 32."""
+    s = scales.astype(np.float32).reshape(scales.shape[0], -1, 8)
+    if not np.isfinite(s).all():
+        return None
+    top = np.take_along_axis(s, np.abs(s).argmax(-1)[..., None], -1)[..., 0]
+    d, ls = np.zeros(top.shape, np.float32), np.full(s.shape, 32, np.uint8)
+    todo = top != 0
+    for j in (-32, *(x for x in range(31, -32, -1) if x)):
+        if not todo.any():
+            break
+        at = np.flatnonzero(todo)
+        v = s.reshape(-1, 8)[at]
+        cand = (top.reshape(-1)[at] / np.float32(j)).astype(np.float32)
+        r = np.rint(v / cand[:, None])
+        ok = ((cand.astype(np.float16).astype(np.float32) == cand) & (r >= -32).all(-1) & (r <= 31).all(-1)
+              & ((cand[:, None] * r.astype(np.float32)) == v).all(-1))
+        d.reshape(-1)[at[ok]] = cand[ok]
+        ls.reshape(-1, 8)[at[ok]] = (r[ok] + 32).astype(np.uint8)
+        todo.reshape(-1)[at[ok]] = False
+    return None if todo.any() else (d, ls.reshape(scales.shape[0], -1))
+
+
 def _q6_k(raw: np.ndarray, name: str) -> Blocks:
     """Q6_K super-blocks [N, K/256, 210] as 8-bit blocks of 16: codes q + 96, scales d sc."""
     d = _halves(raw, 208)

@@ -78,7 +78,8 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     # IQ4: each block's values book[q] are 8-bit codes book[q] + 128 in the graph, with the
     # block's scale (IQ4_XS: d times the sub-block's 6-bit scale less 32, exact in float32), so
     # that the graph runs in onnxruntime. Where the target has kernels for them they become the
-    # file's 4-bit indices again, looked up in the book by a byte shuffle (compiler/repack_iq4.py);
+    # file's 4-bit indices again, looked up in the book by a byte shuffle (compiler/repack_iq4.py;
+    # on ARM IQ4_XS's scales its d and 6-bit ls again, read on Q8_K activations);
     # elsewhere they run exactly on the W8A8 kernels as Q8_0 does
     WeightFormat("IQ4_NL", 20, 32, 18, 8, 32, "none", 16,
                  ("iq4_indices", "row_activations", "q8_0_nibble_halves", *_ROW_GROUPS), code_book=IQ4_BOOK),

@@ -205,14 +205,15 @@ def random_q4_k(rng, n: int, k: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-def random_iq4(rng, n: int, k: int, fmt: str) -> np.ndarray:
+def random_iq4(rng, n: int, k: int, fmt: str, scale: float = 1.0) -> np.ndarray:
     """[n, K/block * bytes] of random IQ4 blocks whose d are small fp16 values (every index and
-    sub-block scale, 0 and negative ones included, as random bytes)."""
+    sub-block scale, 0 and negative ones included, as random bytes), times `scale`."""
     from qwc import weight_formats
 
     f = weight_formats.get(fmt)
     raw = rng.integers(0, 256, (n, k // f.block, f.block_bytes), dtype=np.uint8)
-    d = rng.uniform(0.0005, 0.004 if fmt == "IQ4_XS" else 0.02, (n, k // f.block)).astype(np.float16)
+    top = 0.004 if fmt == "IQ4_XS" else 0.02
+    d = (scale * rng.uniform(0.0005, top, (n, k // f.block))).astype(np.float16)
     raw[..., 0:2] = d[..., None].view(np.uint8)
     return raw.reshape(n, -1)
 

@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from . import q4_k_scales
+from . import iq4_xs_scales
 from .row_groups import ROWS, groups
 
 ZERO_POINT = -8
@@ -56,7 +56,8 @@ def token_count(m: int | None):
 
 
 def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: bool = False, chunks: int = 4,
-                offsets: bool = False, bias: bool = False, row_sums: bool = False, isa: str = "x86"):
+                offsets: bool = False, bias: bool = False, row_sums: bool = False, isa: str = "x86",
+                book: bool = False):
     """The PrimFunc of a W4A8 matmul whose root block is the macro `body(w, aq, off, ws, ad, y,
     wc)`. The offsets off are int32: they start the integer accumulators. `pair_scales`: ad and
     off are [M, NB, 2] (act_quant layout "arm_pairs"); `chunks`: the weights' 64-byte chunks a
@@ -68,12 +69,13 @@ def gemm_kernel(n: int, nb: int, scale_dtype: str, rows_in, body, pair_scales: b
     [M, 2] holds each row's scale and scale x zero point) and each weight row's sum of its
     values rs [N] float32 follows the scales, which the body takes last in the place of a bias
     (kernels/arm/i8mm.py, kernels/arm/dotprod.py). `isa`: the weights' layout ("x86" | "arm":
-    compact Q4_K's scales differ, q4_k_scales.buffers)."""
+    compact Q4_K's scales differ, iq4_xs_scales.kernel_buffers); `book`: the kernel reads 4-bit indices
+    into the book (compact scales are then IQ4_XS's)."""
     ng = groups(n)
     act = (rows_in, nb, 2) if pair_scales else (rows_in, nb)
     if row_sums and (offsets or bias):
         raise ValueError("the per-row GEMM takes neither block offsets nor a bias")
-    ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(scale_dtype, ng, nb, isa)
+    ws_shape, ws_dtype, wc_shape, wc_dtype = iq4_xs_scales.kernel_buffers(scale_dtype, ng, nb, isa, book)
 
     @T.macro
     def root(var_aq, var_ad, var_off, var_y, w, ws, wc, bias):

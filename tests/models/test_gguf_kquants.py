@@ -389,7 +389,8 @@ def _arm_yitian_follows_the_host(d, host_builds, tmp_path, greedy: list[int] | N
     """d/m.onnx compiled for arm-yitian runs STEPS under qemu near the host's Q8_0-activation
     build: an activation on a rounding boundary may move by one step of its block's scale
     between the two ISAs' kernels (see test_gguf_formats' ARM test). With compact Q4_K the ARM
-    build's activations are Q8_K's: then both builds are held to the float reference instead,
+    build's activations are Q8_K's (so with IQ4_XS's own factors): then both builds are held to
+    the float reference instead,
     and the ARM build's greedy token is the reference's own or within Q8_K's tolerance of it.
     `greedy`: llama-server's greedy tokens on the same file, which the ARM build's picks
     after STEPS[0] and each of them fed in turn must equal. `host_tolerance`: the host build's
@@ -416,7 +417,8 @@ def _arm_yitian_follows_the_host(d, host_builds, tmp_path, greedy: list[int] | N
     layout = manifest["quantization"]["weight_layout"]
     # compact K-quant factors (Q4_K's, or Q5_K's in five-bit codes) put ARM's activations in Q8_K
     q5_k = any(f["format"] == "q5_k" for f in manifest["quantization"]["linears"])
-    if "q4_k_compact_scales" not in layout and not (q5_k and "five_bit_codes" in layout):
+    if ("q4_k_compact_scales" not in layout and "iq4_xs_compact_scales" not in layout
+            and not (q5_k and "five_bit_codes" in layout)):
         assert np.abs(arm - host).max() / np.abs(host).max() < 2e-2
         assert np.array_equal(arm.argmax(-1), host.argmax(-1))
         return manifest

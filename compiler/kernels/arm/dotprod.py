@@ -30,7 +30,9 @@ bytes took 8), each nibble made a code by one `sli` or `sri` with its fifth bit
 
 A GGUF's IQ4_NL / IQ4_XS (dot "sdot_iq4": kernels/code_book.py) keep Q4_0's nibbles as 4-bit
 indices, each made its int8 value by one `tbl` into the book after Q4_0's `and` or `ushr`; the
-values are signed, so their sums start from 0 as Q8_0's do.
+values are signed, so their sums start from 0 as Q8_0's do. IQ4_XS with the file's factors
+(kernels/iq4_xs_scales.py) takes compact Q4_K's super-block form: its block dots times ls - 32
+on int32 sums, one convert and FMA with d a super-block, no minimums (_iq4_xs_super_block).
 
 The prefill GEMM also takes per-token activations (`per_row`, act_quant layout
 "arm_rows_flat": design.md, "Two activation formats"), as arm/i8mm.py's does: a block's dots
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from .. import DECODE_GEMV, SCHEDULED, code_book, dot_bits, q4_k_scales
+from .. import DECODE_GEMV, SCHEDULED, code_book, dot_bits, iq4_xs_scales, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import INT8_CHUNKS, ROWS, chunks, groups
 from ..w4a8 import block_sum_shift, gemm_kernel, store_rows, token_count
@@ -253,11 +255,18 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
             for j in range(q4_k_scales.SUB_BLOCKS):
                 for t in T.unroll(count):
                     ia[T.ramp(t * LANES, 1, LANES)] = ia[T.ramp(t * LANES, 1, LANES)] + _slice_dot(
-                        T, w, aq, None, g, s * 8 + j, q, first + t, bits) * made[T.ramp((s * 8 + j) * LANES, 1, LANES)]
-                    ia[T.ramp((count + t) * LANES, 1, LANES)] = ia[T.ramp((count + t) * LANES, 1, LANES)] + made[
-                        T.ramp((nb + s * 8 + j) * LANES, 1, LANES)] * T.broadcast(off[first + t, s * 8 + j], LANES)
+                        T, w, aq, None, g, s * 8 + j, q, first + t, bits, book) * made[
+                        T.ramp((s * 8 + j) * LANES, 1, LANES)]
+                    if not book:   # IQ4_XS has no minimums (decided when the kernel is built)
+                        ia[T.ramp((count + t) * LANES, 1, LANES)] = ia[T.ramp((count + t) * LANES, 1, LANES)] + made[
+                            T.ramp((nb + s * 8 + j) * LANES, 1, LANES)] * T.broadcast(off[first + t, s * 8 + j], LANES)
             for t in T.unroll(count):
-                acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
+                if book:   # IQ4_XS: (sum (ls - 32) dot) d a
+                    acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
+                        T, ia[T.ramp(t * LANES, 1, LANES)]) * (T.Cast("float32x4", wc.vload(
+                            [g, s, LANES * q], "float16x4")) * T.broadcast(ad[first + t, s * 8], LANES))
+                else:
+                    acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
                     T, ia[T.ramp(t * LANES, 1, LANES)]) * (T.Cast("float32x4", wc.vload(
                         [g, s, LANES * q], "float16x4")) * T.broadcast(ad[first + t, s * 8], LANES)) + T.call_llvm_pure_intrin(
                     "float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", ia[T.ramp((count + t) * LANES, 1, LANES)],
@@ -272,10 +281,14 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
         bits once, as int32 vectors a block: made once a tile, each tile would unpack them again."""
         made = T.decl_buffer((2 * nb * LANES,), "int32", scope="global")
         for b in range(nb):
-            made[T.ramp(b * LANES, 1, LANES)] = q4_k_scales.sub_block_ints(T, ws, gq // SLICES, b,
-                                                                           LANES * (gq % SLICES), LANES, False)
-            made[T.ramp((nb + b) * LANES, 1, LANES)] = q4_k_scales.sub_block_ints(T, ws, gq // SLICES, b,
-                                                                                  LANES * (gq % SLICES), LANES, True)
+            if book:   # IQ4_XS: ls - 32 (decided when the kernel is built)
+                made[T.ramp(b * LANES, 1, LANES)] = iq4_xs_scales.block_multipliers(T, ws, gq // SLICES, b,
+                                                                                    LANES * (gq % SLICES), LANES)
+            else:
+                made[T.ramp(b * LANES, 1, LANES)] = q4_k_scales.sub_block_ints(T, ws, gq // SLICES, b,
+                                                                               LANES * (gq % SLICES), LANES, False)
+                made[T.ramp((nb + b) * LANES, 1, LANES)] = q4_k_scales.sub_block_ints(
+                    T, ws, gq // SLICES, b, LANES * (gq % SLICES), LANES, True)
         for it in range(rows_in // tm):
             tile_k(w, aq, off, made, ad, y, wc, gq // SLICES, gq % SLICES, it * tm, tm)
         for i in range(rows_in // tm * tm, rows_in):
@@ -311,7 +324,8 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
     def block_body(w, aq, off, ws, ad, y, wc):
         body(w, aq, off, ws, ad, y, wc, None)
 
-    return gemm_kernel(n, nb, scale_dtype, rows_in, block_body, chunks=chunks(bits), offsets=offsets, isa="arm")
+    return gemm_kernel(n, nb, scale_dtype, rows_in, block_body, chunks=chunks(bits), offsets=offsets, isa="arm",
+                       book=book)
 
 
 def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m: int | None = None,
@@ -389,6 +403,31 @@ def _q4_k_super_block(T, w, ws, wc, aq, ad, off, acc, g, s, bits: int):
             d * a) + mins * (dmin * a), [T.ramp(q * LANES, 1, LANES)])
 
 
+def _iq4_xs_super_block(T, w, ws, wc, aq, ad, acc, g, s):
+    """Compact IQ4_XS (kernels/iq4_xs_scales.py), super-block s of row group g, on activations
+    scaled by super-blocks, as llama.cpp's IQ4_XS x Q8_K dot: per slice, each block's dot of the
+    book's values times its ls - 32, summed as int32, then one convert and one FMA with d ad a
+    super-block. The super-block's ls come out of their six bits first, into bytes on the stack
+    the block loop reads (as _q4_k_super_block's). Part of _decode_gemv."""
+    ia = T.decl_buffer((SLICES * LANES,), "int32", scope="global")   # a stack slot: see q4_dot
+    for q in range(SLICES):
+        T.buffer_store(ia, T.broadcast(T.int32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
+    small = T.decl_buffer((q4_k_scales.SUB_BLOCKS * ROWS,), "uint8", scope="global")
+    for j, v in enumerate(iq4_xs_scales.super_block_ls(T, ws, g, s)):
+        T.buffer_store(small, v, [T.ramp(j * ROWS, 1, ROWS)])
+    with T.serial(0, q4_k_scales.SUB_BLOCKS) as j:
+        for q in range(SLICES):
+            ls = _widened_lanes(T, small.vload([j * ROWS], "uint8x16"), q) - T.broadcast(
+                T.int32(iq4_xs_scales.OFFSET), LANES)
+            T.buffer_store(ia, ia[T.ramp(q * LANES, 1, LANES)] + _slice_dot(
+                T, w, aq, None, g, s * q4_k_scales.SUB_BLOCKS + j, q, 0, 4, True) * ls, [T.ramp(q * LANES, 1, LANES)])
+    a = T.broadcast(ad[0, s * q4_k_scales.SUB_BLOCKS], LANES)
+    for q in range(SLICES):
+        d = T.Cast("float32x4", wc.vload([g, s, LANES * q], "float16x4"))
+        T.buffer_store(acc, acc[T.ramp(q * LANES, 1, LANES)] + halved_float(T, ia[T.ramp(q * LANES, 1, LANES)]) * (d * a),
+                       [T.ramp(q * LANES, 1, LANES)])
+
+
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str, split: int = 1,
                  dot: str = "sdot"):
@@ -427,7 +466,10 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
             T.buffer_store(acc, T.broadcast(T.float32(0), LANES), [T.ramp(q * LANES, 1, LANES)])
         if compact:   # whole super-blocks (the parts' bounds are)
             with T.serial(b0 // q4_k_scales.SUB_BLOCKS, b1 // q4_k_scales.SUB_BLOCKS) as s:
-                _q4_k_super_block(T, w, ws, wc, aq, ad, off, acc, g, s, bits)
+                if book:
+                    _iq4_xs_super_block(T, w, ws, wc, aq, ad, acc, g, s)
+                else:
+                    _q4_k_super_block(T, w, ws, wc, aq, ad, off, acc, g, s, bits)
         else:
             # UNROLL blocks an iteration: the loop's own counter, compare, branch and pointer
             # increments were a share of a block's instructions worth saving (instructions are
@@ -478,7 +520,7 @@ def _decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dty
             weights = []
             for i, (n, has_bias, has_offsets) in enumerate(outputs):
                 w = T.arg(f"w{i}", T.buffer((groups(n), nb, chunks(bits), 4 * ROWS), "uint8"))
-                ws_shape, ws_dtype, wc_shape, wc_dtype = q4_k_scales.buffers(scale_dtype, groups(n), nb, "arm")
+                ws_shape, ws_dtype, wc_shape, wc_dtype = iq4_xs_scales.kernel_buffers(scale_dtype, groups(n), nb, "arm", book)
                 ws = T.arg(f"s{i}", T.buffer(ws_shape, ws_dtype))
                 wc = T.arg(f"c{i}", T.buffer(wc_shape, wc_dtype)) if has_offsets else None
                 bias = T.arg(f"bias{i}", T.buffer((n,), "float32")) if has_bias else None

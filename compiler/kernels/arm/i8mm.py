@@ -44,7 +44,9 @@ into int32 sums; the minimums' term, sum over a super-block's 8 blocks of mn x t
 activations' block sums, is itself a 2x8 by 8x2 product, so two smmla a row pair give it (the
 block sums, up to 32 x 127, split into a high part -64 .. 63 and a low part 0 .. 63, written
 as bytes once a GEMM: block_sum_bytes); one convert and one FMA each for d and dmin a
-super-block. Each task unpacks its rows' sc and mn once (task_factors).
+super-block. Each task unpacks its rows' sc and mn once (task_factors). IQ4_XS with the file's
+factors (kernels/iq4_xs_scales.py) takes the same tiles on the book's values with ls - 32 for
+sc and no minimums' term.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import tirx
 
-from .. import code_book, dot_bits, q4_k_scales
+from .. import code_book, dot_bits, iq4_xs_scales, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, chunks, groups
 from ..w4a8 import ZERO_POINT, gemm_kernel, token_count
@@ -173,11 +175,14 @@ def _row_offsets(T, ws, wc, g, b, q, rp):
     return tirx.Shuffle([wc.vload([g, b, LANES * q], "float32x4")], idx)
 
 
-def _sub_block_vectors(T, ws, g, b, q, rp):
-    """int32x4 [sc r, sc r, sc r', sc r'] of row pair rp of slice q, block b: what the compact
-    tile's int32 pair dots are multiplied by; made once a task (q4_gemm's task_factors)."""
+def _sub_block_vectors(T, ws, g, b, q, rp, book: bool = False):
+    """int32x4 [sc r, sc r, sc r', sc r'] of row pair rp of slice q, block b (`book`: IQ4_XS's
+    ls - 32): what the compact tile's int32 pair dots are multiplied by; made once a task
+    (q4_gemm's task_factors)."""
     idx = [0, 0, 1, 1] if rp == 0 else [2, 2, 3, 3]
-    return tirx.Shuffle([q4_k_scales.sub_block_ints(T, ws, g, b, LANES * q, LANES, False)], idx)
+    ints = (iq4_xs_scales.block_multipliers(T, ws, g, b, LANES * q, LANES) if book
+            else q4_k_scales.sub_block_ints(T, ws, g, b, LANES * q, LANES, False))
+    return tirx.Shuffle([ints], idx)
 
 
 # byte k of a super-block's minimum rows (_minimum_rows): row 4q + k // 8, block k % 8; its
@@ -233,6 +238,7 @@ def _compact_body(n: int, nb: int, rows_in, codes, tile_pairs: int):
     ng = groups(n)
     ragged = n % ROWS != 0
     supers = nb // q4_k_scales.SUB_BLOCKS
+    book = codes == BOOK   # IQ4_XS's compact scales (kernels/iq4_xs_scales.py): no minimums
 
     def pair_scales(adf, s, t0):
         """float32x4 [a t0, a t1, a t0, a t1]: the token pair's activation scales in super-block s
@@ -242,9 +248,16 @@ def _compact_body(n: int, nb: int, rows_in, codes, tile_pairs: int):
     def super_terms(T, ia, a, mins, wc, g, q, s, at, rp):
         """float32x4: super-block s's terms for row pair rp and tokens whose scales are `a`, from
         the int32 sums of sc x dot at `at` and `mins` (sum of mn x the block sums), both halved
-        as the stores double: (sum sc dot) d a - (sum mn bsum) dmin a."""
-        return (halved_float(T, ia[T.ramp(at, 1, 4)]) * (_super_factors(T, wc, g, s, q, rp, False) * a)
-                - halved_float(T, mins) * (_super_factors(T, wc, g, s, q, rp, True) * a))
+        as the stores double: (sum sc dot) d a - (sum mn bsum) dmin a; IQ4_XS's first term only
+        (`mins` None: sc is ls - 32)."""
+        term = halved_float(T, ia[T.ramp(at, 1, 4)]) * (_super_factors(T, wc, g, s, q, rp, False) * a)
+        if mins is None:
+            return term
+        return term - halved_float(T, mins) * (_super_factors(T, wc, g, s, q, rp, True) * a)
+
+    def minimums(T, mns, sums, s, q_pair, rp):
+        """super_mins, or None for IQ4_XS (decided when the kernel is built)."""
+        return None if book else super_mins(T, mns, sums, s, q_pair, rp)
 
     def super_mins(T, mns, sums, s, q_pair, rp):
         """int32x4: sum over super-block s's blocks of mn x the activations' block sums, for row
@@ -283,10 +296,10 @@ def _compact_body(n: int, nb: int, rows_in, codes, tile_pairs: int):
                         ((s * 8 + j) * rows_in + first + 2 * p) * 32, codes) * made[T.ramp((s * 8 + j) * 8 + 4, 1, 4)]
             for p in T.unroll(pairs):
                 acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + super_terms(
-                    T, ia, pair_scales(adf, s, first + 2 * p), super_mins(T, mns, sums, s, first // 2 + p, 0),
+                    T, ia, pair_scales(adf, s, first + 2 * p), minimums(T, mns, sums, s, first // 2 + p, 0),
                     wc, g, q, s, 8 * p, 0)
                 acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + super_terms(
-                    T, ia, pair_scales(adf, s, first + 2 * p), super_mins(T, mns, sums, s, first // 2 + p, 1),
+                    T, ia, pair_scales(adf, s, first + 2 * p), minimums(T, mns, sums, s, first // 2 + p, 1),
                     wc, g, q, s, 8 * p + 4, 1)
         for p in T.unroll(pairs):
             for rp in T.unroll(2):
@@ -314,10 +327,10 @@ def _compact_body(n: int, nb: int, rows_in, codes, tile_pairs: int):
                     T, w, aqf, offf, g, s * 8 + j, q, 1, t, rows_in, codes, True) * made[T.ramp((s * 8 + j) * 8 + 4, 1, 4)]
             acc[T.ramp(0, 1, 4)] = acc[T.ramp(0, 1, 4)] + super_terms(
                 T, ia, T.broadcast(adf[(s * q4_k_scales.SUB_BLOCKS * rows_in + t) * 2], 4),
-                super_mins(T, mns, sums, s, t // 2, 0), wc, g, q, s, 0, 0)
+                minimums(T, mns, sums, s, t // 2, 0), wc, g, q, s, 0, 0)
             acc[T.ramp(4, 1, 4)] = acc[T.ramp(4, 1, 4)] + super_terms(
                 T, ia, T.broadcast(adf[(s * q4_k_scales.SUB_BLOCKS * rows_in + t) * 2], 4),
-                super_mins(T, mns, sums, s, t // 2, 1), wc, g, q, s, 4, 1)
+                minimums(T, mns, sums, s, t // 2, 1), wc, g, q, s, 4, 1)
         for rp in T.unroll(2):
             for j in T.unroll(2):
                 if not ragged or g * ROWS + LANES * q + 2 * rp + j < n:
@@ -344,10 +357,11 @@ def _compact_body(n: int, nb: int, rows_in, codes, tile_pairs: int):
         and its mn as bytes, per super-block and row pair, rows in order (mns: super_mins' A):
         out of their six bits once a task, which each tile would otherwise unpack again."""
         for b in range(nb):
-            made[T.ramp(b * 8, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 0)
-            made[T.ramp(b * 8 + 4, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 1)
-        for s in range(supers):
-            mns[T.ramp(s * 32, 1, 32)] = _minimum_rows(T, ws, gq // SLICES, s, gq % SLICES)
+            made[T.ramp(b * 8, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 0, book)
+            made[T.ramp(b * 8 + 4, 1, 4)] = _sub_block_vectors(T, ws, gq // SLICES, b, gq % SLICES, 1, book)
+        if not book:   # IQ4_XS has no minimums (decided when the kernel is built)
+            for s in range(supers):
+                mns[T.ramp(s * 32, 1, 32)] = _minimum_rows(T, ws, gq // SLICES, s, gq % SLICES)
 
     @T.macro
     def compact_tiles(w, aqf, adf, offf, made, mns, sums, wc, y, gq):
@@ -373,7 +387,8 @@ def _compact_body(n: int, nb: int, rows_in, codes, tile_pairs: int):
     def compact_body(w, aqf, adf, offf, ws, wc, y):
         """The compact form's GEMM: the block sums' bytes once, then a task per 4-row slice."""
         sums = T.decl_buffer(((rows_in + 1) // 2 * supers * 32,), "int8", scope="global")
-        block_sum_bytes(offf, sums)
+        if not book:   # decided when the kernel is built
+            block_sum_bytes(offf, sums)
         for gq in T.parallel(ng * SLICES):
             made = T.decl_buffer((nb * 8,), "int32", scope="global")
             mns = T.decl_buffer((supers * 32,), "int8", scope="global")
@@ -560,4 +575,4 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         body(w, aq, off, ws, ad, y, wc, None)
 
     return gemm_kernel(n, nb, scale_dtype, rows_in, block_body, pair_scales=True,
-                       chunks=chunks(bits), offsets=offsets, isa="arm")
+                       chunks=chunks(bits), offsets=offsets, isa="arm", book=book)
