@@ -15,8 +15,9 @@ streams inside a step.
 
 `--decode model.qwc` adds the whole decode step of an artifact (e.g. the one `bench/peers.py`
 builds, ~/.cache/qwc/bench/q.qwc): tokens/s after a 512-token prompt and the GB/s that is of
-the bytes a step must read (every parameter: for a tied model the embedding is the lm_head;
-plus the K/V cache it attends over), against the same read bandwidth. A run times three
+the bytes a step must read (every parameter but the tables it takes one row of: an untied
+model's embedding, the rotary cos / sin; for a tied model the embedding is the lm_head, read
+whole; plus the K/V cache it attends over), against the same read bandwidth. A run times three
 windows of 64 steps, each after a fresh 512-token prompt, and counts the best, as each reader
 counts its best one-second run (the windows' mean is printed too). On a shared machine one run
 says little (the reference moves within minutes), so it takes `--runs` runs (3) with the
@@ -225,6 +226,20 @@ def read_bandwidth(reps: int = 3) -> float:
     return best
 
 
+# parameters a decode step gathers one row of (read_per_step): the rotary tables always, the
+# embedding where it is not also the lm_head
+ROW_TABLES = ("rotary_cos_cache", "rotary_sin_cache")
+EMBEDDING = "model_embed_tokens_"
+
+
+def read_per_step(manifest) -> int:
+    """The parameter bytes a decode step reads: all of them less the tables it takes one row
+    of (ROW_TABLES; an untied model's embedding), which counted whole overstate the share."""
+    untied = not manifest.model.tie_word_embeddings
+    return sum(p.memory_bytes for p in manifest.params
+               if p.name not in ROW_TABLES and not (untied and p.name.startswith(EMBEDDING)))
+
+
 def decode_step(artifact, threads, past=512, steps=64, windows=3):
     """(tok/s of each window, weight bytes, KV bytes) of `windows` runs of `steps` decode steps,
     each after a fresh `past`-token prompt (so each reads the same bytes)."""
@@ -241,7 +256,7 @@ def decode_step(artifact, threads, past=512, steps=64, windows=3):
         for _ in range(steps):
             eng.decode(1)
         rates.append(steps / (time.perf_counter() - t0))
-    weights = eng.manifest.weight_bytes   # in memory, as decode reads them
+    weights = read_per_step(eng.manifest)   # in memory, as decode reads them
     kv = eng.kv_bytes_per_token * (past + steps // 2)   # the artifact's cache type
     return rates, weights, kv
 

@@ -1,0 +1,26 @@
+"""bench/gemv.py's bytes a decode step reads: every parameter but the tables it gathers one row
+of, so that an untied model's share of the read bandwidth is not inflated by its embedding."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from qwc.bench import gemv
+from qwc.manifest import Param
+
+
+def _manifest(tied: bool) -> SimpleNamespace:
+    params = [Param("model_embed_tokens_qweight", "uint8", (1000, 64), 0, 64000),
+              Param("model_embed_tokens_scales", "float16", (1000, 4), 64000, 8000),
+              Param("rotary_cos_cache", "float32", (512, 32), 72000, 65536),
+              Param("rotary_sin_cache", "float32", (512, 32), 137536, 65536),
+              Param("layers_0_q_proj_qweight", "uint8", (64, 32), 203072, 2048)]
+    return SimpleNamespace(params=params, model=SimpleNamespace(tie_word_embeddings=tied))
+
+
+def test_an_untied_embedding_and_the_rotary_tables_are_not_counted_whole():
+    assert gemv.read_per_step(_manifest(False)) == 2048
+
+
+def test_a_tied_embedding_is_the_lm_head_and_counts_whole():
+    assert gemv.read_per_step(_manifest(True)) == 64000 + 8000 + 2048
