@@ -216,21 +216,8 @@ def iq4_xs_factors(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     if not np.isfinite(s).all():
         return None
     top = np.take_along_axis(s, np.abs(s).argmax(-1)[..., None], -1)[..., 0]
-    d, ls = np.zeros(top.shape, np.float32), np.full(s.shape, 32, np.uint8)
-    todo = top != 0
-    for j in (-32, *(x for x in range(31, -32, -1) if x)):
-        if not todo.any():
-            break
-        at = np.flatnonzero(todo)
-        v = s.reshape(-1, 8)[at]
-        cand = (top.reshape(-1)[at] / np.float32(j)).astype(np.float32)
-        r = np.rint(v / cand[:, None])
-        ok = ((cand.astype(np.float16).astype(np.float32) == cand) & (r >= -32).all(-1) & (r <= 31).all(-1)
-              & ((cand[:, None] * r.astype(np.float32)) == v).all(-1))
-        d.reshape(-1)[at[ok]] = cand[ok]
-        ls.reshape(-1, 8)[at[ok]] = (r[ok] + 32).astype(np.uint8)
-        todo.reshape(-1)[at[ok]] = False
-    return None if todo.any() else (d, ls.reshape(scales.shape[0], -1))
+    d, m = _searched_factors(s, top, (-32, *(x for x in range(31, -32, -1) if x)), -32, 31)
+    return None if d is None else (d, (m + 32).astype(np.uint8).reshape(scales.shape[0], -1))
 
 
 def _q6_k(raw: np.ndarray, name: str) -> Blocks:
@@ -293,22 +280,30 @@ def six_bit_factors(v: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None
     top q is tried in turn where that one fails (any pair found gives the same products)."""
     if (v < 0).any() or not np.isfinite(v).all():
         return None, None
-    top = v.max(-1)
-    f, q = np.zeros(top.shape, np.float32), np.zeros(v.shape, np.uint8)
-    todo = top > 0   # a super-block of zeros: f = 0, q = 0
-    for j in range(63, 0, -1):
+    f, q = _searched_factors(v, v.max(-1), range(63, 0, -1), 0, 63)
+    return (None, None) if f is None else (f, q.astype(np.uint8))
+
+
+def _searched_factors(v: np.ndarray, top: np.ndarray, multipliers, lo: int, hi: int):
+    """v [N, S, 8] float32 -> (f [N, S] float32 exact in fp16, m [N, S, 8] int in lo..hi) with
+    f m = v to the bit, trying f = top / j for each j of `multipliers` in turn where the earlier
+    ones failed (top [N, S]: the super-block's value of largest magnitude); a super-block whose
+    top is 0 takes f = 0, m = 0. (None, None) where some super-block has no such pair."""
+    f, m = np.zeros(top.shape, np.float32), np.zeros(v.shape, np.int32)
+    todo = top != 0
+    for j in multipliers:
         if not todo.any():
             break
         at = np.flatnonzero(todo)
         vv = v.reshape(-1, 8)[at]
         cand = (top.reshape(-1)[at] / np.float32(j)).astype(np.float32)
         r = np.rint(vv / cand[:, None])
-        ok = ((cand.astype(np.float16).astype(np.float32) == cand) & (r <= 63).all(-1)
+        ok = ((cand.astype(np.float16).astype(np.float32) == cand) & (r >= lo).all(-1) & (r <= hi).all(-1)
               & ((cand[:, None] * r.astype(np.float32)) == vv).all(-1))
         f.reshape(-1)[at[ok]] = cand[ok]
-        q.reshape(-1, 8)[at[ok]] = r[ok].astype(np.uint8)
+        m.reshape(-1, 8)[at[ok]] = r[ok].astype(np.int32)
         todo.reshape(-1)[at[ok]] = False
-    return (None, None) if todo.any() else (f, q)
+    return (None, None) if todo.any() else (f, m)
 
 
 def _scale_gcd(s: np.ndarray) -> np.ndarray:
