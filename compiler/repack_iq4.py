@@ -92,7 +92,7 @@ def compact_xs(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     from qwc.models.gguf_blocks import iq4_xs_factors
 
     from .kernels.iq4_xs_scales import QUAD
-    from .kernels.row_groups import ROWS, groups
+    from .kernels.row_groups import ROWS, groups, rows_last
     from .repack_q4_k import arm_pairs
 
     n, nb = scales.shape
@@ -101,12 +101,6 @@ def compact_xs(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         return None
     d, ls = factors
     g = groups(n)
-
-    def rows_last(x: np.ndarray, dtype) -> np.ndarray:   # [N, B] -> [G, B, 16]
-        out = np.zeros((g * ROWS, x.shape[1]), dtype)
-        out[:n] = x
-        return out.reshape(g, ROWS, -1).transpose(0, 2, 1)
-
     runs = rows_last(ls, np.uint8).reshape(g, nb // QUAD, QUAD, ROWS)
     # each run's blocks 0, 1 where arm_pairs puts sc0, sc1 and 2, 3 where it puts mn0, mn1
     ws = arm_pairs(runs[:, :, :2].reshape(g, -1, ROWS), runs[:, :, 2:].reshape(g, -1, ROWS))

@@ -67,20 +67,12 @@ def compact_scales(scales: np.ndarray, mins: np.ndarray, free: np.ndarray,
     0). Rows past N are zeros."""
     from qwc.models.gguf_blocks import q4_k_factors
 
-    from .kernels.row_groups import ROWS, groups
+    from .kernels.row_groups import rows_last
 
     factors = q4_k_factors(scales, mins, free)
     if factors is None:
         return None
     d, sc, dmin, mn = factors
-    n = scales.shape[0]
-    g = groups(n)
-
-    def rows_last(x: np.ndarray, dtype) -> np.ndarray:   # [N, B] -> [G, B, 16]
-        out = np.zeros((g * ROWS, x.shape[1]), dtype)
-        out[:n] = x
-        return out.reshape(g, ROWS, -1).transpose(0, 2, 1)
-
     if isa == "arm":
         small = arm_pairs(rows_last(sc, np.uint8), rows_last(mn, np.uint8))
     else:

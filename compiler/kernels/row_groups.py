@@ -35,6 +35,16 @@ def groups(n: int) -> int:
     return (n + ROWS - 1) // ROWS
 
 
+def rows_last(x: np.ndarray, dtype) -> np.ndarray:
+    """Per-row values x [N, B] -> [G, B, 16] of `dtype`, rows past N zero: a row group's 16 rows
+    side by side for each of its B blocks, as the kernels read per-row factors (a view)."""
+    n = x.shape[0]
+    g = groups(n)
+    out = np.zeros((g * ROWS, x.shape[1]), dtype)
+    out[:n] = x
+    return out.reshape(g, ROWS, -1).transpose(0, 2, 1)
+
+
 def pack(wp: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """MatMulNBits Q4_0 bytes wp [N, nb, 16] and scales s [N, nb] -> [G, nb, 4, 64] uint8 and
     [G, nb, 16] scales. Rows past N are zero (the kernels do not store them)."""

@@ -267,11 +267,11 @@ def q4_dot(n: int, nb: int, decode: bool, scale_dtype: str = "float16", tokens: 
                             [g, s, LANES * q], "float16x4")) * T.broadcast(ad[first + t, s * 8], LANES))
                 else:
                     acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + halved_float(
-                    T, ia[T.ramp(t * LANES, 1, LANES)]) * (T.Cast("float32x4", wc.vload(
-                        [g, s, LANES * q], "float16x4")) * T.broadcast(ad[first + t, s * 8], LANES)) + T.call_llvm_pure_intrin(
-                    "float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", ia[T.ramp((count + t) * LANES, 1, LANES)],
-                    T.int32(block_sum_shift(True))) * (T.Cast("float32x4", wc.vload(
-                        [g, s, ROWS + LANES * q], "float16x4")) * T.broadcast(ad[first + t, s * 8], LANES))
+                        T, ia[T.ramp(t * LANES, 1, LANES)]) * (T.Cast("float32x4", wc.vload(
+                            [g, s, LANES * q], "float16x4")) * T.broadcast(ad[first + t, s * 8], LANES)) + T.call_llvm_pure_intrin(
+                        "float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", ia[T.ramp((count + t) * LANES, 1, LANES)],
+                        T.int32(block_sum_shift(True))) * (T.Cast("float32x4", wc.vload(
+                            [g, s, ROWS + LANES * q], "float16x4")) * T.broadcast(ad[first + t, s * 8], LANES))
         for t in T.unroll(count):
             store(y, acc, first + t, g, q, t)
 
