@@ -88,6 +88,23 @@ def time_cold(fn, reps=40) -> float:
     return float(np.median(times))
 
 
+def huge_page_tensors(arrays: list[np.ndarray]) -> list:
+    """`arrays` copied into one mapping advised for transparent huge pages (runtime/memory.py:
+    Arena), as an artifact's parameters are held, and handed to TVM without a copy. The
+    bandwidth readers and the kernels held to them then pay the same TLB misses: in 4 KiB pages
+    a reader measured ~7% below the same read of huge pages (docs/history/x86-speed.md)."""
+    import tvm
+
+    from qwc.runtime.memory import Arena, aligned
+
+    arena, out = Arena(sum(aligned(a.nbytes) for a in arrays)), []
+    for a in arrays:
+        held = arena.take(a.shape, a.dtype)
+        held[...] = a
+        out.append(tvm.runtime.from_dlpack(held))
+    return out
+
+
 def qwc_gemv(model, act_bits):
     import tvm
     from tvm import relax
@@ -112,9 +129,9 @@ def qwc_gemv(model, act_bits):
 
 def qwc_stream(n: int, k: int, total: float = 290e6, rounds: int = 4) -> float | None:
     """GB/s of qwc's x86 decode GEMV kernel alone (kernels.decode_gemv: VNNI or AVX2, fp16
-    scales as in an artifact: 18 bytes a block) called on distinct weights that add up to a
-    decode step's ~290 MB, one after another: every call reads DRAM, as in a real step, and
-    nothing but the call itself sits between them. None where the host has no x86 W4A8 kernel."""
+    scales as in an artifact: 18 bytes a block) called on distinct weights in huge pages (as an
+    artifact's) that add up to a decode step's ~290 MB, one after another: every call reads
+    DRAM, as in a real step, and nothing but the call itself sits between them. None where the host has no x86 W4A8 kernel."""
     import tvm
 
     from qwc.compiler.kernels import decode_gemv
@@ -133,9 +150,10 @@ def qwc_stream(n: int, k: int, total: float = 290e6, rounds: int = 4) -> float |
            tvm.runtime.tensor(rng.random((1, nb), dtype=np.float32)), tvm.runtime.tensor(rng.integers(-1000, 1000, (1, nb), dtype=np.int32))]
     y = tvm.runtime.tensor(np.zeros((1, n), np.float32))
     per_set = groups(n) * nb * (256 + 32)
-    sets = [(tvm.runtime.tensor(rng.integers(0, 256, (groups(n), nb, 4, 64), dtype=np.uint8)),
-             tvm.runtime.tensor((rng.random((groups(n), nb, 16)) * 0.01).astype(np.float16)))
-            for _ in range(max(2, int(total // per_set)))]
+    count = max(2, int(total // per_set))
+    held = huge_page_tensors([a for _ in range(count) for a in (
+        rng.integers(0, 256, (groups(n), nb, 4, 64), dtype=np.uint8), (rng.random((groups(n), nb, 16)) * 0.01).astype(np.float16))])
+    sets = list(zip(held[::2], held[1::2]))
     for w, sc in sets:
         f(*act, w, sc, y)
     best = 0.0
@@ -169,13 +187,17 @@ def ort_gemv(model, threads, accuracy_level, spin: bool = True):
 ROWS, COLS = 4096, 32768   # the read-bandwidth buffer: 512 MiB of int32, far past the caches
 
 
-def _prefetching_reader(ahead: int, locality: int, streams: int = 1):
+def _prefetching_reader(ahead: int, locality: int, streams: int = 1, adjacent: bool = False):
     """Sum of each row, 16 lanes at a time, prefetching `ahead` int32s ahead (LLVM locality:
     3 = L1, 2 = L2), as qwc's decode GEMV does; with `streams` > 1 each task reads that many
-    far-apart rows in lockstep (rows p, ROWS/streams + p, ...), as the GEMV reads row groups."""
+    rows in lockstep: far apart (rows p, ROWS/streams + p, ...), as the GEMV reads row groups,
+    or `adjacent` (rows streams p, streams p + 1, ...)."""
     from tvm.script import tirx as T
 
     per = ROWS // streams
+
+    def row(p, h):
+        return p * streams + h if adjacent else h * per + p
 
     @T.prim_func
     def read(a: T.Buffer((ROWS, COLS), "int32"), s: T.Buffer((ROWS, 16), "int32")):
@@ -188,24 +210,26 @@ def _prefetching_reader(ahead: int, locality: int, streams: int = 1):
                 for h in T.unroll(streams):
                     for u in T.unroll(4):   # one prefetch per 64-byte line
                         T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                            a[h * per + p, j * 64 + ahead + u * 16]), T.int32(0), T.int32(locality), T.int32(1)))
+                            a[row(p, h), j * 64 + ahead + u * 16]), T.int32(0), T.int32(locality), T.int32(1)))
                     for u in T.unroll(4):
-                        acc[T.ramp(h * 16, 1, 16)] = acc[T.ramp(h * 16, 1, 16)] + a[h * per + p, T.ramp(j * 64 + u * 16, 1, 16)]
+                        acc[T.ramp(h * 16, 1, 16)] = acc[T.ramp(h * 16, 1, 16)] + a[row(p, h), T.ramp(j * 64 + u * 16, 1, 16)]
             for h in T.unroll(streams):
-                s[h * per + p, T.ramp(0, 1, 16)] = acc[T.ramp(h * 16, 1, 16)]
+                s[row(p, h), T.ramp(0, 1, 16)] = acc[T.ramp(h * 16, 1, 16)]
 
     return read
 
 
-# (ints ahead, locality, streams) of the prefetching readers: which is fastest depends on what
-# else the shared machine's memory is doing; four streams a thread beat one.
-READERS = ((384, 3, 1), (2048, 2, 1), (4096, 2, 1), (256, 3, 2), (128, 3, 4), (256, 3, 4), (2048, 2, 4))
+# (ints ahead, locality, streams, adjacent) of the prefetching readers: which is fastest depends
+# on what else the shared machine's memory is doing; four streams a thread beat one, and four
+# adjacent rows beat four far apart (by 9% on a Xeon with AMX, 2026-12-05).
+READERS = ((384, 3, 1, False), (2048, 2, 1, False), (4096, 2, 1, False), (256, 3, 2, False), (128, 3, 4, False),
+           (256, 3, 4, False), (2048, 2, 4, False), (128, 3, 4, True), (256, 3, 4, True))
 
 
 def read_bandwidth(reps: int = 3) -> float:
-    """GB/s of a parallel streaming read of 512 MiB, built with TVM: the best of a plain sum and
-    the prefetching READERS, `reps` one-second runs each. The best, because a low reading would
-    flatter the kernels held to it."""
+    """GB/s of a parallel streaming read of 512 MiB in huge pages, built with TVM: the best of a
+    plain sum and the prefetching READERS, `reps` one-second runs each. The best, and huge pages
+    as decode's weights have them, because a low reading would flatter the kernels held to it."""
     import tvm
     from tvm import te
 
@@ -215,7 +239,7 @@ def read_bandwidth(reps: int = 3) -> float:
     r = te.reduce_axis((0, COLS), "r")
     s = te.compute((ROWS,), lambda i: te.sum(a[i, r], axis=r), name="s")
     target = tvm.target.Target({"kind": "llvm", "mcpu": tvm.get_global_func("target.llvm_get_system_cpu")()})
-    x = tvm.runtime.tensor(np.ones((ROWS, COLS), np.int32))
+    x, = huge_page_tensors([np.ones((ROWS, COLS), np.int32)])
     best = 0.0
     for f, out in [(schedule_func(te.create_prim_func([a, s])), (ROWS,))] + [
             (_prefetching_reader(*r), (ROWS, 16)) for r in READERS]:

@@ -1,5 +1,6 @@
 """bench/gemv.py's bytes a decode step reads: every parameter but the tables it gathers one row
-of, so that an untied model's share of the read bandwidth is not inflated by its embedding."""
+of, so that an untied model's share of the read bandwidth is not inflated by its embedding; and
+the huge-page memory its readers read, as decode reads its weights."""
 
 from __future__ import annotations
 
@@ -24,3 +25,13 @@ def test_an_untied_embedding_and_the_rotary_tables_are_not_counted_whole():
 
 def test_a_tied_embedding_is_the_lm_head_and_counts_whole():
     assert gemv.read_per_step(_manifest(True)) == 64000 + 8000 + 2048
+
+
+def test_the_readers_memory_holds_the_arrays_given_aligned_for_tvm():
+    import numpy as np
+
+    arrays = [np.arange(1000, dtype=np.int32).reshape(10, 100), np.full((3, 7), 0.5, np.float16)]
+    held = gemv.huge_page_tensors(arrays)
+    for a, t in zip(arrays, held):
+        np.testing.assert_array_equal(t.numpy(), a)
+        assert np.from_dlpack(t).ctypes.data % 64 == 0
