@@ -9,9 +9,10 @@ Two figures per system: "hot" (the same call repeated: small shapes stay in cach
 (the caches are flushed by streaming 256 MiB before each timed call, as in a real decode step
 where every layer's weights come from DRAM); the median of the cold calls is reported. Both
 go through a VM call with its activation quantizer, which dominates the small shapes. "qwc
-strm" is the decode GEMV kernel alone, called on distinct weights that add up to a decode
+strm" is the decode GEMV launch alone (the rows are the launches a step makes: q, k and v in
+one, gate and up in one), called on distinct weights in huge pages that add up to a decode
 step's bytes (fp16 scales, 18 bytes a block, as an artifact stores them): what the kernel
-streams inside a step.
+streams inside a step. The read bandwidth is read in huge pages too (read_bandwidth).
 
 `--decode model.qwc` adds the whole decode step of an artifact (e.g. the one `bench/peers.py`
 builds, ~/.cache/qwc/bench/q.qwc): tokens/s after a 512-token prompt and the GB/s that is of
@@ -36,9 +37,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-# (name, N, K) of the decode GEMVs in one Qwen2.5-0.5B token (each once a layer, but the lm_head).
-SHAPES = [("q_proj", 896, 896), ("k/v_proj", 128, 896), ("o_proj", 896, 896), ("gate/up_proj", 4864, 896),
-          ("down_proj", 896, 4864), ("lm_head", 151936, 896)]
+# (name, outputs' N, K, with silu) of the decode GEMV launches in one Qwen2.5-0.5B token (each
+# once a layer, but the lm_head): q, k and v are one launch, as are gate and up with the
+# silu(gate) * up that follows them (compiler/sibling_gemvs.py, kernels.decode_gemv's silu_mul),
+# so k and v are never read alone. The single-op columns take one MatMulNBits of the outputs' N
+# added up: the same bytes.
+SHAPES = [("q+k+v", (896, 128, 128), 896, False), ("o_proj", (896,), 896, False),
+          ("gate+up, silu", (4864, 4864), 896, True), ("down_proj", (896,), 4864, False),
+          ("lm_head", (151936,), 896, False)]
 
 
 def gemv_graph(n: int, k: int, block: int = 32, m: int = 1) -> onnx.ModelProto:
@@ -127,11 +133,14 @@ def qwc_gemv(model, act_bits):
     return lambda: f(*args)
 
 
-def qwc_stream(n: int, k: int, total: float = 290e6, rounds: int = 4) -> float | None:
-    """GB/s of qwc's x86 decode GEMV kernel alone (kernels.decode_gemv: VNNI or AVX2, fp16
-    scales as in an artifact: 18 bytes a block) called on distinct weights in huge pages (as an
-    artifact's) that add up to a decode step's ~290 MB, one after another: every call reads
-    DRAM, as in a real step, and nothing but the call itself sits between them. None where the host has no x86 W4A8 kernel."""
+def qwc_stream(outputs: tuple[int, ...], k: int, silu: bool = False, total: float = 290e6,
+               rounds: int = 4) -> float | None:
+    """GB/s of qwc's x86 decode GEMV launch alone (kernels.decode_gemv: VNNI or AVX2, fp16
+    scales as in an artifact: 18 bytes a block) of `outputs` (their N; `silu`: two, gate and up,
+    written as silu(gate) * up) called on distinct weights in huge pages (as an artifact's) that
+    add up to a decode step's ~290 MB, one after another: every call reads DRAM, as in a real
+    step, and nothing but the call itself sits between them. None where the host has no x86
+    W4A8 kernel."""
     import tvm
 
     from qwc.compiler.kernels import decode_gemv
@@ -142,25 +151,27 @@ def qwc_stream(n: int, k: int, total: float = 290e6, rounds: int = 4) -> float |
     if q4_0_path(32, 4, 8, target.features) != "x86":
         return None
     nb = (k + 31) // 32
-    gemv = decode_gemv(((n, False),), nb, dot=kernels_for(target.features).int_dots.decode)
+    gemv = decode_gemv(tuple((n, False) for n in outputs), nb, silu_mul=silu,
+                       dot=kernels_for(target.features).int_dots.decode)
     f = tvm.compile(tvm.IRModule({"main": gemv.with_attr("global_symbol", "main")}),
                     target=target.tvm_target())["main"]
     rng = np.random.default_rng(2)
     act = [tvm.runtime.tensor(rng.integers(-127, 128, (1, nb, 32), dtype=np.int8)),
            tvm.runtime.tensor(rng.random((1, nb), dtype=np.float32)), tvm.runtime.tensor(rng.integers(-1000, 1000, (1, nb), dtype=np.int32))]
-    y = tvm.runtime.tensor(np.zeros((1, n), np.float32))
-    per_set = groups(n) * nb * (256 + 32)
+    ys = [tvm.runtime.tensor(np.zeros((1, n), np.float32)) for n in (outputs[:1] if silu else outputs)]
+    per_set = sum(groups(n) for n in outputs) * nb * (256 + 32)
     count = max(2, int(total // per_set))
-    held = huge_page_tensors([a for _ in range(count) for a in (
+    held = huge_page_tensors([a for _ in range(count) for n in outputs for a in (
         rng.integers(0, 256, (groups(n), nb, 4, 64), dtype=np.uint8), (rng.random((groups(n), nb, 16)) * 0.01).astype(np.float16))])
-    sets = list(zip(held[::2], held[1::2]))
-    for w, sc in sets:
-        f(*act, w, sc, y)
+    per = 2 * len(outputs)   # a set's weights and scales, output by output
+    sets = [held[i:i + per] for i in range(0, len(held), per)]
+    for weights in sets:
+        f(*act, *weights, *ys)
     best = 0.0
     for _ in range(rounds):
         t0 = time.perf_counter()
-        for w, sc in sets:
-            f(*act, w, sc, y)
+        for weights in sets:
+            f(*act, *weights, *ys)
         best = max(best, len(sets) * per_set / (time.perf_counter() - t0) / 1e9)
     return best
 
@@ -300,13 +311,14 @@ def main():
     print(f"{'shape':14s} {'N':>7s} {'K':>5s} {'MiB':>6s} | {'qwc hot':>8s} {'ort4 hot':>8s} | "
           f"{'qwc cold':>8s} {'%bw':>4s} {'ort4 cold':>9s} {'ort0 cold':>9s} {'qwc/ort4':>8s} | "
           f"{'qwc strm':>8s} {'%bw':>4s}  (GB/s)")
-    for name, n, k in SHAPES:
+    for name, outputs, k, silu in SHAPES:
+        n = sum(outputs)
         g = gemv_graph(n, k)
         wb = weight_bytes(n, k)
         q, o4, o0 = qwc_gemv(g, args.act_bits), ort_gemv(g, args.threads, 4), ort_gemv(g, args.threads, 0)
         qh, o4h = wb / time_call(q) / 1e9, wb / time_call(o4) / 1e9
         qc, o4c, o0c = (wb / time_cold(f) / 1e9 for f in (q, o4, o0))
-        st = qwc_stream(n, k) if args.act_bits == 8 else None
+        st = qwc_stream(outputs, k, silu) if args.act_bits == 8 else None
         strm = f"{st:8.1f} {100 * st / bw:3.0f}%" if st else f"{'-':>8s} {'-':>4s}"
         print(f"{name:14s} {n:7d} {k:5d} {wb / 2**20:6.1f} | {qh:8.1f} {o4h:8.1f} | "
               f"{qc:8.1f} {100 * qc / bw:3.0f}% {o4c:9.1f} {o0c:9.1f} {qc / o4c:8.2f} | {strm}")
