@@ -98,7 +98,7 @@ def huge_page_tensors(arrays: list[np.ndarray]) -> list:
     """`arrays` copied into one mapping advised for transparent huge pages (runtime/memory.py:
     Arena), as an artifact's parameters are held, and handed to TVM without a copy. The
     bandwidth readers and the kernels held to them then pay the same TLB misses: in 4 KiB pages
-    a reader measured ~7% below the same read of huge pages (docs/history/x86-speed.md)."""
+    a reader read less than the same read of huge pages (docs/history/x86-speed.md)."""
     import tvm
 
     from qwc.runtime.memory import Arena, aligned
@@ -232,7 +232,7 @@ def _prefetching_reader(ahead: int, locality: int, streams: int = 1, adjacent: b
 
 # (ints ahead, locality, streams, adjacent) of the prefetching readers: which is fastest depends
 # on what else the shared machine's memory is doing; four streams a thread beat one, and four
-# adjacent rows beat four far apart (by 9% on a Xeon with AMX, 2026-12-05).
+# adjacent rows beat four far apart in huge pages (docs/history/x86-speed.md).
 READERS = ((384, 3, 1, False), (2048, 2, 1, False), (4096, 2, 1, False), (256, 3, 2, False), (128, 3, 4, False),
            (256, 3, 4, False), (2048, 2, 4, False), (128, 3, 4, True), (256, 3, 4, True))
 
