@@ -40,6 +40,6 @@ def test_the_readers_memory_holds_the_arrays_given_aligned_for_tvm():
 def test_the_stream_column_runs_each_launch_decode_makes():
     # q, k and v in one launch; gate and up with silu: the kernel takes each output's weights
     # and scales in turn, and a wrong argument list fails the call
-    for name, outputs, k, silu in gemv.SHAPES[:1] + gemv.SHAPES[2:3]:
+    for name, outputs, k, silu in (shape for shape in gemv.SHAPES if len(shape[1]) > 1):
         got = gemv.qwc_stream(tuple(o // 8 for o in outputs), k, silu, total=2e5, rounds=1)
         assert got is None or got > 0, name
