@@ -14,9 +14,11 @@ from qwc.compiler.targets import get_target
 
 # (dot, with Q4_1's block offsets, scale dtype, blocks of K): Q4_0; Q4_K's compact factors
 # with its minimums; Q8_0's bytes; Q5_K's five-bit codes with offsets; IQ4's indices into the
-# book (its scales fp16 as IQ4_NL's, float32 as IQ4_XS's); odd block counts (the pipelined loop's tail)
+# book (its scales fp16 as IQ4_NL's, float32 as IQ4_XS's); odd block counts (the pipelined loop's tail);
+# one and two blocks (no more than amx.LAG: the pipelined loop never runs)
 FORMS = [("vnni", False, "float16", 6), ("vnni", True, q4_k_scales.SCALE_DTYPE, 16), ("vnni8", False, "float16", 5),
-         ("vnni5", True, "float32", 7), ("vnni_iq4", False, "float16", 6), ("vnni_iq4", False, "float32", 5)]
+         ("vnni5", True, "float32", 7), ("vnni_iq4", False, "float16", 6), ("vnni_iq4", False, "float32", 5),
+         ("vnni", False, "float16", 1), ("vnni8", False, "float16", 2)]
 
 
 def _needs_amx():

@@ -10,7 +10,10 @@ Each block has its own weight and activation scales, so the int32 tile is stored
 block and scaled as VNNI's sums are (a convert, a product of the scales and an FMA a token,
 in the same order: the outputs are VNNI's to the bit): that epilogue, not the tile multiply,
 is what a block costs. Two sets of tile registers alternate between even and odd blocks, and
-block b + 1's multiply is issued before block b's tile is scaled.
+block b's stored tile is scaled only after block b + 2's multiply is issued: the stores go to a
+ring of SLOTS tiles, so the loads that scale a tile no longer wait right behind the
+`tilestored` that wrote it (one block behind, with two stored tiles, they did:
+docs/history/x86-speed.md).
 
 A row group's B tiles are made once and serve all its token tiles (made a tile at a time, a
 block's B tile was read by `tileloadd` right after the vector stores that wrote it: slower than
@@ -34,6 +37,8 @@ TOKENS = 16        # tokens a tile: the rows of an A tile
 BLOCK = 32         # bytes of K a block: A's columns; B's rows are BLOCK / 4
 _A, _B, _C = 0, 1, 2   # tile registers of the even blocks; the odd blocks' are 3 higher
 _SETS = 2
+LAG = 2            # blocks between a tile's multiply and its scaling (a multiple of _SETS)
+SLOTS = 4          # stored C tiles (a power of two above LAG): cs [SLOTS, TOKENS * ROWS]
 
 
 def _intrin(T, name, *args):
@@ -58,6 +63,30 @@ def _configurer(T, tiles: int, width, rows):
     return configure
 
 
+def _pipelined(T, nb: int, multiply, scale):
+    """The macro that runs nb blocks of one 16-token tile: `multiply(*m, b, first, s)` block b's
+    tile multiply on tile set s, stored into cs[b % SLOTS]; `scale(*c, b, first)` its scaling,
+    LAG multiplies later and in block order (the first and last LAG blocks unrolled)."""
+    steady = (nb - LAG) // 2 if nb > LAG else 0   # the loop's pairs: multiplies LAG.., scalings 0..
+    scaled = 2 * steady
+
+    @T.macro
+    def pipelined(m, c, first):
+        for p in T.unroll(min(LAG, nb)):
+            multiply(*m, p, first, p % _SETS)
+        for b2 in range(steady):
+            multiply(*m, LAG + 2 * b2, first, 0)
+            scale(*c, 2 * b2, first)
+            multiply(*m, LAG + 2 * b2 + 1, first, 1)
+            scale(*c, 2 * b2 + 1, first)
+        if nb > LAG and (nb - LAG) % 2 == 1:   # decided when the kernel is built
+            multiply(*m, nb - 1, first, (nb - 1) % _SETS)
+        for r in T.unroll(nb - scaled):
+            scale(*c, scaled + r, first)
+
+    return pipelined
+
+
 def macros(T, nb: int, dot: str, codes, scales):
     """(configure, make_b, blocks) for x86/vnni.py's GEMM, given its readers of the weights
     (`codes(w, g, b, i, high)`, uint8x64; `scales(ws, wc, g, b)`, float32x16, so that this
@@ -65,8 +94,8 @@ def macros(T, nb: int, dot: str, codes, scales):
     configuration from a 64-byte buffer (once a task: it is a thread's state); `make_b(w, bt,
     g)` makes row group g's B tiles into bt [nb, 512]; `blocks(...)` adds every block's dots of
     16 tokens and one row group to two 8-token float accumulators `lo`, `hi` (halves below
-    TVM's 1 KiB stack bound, so that LLVM keeps them in registers), through cs [2, 256], the
-    stored C tiles."""
+    TVM's 1 KiB stack bound, so that LLVM keeps them in registers), through cs [SLOTS, 256],
+    the stored C tiles."""
     bits = dot_bits(dot)
     # what makes a code chunk's bytes signed: q - 8 from Q4_0's nibbles; the book's codes
     # book[q] + 128 (kernels/code_book.py), as Q8_0's q + 128, less 128
@@ -111,32 +140,25 @@ def macros(T, nb: int, dot: str, codes, scales):
 
     @T.macro
     def multiply(aq, bt, cs, b, first, s):
-        """Block b's int32 dots of tokens first .. first + 15 on tile set s, stored into cs[s]."""
+        """Block b's int32 dots of tokens first .. first + 15 on tile set s, stored into cs[b % SLOTS]."""
         intrin("llvm.x86.tileloadd64", T.uint8(_B + 3 * s), T.address_of(bt[b, 0]), T.int64(4 * ROWS))
         intrin("llvm.x86.tileloadd64", T.uint8(_A + 3 * s), T.address_of(aq[first, b, 0]), T.int64(nb * BLOCK))
         intrin("llvm.x86.tilezero", T.uint8(_C + 3 * s))
         intrin("llvm.x86.tdpbssd", T.uint8(_C + 3 * s), T.uint8(_A + 3 * s), T.uint8(_B + 3 * s))
-        intrin("llvm.x86.tilestored64", T.uint8(_C + 3 * s), T.address_of(cs[s, 0]), T.int64(4 * ROWS))
+        intrin("llvm.x86.tilestored64", T.uint8(_C + 3 * s), T.address_of(cs[b % SLOTS, 0]), T.int64(4 * ROWS))
 
     @T.macro
-    def scale(ws, ad, wc, sums, lo, hi, cs, g, b, first, s):
-        """lo, hi += block b's dots in cs[s], scaled."""
-        scale_into(lo, ws, ad, wc, sums, cs, g, b, first, 0, s)
-        scale_into(hi, ws, ad, wc, sums, cs, g, b, first, 1, s)
+    def scale(ws, ad, wc, sums, lo, hi, cs, g, b, first):
+        """lo, hi += block b's dots in cs[b % SLOTS], scaled."""
+        scale_into(lo, ws, ad, wc, sums, cs, g, b, first, 0, b % SLOTS)
+        scale_into(hi, ws, ad, wc, sums, cs, g, b, first, 1, b % SLOTS)
+
+    pipelined = _pipelined(T, nb, multiply, scale)
 
     @T.macro
     def blocks(aq, ws, ad, wc, sums, lo, hi, bt, cs, g, first):
-        """Every block of tokens first .. first + 15: block b + 1's multiply, on the other tile
-        set, is issued before block b's tile is scaled."""
-        multiply(aq, bt, cs, 0, first, 0)
-        for b2 in range(nb // 2):
-            multiply(aq, bt, cs, 2 * b2 + 1, first, 1)
-            scale(ws, ad, wc, sums, lo, hi, cs, g, 2 * b2, first, 0)
-            if 2 * b2 + 2 < nb:
-                multiply(aq, bt, cs, 2 * b2 + 2, first, 0)
-            scale(ws, ad, wc, sums, lo, hi, cs, g, 2 * b2 + 1, first, 1)
-        if nb % 2 == 1:   # decided when the kernel is built: its multiply was the loop's last
-            scale(ws, ad, wc, sums, lo, hi, cs, g, nb - 1, first, 0)
+        """Every block of tokens first .. first + 15, in order (`_pipelined`)."""
+        pipelined((aq, bt, cs), (ws, ad, wc, sums, lo, hi, cs, g), first)
 
     return configure, make_b, blocks
 
@@ -184,7 +206,7 @@ def q6_k_macros(T, nb: int, term, chunk_codes):
 
     @T.macro
     def multiply(ar, bt, cs, b, first, s):
-        """Block b's two sub-block sums of tokens first .. first + 15 on tile set s, into cs[s]."""
+        """Block b's two sub-block sums of tokens first .. first + 15 on tile set s, into cs[b % SLOTS]."""
         for h in T.unroll(2):
             intrin("llvm.x86.tileloadd64", T.uint8(Q6_K_TILES * s), T.address_of(ar[first, b, h * BLOCK // 2]),
                    T.int64(nb * BLOCK))
@@ -194,27 +216,28 @@ def q6_k_macros(T, nb: int, term, chunk_codes):
             intrin("llvm.x86.tdpbssd", T.uint8(Q6_K_TILES * s + 2 + h), T.uint8(Q6_K_TILES * s),
                    T.uint8(Q6_K_TILES * s + 1))
         for h in T.unroll(2):
-            intrin("llvm.x86.tilestored64", T.uint8(Q6_K_TILES * s + 2 + h), T.address_of(cs[s, h, 0]),
+            intrin("llvm.x86.tilestored64", T.uint8(Q6_K_TILES * s + 2 + h), T.address_of(cs[b % SLOTS, h, 0]),
                    T.int64(4 * ROWS))
 
     @T.macro
-    def scale(ad, sc, d, acc, cs, g, b, first, half, s):
+    def scale_half(ad, sc, d, acc, cs, g, b, first, half):
+        """acc (8 tokens) += tokens first + 8 half .. + 7 of block b's two stored sub-block sums, scaled."""
         for t in T.unroll(8):
             acc[T.ramp(t * ROWS, 1, ROWS)] = acc[T.ramp(t * ROWS, 1, ROWS)] + term(
-                cs[s, 0, T.ramp((8 * half + t) * ROWS, 1, ROWS)], cs[s, 1, T.ramp((8 * half + t) * ROWS, 1, ROWS)],
-                sc, d, ad, g, b, first + 8 * half + t)
+                cs[b % SLOTS, 0, T.ramp((8 * half + t) * ROWS, 1, ROWS)],
+                cs[b % SLOTS, 1, T.ramp((8 * half + t) * ROWS, 1, ROWS)], sc, d, ad, g, b, first + 8 * half + t)
+
+    @T.macro
+    def scale(ad, sc, d, lo, hi, cs, g, b, first):
+        """lo, hi += block b's sums in cs[b % SLOTS], scaled."""
+        scale_half(ad, sc, d, lo, cs, g, b, first, 0)
+        scale_half(ad, sc, d, hi, cs, g, b, first, 1)
+
+    pipelined = _pipelined(T, nb, multiply, scale)
 
     @T.macro
     def blocks(ar, ad, sc, d, lo, hi, bt, cs, g, first):
-        """Every block of tokens first .. first + 15, pipelined as `macros`' blocks."""
-        multiply(ar, bt, cs, 0, first, 0)
-        for b2 in range(nb // 2):
-            multiply(ar, bt, cs, 2 * b2 + 1, first, 1)
-            scale(ad, sc, d, lo, cs, g, 2 * b2, first, 0, 0)
-            scale(ad, sc, d, hi, cs, g, 2 * b2, first, 1, 0)
-            if 2 * b2 + 2 < nb:
-                multiply(ar, bt, cs, 2 * b2 + 2, first, 0)
-            scale(ad, sc, d, lo, cs, g, 2 * b2 + 1, first, 0, 1)
-            scale(ad, sc, d, hi, cs, g, 2 * b2 + 1, first, 1, 1)
+        """Every block of tokens first .. first + 15, in order (`_pipelined`)."""
+        pipelined((ar, bt, cs), (ad, sc, d, lo, hi, cs, g), first)
 
     return configure, sub_block_order, make_b, blocks

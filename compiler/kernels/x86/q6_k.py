@@ -239,7 +239,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
                 if rows_in >= amx_tiles.TOKENS:
                     cfg = T.decl_buffer((64,), "uint8", scope="global")
                     bt = T.decl_buffer((nb, BYTE_CHUNKS * 4 * ROWS), "uint8", scope="global")
-                    cs = T.decl_buffer((2, 2, amx_tiles.TOKENS * ROWS), "int32", scope="global")
+                    cs = T.decl_buffer((amx_tiles.SLOTS, 2, amx_tiles.TOKENS * ROWS), "int32", scope="global")
                     configure(cfg)
                     make_amx_b(wb, bt, g)
                     for it in range(rows_in // amx_tiles.TOKENS):

@@ -335,7 +335,7 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         if rows_in >= amx_tiles.TOKENS:
             cfg = T.decl_buffer((64,), "uint8", scope="global")
             bt = T.decl_buffer((nb, amx_tiles.BLOCK * ROWS), "uint8", scope="global")
-            cs = T.decl_buffer((2, amx_tiles.TOKENS * ROWS), "int32", scope="global")
+            cs = T.decl_buffer((amx_tiles.SLOTS, amx_tiles.TOKENS * ROWS), "int32", scope="global")
             configure(cfg)
             make_b(w, bt, g)
             amx_tile(w, aq, ws, ad, y, wc, bias, bt, cs, sums, g, 0, True)
