@@ -168,7 +168,8 @@ def test_x86_kernels_look_up_the_book(fmt, m, k, n):
 @pytest.mark.slow
 def test_arm_kernels_look_up_the_book(tmp_path):
     """arm-yitian (smmla_iq4 prefill, sdot_iq4 decode) and arm-neon (sdot_iq4) under qemu-aarch64,
-    at 1, 3, 9, 13 (whole tiles and a lone pair) and 17 tokens: within float32 rounding of the
+    at 1, 3, 9, 13 (whole tiles and a lone pair), 17 and 27 tokens (two whole tiles: IQ4_NL's
+    indices looked up once a task): within float32 rounding of the
     file's weights times the quantized activations (IQ4_XS: on Q8_K super-blocks, the file's
     6-bit scales), the same bits at 1, 3, 8 and 64 threads."""
     inputs, refs = {}, {}
@@ -176,7 +177,7 @@ def test_arm_kernels_look_up_the_book(tmp_path):
         bb, prefix = relax.BlockBuilder(), target.replace("-", "_")
         for fmt in FORMATS:
             for k, n in CASES:
-                for m in (1, 3, 9, 13, 17):
+                for m in (1, 3, 9, 13, 17, 27):
                     raw, b = _weights(fmt, n, k, k + n + m)
                     a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
                     name = f"{prefix}_{fmt}_{k}_{n}_{m}"

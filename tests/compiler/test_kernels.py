@@ -19,7 +19,7 @@ from qwc.q4 import pack_nibbles, quantize_q4_0, quantize_q8_0
 # (K, N). N = 136 and 128 take the decode GEMV's multi-stream path (N >= 64 rows), with a
 # ragged leftover group and without one.
 SHAPES = [(96, 24), (160, 6), (100, 20), (896, 40), (96, 136), (64, 128)]
-ARM_M = (1, 3, 4, 7, 9, 10, 12, 17, 23, 27)
+ARM_M = (1, 3, 4, 7, 9, 10, 12, 17, 23, 27, 29, 33)
 Q8_SHAPES = [(96, 24), (100, 20), (96, 136)]   # the W8A8 kernels': ragged N and K, the multi-group path
 
 
@@ -291,7 +291,9 @@ def test_w4a8_arm_kernels_under_qemu(target, tmp_path):
     (identical results: a task owns its rows). M covers every smmla tile (5 pairs; a lone
     leftover pair joining the last tile's five as 4 + 2; other leftovers in tiles of 4, 2 and 1
     pairs; an odd token): 3 = 1 pair + odd, 4 = 2, 7 = 2 + 1 + odd, 9 = 4 + odd, 10 = 5,
-    12 = 4 + 2, 17 = 5 + 2 + 1 + odd, 23 = 5 + 4 + 2 + odd, 27 = 5 + 5 + 2 + 1 + odd. The W8A8 kernels (Q8_0
+    12 = 4 + 2, 17 = 5 + 2 + 1 + odd, 23 = 5 + 4 + 2 + odd, 27 = 5 + 5 + 2 + 1 + odd,
+    29 = 5 + 5 + 4 + odd, 33 = 5 + 5 + 6 + odd; from two whole tiles on (27, 29, 33) a task
+    unpacks its weights once. The W8A8 kernels (Q8_0
     codes: sdot8, and smmla8 on arm-yitian) and Q4_1's block offsets take the same tiles on
     three of the shapes, and the multi-output and split decode GEMVs in all three formats."""
     import re
@@ -411,6 +413,26 @@ def test_arm_per_row_gemm_under_qemu(tmp_path, target):
         deinterleaved = np.concatenate([q.reshape(m, 3, 32)[..., 0::2], q.reshape(m, 3, 32)[..., 1::2]], -1)
         assert np.abs(back.astype(int) - deinterleaved).max() <= (0 if kind == "plain" else 1), kind
         assert np.array_equal(offsets, -8 * back.astype(np.int32).sum(-1)), kind
+
+
+@pytest.mark.arm
+@pytest.mark.parametrize("act", ["block", "row"])
+def test_smmla_tiles_of_a_long_prompt_read_unpacked_operands(tmp_path, act):
+    """arm-yitian's Q4_0 GEMM has two block loops for its 5-pair tile: the one tiles run where a
+    task has fewer than two whole tiles, which unpacks the nibbles (zips, masks, shifts, the
+    scales' converts), and the one of longer prompts, whose operands the task unpacked once
+    (kernels/arm/i8mm.py, made_operands): that loop loads them and has none of that work, and
+    it executes fewer instructions a block."""
+    from qwc.bench import arm_tile_loops
+
+    lib = arm_tile_loops.build_gemm("arm-yitian", 48, 64, 896, act == "row", tmp_path)
+    five = [body for body in arm_tile_loops.loops(lib, "smmla")   # innermost loops: one branch, their own
+            if sum(o == "smmla" for o, _ in body) == 40 and sum(bool(arm_tile_loops.BRANCH.match(o)) for o, _ in body) == 1]
+    unpacking = {"and", "ushr", "zip1", "zip2", "fcvtl"}
+    made = [b for b in five if not unpacking & {o for o, _ in b}]
+    direct = [b for b in five if unpacking <= {o for o, _ in b}]
+    assert made and direct, [len(b) for b in five]
+    assert max(map(len, made)) < min(map(len, direct)), ([len(b) for b in made], [len(b) for b in direct])
 
 
 def _row_quantizer_case(bb, name, kind, k, m, layout="arm_rows"):

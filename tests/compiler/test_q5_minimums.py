@@ -191,7 +191,8 @@ def test_x86_kernels_add_the_block_minimums(path, kind, m, k, n):
 @pytest.mark.slow
 def test_arm_kernels_take_five_bit_codes(tmp_path):
     """arm-yitian (smmla5 prefill, sdot5 decode) and arm-neon (sdot5) under qemu-aarch64, at 1,
-    3, 9, 13 (whole tiles and a lone pair) and 17 tokens, Q5_K (the file's factors, on Q8_K activations as compact Q4_K's), Q5_1 and
+    3, 9, 13 (whole tiles and a lone pair), 17 and 27 tokens (two whole tiles: the codes made once a
+    task), Q5_K (the file's factors, on Q8_K activations as compact Q4_K's), Q5_1 and
     Q5_0 (block offsets, on Q8_0 blocks): five bits a weight in memory; and Q5_1 as bytes on the
     W8A8 kernels. Each result is the file's weights times the activations within float32
     rounding, the same bits at 1, 3, 8 and 64 threads."""
@@ -203,7 +204,7 @@ def test_arm_kernels_take_five_bit_codes(tmp_path):
         # (Q5_1 "bytes": the W8A8 kernels with block offsets, which codes wider than five bits take)
         for kind, as_bytes in ((Q.Q5_K, False), (Q.Q5_1, False), (Q.Q5_0, False), (Q.Q5_1, True)):
             for k, n in CASES:
-                for m in (1, 3, 9, 13, 17):
+                for m in (1, 3, 9, 13, 17, 27):
                     raw, b = _weights(kind, n, k, k + n + m)
                     a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
                     name = f"{prefix}_{kind.name}{'_bytes' if as_bytes else ''}_{k}_{n}_{m}"

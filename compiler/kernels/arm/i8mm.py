@@ -29,6 +29,13 @@ tile's five: as one 6-pair tile (converting plainly) where the weights have no b
 take tiles of 4, 2 and 1 pairs, an odd last token a pair with itself, stored once. Decode (one
 token) stays on sdot: smmla would waste half its work.
 
+A task with two whole tiles or more unpacks its weights once (made_operands): each block's 8
+B operands and its two row pairs' float32 scales go to a task buffer, which every tile of the
+task then loads with `ldp` (the odd last token's excepted: it reads the weights as they are).
+Unpacked a tile at a time, the zips, masks, shifts and the scales' zips and converts were
+repeated by every tile, a sixth of the block loop; the weights stay in their file form in
+memory, and the buffer (160 bytes a block) is the task's rows only.
+
 Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k of a row pair
 is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumulation started
 from 0 instead of the offsets. Five-bit codes (dot "smmla5": a GGUF's Q5_0 / Q5_1 / Q5_K,
@@ -69,6 +76,8 @@ BOOK = "book"   # the codes of 4-bit indices into the book, where the helpers be
 DEFAULT_TOKENS = {"smmla": 10, "smmla8": 10, "smmla5": 10, "smmla_iq4": 10}   # 5 token pairs a prefill tile: see this module's docstring
 DECODE_EPILOGUES = frozenset()     # prefill only: decode runs arm/dotprod.py's GEMV
 PREFILL_BIAS = False   # a bias is its own kernel after the GEMM
+MADE_OPERANDS = 8   # a block's B operands: 2 row pairs x 4 pieces of 8 bytes a row
+MADE_FROM = 2       # whole tiles a task needs before it unpacks its weights once, not once a tile
 
 
 def _rows(T, w, g, b, q, k, rp, bits: int | str = 4):
@@ -115,14 +124,16 @@ def _five_bit_rows(T, v, fifth, i: int, pattern, high: bool):
     return T.reinterpret("int8x16", T.call_llvm_pure_intrin("uint8x16", SLI, v, z, T.int32(4)))
 
 
-def _pair_dot(T, w, aqf, init, g, b, q, rp, base, bits: int | str = 4):
+def _pair_dot(T, w, aqf, init, g, b, q, rp, base, bits: int | str = 4, made=None):
     """int32x4 [r0 t0, r0 t1, r1 t0, r1 t1] of block b for the row pair rp of slice q and the
     token pair whose interleaved block-b activations start at flat index `base`, from `init` (the
-    pair's offsets); one expression (named temporaries would become per-thread allocations)."""
+    pair's offsets); one expression (named temporaries would become per-thread allocations).
+    `made`: the task's operands as q4_gemm's made_operands wrote them, read instead of unpacked."""
     acc = init
     for k in range(4):
-        acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, _rows(T, w, g, b, q, k, rp, bits),
-                                      aqf.vload([base + 16 * k], "int8x16"))
+        rows = (_rows(T, w, g, b, q, k, rp, bits) if made is None
+                else made[0].vload([(b * MADE_OPERANDS + 4 * rp + k) * 16], "int8x16"))
+        acc = T.call_llvm_pure_intrin("int32x4", SMMLA, acc, rows, aqf.vload([base + 16 * k], "int8x16"))
     return acc
 
 
@@ -138,18 +149,20 @@ def _convert(T, pairs: int, v):
 
 
 def _pair_update(T, w, aqf, adf, offf, ws, wc, g, b, q, rp, at, pairs: int, bits: int | str = 4,
-                 per_row: bool = False):
+                 per_row: bool = False, made=None):
     """float32x4: block b's contribution to row pair rp of slice q for the token pair whose
     block-b entries start at `at` (in token units: activations at 32 at, scales and offsets at
     2 at), in a tile of `pairs` pairs: the pair dot from its offsets (Q8_0, BOOK: from 0), converted,
     times [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1]; `per_row` (activations with a scale a
     row): times the weight scales [d r0, d r0, d r1, d r1] only, the row scales applied once
-    as the tile stores."""
+    as the tile stores. `made`: the task's operands and scales (made_operands)."""
     init = T.broadcast(T.int32(0), 4) if bits in (8, BOOK) else offf.vload([at * 2], "int32x4")
-    dot = _pair_dot(T, w, aqf, init, g, b, q, rp, at * 32, bits)
+    dot = _pair_dot(T, w, aqf, init, g, b, q, rp, at * 32, bits, made)
+    scales = (_row_scales(T, ws, wc, g, b, q, rp) if made is None
+              else made[1].vload([(b * 2 + rp) * 4], "float32x4"))
     if per_row:
-        return _convert(T, pairs, dot) * _row_scales(T, ws, wc, g, b, q, rp)
-    return _convert(T, pairs, dot) * (_row_scales(T, ws, wc, g, b, q, rp) * adf.vload([at * 2], "float32x4"))
+        return _convert(T, pairs, dot) * scales
+    return _convert(T, pairs, dot) * (scales * adf.vload([at * 2], "float32x4"))
 
 
 def _pair_sums(T, adf, offf, at, pairs: int):
@@ -430,9 +443,10 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         return v * tirx.Shuffle([st], [0, 2, 0, 2]) - tirx.Shuffle([st], [1, 3, 1, 3]) * r
 
     @T.macro
-    def tile(w, aqf, adf, offf, ws, wc, y, g, q, first, pairs, rs):
+    def tile(w, aqf, adf, offf, ws, wc, y, g, q, first, pairs, rs, made):
         """Rows 16g+4q .. +3 of `pairs` token pairs from token `first` (even); rs: the weight
-        rows' sums (per_row), else None."""
+        rows' sums (per_row), else None; made: the task's unpacked operands (made_operands),
+        else None."""
         acc = T.decl_buffer((pairs * 8,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
         for p in T.unroll(pairs * 2):
             acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
@@ -442,23 +456,23 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                 # loop variable's `rp == 0` would not be).
                 if wc is None:   # decided when the kernel is built
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, per_row)
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, per_row, made)
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes, per_row)
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes, per_row, made)
                 elif pairs > FIXED_POINT_PAIRS:   # Q4_1 in the full-register 6-pair tile: no held value
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes) - (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
                         _row_offsets(T, ws, wc, g, b, q, 0) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes) - (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
                         _row_offsets(T, ws, wc, g, b, q, 1) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                 else:   # Q4_1: the pair's block sums once for both row pairs
                     sums = T.bind(_pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes) - (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
                         _row_offsets(T, ws, wc, g, b, q, 0) * sums)
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes) - (
+                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
                         _row_offsets(T, ws, wc, g, b, q, 1) * sums)
         if rs is not None:   # decided when the kernel is built: s (sum over blocks) - s zp R
             for p in T.unroll(pairs):
@@ -516,28 +530,55 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         return tirx.And(m // 2 % tile_pairs == 1, m // 2 > tile_pairs)
 
     @T.macro
-    def slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left):
-        """Task gq's tiles: rows 16g + 4q .. + 3 (g, q = gq // SLICES, gq % SLICES) of every token."""
+    def tiles_of(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left, made):
+        """Task gq's tiles: rows 16g + 4q .. + 3 (g, q = gq // SLICES, gq % SLICES) of every token
+        (made: its unpacked operands, or None)."""
         for it in range(whole):
-            tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs, rs)
+            tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs, rs, made)
         if not offsets and tile_pairs == MERGE_INTO:   # decided when the kernel is built
             if merge:   # a lone leftover pair rides with the last whole tile
                 tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs,
-                     tile_pairs + 1, rs)
+                     tile_pairs + 1, rs, made)
         # the pairs left over (fewer than a tile's, or, with block offsets, 6 where a lone
         # pair joined the last tile's): tiles of 4, 2 and 1 pairs
         p4 = T.bind(rows_in // 2 - left)
         if tile_pairs > 4:
             if left >= 4:
-                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4, rs)
+                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4, rs, made)
         p2 = T.bind(p4 + left // 4 * 4)
         if tile_pairs > 2:
             if left % 4 >= 2:
-                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2, rs)
+                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2, rs, made)
         if left % 2 == 1:
-            tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + left % 4 // 2 * 2), 1, rs)
+            tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + left % 4 // 2 * 2), 1, rs, made)
         if rows_in % 2 == 1:
             last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1, rs)
+
+    @T.macro
+    def made_operands(w, ws, wc, ops, scales, g, q):
+        """Slice q of group g unpacked once for all the task's tiles: block b's smmla B operands
+        (_rows: zipped, unpacked, looked up) at ops[b * 8 + 4 rp + k] and its row-pair weight
+        scales ([d r, d r, d r', d r'], float32) at scales[2 b + rp]. A tile's block then loads
+        its 8 operands in 4 `ldp` and its scales in one, where unpacking them took 21 (zips,
+        masks, shifts, the scales' zips and converts) every tile."""
+        for b in range(nb):
+            ops[T.ramp(b * MADE_OPERANDS * 16, 1, MADE_OPERANDS * 16)] = tirx.Shuffle(
+                [_rows(T, w, g, b, q, k, rp, codes) for rp in (0, 1) for k in range(4)],
+                list(range(MADE_OPERANDS * 16)))
+            scales[T.ramp(b * 8, 1, 8)] = tirx.Shuffle(
+                [_row_scales(T, ws, wc, g, b, q, rp) for rp in (0, 1)], list(range(8)))
+
+    @T.macro
+    def slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left):
+        """Task gq's tiles, on its weights unpacked once where it has MADE_FROM whole tiles or
+        more (fewer: the unpacking's stores and loads would cost more than they save)."""
+        if whole >= MADE_FROM:
+            ops = T.decl_buffer((nb * MADE_OPERANDS * 16,), "int8", scope="global")
+            scales = T.decl_buffer((nb * 8,), "float32", scope="global")
+            made_operands(w, ws, wc, ops, scales, gq // SLICES, gq % SLICES)
+            tiles_of(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left, (ops, scales))
+        else:
+            tiles_of(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left, None)
 
     compact_body = _compact_body(n, nb, rows_in, codes, tile_pairs) if scale_dtype == q4_k_scales.SCALE_DTYPE else None
 
