@@ -421,7 +421,7 @@ def test_smmla_tiles_of_a_long_prompt_read_unpacked_operands(tmp_path, act):
     """arm-yitian's Q4_0 GEMM has two block loops for its 5-pair tile: the one tiles run where a
     task has fewer than two whole tiles, which unpacks the nibbles (zips, masks, shifts, the
     scales' converts), and the one of longer prompts, whose operands the task unpacked once
-    (kernels/arm/i8mm.py, made_operands): that loop loads them and has none of that work, and
+    (kernels/arm/i8mm.py, _made_operands): that loop loads them and has none of that work, and
     it executes fewer instructions a block."""
     from qwc.bench import arm_tile_loops
 

@@ -29,7 +29,7 @@ tile's five: as one 6-pair tile (converting plainly) where the weights have no b
 take tiles of 4, 2 and 1 pairs, an odd last token a pair with itself, stored once. Decode (one
 token) stays on sdot: smmla would waste half its work.
 
-A task with two whole tiles or more unpacks its weights once (made_operands): each block's 8
+A task with two whole tiles or more unpacks its weights once (_made_operands): each block's 8
 B operands and its two row pairs' float32 scales go to a task buffer, which every tile of the
 task then loads with `ldp` (the odd last token's excepted: it reads the weights as they are).
 Unpacked a tile at a time, the zips, masks, shifts and the scales' zips and converts were
@@ -128,7 +128,7 @@ def _pair_dot(T, w, aqf, init, g, b, q, rp, base, bits: int | str = 4, made=None
     """int32x4 [r0 t0, r0 t1, r1 t0, r1 t1] of block b for the row pair rp of slice q and the
     token pair whose interleaved block-b activations start at flat index `base`, from `init` (the
     pair's offsets); one expression (named temporaries would become per-thread allocations).
-    `made`: the task's operands as q4_gemm's made_operands wrote them, read instead of unpacked."""
+    `made`: the task's operands as _made_operands wrote them, read instead of unpacked."""
     acc = init
     for k in range(4):
         rows = (_rows(T, w, g, b, q, k, rp, bits) if made is None
@@ -155,7 +155,7 @@ def _pair_update(T, w, aqf, adf, offf, ws, wc, g, b, q, rp, at, pairs: int, bits
     2 at), in a tile of `pairs` pairs: the pair dot from its offsets (Q8_0, BOOK: from 0), converted,
     times [d r0 d t0, d r0 d t1, d r1 d t0, d r1 d t1]; `per_row` (activations with a scale a
     row): times the weight scales [d r0, d r0, d r1, d r1] only, the row scales applied once
-    as the tile stores. `made`: the task's operands and scales (made_operands)."""
+    as the tile stores. `made`: the task's operands and scales (_made_operands)."""
     init = T.broadcast(T.int32(0), 4) if bits in (8, BOOK) else offf.vload([at * 2], "int32x4")
     dot = _pair_dot(T, w, aqf, init, g, b, q, rp, at * 32, bits, made)
     scales = (_row_scales(T, ws, wc, g, b, q, rp) if made is None
@@ -241,6 +241,26 @@ def decode_gemv(outputs, nb: int, scale_dtype: str = "float16", silu_mul: bool =
                 dot: str = "smmla"):
     """Refused: decode runs arm/dotprod.py's GEMV (the rules name sdot for decode)."""
     raise ValueError(f"{dot} is a prefill GEMM only: its targets decode with sdot")
+
+
+def _made_operands(nb: int, codes: int | str):
+    """The macro that unpacks slice q of group g once for all its task's tiles: block b's smmla B
+    operands (_rows: zipped, unpacked, looked up) at ops[b * 8 + 4 rp + k] and its row-pair
+    weight scales ([d r, d r, d r', d r'], float32) at scales[2 b + rp]. A tile's block then
+    loads its 8 operands in 4 `ldp` and its scales in one, where unpacking them took 21 (zips,
+    masks, shifts, the scales' zips and converts) every tile."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def made_operands(w, ws, wc, ops, scales, g, q):
+        for b in range(nb):
+            ops[T.ramp(b * MADE_OPERANDS * 16, 1, MADE_OPERANDS * 16)] = tirx.Shuffle(
+                [_rows(T, w, g, b, q, k, rp, codes) for rp in (0, 1) for k in range(4)],
+                list(range(MADE_OPERANDS * 16)))
+            scales[T.ramp(b * 8, 1, 8)] = tirx.Shuffle(
+                [_row_scales(T, ws, wc, g, b, q, rp) for rp in (0, 1)], list(range(8)))
+
+    return made_operands
 
 
 def _compact_body(n: int, nb: int, rows_in, codes, tile_pairs: int):
@@ -445,7 +465,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
     @T.macro
     def tile(w, aqf, adf, offf, ws, wc, y, g, q, first, pairs, rs, made):
         """Rows 16g+4q .. +3 of `pairs` token pairs from token `first` (even); rs: the weight
-        rows' sums (per_row), else None; made: the task's unpacked operands (made_operands),
+        rows' sums (per_row), else None; made: the task's unpacked operands (_made_operands),
         else None."""
         acc = T.decl_buffer((pairs * 8,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
         for p in T.unroll(pairs * 2):
@@ -554,19 +574,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         if rows_in % 2 == 1:
             last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1, rs)
 
-    @T.macro
-    def made_operands(w, ws, wc, ops, scales, g, q):
-        """Slice q of group g unpacked once for all the task's tiles: block b's smmla B operands
-        (_rows: zipped, unpacked, looked up) at ops[b * 8 + 4 rp + k] and its row-pair weight
-        scales ([d r, d r, d r', d r'], float32) at scales[2 b + rp]. A tile's block then loads
-        its 8 operands in 4 `ldp` and its scales in one, where unpacking them took 21 (zips,
-        masks, shifts, the scales' zips and converts) every tile."""
-        for b in range(nb):
-            ops[T.ramp(b * MADE_OPERANDS * 16, 1, MADE_OPERANDS * 16)] = tirx.Shuffle(
-                [_rows(T, w, g, b, q, k, rp, codes) for rp in (0, 1) for k in range(4)],
-                list(range(MADE_OPERANDS * 16)))
-            scales[T.ramp(b * 8, 1, 8)] = tirx.Shuffle(
-                [_row_scales(T, ws, wc, g, b, q, rp) for rp in (0, 1)], list(range(8)))
+    made_operands = _made_operands(nb, codes)
 
     @T.macro
     def slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left):
