@@ -4,6 +4,7 @@ of 32), N not a multiple of the row interleave, M = 1, 3, 17."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -351,7 +352,9 @@ def test_arm_per_row_gemm_under_qemu(tmp_path, target):
     3, 8 and 64 threads to the bit. The reference's only difference is the order of float sums;
     the tolerance 1e-4 of the output's range covers the zero point's cancellation (y = s acc -
     s zp R). A row of zeros, a row of one sign and a row with one outlier are among the tokens;
-    decode (M = 1) and a K off whole blocks keep their blocks."""
+    decode (M = 1) and a K off whole blocks keep their blocks. K = 18944 (the 7B's down_proj)
+    holds the running sums of prompts of 20 tokens or more (i8mm.py) over 592 blocks to the
+    same tolerance."""
     import subprocess
 
     import tvm
@@ -363,7 +366,7 @@ def test_arm_per_row_gemm_under_qemu(tmp_path, target):
     t = get_target(target)
     gemms, layout = ARM_ROW_GEMMS[target]
     bb, inputs, refs = relax.BlockBuilder(), {}, {}
-    for prefix, fmt, shapes in (("r4", "q4_0", [(96, 24), (160, 6), (96, 136), (896, 40)]), ("r8", "q8_0", Q8_SHAPES)):
+    for prefix, fmt, shapes in (("r4", "q4_0", [(96, 24), (160, 6), (96, 136), (896, 40), (18944, 16)]), ("r8", "q8_0", Q8_SHAPES)):
         for k, n in shapes:
             for m in ARM_M:
                 name = f"{prefix}_{k}_{n}_{m}"
@@ -422,7 +425,8 @@ def test_smmla_tiles_of_a_long_prompt_read_unpacked_operands(tmp_path, act):
     task has fewer than two whole tiles, which unpacks the nibbles (zips, masks, shifts, the
     scales' converts), and the one of longer prompts, whose operands the task unpacked once
     (kernels/arm/i8mm.py, _made_operands): that loop loads them and has none of that work, and
-    it executes fewer instructions a block."""
+    it executes fewer instructions a block. On per-row activations it sums by parts: it loads
+    no offsets (15 `ldp`: 4 of operands, 10 of activations, one of scales)."""
     from qwc.bench import arm_tile_loops
 
     lib = arm_tile_loops.build_gemm("arm-yitian", 48, 64, 896, act == "row", tmp_path)
@@ -433,6 +437,8 @@ def test_smmla_tiles_of_a_long_prompt_read_unpacked_operands(tmp_path, act):
     direct = [b for b in five if unpacking <= {o for o, _ in b}]
     assert made and direct, [len(b) for b in five]
     assert max(map(len, made)) < min(map(len, direct)), ([len(b) for b in made], [len(b) for b in direct])
+    if act == "row":
+        assert all(sum(o == "ldp" for o, _ in b) == 15 for b in made), [Counter(o for o, _ in b) for b in made]
 
 
 def _row_quantizer_case(bb, name, kind, k, m, layout="arm_rows"):

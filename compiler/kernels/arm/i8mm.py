@@ -36,6 +36,21 @@ Unpacked a tile at a time, the zips, masks, shifts and the scales' zips and conv
 repeated by every tile, a sixth of the block loop; the weights stay in their file form in
 memory, and the buffer (160 bytes a block) is the task's rows only.
 
+On per-row activations (one scale a token, applied at the store) those tiles sum by parts:
+sum_b d_b D_b = sum_b (d_b - d_(b+1)) S_b, with D_b block b's int32 dot and S_b = D_0 + .. +
+D_b. Each pair's int32 dot then runs on over the blocks, never restarted, and a block adds it,
+converted, times the difference of its scale and the next block's (d_(nb) = 0), which
+_made_operands writes in place of the scales. Q4_0's codes are made 16 (q - 8) (_rows'
+`centred`: an `eor` of the zipped bytes, then the usual shift or mask), so that no offsets
+start the sums, and the convert's fixed point takes out the 16 with the half
+(RUNNING_FRACTION_BITS). A block then costs its smmla, its loads and one convert and FMA a
+pair, without the offsets' loads and copies. The sums are exact int32 (a block adds at most
+32 x 128 x 128 = 2^19, so K up to 2^17 fits: RUNNING_BLOCKS); their convert rounds once |S_b| passes 2^24,
+and the float terms are other terms than the blocks' own: the same value to float32 rounding,
+not the same bits as the other tiles. Running, ten pairs' int32 and float32 sums fill 20
+registers, so the lone leftover pair does not join the last tile (6 pairs would spill): tiles
+of 4 and 2 take them.
+
 Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k of a row pair
 is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumulation started
 from 0 instead of the offsets. Five-bit codes (dot "smmla5": a GGUF's Q5_0 / Q5_1 / Q5_K,
@@ -78,13 +93,18 @@ DECODE_EPILOGUES = frozenset()     # prefill only: decode runs arm/dotprod.py's 
 PREFILL_BIAS = False   # a bias is its own kernel after the GEMM
 MADE_OPERANDS = 8   # a block's B operands: 2 row pairs x 4 pieces of 8 bytes a row
 MADE_FROM = 2       # whole tiles a task needs before it unpacks its weights once, not once a tile
+RUNNING_BLOCKS = 1 << 12   # K up to 2^17 keeps the running int32 sums exact (module docstring); longer K, the offsets
+RUNNING_FRACTION_BITS = 5   # the running sums' fixed-point convert: halved as the others, and Q4_0's 16 (q - 8) / 16
 
 
-def _rows(T, w, g, b, q, k, rp, bits: int | str = 4):
+def _rows(T, w, g, b, q, k, rp, bits: int | str = 4, centred: bool = False):
     """int8x16: rows (r, r + 1) = 16g + 4q + 2rp + (0, 1), 8 weights each, that meet
     activation piece k (0..3) of block b: chunks 2(k % 2), 2(k % 2) + 1 zipped (packed, so
     one zip serves both nibbles), low nibbles for k < 2, high ones for k >= 2 (`bits` BOOK:
-    each index then looked up). Q8_0 codes: chunks 2k, 2k + 1 zipped, as they are."""
+    each index then looked up). Q8_0 codes: chunks 2k, 2k + 1 zipped, as they are.
+    `centred` (4 bits): 16 (q - 8) instead of q. Flipping each nibble's top bit (one `eor` of
+    the zipped bytes serves both) makes q ^ 8, and q ^ 8 in a byte's high half, read as int8,
+    is 16 (q - 8): a shift or a mask a piece, as for q, and no subtraction."""
     assert rp in (0, 1)   # a Python int: it picks the zip pattern
     if bits == 8:
         z = tirx.Shuffle([T.reinterpret("int32x4", w.vload([g, b, 2 * k, 16 * q], "uint8x16")),
@@ -98,6 +118,10 @@ def _rows(T, w, g, b, q, k, rp, bits: int | str = 4):
     v = T.reinterpret("uint8x16", z)
     if bits == 5:
         return _five_bit_rows(T, v, w.vload([g, b, 4, 16 * q], "uint8x16"), i, pattern, k >= 2)
+    if centred:
+        v = v ^ T.broadcast(T.uint8(0x88), 16)
+        return T.reinterpret("int8x16", (v & T.broadcast(T.uint8(0xF0), 16)) if k >= 2 else (
+            v << T.broadcast(T.uint8(4), 16)))
     v = (v >> T.broadcast(T.uint8(4), 16)) if k >= 2 else (v & T.broadcast(T.uint8(15), 16))
     if bits == BOOK:
         return T.call_llvm_pure_intrin("int8x16", "llvm.aarch64.neon.tbl1.v16i8",
@@ -243,22 +267,43 @@ def decode_gemv(outputs, nb: int, scale_dtype: str = "float16", silu_mul: bool =
     raise ValueError(f"{dot} is a prefill GEMM only: its targets decode with sdot")
 
 
-def _made_operands(nb: int, codes: int | str):
+def _made_operands(nb: int, codes: int | str, running: bool = False):
     """The macro that unpacks slice q of group g once for all its task's tiles: block b's smmla B
     operands (_rows: zipped, unpacked, looked up) at ops[b * 8 + 4 rp + k] and its row-pair
     weight scales ([d r, d r, d r', d r'], float32) at scales[2 b + rp]. A tile's block then
     loads its 8 operands in 4 `ldp` and its scales in one, where unpacking them took 21 (zips,
-    masks, shifts, the scales' zips and converts) every tile."""
+    masks, shifts, the scales' zips and converts) every tile.
+    `running` (the running-sum tiles of per-row activations, q4_gemm's tile): Q4_0's codes
+    centred (16 (q - 8): the dots then need no offsets) and, for the scales, each block's less
+    the next one's (d_b - d_(b+1), the last block's d as it is)."""
     from tvm.script import tirx as T
+
+    def operand(T, w, g, b, q, k, rp):
+        return _rows(T, w, g, b, q, k, rp, codes, centred=running and codes == 4)
+
+    def block_scales(T, ws, wc, g, b, q):
+        return tirx.Shuffle([_row_scales(T, ws, wc, g, b, q, rp) for rp in (0, 1)], list(range(8)))
 
     @T.macro
     def made_operands(w, ws, wc, ops, scales, g, q):
-        for b in range(nb):
-            ops[T.ramp(b * MADE_OPERANDS * 16, 1, MADE_OPERANDS * 16)] = tirx.Shuffle(
-                [_rows(T, w, g, b, q, k, rp, codes) for rp in (0, 1) for k in range(4)],
-                list(range(MADE_OPERANDS * 16)))
-            scales[T.ramp(b * 8, 1, 8)] = tirx.Shuffle(
-                [_row_scales(T, ws, wc, g, b, q, rp) for rp in (0, 1)], list(range(8)))
+        if running:   # decided when the kernel is built
+            # each block's scales kept for the next (a stack slot LLVM holds in a register), which
+            # writes d_(b-1) - d_b; block 0 writes a value block 1 replaces; the last's d after
+            before = T.decl_buffer((8,), "float32", scope="global")
+            before[T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+            for b in range(nb):
+                ops[T.ramp(b * MADE_OPERANDS * 16, 1, MADE_OPERANDS * 16)] = tirx.Shuffle(
+                    [operand(T, w, g, b, q, k, rp) for rp in (0, 1) for k in range(4)],
+                    list(range(MADE_OPERANDS * 16)))
+                scales[T.ramp(T.max(b - 1, 0) * 8, 1, 8)] = before[T.ramp(0, 1, 8)] - block_scales(T, ws, wc, g, b, q)
+                before[T.ramp(0, 1, 8)] = block_scales(T, ws, wc, g, b, q)
+            scales[T.ramp((nb - 1) * 8, 1, 8)] = before[T.ramp(0, 1, 8)]
+        else:
+            for b in range(nb):
+                ops[T.ramp(b * MADE_OPERANDS * 16, 1, MADE_OPERANDS * 16)] = tirx.Shuffle(
+                    [operand(T, w, g, b, q, k, rp) for rp in (0, 1) for k in range(4)],
+                    list(range(MADE_OPERANDS * 16)))
+                scales[T.ramp(b * 8, 1, 8)] = block_scales(T, ws, wc, g, b, q)
 
     return made_operands
 
@@ -451,6 +496,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
     ragged = n % ROWS != 0
     tile_pairs = max(1, (tokens or DEFAULT_TOKENS["smmla"]) // 2)   # the tile's unpacked weights serve them all
     rows_in = token_count(m)
+    running = per_row and nb <= RUNNING_BLOCKS   # the tiles of made operands sum by parts (module docstring)
 
     def row_epilogue(T, v, adf, rs, t0, row):
         """float32x4 v x [s t0, s t1, s t0, s t1] - [s zp t0, s zp t1, ...] x [R r, R r, R r', R r']
@@ -463,6 +509,18 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         return v * tirx.Shuffle([st], [0, 2, 0, 2]) - tirx.Shuffle([st], [1, 3, 1, 3]) * r
 
     @T.macro
+    def running_update(w, aqf, dots, acc, made, g, b, q, p, rp, base, pairs):
+        """Row pair rp of pair p, block b, by parts: the pair's dot runs on over the blocks
+        (from 0, on the made codes less their zero) and each block adds it times d_b - d_(b+1)
+        (_made_operands' running scales), which sums to the sum of d_b x block b's dot: one
+        `ldp` of scales, one convert and one FMA a block, and no offsets to start from."""
+        dots[T.ramp(8 * p + 4 * rp, 1, 4)] = _pair_dot(T, w, aqf, dots[T.ramp(8 * p + 4 * rp, 1, 4)], g, b, q, rp,
+                                                      base, codes, made)
+        acc[T.ramp(8 * p + 4 * rp, 1, 4)] = acc[T.ramp(8 * p + 4 * rp, 1, 4)] + T.call_llvm_pure_intrin(
+            "float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", dots[T.ramp(8 * p + 4 * rp, 1, 4)],
+            T.int32(RUNNING_FRACTION_BITS if codes == 4 else 1)) * made[1].vload([(b * 2 + rp) * 4], "float32x4")
+
+    @T.macro
     def tile(w, aqf, adf, offf, ws, wc, y, g, q, first, pairs, rs, made):
         """Rows 16g+4q .. +3 of `pairs` token pairs from token `first` (even); rs: the weight
         rows' sums (per_row), else None; made: the task's unpacked operands (_made_operands),
@@ -470,11 +528,18 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         acc = T.decl_buffer((pairs * 8,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
         for p in T.unroll(pairs * 2):
             acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
+        if made is not None and running:   # decided when the kernel is built: the running sums
+            dots = T.decl_buffer((pairs * 8,), "int32", scope="global")
+            for p in T.unroll(pairs * 2):
+                dots[T.ramp(p * 4, 1, 4)] = T.broadcast(T.int32(0), 4)
         for b in range(nb):
             for p in T.unroll(pairs):
                 # The two row pairs written out: the zip pattern must be a Python constant (a
                 # loop variable's `rp == 0` would not be).
-                if wc is None:   # decided when the kernel is built
+                if made is not None and running:   # decided when the kernel is built
+                    running_update(w, aqf, dots, acc, made, g, b, q, p, 0, (b * rows_in + first + 2 * p) * 32, pairs)
+                    running_update(w, aqf, dots, acc, made, g, b, q, p, 1, (b * rows_in + first + 2 * p) * 32, pairs)
+                elif wc is None:   # decided when the kernel is built
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
                         T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, per_row, made)
                     acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
@@ -557,8 +622,13 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
             tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs, rs, made)
         if not offsets and tile_pairs == MERGE_INTO:   # decided when the kernel is built
             if merge:   # a lone leftover pair rides with the last whole tile
-                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs,
-                     tile_pairs + 1, rs, made)
+                if made is not None and running:   # running sums: 6 pairs' would spill, so 4 and 2
+                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs, 4, rs, made)
+                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs + 8, 2, rs,
+                         made)
+                else:
+                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs,
+                         tile_pairs + 1, rs, made)
         # the pairs left over (fewer than a tile's, or, with block offsets, 6 where a lone
         # pair joined the last tile's): tiles of 4, 2 and 1 pairs
         p4 = T.bind(rows_in // 2 - left)
@@ -574,7 +644,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         if rows_in % 2 == 1:
             last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1, rs)
 
-    made_operands = _made_operands(nb, codes)
+    made_operands = _made_operands(nb, codes, running=running)
 
     @T.macro
     def slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left):
