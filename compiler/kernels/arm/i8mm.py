@@ -45,9 +45,9 @@ _made_operands writes in place of the scales. Q4_0's codes are made 16 (q - 8) (
 start the sums, and the convert's fixed point takes out the 16 with the half
 (RUNNING_FRACTION_BITS). A block then costs its smmla, its loads and one convert and FMA a
 pair, without the offsets' loads and copies. The sums are exact int32 (a block adds at most
-32 x 128 x 128 = 2^19, so K up to 2^17 fits: RUNNING_BLOCKS); their convert rounds once |S_b| passes 2^24,
-and the float terms are other terms than the blocks' own: the same value to float32 rounding,
-not the same bits as the other tiles. Running, ten pairs' int32 and float32 sums fill 20
+32 x 128 x 128 = 2^19, so K up to 2^17 fits: RUNNING_BLOCKS); their convert rounds once |S_b|
+passes 2^24, and the float terms are other terms than the blocks' own: the same value to
+float32 rounding, not the same bits as the other tiles. Running, ten pairs' int32 and float32 sums fill 20
 registers, so the lone leftover pair does not join the last tile (6 pairs would spill): tiles
 of 4 and 2 take them.
 
