@@ -47,9 +47,9 @@ start the sums, and the convert's fixed point takes out the 16 with the half
 pair, without the offsets' loads and copies. The sums are exact int32 (a block adds at most
 32 x 128 x 128 = 2^19, so K up to 2^17 fits: RUNNING_BLOCKS); their convert rounds once |S_b|
 passes 2^24, and the float terms are other terms than the blocks' own: the same value to
-float32 rounding, not the same bits as the other tiles. Running, ten pairs' int32 and float32 sums fill 20
-registers, so the lone leftover pair does not join the last tile (6 pairs would spill): tiles
-of 4 and 2 take them.
+float32 rounding, not the same bits as the other tiles. Running, ten pairs' int32 and float32
+sums fill 20 registers, so the lone leftover pair does not join the last tile (6 pairs would
+spill): tiles of 4 and 2 take them.
 
 Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k of a row pair
 is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumulation started
@@ -278,9 +278,6 @@ def _made_operands(nb: int, codes: int | str, running: bool = False):
     the next one's (d_b - d_(b+1), the last block's d as it is)."""
     from tvm.script import tirx as T
 
-    def operand(T, w, g, b, q, k, rp):
-        return _rows(T, w, g, b, q, k, rp, codes, centred=running and codes == 4)
-
     def block_scales(T, ws, wc, g, b, q):
         return tirx.Shuffle([_row_scales(T, ws, wc, g, b, q, rp) for rp in (0, 1)], list(range(8)))
 
@@ -291,21 +288,39 @@ def _made_operands(nb: int, codes: int | str, running: bool = False):
             # writes d_(b-1) - d_b; block 0 writes a value block 1 replaces; the last's d after
             before = T.decl_buffer((8,), "float32", scope="global")
             before[T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
-            for b in range(nb):
-                ops[T.ramp(b * MADE_OPERANDS * 16, 1, MADE_OPERANDS * 16)] = tirx.Shuffle(
-                    [operand(T, w, g, b, q, k, rp) for rp in (0, 1) for k in range(4)],
-                    list(range(MADE_OPERANDS * 16)))
-                scales[T.ramp(T.max(b - 1, 0) * 8, 1, 8)] = before[T.ramp(0, 1, 8)] - block_scales(T, ws, wc, g, b, q)
-                before[T.ramp(0, 1, 8)] = block_scales(T, ws, wc, g, b, q)
-            scales[T.ramp((nb - 1) * 8, 1, 8)] = before[T.ramp(0, 1, 8)]
-        else:
-            for b in range(nb):
-                ops[T.ramp(b * MADE_OPERANDS * 16, 1, MADE_OPERANDS * 16)] = tirx.Shuffle(
-                    [operand(T, w, g, b, q, k, rp) for rp in (0, 1) for k in range(4)],
-                    list(range(MADE_OPERANDS * 16)))
+        for b in range(nb):
+            ops[T.ramp(b * MADE_OPERANDS * 16, 1, MADE_OPERANDS * 16)] = tirx.Shuffle(
+                [_rows(T, w, g, b, q, k, rp, codes, centred=running and codes == 4) for rp in (0, 1) for k in range(4)],
+                list(range(MADE_OPERANDS * 16)))
+            if running:   # decided when the kernel is built
+                d = T.bind(block_scales(T, ws, wc, g, b, q))
+                scales[T.ramp(T.max(b - 1, 0) * 8, 1, 8)] = before[T.ramp(0, 1, 8)] - d
+                before[T.ramp(0, 1, 8)] = d
+            else:
                 scales[T.ramp(b * 8, 1, 8)] = block_scales(T, ws, wc, g, b, q)
+        if running:   # decided when the kernel is built
+            scales[T.ramp((nb - 1) * 8, 1, 8)] = before[T.ramp(0, 1, 8)]
 
     return made_operands
+
+
+def _running_update(codes: int | str):
+    """The macro that adds block b to row pair rp of token pair p by parts (module docstring):
+    the pair's int32 dot runs on over the blocks (from 0, on the made codes less their zero) and
+    each block adds it times d_b - d_(b+1) (_made_operands' running scales), which sums to the
+    sum of d_b x block b's dot: one `ldp` of scales, one convert and one FMA a block, and no
+    offsets to start from."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def running_update(w, aqf, dots, acc, made, g, b, q, p, rp, base):
+        dots[T.ramp(8 * p + 4 * rp, 1, 4)] = _pair_dot(T, w, aqf, dots[T.ramp(8 * p + 4 * rp, 1, 4)], g, b, q, rp,
+                                                      base, codes, made)
+        acc[T.ramp(8 * p + 4 * rp, 1, 4)] = acc[T.ramp(8 * p + 4 * rp, 1, 4)] + T.call_llvm_pure_intrin(
+            "float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", dots[T.ramp(8 * p + 4 * rp, 1, 4)],
+            T.int32(RUNNING_FRACTION_BITS if codes == 4 else 1)) * made[1].vload([(b * 2 + rp) * 4], "float32x4")
+
+    return running_update
 
 
 def _compact_body(n: int, nb: int, rows_in, codes, tile_pairs: int):
@@ -497,6 +512,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
     tile_pairs = max(1, (tokens or DEFAULT_TOKENS["smmla"]) // 2)   # the tile's unpacked weights serve them all
     rows_in = token_count(m)
     running = per_row and nb <= RUNNING_BLOCKS   # the tiles of made operands sum by parts (module docstring)
+    running_update = _running_update(codes)
 
     def row_epilogue(T, v, adf, rs, t0, row):
         """float32x4 v x [s t0, s t1, s t0, s t1] - [s zp t0, s zp t1, ...] x [R r, R r, R r', R r']
@@ -507,18 +523,6 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         r = tirx.Shuffle([T.broadcast(rs[T.min(row, last) if ragged else row], 2),
                           T.broadcast(rs[T.min(row + 1, last) if ragged else row + 1], 2)], [0, 1, 2, 3])
         return v * tirx.Shuffle([st], [0, 2, 0, 2]) - tirx.Shuffle([st], [1, 3, 1, 3]) * r
-
-    @T.macro
-    def running_update(w, aqf, dots, acc, made, g, b, q, p, rp, base, pairs):
-        """Row pair rp of pair p, block b, by parts: the pair's dot runs on over the blocks
-        (from 0, on the made codes less their zero) and each block adds it times d_b - d_(b+1)
-        (_made_operands' running scales), which sums to the sum of d_b x block b's dot: one
-        `ldp` of scales, one convert and one FMA a block, and no offsets to start from."""
-        dots[T.ramp(8 * p + 4 * rp, 1, 4)] = _pair_dot(T, w, aqf, dots[T.ramp(8 * p + 4 * rp, 1, 4)], g, b, q, rp,
-                                                      base, codes, made)
-        acc[T.ramp(8 * p + 4 * rp, 1, 4)] = acc[T.ramp(8 * p + 4 * rp, 1, 4)] + T.call_llvm_pure_intrin(
-            "float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", dots[T.ramp(8 * p + 4 * rp, 1, 4)],
-            T.int32(RUNNING_FRACTION_BITS if codes == 4 else 1)) * made[1].vload([(b * 2 + rp) * 4], "float32x4")
 
     @T.macro
     def tile(w, aqf, adf, offf, ws, wc, y, g, q, first, pairs, rs, made):
@@ -537,8 +541,8 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                 # The two row pairs written out: the zip pattern must be a Python constant (a
                 # loop variable's `rp == 0` would not be).
                 if made is not None and running:   # decided when the kernel is built
-                    running_update(w, aqf, dots, acc, made, g, b, q, p, 0, (b * rows_in + first + 2 * p) * 32, pairs)
-                    running_update(w, aqf, dots, acc, made, g, b, q, p, 1, (b * rows_in + first + 2 * p) * 32, pairs)
+                    running_update(w, aqf, dots, acc, made, g, b, q, p, 0, (b * rows_in + first + 2 * p) * 32)
+                    running_update(w, aqf, dots, acc, made, g, b, q, p, 1, (b * rows_in + first + 2 * p) * 32)
                 elif wc is None:   # decided when the kernel is built
                     acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
                         T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, per_row, made)
