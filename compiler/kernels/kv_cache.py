@@ -22,6 +22,7 @@ from . import hand_scheduled, vector_math
 from .kernel_cache import cached_kernel
 
 KEY_TILE = 16    # keys per tile of the K layout and per online-softmax step
+PARALLEL_KEYS = KEY_TILE   # new keys from which the K write runs in parallel (kv_cache_write)
 LANES = 16       # fp32 lanes of the value accumulator's vectors
 # TVM serves a constant-size buffer under 1 KiB from the stack, where LLVM keeps it in
 # registers; a larger one from its workspace pool, which LLVM cannot tell apart from the other
@@ -186,13 +187,21 @@ def kv_cache_write(key_tiles: bool, batched: bool = False, dtype: str = "float32
     @T.macro
     def put(cache, new, b, seqlen, kvh, hd, s):
         past = T.bind(T.Cast("int64", seqlen) + T.int64(1) - s)
-        for h in T.serial(kvh):  # a few KiB per layer: a parallel launch would cost more
-            for i, d in T.grid(s, hd):
-                if key_tiles:
-                    row, col = k_row_col(past + i, d, hd)
-                    cache[b, h, row, col] = narrow(T, new[b, i, h * hd + d], dtype)
-                else:
-                    cache[b, h, past + i, d] = narrow(T, new[b, i, h * hd + d], dtype)
+        if key_tiles and s >= PARALLEL_KEYS:
+            # a prompt's keys, a task a head and token: scattered into their tiles an element
+            # at a time, they were the one serial kernel of a long prefill at 64-128 threads
+            for hi in T.parallel(kvh * s):
+                for d in T.serial(hd):
+                    row, col = k_row_col(past + hi % s, d, hd)
+                    cache[b, hi // s, row, col] = narrow(T, new[b, hi % s, hi // s * hd + d], dtype)
+        else:
+            for h in T.serial(kvh):  # a few KiB per layer: a parallel launch would cost more
+                for i, d in T.grid(s, hd):
+                    if key_tiles:
+                        row, col = k_row_col(past + i, d, hd)
+                        cache[b, h, row, col] = narrow(T, new[b, i, h * hd + d], dtype)
+                    else:
+                        cache[b, h, past + i, d] = narrow(T, new[b, i, h * hd + d], dtype)
 
     if batched:
         @T.prim_func(private=True)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from tvm import tirx
+
 from . import hand_scheduled, vector_math
 from .kernel_cache import cached_kernel
 from .kv_cache import (
@@ -33,15 +35,12 @@ from .kv_cache import (
     cache_width,
     check_dtype,
     in_tile,
-    k_row_col,
-    k_scales,
     scales_view,
     supports_format,
-    value_weight,
     widen,
 )
 
-CHAINS = 8       # independent FMA chains per tile's scores (latency, not throughput, bound)
+SCORE_STEP = 16   # query elements an iteration of the one-query tile's scores (tile_scores)
 # A task takes up to QUERY_BLOCK queries of one head (rounded up to whole groups of
 # span_queries), and they take the keys in spans of SPAN in turn: a span's K and V (32 KiB at
 # head_dim 64) are read from DRAM or L3 once and from L1 or L2 for the other queries (a task
@@ -54,14 +53,12 @@ ONLINE_SCALE = "qwc.attention_scale"    # marks `attention` with its score scale
 
 
 class _Task(NamedTuple):
-    """A task's tensors: the call's queries, caches and output, the caches' q8_0 scale views
-    (None for float caches), and the task's cache row b and head h."""
+    """A task's tensors: the call's queries, caches and output, and the task's cache row b and
+    head h."""
     q: Any
     kc: Any
     vc: Any
     out: Any
-    k16: Any
-    v16: Any
     b: Any
     h: Any
 
@@ -111,28 +108,6 @@ def _tree_max(T, xs):
     return xs[0]
 
 
-def _tile_scores(T, q_at, kc, kvh, t, head_dim, dtype, b=None, k16=None):
-    """Tile t's 16 unscaled scores of one query (element d: q_at(d)) against kv head kvh of
-    cache row b (default 0, of `dtype`; q8_0: k16 its scales_view): sum over d of q[d] * (16
-    keys' element d), in CHAINS independent FMA chains."""
-    b = T.int64(0) if b is None else b
-    width = cache_width(dtype, head_dim)
-
-    def part(c):
-        terms = []
-        for d in range(c, head_dim, CHAINS):
-            row, col = k_row_col(t * KEY_TILE, d, head_dim, width)   # t * KEY_TILE: the tile's first key
-            k = widen(T, kc[b, kvh, row, T.ramp(col, 1, KEY_TILE)], dtype, KEY_TILE)
-            if dtype == "q8_0":
-                k = k * k_scales(T, k16, kc, b, kvh, t * KEY_TILE, d // Q8, head_dim)
-            terms.append(T.broadcast(q_at(d), KEY_TILE) * k)
-        acc = terms[0]
-        for x in terms[1:]:
-            acc = acc + x
-        return acc
-    return _tree_sum([part(c) for c in range(CHAINS)])
-
-
 def span_queries(head_dim: int, registers: tuple[int, int]) -> int:
     """Queries of a prefill block that take a whole span together (`attention`): as many as
     half the target's vector registers hold the scores and value accumulators of (the other
@@ -166,6 +141,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     block = -(-QUERY_BLOCK // nr) * nr   # queries a task: whole groups
     chunks = head_dim // LANES
     kt = KEY_TILE
+    # weigh_values' order (chunk by chunk, two an iteration, where the accumulators overflow half the registers)
+    by_chunk = chunks % 2 == 0 and chunks * max(1, LANES * 4 // registers[1]) > registers[0] // 2
     q8 = kv_dtype == "q8_0"
     width, element = cache_width(kv_dtype, head_dim), cache_element(kv_dtype)
     if not supports_format(kv_dtype, head_dim):
@@ -199,35 +176,72 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         """The span's SPAN_TILES 16-lane pieces of p."""
         return [p[ramp(u * kt, kt)] for u in range(SPAN_TILES)]
 
-    def tile_scores(q, kc, k16, b, qi, h, keys, t, masked):
-        """Tile t's 16 scaled scores of query qi of head h; `masked`: -inf past `keys`."""
-        sc = _tile_scores(T, lambda d: q[b, qi, h * head_dim + d], kc, h // group, t, head_dim, kv_dtype, b,
-                          k16) * T.broadcast(T.float32(scale), kt)
-        return T.Select(in_tile(T, t, keys), sc, T.broadcast(T.float32(NEG_INF), kt)) if masked else sc
+    @T.macro
+    def tile_scores(qr, ks, ks16, sc):
+        """sc = the tile's 16 scores: the sum over d of the scaled query's qr[d] x the 16 keys'
+        element d (ks, ks16: the tile's keys and q8_0 scales, from its first), in order of d,
+        as `span` and AVX-512's groups sum them (so the same bits as the spans' for a tile).
+        A loop of SCORE_STEP elements an iteration, each load of qr serving 4 (NEON's
+        by-element FMAs): unrolled over head_dim, LLVM loaded and widened keys far ahead and
+        spilled them."""
+        sc[ramp(0, kt)] = T.broadcast(T.float32(0), kt)
+        for i in range(head_dim // SCORE_STEP):
+            for j in T.unroll(SCORE_STEP):
+                sc[ramp(0, kt)] = sc[ramp(0, kt)] + T.broadcast(tirx.Shuffle(
+                    [qr[ramp(i * SCORE_STEP + j // 4 * 4, 4)]], [j % 4]), kt) * key_elements(ks, ks16, 0, i * SCORE_STEP + j)
+
+    def value_term(acc, vs, vs16, p, j, c):
+        return acc[ramp(c * LANES)] + widen(T, vs[ramp(j * width + c * LANES)], kv_dtype, LANES) * T.broadcast(
+            span_weight(vs16, p[j], j, c), LANES)
+
+    @T.macro
+    def weigh_values(acc, vs, vs16, p, n, masked, t, keys, r=None):
+        """acc += p[j] x value j (vs: from the first of tile t) for j < n, and (`masked`) below
+        `keys`: each element's sum in the order of j either way, value by value where the
+        accumulators fit half the registers, else chunk by chunk (head_dim 128's are NEON's
+        32 registers: value by value, every FMA loaded and stored its accumulator). By chunks,
+        `r` (a tile's rescale of what came before) multiplies each chunk first, as it is loaded."""
+        if by_chunk:   # decided when the kernel is built: a loop, as tile_scores', two chunks an iteration
+            for c2 in range(chunks // 2):
+                for cc in T.unroll(2):
+                    if r is not None:   # decided when the kernel is built
+                        acc[ramp((c2 * 2 + cc) * LANES)] = acc[ramp((c2 * 2 + cc) * LANES)] * T.broadcast(r, LANES)
+                    for j in T.unroll(n):
+                        if not masked or t * kt + j < keys:
+                            acc[ramp((c2 * 2 + cc) * LANES)] = value_term(acc, vs, vs16, p, j, c2 * 2 + cc)
+        else:
+            for j in T.unroll(n):
+                if not masked or t * kt + j < keys:
+                    for c in T.unroll(chunks):
+                        acc[ramp(c * LANES)] = value_term(acc, vs, vs16, p, j, c)
 
     @T.macro
     def tile(io, one, qi, keys, t, masked):
         """Keys 16t .. 16t+15 of cache row b into the running state of query qi of head h;
         `masked`: only those below `keys`."""
-        q, kc, vc, k16, v16, b, h = T.meta_var((io.q, io.kc, io.vc, io.k16, io.v16, io.b, io.h))
-        acc, stat, p = T.meta_var((one.acc, one.stat, one.p))
-        # the scores go to p as one expression: a name assigned twice in a macro becomes a
-        # buffer, which TVM allocates from its workspace per task
-        p[ramp(0, kt)] = tile_scores(q, kc, k16, b, qi, h, keys, t, masked)
+        kc, vc, b, h = T.meta_var((io.kc, io.vc, io.b, io.h))
+        acc, stat, p, qr = T.meta_var((one.acc, one.stat, one.p, one.qr))
+        # The tile's keys and values through pointers to their first, as `span`'s: indexed
+        # from the caches, LLVM computed the tile's ~200 addresses apart and spilled them
+        ks = T.decl_buffer((kt * width,), element, data=T.bind(T.address_of(kc[b, h // group, t * kt, 0])))
+        vs = T.decl_buffer((kt * width,), element, data=T.bind(T.address_of(vc[b, h // group, t * kt, 0])))
+        ks16 = scales_view(T, ks, kv_dtype, kt * width // 2)   # q8_0's scales
+        vs16 = scales_view(T, vs, kv_dtype, kt * width // 2)
+        sc = T.decl_buffer((kt,), "float32", scope="global")   # the sums: registers
+        tile_scores(qr, ks, ks16, sc)
+        if masked:   # decided when the kernel is built: -inf past `keys`
+            p[ramp(0, kt)] = T.Select(in_tile(T, t, keys), sc[ramp(0, kt)], T.broadcast(T.float32(NEG_INF), kt))
+        else:
+            p[ramp(0, kt)] = sc[ramp(0, kt)]
         m = T.bind(T.max(stat[0], vector_math.reduce_max(T, p[ramp(0, kt)], kt)))
         r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
         p[ramp(0, kt)] = vector_math.exp(T, p[ramp(0, kt)] - T.broadcast(m, kt), kt)   # masked keys: ~1e-38
         stat[0] = m
         stat[1] = stat[1] * r + vector_math.reduce_sum(T, p[ramp(0, kt)], kt)
-        for c in range(chunks):
-            acc[ramp(c * LANES)] = acc[ramp(c * LANES)] * T.broadcast(r, LANES)
-        for j in T.unroll(kt):
-            if not masked or t * kt + j < keys:
-                for c in T.unroll(chunks):
-                    acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + widen(T, vc[
-                        b, h // group, t * kt + j, ramp(c * LANES)], kv_dtype, LANES) * T.broadcast(
-                            value_weight(T, p[j], kv_dtype, v16, vc, b, h // group, t * kt + j, c * LANES, head_dim),
-                            LANES)
+        if not by_chunk:   # decided when the kernel is built (by chunks, weigh_values rescales)
+            for c in range(chunks):
+                acc[ramp(c * LANES)] = acc[ramp(c * LANES)] * T.broadcast(r, LANES)
+        weigh_values(acc, vs, vs16, p, kt, masked, t, keys, r)
 
     @T.macro
     def span(io, one, qi, t0):
@@ -266,11 +280,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         # carry the arguments' noalias).
         for c in T.unroll(chunks):
             acc[ramp(c * LANES)] = out[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(r, LANES)
-        for j in T.unroll(SPAN):
-            for c in T.unroll(chunks):
-                acc[ramp(c * LANES)] = acc[ramp(c * LANES)] + widen(T, vs[ramp(j * width + c * LANES)], kv_dtype,
-                                                                    LANES) * T.broadcast(span_weight(vs16, p[j], j, c),
-                                                                                         LANES)
+        weigh_values(acc, vs, vs16, p, SPAN, False, t0, 0)
         for c in T.unroll(chunks):
             out[b, qi, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
 
@@ -449,8 +459,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     def one_query(io, one, q0, r, sp, past):
         """Span sp into query q0 + r's running state (stats[2r ..]): the whole span, or its
         keys up to the query's (whole tiles, then a masked one)."""
-        out, b, h = T.meta_var((io.out, io.b, io.h))
-        acc, stat, stats = T.meta_var((one.acc, one.stat, one.stats))
+        q, out, b, h = T.meta_var((io.q, io.out, io.b, io.h))
+        acc, stat, stats, qr = T.meta_var((one.acc, one.stat, one.stats, one.qr))
         keys = T.bind(past + q0 + r + T.int64(1))
         if sp * SPAN < keys:
             stat[0] = stats[2 * r]
@@ -460,6 +470,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             else:   # the query's last span: whole tiles, then a masked one
                 for c in T.unroll(chunks):
                     acc[ramp(c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)]
+                    qr[ramp(c * LANES)] = q[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
+                        T.float32(scale), LANES)   # the scaled query, as `span` makes it
                 for t in range(sp * SPAN_TILES, keys // kt):
                     tile(io, one, q0 + r, keys, t, False)
                 if keys % kt != 0:
@@ -484,8 +496,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         stat = T.decl_buffer((2,), "float32", scope="global")
         p = T.decl_buffer((SPAN,), "float32", scope="global")    # scores, then weights
         qr = T.decl_buffer((head_dim,), "float32", scope="global")
-        k16, v16 = scales_view(T, kc, kv_dtype), scales_view(T, vc, kv_dtype)   # q8_0's scales
-        io = T.meta_var(_Task(q, kc, vc, out, k16, v16, b, h))
+        io = T.meta_var(_Task(q, kc, vc, out, b, h))
         for r in T.unroll(block):   # all of them: TVM sizes the buffer by what is written
             stats[2 * r] = T.float32(NEG_INF)
             stats[2 * r + 1] = T.float32(0)

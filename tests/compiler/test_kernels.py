@@ -425,20 +425,28 @@ def test_smmla_tiles_of_a_long_prompt_read_unpacked_operands(tmp_path, act):
     task has fewer than two whole tiles, which unpacks the nibbles (zips, masks, shifts, the
     scales' converts), and the one of longer prompts, whose operands the task unpacked once
     (kernels/arm/i8mm.py, _made_operands): that loop loads them and has none of that work, and
-    it executes fewer instructions a block. On per-row activations it sums by parts: it loads
-    no offsets (15 `ldp`: 4 of operands, 10 of activations, one of scales)."""
+    it executes fewer instructions a block, two blocks an iteration. On per-row activations
+    it sums by parts in tiles of 4 pairs: it loads no offsets (26 `ldp` for two blocks: 8 of
+    operands, 16 of activations, two of scales)."""
     from qwc.bench import arm_tile_loops
 
     lib = arm_tile_loops.build_gemm("arm-yitian", 48, 64, 896, act == "row", tmp_path)
-    five = [body for body in arm_tile_loops.loops(lib, "smmla")   # innermost loops: one branch, their own
-            if sum(o == "smmla" for o, _ in body) == 40 and sum(bool(arm_tile_loops.BRANCH.match(o)) for o, _ in body) == 1]
+    pairs = 4 if act == "row" else 5   # the long prompt's tiles (i8mm.RUNNING_PAIRS on rows)
+    inner = [body for body in arm_tile_loops.loops(lib, "smmla")   # innermost loops: one branch, their own
+             if sum(bool(arm_tile_loops.BRANCH.match(o)) for o, _ in body) == 1]
     unpacking = {"and", "ushr", "zip1", "zip2", "fcvtl"}
-    made = [b for b in five if not unpacking & {o for o, _ in b}]
-    direct = [b for b in five if unpacking <= {o for o, _ in b}]
-    assert made and direct, [len(b) for b in five]
-    assert max(map(len, made)) < min(map(len, direct)), ([len(b) for b in made], [len(b) for b in direct])
+    made = [b for b in inner if not unpacking & {o for o, _ in b} and sum(o == "smmla" for o, _ in b) == 16 * pairs]
+    direct = [b for b in inner if unpacking <= {o for o, _ in b} and sum(o == "smmla" for o, _ in b) == 40]
+    assert made and direct, [len(b) for b in inner]
+    # a token's instructions a block: the made loop's two blocks against the 5-pair direct one's
+    assert max(len(b) / (4 * pairs) for b in made) < min(len(b) / 10 for b in direct), (
+        [len(b) for b in made], [len(b) for b in direct])
     if act == "row":
-        assert all(sum(o == "ldp" for o, _ in b) == 15 for b in made), [Counter(o for o, _ in b) for b in made]
+        assert all(sum(o == "ldp" for o, _ in b) == 26 for b in made), [Counter(o for o, _ in b) for b in made]
+    # the loop that unpacks them takes two blocks an iteration: 8 zips of row pieces (4 a block)
+    unpack = [b for b in arm_tile_loops.loops(lib, "zip2") if not any(o == "smmla" for o, _ in b)
+              and sum(bool(arm_tile_loops.BRANCH.match(o)) for o, _ in b) == 1]
+    assert [sum(o in ("zip1", "zip2") and ".4s" in x for o, x in b) for b in unpack] == [8], [len(b) for b in unpack]
 
 
 def _row_quantizer_case(bb, name, kind, k, m, layout="arm_rows"):
@@ -668,6 +676,35 @@ def test_attention_reads_the_key_tiles_its_cache_writer_wrote(past, s, dtype, re
     k, v = (_cache_holds(x.reshape(-1, hd), dtype).reshape(x.shape) for x in (k, v))
     np.testing.assert_allclose(out.numpy(), _attention_reference(q, k, v, past, s, heads, kvh, hd, 0.125),
                                rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
+def test_attention_at_head_dim_128_on_neon_registers(dtype):
+    """The one-query kernel as NEON's registers build it at head_dim 128 (a 7B's, Qwen3's): the
+    tiles' scores a loop of 16 elements, and the values chunk by chunk, each chunk rescaled as
+    it is loaded (prefill_attention: tile_scores, weigh_values), against
+    numpy, keys in tiles only (48 tokens), in spans and tiles (100 after 40) and a masked
+    tile; and the same bits whichever chunk a query comes in."""
+    import tvm
+
+    from qwc.compiler.kernels import prefill_attention
+
+    heads, kvh, hd, n = 4, 2, 128, 140
+    rng = np.random.default_rng(128)
+    k, v = (rng.standard_normal((n, kvh * hd), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((1, n, heads * hd), dtype=np.float32)
+    kernel = _host_kernel(prefill_attention.attention(heads, kvh, hd, 0.09, kv_dtype=dtype, registers=(32, 16)))
+    held = [_cache_holds(x.reshape(-1, hd), dtype).reshape(x.shape) for x in (k, v)]
+    outs = {}
+    for past, s in ((0, 48), (40, 100), (0, 140), (5, 17)):
+        kc, vc = _filled_caches(k[:past + s], v[:past + s], ((0, past), (past, past + s)), kvh, hd, 160, dtype)
+        out = tvm.runtime.tensor(np.zeros((1, s, heads * hd), np.float32))
+        kernel(tvm.runtime.tensor(q[:, past:past + s].copy()), kc, vc, tvm.runtime.tensor(np.array([past + s - 1], np.int32)),
+               out)
+        outs[past, s] = out.numpy()
+        ref = _attention_reference(q[:, past:past + s], held[0][:past + s], held[1][:past + s], past, s, heads, kvh, hd, 0.09)
+        np.testing.assert_allclose(outs[past, s], ref, rtol=0, atol=2e-6, err_msg=f"{past} + {s}")
+    np.testing.assert_array_equal(outs[40, 100], outs[0, 140][:, 40:])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])

@@ -34,7 +34,11 @@ B operands and its two row pairs' float32 scales go to a task buffer, which ever
 task then loads with `ldp` (the odd last token's excepted: it reads the weights as they are).
 Unpacked a tile at a time, the zips, masks, shifts and the scales' zips and converts were
 repeated by every tile, a sixth of the block loop; the weights stay in their file form in
-memory, and the buffer (160 bytes a block) is the task's rows only.
+memory, and the buffer (160 bytes a block) is the task's rows only. The unpacking loop and the
+tiles' loops on the buffer take two blocks an iteration (MADE_UNROLL): their counters,
+compares, branches and address arithmetic, and the moves that carried values from one block
+to the next, were a share of a block's instructions. The running 5-pair tile (below) keeps
+one block an iteration: two spilled its sums.
 
 On per-row activations (one scale a token, applied at the store) those tiles sum by parts:
 sum_b d_b D_b = sum_b (d_b - d_(b+1)) S_b, with D_b block b's int32 dot and S_b = D_0 + .. +
@@ -49,7 +53,10 @@ pair, without the offsets' loads and copies. The sums are exact int32 (a block a
 passes 2^24, and the float terms are other terms than the blocks' own: the same value to
 float32 rounding, not the same bits as the other tiles. Running, ten pairs' int32 and float32
 sums fill 20 registers, so the lone leftover pair does not join the last tile (6 pairs would
-spill): tiles of 4 and 2 take them.
+spill): tiles of 4 and 2 take them. Where every task unpacks (prompts of 16 tokens or more)
+these tiles are of 4 pairs (RUNNING_PAIRS), two blocks an iteration: fewer instructions a
+token than the 5-pair tile's one block, and the same sums in the same order, so the same
+bits; shorter prompts keep the 5-pair tiling.
 
 Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k of a row pair
 is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumulation started
@@ -92,8 +99,10 @@ DEFAULT_TOKENS = {"smmla": 10, "smmla8": 10, "smmla5": 10, "smmla_iq4": 10}   # 
 DECODE_EPILOGUES = frozenset()     # prefill only: decode runs arm/dotprod.py's GEMV
 PREFILL_BIAS = False   # a bias is its own kernel after the GEMM
 MADE_OPERANDS = 8   # a block's B operands: 2 row pairs x 4 pieces of 8 bytes a row
+MADE_UNROLL = 2     # blocks an iteration of the loop that unpacks them (_made_operands)
 MADE_FROM = 2       # whole tiles a task needs before it unpacks its weights once, not once a tile
 RUNNING_BLOCKS = 1 << 12   # K up to 2^17 keeps the running int32 sums exact (module docstring); longer K, the offsets
+RUNNING_PAIRS = 4   # the running tiles' pairs where every task unpacks (q4_gemm's long_tiles)
 RUNNING_FRACTION_BITS = 5   # the running sums' fixed-point convert: halved as the others, and Q4_0's 16 (q - 8) / 16
 
 
@@ -183,7 +192,7 @@ def _pair_update(T, w, aqf, adf, offf, ws, wc, g, b, q, rp, at, pairs: int, bits
     init = T.broadcast(T.int32(0), 4) if bits in (8, BOOK) else offf.vload([at * 2], "int32x4")
     dot = _pair_dot(T, w, aqf, init, g, b, q, rp, at * 32, bits, made)
     scales = (_row_scales(T, ws, wc, g, b, q, rp) if made is None
-              else made[1].vload([(b * 2 + rp) * 4], "float32x4"))
+              else made[1].vload([_made_scale(b, rp)], "float32x4"))
     if per_row:
         return _convert(T, pairs, dot) * scales
     return _convert(T, pairs, dot) * (scales * adf.vload([at * 2], "float32x4"))
@@ -267,6 +276,11 @@ def decode_gemv(outputs, nb: int, scale_dtype: str = "float16", silu_mul: bool =
     raise ValueError(f"{dot} is a prefill GEMM only: its targets decode with sdot")
 
 
+def _made_scale(b, rp):
+    """The index of block b's row pair rp scales in a task's made scales."""
+    return (b * 2 + rp) * 4
+
+
 def _made_operands(nb: int, codes: int | str, running: bool = False):
     """The macro that unpacks slice q of group g once for all its task's tiles: block b's smmla B
     operands (_rows: zipped, unpacked, looked up) at ops[b * 8 + 4 rp + k] and its row-pair
@@ -282,24 +296,33 @@ def _made_operands(nb: int, codes: int | str, running: bool = False):
         return tirx.Shuffle([_row_scales(T, ws, wc, g, b, q, rp) for rp in (0, 1)], list(range(8)))
 
     @T.macro
+    def made_block(w, ws, wc, ops, scales, before, g, q, b):
+        ops[T.ramp(b * MADE_OPERANDS * 16, 1, MADE_OPERANDS * 16)] = tirx.Shuffle(
+            [_rows(T, w, g, b, q, k, rp, codes, centred=running and codes == 4) for rp in (0, 1) for k in range(4)],
+            list(range(MADE_OPERANDS * 16)))
+        if running:   # decided when the kernel is built
+            d = T.bind(block_scales(T, ws, wc, g, b, q))
+            scales[T.ramp(_made_scale(T.max(b - 1, 0), 0), 1, 8)] = before[T.ramp(0, 1, 8)] - d
+            before[T.ramp(0, 1, 8)] = d
+        else:
+            scales[T.ramp(_made_scale(b, 0), 1, 8)] = block_scales(T, ws, wc, g, b, q)
+
+    @T.macro
     def made_operands(w, ws, wc, ops, scales, g, q):
+        # each block's scales kept for the next (running; a stack slot LLVM holds in a register),
+        # which writes d_(b-1) - d_b; block 0 writes a value block 1 replaces; the last's d after
+        before = T.decl_buffer((8,), "float32", scope="global")
+        before[T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+        # MADE_UNROLL blocks an iteration, as the decode GEMV's loop: its counter, compare,
+        # branch and address arithmetic, and the moves that carried the scales, were a share
+        # of this short loop's instructions
+        for bu in range(nb // MADE_UNROLL):
+            for u in T.unroll(MADE_UNROLL):
+                made_block(w, ws, wc, ops, scales, before, g, q, bu * MADE_UNROLL + u)
+        for b in range(nb // MADE_UNROLL * MADE_UNROLL, nb):
+            made_block(w, ws, wc, ops, scales, before, g, q, b)
         if running:   # decided when the kernel is built
-            # each block's scales kept for the next (a stack slot LLVM holds in a register), which
-            # writes d_(b-1) - d_b; block 0 writes a value block 1 replaces; the last's d after
-            before = T.decl_buffer((8,), "float32", scope="global")
-            before[T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
-        for b in range(nb):
-            ops[T.ramp(b * MADE_OPERANDS * 16, 1, MADE_OPERANDS * 16)] = tirx.Shuffle(
-                [_rows(T, w, g, b, q, k, rp, codes, centred=running and codes == 4) for rp in (0, 1) for k in range(4)],
-                list(range(MADE_OPERANDS * 16)))
-            if running:   # decided when the kernel is built
-                d = T.bind(block_scales(T, ws, wc, g, b, q))
-                scales[T.ramp(T.max(b - 1, 0) * 8, 1, 8)] = before[T.ramp(0, 1, 8)] - d
-                before[T.ramp(0, 1, 8)] = d
-            else:
-                scales[T.ramp(b * 8, 1, 8)] = block_scales(T, ws, wc, g, b, q)
-        if running:   # decided when the kernel is built
-            scales[T.ramp((nb - 1) * 8, 1, 8)] = before[T.ramp(0, 1, 8)]
+            scales[T.ramp(_made_scale(nb - 1, 0), 1, 8)] = before[T.ramp(0, 1, 8)]
 
     return made_operands
 
@@ -318,7 +341,7 @@ def _running_update(codes: int | str):
                                                       base, codes, made)
         acc[T.ramp(8 * p + 4 * rp, 1, 4)] = acc[T.ramp(8 * p + 4 * rp, 1, 4)] + T.call_llvm_pure_intrin(
             "float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", dots[T.ramp(8 * p + 4 * rp, 1, 4)],
-            T.int32(RUNNING_FRACTION_BITS if codes == 4 else 1)) * made[1].vload([(b * 2 + rp) * 4], "float32x4")
+            T.int32(RUNNING_FRACTION_BITS if codes == 4 else 1)) * made[1].vload([_made_scale(b, rp)], "float32x4")
 
     return running_update
 
@@ -525,6 +548,36 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         return v * tirx.Shuffle([st], [0, 2, 0, 2]) - tirx.Shuffle([st], [1, 3, 1, 3]) * r
 
     @T.macro
+    def tile_block(w, aqf, adf, offf, ws, wc, g, q, first, pairs, made, acc, dots, b):
+        """Block b of a tile (tile's arguments; acc, dots: its float and, running, int32 sums)."""
+        for p in T.unroll(pairs):
+            # The two row pairs written out: the zip pattern must be a Python constant (a
+            # loop variable's `rp == 0` would not be).
+            if made is not None and running:   # decided when the kernel is built
+                running_update(w, aqf, dots, acc, made, g, b, q, p, 0, (b * rows_in + first + 2 * p) * 32)
+                running_update(w, aqf, dots, acc, made, g, b, q, p, 1, (b * rows_in + first + 2 * p) * 32)
+            elif wc is None:   # decided when the kernel is built
+                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
+                    T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, per_row, made)
+                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
+                    T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes, per_row, made)
+            elif pairs > FIXED_POINT_PAIRS:   # Q4_1 in the full-register 6-pair tile: no held value
+                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
+                    T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
+                    _row_offsets(T, ws, wc, g, b, q, 0) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
+                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
+                    T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
+                    _row_offsets(T, ws, wc, g, b, q, 1) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
+            else:   # Q4_1: the pair's block sums once for both row pairs
+                sums = T.bind(_pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
+                acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
+                    T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
+                    _row_offsets(T, ws, wc, g, b, q, 0) * sums)
+                acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
+                    T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
+                    _row_offsets(T, ws, wc, g, b, q, 1) * sums)
+
+    @T.macro
     def tile(w, aqf, adf, offf, ws, wc, y, g, q, first, pairs, rs, made):
         """Rows 16g+4q .. +3 of `pairs` token pairs from token `first` (even); rs: the weight
         rows' sums (per_row), else None; made: the task's unpacked operands (_made_operands),
@@ -532,37 +585,21 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         acc = T.decl_buffer((pairs * 8,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
         for p in T.unroll(pairs * 2):
             acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
-        if made is not None and running:   # decided when the kernel is built: the running sums
-            dots = T.decl_buffer((pairs * 8,), "int32", scope="global")
+        dots = T.decl_buffer((pairs * 8,), "int32", scope="global")   # the running sums (unused otherwise)
+        if made is not None and running:   # decided when the kernel is built
             for p in T.unroll(pairs * 2):
                 dots[T.ramp(p * 4, 1, 4)] = T.broadcast(T.int32(0), 4)
-        for b in range(nb):
-            for p in T.unroll(pairs):
-                # The two row pairs written out: the zip pattern must be a Python constant (a
-                # loop variable's `rp == 0` would not be).
-                if made is not None and running:   # decided when the kernel is built
-                    running_update(w, aqf, dots, acc, made, g, b, q, p, 0, (b * rows_in + first + 2 * p) * 32)
-                    running_update(w, aqf, dots, acc, made, g, b, q, p, 1, (b * rows_in + first + 2 * p) * 32)
-                elif wc is None:   # decided when the kernel is built
-                    acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, per_row, made)
-                    acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes, per_row, made)
-                elif pairs > FIXED_POINT_PAIRS:   # Q4_1 in the full-register 6-pair tile: no held value
-                    acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
-                        _row_offsets(T, ws, wc, g, b, q, 0) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
-                    acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
-                        _row_offsets(T, ws, wc, g, b, q, 1) * _pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
-                else:   # Q4_1: the pair's block sums once for both row pairs
-                    sums = T.bind(_pair_sums(T, adf, offf, b * rows_in + first + 2 * p, pairs))
-                    acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
-                        _row_offsets(T, ws, wc, g, b, q, 0) * sums)
-                    acc[T.ramp(8 * p + 4, 1, 4)] = acc[T.ramp(8 * p + 4, 1, 4)] + _pair_update(
-                        T, w, aqf, adf, offf, ws, wc, g, b, q, 1, b * rows_in + first + 2 * p, pairs, codes, made=made) - (
-                        _row_offsets(T, ws, wc, g, b, q, 1) * sums)
+        if made is not None and not (running and pairs >= FIXED_POINT_PAIRS):   # decided when the kernel is built
+            # MADE_UNROLL blocks an iteration, as _made_operands'; not the running 5-pair tile,
+            # whose 20 sums leave the two blocks' loads too few registers (it spilled)
+            for bu in range(nb // MADE_UNROLL):
+                for u in T.unroll(MADE_UNROLL):
+                    tile_block(w, aqf, adf, offf, ws, wc, g, q, first, pairs, made, acc, dots, bu * MADE_UNROLL + u)
+            for b in range(nb // MADE_UNROLL * MADE_UNROLL, nb):
+                tile_block(w, aqf, adf, offf, ws, wc, g, q, first, pairs, made, acc, dots, b)
+        else:
+            for b in range(nb):
+                tile_block(w, aqf, adf, offf, ws, wc, g, q, first, pairs, made, acc, dots, b)
         if rs is not None:   # decided when the kernel is built: s (sum over blocks) - s zp R
             for p in T.unroll(pairs):
                 for rp in T.unroll(2):
@@ -612,55 +649,87 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                         y[t, g * ROWS + LANES * q + 2 * rp + j] = acc[4 * rp + 2 * j] * T.float32(2) * adf[
                             t * 2] - adf[t * 2 + 1] * rs[g * ROWS + LANES * q + 2 * rp + j]
 
-    def merge_last(m):
+    def merge_last(m, pairs: int):
         """Whether a lone leftover pair joins the last whole tile's pairs (a PrimExpr of M)."""
-        if tile_pairs != MERGE_INTO:
+        if pairs != MERGE_INTO:
             return tirx.const(False)
-        return tirx.And(m // 2 % tile_pairs == 1, m // 2 > tile_pairs)
+        return tirx.And(m // 2 % pairs == 1, m // 2 > pairs)
 
-    @T.macro
-    def tiles_of(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left, made):
-        """Task gq's tiles: rows 16g + 4q .. + 3 (g, q = gq // SLICES, gq % SLICES) of every token
-        (made: its unpacked operands, or None)."""
-        for it in range(whole):
-            tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * tile_pairs, tile_pairs, rs, made)
-        if not offsets and tile_pairs == MERGE_INTO:   # decided when the kernel is built
-            if merge:   # a lone leftover pair rides with the last whole tile
-                if made is not None and running:   # running sums: 6 pairs' would spill, so 4 and 2
-                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs, 4, rs, made)
-                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs + 8, 2, rs,
-                         made)
-                else:
-                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * tile_pairs,
-                         tile_pairs + 1, rs, made)
-        # the pairs left over (fewer than a tile's, or, with block offsets, 6 where a lone
-        # pair joined the last tile's): tiles of 4, 2 and 1 pairs
-        p4 = T.bind(rows_in // 2 - left)
-        if tile_pairs > 4:
-            if left >= 4:
-                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4, rs, made)
-        p2 = T.bind(p4 + left // 4 * 4)
-        if tile_pairs > 2:
-            if left % 4 >= 2:
-                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2, rs, made)
-        if left % 2 == 1:
-            tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + left % 4 // 2 * 2), 1, rs, made)
-        if rows_in % 2 == 1:
-            last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1, rs)
+    def tiling(pairs: int, made_only: bool = False):
+        """The macro that runs every task's tiles of `pairs` pairs, on its weights unpacked once
+        where it has MADE_FROM whole tiles or more (`made_only`: where every task has)."""
+
+        @T.macro
+        def tiles_of(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left, made):
+            """Task gq's tiles: rows 16g + 4q .. + 3 (g, q = gq // SLICES, gq % SLICES) of every token
+            (made: its unpacked operands, or None)."""
+            for it in range(whole):
+                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, it * 2 * pairs, pairs, rs, made)
+            if not offsets and pairs == MERGE_INTO:   # decided when the kernel is built
+                if merge:   # a lone leftover pair rides with the last whole tile
+                    if made is not None and running:   # running sums: 6 pairs' would spill, so 4 and 2
+                        tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * pairs, 4, rs, made)
+                        tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * pairs + 8, 2, rs,
+                             made)
+                    else:
+                        tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * whole * pairs,
+                             pairs + 1, rs, made)
+            # the pairs left over (fewer than a tile's, or, with block offsets, 6 where a lone
+            # pair joined the last tile's): tiles of 4, 2 and 1 pairs
+            p4 = T.bind(rows_in // 2 - left)
+            if pairs > 4:
+                if left >= 4:
+                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p4, 4, rs, made)
+            p2 = T.bind(p4 + left // 4 * 4)
+            if pairs > 2:
+                if left % 4 >= 2:
+                    tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * p2, 2, rs, made)
+            if left % 2 == 1:
+                tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, 2 * (p2 + left % 4 // 2 * 2), 1, rs, made)
+            if rows_in % 2 == 1:
+                last_tile(w, aqf, adf, offf, ws, wc, y, gq // SLICES, gq % SLICES, rows_in - 1, rs)
+
+        @T.macro
+        def slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left):
+            """Task gq's tiles, on its weights unpacked once where it has MADE_FROM whole tiles or
+            more (fewer: the unpacking's stores and loads would cost more than they save)."""
+            if made_only or whole >= MADE_FROM:
+                # two buffers: one (scales after each block's operands) added moves to the
+                # 4-pair running loop of a kernel of any M (a buffer's own address is one add)
+                ops = T.decl_buffer((nb * MADE_OPERANDS * 16,), "int8", scope="global")
+                scales = T.decl_buffer((nb * 8,), "float32", scope="global")
+                made_operands(w, ws, wc, ops, scales, gq // SLICES, gq % SLICES)
+                tiles_of(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left, (ops, scales))
+            else:
+                tiles_of(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left, None)
+
+        @T.macro
+        def tasks(w, aqf, adf, offf, ws, wc, y, rs):
+            # One leftover pair after whole tiles of 5 is taken with the last of them: fewer
+            # instructions than a 5-pair tile and a 1-pair one (whose multiply-adds cost twice).
+            # Without block offsets as one 6-pair tile; with them (Q4_1, Q5_1) as tiles of 4 and
+            # 2, since their 6-pair tile fills the 32 vector registers (moves and spills in its
+            # loop; docs/history/weight-formats.md, docs/history/arm.md). Other leftovers below.
+            # T.bind: a name assigned plainly in a macro becomes a one-element buffer, which TVM
+            # gives a workspace allocation (a call, per task for those inside the loop)
+            merge = T.bind(merge_last(rows_in, pairs))
+            whole = T.bind(rows_in // (2 * pairs) - T.Cast("int64", merge))
+            left = T.bind(rows_in // 2 % pairs + (pairs if offsets else -1) * T.Cast("int64", merge))
+            # One task per 4-row slice, not per 16-row group: a projection of few groups (k and v:
+            # 8 on the 0.5B) then still fills 32-128 threads; TVM hands each thread a contiguous
+            # run of slices, so below that a thread still takes whole groups. (g, q) are written
+            # out at each use: let-bound, they cost LLVM two registers and spills in the tile loop.
+            for gq in T.parallel(ng * SLICES):
+                slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left)
+
+        return tasks
 
     made_operands = _made_operands(nb, codes, running=running)
-
-    @T.macro
-    def slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left):
-        """Task gq's tiles, on its weights unpacked once where it has MADE_FROM whole tiles or
-        more (fewer: the unpacking's stores and loads would cost more than they save)."""
-        if whole >= MADE_FROM:
-            ops = T.decl_buffer((nb * MADE_OPERANDS * 16,), "int8", scope="global")
-            scales = T.decl_buffer((nb * 8,), "float32", scope="global")
-            made_operands(w, ws, wc, ops, scales, gq // SLICES, gq % SLICES)
-            tiles_of(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left, (ops, scales))
-        else:
-            tiles_of(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left, None)
+    tiles = tiling(tile_pairs)
+    # running sums on made operands in tiles of RUNNING_PAIRS where every task unpacks (its 2-block
+    # loop executes fewer instructions a token than the 5-pair tile's); shorter prompts keep 5
+    long_pairs = RUNNING_PAIRS if running and tokens is None else tile_pairs
+    long_tiles = tiling(long_pairs, made_only=True)
 
     compact_body = _compact_body(n, nb, rows_in, codes, tile_pairs) if scale_dtype == q4_k_scales.SCALE_DTYPE else None
 
@@ -669,25 +738,14 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         aqf = T.decl_buffer((rows_in * nb * 32,), "int8", data=aq.data)
         adf = T.decl_buffer((rows_in * 2 if per_row else rows_in * nb * 2,), "float32", data=ad.data)
         offf = T.decl_buffer((rows_in * nb * 2,), "int32", data=off.data)
-        # One leftover pair after whole tiles of 5 is taken with the last of them: fewer
-        # instructions than a 5-pair tile and a 1-pair one (whose multiply-adds cost twice).
-        # Without block offsets as one 6-pair tile; with them (Q4_1, Q5_1) as tiles of 4 and
-        # 2, since their 6-pair tile fills the 32 vector registers (moves and spills in its
-        # loop; docs/history/weight-formats.md, docs/history/arm.md). Other leftovers below.
-        # T.bind: a name assigned plainly in a macro becomes a one-element buffer, which TVM
-        # gives a workspace allocation (a call, per task for those inside the loop)
-        merge = T.bind(merge_last(rows_in))
-        whole = T.bind(rows_in // (2 * tile_pairs) - T.Cast("int64", merge))
-        left = T.bind(rows_in // 2 % tile_pairs + (tile_pairs if offsets else -1) * T.Cast("int64", merge))
-        # One task per 4-row slice, not per 16-row group: a projection of few groups (k and v:
-        # 8 on the 0.5B) then still fills 32-128 threads; TVM hands each thread a contiguous
-        # run of slices, so below that a thread still takes whole groups. (g, q) are written
-        # out at each use: let-bound, they cost LLVM two registers and spills in the tile loop.
         if scale_dtype == q4_k_scales.SCALE_DTYPE:   # decided when the kernel is built
             compact_body(w, aqf, adf, offf, ws, wc, y)
+        elif long_pairs == tile_pairs:   # decided when the kernel is built
+            tiles(w, aqf, adf, offf, ws, wc, y, rs)
+        elif rows_in >= 2 * MADE_FROM * long_pairs:
+            long_tiles(w, aqf, adf, offf, ws, wc, y, rs)
         else:
-            for gq in T.parallel(ng * SLICES):
-                slice_tiles(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left)
+            tiles(w, aqf, adf, offf, ws, wc, y, rs)
 
     if per_row:
         return gemm_kernel(n, nb, scale_dtype, rows_in, body, pair_scales=True, chunks=chunks(bits), row_sums=True,
