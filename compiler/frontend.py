@@ -83,6 +83,12 @@ def _kname(name: str) -> str:
     return _ctx().kname(name)
 
 
+def half_products() -> bool:
+    """Whether the target multiplies float16 pairs into float32 sums (FEAT_FHM's `fmlal`),
+    which the prefill attention takes on a float16 cache (kernels/prefill_attention.py)."""
+    return "fp16fml" in _ctx().features
+
+
 class MatMulNBits(F.OnnxOpConverter):
     @classmethod
     def _impl_v1(cls, bb, inputs, attr, params):
@@ -434,7 +440,7 @@ class GroupQueryAttention(F.OnnxOpConverter):
                           and decode_attention.fuses_decode_prologue(head_dim))
             kernel = bb.add_func(prefill_attention.attention(heads, kv_heads, head_dim, scale, kv_dtype=kv_dtype,
                                                 registers=vector_registers(_ctx().features), ragged=True,
-                                                singles=not three_pass),
+                                                singles=not three_pass, half_products=half_products()),
                                  _kname("attention_online" + suffix))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, segments, positions], q.ty))
             if three_pass:
@@ -452,7 +458,7 @@ class GroupQueryAttention(F.OnnxOpConverter):
         vc = bb.emit(relax.call_tir_inplace(write_v, [past_v, v, seqlens], 0, past_v.ty))
         if tiled:
             kernel = bb.add_func(prefill_attention.attention(heads, kv_heads, head_dim, scale, batched, kv_dtype,
-                                                vector_registers(_ctx().features)),
+                                                vector_registers(_ctx().features), half_products=half_products()),
                                  _kname("attention_online" + suffix))
             out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
         else:

@@ -50,7 +50,8 @@ _X86_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"
 # LLVM's -mattr for the x86 features it needs spelled out (the host CPU's name does not always
 # imply them: a VM may report a CPU model without AMX)
 _X86_MATTR = {"amx_tile": "+amx-tile", "amx_int8": "+amx-int8"}
-_ARM_MATTR = {"neon": "+neon", "sve2": "+sve2", "dotprod": "+dotprod", "i8mm": "+i8mm", "bf16": "+bf16"}
+_ARM_MATTR = {"neon": "+neon", "sve2": "+sve2", "dotprod": "+dotprod", "i8mm": "+i8mm", "bf16": "+bf16",
+              "fp16fml": "+fp16fml"}
 
 
 def _system_cpu(default: str) -> str:
@@ -105,10 +106,10 @@ _TABLE = {
                       description="x86-64 with AVX-512 VNNI and AMX-INT8 (Sapphire Rapids and later Xeons)"),
     "arm-yitian": Target(
         "arm-yitian", "aarch64", "aarch64-linux-gnu", "neoverse-n2",
-        mattr=("+neon", "+sve2", "+dotprod", "+i8mm", "+bf16"),
-        features=frozenset({"neon", "sve2", "dotprod", "i8mm", "bf16", "sve128"}),
+        mattr=("+neon", "+sve2", "+dotprod", "+i8mm", "+bf16", "+fp16fml"),
+        features=frozenset({"neon", "sve2", "dotprod", "i8mm", "bf16", "fp16fml", "sve128"}),
         cross_compiler="aarch64-linux-gnu-g++",
-        description="Alibaba Yitian 710: Armv9 Neoverse-N2 class, SVE2 128-bit, dotprod, i8mm"),
+        description="Alibaba Yitian 710: Armv9 Neoverse-N2 class, SVE2 128-bit, dotprod, i8mm, fp16fml"),
     "arm-neon": Target(
         "arm-neon", "aarch64", "aarch64-linux-gnu", "generic",
         mattr=("+v8.2a", "+neon", "+dotprod"),

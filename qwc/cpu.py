@@ -24,7 +24,8 @@ from .limits import is_int
 # getauxval keys and the AArch64 hwcap bits (linux/arch/arm64/include/uapi/asm/hwcap.h)
 _AT_HWCAP, _AT_HWCAP2 = 16, 26
 _ARM_BITS = {"neon": (_AT_HWCAP, 1), "dotprod": (_AT_HWCAP, 20), "sve": (_AT_HWCAP, 22),
-             "sve2": (_AT_HWCAP2, 1), "i8mm": (_AT_HWCAP2, 13), "bf16": (_AT_HWCAP2, 14)}
+             "sve2": (_AT_HWCAP2, 1), "i8mm": (_AT_HWCAP2, 13), "bf16": (_AT_HWCAP2, 14),
+             "fp16fml": (_AT_HWCAP, 23)}   # fp16fml: HWCAP_ASIMDFHM, FEAT_FHM's fmlal
 _PR_SVE_GET_VL = 51            # prctl: this thread's SVE vector length in bytes (low 16 bits)
 
 

@@ -327,8 +327,12 @@ def fused_quantizer(k: int, zero_point: int, one_row: bool, silu_mul: bool = Fal
         for c in range(k // LANES):
             v = T.bind(x_at(a, g, u, i, T.ramp(c * LANES, 1, LANES), LANES))
             st[T.ramp(LANES + c * LANES, 1, LANES)] = v
-            mm[T.ramp(0, 1, LANES)] = T.min(mm[T.ramp(0, 1, LANES)], v)
-            mm[T.ramp(LANES, 1, LANES)] = T.max(mm[T.ramp(LANES, 1, LANES)], v)
+            # minnum / maxnum: one `fminnm` / `fmaxnm` a vector, where T.min / T.max's compare
+            # and select took two (the same extremes: the values are not NaN)
+            mm[T.ramp(0, 1, LANES)] = T.call_llvm_pure_intrin(f"float32x{LANES}", f"llvm.minnum.v{LANES}f32",
+                                                              mm[T.ramp(0, 1, LANES)], v)
+            mm[T.ramp(LANES, 1, LANES)] = T.call_llvm_pure_intrin(f"float32x{LANES}", f"llvm.maxnum.v{LANES}f32",
+                                                                  mm[T.ramp(LANES, 1, LANES)], v)
         lo = T.bind(T.call_llvm_pure_intrin("float32", f"llvm.vector.reduce.fmin.v{LANES}f32", mm[T.ramp(0, 1, LANES)]))
         hi = T.bind(T.call_llvm_pure_intrin("float32", f"llvm.vector.reduce.fmax.v{LANES}f32",
                                             mm[T.ramp(LANES, 1, LANES)]))

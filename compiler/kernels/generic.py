@@ -342,28 +342,33 @@ def rotary_halves(width: int, heads: int, pos_dtype: str, head_norm: float | Non
     def row(x, g, pos, cos, sin, y, r, s):
         bi = r // s
         si = r % s
-        p = pos[bi, si]
+        p = T.bind(pos[bi, si])
+        # the row's x, y, cos and sin through pointers to their first: indexed from the
+        # buffers, every store to y reloaded the shape and position it was addressed by
+        xr = T.decl_buffer((width,), "float32", data=T.bind(T.address_of(x[bi, si, 0])))
+        yr = T.decl_buffer((width,), "float32", data=T.bind(T.address_of(y[bi, si, 0])))
+        cr = T.decl_buffer((half,), "float32", data=T.bind(T.address_of(cos[p, 0])))
+        sr = T.decl_buffer((half,), "float32", data=T.bind(T.address_of(sin[p, 0])))
         for h in range(heads):
             if norm:
                 sq = T.decl_buffer((d + 1,), "float32", scope="global")   # a stack slot
                 rms(x, bi, si, h * d, sq)
                 for c in range(vecs):
-                    lo = T.bind(x[bi, si, T.ramp(h * d + c * L, 1, L)] * T.broadcast(sq[d], L)
-                                * g[T.ramp(c * L, 1, L)])
-                    hi = T.bind(x[bi, si, T.ramp(h * d + half + c * L, 1, L)] * T.broadcast(sq[d], L)
+                    lo = T.bind(xr[T.ramp(h * d + c * L, 1, L)] * T.broadcast(sq[d], L) * g[T.ramp(c * L, 1, L)])
+                    hi = T.bind(xr[T.ramp(h * d + half + c * L, 1, L)] * T.broadcast(sq[d], L)
                                 * g[T.ramp(half + c * L, 1, L)])
-                    cs = T.bind(cos[p, T.ramp(c * L, 1, L)])
-                    sn = T.bind(sin[p, T.ramp(c * L, 1, L)])
-                    y[bi, si, T.ramp(h * d + c * L, 1, L)] = lo * cs + (-hi) * sn
-                    y[bi, si, T.ramp(h * d + half + c * L, 1, L)] = hi * cs + lo * sn
+                    cs = T.bind(cr[T.ramp(c * L, 1, L)])
+                    sn = T.bind(sr[T.ramp(c * L, 1, L)])
+                    yr[T.ramp(h * d + c * L, 1, L)] = lo * cs + (-hi) * sn
+                    yr[T.ramp(h * d + half + c * L, 1, L)] = hi * cs + lo * sn
             else:
                 for c in range(vecs):
-                    lo = T.bind(x[bi, si, T.ramp(h * d + c * L, 1, L)])
-                    hi = T.bind(x[bi, si, T.ramp(h * d + half + c * L, 1, L)])
-                    cs = T.bind(cos[p, T.ramp(c * L, 1, L)])
-                    sn = T.bind(sin[p, T.ramp(c * L, 1, L)])
-                    y[bi, si, T.ramp(h * d + c * L, 1, L)] = lo * cs + (-hi) * sn
-                    y[bi, si, T.ramp(h * d + half + c * L, 1, L)] = hi * cs + lo * sn
+                    lo = T.bind(xr[T.ramp(h * d + c * L, 1, L)])
+                    hi = T.bind(xr[T.ramp(h * d + half + c * L, 1, L)])
+                    cs = T.bind(cr[T.ramp(c * L, 1, L)])
+                    sn = T.bind(sr[T.ramp(c * L, 1, L)])
+                    yr[T.ramp(h * d + c * L, 1, L)] = lo * cs + (-hi) * sn
+                    yr[T.ramp(h * d + half + c * L, 1, L)] = hi * cs + lo * sn
 
     @T.macro
     def rows(var_x, g, var_pos, var_cos, var_sin, var_y):

@@ -26,9 +26,12 @@ def inv_rms(T, head_dim: int, eps: float):
     def macro(x, row, tok, base, r):
         for e in range(head_dim):
             r[e] = x[row, tok, base + e] * x[row, tok, base + e]
-        r[head_dim] = T.float32(0)
+        # the sum in a slot of its own, which LLVM keeps in a register: summed into r[head_dim],
+        # every add was stored; held so, an SVE target sums in order by vectors (`fadda`)
+        total = T.decl_buffer((1,), "float32", scope="global")
+        total[0] = T.float32(0)
         for e in range(head_dim):
-            r[head_dim] = r[head_dim] + r[e]
-        r[head_dim] = T.float32(1) / T.sqrt(r[head_dim] / T.float32(head_dim) + T.float32(eps))
+            total[0] = total[0] + r[e]
+        r[head_dim] = T.float32(1) / T.sqrt(total[0] / T.float32(head_dim) + T.float32(eps))
 
     return macro

@@ -191,9 +191,15 @@ def kv_cache_write(key_tiles: bool, batched: bool = False, dtype: str = "float32
             # a prompt's keys, a task a head and token: scattered into their tiles an element
             # at a time, they were the one serial kernel of a long prefill at 64-128 threads
             for hi in T.parallel(kvh * s):
+                # through pointers to the key's row and its tile: each element lands at
+                # d x 16 + the key's lane (k_row_col), an add and a store
+                pos = T.bind(past + hi % s)
+                lane = T.bind(pos % KEY_TILE)
+                src = T.decl_buffer((hd,), "float32", data=T.bind(T.address_of(new[b, hi % s, hi // s * hd])))
+                tile = T.decl_buffer((KEY_TILE * hd,), dtype,
+                                     data=T.bind(T.address_of(cache[b, hi // s, pos - lane, 0])))
                 for d in T.serial(hd):
-                    row, col = k_row_col(past + hi % s, d, hd)
-                    cache[b, hi // s, row, col] = narrow(T, new[b, hi % s, hi // s * hd + d], dtype)
+                    tile[d * KEY_TILE + lane] = narrow(T, src[d], dtype)
         else:
             for h in T.serial(kvh):  # a few KiB per layer: a parallel launch would cost more
                 for i, d in T.grid(s, hd):

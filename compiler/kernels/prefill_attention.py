@@ -50,6 +50,8 @@ QUERY_BLOCK = 16
 SPAN_TILES = 4
 SPAN = SPAN_TILES * KEY_TILE
 ONLINE_SCALE = "qwc.attention_scale"    # marks `attention` with its score scale (compiler/fuse_decode_attention.py)
+HALF = 8   # float16 lanes of a 128-bit vector: one `fmlal` and one `fmlal2` (half_products)
+FMLAL = ("llvm.aarch64.neon.fmlal.v4f32.v8f16", "llvm.aarch64.neon.fmlal2.v4f32.v8f16")
 
 
 class _Task(NamedTuple):
@@ -64,13 +66,16 @@ class _Task(NamedTuple):
 
 
 class _Single(NamedTuple):
-    """The one-query path's scratch: accumulator, running (max, sum), scores, scaled query, and
-    the block's running stats."""
+    """The one-query path's scratch: accumulator, running (max, sum), scores, scaled query, the
+    block's running stats, the weights as the values take them (float16 products: p rounded
+    to float16; else p itself), and whether the products are float16 (a Python bool)."""
     acc: Any
     stat: Any
     p: Any
     qr: Any
     stats: Any
+    pw: Any
+    half: bool
 
 
 class _Groups(NamedTuple):
@@ -94,6 +99,25 @@ def query_block(T, s, block: int = QUERY_BLOCK, groups: bool = False):
     if groups:
         return T.int64(block)
     return T.max(T.min(s // 16, T.int64(block)), T.int64(1))
+
+
+def half_lane(T, buf, i):
+    """float16x8: element i of the float16 buffer buf in every lane, the by-element operand of
+    `fmlal` (an 8-lane load and a lane index: no broadcast of its own)."""
+    return tirx.Shuffle([buf[T.ramp(i // HALF * HALF, 1, HALF)]], [i % HALF] * HALF)
+
+
+def half_madd(T, acc, h, b, n: int):
+    """acc + h x b: float32 x n acc, float16 x n h (n a multiple of 8), b from half_lane. Arm's
+    FEAT_FHM multiplies the float16 pairs exactly into float32 sums (`fmlal` the low 4 lanes
+    of each 8, `fmlal2` the high), where widening h first took a `fcvtl` per 4 lanes more."""
+    parts = []
+    for i in range(n // HALF):
+        h8 = tirx.Shuffle([h], list(range(i * HALF, i * HALF + HALF)))
+        for k, name in enumerate(FMLAL):
+            a4 = tirx.Shuffle([acc], list(range(i * HALF + 4 * k, i * HALF + 4 * k + 4)))
+            parts.append(T.call_llvm_pure_intrin("float32x4", name, a4, h8, b))
+    return tirx.Shuffle(parts, list(range(n)))
 
 
 def _tree_sum(xs):
@@ -121,7 +145,7 @@ def span_queries(head_dim: int, registers: tuple[int, int]) -> int:
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: bool = False,
               kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32), ragged: bool = False,
-              singles: bool = True):
+              singles: bool = True, half_products: bool = False):
     """`batched`: B sequences (q, out [B, s, ...], caches [B, ...], seqlens [B]), each row
     attending to its own cache row up to its own seqlens[b]; one task per (row, head, query).
     `ragged`: the tokens of G segments one after another (q, out [1, t, ...], caches [B, ...];
@@ -131,7 +155,12 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     tokens, which decode_attention's segments form takes). `kv_dtype`: the caches' element
     type (KV_DTYPES). `registers`:
     the target's vector registers (targets.vector_registers), which size the query groups
-    (span_queries)."""
+    (span_queries). `half_products`: the target multiplies float16 pairs into float32 sums
+    (Arm's FEAT_FHM): a prompt's one-query path on a float16 cache then takes the scaled query
+    and the weights rounded to float16, as llama.cpp's CPU attention does, and the cache's
+    elements as stored (half_madd); a chunk of two or more tokens, and not `batched`: decode
+    tokens attend as decode does, in float32, whichever entry point they come through
+    (attend_chunk)."""
     from tvm.script import tirx as T
 
     check_dtype(kv_dtype)
@@ -144,6 +173,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     # weigh_values' order (chunk by chunk, two an iteration, where the accumulators overflow half the registers)
     by_chunk = chunks % 2 == 0 and chunks * max(1, LANES * 4 // registers[1]) > registers[0] // 2
     q8 = kv_dtype == "q8_0"
+    half = half_products and not batched and kv_dtype == "float16" and nr == 1
     width, element = cache_width(kv_dtype, head_dim), cache_element(kv_dtype)
     if not supports_format(kv_dtype, head_dim):
         raise ValueError(f"attention: a {kv_dtype} cache of head_dim {head_dim}")
@@ -177,7 +207,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         return [p[ramp(u * kt, kt)] for u in range(SPAN_TILES)]
 
     @T.macro
-    def tile_scores(qr, ks, ks16, sc):
+    def tile_scores(qr, ks, ks16, sc, fp16):
         """sc = the tile's 16 scores: the sum over d of the scaled query's qr[d] x the 16 keys'
         element d (ks, ks16: the tile's keys and q8_0 scales, from its first), in order of d,
         as `span` and AVX-512's groups sum them (so the same bits as the spans' for a tile).
@@ -187,15 +217,27 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         sc[ramp(0, kt)] = T.broadcast(T.float32(0), kt)
         for i in range(head_dim // SCORE_STEP):
             for j in T.unroll(SCORE_STEP):
-                sc[ramp(0, kt)] = sc[ramp(0, kt)] + T.broadcast(tirx.Shuffle(
-                    [qr[ramp(i * SCORE_STEP + j // 4 * 4, 4)]], [j % 4]), kt) * key_elements(ks, ks16, 0, i * SCORE_STEP + j)
+                if fp16:   # decided when the kernel is built
+                    sc[ramp(0, kt)] = half_madd(T, sc[ramp(0, kt)], ks[ramp((i * SCORE_STEP + j) * kt, kt)],
+                                                half_lane(T, qr, i * SCORE_STEP + j), kt)
+                else:
+                    sc[ramp(0, kt)] = sc[ramp(0, kt)] + T.broadcast(tirx.Shuffle(
+                        [qr[ramp(i * SCORE_STEP + j // 4 * 4, 4)]], [j % 4]), kt) * key_elements(
+                            ks, ks16, 0, i * SCORE_STEP + j)
 
-    def value_term(acc, vs, vs16, p, j, c):
+    def value_term(acc, vs, vs16, p, j, c, fp16):
+        if fp16:   # p: the float16 weights
+            return half_madd(T, acc[ramp(c * LANES)], vs[ramp(j * width + c * LANES)], half_lane(T, p, j), LANES)
         return acc[ramp(c * LANES)] + widen(T, vs[ramp(j * width + c * LANES)], kv_dtype, LANES) * T.broadcast(
             span_weight(vs16, p[j], j, c), LANES)
 
+    def scaled_query(q, b, qi, h, c, fp16):
+        """Chunk c of query qi of head h times the score scale (float16 with half products)."""
+        x = q[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(T.float32(scale), LANES)
+        return T.Cast(f"float16x{LANES}", x) if fp16 else x
+
     @T.macro
-    def weigh_values(acc, vs, vs16, p, n, masked, t, keys, r=None):
+    def weigh_values(acc, vs, vs16, p, n, masked, t, keys, fp16, r=None):
         """acc += p[j] x value j (vs: from the first of tile t) for j < n, and (`masked`) below
         `keys`: each element's sum in the order of j either way, value by value where the
         accumulators fit half the registers, else chunk by chunk (head_dim 128's are NEON's
@@ -208,19 +250,19 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                         acc[ramp((c2 * 2 + cc) * LANES)] = acc[ramp((c2 * 2 + cc) * LANES)] * T.broadcast(r, LANES)
                     for j in T.unroll(n):
                         if not masked or t * kt + j < keys:
-                            acc[ramp((c2 * 2 + cc) * LANES)] = value_term(acc, vs, vs16, p, j, c2 * 2 + cc)
+                            acc[ramp((c2 * 2 + cc) * LANES)] = value_term(acc, vs, vs16, p, j, c2 * 2 + cc, fp16)
         else:
             for j in T.unroll(n):
                 if not masked or t * kt + j < keys:
                     for c in T.unroll(chunks):
-                        acc[ramp(c * LANES)] = value_term(acc, vs, vs16, p, j, c)
+                        acc[ramp(c * LANES)] = value_term(acc, vs, vs16, p, j, c, fp16)
 
     @T.macro
     def tile(io, one, qi, keys, t, masked):
         """Keys 16t .. 16t+15 of cache row b into the running state of query qi of head h;
         `masked`: only those below `keys`."""
         kc, vc, b, h = T.meta_var((io.kc, io.vc, io.b, io.h))
-        acc, stat, p, qr = T.meta_var((one.acc, one.stat, one.p, one.qr))
+        acc, stat, p, qr, pw = T.meta_var((one.acc, one.stat, one.p, one.qr, one.pw))
         # The tile's keys and values through pointers to their first, as `span`'s: indexed
         # from the caches, LLVM computed the tile's ~200 addresses apart and spilled them
         ks = T.decl_buffer((kt * width,), element, data=T.bind(T.address_of(kc[b, h // group, t * kt, 0])))
@@ -228,7 +270,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         ks16 = scales_view(T, ks, kv_dtype, kt * width // 2)   # q8_0's scales
         vs16 = scales_view(T, vs, kv_dtype, kt * width // 2)
         sc = T.decl_buffer((kt,), "float32", scope="global")   # the sums: registers
-        tile_scores(qr, ks, ks16, sc)
+        tile_scores(qr, ks, ks16, sc, one.half)
         if masked:   # decided when the kernel is built: -inf past `keys`
             p[ramp(0, kt)] = T.Select(in_tile(T, t, keys), sc[ramp(0, kt)], T.broadcast(T.float32(NEG_INF), kt))
         else:
@@ -238,10 +280,12 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         p[ramp(0, kt)] = vector_math.exp(T, p[ramp(0, kt)] - T.broadcast(m, kt), kt)   # masked keys: ~1e-38
         stat[0] = m
         stat[1] = stat[1] * r + vector_math.reduce_sum(T, p[ramp(0, kt)], kt)
+        if one.half:   # decided when the kernel is built: the weights the values take
+            pw[ramp(0, kt)] = T.Cast(f"float16x{kt}", p[ramp(0, kt)])
         if not by_chunk:   # decided when the kernel is built (by chunks, weigh_values rescales)
             for c in range(chunks):
                 acc[ramp(c * LANES)] = acc[ramp(c * LANES)] * T.broadcast(r, LANES)
-        weigh_values(acc, vs, vs16, p, kt, masked, t, keys, r)
+        weigh_values(acc, vs, vs16, pw, kt, masked, t, keys, one.half, r)
 
     @T.macro
     def span(io, one, qi, t0):
@@ -251,7 +295,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         Per key that is ~25 instructions on AVX2, 17 of them FMAs, where a tile at a time took
         ~38 with spills."""
         q, kc, vc, out, b, h = T.meta_var((io.q, io.kc, io.vc, io.out, io.b, io.h))
-        acc, stat, p, qr = T.meta_var((one.acc, one.stat, one.p, one.qr))
+        acc, stat, p, qr, pw = T.meta_var((one.acc, one.stat, one.p, one.qr, one.pw))
         # The span's keys and values through pointers to their first element: every access is
         # that plus a constant, which the loads' addressing takes. Indexed from the caches,
         # LLVM computed ~1000 addresses of a span ahead of the task's loop and spilled them
@@ -261,18 +305,25 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         ks16 = scales_view(T, ks, kv_dtype, SPAN * width // 2)   # q8_0's scales
         vs16 = scales_view(T, vs, kv_dtype, SPAN * width // 2)
         for c in T.unroll(chunks):   # the scaled query, where its broadcasts load it from
-            qr[ramp(c * LANES)] = q[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(T.float32(scale), LANES)
+            qr[ramp(c * LANES)] = scaled_query(q, b, qi, h, c, one.half)
         for u in T.unroll(SPAN_TILES):
             p[ramp(u * kt, kt)] = T.broadcast(T.float32(0), kt)
         for d in T.unroll(head_dim):
             for u in T.unroll(SPAN_TILES):   # key tile u, element d: 16 keys (the K layout)
-                p[ramp(u * kt, kt)] = p[ramp(u * kt, kt)] + T.broadcast(qr[d], kt) * key_elements(ks, ks16, u, d)
+                if one.half:   # decided when the kernel is built
+                    p[ramp(u * kt, kt)] = half_madd(T, p[ramp(u * kt, kt)], ks[ramp(u * kt * width + d * kt, kt)],
+                                                    half_lane(T, qr, d), kt)
+                else:
+                    p[ramp(u * kt, kt)] = p[ramp(u * kt, kt)] + T.broadcast(qr[d], kt) * key_elements(ks, ks16, u, d)
         m = T.bind(T.max(stat[0], vector_math.reduce_max(T, _tree_max(T, span_tiles(p)), kt)))
         r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
         for u in T.unroll(SPAN_TILES):
             p[ramp(u * kt, kt)] = vector_math.exp(T, p[ramp(u * kt, kt)] - T.broadcast(m, kt), kt)
         stat[0] = m
         stat[1] = stat[1] * r + vector_math.reduce_sum(T, _tree_sum(span_tiles(p)), kt)
+        if one.half:   # decided when the kernel is built: the weights the values take
+            for u in T.unroll(SPAN_TILES):
+                pw[ramp(u * kt, kt)] = T.Cast(f"float16x{kt}", p[ramp(u * kt, kt)])
         # The query's accumulators (its output row) are read only now, after the scores: held
         # through them, they and the scores' 16 vectors overflowed NEON's 32 registers. They
         # are updated in `acc`, a local buffer LLVM keeps in registers (updated in place in
@@ -280,7 +331,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         # carry the arguments' noalias).
         for c in T.unroll(chunks):
             acc[ramp(c * LANES)] = out[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(r, LANES)
-        weigh_values(acc, vs, vs16, p, SPAN, False, t0, 0)
+        weigh_values(acc, vs, vs16, pw, SPAN, False, t0, 0, one.half)
         for c in T.unroll(chunks):
             out[b, qi, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
 
@@ -470,8 +521,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             else:   # the query's last span: whole tiles, then a masked one
                 for c in T.unroll(chunks):
                     acc[ramp(c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)]
-                    qr[ramp(c * LANES)] = q[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
-                        T.float32(scale), LANES)   # the scaled query, as `span` makes it
+                    qr[ramp(c * LANES)] = scaled_query(q, b, q0 + r, h, c, one.half)   # as `span` makes it
                 for t in range(sp * SPAN_TILES, keys // kt):
                     tile(io, one, q0 + r, keys, t, False)
                 if keys % kt != 0:
@@ -482,7 +532,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             stats[2 * r + 1] = stat[1]
 
     @T.macro
-    def attend(q, kc, vc, out, b, h, q0, nq, s, seqlen):
+    def attend(q, kc, vc, out, b, h, q0, nq, s, seqlen, fp16=False):
         """Queries q0 .. q0 + nq - 1 (nq <= block) of head h of row b, over that row's keys in
         spans of SPAN: every query of the block takes a span in turn, so the span's K and V
         come from DRAM once and from L1 or L2 for the others. A query's keys are whole spans,
@@ -495,7 +545,9 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         acc = T.decl_buffer((head_dim,), "float32", scope="global")   # the query in turn: registers
         stat = T.decl_buffer((2,), "float32", scope="global")
         p = T.decl_buffer((SPAN,), "float32", scope="global")    # scores, then weights
-        qr = T.decl_buffer((head_dim,), "float32", scope="global")
+        qr = T.decl_buffer((head_dim,), "float16" if fp16 else "float32", scope="global")
+        # the weights the values take: float16 with half products, else the scores' buffer
+        pw = T.decl_buffer((SPAN,), "float16", scope="global") if fp16 else p
         io = T.meta_var(_Task(q, kc, vc, out, b, h))
         for r in T.unroll(block):   # all of them: TVM sizes the buffer by what is written
             stats[2 * r] = T.float32(NEG_INF)
@@ -508,7 +560,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         if nr == 1:   # the one-query kernel as it was (AVX2, NEON)
             for sp in range((last + SPAN - 1) // SPAN):
                 for r in range(nq):
-                    one_query(io, _Single(acc, stat, p, qr, stats), q0, r, sp, past)
+                    one_query(io, _Single(acc, stat, p, qr, stats, pw, fp16), q0, r, sp, past)
         else:
             accs = T.decl_buffer((nr * head_dim,), "float32", scope="global")   # a group's: registers
             ps = T.decl_buffer((nr * SPAN,), "float32", scope="global")
@@ -561,6 +613,19 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         return hand_scheduled(kernel_batch.with_attr(ONLINE_SCALE, float(scale)))
 
     @T.macro
+    def attend_chunk(q, kc, vc, out, b, h, q0, nq, s, seqlen):
+        """`attend` for a chunk of s tokens: float16 products where the kernel takes them and
+        the chunk has two or more (a prompt's); a one-token chunk, which a decode token is
+        whichever entry point it comes through, attends in float32 as decode does."""
+        if half:   # decided when the kernel is built
+            if s >= T.int64(2):
+                attend(q, kc, vc, out, b, h, q0, nq, s, seqlen, True)
+            else:
+                attend(q, kc, vc, out, b, h, q0, nq, s, seqlen, False)
+        else:
+            attend(q, kc, vc, out, b, h, q0, nq, s, seqlen, False)
+
+    @T.macro
     def segment_block(call, seg, pos, t, cap, sg, hh, q0, qb):
         """`ragged`'s task: the block of segment sg's queries from q0, head hh (if it has one);
         call: the kernel's (q, kc, vc, out)."""
@@ -575,7 +640,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                                data=T.bind(T.address_of(kc[seg[sg, 0], 0, 0, 0])))
             vr = T.decl_buffer((T.int64(1), kv_heads, cap, width), element,
                                data=T.bind(T.address_of(vc[seg[sg, 0], 0, 0, 0])))
-            attend(qs, kr, vr, outs, T.int64(0), hh, q0, T.min(qb, n - q0), n, pos[0, first + n - 1])
+            attend_chunk(qs, kr, vr, outs, T.int64(0), hh, q0, T.min(qb, n - q0), n, pos[0, first + n - 1])
 
     if ragged:
         @T.prim_func(private=True)
@@ -626,7 +691,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         blocks = T.bind((s + qb - 1) // qb)
         # a task per block of a head's queries, head-major: a thread's run of tasks shares K and V
         for task in T.parallel(heads * blocks):
-            attend(q, kc, vc, out, T.int64(0), task // blocks, task % blocks * qb,
-                   T.min(qb, s - task % blocks * qb), s, seqlens[0])
+            attend_chunk(q, kc, vc, out, T.int64(0), task // blocks, task % blocks * qb,
+                         T.min(qb, s - task % blocks * qb), s, seqlens[0])
 
     return hand_scheduled(kernel.with_attr(ONLINE_SCALE, float(scale)))

@@ -707,6 +707,60 @@ def test_attention_at_head_dim_128_on_neon_registers(dtype):
     np.testing.assert_array_equal(outs[40, 100], outs[0, 140][:, 40:])
 
 
+@pytest.mark.slow
+@pytest.mark.arm
+def test_attention_takes_float16_products_on_arm_yitian(tmp_path):
+    """arm-yitian's prefill attention on a float16 cache (`half_products`: FEAT_FHM's `fmlal`,
+    no widening of the cache's elements), under qemu at head_dim 128 and 64: within 1e-3 of
+    numpy's attention where the scaled query is rounded to float16 as the kernel rounds it (the
+    weights' rounding to float16 is the rest: 3e-4 measured), not the float32 kernel's bits,
+    and the same bits whichever chunk a query comes in; the library has `fmlal` (which only the
+    float16 form makes)."""
+    import subprocess
+
+    import tvm
+
+    from qwc.bench import emulation
+    from qwc.compiler.kernels import prefill_attention
+
+    t = get_target("arm-yitian")
+    assert "fp16fml" in t.features
+    bb, inputs, refs, runs = relax.BlockBuilder(), {}, {}, ((0, 48), (40, 100), (0, 140), (5, 17))
+    for hd in (128, 64):
+        heads, kvh, n, scale = 4, 2, 140, hd ** -0.5
+        rng = np.random.default_rng(hd)
+        k, v = (rng.standard_normal((n, kvh * hd), dtype=np.float32) for _ in range(2))
+        q = rng.standard_normal((1, n, heads * hd), dtype=np.float32)
+        held = [_cache_holds(x.reshape(-1, hd), "float16").reshape(x.shape) for x in (k, v)]
+        rounded = (q * np.float32(scale)).astype(np.float16).astype(np.float32)   # the query as the kernel takes it
+        for half in (True, False):
+            f = prefill_attention.attention(heads, kvh, hd, scale, kv_dtype="float16", registers=(32, 16),
+                                            half_products=half)
+            gv = bb.add_func(f, f"attention_{hd}_{half}")
+            for past, s in runs:
+                name = f"attention_{hd}_{half}_{past}_{s}"
+                kc, vc = _filled_caches(k[:past + s], v[:past + s], ((0, past), (past, past + s)), kvh, hd, 160, "float16")
+                args = [q[:, past:past + s].copy(), kc.numpy(), vc.numpy(), np.array([past + s - 1], np.int32)]
+                params = [relax.Var(f"x{i}", relax.TensorType(list(a.shape), str(a.dtype))) for i, a in enumerate(args)]
+                with bb.function(name, params):
+                    bb.emit_func_output(bb.emit(relax.call_tir(gv, params, relax.TensorType([1, s, heads * hd], "float32"))))
+                inputs.update({f"{name}/{i}": a for i, a in enumerate(args)})
+                refs[name] = _attention_reference(rounded[:, past:past + s], held[0][:past + s], held[1][:past + s],
+                                                  past, s, heads, kvh, hd, 1.0)
+    lib = tmp_path / "attention.so"
+    build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
+    asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", "--no-show-raw-insn", str(lib)], capture_output=True,
+                         text=True).stdout
+    assert re.search(r"\sfmlal\s", asm) and re.search(r"\sfmlal2\s", asm)
+    out = emulation.run_library(emulation.arm64_env(), lib, inputs, tmp_path)[0]
+    for hd in (128, 64):
+        for past, s in runs:
+            got, ref = out[f"attention_{hd}_True_{past}_{s}"], refs[f"attention_{hd}_True_{past}_{s}"]
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-3 * np.abs(ref).max(), err_msg=f"{hd}: {past} + {s}")
+            assert not np.array_equal(got, out[f"attention_{hd}_False_{past}_{s}"])
+        np.testing.assert_array_equal(out[f"attention_{hd}_True_40_100"], out[f"attention_{hd}_True_0_140"][:, 40:])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
 @pytest.mark.parametrize("registers", [(16, 32), (32, 64)])
 def test_attention_bits_do_not_depend_on_the_chunking(dtype, registers):

@@ -110,9 +110,9 @@ def test_tuning_tasks_take_the_tables_gemm(tiny_q4):
 
 @pytest.mark.parametrize("arch, have, named", [
     # hwcaps as qwc/cpu.py reads them: N2 (SVE2 at 128 bits), N1, a core with 256-bit SVE2
-    ("aarch64", {"neon", "dotprod", "sve", "sve2", "i8mm", "bf16", "sve128"}, "arm-yitian"),
+    ("aarch64", {"neon", "dotprod", "sve", "sve2", "i8mm", "bf16", "fp16fml", "sve128"}, "arm-yitian"),
     ("aarch64", {"neon", "dotprod"}, "arm-neon"),
-    ("aarch64", {"neon", "dotprod", "sve", "sve2", "i8mm", "bf16"}, None),
+    ("aarch64", {"neon", "dotprod", "sve", "sve2", "i8mm", "bf16", "fp16fml"}, None),
     ("x86_64", {"avx2", "fma", "sse4_2", "aes"}, "x86-avx2"),
     ("x86_64", {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16"},
      "x86-amx"),
@@ -128,7 +128,7 @@ def test_host_target_has_the_features_of_the_named_target_with_them(monkeypatch,
         assert host.features == get_target(named).features
         assert set(host.mattr) == set(get_target(named).mattr) - {"+v8.2a", "+avx512vnni"}   # (x86: the CPU's name)
     else:   # SVE2 at another length: the NEON code and its i8mm GEMM, no SVE in the build
-        assert host.features == {"neon", "dotprod", "i8mm", "bf16"}
+        assert host.features == {"neon", "dotprod", "i8mm", "bf16", "fp16fml"}
         assert "+sve2" not in host.mattr and kernels_for(host.features).int_dots.prefill == "smmla"
 
 
