@@ -1,13 +1,13 @@
 """The block loops of an ARM target's Q4_0 prefill GEMM, one per tile shape the kernel has
 (or, with --decode, of the sdot decode GEMV on Q4_0, Q4_K, five-bit codes or IQ4 indices, or of the Q6_K kernel at one
-token on activations scaled by super-blocks or, q6_k-blocks, by blocks): instructions,
+token, on activations scaled by super-blocks): instructions,
 multiply-adds and
 llvm-mca's Neoverse-N2 cycles a block, from the cross-compiled kernel's disassembly (no
 emulation: a loop's instructions are what every iteration executes).
 
     .venv/bin/python bench/arm_tile_loops.py [--target arm-yitian|arm-neon] [--act block|row]
                                              [--form q4_0|q5_k|q5_1] [--n 64] [--k 896]
-    .venv/bin/python bench/arm_tile_loops.py --decode q4_k|q4_k-expanded|q4_0|q5_k|q5_1|q6_k|q6_k-blocks|iq4
+    .venv/bin/python bench/arm_tile_loops.py --decode q4_k|q4_k-expanded|q4_0|q5_k|q5_1|q6_k|iq4
                                              [--n 256] [--k 1536]
 
 The decode GEMV's compact Q4_K has two loops: the sub-block loop (its integer sums) inside the
@@ -131,10 +131,10 @@ def build_decode_gemv(target: str, n: int, k: int, form: str, out: Path) -> Path
     return lib
 
 
-def build_q6_k(target: str, n: int, k: int, super_blocks: bool, out: Path) -> Path:
+def build_q6_k(target: str, n: int, k: int, out: Path) -> Path:
     """lib.so with one function calling the Q6_K kernel (kernels/arm/q6_k.py) at one token, on
-    activations scaled by super-blocks (as in a graph with compact Q4_K) or by blocks. Only its
-    code is read: the inputs are never made."""
+    activations scaled by super-blocks (llama.cpp's Q8_K). Only its code is read: the inputs are
+    never made."""
     import tvm
     from tvm import relax
 
@@ -151,7 +151,7 @@ def build_q6_k(target: str, n: int, k: int, super_blocks: bool, out: Path) -> Pa
     bb = relax.BlockBuilder()
     with bb.function("gemv", params):
         with bb.dataflow():
-            kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, 1, super_blocks=super_blocks), "q6_k_matmul")
+            kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, 1), "q6_k_matmul")
             gv = bb.emit_output(bb.emit(relax.call_tir(kernel, params, relax.TensorType([1, n], "float32"))))
         bb.emit_func_output(gv)
     lib = out / "q6_k.so"
@@ -187,7 +187,7 @@ def main() -> None:
     p.add_argument("--act", default="block", choices=("block", "row"), help="the activations' scales")
     p.add_argument("--form", default="q4_0", choices=("q4_0", "q4_k", "q5_k", "q5_1"),
                    help="the prefill GEMM's weights (q4_k: compact factors; q5_k, q5_1: five-bit codes)")
-    p.add_argument("--decode", choices=("q4_k", "q4_k-expanded", "q4_0", "q5_k", "q5_1", "q6_k", "q6_k-blocks", "iq4"),
+    p.add_argument("--decode", choices=("q4_k", "q4_k-expanded", "q4_0", "q5_k", "q5_1", "q6_k", "iq4"),
                    help="the sdot decode GEMV's loops on this weight form, instead of the prefill GEMM's")
     p.add_argument("--n", type=int, help="rows (default 64; 256 with --decode)")
     p.add_argument("--k", type=int, help="columns (default 896; 1536 with --decode)")
@@ -201,8 +201,8 @@ def main() -> None:
         sys.exit(f"arm_tile_loops: --k a positive multiple of {step}, --n from 1")
     dot = "sdot" if args.decode or args.target == "arm-neon" else "smmla"
     with tempfile.TemporaryDirectory() as d:
-        if args.decode and args.decode.startswith("q6_k"):
-            found = loops(build_q6_k(args.target, n, k, args.decode == "q6_k", Path(d)), dot)
+        if args.decode == "q6_k":
+            found = loops(build_q6_k(args.target, n, k, Path(d)), dot)
         elif args.decode:
             found = loops(build_decode_gemv(args.target, n, k, args.decode, Path(d)), dot)
         else:

@@ -189,13 +189,13 @@ class MatMulNBits(F.OnnxOpConverter):
         nb = k // act_quant.BLOCK
         arm = q6_k_path(16, 8, _ctx().act_bits, _ctx().features) == "arm"
         layout = "arm" if arm else "plain"   # the "arm" layout at any M: the sdot kernel's
-        aq, ad, off = _quantized(bb, a2, k, nb, one_token, layout)
+        # ARM's Q6_K takes Q8_K activations in every graph, as llama.cpp's does: its sub-block
+        # scales then multiply int32 sums, and the float work comes once a super-block
+        aq, ad, off = _quantized(bb, a2, k, nb, one_token, layout, super_blocks=arm)
         q6_k = q6_k_module(kernels_for(_ctx().features).int_dots.q6_k)   # the target's Q6_K kernel module
         if arm:
-            sb = _scaled_by_super_blocks(k, layout)   # as _quantized scaled them
             ddt = str(d.ty.dtype)   # the file's fp16 where it holds every d (repack_q6_k.pack)
-            kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, super_blocks=sb, d_dtype=ddt),
-                                 _kname(f"q6_k_matmul_sdot_{n}x{nb}{'_k' if sb else ''}_{ddt}"))
+            kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, d_dtype=ddt), _kname(f"q6_k_matmul_sdot_{n}x{nb}_k_{ddt}"))
             y = bb.emit(relax.call_tir(kernel, [aq, ad, w, sc, d], relax.TensorType(shape=[m, n], dtype="float32")))
             y = bb.emit(relax.op.reshape(y, [*lead, n]))
             return y if bias is None else bb.emit(relax.op.add(y, bias))

@@ -116,8 +116,9 @@ def test_q6_k_kernel_computes_llama_cpps_w6a8(k, n, m, with_bias):
 def test_q6_k_arm_kernel_computes_llama_cpps_w6a8(tmp_path):
     """The sdot form (signed codes, no chain starts) cross-compiled for arm-yitian and run under
     qemu-aarch64, on the x86 test's cases at 1, 3, 9 and 17 tokens, 1 and 4 threads (the same
-    bits: a task owns its rows); and the same on activations scaled by super-blocks (Q8_K, as
-    beside compact Q4_K), against their float64 products."""
+    bits: a task owns its rows), against the float64 products of its activations as the importer
+    quantizes them for it: by super-blocks (Q8_K, as llama.cpp's Q6_K dot takes them), in a
+    graph whose other linears take Q8_0 blocks as in one scaled by super-blocks."""
 
     import tvm
 
@@ -127,16 +128,14 @@ def test_q6_k_arm_kernel_computes_llama_cpps_w6a8(tmp_path):
     bb, inputs, refs = relax.BlockBuilder(), {}, {}
     for k, n, with_bias in CASES:
         for m in (1, 3, 9, 17):
-            name = f"q6k_{k}_{n}_{m}"
-            raw, a, bias, ref, scale = _case(k, n, m, with_bias)
-            for i, x in enumerate([a, *_emit_q6_k(bb, name, k, n, m, raw, bias, "arm-yitian")]):
-                inputs[f"{name}/{i}"] = x
-            refs[name] = (ref, scale)
+            raw, a, bias, _, _ = _case(k, n, m, with_bias)
             w = dequantize(raw, Q.Q6_K).reshape(n, k).astype(np.float64)
             a8 = q8_k(a)
-            for i, x in enumerate([a, *_emit_q6_k(bb, name + "_k", k, n, m, raw, bias, "arm-yitian", True)]):
-                inputs[f"{name}_k/{i}"] = x
-            refs[name + "_k"] = (a8 @ w.T + (0 if bias is None else bias), np.abs(a8) @ np.abs(w).T)
+            for graph_sb in (False, True):
+                name = f"q6k_{k}_{n}_{m}_{int(graph_sb)}"
+                for i, x in enumerate([a, *_emit_q6_k(bb, name, k, n, m, raw, bias, "arm-yitian", graph_sb)]):
+                    inputs[f"{name}/{i}"] = x
+                refs[name] = (a8 @ w.T + (0 if bias is None else bias), np.abs(a8) @ np.abs(w).T)
     lib = tmp_path / "q6_k.so"
     build(bb.get(), t).export_library(str(lib), fcompile=tvm.support.cc.cross_compiler(t.cross_compiler))
     outs = emulation.run_library(emulation.arm64_env(), lib, inputs, tmp_path, threads=(1, 4))

@@ -17,10 +17,10 @@ codes.
 
 A 32-block's sub-blocks are chunks {0, 1, 4, 5} (elements 0-15) and {2, 3, 6, 7} (16-31): each
 is its own chain of four `sdot` from 0 (the codes are signed: no offset, so the activation
-quantizer's outputs are used as they are). Each integer sum is converted and scaled by its
-sub-block's d sc, then by the activations' scale; on activations scaled by super-blocks (an
-ARM graph with compact Q4_K: frontend.ImportContext.super_blocks) the sub-block scales
-multiply the integer sums instead, and the float work comes once a super-block.
+quantizer's outputs are used as they are). The activations are scaled by super-blocks in
+every graph (frontend: llama.cpp's Q8_K, as its Q6_K dot takes them), so the sub-block scales
+multiply the integer sums and the float work comes once a super-block: a block's float scale
+would cost a convert and two multiplies a sub-block.
 
 A task is one slice (4 rows) of a row group, so a 256-row attn_v is 64 tasks for a 64-128-core
 server rather than 16; its tokens in tiles of TOKENS (leftovers, and decode's one token, one
@@ -77,14 +77,13 @@ def _quarter_d(d, g, s, q):
 
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
-def q6_k_matmul(n: int, nb: int, m: int | None = None, super_blocks: bool = False, d_dtype: str = "float16"):
-    """y [M, N] = the quantized activations (aq [M, NB, 32], their scales ad [M, NB]: act_quant
-    layout "arm") times the Q6_K weights w [G, NB, 6, 64] (six-bit codes) with sc [G, NB, 32]
-    and d [G, NB/8, 16] `d_dtype` (compiler/repack_q6_k.py). M any number of tokens, or `m` fixed.
-    With `super_blocks` the activations have one scale a super-block (act_quant's, llama.cpp's
-    Q8_K): the sub-block scales multiply the int32 sums, and a super-block's sum is converted
-    and scaled once, as llama.cpp's ggml_vec_dot_q6_K_q8_K does (bounded: 16 sub-blocks of
-    16 |4 (q - 32)| 127 |sc| 127 < 2^31)."""
+def q6_k_matmul(n: int, nb: int, m: int | None = None, d_dtype: str = "float16"):
+    """y [M, N] = the quantized activations (aq [M, NB, 32], act_quant layout "arm", with one
+    scale a super-block, ad [M, NB]: llama.cpp's Q8_K) times the Q6_K weights w [G, NB, 6, 64]
+    (six-bit codes) with sc [G, NB, 32] and d [G, NB/8, 16] `d_dtype`
+    (compiler/repack_q6_k.py). M any number of tokens, or `m` fixed. The sub-block scales
+    multiply the int32 sums, and a super-block's sum is converted and scaled once, as llama.cpp's
+    ggml_vec_dot_q6_K_q8_K does (bounded: 16 sub-blocks of 16 |4 (q - 32)| 127 |sc| 127 < 2^31)."""
     from tvm import tirx
     from tvm.script import tirx as T
 
@@ -104,22 +103,15 @@ def q6_k_matmul(n: int, nb: int, m: int | None = None, super_blocks: bool = Fals
             acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, v, lane)
         return acc
 
-    def term(w, aq, ad, sc, dv, g, b, q, t):
-        """float32x4: block b's term of the slice for token t, (A sc_A d + B sc_B d) x the scale
-        (dv: its super-block's d / 4)."""
-        return (T.Cast("float32x4", chain(w, aq, g, b, q, t, False))
-                * (T.Cast("float32x4", sc.vload([g, b, LANES * q], "int8x4")) * dv)
-                + T.Cast("float32x4", chain(w, aq, g, b, q, t, True))
-                * (T.Cast("float32x4", sc.vload([g, b, SUB + LANES * q], "int8x4")) * dv)) * T.broadcast(ad[t, b], LANES)
-
     def int_term(w, aq, sc, g, b, q, t):
         """int32x4: block b's sum of the slice for token t, A sc_A + B sc_B."""
         return (chain(w, aq, g, b, q, t, False) * T.Cast("int32x4", sc.vload([g, b, LANES * q], "int8x4"))
                 + chain(w, aq, g, b, q, t, True) * T.Cast("int32x4", sc.vload([g, b, SUB + LANES * q], "int8x4")))
 
     @T.macro
-    def tile_k(w, aq, ad, sc, d, y, g, q, first, count):
-        """tile, on activations scaled by super-blocks: the float work once a super-block."""
+    def tiles(w, aq, ad, sc, d, y, g, q, first, count):
+        """Rows 16g+4q .. +3 of tokens first .. first + count - 1, over every super-block: the
+        float work once a super-block."""
         acc = T.decl_buffer((count * LANES,), "float32", scope="global")
         isum = T.decl_buffer((count * LANES,), "int32", scope="global")
         for t in T.unroll(count):
@@ -137,22 +129,6 @@ def q6_k_matmul(n: int, nb: int, m: int | None = None, super_blocks: bool = Fals
                                                                        * T.broadcast(ad[first + t, s * SUPER_BLOCKS], LANES))
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS + LANES * q, LANES, n, acc, t * LANES, None)
-
-    @T.macro
-    def tile(w, aq, ad, sc, d, y, g, q, first, count):
-        """Rows 16g+4q .. +3 of tokens first .. first + count - 1, over every block."""
-        acc = T.decl_buffer((count * LANES,), "float32", scope="global")   # a stack slot: see x86/vnni.py
-        for t in T.unroll(count):
-            acc[T.ramp(t * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
-        for s in range(nb // SUPER_BLOCKS):   # d once a super-block; the blocks in order
-            for j in range(SUPER_BLOCKS):
-                for t in T.unroll(count):
-                    acc[T.ramp(t * LANES, 1, LANES)] = acc[T.ramp(t * LANES, 1, LANES)] + term(
-                        w, aq, ad, sc, _quarter_d(d, g, s, q), g, s * SUPER_BLOCKS + j, q, first + t)
-        for t in T.unroll(count):
-            store_rows(y, first + t, g * ROWS + LANES * q, LANES, n, acc, t * LANES, None)
-
-    tiles = tile_k if super_blocks else tile
 
     @T.prim_func(private=True)
     def kernel(var_aq: T.handle, var_ad: T.handle, w: T.Buffer((ng, nb, CODE_CHUNKS, 4 * ROWS), "uint8"),
