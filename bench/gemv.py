@@ -39,8 +39,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 # (name, outputs' N, K, with silu) of the decode GEMV launches in one Qwen2.5-0.5B token (each
 # once a layer, but the lm_head): q, k and v are one launch, as are gate and up with the
-# silu(gate) * up that follows them (compiler/sibling_gemvs.py, kernels.decode_gemv's silu_mul),
-# so k and v are never read alone. The single-op columns take one MatMulNBits of the outputs' N
+# silu(gate) * up that follows them and its Q8_0 blocks for the down projection
+# (compiler/sibling_gemvs.py, fuse_gate_up.py: kernels.decode_gemv's silu_mul and quantize), so
+# k and v are never read alone. The single-op columns take one MatMulNBits of the outputs' N
 # added up: the same bytes.
 SHAPES = [("q+k+v", (896, 128, 128), 896, False), ("o_proj", (896,), 896, False),
           ("gate+up, silu", (4864, 4864), 896, True), ("down_proj", (896,), 4864, False),
@@ -136,8 +137,9 @@ def qwc_gemv(model, act_bits):
 def qwc_stream(outputs: tuple[int, ...], k: int, silu: bool = False, total: float = 290e6,
                rounds: int = 4) -> float | None:
     """GB/s of qwc's x86 decode GEMV launch alone (kernels.decode_gemv: VNNI or AVX2, fp16
-    scales as in an artifact: 18 bytes a block) of `outputs` (their N; `silu`: two, gate and up,
-    written as silu(gate) * up) called on distinct weights in huge pages (as an artifact's) that
+    scales as in an artifact: 18 bytes a block, prefetched as the host target's are) of `outputs`
+    (their N; `silu`: two, gate and up, written as the Q8_0 blocks of silu(gate) * up) called on
+    distinct weights in huge pages (as an artifact's) that
     add up to a decode step's ~290 MB, one after another: every call reads DRAM, as in a real
     step, and nothing but the call itself sits between them. None where the host has no x86
     W4A8 kernel."""
@@ -145,20 +147,24 @@ def qwc_stream(outputs: tuple[int, ...], k: int, silu: bool = False, total: floa
 
     from qwc.compiler.kernels import decode_gemv
     from qwc.compiler.kernels.row_groups import groups
+    from qwc.compiler.kernels.w4a8 import ZERO_POINT
     from qwc.compiler.targets import get_target, kernels_for, q4_0_path
 
     target = get_target("host")
     if q4_0_path(32, 4, 8, target.features) != "x86":
         return None
     nb = (k + 31) // 32
-    gemv = decode_gemv(tuple((n, False) for n in outputs), nb, silu_mul=silu,
-                       dot=kernels_for(target.features).int_dots.decode)
+    dots = kernels_for(target.features).int_dots
+    gemv = decode_gemv(tuple((n, False) for n in outputs), nb, silu_mul=silu, quantize=ZERO_POINT if silu else None,
+                       dot=dots.decode, prefetch=dots.decode_prefetch)
     f = tvm.compile(tvm.IRModule({"main": gemv.with_attr("global_symbol", "main")}),
                     target=target.tvm_target())["main"]
     rng = np.random.default_rng(2)
     act = [tvm.runtime.tensor(rng.integers(-127, 128, (1, nb, 32), dtype=np.int8)),
            tvm.runtime.tensor(rng.random((1, nb), dtype=np.float32)), tvm.runtime.tensor(rng.integers(-1000, 1000, (1, nb), dtype=np.int32))]
-    ys = [tvm.runtime.tensor(np.zeros((1, n), np.float32)) for n in (outputs[:1] if silu else outputs)]
+    ys = ([tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in (
+        ((1, outputs[0] // 32, 32), np.int8), ((1, outputs[0] // 32), np.float32), ((1, outputs[0] // 32), np.int32))]
+        if silu else [tvm.runtime.tensor(np.zeros((1, n), np.float32)) for n in outputs])
     per_set = sum(groups(n) for n in outputs) * nb * (256 + 32)
     count = max(2, int(total // per_set))
     held = huge_page_tensors([a for _ in range(count) for n in outputs for a in (

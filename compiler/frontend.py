@@ -202,7 +202,8 @@ class MatMulNBits(F.OnnxOpConverter):
         starts = bb.add_func(q6_k.q6_k_starts(nb, one_token), _kname(f"q6_k_starts_{nb}_{int(one_token)}"))
         st = bb.emit(relax.call_tir(starts, [aq, off], relax.TensorType(shape=[m, nb, 2], dtype="int32")))
         amx = kernels_for(_ctx().features).int_dots.amx and not one_token
-        kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, bias=bias is not None, amx=amx),
+        prefetch = kernels_for(_ctx().features).int_dots.decode_prefetch   # (one token takes the streamed form)
+        kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, bias=bias is not None, amx=amx, prefetch=prefetch),
                              _kname(f"q6_k_matmul{'_amx' if amx else ''}_{n}x{nb}{'_bias' if bias is not None else ''}"))
         y = bb.emit(relax.call_tir(kernel, [aq, ad, st, w, sc, d] + ([bias] if bias is not None else []),
                                    relax.TensorType(shape=[m, n], dtype="float32")))
@@ -275,7 +276,7 @@ class MatMulNBits(F.OnnxOpConverter):
             from .kernels import decode_gemv
 
             fused_bias = bias is not None   # the decode GEMV adds it in its epilogue
-            kernel = bb.add_func(decode_gemv(((n, fused_bias, has_c),), nb, sdt, dot=dot),
+            kernel = bb.add_func(decode_gemv(((n, fused_bias, has_c),), nb, sdt, dot=dot, prefetch=w4a8.decode_prefetch),
                                  _kname(f"{stem}_gemv_{dot}_{n}x{nb}_{sdt}{'_c' if has_c else ''}"
                                         f"{'_bias' if fused_bias else ''}"))
         # compact Q4_K and IQ4_XS on ARM: their kernels read activations scaled by super-blocks only

@@ -17,12 +17,12 @@ from __future__ import annotations
 from tvm import relax
 
 from .fuse_residual_gemv import single_decode_gemv
-from .kernels import act_quant, decode_epilogues, decode_gemv, dot_bits, gemv_dot, weight_args
+from .kernels import act_quant, decode_epilogues, decode_gemv, dot_bits, gemv_dot, gemv_prefetch, weight_args
 from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
 def gate_up_arguments(mod, defs: Bindings, gate, up):
-    """([aq, ad, off, w_gate, s_gate, w_up, s_up], the GEMVs' `dot`) when gate and up are
+    """([aq, ad, off, w_gate, s_gate, w_up, s_up], the GEMVs' `dot`, their prefetch) when gate and up are
     bias-free decode GEMV outputs of the same activations whose kernel has the silu_mul and
     quantize epilogues (x86), else None (on ARM, gate and up become one two-output launch in
     sibling_gemvs, and the quantizer stays its own)."""
@@ -32,8 +32,8 @@ def gate_up_arguments(mod, defs: Bindings, gate, up):
         if gemv is None:
             return None
         calls.append(gemv[1])
-        dots.add(gemv_dot(mod[gemv[0]]))
-    if len(dots) != 1 or not {"silu_mul", "quantize"} <= decode_epilogues(next(iter(dots))):
+        dots.add((gemv_dot(mod[gemv[0]]), gemv_prefetch(mod[gemv[0]])))
+    if len(dots) != 1 or not {"silu_mul", "quantize"} <= decode_epilogues(next(iter(dots))[0]):
         return None   # (the ARM GEMV has no such epilogue)
     if str(calls[0][4].ty.dtype) != str(calls[1][4].ty.dtype):
         return None   # one kernel reads one scale form (fp16, float32, Q4_K's compact bytes)
@@ -45,7 +45,7 @@ def gate_up_arguments(mod, defs: Bindings, gate, up):
 
     if not source(calls[0][0]).same_as(source(calls[1][0])):
         return None
-    return calls[0] + calls[1][3:], dots.pop()
+    return calls[0] + calls[1][3:], *dots.pop()
 
 
 def fuse_gate_up(kname):
@@ -63,11 +63,11 @@ def fuse_gate_up(kname):
             found = gate_up_arguments(mod, defs, gate, up)
             if found is None:
                 return None
-            args, dot = found
+            args, dot, prefetch = found
             nb = int(args[3].ty.shape[1])
             (c_gate, _), (c_up, _) = weight_args(args)   # Q4_1's block offsets, where they have them
             kernel = decode_gemv(((k, False, c_gate), (k, False, c_up)), nb, str(args[4].ty.dtype), silu_mul=True,
-                                 quantize=int(mark["zero_point"]), dot=dot)
+                                 quantize=int(mark["zero_point"]), dot=dot, prefetch=prefetch)
             gv = rw.builder_.add_func(kernel, kname(f"q{dot_bits(dot)}_gemv_{dot}_silu_mul_q8_{k}x{nb}"))
             return rw.emit(relax.call_tir(gv, [rw.var(a) for a in args], list(binding.var.ty.fields)))
         return rewrite

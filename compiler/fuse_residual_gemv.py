@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm import relax
 from tvm_ffi import structural_equal
 
-from .kernels import DECODE_GEMV, decode_gemv, gemv_dot, weight_args
+from .kernels import DECODE_GEMV, decode_gemv, gemv_dot, gemv_prefetch, weight_args
 from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
@@ -48,7 +48,8 @@ def _rewrite(mod, defs: Bindings):
         gv, args = gemv
         n, nb, sdt = int(y.ty.shape[-1]), int(args[3].ty.shape[1]), str(args[4].ty.dtype)
         has_c = weight_args(args)[0][0]   # Q4_1's block offsets, before the bias
-        kernel = rw.builder_.add_func(decode_gemv(((n, True, has_c),), nb, sdt, dot=gemv_dot(mod[gv])),
+        kernel = rw.builder_.add_func(decode_gemv(((n, True, has_c),), nb, sdt, dot=gemv_dot(mod[gv]),
+                                                  prefetch=gemv_prefetch(mod[gv])),
                                       gv.name_hint + "_bias")
         bias = rw.emit(relax.op.reshape(rw.unreshaped(r), [n]))
         out = rw.emit(relax.call_tir(kernel, [rw.var(a) for a in args] + [bias],

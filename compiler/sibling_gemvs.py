@@ -15,7 +15,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .kernels import DECODE_GEMV, decode_gemv, dot_bits, gemv_dot, weight_args
+from .kernels import DECODE_GEMV, decode_gemv, dot_bits, gemv_dot, gemv_prefetch, weight_args
 
 
 def _gemv_call(mod, value):
@@ -56,7 +56,7 @@ class _Merger(relax.PyExprMutator):
                 out_types.append(relax.TensorType([1, n], "float32"))
             nb, sdt = int(w.ty.shape[1]), str(s.ty.dtype)
             dot = gemv_dot(self.mod_[first])
-            kernel = decode_gemv(tuple(outputs), nb, sdt, dot=dot)
+            kernel = decode_gemv(tuple(outputs), nb, sdt, dot=dot, prefetch=gemv_prefetch(self.mod_[first]))
             stem = f"q{dot_bits(dot)}_gemv"
             prefix = first.name_hint.split(stem)[0]   # "decode_"
             name = f"{prefix}{stem}_{dot}_" + "_".join(str(o[0]) for o in outputs) + f"x{nb}_{sdt}"
@@ -89,7 +89,7 @@ def _sets(mod, func) -> dict:
             key = call[1][:3]
             for k, members in by_input:
                 same_scales = str(members[0].value.args[1].fields[4].ty.dtype) == str(call[1][4].ty.dtype)
-                same_dot = gemv_dot(mod[members[0].value.args[0]]) == gemv_dot(mod[call[0]])
+                same_dot = all(f(mod[members[0].value.args[0]]) == f(mod[call[0]]) for f in (gemv_dot, gemv_prefetch))
                 if same_scales and same_dot and all(x.same_as(y) for x, y in zip(k, key)):
                     members.append(b)
                     break

@@ -21,7 +21,7 @@ from __future__ import annotations
 from tvm import relax
 
 from .fuse_residual_gemv import single_decode_gemv
-from .kernels import act_quant, decode_gemv, gemv_dot, kernel_module, weight_args
+from .kernels import act_quant, decode_gemv, gemv_dot, gemv_prefetch, kernel_module, weight_args
 from .relax_match import Bindings, binding_pass, call_args, kernel_attr
 
 
@@ -55,7 +55,7 @@ def split_residual_gemv(kname, threads: int):
             zp, layout, eps = int(mark["zero_point"]), str(mark["layout"]), float(mark["eps"])
             gemv = rw.builder_.add_func(
                 decode_gemv(((n, True, weight_args(args)[0][0]),), nb, str(args[4].ty.dtype), dot=gemv_dot(mod[gv]),
-                            split=split),
+                            split=split, prefetch=gemv_prefetch(mod[gv])),
                 gv.name_hint + f"_split{split}")
             parts = rw.emit(relax.call_tir(gemv, [rw.var(a) for a in args],
                                            relax.TensorType([split, n], "float32")))

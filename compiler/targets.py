@@ -46,7 +46,7 @@ class Target:
 
 
 # The host features a target records: what the kernels and LLVM's -mattr use.
-_X86_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "amx_tile", "amx_int8")
+_X86_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "amx_tile", "amx_int8", "zen")
 # LLVM's -mattr for the x86 features it needs spelled out (the host CPU's name does not always
 # imply them: a VM may report a CPU model without AMX)
 _X86_MATTR = {"amx_tile": "+amx-tile", "amx_int8": "+amx-int8"}
@@ -97,7 +97,11 @@ _TABLE = {
     # The VNNI kernels from any x86 machine (the host gets them only where its CPU has VNNI).
     "x86-avx512": Target("x86-avx512", "x86_64", "x86_64-linux-gnu", "x86-64-v4", mattr=("+avx512vnni",),
                          features=frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
-                         description="x86-64 with AVX-512 and VNNI (Ice Lake and later Xeons, AMD Zen 4 and later)"),
+                         description="x86-64 with AVX-512 and VNNI (Ice Lake and later Xeons)"),
+    # The same kernels, decode's weights left to the hardware prefetchers (IntDots.decode_prefetch).
+    "x86-zen": Target("x86-zen", "x86_64", "x86_64-linux-gnu", "znver4", mattr=("+avx512vnni",),
+                      features=frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "zen"}),
+                      description="AMD EPYC Zen 4 and later (Genoa, Turin): AVX-512 VNNI, decode prefetched by the hardware"),
     # The same with the prefill GEMM's 16-token tiles on AMX (Sapphire Rapids and later Xeons).
     "x86-amx": Target("x86-amx", "x86_64", "x86_64-linux-gnu", "sapphirerapids",
                       mattr=("+avx512vnni", "+amx-tile", "+amx-int8"),
@@ -184,6 +188,12 @@ class IntDots:
     # formats"), for the linears
     # `qwc optimize --act-scale` chose (compiler/row_activations.py); None: blocks everywhere
     row_layout: str | None = None
+    # how decode's memory-bound kernels (the decode GEMVs, x86's Q6_K at one token) get their
+    # weights ahead of use: "software", a prefetch a few blocks ahead in each of their streams
+    # (Intel Xeons: the hardware streamer restarts at every 4 KiB page), or "hardware", no
+    # prefetch instruction and the fused MLP GEMV's two row groups one after the other, where the
+    # hardware prefetchers stream alone faster (AMD Zen: docs/history/x86-speed.md)
+    decode_prefetch: str = "software"
 
 
 @dataclass(frozen=True)
@@ -214,6 +224,7 @@ class Kernels:
 _VNNI = IntDots("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8", "vnni", q4_k_compact=True,
                 q5="vnni5", q5_prefill="vnni5", iq4="vnni_iq4", iq4_prefill="vnni_iq4")
 _VNNI_AMX = replace(_VNNI, amx=True)
+_VNNI_ZEN = replace(_VNNI, decode_prefetch="hardware")
 # The same kernels and layout with vpdpbusd built from AVX2's vpmaddubsw + vpmaddwd
 # (x86/vnni.py: _block_dot_avx2): what an AVX2-only x86 (Zen 3, Haswell to Comet Lake) has.
 _AVX2 = IntDots("x86", "avx2", "avx2", "plain", "plain", (1, 2, 4, 8), q4_k_compact=True)
@@ -238,6 +249,7 @@ KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     (frozenset({"dotprod"}), Kernels(_SDOT, "three_pass_heads", 512, 128, exact_step_decode=False)),
     (frozenset({"neon"}), Kernels(None, "three_pass_heads", 512, exact_step_decode=False)),
     (frozenset({"amx_int8", "amx_tile", "avx512_vnni", "avx512bw", "avx512f"}), Kernels(_VNNI_AMX, "three_pass")),
+    (frozenset({"avx512_vnni", "avx512bw", "avx512f", "zen"}), Kernels(_VNNI_ZEN, "three_pass")),
     (frozenset({"avx512_vnni", "avx512bw", "avx512f"}), Kernels(_VNNI, "three_pass")),
     (frozenset({"avx2", "fma"}), Kernels(_AVX2, "three_pass")),
     (frozenset(), Kernels(None, "three_pass")),
@@ -341,7 +353,8 @@ def kernel_summary(target: Target) -> dict[str, str]:
     q5 = f"w5a8-{w.q5}/{w.q5_prefill}" if w and w.q5 else "as q8_0"   # Q5_0 / Q5_1 / Q5_K: five-bit codes, or bytes
     iq4 = f"w4a8-{w.iq4}/{w.iq4_prefill}" if w and w.iq4 else "as q8_0"   # IQ4_NL / IQ4_XS: indices, or the values
     prefill = f"w4a8-{w.prefill}{'+amx' if w.amx else ''}" if w else "w4a32"
-    return {"decode": f"w4a8-{w.decode}" if w else "w4a32", "prefill": prefill,
+    decode = f"w4a8-{w.decode}{'+hw-prefetch' if w.decode_prefetch == 'hardware' else ''}" if w else "w4a32"
+    return {"decode": decode, "prefill": prefill,
             "attention": k.decode_attention, "q8_0": q8, "q4_k": q4k, "q5": q5, "q6_k": q6, "iq4": iq4}
 
 

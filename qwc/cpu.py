@@ -80,15 +80,39 @@ def _arm_features() -> frozenset[str] | None:
     return frozenset(have)
 
 
+# Facts about how this CPU runs code, not what it can run: they select kernels that are faster
+# on it (compiler/targets.py's rules), and an artifact built with them still runs on a machine
+# without them (runtime/engine.py: check_runs_here). "zen": an AMD Zen core (family 0x17 and
+# later), whose hardware prefetchers stream decode's weights faster alone than with software
+# prefetches beside them (kernels/x86/vnni.py: decode_gemv).
+HINTS = frozenset({"zen"})
+_ZEN_FAMILY = 0x17
+
+
 def _x86_features() -> frozenset[str] | None:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return None
+    return x86_features_of(text)
+
+
+def x86_features_of(cpuinfo: str) -> frozenset[str] | None:
+    """The first processor's flags in /proc/cpuinfo's text, and "zen" (HINTS) where it is an AMD
+    Zen core; None without a flags line."""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+        if key.strip() == "flags":
+            break
+    if "flags" not in fields:
+        return None
+    flags = set(fields["flags"].split())
+    family = fields.get("cpu family", "")
+    if fields.get("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) >= _ZEN_FAMILY:
+        flags.add("zen")
+    return frozenset(flags)
 
 
 @functools.cache

@@ -16,6 +16,10 @@ SCHEDULED = "qwc.scheduled"
 # sibling_gemvs.py) may merge or extend; its value is the kernel's `dot`, which the fused
 # kernel is built with (decode_gemv).
 DECODE_GEMV = "qwc.decode_gemv"
+# ... and how it gets its weights ahead of use (targets.IntDots.decode_prefetch), where not
+# "software": the fused kernel is built the same way
+DECODE_PREFETCH = "qwc.decode_prefetch"
+PREFETCHES = ("software", "hardware")
 
 
 # The module under compiler/kernels that builds each Q6_K kernel IntDots.q6_k names
@@ -104,6 +108,11 @@ def gemv_dot(func) -> str:
     return str(func.attrs[DECODE_GEMV])
 
 
+def gemv_prefetch(func) -> str:
+    """How a decode GEMV kernel was built to prefetch (its DECODE_PREFETCH attribute)."""
+    return str(func.attrs.get(DECODE_PREFETCH, "software"))
+
+
 def decode_epilogues(dot: str) -> frozenset[str]:
     """What the decode GEMV of `dot` can do as it stores: "bias" (a bias or the residual),
     "silu_mul" (gate and up as silu(gate) * up), "quantize" (that as Q8_0 blocks), "split"
@@ -129,10 +138,14 @@ def weight_args(args) -> list[tuple[bool, bool]]:
 
 
 def decode_gemv(outputs: tuple[tuple, ...], nb: int, scale_dtype: str = "float16",
-                silu_mul: bool = False, quantize: int | None = None, dot: str = "vnni", split: int = 1):
+                silu_mul: bool = False, quantize: int | None = None, dot: str = "vnni", split: int = 1,
+                prefetch: str = "software"):
     """The multi-output decode GEMV of `dot` (outputs = ((N, with bias[, with block offsets]),
     ...): the offsets are Q4_1's, compiler/repack.py: q4_1_block_offsets); `split` > 1: one
-    output's blocks in that many parts, y [split, N] (the "split" epilogue)."""
+    output's blocks in that many parts, y [split, N] (the "split" epilogue); `prefetch`: the
+    target's IntDots.decode_prefetch ("hardware" only where the module's kernel has the form)."""
+    if prefetch not in PREFETCHES:
+        raise ValueError(f"unknown decode prefetch {prefetch!r} (known: {', '.join(PREFETCHES)})")
     outputs = tuple((o[0], bool(o[1]), bool(o[2]) if len(o) > 2 else False) for o in outputs)
     want = {"bias"} if any(o[1] for o in outputs) else set()
     want |= {"silu_mul"} if silu_mul else set()
@@ -141,6 +154,8 @@ def decode_gemv(outputs: tuple[tuple, ...], nb: int, scale_dtype: str = "float16
     if not want <= decode_epilogues(dot):
         raise ValueError(f"the {dot} decode GEMV has no {', '.join(sorted(want - decode_epilogues(dot)))} epilogue")
     extra = {"split": split} if split != 1 else {}
+    if prefetch != "software":
+        extra["prefetch"] = prefetch
     return kernel_module(dot).decode_gemv(tuple(outputs), nb, scale_dtype, silu_mul=silu_mul, quantize=quantize,
                                           dot=dot, **extra)
 

@@ -64,6 +64,24 @@ def test_x86_decode_fuses_everything_it_can(graph):
     assert not _has(names, r"decode_act_q8_\d+_.*")
 
 
+def test_a_zens_decode_gemvs_keep_their_prefetch_through_the_fusions(graph):
+    """On an AMD Zen (the hint "zen": targets.IntDots.decode_prefetch "hardware") every decode
+    GEMV the fusions build (siblings, residual, gate/up with the quantizer) is built as the
+    importer built its parts: without software prefetches. Elsewhere they keep them."""
+    from qwc.compiler.kernels import DECODE_PREFETCH
+
+    for features, prefetch in ((VNNI | {"zen"}, "hardware"), (VNNI, "software")):
+        mod = relax.transform.DeadCodeElimination(["main"])(
+            import_graph(graph(features), seq=1, prefix="decode", act_bits=8, features=features))
+        gemvs = [gv for gv in mod.functions if "_gemv_" in gv.name_hint and gv.name_hint in _kernels(mod)]
+        assert any("silu_mul_q8" in gv.name_hint for gv in gemvs) and any("_bias" in gv.name_hint for gv in gemvs)
+        for gv in gemvs:
+            func = mod[gv]
+            assert ("llvm.prefetch" in func.script()) == (prefetch == "software"), gv.name_hint
+            if "silu_mul" not in gv.name_hint:   # (the last of the fusions: nothing reads its mark)
+                assert str(func.attrs.get(DECODE_PREFETCH, "software")) == prefetch, gv.name_hint
+
+
 @pytest.mark.parametrize("features, kernel", [(VNNI, r"verify_attention_3pass_queries"),
                                                (frozenset({"neon", "dotprod", "i8mm"}),
                                                 r"verify_attention_3pass_queries_heads")])

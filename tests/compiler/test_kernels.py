@@ -1195,13 +1195,15 @@ def _x86_weights(k, n, seed, dot, q4_1: bool = False):
     return row_groups.pack(wp, d), deq
 
 
+@pytest.mark.parametrize("prefetch", ["software", "hardware"])
 @pytest.mark.parametrize("dot, q4_1", [*((d, False) for d in sorted(X86_DOTS)), ("vnni8", False), ("vnni", True)])
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul, dot, q4_1):
+def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul, dot, q4_1, prefetch):
     """The x86 decode GEMV that runs several weights of the same activations in one launch
     (compiler/sibling_gemvs.py): ragged outputs with and without a bias (N = 136, 24, 40:
     the multi-stream path and leftover groups), and gate/up written as silu(gate) * up; Q4_0,
-    Q8_0 and Q4_1 (block offsets) weights."""
+    Q8_0 and Q4_1 (block offsets) weights; with software prefetches, and without (an AMD
+    Zen's form: targets.IntDots.decode_prefetch), whose code has none."""
     import tvm
 
     from qwc.compiler.kernels import act_quant
@@ -1233,17 +1235,21 @@ def test_decode_gemv_outputs_biases_and_silu_mul(silu_mul, dot, q4_1):
         g, u = refs
         refs = [g / (1 + np.exp(-g)) * u]
     outs = [tvm.runtime.tensor(np.zeros(r.shape, np.float32)) for r in refs]
-    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", silu_mul, dot=dot))(*args, *outs)
+    kernel = vnni.decode_gemv(outputs, nb, "float16", silu_mul, dot=dot, prefetch=prefetch)
+    assert ("llvm.prefetch" in kernel.script()) == (prefetch == "software")
+    _host_kernel(kernel)(*args, *outs)
     for o, r in zip(outs, refs):
         np.testing.assert_allclose(o.numpy(), r, rtol=0, atol=1e-5 * np.abs(r).max())
 
 
+@pytest.mark.parametrize("prefetch", ["software", "hardware"])
 @pytest.mark.parametrize("dot, q4_1", [*((d, False) for d in sorted(X86_DOTS)), ("vnni8", False), ("vnni", True)])
 @pytest.mark.parametrize("n", [224, 4864])
-def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n, dot, q4_1):
+def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n, dot, q4_1, prefetch):
     """The gate/up decode GEMV that writes the down projection's Q8_0 input itself (`quantize`:
-    adjacent row groups, a block a task) gives the very bits of the silu_mul GEMV followed by
-    the quantizer kernel (N = 224: an odd number of 32-blocks)."""
+    adjacent row groups, a block a task, read in lockstep or, prefetch "hardware", one after
+    the other) gives the very bits of the silu_mul GEMV followed by the quantizer kernel (N =
+    224: an odd number of 32-blocks)."""
     import tvm
 
     from qwc.compiler.kernels import act_quant
@@ -1267,7 +1273,8 @@ def test_decode_gemv_quantizing_its_silu_mul_output_equals_the_quantizer(n, dot,
     ref = q8(nq)
     _host_kernel(act_quant.fused_quantizer(n, w4a8.ZERO_POINT, True))(hidden, *ref)
     got = q8(nq)
-    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True, quantize=w4a8.ZERO_POINT, dot=dot))(*act, *weights, *got)
+    _host_kernel(vnni.decode_gemv(outputs, nb, "float16", True, quantize=w4a8.ZERO_POINT, dot=dot,
+                                  prefetch=prefetch))(*act, *weights, *got)
     assert np.abs(ref[1].numpy()).min() > 0   # every block quantized, none left at zero
     for g, r in zip(got, ref):
         np.testing.assert_array_equal(g.numpy(), r.numpy())

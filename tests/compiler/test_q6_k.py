@@ -111,6 +111,30 @@ def test_q6_k_kernel_computes_llama_cpps_w6a8(k, n, m, with_bias):
     assert (np.abs(got - ref) <= 1e-6 * scale + 1e-6).all(), np.abs(got - ref).max()
 
 
+def test_q6_k_on_a_zen_gives_the_same_bits_without_prefetches():
+    """x86-zen's Q6_K (targets.IntDots.decode_prefetch "hardware") is x86-avx512's kernel without
+    its software prefetches: the same bits at one token and at three, and no prefetch in its code."""
+    import tvm
+
+    from qwc import cpu
+    from qwc.compiler.kernels.x86 import q6_k
+
+    assert "llvm.prefetch" in q6_k.q6_k_matmul(256, 8).script()
+    assert "llvm.prefetch" not in q6_k.q6_k_matmul(256, 8, prefetch="hardware").script()
+    if not cpu.has("avx512_vnni"):
+        pytest.skip("runs AVX-512 VNNI code; this CPU has none")
+    k, n, with_bias = CASES[-1]
+    for m in (1, 3):
+        raw, a, bias, _, _ = _case(k, n, m, with_bias)
+        got = []
+        for target in ("x86-avx512", "x86-zen"):
+            bb = relax.BlockBuilder()
+            weights = _emit_q6_k(bb, "main", k, n, m, raw, bias, target)
+            vm = relax.VirtualMachine(build(bb.get(), get_target(target)), tvm.cpu())
+            got.append(vm["main"](*(tvm.runtime.tensor(x) for x in [a, *weights])).numpy())
+        np.testing.assert_array_equal(*got)
+
+
 @pytest.mark.arm
 @pytest.mark.slow
 def test_q6_k_arm_kernel_computes_llama_cpps_w6a8(tmp_path):

@@ -55,6 +55,52 @@ def test_amx_needs_its_tile_features_and_runs_only_prefill():
     assert targets.kernel_summary(get_target("x86-avx512"))["prefill"] == "w4a8-vnni"
 
 
+AMD_CPUINFO = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+               "flags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512_vnni\n\nprocessor\t: 1\n")
+
+
+def test_an_amd_zen_leaves_decode_prefetch_to_the_hardware():
+    """/proc/cpuinfo of an AMD Zen (family 0x17 on) gives the hint "zen"; with AVX-512 VNNI the
+    rules then pick the VNNI kernels with decode_prefetch "hardware", as the named x86-zen;
+    an Intel CPU with the same flags, and a Zen with AVX2 only, keep software prefetches."""
+    from qwc import cpu
+
+    zen = cpu.x86_features_of(AMD_CPUINFO)
+    intel = cpu.x86_features_of(AMD_CPUINFO.replace("AuthenticAMD", "GenuineIntel").replace("25", "6"))
+    assert "zen" in zen and "zen" in cpu.HINTS and zen - {"zen"} == intel
+    assert "zen" not in cpu.x86_features_of(AMD_CPUINFO.replace("25", "16"))   # before Zen
+    assert cpu.x86_features_of("processor\t: 0\n") is None
+    assert kernels_for(zen).int_dots.decode_prefetch == "hardware"
+    assert kernels_for(get_target("x86-zen").features) == kernels_for(zen)
+    assert kernels_for(intel).int_dots.decode_prefetch == "software"
+    zen3 = {"avx2", "fma", "zen"}
+    assert (kernels_for(zen3).int_dots.decode, kernels_for(zen3).int_dots.decode_prefetch) == ("avx2", "software")
+    assert kernels_for(zen).int_dots.prefill == kernels_for(intel).int_dots.prefill == "vnni"
+    assert targets.kernel_summary(get_target("x86-zen"))["decode"] == "w4a8-vnni+hw-prefetch"
+    assert targets.kernel_summary(get_target("x86-avx512"))["decode"] == "w4a8-vnni"
+
+
+def test_an_artifact_built_on_a_zen_runs_on_an_intel_cpu(monkeypatch):
+    """"zen" is a hint (cpu.HINTS): the runtime's load check asks a machine for the ISA
+    features only, and still refuses one that lacks them."""
+    from qwc import cpu
+    from qwc.errors import QwcError
+    from qwc.manifest import ArtifactTarget
+    from qwc.runtime import engine
+
+    t = get_target("x86-zen")
+
+    class Manifest:
+        target = ArtifactTarget(t.name, t.arch, t.triple, t.mcpu, tuple(sorted(t.features)), t.mattr)
+
+    monkeypatch.setattr(cpu, "machine_arch", lambda: "x86_64")
+    monkeypatch.setattr(cpu, "features", lambda: get_target("x86-avx512").features)
+    engine.check_runs_here(Manifest())
+    monkeypatch.setattr(cpu, "features", lambda: get_target("x86-avx2").features)
+    with pytest.raises(QwcError, match="lacks: avx512_vnni, avx512bw, avx512f, avx512vl$"):
+        engine.check_runs_here(Manifest())
+
+
 def test_rules_end_with_a_catch_all_and_tiles_are_per_gemm():
     assert targets.KERNEL_RULES[-1][0] == frozenset()
     assert kernels_for(set()).int_dots is None
@@ -140,7 +186,8 @@ def test_cpu_features_of_this_machine_match_proc_cpuinfo():
     if cpu.machine_arch() != "x86_64":
         pytest.skip("the x86 reader; the aarch64 one is tested under qemu (tests/arm/test_arm.py)")
     flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    assert cpu.features() == frozenset(flags.split(":", 1)[1].split())
+    assert cpu.features() - cpu.HINTS == frozenset(flags.split(":", 1)[1].split())
+    assert cpu.has("zen") == ("AuthenticAMD" in Path("/proc/cpuinfo").read_text())   # (every AMD here is a Zen)
     assert cpu.has("sse2") and not cpu.has("no-such-flag")
 
 

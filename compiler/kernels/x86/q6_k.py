@@ -102,12 +102,14 @@ def q6_k_starts(nb: int, one_row: bool):
 
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
-def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: bool = False):
+def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: bool = False,
+                prefetch: str = "software"):
     """y [M, N] = the quantized activations (aq [M, NB, 32], their scales ad [M, NB] and the
     chains' starts st [M, NB, 2]: q6_k_starts) times the Q6_K weights w [G, NB, 6, 64] with
     sc [G, NB, 32] and d [G, NB/8, 16] (the module's docstring); `bias`: a bias [N] added as
     the rows are stored. M any number of tokens, or `m` fixed. `amx`: prefill's whole 16-token
-    tiles on AMX (x86/amx.py: q6_k_macros), the tokens left on VNNI's tiles."""
+    tiles on AMX (x86/amx.py: q6_k_macros), the tokens left on VNNI's tiles. `prefetch`: as
+    the decode GEMVs' (targets.IntDots.decode_prefetch); "hardware": one token prefetches nothing."""
     from tvm.script import tirx as T
 
     from . import amx as amx_tiles
@@ -117,6 +119,8 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
     ng = groups(n)
     rows_in = token_count(m)
     decode_tasks = ng // STREAMS + (1 if ng % STREAMS else 0)   # streamed's
+    ahead = PREFETCH if prefetch == "software" else 0   # decode's prefetch distance; 0: none
+    prefetched = ahead > 0   # (a bool: TVMScript takes no int as a condition)
 
     def term(lo, hi, sc, d, ad, g, b, t):
         """float32x16: block b's term of rows 16g .. from its sub-blocks' integer sums lo (A) and
@@ -144,9 +148,9 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
         for t in T.unroll(count):
             acc[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
         for b in range(nb):
-            if count == 1:   # decided when the kernel is built: decode reads its weights from DRAM
+            if count == 1 and prefetched:   # decided when the kernel is built: decode reads its weights from DRAM
                 for c in T.unroll(CHUNKS):
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + PREFETCH, c, 0]),
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + ahead, c, 0]),
                                                   T.int32(0), T.int32(3), T.int32(1)))
             for t in T.unroll(count):
                 lo[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(st[first + t, b, 0], ROWS)
@@ -189,11 +193,12 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
                 for h in T.unroll(STREAMS):
                     acc[T.ramp(h * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
                 for b in range(nb):
-                    for h in T.unroll(STREAMS):
-                        for c in T.unroll(CHUNKS):
-                            T.evaluate(T.call_llvm_intrin(
-                                "void", "llvm.prefetch.p0", T.address_of(w[h * (ng // STREAMS) + task, b + PREFETCH, c, 0]),
-                                T.int32(0), T.int32(3), T.int32(1)))
+                    if prefetched:
+                        for h in T.unroll(STREAMS):
+                            for c in T.unroll(CHUNKS):
+                                T.evaluate(T.call_llvm_intrin(
+                                    "void", "llvm.prefetch.p0", T.address_of(w[h * (ng // STREAMS) + task, b + ahead, c, 0]),
+                                    T.int32(0), T.int32(3), T.int32(1)))
                     for h in T.unroll(STREAMS):
                         block_term(w, aq, st, ad, sc, d, acc, h, h * (ng // STREAMS) + task, b, 0)
                 for h in T.unroll(STREAMS):

@@ -33,7 +33,7 @@ indices, each chunk made the codes u = book[q] + 128 by one vpshufb; their sums 
 
 from __future__ import annotations
 
-from .. import DECODE_GEMV, SCHEDULED, code_book, dot_bits, q4_k_scales
+from .. import DECODE_GEMV, DECODE_PREFETCH, SCHEDULED, code_book, dot_bits, q4_k_scales
 from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, chunks, groups
 from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
@@ -479,7 +479,7 @@ def prefill_gemm(n: int, nb: int, scale_dtype: str, tokens: int | None = None, m
 
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtype: str = "float16",
-                silu_mul: bool = False, quantize: int | None = None, dot: str = "vnni"):
+                silu_mul: bool = False, quantize: int | None = None, dot: str = "vnni", prefetch: str = "software"):
     """Decode: one token through several weights that read the same activations (q, k and v;
     gate and up) in one parallel launch: outputs = ((N, with bias, with block offsets), ...).
     Arguments: aq, ad, off [1, ...] as for q4_matmul, then per output its packed weights,
@@ -498,7 +498,9 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
     `silu_mul` a task reads the same groups of gate and up (STREAMS / 2 streams each); with
     `quantize` those are the adjacent groups 2t and 2t + 1, so task t holds the 32 rows of
     block t whole and quantizes it, and a stream's prefetch past its group reaches group
-    + 2. Built with TVM's IR builder: TVMScript signatures cannot vary in length."""
+    + 2. `prefetch` "hardware" (targets.IntDots.decode_prefetch): no prefetch instruction, and
+    `quantize`'s groups 2t and 2t + 1 read in turn, as an AMD Zen's prefetchers stream them best
+    (hidden_halves); the same bits. TVM's IR builder: TVMScript signatures cannot vary in length."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
@@ -515,8 +517,10 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
         raise ValueError(f"quantize needs STREAMS / 2 row groups of {ROWS} to make a block of {BLOCK}, STREAMS is {STREAMS}")
     step = 2 if quantize is not None else 1   # a stream's next group
 
-    def prefetch(w, g, b):
-        for ahead, locality in PREFETCH:
+    ahead_of_use = PREFETCH if prefetch == "software" else ()
+
+    def prefetch_ahead(w, g, b):
+        for ahead, locality in ahead_of_use:
             # past the group's last block: the stream's next group (`step` groups on)
             blk = b + ahead if step == 1 else b + ahead + T.if_then_else(b + ahead >= nb, (step - 1) * nb, 0)
             for i in range(chunks(dot_bits(dot))):
@@ -531,7 +535,7 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
             T.buffer_store(acc, T.broadcast(T.float32(0), ROWS), [T.ramp(h * ROWS, 1, ROWS)])
         with T.serial(0, nb) as b:
             for w, _, _, g in streams:
-                prefetch(w, g, b)
+                prefetch_ahead(w, g, b)
             for h, (w, ws, wc, g) in enumerate(streams):
                 value = acc[T.ramp(h * ROWS, 1, ROWS)] + T.Cast("float32x16", _block_dot(T, w, aq, off, g, b, 0, dot)) * (
                     _scales(T, ws, wc, g, b) * T.broadcast(ad[0, b], ROWS))
@@ -549,6 +553,17 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
             for r in range(rows):
                 T.buffer_store(y, value(r, 1), [0, g * ROWS + r])
 
+    def hidden_halves(weights, gs):
+        """silu(gate) * up of row groups gs (2t, 2t + 1): in lockstep, or one after the other."""
+        def silu_mul_of(acc, h, count):
+            return T.bind(vector_math.silu(T, acc[T.ramp(h * ROWS, 1, ROWS)], ROWS)
+                          * acc[T.ramp((count + h) * ROWS, 1, ROWS)])
+
+        if prefetch == "hardware":
+            return [silu_mul_of(accumulate([(w, ws, wc, g) for w, ws, wc, _ in weights]), 0, 1) for g in gs]
+        acc = accumulate([(w, ws, wc, g) for w, ws, wc, _ in weights for g in gs])
+        return [silu_mul_of(acc, h, 2) for h in range(2)]
+
     def job(task, lo, per, left, weights, y, n):
         """Output rows of `weights` ([(w, ws, wc, bias)]: one output, or gate and up) for tasks
         lo .. lo + per (streams) and lo + per (leftovers)."""
@@ -562,12 +577,10 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
         for cond, gs in parts:
             with T.If(cond):
                 with T.Then():
-                    acc = accumulate([(w, ws, wc, g) for w, ws, wc, _ in weights for g in gs])
                     if quantize is not None:   # block `task`: rows of group 2t, then of 2t + 1
-                        half = [T.bind(vector_math.silu(T, acc[T.ramp(h * ROWS, 1, ROWS)], ROWS)
-                                       * acc[T.ramp((2 + h) * ROWS, 1, ROWS)]) for h in range(2)]
-                        quantize_block(T, *half, *y, 0, task, quantize)
+                        quantize_block(T, *hidden_halves(weights, gs), *y, 0, task, quantize)
                         continue
+                    acc = accumulate([(w, ws, wc, g) for w, ws, wc, _ in weights for g in gs])
                     for h, g in enumerate(gs):
                         def value(i, lanes, h=h, g=g, acc=acc, gs=gs):
                             a = acc[T.ramp(h * ROWS, 1, ROWS) if lanes > 1 else h * ROWS + i]
@@ -583,7 +596,8 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
     with IRBuilder() as ib:
         with T.prim_func(private=True):
             # opaque: FuseOps leaves it whole; DECODE_GEMV marks it for compiler/sibling_gemvs.py
-            T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True, **({} if silu_mul else {DECODE_GEMV: dot})})
+            marks = {} if silu_mul else {DECODE_GEMV: dot, **({DECODE_PREFETCH: prefetch} if prefetch != "software" else {})}
+            T.func_attr({"tir.noalias": True, "op_pattern": 8, SCHEDULED: True, **marks})
             aq = T.arg("aq", T.buffer((1, nb, 32), "int8"))
             ad = T.arg("ad", T.buffer((1, nb), "float32"))
             off = T.arg("off", T.buffer((1, nb), "int32"))
