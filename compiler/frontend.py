@@ -192,7 +192,8 @@ class MatMulNBits(F.OnnxOpConverter):
         # ARM's Q6_K takes Q8_K activations in every graph, as llama.cpp's does: its sub-block
         # scales then multiply int32 sums, and the float work comes once a super-block
         aq, ad, off = _quantized(bb, a2, k, nb, one_token, layout, super_blocks=arm)
-        q6_k = q6_k_module(kernels_for(_ctx().features).int_dots.q6_k)   # the target's Q6_K kernel module
+        dots = kernels_for(_ctx().features).int_dots
+        q6_k = q6_k_module(dots.q6_k)   # the target's Q6_K kernel module
         if arm:
             ddt = str(d.ty.dtype)   # the file's fp16 where it holds every d (repack_q6_k.pack)
             kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, d_dtype=ddt), _kname(f"q6_k_matmul_sdot_{n}x{nb}_k_{ddt}"))
@@ -201,9 +202,9 @@ class MatMulNBits(F.OnnxOpConverter):
             return y if bias is None else bb.emit(relax.op.add(y, bias))
         starts = bb.add_func(q6_k.q6_k_starts(nb, one_token), _kname(f"q6_k_starts_{nb}_{int(one_token)}"))
         st = bb.emit(relax.call_tir(starts, [aq, off], relax.TensorType(shape=[m, nb, 2], dtype="int32")))
-        amx = kernels_for(_ctx().features).int_dots.amx and not one_token
-        prefetch = kernels_for(_ctx().features).int_dots.decode_prefetch   # (one token takes the streamed form)
-        kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, bias=bias is not None, amx=amx, prefetch=prefetch),
+        amx = dots.amx and not one_token
+        # (one token takes the kernel's streamed form: decode's prefetch choice)
+        kernel = bb.add_func(q6_k.q6_k_matmul(n, nb, bias=bias is not None, amx=amx, prefetch=dots.decode_prefetch),
                              _kname(f"q6_k_matmul{'_amx' if amx else ''}_{n}x{nb}{'_bias' if bias is not None else ''}"))
         y = bb.emit(relax.call_tir(kernel, [aq, ad, st, w, sc, d] + ([bias] if bias is not None else []),
                                    relax.TensorType(shape=[m, n], dtype="float32")))

@@ -119,8 +119,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
     ng = groups(n)
     rows_in = token_count(m)
     decode_tasks = ng // STREAMS + (1 if ng % STREAMS else 0)   # streamed's
-    ahead = PREFETCH if prefetch == "software" else 0   # decode's prefetch distance; 0: none
-    prefetched = ahead > 0   # (a bool: TVMScript takes no int as a condition)
+    prefetched = prefetch == "software"   # decode's weights PREFETCH blocks ahead, or left to the hardware
 
     def term(lo, hi, sc, d, ad, g, b, t):
         """float32x16: block b's term of rows 16g .. from its sub-blocks' integer sums lo (A) and
@@ -150,7 +149,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
         for b in range(nb):
             if count == 1 and prefetched:   # decided when the kernel is built: decode reads its weights from DRAM
                 for c in T.unroll(CHUNKS):
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + ahead, c, 0]),
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[g, b + PREFETCH, c, 0]),
                                                   T.int32(0), T.int32(3), T.int32(1)))
             for t in T.unroll(count):
                 lo[T.ramp(t * ROWS, 1, ROWS)] = T.broadcast(st[first + t, b, 0], ROWS)
@@ -197,7 +196,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
                         for h in T.unroll(STREAMS):
                             for c in T.unroll(CHUNKS):
                                 T.evaluate(T.call_llvm_intrin(
-                                    "void", "llvm.prefetch.p0", T.address_of(w[h * (ng // STREAMS) + task, b + ahead, c, 0]),
+                                    "void", "llvm.prefetch.p0", T.address_of(w[h * (ng // STREAMS) + task, b + PREFETCH, c, 0]),
                                     T.int32(0), T.int32(3), T.int32(1)))
                     for h in T.unroll(STREAMS):
                         block_term(w, aq, st, ad, sc, d, acc, h, h * (ng // STREAMS) + task, b, 0)
