@@ -28,7 +28,7 @@ def _function(kind: str, k: int, n: int, m: int):
     from tvm import relax
 
     from qwc.compiler.build import build
-    from qwc.compiler.frontend import MatMulNBits
+    from qwc.compiler.frontend import _CONTEXT, ImportContext, MatMulNBits
     from qwc.compiler.kernels import row_groups
     from qwc.compiler.repack_q6_k import pack
     from qwc.compiler.targets import get_target
@@ -44,15 +44,19 @@ def _function(kind: str, k: int, n: int, m: int):
     av = relax.Var("a", relax.TensorType([m, k], "float32"))
     vs = [relax.Var(f"w{i}", relax.TensorType(list(w.shape), str(w.dtype))) for i, w in enumerate(weights)]
     bb = relax.BlockBuilder()
-    features = get_target("x86-avx512").features
-    with bb.function("main", [av, *vs]):
-        with bb.dataflow():
-            if kind == "q6_k":
-                out = MatMulNBits.q6_k_matmul(bb, av, *vs, k, n)
-            else:
-                out = MatMulNBits.q4_0_matmul(bb, av, *vs, k, n, "x86", features, bits=8)
-            gv = bb.emit_output(out)
-        bb.emit_func_output(gv)
+    features = get_target("host").features
+    token = _CONTEXT.set(ImportContext(act_bits=8, features=features))   # the host's kernels, as an import picks them
+    try:
+        with bb.function("main", [av, *vs]):
+            with bb.dataflow():
+                if kind == "q6_k":
+                    out = MatMulNBits.q6_k_matmul(bb, av, *vs, k, n)
+                else:
+                    out = MatMulNBits.q4_0_matmul(bb, av, *vs, k, n, "x86", features, bits=8)
+                gv = bb.emit_output(out)
+            bb.emit_func_output(gv)
+    finally:
+        _CONTEXT.reset(token)
     vm = relax.VirtualMachine(build(bb.get(), get_target("host")), tvm.cpu())
     a = tvm.runtime.tensor(rng.standard_normal((m, k)).astype(np.float32))
     return vm["main"], [a] + [tvm.runtime.tensor(w) for w in weights], sum(w.nbytes for w in weights)

@@ -111,6 +111,20 @@ def test_q6_k_kernel_computes_llama_cpps_w6a8(k, n, m, with_bias):
     assert (np.abs(got - ref) <= 1e-6 * scale + 1e-6).all(), np.abs(got - ref).max()
 
 
+@pytest.mark.parametrize("prefetch", ["software", "hardware"])
+def test_q6_k_decode_keeps_its_chains_in_registers(prefetch):
+    """The one-token form's vpdpbusd chains are expressions, not variables reassigned in a TIR
+    loop: those become buffers the thread allocates, and every vpdpbusd then waits on a store
+    and a load (the decode GEMV ran compute-bound, under the memory's rate)."""
+    import tvm
+
+    from qwc.compiler.kernels.x86 import q6_k
+
+    func = q6_k.q6_k_matmul(256, 8, m=1, prefetch=prefetch).with_attr("global_symbol", "main")
+    code = tvm.compile(tvm.IRModule({"main": func}), target=get_target("x86-avx512").tvm_target()).mod.inspect_source("s")
+    assert code.count("vpdpbusd") >= 8 and "TVMBackendAllocWorkspace" not in code
+
+
 def test_q6_k_on_a_zen_gives_the_same_bits_without_prefetches():
     """x86-zen's Q6_K (targets.IntDots.decode_prefetch "hardware") is x86-avx512's kernel without
     its software prefetches: the same bits at one token and at three, and no prefetch in its code."""

@@ -168,18 +168,22 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None, bias_buf)
 
+    def chain(w, aq, st, g, b, t, sub_b: bool):
+        """int32x16: sub-block A's (or B's) four vpdpbusd from its start, as one expression built
+        here in Python: a variable reassigned in a TIR loop becomes a buffer in memory, and each
+        vpdpbusd then waits on a store and a load."""
+        v = T.broadcast(st[t, b, int(sub_b)], ROWS)
+        for i in range(4):
+            v = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, v, codes(T, w, g, b, _chunk(i, sub_b)),
+                                        act(aq, t, b, _chunk(i, sub_b)))
+        return v
+
     @T.macro
     def block_term(w, aq, st, ad, sc, d, acc, at, g, b, t):
         """acc[16 at ..] += block b's term for rows 16g .. 16g+15 and token t: one stream of the
         decode form, its two chains in one expression (no buffers inside the parallel loop)."""
-        lo = T.broadcast(st[t, b, 0], ROWS)
-        hi = T.broadcast(st[t, b, 1], ROWS)
-        for i in range(4):
-            lo = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, lo, codes(T, w, g, b, _chunk(i, False)),
-                                         act(aq, t, b, _chunk(i, False)))
-            hi = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, hi, codes(T, w, g, b, _chunk(i, True)),
-                                         act(aq, t, b, _chunk(i, True)))
-        acc[T.ramp(at * ROWS, 1, ROWS)] = acc[T.ramp(at * ROWS, 1, ROWS)] + term(lo, hi, sc, d, ad, g, b, t)
+        acc[T.ramp(at * ROWS, 1, ROWS)] = acc[T.ramp(at * ROWS, 1, ROWS)] + term(
+            chain(w, aq, st, g, b, t, False), chain(w, aq, st, g, b, t, True), sc, d, ad, g, b, t)
 
     @T.macro
     def streamed(w, aq, st, ad, sc, d, y, bias_buf):
