@@ -22,18 +22,18 @@ from .relax_match import Bindings, binding_pass, call_args, call_of, kernel_attr
 
 
 def gate_up_arguments(mod, defs: Bindings, gate, up):
-    """([aq, ad, off, w_gate, s_gate, w_up, s_up], the GEMVs' `dot`, their prefetch) when gate and up are
-    bias-free decode GEMV outputs of the same activations whose kernel has the silu_mul and
+    """([aq, ad, off, w_gate, s_gate, w_up, s_up], the GEMVs' `dot`, their prefetch) when gate and
+    up are bias-free decode GEMV outputs of the same activations whose kernel has the silu_mul and
     quantize epilogues (x86), else None (on ARM, gate and up become one two-output launch in
     sibling_gemvs, and the quantizer stays its own)."""
-    calls, dots = [], set()
+    calls, forms = [], set()   # (dot, prefetch) of each GEMV kernel
     for x in (gate, up):
         gemv = single_decode_gemv(mod, defs, x)
         if gemv is None:
             return None
         calls.append(gemv[1])
-        dots.add((gemv_dot(mod[gemv[0]]), gemv_prefetch(mod[gemv[0]])))
-    if len(dots) != 1 or not {"silu_mul", "quantize"} <= decode_epilogues(next(iter(dots))[0]):
+        forms.add((gemv_dot(mod[gemv[0]]), gemv_prefetch(mod[gemv[0]])))
+    if len(forms) != 1 or not {"silu_mul", "quantize"} <= decode_epilogues(next(iter(forms))[0]):
         return None   # (the ARM GEMV has no such epilogue)
     if str(calls[0][4].ty.dtype) != str(calls[1][4].ty.dtype):
         return None   # one kernel reads one scale form (fp16, float32, Q4_K's compact bytes)
@@ -45,7 +45,7 @@ def gate_up_arguments(mod, defs: Bindings, gate, up):
 
     if not source(calls[0][0]).same_as(source(calls[1][0])):
         return None
-    return calls[0] + calls[1][3:], *dots.pop()
+    return calls[0] + calls[1][3:], *forms.pop()
 
 
 def fuse_gate_up(kname):

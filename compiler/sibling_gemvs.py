@@ -89,8 +89,8 @@ def _sets(mod, func) -> dict:
             key = call[1][:3]
             for k, members in by_input:
                 same_scales = str(members[0].value.args[1].fields[4].ty.dtype) == str(call[1][4].ty.dtype)
-                same_dot = all(f(mod[members[0].value.args[0]]) == f(mod[call[0]]) for f in (gemv_dot, gemv_prefetch))
-                if same_scales and same_dot and all(x.same_as(y) for x, y in zip(k, key)):
+                same_kernel = all(f(mod[members[0].value.args[0]]) == f(mod[call[0]]) for f in (gemv_dot, gemv_prefetch))
+                if same_scales and same_kernel and all(x.same_as(y) for x, y in zip(k, key)):
                     members.append(b)
                     break
             else:

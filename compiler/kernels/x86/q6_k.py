@@ -101,6 +101,59 @@ def q6_k_starts(nb: int, one_row: bool):
     return kernel
 
 
+def _streamed(T, n: int, nb: int, prefetched: bool, term, act, tile):
+    """q6_k_matmul's one-token form, a macro of (w, aq, st, ad, sc, d, y, bias_buf): `term` and
+    `act` are that kernel's (the same arithmetic as its tiles, so the same bits), `tile` its
+    tile macro, which takes the groups left over; `prefetched`: decode's weights PREFETCH
+    blocks ahead into L1, or left to the hardware (IntDots.decode_prefetch)."""
+    ng = groups(n)
+    tasks = ng // STREAMS + (1 if ng % STREAMS else 0)
+
+    def chain(w, aq, st, g, b, t, sub_b: bool):
+        """int32x16: sub-block A's (or B's) four vpdpbusd from its start, as one expression built
+        here in Python: a variable reassigned in a TIR loop becomes a buffer in memory, and each
+        vpdpbusd then waits on a store and a load."""
+        v = T.broadcast(st[t, b, int(sub_b)], ROWS)
+        for i in range(4):
+            v = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, v, codes(T, w, g, b, _chunk(i, sub_b)),
+                                        act(aq, t, b, _chunk(i, sub_b)))
+        return v
+
+    @T.macro
+    def block_term(w, aq, st, ad, sc, d, acc, at, g, b, t):
+        """acc[16 at ..] += block b's term for rows 16g .. 16g+15 and token t: one stream, its
+        two chains in one expression (no buffers inside the parallel loop)."""
+        acc[T.ramp(at * ROWS, 1, ROWS)] = acc[T.ramp(at * ROWS, 1, ROWS)] + term(
+            chain(w, aq, st, g, b, t, False), chain(w, aq, st, g, b, t, True), sc, d, ad, g, b, t)
+
+    @T.macro
+    def streamed(w, aq, st, ad, sc, d, y, bias_buf):
+        """Task p reads groups p, per + p, 2 per + p, 3 per + p in lockstep, block by block,
+        each prefetched ahead (STREAMS streams whose DRAM page crossings fall at different
+        times, as the Q8_0 decode GEMV reads: x86/vnni.py); the groups left over are one more task."""
+        for task in T.parallel(tasks):
+            if task < ng // STREAMS:
+                acc = T.decl_buffer((STREAMS * ROWS,), "float32", scope="global")
+                for h in T.unroll(STREAMS):
+                    acc[T.ramp(h * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+                for b in range(nb):
+                    if prefetched:
+                        for h in T.unroll(STREAMS):
+                            for c in T.unroll(CHUNKS):
+                                T.evaluate(T.call_llvm_intrin(
+                                    "void", "llvm.prefetch.p0", T.address_of(w[h * (ng // STREAMS) + task, b + PREFETCH, c, 0]),
+                                    T.int32(0), T.int32(3), T.int32(1)))
+                    for h in T.unroll(STREAMS):
+                        block_term(w, aq, st, ad, sc, d, acc, h, h * (ng // STREAMS) + task, b, 0)
+                for h in T.unroll(STREAMS):
+                    store_rows(y, 0, (h * (ng // STREAMS) + task) * ROWS, ROWS, n, acc, h * ROWS, None, bias_buf)
+            else:
+                for g in range(ng // STREAMS * STREAMS, ng):
+                    tile(w, aq, st, ad, sc, d, y, bias_buf, g, 0, 1)
+
+    return streamed
+
+
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: bool = False,
                 prefetch: str = "software"):
@@ -118,7 +171,6 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
         raise ValueError(f"Q6_K rows are whole super-blocks of 256, got {nb} blocks of 32")
     ng = groups(n)
     rows_in = token_count(m)
-    decode_tasks = ng // STREAMS + (1 if ng % STREAMS else 0)   # streamed's
     prefetched = prefetch == "software"   # decode's weights PREFETCH blocks ahead, or left to the hardware
 
     def term(lo, hi, sc, d, ad, g, b, t):
@@ -168,47 +220,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None, bias_buf)
 
-    def chain(w, aq, st, g, b, t, sub_b: bool):
-        """int32x16: sub-block A's (or B's) four vpdpbusd from its start, as one expression built
-        here in Python: a variable reassigned in a TIR loop becomes a buffer in memory, and each
-        vpdpbusd then waits on a store and a load."""
-        v = T.broadcast(st[t, b, int(sub_b)], ROWS)
-        for i in range(4):
-            v = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, v, codes(T, w, g, b, _chunk(i, sub_b)),
-                                        act(aq, t, b, _chunk(i, sub_b)))
-        return v
-
-    @T.macro
-    def block_term(w, aq, st, ad, sc, d, acc, at, g, b, t):
-        """acc[16 at ..] += block b's term for rows 16g .. 16g+15 and token t: one stream of the
-        decode form, its two chains in one expression (no buffers inside the parallel loop)."""
-        acc[T.ramp(at * ROWS, 1, ROWS)] = acc[T.ramp(at * ROWS, 1, ROWS)] + term(
-            chain(w, aq, st, g, b, t, False), chain(w, aq, st, g, b, t, True), sc, d, ad, g, b, t)
-
-    @T.macro
-    def streamed(w, aq, st, ad, sc, d, y, bias_buf):
-        """One token: task p reads groups p, per + p, 2 per + p, 3 per + p in lockstep, block by
-        block, each prefetched ahead (STREAMS streams whose DRAM page crossings fall at different
-        times, as the Q8_0 decode GEMV reads: x86/vnni.py); the groups left over are one more task."""
-        for task in T.parallel(decode_tasks):
-            if task < ng // STREAMS:
-                acc = T.decl_buffer((STREAMS * ROWS,), "float32", scope="global")
-                for h in T.unroll(STREAMS):
-                    acc[T.ramp(h * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
-                for b in range(nb):
-                    if prefetched:
-                        for h in T.unroll(STREAMS):
-                            for c in T.unroll(CHUNKS):
-                                T.evaluate(T.call_llvm_intrin(
-                                    "void", "llvm.prefetch.p0", T.address_of(w[h * (ng // STREAMS) + task, b + PREFETCH, c, 0]),
-                                    T.int32(0), T.int32(3), T.int32(1)))
-                    for h in T.unroll(STREAMS):
-                        block_term(w, aq, st, ad, sc, d, acc, h, h * (ng // STREAMS) + task, b, 0)
-                for h in T.unroll(STREAMS):
-                    store_rows(y, 0, (h * (ng // STREAMS) + task) * ROWS, ROWS, n, acc, h * ROWS, None, bias_buf)
-            else:
-                for g in range(ng // STREAMS * STREAMS, ng):
-                    tile(w, aq, st, ad, sc, d, y, bias_buf, g, 0, 1)
+    streamed = _streamed(T, n, nb, prefetched, term, act, tile)
 
     configure, sub_block_order, make_amx_b, amx_blocks = amx_tiles.q6_k_macros(
         T, nb, term, lambda w, g, b, i, sub_b: codes(T, w, g, b, _chunk(i, sub_b)))
