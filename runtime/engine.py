@@ -166,7 +166,7 @@ class Engine:
             raise QwcError(f"ctx {ctx!r}: must be a positive integer")
         self.manifest = read_manifest(self.path)
         check_runs_here(self.manifest)
-        self.uncached_bytes = self._uncached_params()   # before the hash check reads the file in
+        self.uncached_bytes = memory.uncached_bytes(self.path / "params.bin")   # before the hash check reads it in
         if verify_hashes:
             for name, digest in self.manifest.files.items():
                 f = self.path / name
@@ -381,17 +381,10 @@ class Engine:
             for p in sorted(specs, key=lambda p: bool(p.at_rest and p.at_rest["form"] == "q4_k_offsets")):
                 if p.name not in in_file:
                     self._read_param(f, p, arrays, mapped)
+        self.reread = mapped is not None and mapped.reread
         self.mapped_bytes = sum(p.nbytes for p in specs if p.name in in_file)
         self.copied_bytes = sum(arrays[p.name].nbytes for p in specs if p.name not in in_file)
         return [self._tvm.runtime.from_dlpack(arrays[p.name]) for p in specs]
-
-    def _uncached_params(self) -> int | None:
-        """The bytes of params.bin not in the page cache as the load starts (None: unknown)."""
-        path = self.path / "params.bin"
-        if not path.is_file():
-            return None
-        cached = memory.cached_bytes(path)
-        return None if cached is None else path.stat().st_size - cached
 
     def describe_weights(self) -> str:
         """Where the parameters are: mapped from params.bin, in memory of the process's own, or
@@ -404,7 +397,8 @@ class Engine:
         if not self.mapped_bytes:
             return f"{gib(self.copied_bytes)} of weights read into memory{from_disk}"
         copied = f", {gib(self.copied_bytes)} unpacked into memory" if self.copied_bytes else ""
-        return f"{gib(self.mapped_bytes)} of weights mapped from params.bin{copied}{from_disk}"
+        reread = "; read again from disk in 2 MiB pages, as the page cache held 4 KiB ones" if self.reread else ""
+        return f"{gib(self.mapped_bytes)} of weights mapped from params.bin{copied}{from_disk}{reread}"
 
     def _check_size(self, p, nbytes: int) -> None:
         if p.at_rest is None and nbytes != p.nbytes:

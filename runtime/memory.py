@@ -18,9 +18,11 @@ writes a parameter, so its pages stay the page cache's.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
+import re
 
 import numpy as np
 
@@ -66,26 +68,99 @@ class Arena:
 
 class MappedFile:
     """The file at `path` mapped copy-on-write, its pages read in ahead (MADV_POPULATE_READ:
-    page-cache pages mapped without a fault each, never copied) where the kernel has it."""
+    page-cache pages mapped without a fault each, never copied) where the kernel has it.
+
+    A mapping maps the page cache's folios as they are: those a fault advised MADV_HUGEPAGE
+    read in are 2 MiB, but those that read(2) or a copy's writes left are partly or wholly
+    smaller, and map 4 KiB a page (a slower decode, docs/history/x86-speed.md). Where a file's mapping comes out mostly small and the
+    file system does keep 2 MiB folios (`_folios_can_be_huge`), the file's cached pages that no
+    process maps are dropped and read again through the mapping (`reread`): one read from disk,
+    after which every later load maps 2 MiB pages from the page cache."""
 
     POPULATE_READ = 22   # Linux 5.14's MADV_POPULATE_READ (Python 3.11's mmap does not name it)
 
     def __init__(self, path):
+        self.reread = False
+        self._map = self._mapped(path)
+        share = pmd_mapped_share(self._map)
+        if share is not None and share < HUGE_SHARE and len(self._map) >= 2 * HUGE_PAGE:
+            self._map.close()   # (its pages mapped here would not be dropped)
+            if _folios_can_be_huge(path):
+                drop_cached(path)
+                self.reread = True
+            self._map = self._mapped(path)
+        self.bytes = np.frombuffer(self._map, np.uint8)
+
+    @classmethod
+    def _mapped(cls, path, length: int = 0, access=mmap.ACCESS_COPY) -> mmap.mmap:
         with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        for advice in (getattr(mmap, "MADV_HUGEPAGE", None), self.POPULATE_READ):
+            m = mmap.mmap(f.fileno(), length, access=access)
+        for advice in (getattr(mmap, "MADV_HUGEPAGE", None), cls.POPULATE_READ):
             try:   # (file pages are huge only where the file system keeps large folios)
                 if advice is not None:
-                    self._map.madvise(advice)
+                    m.madvise(advice)
             except OSError:   # an older kernel: pages fault in on first use instead
                 pass
-        self.bytes = np.frombuffer(self._map, np.uint8)
+        return m
 
     def view(self, offset: int, shape, dtype) -> np.ndarray:
         """The array of `shape` and `dtype` stored at `offset` (64-byte aligned), not copied."""
         dtype = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return self.bytes[offset:offset + n].view(dtype).reshape(shape)
+
+
+HUGE_SHARE = 0.95   # a mapping with fewer of its pages in 2 MiB ones is read again (MappedFile)
+
+
+def _address(m: mmap.mmap) -> int:
+    a = np.frombuffer(m, np.uint8)
+    address = a.ctypes.data
+    del a   # (an exported buffer would keep the mapping from being closed)
+    return address
+
+
+def pmd_mapped_share(m: mmap.mmap) -> float | None:
+    """The share of mapping `m`'s whole 2 MiB spans mapped as 2 MiB pages (its FilePmdMapped in
+    /proc/self/smaps; a tail shorter than 2 MiB is in small pages whatever the cache holds);
+    None where that is not to be read (not Linux) or `m` holds no such span."""
+    spans = len(m) // HUGE_PAGE * HUGE_PAGE
+    try:
+        with open("/proc/self/smaps") as f:
+            text = f.read()
+    except OSError:
+        return None
+    block = re.search(rf"^{_address(m):x}-.*?\n(.*?)(?=^[0-9a-f]+-|\Z)", text, re.M | re.S)
+    if block is None or not spans:
+        return None
+    pmd = re.search(r"^FilePmdMapped:\s+(\d+) kB", block.group(1), re.M)
+    return int(pmd.group(1)) * 1024 / spans if pmd else 0.0
+
+
+def drop_cached(path, length: int = 0) -> None:
+    """Drop the first `length` bytes (0: all) of the file's page-cache pages that no process
+    maps, written out first if a write (a copy just made) left them dirty: the kernel drops only
+    clean pages. The file's bytes do not change."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with contextlib.suppress(OSError):   # (a file system that cannot sync: clean already)
+                os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, length, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _folios_can_be_huge(path) -> bool:
+    """Whether the file system holds this file's pages in 2 MiB folios when a mapping advised
+    MADV_HUGEPAGE reads them in: its first 4 MiB are dropped (those no one maps) and mapped again.
+    False on kernels whose file systems keep only small folios, where a reread would gain nothing."""
+    drop_cached(path, 2 * HUGE_PAGE)
+    probe = MappedFile._mapped(path, 2 * HUGE_PAGE, mmap.ACCESS_READ)
+    try:
+        return bool(pmd_mapped_share(probe))
+    finally:
+        probe.close()
 
 
 def cached_bytes(path) -> int | None:
@@ -114,6 +189,14 @@ def cached_bytes(path) -> int | None:
     finally:
         libc.munmap(addr, size)
     return min(size, int(np.count_nonzero(pages & 1)) * mmap.PAGESIZE)
+
+
+def uncached_bytes(path) -> int | None:
+    """The bytes of the file at `path` not in the page cache (None: unknown, or no such file)."""
+    if not os.path.isfile(path):
+        return None
+    cached = cached_bytes(path)
+    return None if cached is None else os.path.getsize(path) - cached
 
 
 def arena_for(arrays) -> Arena:

@@ -229,6 +229,52 @@ def _params_mappings(art) -> list[dict[str, int]]:
             for b in blocks if b.splitlines()[0].endswith(" " + target)]
 
 
+def test_a_file_cached_in_small_pages_is_read_again_in_huge_ones(tmp_path):
+    """Small writes leave a file's page cache in 4 KiB folios, which a mapping maps 4 KiB a page.
+    Where the file system keeps 2 MiB folios (a file written in one go maps in 2 MiB pages),
+    MappedFile drops and reads it again in them, once: the next mapping finds them cached.
+    Elsewhere nothing is read again. The bytes are the file's either way."""
+    from qwc.runtime import memory
+
+    data = np.random.default_rng(0).integers(0, 256, 16 << 20, dtype=np.uint8).tobytes()
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(data[:8 << 20])
+    m = memory.MappedFile._mapped(probe)
+    capable = bool(memory.pmd_mapped_share(m))
+    m.close()
+    path = tmp_path / "params.bin"
+    with open(path, "wb", buffering=0) as f:
+        for at in range(0, len(data), 4096):
+            f.write(data[at:at + 4096])
+    m = memory.MappedFile._mapped(path)
+    assert memory.pmd_mapped_share(m) < memory.HUGE_SHARE
+    m.close()
+    first = memory.MappedFile(path)
+    assert first.reread == capable and first.bytes.tobytes() == data
+    share = memory.pmd_mapped_share(first._map)
+    assert share >= memory.HUGE_SHARE if capable else share < memory.HUGE_SHARE
+    second = memory.MappedFile(path)
+    assert not second.reread and memory.pmd_mapped_share(second._map) == share
+
+
+def test_checksum_reads_through_a_huge_page_mapping(tmp_path):
+    """qwc/checksum.py hashes a file through a mapping, so that a first load's hash leaves its
+    page cache as the engine's mapping wants it (read(2) leaves it partly in small folios)."""
+    import hashlib
+
+    from qwc import checksum
+    from qwc.runtime import memory
+
+    data = np.random.default_rng(1).integers(0, 256, 9 << 20, dtype=np.uint8).tobytes()
+    path = tmp_path / "params.bin"
+    path.write_bytes(data)
+    memory.drop_cached(path)
+    assert checksum.sha256(path) == hashlib.sha256(data).hexdigest()
+    assert not memory.MappedFile(path).reread
+    (tmp_path / "empty").write_bytes(b"")
+    assert checksum.sha256(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()
+
+
 def test_weights_are_params_bins_pages_unless_no_mmap(tiny_host_artifact, tmp_path):
     """Mapped (the default, runtime/memory.py: MappedFile) every parameter is a page of params.bin's
     mapping, resident and none of it the process's own (anonymous); --no-mmap reads them into
