@@ -31,32 +31,33 @@ RACY_NS = 2_000_000_000
 # otherwise silent wait on the first load.
 REPORTED_BYTES = 1 << 30
 CHUNK = 1 << 22
+WINDOW = 64 << 20   # a multiple of 2 MiB: each window's huge pages line up with the file's
 
 
 def sha256(path: Path) -> str:
-    """The file's digest, read through a mapping advised for huge pages: what read(2) leaves in
-    the page cache is partly in small folios, which the engine's mapping of params.bin would
-    then map 4 KiB a page (runtime/memory.py: MappedFile)."""
+    """The file's digest, read through mappings advised for huge pages, a window at a time (the
+    process holds no more of the file than a window): what read(2) leaves in the page cache is
+    partly in small folios, which the engine's mapping of params.bin would then map 4 KiB a
+    page (runtime/memory.py: MappedFile)."""
     h = hashlib.sha256()
     size = os.path.getsize(path)
-    if not size:
-        return h.hexdigest()
     with contextlib.ExitStack() as stack:
-        with open(path, "rb") as f:
-            m = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            with contextlib.suppress(OSError):
-                m.madvise(mmap.MADV_HUGEPAGE)
+        f = stack.enter_context(open(path, "rb"))
         done = None
         if size >= REPORTED_BYTES:
             stack.enter_context(progress.stage(f"checking {Path(path).name} against its hash "
                                                f"({size / 2**30:.1f} GiB; once per file)"))
             done = stack.enter_context(progress.bar(total=size, desc="hashing", unit="B", scaled=True)).update
-        view = stack.enter_context(memoryview(m))
-        for at in range(0, size, CHUNK):
-            h.update(view[at:at + CHUNK])
-            if done is not None:
-                done(min(CHUNK, size - at))
+        for start in range(0, size, WINDOW):
+            with mmap.mmap(f.fileno(), min(WINDOW, size - start), access=mmap.ACCESS_READ, offset=start) as m:
+                if hasattr(mmap, "MADV_HUGEPAGE"):
+                    with contextlib.suppress(OSError):
+                        m.madvise(mmap.MADV_HUGEPAGE)
+                with memoryview(m) as view:
+                    for at in range(0, len(m), CHUNK):
+                        h.update(view[at:at + CHUNK])
+                        if done is not None:
+                            done(min(CHUNK, len(m) - at))
     return h.hexdigest()
 
 

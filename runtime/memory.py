@@ -72,10 +72,11 @@ class MappedFile:
 
     A mapping maps the page cache's folios as they are: those a fault advised MADV_HUGEPAGE
     read in are 2 MiB, but those that read(2) or a copy's writes left are partly or wholly
-    smaller, and map 4 KiB a page (a slower decode, docs/history/x86-speed.md). Where a file's mapping comes out mostly small and the
-    file system does keep 2 MiB folios (`_folios_can_be_huge`), the file's cached pages that no
-    process maps are dropped and read again through the mapping (`reread`): one read from disk,
-    after which every later load maps 2 MiB pages from the page cache."""
+    smaller, and map 4 KiB a page (a slower decode, docs/history/x86-speed.md). Where a file's
+    mapping comes out mostly small and the file system does keep 2 MiB folios
+    (`_folios_can_be_huge`), the file's cached pages that no process maps are dropped and read
+    again through the mapping (`reread`): one read from disk, after which every later load maps
+    2 MiB pages from the page cache."""
 
     POPULATE_READ = 22   # Linux 5.14's MADV_POPULATE_READ (Python 3.11's mmap does not name it)
 

@@ -257,14 +257,16 @@ def test_a_file_cached_in_small_pages_is_read_again_in_huge_ones(tmp_path):
     assert not second.reread and memory.pmd_mapped_share(second._map) == share
 
 
-def test_checksum_reads_through_a_huge_page_mapping(tmp_path):
-    """qwc/checksum.py hashes a file through a mapping, so that a first load's hash leaves its
-    page cache as the engine's mapping wants it (read(2) leaves it partly in small folios)."""
+def test_checksum_reads_through_a_huge_page_mapping(tmp_path, monkeypatch):
+    """qwc/checksum.py hashes a file through mappings a window at a time (here 4 MiB windows, the
+    last a part), so that a first load's hash leaves its page cache as the engine's mapping
+    wants it (read(2) leaves it partly in small folios)."""
     import hashlib
 
     from qwc import checksum
     from qwc.runtime import memory
 
+    monkeypatch.setattr(checksum, "WINDOW", 4 << 20)
     data = np.random.default_rng(1).integers(0, 256, 9 << 20, dtype=np.uint8).tobytes()
     path = tmp_path / "params.bin"
     path.write_bytes(data)
