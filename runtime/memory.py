@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import json
 import mmap
 import os
 import re
+from pathlib import Path
 
 import numpy as np
+
+from qwc.cache_folders import cache_folder
 
 ALIGN = 64                 # TVM's required data alignment
 HUGE_PAGE = 2 << 20        # x86_64 and aarch64 (4 KiB base pages) transparent huge page size
@@ -76,7 +81,8 @@ class MappedFile:
     mapping comes out mostly small and the file system does keep 2 MiB folios
     (`_folios_can_be_huge`), the file's cached pages that no process maps are dropped and read
     again through the mapping (`reread`): one read from disk, after which every later load maps
-    2 MiB pages from the page cache."""
+    2 MiB pages from the page cache. A reread that stays small is not tried again on that file
+    (`_remember_futile`)."""
 
     POPULATE_READ = 22   # Linux 5.14's MADV_POPULATE_READ (Python 3.11's mmap does not name it)
 
@@ -84,12 +90,15 @@ class MappedFile:
         self.reread = False
         self._map = self._mapped(path)
         share = pmd_mapped_share(self._map)
-        if share is not None and share < HUGE_SHARE and len(self._map) >= 2 * HUGE_PAGE:
+        if (share is not None and share < HUGE_SHARE and len(self._map) >= 2 * HUGE_PAGE
+                and not _futile_before(path)):
             self._map.close()   # (its pages mapped here would not be dropped)
             if _folios_can_be_huge(path):
                 drop_cached(path)
                 self.reread = True
             self._map = self._mapped(path)
+            if self.reread and (pmd_mapped_share(self._map) or 0.0) < HUGE_SHARE:
+                _remember_futile(path)   # (memory too fragmented for 2 MiB folios, say)
         self.bytes = np.frombuffer(self._map, np.uint8)
 
     @classmethod
@@ -150,6 +159,36 @@ def drop_cached(path, length: int = 0) -> None:
             os.posix_fadvise(fd, 0, length, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+# A reread that left the file mostly in small pages all the same is not tried again for that
+# file (its identity: device, inode, size, modification time), so that no later load pays a
+# disk read for nothing. The records are small files in $QWC_REREAD_CACHE (`off`: none), else
+# $XDG_CACHE_HOME/qwc/rereads.
+FUTILE_ENV = "QWC_REREAD_CACHE"
+
+
+def _futile_record(path) -> tuple[Path | None, list[int]]:
+    st = os.stat(path)
+    folder = cache_folder(FUTILE_ENV, "rereads")
+    name = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:32]
+    return (folder / name if folder else None), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _futile_before(path) -> bool:
+    record, identity = _futile_record(path)
+    try:
+        return record is not None and json.loads(record.read_text()) == identity
+    except (OSError, ValueError):
+        return False
+
+
+def _remember_futile(path) -> None:
+    record, identity = _futile_record(path)
+    if record is not None:
+        with contextlib.suppress(OSError):   # a read-only cache: the next load may try again
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps(identity))
 
 
 def _folios_can_be_huge(path) -> bool:

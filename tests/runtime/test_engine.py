@@ -257,6 +257,35 @@ def test_a_file_cached_in_small_pages_is_read_again_in_huge_ones(tmp_path):
     assert not second.reread and memory.pmd_mapped_share(second._map) == share
 
 
+def test_a_reread_that_stays_in_small_pages_is_not_tried_again(tmp_path, monkeypatch):
+    """Where a reread leaves the file below the share wanted (memory too fragmented for 2 MiB
+    folios, say; here a share no mapping reaches), MappedFile remembers the file by its identity
+    and the next load does not read it again; a changed file is tried again."""
+    from qwc.runtime import memory
+
+    monkeypatch.setenv(memory.FUTILE_ENV, str(tmp_path / "rereads"))
+    monkeypatch.setattr(memory, "HUGE_SHARE", 1.01)
+    path = tmp_path / "params.bin"
+
+    def write(seed):
+        data = np.random.default_rng(seed).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
+        with open(path, "wb", buffering=0) as f:
+            for at in range(0, len(data), 4096):
+                f.write(data[at:at + 4096])
+        return data
+
+    data = write(0)
+    first = memory.MappedFile(path)
+    capable = first.reread   # the file system keeps 2 MiB folios (see the test above)
+    assert first.bytes.tobytes() == data and memory._futile_before(path) == capable
+    assert not memory.MappedFile(path).reread
+    del first
+    time.sleep(0.01)
+    data = write(1)   # new bytes, a new modification time
+    again = memory.MappedFile(path)
+    assert again.reread == capable and again.bytes.tobytes() == data
+
+
 def test_checksum_reads_through_a_huge_page_mapping(tmp_path, monkeypatch):
     """qwc/checksum.py hashes a file through mappings a window at a time (here 4 MiB windows, the
     last a part), so that a first load's hash leaves its page cache as the engine's mapping
