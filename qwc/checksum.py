@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from . import progress
-from .cache_folders import cache_folder
+from .cache_folders import file_record
 
 CACHE_ENV = "QWC_VERIFY_CACHE"
 RACY_NS = 2_000_000_000
@@ -64,10 +64,7 @@ def sha256(path: Path) -> str:
 def remembered_sha256(path: Path) -> str:
     """sha256(path), read from the record of an earlier hash of this very file where there is one."""
     path = Path(path).resolve()
-    st = path.stat()
-    identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
-    folder = cache_folder(CACHE_ENV, "verified")
-    record = folder / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json" if folder else None
+    record, identity = file_record(CACHE_ENV, "verified", path)
     if record is not None:
         try:
             held = json.loads(record.read_text())
@@ -78,11 +75,11 @@ def remembered_sha256(path: Path) -> str:
     digest = sha256(path)
     # As git's racily clean entries: a file written within the clock's granularity of its hash
     # could be written again with the same time, so only a file older than RACY_NS is recorded.
-    if record is not None and time.time_ns() - st.st_mtime_ns > RACY_NS:
+    if record is not None and time.time_ns() - identity[3] > RACY_NS:
         tmp = None
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+            record.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=record.parent, suffix=".tmp")
             with os.fdopen(fd, "w") as f:
                 json.dump({"path": str(path), "identity": identity, "sha256": digest}, f)
             os.replace(tmp, record)

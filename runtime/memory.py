@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import json
 import mmap
 import os
 import re
-from pathlib import Path
 
 import numpy as np
 
-from qwc.cache_folders import cache_folder
+from qwc.cache_folders import file_record
 
 ALIGN = 64                 # TVM's required data alignment
 HUGE_PAGE = 2 << 20        # x86_64 and aarch64 (4 KiB base pages) transparent huge page size
@@ -168,15 +166,8 @@ def drop_cached(path, length: int = 0) -> None:
 FUTILE_ENV = "QWC_REREAD_CACHE"
 
 
-def _futile_record(path) -> tuple[Path | None, list[int]]:
-    st = os.stat(path)
-    folder = cache_folder(FUTILE_ENV, "rereads")
-    name = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:32]
-    return (folder / name if folder else None), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
-
-
 def _futile_before(path) -> bool:
-    record, identity = _futile_record(path)
+    record, identity = file_record(FUTILE_ENV, "rereads", path)
     try:
         return record is not None and json.loads(record.read_text()) == identity
     except (OSError, ValueError):
@@ -184,7 +175,7 @@ def _futile_before(path) -> bool:
 
 
 def _remember_futile(path) -> None:
-    record, identity = _futile_record(path)
+    record, identity = file_record(FUTILE_ENV, "rereads", path)
     if record is not None:
         with contextlib.suppress(OSError):   # a read-only cache: the next load may try again
             record.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,8 @@ groups a task in lockstep, prefetched PREFETCH blocks ahead, as the Q8_0 decode 
 
 from __future__ import annotations
 
+from functools import partial
+
 from .. import SCHEDULED
 from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, groups
@@ -101,10 +103,28 @@ def q6_k_starts(nb: int, one_row: bool):
     return kernel
 
 
-def _streamed(T, n: int, nb: int, prefetched: bool, term, act, tile):
-    """q6_k_matmul's one-token form, a macro of (w, aq, st, ad, sc, d, y, bias_buf): `term` and
-    `act` are that kernel's (the same arithmetic as its tiles, so the same bits), `tile` its
-    tile macro, which takes the groups left over; `prefetched`: decode's weights PREFETCH
+def _term(T, lo, hi, sc, d, ad, g, b, t):
+    """float32x16: block b's term of rows 16g .. from its sub-blocks' integer sums lo (A) and
+    hi (B), (lo sc_A d + hi sc_B d) x the activations' scale. In float: two `vpmulld` a token
+    and block (sc in the integer domain) took longer than this form against the Q8_0 GEMM, on
+    the port `vpdpbusd` uses (bench/q6_k.py). sc d is the file's d sc
+    (exact); the sums' products are rounded, as any float kernel's. Decode and prefill share
+    it, so a token's logits are the same in either (design.md, "One arithmetic for a token")."""
+    dv = d.vload([g, b // SUPER_BLOCKS, 0], "float32x16")
+    return (T.Cast("float32x16", lo) * (T.Cast("float32x16", sc.vload([g, b, 0], "int8x16")) * dv)
+            + T.Cast("float32x16", hi) * (T.Cast("float32x16", sc.vload([g, b, SUB], "int8x16")) * dv)
+            ) * T.broadcast(ad[t, b], ROWS)
+
+
+def _act(T, aq, t, b, c):
+    """int8x64: activation bytes 4c..4c+3 of token t, block b, in every 32-bit lane."""
+    return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", aq.vload([t, b, 4 * c], "int8x4")), ROWS))
+
+
+def _streamed(T, n: int, nb: int, prefetched: bool, tile):
+    """q6_k_matmul's one-token form, a macro of (w, aq, st, ad, sc, d, y, bias_buf), with the
+    arithmetic of that kernel's tiles (_term, _act: the same bits); `tile` its tile macro,
+    which takes the groups left over; `prefetched`: decode's weights PREFETCH
     blocks ahead into L1, or left to the hardware (IntDots.decode_prefetch)."""
     ng = groups(n)
     tasks = ng // STREAMS + (1 if ng % STREAMS else 0)
@@ -116,15 +136,15 @@ def _streamed(T, n: int, nb: int, prefetched: bool, term, act, tile):
         v = T.broadcast(st[t, b, int(sub_b)], ROWS)
         for i in range(4):
             v = T.call_llvm_pure_intrin("int32x16", VPDPBUSD, v, codes(T, w, g, b, _chunk(i, sub_b)),
-                                        act(aq, t, b, _chunk(i, sub_b)))
+                                        _act(T, aq, t, b, _chunk(i, sub_b)))
         return v
 
     @T.macro
     def block_term(w, aq, st, ad, sc, d, acc, at, g, b, t):
         """acc[16 at ..] += block b's term for rows 16g .. 16g+15 and token t: one stream, its
         two chains in one expression (no buffers inside the parallel loop)."""
-        acc[T.ramp(at * ROWS, 1, ROWS)] = acc[T.ramp(at * ROWS, 1, ROWS)] + term(
-            chain(w, aq, st, g, b, t, False), chain(w, aq, st, g, b, t, True), sc, d, ad, g, b, t)
+        acc[T.ramp(at * ROWS, 1, ROWS)] = acc[T.ramp(at * ROWS, 1, ROWS)] + _term(
+            T, chain(w, aq, st, g, b, t, False), chain(w, aq, st, g, b, t, True), sc, d, ad, g, b, t)
 
     @T.macro
     def streamed(w, aq, st, ad, sc, d, y, bias_buf):
@@ -173,21 +193,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
     rows_in = token_count(m)
     prefetched = prefetch == "software"   # decode's weights PREFETCH blocks ahead, or left to the hardware
 
-    def term(lo, hi, sc, d, ad, g, b, t):
-        """float32x16: block b's term of rows 16g .. from its sub-blocks' integer sums lo (A) and
-        hi (B), (lo sc_A d + hi sc_B d) x the activations' scale. In float: two `vpmulld` a token
-        and block (sc in the integer domain) took longer than this form against the Q8_0 GEMM, on
-        the port `vpdpbusd` uses (bench/q6_k.py). sc d is the file's d sc
-        (exact); the sums' products are rounded, as any float kernel's. Decode and prefill share
-        it, so a token's logits are the same in either (design.md, "One arithmetic for a token")."""
-        dv = d.vload([g, b // SUPER_BLOCKS, 0], "float32x16")
-        return (T.Cast("float32x16", lo) * (T.Cast("float32x16", sc.vload([g, b, 0], "int8x16")) * dv)
-                + T.Cast("float32x16", hi) * (T.Cast("float32x16", sc.vload([g, b, SUB], "int8x16")) * dv)
-                ) * T.broadcast(ad[t, b], ROWS)
-
-    def act(aq, t, b, c):
-        """int8x64: activation bytes 4c..4c+3 of token t, block b, in every 32-bit lane."""
-        return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", aq.vload([t, b, 4 * c], "int8x4")), ROWS))
+    term, act = partial(_term, T), partial(_act, T)
 
     @T.macro
     def tile(w, aq, st, ad, sc, d, y, bias_buf, g, first, count):
@@ -220,7 +226,7 @@ def q6_k_matmul(n: int, nb: int, bias: bool = False, m: int | None = None, amx: 
         for t in T.unroll(count):
             store_rows(y, first + t, g * ROWS, ROWS, n, acc, t * ROWS, None, bias_buf)
 
-    streamed = _streamed(T, n, nb, prefetched, term, act, tile)
+    streamed = _streamed(T, n, nb, prefetched, tile)
 
     configure, sub_block_order, make_amx_b, amx_blocks = amx_tiles.q6_k_macros(
         T, nb, term, lambda w, g, b, i, sub_b: codes(T, w, g, b, _chunk(i, sub_b)))
