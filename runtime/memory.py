@@ -87,9 +87,9 @@ class MappedFile:
     def __init__(self, path):
         self.reread = False
         self._map = self._mapped(path)
-        share = pmd_mapped_share(self._map)
-        if (share is not None and share < HUGE_SHARE and len(self._map) >= 2 * HUGE_PAGE
-                and not _futile_before(path)):
+        # (size first: a file under two huge pages is never probed, nor its mapping's smaps read)
+        share = pmd_mapped_share(self._map) if len(self._map) >= 2 * HUGE_PAGE else None
+        if share is not None and share < HUGE_SHARE and not _futile_before(path):
             self._map.close()   # (its pages mapped here would not be dropped)
             if _folios_can_be_huge(path):
                 drop_cached(path)
@@ -133,13 +133,15 @@ def pmd_mapped_share(m: mmap.mmap) -> float | None:
     /proc/self/smaps; a tail shorter than 2 MiB is in small pages whatever the cache holds);
     None where that is not to be read (not Linux) or `m` holds no such span."""
     spans = len(m) // HUGE_PAGE * HUGE_PAGE
+    if not spans:   # (before reading smaps: a small file's load does no more than it did)
+        return None
     try:
         with open("/proc/self/smaps") as f:
             text = f.read()
     except OSError:
         return None
     block = re.search(rf"^{_address(m):x}-.*?\n(.*?)(?=^[0-9a-f]+-|\Z)", text, re.M | re.S)
-    if block is None or not spans:
+    if block is None:
         return None
     pmd = re.search(r"^FilePmdMapped:\s+(\d+) kB", block.group(1), re.M)
     return int(pmd.group(1)) * 1024 / spans if pmd else 0.0
