@@ -40,7 +40,6 @@ from .kv_cache import (
     widen,
 )
 
-SCORE_STEP = 16   # query elements an iteration of the one-query tile's scores (tile_scores)
 # A task takes up to QUERY_BLOCK queries of one head (rounded up to whole groups of
 # span_queries), and they take the keys in spans of SPAN in turn: a span's K and V (32 KiB at
 # head_dim 64) are read from DRAM or L3 once and from L1 or L2 for the other queries (a task
@@ -68,7 +67,9 @@ class _Task(NamedTuple):
 class _Single(NamedTuple):
     """The one-query path's scratch: accumulator, running (max, sum), scores, scaled query, the
     block's running stats, the weights as the values take them (float16 products: p rounded
-    to float16; else p itself), and whether the products are float16 (a Python bool)."""
+    to float16; else p itself), whether the products are FEAT_FHM's float16 ones and whether
+    the query and weights are rounded to float16 as those are, multiplied in float32 (Python
+    bools: half_products)."""
     acc: Any
     stat: Any
     p: Any
@@ -76,11 +77,13 @@ class _Single(NamedTuple):
     stats: Any
     pw: Any
     half: bool
+    rounds: bool = False
 
 
 class _Groups(NamedTuple):
     """The query groups' scratch: accumulators, the block's running stats, scores, weights,
-    scaled queries, and the span widened to float32 (kf, vf; float caches: unused)."""
+    scaled queries, the span widened to float32 (kf, vf; float caches: unused), and whether
+    the scaled queries and the weights are rounded to float16 (a Python bool: half_products)."""
     accs: Any
     stats: Any
     ps: Any
@@ -88,6 +91,7 @@ class _Groups(NamedTuple):
     qrs: Any
     kf: Any
     vf: Any
+    rounds: bool = False
 
 
 def query_block(T, s, block: int = QUERY_BLOCK, groups: bool = False):
@@ -101,10 +105,17 @@ def query_block(T, s, block: int = QUERY_BLOCK, groups: bool = False):
     return T.max(T.min(s // 16, T.int64(block)), T.int64(1))
 
 
-def half_lane(T, buf, i):
-    """float16x8: element i of the float16 buffer buf in every lane, the by-element operand of
-    `fmlal` (an 8-lane load and a lane index: no broadcast of its own)."""
-    return tirx.Shuffle([buf[T.ramp(i // HALF * HALF, 1, HALF)]], [i % HALF] * HALF)
+def half_lane(T, buf, i, base=0):
+    """float16x8: element base + i of the float16 buffer buf in every lane (i an int, base a
+    multiple of 8), the by-element operand of `fmlal` (an 8-lane load and a lane index: no
+    broadcast of its own)."""
+    return tirx.Shuffle([buf[T.ramp(base + i // HALF * HALF, 1, HALF)]], [i % HALF] * HALF)
+
+
+def as_half(T, x, lanes: int):
+    """float32 x lanes: x rounded to float16, the operand FEAT_FHM's `fmlal` multiplies (the
+    product of two float16 values is exact in float32, so an FMA on these gives fmlal's)."""
+    return T.Cast(f"float32x{lanes}", T.Cast(f"float16x{lanes}", x))
 
 
 def half_madd(T, acc, h, b, n: int):
@@ -155,11 +166,13 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     tokens, which decode_attention's segments form takes). `kv_dtype`: the caches' element
     type (KV_DTYPES). `registers`:
     the target's vector registers (targets.vector_registers), which size the query groups
-    (span_queries). `half_products`: the target multiplies float16 pairs into float32 sums
-    (Arm's FEAT_FHM): a prompt's one-query path on a float16 cache then takes the scaled query
-    and the weights rounded to float16, as llama.cpp's CPU attention does, and the cache's
-    elements as stored (half_madd); a chunk of two or more tokens, and not `batched`: decode
-    tokens attend as decode does, in float32, whichever entry point they come through
+    (span_queries). A prompt's attention on a float16 cache (a chunk of two or more tokens, not
+    `batched`) takes the scaled query and the weights rounded to float16, as llama.cpp's CPU
+    attention does, on every target, so that the targets' logits agree:
+    `half_products` (the target has Arm's FEAT_FHM; the one-query path) multiplies them and
+    the cache's elements as stored into float32 sums (half_madd); elsewhere they are rounded
+    (as_half) and multiplied in float32, the same products. A one-token chunk, which a decode
+    token is whichever entry point it comes through, attends in float32 as decode does
     (attend_chunk)."""
     from tvm.script import tirx as T
 
@@ -173,7 +186,8 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     # weigh_values' order (chunk by chunk, two an iteration, where the accumulators overflow half the registers)
     by_chunk = chunks % 2 == 0 and chunks * max(1, LANES * 4 // registers[1]) > registers[0] // 2
     q8 = kv_dtype == "q8_0"
-    half = half_products and not batched and kv_dtype == "float16" and nr == 1
+    half_operands = not batched and kv_dtype == "float16"   # a prompt's products: float16 operands
+    half = half_products and half_operands and nr == 1   # FEAT_FHM's fmlal multiplies them
     width, element = cache_width(kv_dtype, head_dim), cache_element(kv_dtype)
     if not supports_format(kv_dtype, head_dim):
         raise ValueError(f"attention: a {kv_dtype} cache of head_dim {head_dim}")
@@ -202,98 +216,57 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     def ramp(at, lanes=LANES):
         return T.ramp(at, 1, lanes)
 
-    def span_tiles(p):
-        """The span's SPAN_TILES 16-lane pieces of p."""
-        return [p[ramp(u * kt, kt)] for u in range(SPAN_TILES)]
-
-    @T.macro
-    def tile_scores(qr, ks, ks16, sc, fp16):
-        """sc = the tile's 16 scores: the sum over d of the scaled query's qr[d] x the 16 keys'
-        element d (ks, ks16: the tile's keys and q8_0 scales, from its first), in order of d,
-        as `span` and AVX-512's groups sum them (so the same bits as the spans' for a tile).
-        A loop of SCORE_STEP elements an iteration, each load of qr serving 4 (NEON's
-        by-element FMAs): unrolled over head_dim, LLVM loaded and widened keys far ahead and
-        spilled them."""
-        sc[ramp(0, kt)] = T.broadcast(T.float32(0), kt)
-        for i in range(head_dim // SCORE_STEP):
-            for j in T.unroll(SCORE_STEP):
-                if fp16:   # decided when the kernel is built
-                    sc[ramp(0, kt)] = half_madd(T, sc[ramp(0, kt)], ks[ramp((i * SCORE_STEP + j) * kt, kt)],
-                                                half_lane(T, qr, i * SCORE_STEP + j), kt)
-                else:
-                    sc[ramp(0, kt)] = sc[ramp(0, kt)] + T.broadcast(tirx.Shuffle(
-                        [qr[ramp(i * SCORE_STEP + j // 4 * 4, 4)]], [j % 4]), kt) * key_elements(
-                            ks, ks16, 0, i * SCORE_STEP + j)
-
-    def value_term(acc, vs, vs16, p, j, c, fp16):
+    def value_term(acc, vs, vs16, p, j, c, fp16, j0=0):
+        """acc's chunk c + p[j0 + j] x chunk c of value j0 + j (j an int; j0 a multiple of 16)."""
         if fp16:   # p: the float16 weights
-            return half_madd(T, acc[ramp(c * LANES)], vs[ramp(j * width + c * LANES)], half_lane(T, p, j), LANES)
-        return acc[ramp(c * LANES)] + widen(T, vs[ramp(j * width + c * LANES)], kv_dtype, LANES) * T.broadcast(
-            span_weight(vs16, p[j], j, c), LANES)
+            return half_madd(T, acc[ramp(c * LANES)], vs[ramp((j0 + j) * width + c * LANES)], half_lane(T, p, j, j0),
+                             LANES)
+        return acc[ramp(c * LANES)] + widen(T, vs[ramp((j0 + j) * width + c * LANES)], kv_dtype, LANES) * T.broadcast(
+            span_weight(vs16, p[j0 + j], j0 + j, c), LANES)
 
-    def scaled_query(q, b, qi, h, c, fp16):
-        """Chunk c of query qi of head h times the score scale (float16 with half products)."""
+    def scaled_query(q, b, qi, h, c, one):
+        """Chunk c of query qi of head h times the score scale (float16 with half products;
+        rounded to it where the products take float16 operands in float32)."""
         x = q[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(T.float32(scale), LANES)
-        return T.Cast(f"float16x{LANES}", x) if fp16 else x
+        if one.half:
+            return T.Cast(f"float16x{LANES}", x)
+        return as_half(T, x, LANES) if one.rounds else x
 
     @T.macro
-    def weigh_values(acc, vs, vs16, p, n, masked, t, keys, fp16, r=None):
-        """acc += p[j] x value j (vs: from the first of tile t) for j < n, and (`masked`) below
-        `keys`: each element's sum in the order of j either way, value by value where the
-        accumulators fit half the registers, else chunk by chunk (head_dim 128's are NEON's
-        32 registers: value by value, every FMA loaded and stored its accumulator). By chunks,
-        `r` (a tile's rescale of what came before) multiplies each chunk first, as it is loaded."""
-        if by_chunk:   # decided when the kernel is built: a loop, as tile_scores', two chunks an iteration
+    def weigh_values(acc, vs, vs16, p, n, fp16, j0=0, below=None):
+        """acc += p[j0 + j] x value j0 + j (vs: the span's values) for j < n, and (`below`) j0 +
+        j < below: each element's sum in the order of j either way, value by value where the
+        accumulators fit half the registers, else chunk by chunk, two an iteration (head_dim
+        128's are NEON's 32 registers: value by value, every FMA loaded and stored its
+        accumulator)."""
+        if by_chunk:   # decided when the kernel is built
             for c2 in range(chunks // 2):
                 for cc in T.unroll(2):
-                    if r is not None:   # decided when the kernel is built
-                        acc[ramp((c2 * 2 + cc) * LANES)] = acc[ramp((c2 * 2 + cc) * LANES)] * T.broadcast(r, LANES)
                     for j in T.unroll(n):
-                        if not masked or t * kt + j < keys:
-                            acc[ramp((c2 * 2 + cc) * LANES)] = value_term(acc, vs, vs16, p, j, c2 * 2 + cc, fp16)
+                        if below is None or T.Cast("int64", j0 + j) < below:
+                            acc[ramp((c2 * 2 + cc) * LANES)] = value_term(acc, vs, vs16, p, j, c2 * 2 + cc, fp16, j0)
         else:
             for j in T.unroll(n):
-                if not masked or t * kt + j < keys:
+                if below is None or T.Cast("int64", j0 + j) < below:
                     for c in T.unroll(chunks):
-                        acc[ramp(c * LANES)] = value_term(acc, vs, vs16, p, j, c, fp16)
+                        acc[ramp(c * LANES)] = value_term(acc, vs, vs16, p, j, c, fp16, j0)
+
+    def span_tiles(p, nt):
+        """The span's first nt 16-lane pieces of p (an expression where it is used: bound to a
+        name in a macro, TVMScript would copy them to buffers of their own)."""
+        return [p[ramp(u * kt, kt)] for u in range(nt)]
 
     @T.macro
-    def tile(io, one, qi, keys, t, masked):
-        """Keys 16t .. 16t+15 of cache row b into the running state of query qi of head h;
-        `masked`: only those below `keys`."""
-        kc, vc, b, h = T.meta_var((io.kc, io.vc, io.b, io.h))
-        acc, stat, p, qr, pw = T.meta_var((one.acc, one.stat, one.p, one.qr, one.pw))
-        # The tile's keys and values through pointers to their first, as `span`'s: indexed
-        # from the caches, LLVM computed the tile's ~200 addresses apart and spilled them
-        ks = T.decl_buffer((kt * width,), element, data=T.bind(T.address_of(kc[b, h // group, t * kt, 0])))
-        vs = T.decl_buffer((kt * width,), element, data=T.bind(T.address_of(vc[b, h // group, t * kt, 0])))
-        ks16 = scales_view(T, ks, kv_dtype, kt * width // 2)   # q8_0's scales
-        vs16 = scales_view(T, vs, kv_dtype, kt * width // 2)
-        sc = T.decl_buffer((kt,), "float32", scope="global")   # the sums: registers
-        tile_scores(qr, ks, ks16, sc, one.half)
-        if masked:   # decided when the kernel is built: -inf past `keys`
-            p[ramp(0, kt)] = T.Select(in_tile(T, t, keys), sc[ramp(0, kt)], T.broadcast(T.float32(NEG_INF), kt))
-        else:
-            p[ramp(0, kt)] = sc[ramp(0, kt)]
-        m = T.bind(T.max(stat[0], vector_math.reduce_max(T, p[ramp(0, kt)], kt)))
-        r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
-        p[ramp(0, kt)] = vector_math.exp(T, p[ramp(0, kt)] - T.broadcast(m, kt), kt)   # masked keys: ~1e-38
-        stat[0] = m
-        stat[1] = stat[1] * r + vector_math.reduce_sum(T, p[ramp(0, kt)], kt)
-        if one.half:   # decided when the kernel is built: the weights the values take
-            pw[ramp(0, kt)] = T.Cast(f"float16x{kt}", p[ramp(0, kt)])
-        if not by_chunk:   # decided when the kernel is built (by chunks, weigh_values rescales)
-            for c in range(chunks):
-                acc[ramp(c * LANES)] = acc[ramp(c * LANES)] * T.broadcast(r, LANES)
-        weigh_values(acc, vs, vs16, pw, kt, masked, t, keys, one.half, r)
-
-    @T.macro
-    def span(io, one, qi, t0):
+    def span(io, one, qi, t0, keys=None, nt=SPAN_TILES):
         """Keys 16 t0 .. 16 t0 + SPAN - 1 (all below the query's count) into its running state
-        with one rescale: the tiles' scores first (a broadcast of q[d] serves SPAN_TILES tiles;
-        SPAN_TILES x 16 lanes of independent FMA chains), then their weights, then the values.
-        Per key that is ~25 instructions on AVX2, 17 of them FMAs, where a tile at a time took
-        ~38 with spills."""
+        with one rescale: the tiles' scores first, then their weights, then the values. Per key
+        that is ~25 instructions on AVX2, 17 of them FMAs, where a tile at a time took ~38 with
+        spills. With `keys`, the query's last span, keys 16 t0 .. keys - 1 in its first nt
+        tiles, as masked_group takes a group's: the tiles' scores, -inf past `keys`, one max,
+        the weights (~1e-38 past `keys`: 0 once rounded), the values below `keys`. So the
+        running max moves where a query group's does, and the weights rounded to float16 (a
+        prompt's float16 operands) are the groups' on every target: tile by tile, each tile's
+        rescale rounded other weights."""
         q, kc, vc, out, b, h = T.meta_var((io.q, io.kc, io.vc, io.out, io.b, io.h))
         acc, stat, p, qr, pw = T.meta_var((one.acc, one.stat, one.p, one.qr, one.pw))
         # The span's keys and values through pointers to their first element: every access is
@@ -305,25 +278,33 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         ks16 = scales_view(T, ks, kv_dtype, SPAN * width // 2)   # q8_0's scales
         vs16 = scales_view(T, vs, kv_dtype, SPAN * width // 2)
         for c in T.unroll(chunks):   # the scaled query, where its broadcasts load it from
-            qr[ramp(c * LANES)] = scaled_query(q, b, qi, h, c, one.half)
-        for u in T.unroll(SPAN_TILES):
+            qr[ramp(c * LANES)] = scaled_query(q, b, qi, h, c, one)
+        for u in T.unroll(nt):
             p[ramp(u * kt, kt)] = T.broadcast(T.float32(0), kt)
         for d in T.unroll(head_dim):
-            for u in T.unroll(SPAN_TILES):   # key tile u, element d: 16 keys (the K layout)
+            for u in T.unroll(nt):   # key tile u, element d: 16 keys (the K layout)
                 if one.half:   # decided when the kernel is built
                     p[ramp(u * kt, kt)] = half_madd(T, p[ramp(u * kt, kt)], ks[ramp(u * kt * width + d * kt, kt)],
                                                     half_lane(T, qr, d), kt)
                 else:
                     p[ramp(u * kt, kt)] = p[ramp(u * kt, kt)] + T.broadcast(qr[d], kt) * key_elements(ks, ks16, u, d)
-        m = T.bind(T.max(stat[0], vector_math.reduce_max(T, _tree_max(T, span_tiles(p)), kt)))
+        # with `keys` only the last tile holds keys past them (last_span sizes nt so)
+        if keys is not None:   # decided when the kernel is built
+            # in_tile's test in int32 lanes (of the tile's keys): half the vectors of int64's on NEON
+            p[ramp((nt - 1) * kt, kt)] = T.Select(T.ramp(0, 1, kt) < T.broadcast(T.Cast(
+                "int32", keys - (t0 + nt - 1) * kt), kt), p[ramp((nt - 1) * kt, kt)], T.broadcast(T.float32(NEG_INF), kt))
+        m = T.bind(T.max(stat[0], vector_math.reduce_max(T, _tree_max(T, span_tiles(p, nt)), kt)))
         r = T.bind(vector_math.exp(T, stat[0] - m, 1))   # rescale of what came before
-        for u in T.unroll(SPAN_TILES):
+        for u in T.unroll(nt):   # masked keys: ~1e-38, 0 as float16 and nothing in the sum
             p[ramp(u * kt, kt)] = vector_math.exp(T, p[ramp(u * kt, kt)] - T.broadcast(m, kt), kt)
         stat[0] = m
-        stat[1] = stat[1] * r + vector_math.reduce_sum(T, _tree_sum(span_tiles(p)), kt)
+        stat[1] = stat[1] * r + vector_math.reduce_sum(T, _tree_sum(span_tiles(p, nt)), kt)
         if one.half:   # decided when the kernel is built: the weights the values take
-            for u in T.unroll(SPAN_TILES):
+            for u in T.unroll(nt):
                 pw[ramp(u * kt, kt)] = T.Cast(f"float16x{kt}", p[ramp(u * kt, kt)])
+        if one.rounds:   # decided when the kernel is built (pw is p)
+            for u in T.unroll(nt):
+                p[ramp(u * kt, kt)] = as_half(T, p[ramp(u * kt, kt)], kt)
         # The query's accumulators (its output row) are read only now, after the scores: held
         # through them, they and the scores' 16 vectors overflowed NEON's 32 registers. They
         # are updated in `acc`, a local buffer LLVM keeps in registers (updated in place in
@@ -331,9 +312,27 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         # carry the arguments' noalias).
         for c in T.unroll(chunks):
             acc[ramp(c * LANES)] = out[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(r, LANES)
-        weigh_values(acc, vs, vs16, pw, SPAN, False, t0, 0, one.half)
+        if keys is None:   # decided when the kernel is built
+            weigh_values(acc, vs, vs16, pw, SPAN, one.half)
+        else:   # whole tiles, then the last one's keys (past `keys` a value may be unwritten: not read)
+            for u in T.unroll(nt - 1):
+                weigh_values(acc, vs, vs16, pw, kt, one.half, u * kt)
+            weigh_values(acc, vs, vs16, pw, kt, one.half, (nt - 1) * kt, keys - t0 * kt)
         for c in T.unroll(chunks):
             out[b, qi, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
+
+    @T.macro
+    def last_span(io, one, qi, t0, keys):
+        """`span` for the query's last keys, 16 t0 .. keys - 1 (fewer than SPAN): a copy for
+        each count of tiles that hold them (K is read in whole tiles, below the capacity)."""
+        if keys - t0 * kt > T.int64(3 * kt):
+            span(io, one, qi, t0, keys, 4)
+        elif keys - t0 * kt > T.int64(2 * kt):
+            span(io, one, qi, t0, keys, 3)
+        elif keys - t0 * kt > T.int64(kt):
+            span(io, one, qi, t0, keys, 2)
+        else:
+            span(io, one, qi, t0, keys, 1)
 
     @T.macro
     def widen_span(io, grp, t0, n=None):
@@ -355,6 +354,12 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             for c in T.unroll(chunks):
                 vf[ramp(j * head_dim + c * LANES)] = value_elements(vs, vs16, j, c)
 
+    def group_query(q, b, qi, h, c, rounds):
+        """Chunk c of query qi of head h times the score scale, for a group (`rounds`: rounded
+        to float16, the products' operand)."""
+        x = q[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(T.float32(scale), LANES)
+        return as_half(T, x, LANES) if rounds else x
+
     @T.macro
     def span_group(io, grp, ks, vs, q0, i0):
         """`span` for the nr queries q0 .. q0 + nr - 1 (block entries i0 ..) that all take the
@@ -365,8 +370,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         accs, stats, ps, ws, qrs = T.meta_var((grp.accs, grp.stats, grp.ps, grp.ws, grp.qrs))
         for r in T.unroll(nr):
             for c in T.unroll(chunks):
-                qrs[ramp(r * head_dim + c * LANES)] = q[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
-                    T.float32(scale), LANES)
+                qrs[ramp(r * head_dim + c * LANES)] = group_query(q, b, q0 + r, h, c, grp.rounds)
             for u in T.unroll(SPAN_TILES):
                 ps[ramp(r * SPAN + u * kt, kt)] = T.broadcast(T.float32(0), kt)
         # d in a loop (4 at a time): qrs, indexed by it, stays in memory and its elements are
@@ -393,7 +397,10 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                 accs[ramp(r * head_dim + c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
                     rs, LANES)
             for u in T.unroll(SPAN_TILES):
-                ws[ramp(r * SPAN + u * kt, kt)] = ps[ramp(r * SPAN + u * kt, kt)]
+                if grp.rounds:   # decided when the kernel is built
+                    ws[ramp(r * SPAN + u * kt, kt)] = as_half(T, ps[ramp(r * SPAN + u * kt, kt)], kt)
+                else:
+                    ws[ramp(r * SPAN + u * kt, kt)] = ps[ramp(r * SPAN + u * kt, kt)]
         for j4 in range(SPAN // 4):
             for j1 in T.unroll(4):
                 for c in T.unroll(chunks):
@@ -435,8 +442,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         n_last = T.bind(T.min(n0 + T.int64(count - 1), T.int64(SPAN)))   # keys the group reads
         for r in T.unroll(count):
             for c in T.unroll(chunks):
-                qrs[ramp(r * head_dim + c * LANES)] = q[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
-                    T.float32(scale), LANES)
+                qrs[ramp(r * head_dim + c * LANES)] = group_query(q, b, q0 + r, h, c, grp.rounds)
             for u in T.unroll(SPAN_TILES):
                 ps[ramp(r * SPAN + u * kt, kt)] = T.broadcast(T.float32(0), kt)
         if n_last > T.int64(3 * kt):   # the tiles to score: a copy of the loop per count
@@ -465,6 +471,9 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             for c in T.unroll(chunks):
                 accs[ramp(r * head_dim + c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)] * T.broadcast(
                     rs, LANES)
+            if grp.rounds:   # decided when the kernel is built: the weights the values take, after their sum
+                for u in T.unroll(SPAN_TILES):
+                    ws[ramp(r * SPAN + u * kt, kt)] = as_half(T, ws[ramp(r * SPAN + u * kt, kt)], kt)
         for j4 in range(n_last // 4):
             for j1 in T.unroll(4):
                 for c in T.unroll(chunks):
@@ -509,25 +518,16 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     @T.macro
     def one_query(io, one, q0, r, sp, past):
         """Span sp into query q0 + r's running state (stats[2r ..]): the whole span, or its
-        keys up to the query's (whole tiles, then a masked one)."""
-        q, out, b, h = T.meta_var((io.q, io.out, io.b, io.h))
-        acc, stat, stats, qr = T.meta_var((one.acc, one.stat, one.stats, one.qr))
+        keys up to the query's (masked)."""
+        stat, stats = T.meta_var((one.stat, one.stats))
         keys = T.bind(past + q0 + r + T.int64(1))
         if sp * SPAN < keys:
             stat[0] = stats[2 * r]
             stat[1] = stats[2 * r + 1]
             if (sp + 1) * SPAN <= keys:
                 span(io, one, q0 + r, sp * SPAN_TILES)
-            else:   # the query's last span: whole tiles, then a masked one
-                for c in T.unroll(chunks):
-                    acc[ramp(c * LANES)] = out[b, q0 + r, ramp(h * head_dim + c * LANES)]
-                    qr[ramp(c * LANES)] = scaled_query(q, b, q0 + r, h, c, one.half)   # as `span` makes it
-                for t in range(sp * SPAN_TILES, keys // kt):
-                    tile(io, one, q0 + r, keys, t, False)
-                if keys % kt != 0:
-                    tile(io, one, q0 + r, keys, keys // kt, True)
-                for c in T.unroll(chunks):
-                    out[b, q0 + r, ramp(h * head_dim + c * LANES)] = acc[ramp(c * LANES)]
+            else:   # the query's last span, masked past its keys
+                last_span(io, one, q0 + r, sp * SPAN_TILES, keys)
             stats[2 * r] = stat[0]
             stats[2 * r + 1] = stat[1]
 
@@ -545,9 +545,9 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         acc = T.decl_buffer((head_dim,), "float32", scope="global")   # the query in turn: registers
         stat = T.decl_buffer((2,), "float32", scope="global")
         p = T.decl_buffer((SPAN,), "float32", scope="global")    # scores, then weights
-        qr = T.decl_buffer((head_dim,), "float16" if fp16 else "float32", scope="global")
+        qr = T.decl_buffer((head_dim,), "float16" if fp16 and half else "float32", scope="global")
         # the weights the values take: float16 with half products, else the scores' buffer
-        pw = T.decl_buffer((SPAN,), "float16", scope="global") if fp16 else p
+        pw = T.decl_buffer((SPAN,), "float16", scope="global") if fp16 and half else p
         io = T.meta_var(_Task(q, kc, vc, out, b, h))
         for r in T.unroll(block):   # all of them: TVM sizes the buffer by what is written
             stats[2 * r] = T.float32(NEG_INF)
@@ -560,7 +560,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         if nr == 1:   # the one-query kernel as it was (AVX2, NEON)
             for sp in range((last + SPAN - 1) // SPAN):
                 for r in range(nq):
-                    one_query(io, _Single(acc, stat, p, qr, stats, pw, fp16), q0, r, sp, past)
+                    one_query(io, _Single(acc, stat, p, qr, stats, pw, fp16 and half, fp16 and not half), q0, r, sp, past)
         else:
             accs = T.decl_buffer((nr * head_dim,), "float32", scope="global")   # a group's: registers
             ps = T.decl_buffer((nr * SPAN,), "float32", scope="global")
@@ -569,7 +569,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             # the block's spans widened once (16 KiB each: workspace); the float32 caches read as they are
             kf = T.decl_buffer((SPAN * head_dim if kv_dtype != "float32" else 1,), "float32", scope="global")
             vf = T.decl_buffer((SPAN * head_dim if kv_dtype != "float32" else 1,), "float32", scope="global")
-            grp = T.meta_var(_Groups(accs, stats, ps, ws, qrs, kf, vf))
+            grp = T.meta_var(_Groups(accs, stats, ps, ws, qrs, kf, vf, fp16))
             for sp in range((last + SPAN - 1) // SPAN):
                 if kv_dtype != "float32":   # the keys the block's last query reaches
                     if (sp + 1) * SPAN <= last:
@@ -617,7 +617,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         """`attend` for a chunk of s tokens: float16 products where the kernel takes them and
         the chunk has two or more (a prompt's); a one-token chunk, which a decode token is
         whichever entry point it comes through, attends in float32 as decode does."""
-        if half:   # decided when the kernel is built
+        if half_operands:   # decided when the kernel is built
             if s >= T.int64(2):
                 attend(q, kc, vc, out, b, h, q0, nq, s, seqlen, True)
             else:
