@@ -342,7 +342,7 @@ def test_host_target_compiles_its_integer_gemm_on_an_arm_python(arm64_env, qemu_
 def test_yitian_adapter_slots_match_host(arm64_env, tiny_q4, tiny_lm, tmp_path):
     """An adapter served unmerged (`--max-lora-rank`) on arm-yitian under qemu: the base's and
     the adapter's logits, alone and as two rows of one batched step, are the host build's
-    within the usual tolerance (float32 caches: test_arm_logits_match_host), and the adapter
+    within the usual tolerance (on float32 caches, as the slots' tests on x86), and the adapter
     changes them."""
     from run_engine import lora_runs, save_adapter
 
