@@ -262,7 +262,7 @@ class OracleDrafter:
         self.small, self.seq, self.ref, self.start, self.q, self.rng = small, seq, ref, start, q, rng
         self.draft_max = self.length = draft_max
 
-    def draft(self, history, limit=None):
+    def draft(self, history, limit=None, prompt=None):
         k = self.length if limit is None else min(self.length, limit)
         at = len(history) - self.start        # the next token's index in the reply
         out = []

@@ -482,7 +482,7 @@ class Scheduler:
                 room = min(room, draft_length(run.drafter.length, self.verify_times, self.accepted,
                                               self.missed, run.spec_kept, run.spec_missed, run.draft_step))
             t0 = time.perf_counter()
-            if draft := run.drafter.draft(run.history, room):
+            if draft := run.drafter.draft(run.history, room, prompt=len(run.req.prompt)):
                 drafts[id(run)] = draft
             run.draft_time = time.perf_counter() - t0
         return drafts

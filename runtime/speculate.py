@@ -49,10 +49,10 @@ class NgramDrafter:
                 self._ends[tuple(history[end - n + 1:end + 1])] = end
         self._indexed = max(self._indexed, upto)
 
-    def draft(self, history: list[int], limit: int | None = None) -> list[int]:
-        """Up to min(draft_max, limit) tokens to follow `history` (the prompt and every token
-        generated, which only ever grows), or [] where its last n-grams occurred nowhere
-        before."""
+    def draft(self, history: list[int], limit: int | None = None, prompt: int | None = None) -> list[int]:
+        """Up to min(draft_max, limit) tokens to follow `history` (the prompt, its first
+        `prompt` tokens, and every token generated, which only ever grows), or [] where its
+        last n-grams occurred nowhere before."""
         k = self.length if limit is None else min(self.length, limit)
         if k <= 0 or len(history) < self.ngram_min + 1:
             return []
@@ -108,7 +108,8 @@ class ModelDrafter:
     """Drafts for one sequence from the draft model. Its cache holds `_fed`, the tokens of the
     history it was given and of its own last draft; a new draft sets the cache back to what
     that shares with the history (the draft tokens that were not kept go), feeds the rest of
-    the history in one call, and decodes greedily from there."""
+    the history (the prompt's tokens in a prefill, the generated ones through verify), and
+    decodes greedily from there."""
 
     def __init__(self, model: DraftModel):
         self.model = model
@@ -116,7 +117,8 @@ class ModelDrafter:
         self.seq = None
         self._fed: list[int] = []
 
-    def draft(self, history: list[int], limit: int | None = None) -> list[int]:
+    def draft(self, history: list[int], limit: int | None = None, prompt: int | None = None) -> list[int]:
+        """`prompt`: how many of history's first tokens are the request's prompt (None: all)."""
         k = self.length if limit is None else min(self.length, limit)
         if k <= 0 or not history:
             return []
@@ -133,7 +135,20 @@ class ModelDrafter:
             same += 1
         same = min(same, len(history) - 1)   # the last token is fed again: its logits come next
         self.seq.pos, new = same, history[same:]
-        logits = eng.prefill(new, seq=self.seq) if len(new) > 1 else eng.decode(new[0], seq=self.seq)
+        # The prompt's tokens as the served model took them, a prefill; the generated ones
+        # (which it decoded or verified) through verify, in decode's arithmetic, not as a
+        # prompt chunk (whose attention on a float16 cache rounds its operands): so the
+        # drafts follow its steps
+        cut = len(new) if prompt is None else min(max(prompt - same, 0), len(new))   # the prompt's
+        if cut == 1 and len(new) > 1:   # one prompt token goes with the generated ones
+            cut = 0
+        rest = new[cut:]
+        if cut >= 2:
+            logits = eng.prefill(new[:cut], seq=self.seq)
+        if len(new) == 1:
+            logits = eng.decode(new[0], seq=self.seq)
+        elif rest:
+            logits = eng.decode(rest[0], seq=self.seq) if len(rest) == 1 else eng.verify(rest, seq=self.seq)[-1]
         self._fed = list(history)
         out = []
         for i in range(k):
