@@ -50,9 +50,9 @@ class NgramDrafter:
         self._indexed = max(self._indexed, upto)
 
     def draft(self, history: list[int], limit: int | None = None, prompt: int | None = None) -> list[int]:
-        """Up to min(draft_max, limit) tokens to follow `history` (the prompt, its first
-        `prompt` tokens, and every token generated, which only ever grows), or [] where its
-        last n-grams occurred nowhere before."""
+        """Up to min(draft_max, limit) tokens to follow `history` (the prompt and every token
+        generated, which only ever grows), or [] where its last n-grams occurred nowhere
+        before. `prompt` (the prompt's length, which a draft model needs) is not read."""
         k = self.length if limit is None else min(self.length, limit)
         if k <= 0 or len(history) < self.ngram_min + 1:
             return []
@@ -140,14 +140,12 @@ class ModelDrafter:
         # prompt chunk (whose attention on a float16 cache rounds its operands): so the
         # drafts follow its steps
         cut = len(new) if prompt is None else min(max(prompt - same, 0), len(new))   # the prompt's
-        if cut == 1 and len(new) > 1:   # one prompt token goes with the generated ones
+        if cut == 1:   # a lone prompt token goes with the generated ones (a prefill never takes one)
             cut = 0
-        rest = new[cut:]
-        if cut >= 2:
+        if cut:
             logits = eng.prefill(new[:cut], seq=self.seq)
-        if len(new) == 1:
-            logits = eng.decode(new[0], seq=self.seq)
-        elif rest:
+        rest = new[cut:]
+        if rest:
             logits = eng.decode(rest[0], seq=self.seq) if len(rest) == 1 else eng.verify(rest, seq=self.seq)[-1]
         self._fed = list(history)
         out = []
