@@ -224,13 +224,13 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         return acc[ramp(c * LANES)] + widen(T, vs[ramp((j0 + j) * width + c * LANES)], kv_dtype, LANES) * T.broadcast(
             span_weight(vs16, p[j0 + j], j0 + j, c), LANES)
 
-    def scaled_query(q, b, qi, h, c, one):
-        """Chunk c of query qi of head h times the score scale (float16 with half products;
-        rounded to it where the products take float16 operands in float32)."""
+    def scaled_query(q, b, qi, h, c, rounds, half=False):
+        """Chunk c of query qi of head h times the score scale: float16 with `half` products,
+        rounded to float16 where they take float16 operands in float32 (`rounds`)."""
         x = q[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(T.float32(scale), LANES)
-        if one.half:
+        if half:
             return T.Cast(f"float16x{LANES}", x)
-        return as_half(T, x, LANES) if one.rounds else x
+        return as_half(T, x, LANES) if rounds else x
 
     @T.macro
     def weigh_values(acc, vs, vs16, p, n, fp16, j0=0, below=None):
@@ -278,7 +278,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         ks16 = scales_view(T, ks, kv_dtype, SPAN * width // 2)   # q8_0's scales
         vs16 = scales_view(T, vs, kv_dtype, SPAN * width // 2)
         for c in T.unroll(chunks):   # the scaled query, where its broadcasts load it from
-            qr[ramp(c * LANES)] = scaled_query(q, b, qi, h, c, one)
+            qr[ramp(c * LANES)] = scaled_query(q, b, qi, h, c, one.rounds, one.half)
         for u in T.unroll(nt):
             p[ramp(u * kt, kt)] = T.broadcast(T.float32(0), kt)
         for d in T.unroll(head_dim):
@@ -354,12 +354,6 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
             for c in T.unroll(chunks):
                 vf[ramp(j * head_dim + c * LANES)] = value_elements(vs, vs16, j, c)
 
-    def group_query(q, b, qi, h, c, rounds):
-        """Chunk c of query qi of head h times the score scale, for a group (`rounds`: rounded
-        to float16, the products' operand)."""
-        x = q[b, qi, ramp(h * head_dim + c * LANES)] * T.broadcast(T.float32(scale), LANES)
-        return as_half(T, x, LANES) if rounds else x
-
     @T.macro
     def span_group(io, grp, ks, vs, q0, i0):
         """`span` for the nr queries q0 .. q0 + nr - 1 (block entries i0 ..) that all take the
@@ -370,7 +364,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         accs, stats, ps, ws, qrs = T.meta_var((grp.accs, grp.stats, grp.ps, grp.ws, grp.qrs))
         for r in T.unroll(nr):
             for c in T.unroll(chunks):
-                qrs[ramp(r * head_dim + c * LANES)] = group_query(q, b, q0 + r, h, c, grp.rounds)
+                qrs[ramp(r * head_dim + c * LANES)] = scaled_query(q, b, q0 + r, h, c, grp.rounds)
             for u in T.unroll(SPAN_TILES):
                 ps[ramp(r * SPAN + u * kt, kt)] = T.broadcast(T.float32(0), kt)
         # d in a loop (4 at a time): qrs, indexed by it, stays in memory and its elements are
@@ -442,7 +436,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         n_last = T.bind(T.min(n0 + T.int64(count - 1), T.int64(SPAN)))   # keys the group reads
         for r in T.unroll(count):
             for c in T.unroll(chunks):
-                qrs[ramp(r * head_dim + c * LANES)] = group_query(q, b, q0 + r, h, c, grp.rounds)
+                qrs[ramp(r * head_dim + c * LANES)] = scaled_query(q, b, q0 + r, h, c, grp.rounds)
             for u in T.unroll(SPAN_TILES):
                 ps[ramp(r * SPAN + u * kt, kt)] = T.broadcast(T.float32(0), kt)
         if n_last > T.int64(3 * kt):   # the tiles to score: a copy of the loop per count
