@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import onnx
 from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend as F
+from tvm_ffi import structural_equal
 
 from qwc.errors import QwcError
 from qwc.passes.graph import (
@@ -458,11 +459,16 @@ class GroupQueryAttention(F.OnnxOpConverter):
         write_v = bb.add_func(kv_cache.kv_cache_write(False, batched, kv_dtype, head_dim), _kname("kv_cache_write" + suffix))
         kc = bb.emit(relax.call_tir_inplace(write_k, [past_k, k, seqlens], 0, past_k.ty))
         vc = bb.emit(relax.call_tir_inplace(write_v, [past_v, v, seqlens], 0, past_v.ty))
+        # prefill's last layer may take only the chunk's last query (passes/last_position.py:
+        # prefill_nodes); the generic kernel places queries from the end of the chunk already
+        last = not batched and not structural_equal(q.ty.shape[1], k.ty.shape[1])
         if tiled:
             kernel = bb.add_func(prefill_attention.attention(heads, kv_heads, head_dim, scale, batched, kv_dtype,
-                                                vector_registers(_ctx().features), half_products=half_products()),
-                                 _kname("attention_online" + suffix))
-            out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens], q.ty))
+                                                vector_registers(_ctx().features), half_products=half_products(),
+                                                last_query=last),
+                                 _kname("attention_online" + ("_last" if last else "") + suffix))
+            chunk = [relax.prim_value(k.ty.shape[1])] if last else []
+            out = bb.emit(relax.call_tir(kernel, [q, kc, vc, seqlens, *chunk], q.ty))
         else:
             out = bb.emit_te(generic.attention, q, kc, vc, seqlens, heads=heads, kv_heads=kv_heads,
                              head_dim=head_dim, scale=scale, primfunc_name_hint=_kname("attention"))

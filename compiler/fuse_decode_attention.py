@@ -55,7 +55,7 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, head_norms: dict, zero_poin
     fused, quantizers = {}, {}
     for out, e in defs.values.items():
         scale = kernel_attr(mod, e, prefill_attention.ONLINE_SCALE)
-        if scale is None:
+        if scale is None or len(call_args(e)) != 4:   # (not prefill's last query of a chunk)
             continue
         q, kc, vc, seqlens = call_args(e)
         writes = [defs.value(c) for c in (kc, vc)]

@@ -31,7 +31,8 @@ OP = "QwcLoraAdd"
 LORA_SLOT = "qwc_lora_slot"       # [batch, tokens] int64, as input_ids: 0 the base, k >= 1 slot k
 LINEAR_OPS = ("MatMulNBits", "MatMul", COLUMN_BLOCKS_OP)
 # The cuts passes/last_position.py makes, by node name: the tensors they output hold fewer rows
-CUTS = ("qwc_last_position", "qwc_last_position_residual", "qwc_step_tokens", "qwc_step_tokens_residual")
+CUTS = ("qwc_last_position_query", "qwc_last_position", "qwc_last_position_residual", "qwc_step_tokens",
+        "qwc_step_tokens_residual")
 _LINEAR = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj(?:\.|$)")
 
 

@@ -1,9 +1,10 @@
 """The lm_head for the last position only: the rewrite `qwc compile` applies to the prefill
 and decode graphs (the `score` entry point keeps every position). For prefill it goes
-further back, as llama.cpp does (its graph keeps only the output rows from the last layer's
-MLP on): the last layer's o projection, MLP and final norm work on the last position only,
-since each is position-wise; only the keys and values every position writes to the cache,
-and the attention, need them all. On a 28-layer model that is a 28th of a prompt's MLP.
+further back, further than llama.cpp (whose graph keeps only the output rows from the last
+layer's o projection on): the last layer's q projection, attention, o projection, MLP and
+final norm work on the last position only, since each is position-wise or, for attention,
+per query; only the keys and values every position writes to the cache need them all. On a
+28-layer model that is a 28th of a prompt's MLP and of its queries.
 The embed entry points take the head off instead (hidden_state_nodes)."""
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ def last_position_logits(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def prefill_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto] | None:
-    """The graph's nodes with the last layer's o projection, MLP, final norm and head on the
-    last position only (for the prefill entry point; the slices' constants are added to
-    model's initializers, as last_position_logits adds them), or None where the graph does not
-    have the shape qwc's passes give it. Nodes only: a copy of the whole model would copy its
-    weights."""
+def prefill_nodes(model: onnx.ModelProto, query: bool = True) -> list[onnx.NodeProto] | None:
+    """The graph's nodes with the last layer's query (q projection, its rotary, the attention's
+    queries), o projection, MLP, final norm and head on the last position only (for the
+    prefill entry point; the slices' constants are added to model's initializers, as
+    last_position_logits adds them), or None where the graph does not have the shape qwc's
+    passes give it. The query is left whole where its path is not QUERY_PATH's, or `query` is
+    False (onnxruntime's GroupQueryAttention takes no fewer queries than keys; qwc's kernels
+    do). Nodes only: a copy of the whole model would copy its weights."""
     g = onnx.GraphProto()
     g.node.extend(model.graph.node)
     g.output.extend(model.graph.output)
@@ -66,9 +69,84 @@ def prefill_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto] | None:
         return None
     _add_constants(model.graph)
     o_proj, norm, residual = start
-    _slice_before(g, o_proj, 0, "qwc_last_position")
+    query = _query_path(g, prod, prod.get(o_proj.input[0]), {i.name: i for i in model.graph.initializer}) if query else None
+    if query is not None:   # the attention's output is then the last position's already
+        _last_query(g, *query)
+    else:
+        _slice_before(g, o_proj, 0, "qwc_last_position")
     _slice_before(g, norm, residual, "qwc_last_position_residual")
     return list(g.node)
+
+
+# What may lie between the last layer's q projection and its attention, position by position:
+# the bias, Qwen3's QK-norm (a Reshape to heads, RMSNorm, a Reshape back), the rotary.
+QUERY_PATH = {"Add", "Reshape", "SimplifiedLayerNormalization", "RotaryEmbedding"}
+
+
+def _query_path(g, prod, attention, inits: dict[str, onnx.TensorProto]):
+    """(q projection, its input's norm, the rotaries) of the attention feeding the last layer's
+    o projection when its query comes from a linear of an RMSNorm through QUERY_PATH only,
+    each op read once and reading constants besides (a Reshape's target keeping the token axis,
+    a rotary's positions the graph's), else None."""
+    if attention is None or attention.op_type != "GroupQueryAttention":
+        return None
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for x in n.input:
+            readers[x] = readers.get(x, 0) + 1
+    x, rotaries = attention.input[0], []
+    while True:
+        n = prod.get(x)
+        if n is None or readers.get(x) != 1:
+            return None
+        if n.op_type in LINEARS:
+            break
+        if n.op_type not in QUERY_PATH:
+            return None
+        if n.op_type == "RotaryEmbedding":
+            if n.input[1] != "position_ids" or any(c not in inits for c in n.input[2:4]):
+                return None
+            rotaries.append(n)
+            x = n.input[0]
+            continue
+        path = [c for c in n.input if c not in inits]
+        if len(path) != 1 or (n.op_type == "Reshape" and (
+                path[0] != n.input[0] or [int(d) for d in numpy_helper.to_array(inits[n.input[1]])[:2]] != [0, 0])):
+            return None
+        x = path[0]
+    linear, norm = n, prod.get(n.input[0])
+    if norm is None or norm.output[0] != linear.input[0] or _norm_operands(norm) is None:
+        return None
+    return linear, norm, rotaries
+
+
+def _norm_operands(norm) -> tuple[str, str, float] | None:
+    """(rows, gain, epsilon) of an RMSNorm node: the skip form's rows are its sum (output 3)."""
+    eps = next((float(helper.get_attribute_value(a)) for a in norm.attribute if a.name == "epsilon"), 1e-5)
+    if norm.op_type == "SimplifiedLayerNormalization" and len(norm.input) == 2:
+        return norm.input[0], norm.input[1], eps
+    if (norm.op_type == SKIP_NORM and len(norm.input) == 3 and len(norm.output) > 3 and norm.output[3]):
+        return norm.output[3], norm.input[2], eps
+    return None
+
+
+def _last_query(g, linear, norm, rotaries) -> None:
+    """The q projection reads the norm of the last position's rows (a norm of its own; k and
+    v keep every position, which the cache needs) and the rotaries its position."""
+    rows, gain, eps = _norm_operands(norm)
+    last_rows, normed = f"{rows}_last_query", f"{linear.input[0]}_last_query"
+    at = list(g.node).index(linear)
+    g.node.insert(at, helper.make_node("SimplifiedLayerNormalization", [last_rows, gain], [normed],
+                                       name="qwc_last_position_query_norm", axis=-1, epsilon=eps, stash_type=1))
+    g.node.insert(at, helper.make_node("Slice", [rows, "qwc_last_start", "qwc_last_end", "qwc_seq_axis"], [last_rows],
+                                       name="qwc_last_position_query"))
+    linear.input[0] = normed
+    at = min(list(g.node).index(r) for r in rotaries) if rotaries else None
+    if at is not None:
+        g.node.insert(at, helper.make_node("Slice", ["position_ids", "qwc_last_start", "qwc_last_end", "qwc_seq_axis"],
+                                           ["position_ids_last"], name="qwc_last_position_ids"))
+        for r in rotaries:
+            r.input[1] = "position_ids_last"
 
 
 # The step entry point's own inputs (qwc/manifest.py). Its attention nodes read the segments

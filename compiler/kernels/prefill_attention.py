@@ -156,7 +156,7 @@ def span_queries(head_dim: int, registers: tuple[int, int]) -> int:
 @cached_kernel   # the same kernel every layer and every compile (kernel_cache.py)
 def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: bool = False,
               kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32), ragged: bool = False,
-              singles: bool = True, half_products: bool = False):
+              singles: bool = True, half_products: bool = False, last_query: bool = False):
     """`batched`: B sequences (q, out [B, s, ...], caches [B, ...], seqlens [B]), each row
     attending to its own cache row up to its own seqlens[b]; one task per (row, head, query).
     `ragged`: the tokens of G segments one after another (q, out [1, t, ...], caches [B, ...];
@@ -173,7 +173,9 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
     the cache's elements as stored into float32 sums (half_madd); elsewhere they are rounded
     (as_half) and multiplied in float32, the same products. A one-token chunk, which a decode
     token is whichever entry point it comes through, attends in float32 as decode does
-    (attend_chunk)."""
+    (attend_chunk). `last_query`: q and out hold only the last of the chunk's queries (prefill's
+    last layer, passes/last_position.py: prefill_nodes), and the kernel takes the chunk's
+    length as a scalar argument after seqlens, so that the query attends as it would among them."""
     from tvm.script import tirx as T
 
     check_dtype(kv_dtype)
@@ -607,12 +609,13 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         return hand_scheduled(kernel_batch.with_attr(ONLINE_SCALE, float(scale)))
 
     @T.macro
-    def attend_chunk(q, kc, vc, out, b, h, q0, nq, s, seqlen):
-        """`attend` for a chunk of s tokens: float16 products where the kernel takes them and
-        the chunk has two or more (a prompt's); a one-token chunk, which a decode token is
-        whichever entry point it comes through, attends in float32 as decode does."""
+    def attend_chunk(q, kc, vc, out, b, h, q0, nq, s, seqlen, chunk):
+        """`attend` for s queries of a chunk of `chunk` tokens (s, or 1 for its last query):
+        float16 products where the kernel takes them and the chunk has two or more (a
+        prompt's); a one-token chunk, which a decode token is whichever entry point it comes
+        through, attends in float32 as decode does."""
         if half_operands:   # decided when the kernel is built
-            if s >= T.int64(2):
+            if chunk >= T.int64(2):
                 attend(q, kc, vc, out, b, h, q0, nq, s, seqlen, True)
             else:
                 attend(q, kc, vc, out, b, h, q0, nq, s, seqlen, False)
@@ -634,7 +637,7 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                                data=T.bind(T.address_of(kc[seg[sg, 0], 0, 0, 0])))
             vr = T.decl_buffer((T.int64(1), kv_heads, cap, width), element,
                                data=T.bind(T.address_of(vc[seg[sg, 0], 0, 0, 0])))
-            attend_chunk(qs, kr, vr, outs, T.int64(0), hh, q0, T.min(qb, n - q0), n, pos[0, first + n - 1])
+            attend_chunk(qs, kr, vr, outs, T.int64(0), hh, q0, T.min(qb, n - q0), n, pos[0, first + n - 1], n)
 
     if ragged:
         @T.prim_func(private=True)
@@ -671,6 +674,29 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
                                   task // (g * heads) * qb, qb)
         return hand_scheduled(kernel_ragged.with_attr(ONLINE_SCALE, float(scale)))
 
+    @T.macro
+    def chunk_tasks(q, kc, vc, out, seqlens, s, chunk):
+        qb = T.bind(query_block(T, s, block, nr > 1))
+        blocks = T.bind((s + qb - 1) // qb)
+        # a task per block of a head's queries, head-major: a thread's run of tasks shares K and V
+        for task in T.parallel(heads * blocks):
+            attend_chunk(q, kc, vc, out, T.int64(0), task // blocks, task % blocks * qb,
+                         T.min(qb, s - task % blocks * qb), s, seqlens[0], chunk)
+
+    if last_query:
+        @T.prim_func(private=True)
+        def kernel_last(var_q: T.handle, var_k: T.handle, var_v: T.handle, seqlens: T.Buffer((1,), "int32"),
+                        chunk: T.int64, var_out: T.handle):
+            T.func_attr({"tir.noalias": True, "op_pattern": 8})
+            cap = T.int64()
+            q = T.match_buffer(var_q, (T.int64(1), T.int64(1), heads * head_dim), "float32")
+            kc = T.match_buffer(var_k, (T.int64(1), kv_heads, cap, width), element)
+            vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, width), element)
+            out = T.match_buffer(var_out, (T.int64(1), T.int64(1), heads * head_dim), "float32")
+            assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
+            chunk_tasks(q, kc, vc, out, seqlens, T.int64(1), chunk)
+        return hand_scheduled(kernel_last.with_attr(ONLINE_SCALE, float(scale)))
+
     @T.prim_func(private=True)
     def kernel(var_q: T.handle, var_k: T.handle, var_v: T.handle, seqlens: T.Buffer((1,), "int32"),
                var_out: T.handle):
@@ -681,11 +707,6 @@ def attention(heads: int, kv_heads: int, head_dim: int, scale: float, batched: b
         vc = T.match_buffer(var_v, (T.int64(1), kv_heads, cap, width), element)
         out = T.match_buffer(var_out, (T.int64(1), s, heads * head_dim), "float32")
         assert cap % T.int64(kt) == T.int64(0), "the KV cache capacity must be a multiple of 16"
-        qb = T.bind(query_block(T, s, block, nr > 1))
-        blocks = T.bind((s + qb - 1) // qb)
-        # a task per block of a head's queries, head-major: a thread's run of tasks shares K and V
-        for task in T.parallel(heads * blocks):
-            attend_chunk(q, kc, vc, out, T.int64(0), task // blocks, task % blocks * qb,
-                         T.min(qb, s - task % blocks * qb), s, seqlens[0])
+        chunk_tasks(q, kc, vc, out, seqlens, s, s)
 
     return hand_scheduled(kernel.with_attr(ONLINE_SCALE, float(scale)))

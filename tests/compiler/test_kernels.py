@@ -802,6 +802,35 @@ def test_attention_bits_do_not_depend_on_the_chunking(dtype, registers):
         np.testing.assert_array_equal(outs[past], outs[0][:, past:], err_msg=f"after {past}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
+@pytest.mark.parametrize("registers", [(16, 32), (32, 64)])
+def test_a_chunks_last_query_alone_attends_as_among_the_chunk(dtype, registers):
+    """`last_query` (prefill's last layer: passes/last_position.py): the chunk's last query
+    alone, told the chunk's length, gives the bits the whole chunk gives its last row (on a
+    float16 cache, the prompt's float16 operands), for chunks of 2 to 150 tokens after
+    histories of 0 to 70; a chunk of one token attends as the plain kernel's, in float32."""
+    import tvm
+
+    from qwc.compiler.kernels import prefill_attention
+
+    heads, kvh, hd, n = 14, 2, 64, 150
+    rng = np.random.default_rng(12)
+    k, v = (rng.standard_normal((n, kvh * hd), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((1, n, heads * hd), dtype=np.float32)
+    whole = _host_kernel(prefill_attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype, registers=registers))
+    last = _host_kernel(prefill_attention.attention(heads, kvh, hd, 0.125, kv_dtype=dtype, registers=registers,
+                                                    last_query=True))
+    for past, s in ((0, 150), (70, 80), (5, 2), (17, 48), (100, 1)):
+        kc, vc = _filled_caches(k[:past + s], v[:past + s], ((0, past), (past, past + s)), kvh, hd, 160, dtype)
+        seqlens = tvm.runtime.tensor(np.array([past + s - 1], np.int32))
+        out = tvm.runtime.tensor(np.zeros((1, s, heads * hd), np.float32))
+        whole(tvm.runtime.tensor(q[:, past:past + s].copy()), kc, vc, seqlens, out)
+        alone = tvm.runtime.tensor(np.zeros((1, 1, heads * hd), np.float32))
+        last(tvm.runtime.tensor(q[:, past + s - 1:past + s].copy()), kc, vc, seqlens, s, alone)
+        assert np.isfinite(alone.numpy()).all()
+        np.testing.assert_array_equal(alone.numpy(), out.numpy()[:, -1:], err_msg=f"{past} + {s}")
+
+
 @pytest.mark.parametrize("segments", [
     # (row, history, new tokens): decode tokens of several rows beside a prompt chunk; chunks
     # that fill tiles and spans and that do not; a row left out (row 1 below)

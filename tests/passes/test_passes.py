@@ -148,22 +148,33 @@ def test_keep_float_leaves_matching_linears(tiny_onnx, tiny_lm):
     assert ops["MatMul"] == 2 and ops["MatMulNBits"] == 13
 
 
-def test_prefill_takes_the_last_layers_o_projection_and_mlp_at_the_last_position_only(tiny_q4, tiny_lm):
+def test_prefill_takes_the_last_layers_query_o_projection_and_mlp_at_the_last_position_only(tiny_q4, tiny_lm):
     """prefill_nodes (the prefill entry point's graph): the last layer's o projection and its
     residual are sliced to the last position, so its MLP, the final norm and the head run on
     one row (as llama.cpp's graph), and onnxruntime gives the same last logits (1e-5
-    relative) and the same cache as the graph that slices only before the head. A graph
-    that also outputs the MLP's result keeps the plain form."""
+    relative) and the same cache as the graph that slices only before the head. The query is
+    cut too: its projection reads a norm of the last row, its rotary the last position
+    (onnxruntime's attention refuses fewer queries than keys: the compiled artifacts check
+    that form, tests/runtime/test_batch.py). A graph that also outputs the MLP's result keeps
+    the plain form."""
     from qwc.passes.last_position import last_position_logits, prefill_nodes
 
     schemas.register()
     base = last_position_logits(onnx.load(str(tiny_q4)))
-    nodes = prefill_nodes(onnx.load(str(tiny_q4)))
+
+    def sliced(nodes):
+        readers = {x: n for n in nodes for x in n.input}
+        return {n.output[0]: readers[n.output[0]] for n in nodes if n.op_type == "Slice"}
+
+    cut = sliced(prefill_nodes(onnx.load(str(tiny_q4))))
+    assert sorted(r.op_type for r in cut.values()) == ["RotaryEmbedding", "SimplifiedLayerNormalization",
+                                                       "SkipSimplifiedLayerNormalization"]
+    query = next(r for r in cut.values() if r.op_type == "SimplifiedLayerNormalization")
+    assert any("q_proj" in n.name and query.output[0] in n.input for n in prefill_nodes(onnx.load(str(tiny_q4))))
+    nodes = prefill_nodes(onnx.load(str(tiny_q4)), query=False)
     assert nodes is not None
-    readers = {x: n for n in nodes for x in n.input}
-    sliced = {n.output[0]: readers[n.output[0]] for n in nodes if n.op_type == "Slice"}
-    assert sorted(r.op_type for r in sliced.values()) == ["MatMulNBits", "SkipSimplifiedLayerNormalization"]
-    assert any("o_proj" in r.name for r in sliced.values())
+    assert sorted(r.op_type for r in sliced(nodes).values()) == ["MatMulNBits", "SkipSimplifiedLayerNormalization"]
+    assert any("o_proj" in r.name for r in sliced(nodes).values())
     pre = copy.deepcopy(base)
     del pre.graph.node[:]
     pre.graph.node.extend(nodes)
