@@ -89,6 +89,8 @@ _QWEN3_PRESETS: dict[str, tuple[dict, float]] = {
     "qwen3-14b": (_qwen3(5120, 17408, 40, 40, False), 0.02),
     "qwen3-32b": (_qwen3(5120, 25600, 64, 64, False), 0.02),
     "qwen3-8b-2layers": (_qwen3(4096, 12288, 2, 32, False), 0.02),
+    # with the 2-layer cut, the work of whole layers (the cuts' difference: the last is partial)
+    "qwen3-8b-4layers": (_qwen3(4096, 12288, 4, 32, False), 0.02),
     "qwen3-32b-2layers": (_qwen3(5120, 25600, 2, 64, False), 0.02),
 }
 
