@@ -108,13 +108,14 @@ def quantize_rows_asym(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     """Per-token int8 activations with a zero point (KleidiAI's qai8dx; the ARM "arm_rows"
     quantizer, compiler/kernels/act_quant.py, in the same float32 steps): x [M, K] ->
     (q int8 [M, K], s [M], zp [M]) with x ~ s (q - zp); the row's range widened to hold 0,
-    which is then exact."""
+    which is then exact (a row of zeros: s 1, zp 0, codes 0)."""
     x = np.asarray(x, np.float32)
     lo = np.minimum(x.min(-1), np.float32(0))
     hi = np.maximum(x.max(-1), np.float32(0))
     span = (hi - lo).astype(np.float32)
     s = np.where(span > 0, span / np.float32(255), np.float32(1)).astype(np.float32)
-    zp = (_round_away((np.float32(0) - lo / s).astype(np.float32)) - np.float32(128)).astype(np.float32)
+    zp = np.where(span > 0, _round_away((np.float32(0) - lo / s).astype(np.float32)) - np.float32(128),
+                  np.float32(0)).astype(np.float32)
     q = np.clip(_round_away((x / s[:, None]).astype(np.float32)) + zp[:, None], -128, 127)
     return q.astype(np.int8), s, zp
 

@@ -147,11 +147,14 @@ def quantize_row_block(T, lo, hi, sv, zv, aq, off, flat, zero_point: int):
 
 
 def row_scale_and_zero_point(T, lo, hi):
-    """(s, zp) of a row whose values span [lo, hi] (lo <= 0 <= hi): s = (hi - lo) / 255 (1 for
-    a row of zeros), zp = round(-lo / s) - 128, so lo -> -128 and 0 is exact (x = s (q - zp))."""
+    """(s, zp) of a row whose values span [lo, hi] (lo <= 0 <= hi): s = (hi - lo) / 255, zp =
+    round(-lo / s) - 128, so lo -> -128 and 0 is exact (x = s (q - zp)). A row of zeros takes
+    s = 1 and zp = 0: its codes are 0, so the GEMM's sums are 0, where codes of -128 made them
+    large terms that cancel (to the running tiles' fixed-point unit, kernels/arm/i8mm.py)."""
     span = hi - lo
     s = T.Select(span > T.float32(0), span / T.float32(255), T.float32(1))
-    return s, T.call_llvm_pure_intrin("float32", "llvm.round.f32", T.float32(0) - lo / s) - T.float32(128)
+    return s, T.Select(span > T.float32(0), T.call_llvm_pure_intrin("float32", "llvm.round.f32", T.float32(0) - lo / s)
+                       - T.float32(128), T.float32(0))
 
 
 def quantizer_name(k: int, zero_point: int, one_row: bool, kind: str = "plain", layout: str = "plain",

@@ -42,21 +42,26 @@ one block an iteration: two spilled its sums.
 
 On per-row activations (one scale a token, applied at the store) those tiles sum by parts:
 sum_b d_b D_b = sum_b (d_b - d_(b+1)) S_b, with D_b block b's int32 dot and S_b = D_0 + .. +
-D_b. Each pair's int32 dot then runs on over the blocks, never restarted, and a block adds it,
-converted, times the difference of its scale and the next block's (d_(nb) = 0), which
-_made_operands writes in place of the scales. Q4_0's codes are made 16 (q - 8) (_rows'
-`centred`: an `eor` of the zipped bytes, then the usual shift or mask), so that no offsets
-start the sums, and the convert's fixed point takes out the 16 with the half
-(RUNNING_FRACTION_BITS). A block then costs its smmla, its loads and one convert and FMA a
-pair, without the offsets' loads and copies. The sums are exact int32 (a block adds at most
-32 x 128 x 128 = 2^19, so K up to 2^17 fits: RUNNING_BLOCKS); their convert rounds once |S_b|
-passes 2^24, and the float terms are other terms than the blocks' own: the same value to
-float32 rounding, not the same bits as the other tiles. Running, ten pairs' int32 and float32
-sums fill 20 registers, so the lone leftover pair does not join the last tile (6 pairs would
-spill): tiles of 4 and 2 take them. Where every task unpacks (prompts of 16 tokens or more)
-these tiles are of 4 pairs (RUNNING_PAIRS), two blocks an iteration: fewer instructions a
-token than the 5-pair tile's one block, and the same sums in the same order, so the same
-bits; shorter prompts keep the 5-pair tiling.
+D_b. Each pair's int32 dot then runs on over the blocks, never restarted, and a block adds it
+times the difference of its scale and the next block's (d_(nb) = 0), which _made_operands
+writes in place of the scales. Q4_0's codes are made 16 (q - 8) (_rows' `centred`: an `eor`
+of the zipped bytes, then the usual shift or mask), so that no offsets start the sums. The
+sums are exact int32 (a block adds at most 32 x 128 x 128 = 2^19, so K up to 2^17 fits:
+RUNNING_BLOCKS).
+
+The product joins the tile's sums in fixed point, by Armv8.1's `sqrdmlah` (acc + round(S x c /
+2^31)): c is the difference as a Q31 fraction of a power of two P above twice the row's
+largest |d| (_power_above), written once a task; the tile's store converts its sums and
+multiplies them by P (the convert's fixed point taking out Q4_0's 16 with the half,
+RUNNING_FRACTION_BITS). A block then costs its smmla, its loads and one instruction a pair,
+where a float sum took a convert and an FMA. Each product rounds to P / 2^31 of S's unit,
+which holds the output to a few 1e-4 of its range (tests/compiler/test_kernels.py measures
+it; int8 activations' own error is near 1e-2), other terms than the blocks' own, so not the
+same bits as the other tiles. Ten pairs' int32 sums fill 20 registers, so the lone leftover
+pair does not join the last tile (6 pairs would spill): tiles of 4 and 2 take them. Where
+every task unpacks (prompts of 16 tokens or more) these tiles are of 4 pairs (RUNNING_PAIRS),
+two blocks an iteration: fewer instructions a token than the 5-pair tile's one block, and the
+same sums in the same order, so the same bits; shorter prompts keep the 5-pair tiling.
 
 Q8_0 weights (dot "smmla8", row_groups.pack_int8) take the same tiles: piece k of a row pair
 is chunks 2k and 2k + 1 zipped, signed codes with nothing to unpack, the accumulation started
@@ -104,6 +109,8 @@ MADE_FROM = 2       # whole tiles a task needs before it unpacks its weights onc
 RUNNING_BLOCKS = 1 << 12   # K up to 2^17 keeps the running int32 sums exact (module docstring); longer K, the offsets
 RUNNING_PAIRS = 4   # the running tiles' pairs where every task unpacks (q4_gemm's long_tiles)
 RUNNING_FRACTION_BITS = 5   # the running sums' fixed-point convert: halved as the others, and Q4_0's 16 (q - 8) / 16
+SQRDMLAH = "llvm.aarch64.neon.sqrdmlah.v4i32"   # acc + round(a b / 2^31): Armv8.1's RDM, in every ARM target
+UNIT_FLOOR = 2.0 ** -30   # the least unit a row's running scales take (a row of zero scales has one too)
 
 
 def _rows(T, w, g, b, q, k, rp, bits: int | str = 4, centred: bool = False):
@@ -281,6 +288,19 @@ def _made_scale(b, rp):
     return (b * 2 + rp) * 4
 
 
+def _power_above(T, big):
+    """float32x8: for each lane, the least power of two above 2 max(big, UNIT_FLOOR) (its
+    exponent field plus one: exact, and above any difference of two of the row's scales)."""
+    bits = T.reinterpret("int32x8", T.max(big, T.broadcast(T.float32(UNIT_FLOOR), 8)) * T.broadcast(T.float32(2), 8))
+    return T.reinterpret("float32x8", (bits & T.broadcast(T.int32(0x7F800000), 8)) + T.broadcast(T.int32(0x00800000), 8))
+
+
+def _fixed_scales(T, v, unit):
+    """float32x8 holding the int32 Q31 form of v in units of its row's power of two (v x `unit`,
+    2^31 / that power: below 2^31 in magnitude), as the running tiles' `sqrdmlah` reads it."""
+    return T.reinterpret("float32x8", T.Cast("int32x8", v * unit))
+
+
 def _made_operands(nb: int, codes: int | str, running: bool = False):
     """The macro that unpacks slice q of group g once for all its task's tiles: block b's smmla B
     operands (_rows: zipped, unpacked, looked up) at ops[b * 8 + 4 rp + k] and its row-pair
@@ -289,7 +309,8 @@ def _made_operands(nb: int, codes: int | str, running: bool = False):
     masks, shifts, the scales' zips and converts) every tile.
     `running` (the running-sum tiles of per-row activations, q4_gemm's tile): Q4_0's codes
     centred (16 (q - 8): the dots then need no offsets) and, for the scales, each block's less
-    the next one's (d_b - d_(b+1), the last block's d as it is)."""
+    the next one's (d_b - d_(b+1), the last block's d as it is) as Q31 fractions of the row's
+    unit P (_power_above), which scales[8 nb ..] holds, [P r, P r, P r', P r'] a row pair."""
     from tvm.script import tirx as T
 
     def block_scales(T, ws, wc, g, b, q):
@@ -302,7 +323,8 @@ def _made_operands(nb: int, codes: int | str, running: bool = False):
             list(range(MADE_OPERANDS * 16)))
         if running:   # decided when the kernel is built
             d = T.bind(block_scales(T, ws, wc, g, b, q))
-            scales[T.ramp(_made_scale(T.max(b - 1, 0), 0), 1, 8)] = before[T.ramp(0, 1, 8)] - d
+            scales[T.ramp(_made_scale(T.max(b - 1, 0), 0), 1, 8)] = _fixed_scales(
+                T, before[T.ramp(0, 1, 8)] - d, before[T.ramp(8, 1, 8)])
             before[T.ramp(0, 1, 8)] = d
         else:
             scales[T.ramp(_made_scale(b, 0), 1, 8)] = block_scales(T, ws, wc, g, b, q)
@@ -311,8 +333,15 @@ def _made_operands(nb: int, codes: int | str, running: bool = False):
     def made_operands(w, ws, wc, ops, scales, g, q):
         # each block's scales kept for the next (running; a stack slot LLVM holds in a register),
         # which writes d_(b-1) - d_b; block 0 writes a value block 1 replaces; the last's d after
-        before = T.decl_buffer((8,), "float32", scope="global")
+        # (running: then 2^31 / each row's power of two, at 8)
+        before = T.decl_buffer((8 * (2 if running else 1),), "float32", scope="global")
         before[T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+        if running:   # decided when the kernel is built: the rows' powers of two, then their units
+            for b in range(nb):
+                before[T.ramp(0, 1, 8)] = T.max(before[T.ramp(0, 1, 8)], T.abs(block_scales(T, ws, wc, g, b, q)))
+            scales[T.ramp(nb * 8, 1, 8)] = _power_above(T, before[T.ramp(0, 1, 8)])
+            before[T.ramp(8, 1, 8)] = T.broadcast(T.float32(2.0 ** 31), 8) / scales[T.ramp(nb * 8, 1, 8)]
+            before[T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
         # MADE_UNROLL blocks an iteration, as the decode GEMV's loop: its counter, compare,
         # branch and address arithmetic, and the moves that carried the scales, were a share
         # of this short loop's instructions
@@ -322,7 +351,7 @@ def _made_operands(nb: int, codes: int | str, running: bool = False):
         for b in range(nb // MADE_UNROLL * MADE_UNROLL, nb):
             made_block(w, ws, wc, ops, scales, before, g, q, b)
         if running:   # decided when the kernel is built
-            scales[T.ramp(_made_scale(nb - 1, 0), 1, 8)] = before[T.ramp(0, 1, 8)]
+            scales[T.ramp(_made_scale(nb - 1, 0), 1, 8)] = _fixed_scales(T, before[T.ramp(0, 1, 8)], before[T.ramp(8, 1, 8)])
 
     return made_operands
 
@@ -330,18 +359,19 @@ def _made_operands(nb: int, codes: int | str, running: bool = False):
 def _running_update(codes: int | str):
     """The macro that adds block b to row pair rp of token pair p by parts (module docstring):
     the pair's int32 dot runs on over the blocks (from 0, on the made codes less their zero) and
-    each block adds it times d_b - d_(b+1) (_made_operands' running scales), which sums to the
-    sum of d_b x block b's dot: one `ldp` of scales, one convert and one FMA a block, and no
-    offsets to start from."""
+    each block adds it times d_b - d_(b+1) (_made_operands' running scales, Q31) into the fixed-point
+    sums, which come to the sum of d_b x block b's dot in the row's unit: one `ldp` of scales
+    and one `sqrdmlah` a block, and no offsets to start from."""
     from tvm.script import tirx as T
 
     @T.macro
-    def running_update(w, aqf, dots, acc, made, g, b, q, p, rp, base):
+    def running_update(w, aqf, dots, made, g, b, q, p, rp, base, fixed):
+        """dots: the tile's int32 dots, and its fixed-point sums from `fixed`."""
         dots[T.ramp(8 * p + 4 * rp, 1, 4)] = _pair_dot(T, w, aqf, dots[T.ramp(8 * p + 4 * rp, 1, 4)], g, b, q, rp,
                                                       base, codes, made)
-        acc[T.ramp(8 * p + 4 * rp, 1, 4)] = acc[T.ramp(8 * p + 4 * rp, 1, 4)] + T.call_llvm_pure_intrin(
-            "float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", dots[T.ramp(8 * p + 4 * rp, 1, 4)],
-            T.int32(RUNNING_FRACTION_BITS if codes == 4 else 1)) * made[1].vload([_made_scale(b, rp)], "float32x4")
+        dots[T.ramp(fixed + 8 * p + 4 * rp, 1, 4)] = T.call_llvm_pure_intrin(
+            "int32x4", SQRDMLAH, dots[T.ramp(fixed + 8 * p + 4 * rp, 1, 4)], dots[T.ramp(8 * p + 4 * rp, 1, 4)],
+            T.reinterpret("int32x4", made[1].vload([_made_scale(b, rp)], "float32x4")))
 
     return running_update
 
@@ -536,6 +566,8 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
     rows_in = token_count(m)
     running = per_row and nb <= RUNNING_BLOCKS   # the tiles of made operands sum by parts (module docstring)
     running_update = _running_update(codes)
+    running_sums = 2 if running else 1   # the running tiles' dots buffer holds their fixed-point sums too
+    units = 8 if running else 0          # the made scales' rows' units (P), after the blocks'
 
     def row_epilogue(T, v, adf, rs, t0, row):
         """float32x4 v x [s t0, s t1, s t0, s t1] - [s zp t0, s zp t1, ...] x [R r, R r, R r', R r']
@@ -549,13 +581,14 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
 
     @T.macro
     def tile_block(w, aqf, adf, offf, ws, wc, g, q, first, pairs, made, acc, dots, b):
-        """Block b of a tile (tile's arguments; acc, dots: its float and, running, int32 sums)."""
+        """Block b of a tile (tile's arguments; acc: its float sums; running: dots its int32 dots,
+        then its fixed-point sums)."""
         for p in T.unroll(pairs):
             # The two row pairs written out: the zip pattern must be a Python constant (a
             # loop variable's `rp == 0` would not be).
             if made is not None and running:   # decided when the kernel is built
-                running_update(w, aqf, dots, acc, made, g, b, q, p, 0, (b * rows_in + first + 2 * p) * 32)
-                running_update(w, aqf, dots, acc, made, g, b, q, p, 1, (b * rows_in + first + 2 * p) * 32)
+                running_update(w, aqf, dots, made, g, b, q, p, 0, (b * rows_in + first + 2 * p) * 32, pairs * 8)
+                running_update(w, aqf, dots, made, g, b, q, p, 1, (b * rows_in + first + 2 * p) * 32, pairs * 8)
             elif wc is None:   # decided when the kernel is built
                 acc[T.ramp(8 * p, 1, 4)] = acc[T.ramp(8 * p, 1, 4)] + _pair_update(
                     T, w, aqf, adf, offf, ws, wc, g, b, q, 0, b * rows_in + first + 2 * p, pairs, codes, per_row, made)
@@ -585,9 +618,10 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         acc = T.decl_buffer((pairs * 8,), "float32", scope="global")  # a stack slot: see kernels/x86/vnni.py
         for p in T.unroll(pairs * 2):
             acc[T.ramp(p * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
-        dots = T.decl_buffer((pairs * 8,), "int32", scope="global")   # the running sums (unused otherwise)
+        # running: the int32 dots, then their fixed-point sums from pairs * 8 (unused otherwise)
+        dots = T.decl_buffer((pairs * 8 * running_sums,), "int32", scope="global")
         if made is not None and running:   # decided when the kernel is built
-            for p in T.unroll(pairs * 2):
+            for p in T.unroll(pairs * 2 * running_sums):
                 dots[T.ramp(p * 4, 1, 4)] = T.broadcast(T.int32(0), 4)
         if made is not None and not (running and pairs >= FIXED_POINT_PAIRS):   # decided when the kernel is built
             # MADE_UNROLL blocks an iteration, as _made_operands'; not the running 5-pair tile,
@@ -600,6 +634,13 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
         else:
             for b in range(nb):
                 tile_block(w, aqf, adf, offf, ws, wc, g, q, first, pairs, made, acc, dots, b)
+        if made is not None and running:   # decided when the kernel is built: the fixed point's unit
+            for p in T.unroll(pairs):
+                for rp in T.unroll(2):
+                    acc[T.ramp(8 * p + 4 * rp, 1, 4)] = T.call_llvm_pure_intrin(
+                        "float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32",
+                        dots[T.ramp(pairs * 8 + 8 * p + 4 * rp, 1, 4)],
+                        T.int32(RUNNING_FRACTION_BITS if codes == 4 else 1)) * made[1].vload([nb * 8 + 4 * rp], "float32x4")
         if rs is not None:   # decided when the kernel is built: s (sum over blocks) - s zp R
             for p in T.unroll(pairs):
                 for rp in T.unroll(2):
@@ -697,7 +738,7 @@ def q4_gemm(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None = 
                 # two buffers: one (scales after each block's operands) added moves to the
                 # 4-pair running loop of a kernel of any M (a buffer's own address is one add)
                 ops = T.decl_buffer((nb * MADE_OPERANDS * 16,), "int8", scope="global")
-                scales = T.decl_buffer((nb * 8,), "float32", scope="global")
+                scales = T.decl_buffer((nb * 8 + units,), "float32", scope="global")
                 made_operands(w, ws, wc, ops, scales, gq // SLICES, gq % SLICES)
                 tiles_of(w, aqf, adf, offf, ws, wc, y, gq, rs, merge, whole, left, (ops, scales))
             else:
