@@ -4,7 +4,7 @@ the host, then llama-server's greedy continuation of a prompt against qwc fed ll
 tokens, step by step:
 
     .venv/bin/python bench/kquant_files.py [--mixes Q4_K_M,Q5_K_M,Q4_K_S,Q6_K] [--tokens 16]
-        [--target host|arm-yitian|arm-neon] [--gguf FILE]
+        [--target host|arm-yitian|arm-neon] [--gguf FILE] [--llama-against "-fa off"]
 
 An ARM target's artifact is cross-compiled and fed the same steps under qemu
 (scripts/arm64/setup.sh), one emulated engine run a file. `--gguf FILE` takes that file as it
@@ -15,7 +15,11 @@ the prompt as the export's tokenizer encodes it, as token ids.
 The table has each file's tensor types (SmolLM2's rows of 576 make most of them the fallbacks
 Q5_0 / Q5_1 / Q8_0), llama.cpp's text, how many of llama.cpp's tokens qwc picks too, and where
 it does not, the largest gap between qwc's top logit and llama.cpp's token (near ties of the two
-engines' Q8_0 activations; the README demo's test allows 0.1).
+engines' Q8_0 activations; the README demo's test allows 0.1). The last two columns hold
+llama-server to itself the same way: run with `--llama-against`'s options (flash attention off
+by default), fed its default run's tokens one at a time, how many it picks again and its
+largest gap where not. A miss of qwc's inside that scale is a tie llama.cpp's own arithmetic
+does not decide.
 """
 
 from __future__ import annotations
@@ -34,25 +38,58 @@ HERE = Path(__file__).resolve().parent
 PORT = 8937
 
 
+def _server(server: Path, gguf: Path, extra: tuple[str, ...] = ()):
+    """llama-server on `gguf` (2 threads, 256 positions, `extra` options), once it answers."""
+    srv = subprocess.Popen([str(server), "-m", str(gguf), "--port", str(PORT), "-t", "2", "-c", "256", *extra],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(240):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.5)
+    return srv
+
+
+def _complete(body: dict) -> dict:
+    return json.load(urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{PORT}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})))
+
+
 def server_tokens(server: Path, gguf: Path, prompt: list[int], n: int) -> tuple[str, list[int]]:
     """llama-server's greedy text and tokens after the prompt's ids (temperature 0, up to n,
     its end of text ends it)."""
-    srv = subprocess.Popen([str(server), "-m", str(gguf), "--port", str(PORT), "-t", "2", "-c", "256"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = _server(server, gguf)
     try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
-        req = json.dumps({"prompt": prompt, "temperature": 0, "n_predict": n, "return_tokens": True}).encode()
-        r = json.load(urllib.request.urlopen(urllib.request.Request(
-            f"http://127.0.0.1:{PORT}/completion", req, {"Content-Type": "application/json"})))
+        r = _complete({"prompt": prompt, "temperature": 0, "n_predict": n, "return_tokens": True})
     finally:
         srv.terminate()
         srv.wait()
     return r["content"], r["tokens"]
+
+
+def server_follows(server: Path, gguf: Path, prompt: list[int], tokens: list[int],
+                   extra: tuple[str, ...]) -> tuple[int, float]:
+    """llama-server with `extra` options against its own default run, as `follow` holds qwc:
+    (its picks equal to `tokens`, the largest gap between its top log-probability and the
+    token's where they differ), fed the tokens in turn. Each request extends the last, so its
+    cached prompt is reused and each step evaluates one new token, as the default run decoded
+    it. How far llama.cpp's own arithmetic moves a near tie (flash attention on or off) is the
+    scale against which qwc's misses are read."""
+    srv = _server(server, gguf, extra)
+    agree, gap = 0, 0.0
+    try:
+        for i, t in enumerate(tokens):
+            probs = _complete({"prompt": prompt + tokens[:i], "temperature": 0, "n_predict": 1, "n_probs": 40,
+                               "cache_prompt": True})["completion_probabilities"][0]["top_logprobs"]
+            top, lp = probs[0], {x["id"]: x["logprob"] for x in probs}
+            agree += top["id"] == t
+            if top["id"] != t:   # a token outside its top 40 counts as the 40th's gap
+                gap = max(gap, top["logprob"] - lp.get(t, probs[-1]["logprob"]))
+    finally:
+        srv.terminate()
+        srv.wait()
+    return agree, gap
 
 
 def prompt_ids(onnx_: Path, prompt: str) -> list[int]:
@@ -118,14 +155,19 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qwc" / "kquant_files")
     p.add_argument("--target", default="host", choices=("host", "arm-yitian", "arm-neon"),
                    help="the artifact's target (ARM: run under qemu)")
+    p.add_argument("--llama-against", default="-fa off",
+                   help="llama-server options whose run is held to its default run as qwc is (a column "
+                        "of its own; '' for none)")
     args = p.parse_args()
     if args.gguf and not args.gguf.is_file():
         raise SystemExit(f"kquant_files: no file {args.gguf}")
     tools = llamacpp_tools("x86")
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(f"qwc on {args.target}\n")
-    print("| file | its types | llama.cpp's text | qwc picks llama.cpp's token | largest gap where not |")
-    print("| --- | --- | --- | ---: | ---: |")
+    against = tuple(args.llama_against.split())
+    column = f" llama.cpp `{args.llama_against}` picks its own token | its largest gap |" if against else ""
+    print(f"| file | its types | llama.cpp's text | qwc picks llama.cpp's token | largest gap where not |{column}")
+    print("| --- | --- | --- | ---: | ---: |" + (" ---: | ---: |" if against else ""))
     for name, gguf, ours in _files(args, tools):
         stem = args.workdir / ours.stem
         onnx_, art = Path(f"{stem}.onnx"), Path(f"{stem}-{args.target}.qwc")   # (stems with dots: 2.5)
@@ -138,8 +180,15 @@ def main() -> None:
         ids = prompt_ids(onnx_, args.prompt)
         text, tokens = server_tokens(tools / f"llama-server-{VERSION}", gguf, ids, args.tokens)
         agree, gap = follow(art, ids, tokens, args.target)
-        print(f"| {name} | {types} | {json.dumps(text)} | {agree} / {len(tokens)} | "
-              f"{f'{gap:.3f}' if agree < len(tokens) else '-'} |", flush=True)
+        row = f"| {name} | {types} | {json.dumps(text)} | {agree} / {len(tokens)} | {_gap(agree, gap, tokens)} |"
+        if against:
+            own, own_gap = server_follows(tools / f"llama-server-{VERSION}", gguf, ids, tokens, against)
+            row += f" {own} / {len(tokens)} | {_gap(own, own_gap, tokens)} |"
+        print(row, flush=True)
+
+
+def _gap(agree: int, gap: float, tokens: list[int]) -> str:
+    return f"{gap:.3f}" if agree < len(tokens) else "-"
 
 
 if __name__ == "__main__":
