@@ -281,6 +281,18 @@ def read_per_step(manifest) -> int:
                if p.name not in ROW_TABLES and not (untied and p.name.startswith(EMBEDDING)))
 
 
+def decode_window(eng, prompt, steps: int) -> float:
+    """tok/s of `steps` decode steps of engine `eng` after a fresh `prompt` (and one step more,
+    untimed)."""
+    eng.reset()
+    eng.prefill(prompt)
+    eng.decode(1)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.decode(1)
+    return steps / (time.perf_counter() - t0)
+
+
 def decode_step(artifact, threads, past=512, steps=64, windows=3):
     """(tok/s of each window, weight bytes, KV bytes) of `windows` runs of `steps` decode steps,
     each after a fresh `past`-token prompt (so each reads the same bytes)."""
@@ -288,15 +300,7 @@ def decode_step(artifact, threads, past=512, steps=64, windows=3):
 
     eng = Engine(artifact, ctx=past + steps + 8, threads=threads)
     prompt = list(np.random.default_rng(0).integers(0, 1000, past))
-    rates = []
-    for _ in range(windows):
-        eng.reset()
-        eng.prefill(prompt)
-        eng.decode(1)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            eng.decode(1)
-        rates.append(steps / (time.perf_counter() - t0))
+    rates = [decode_window(eng, prompt, steps) for _ in range(windows)]
     weights = read_per_step(eng.manifest)   # in memory, as decode reads them
     kv = eng.kv_bytes_per_token * (past + steps // 2)   # the artifact's cache type
     return rates, weights, kv

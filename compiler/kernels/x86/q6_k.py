@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from .. import SCHEDULED
+from .. import SCHEDULED, task_claims
 from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, groups
 from ..w4a8 import store_rows, token_count
@@ -147,29 +147,44 @@ def _streamed(T, n: int, nb: int, prefetched: bool, tile):
             T, chain(w, aq, st, g, b, t, False), chain(w, aq, st, g, b, t, True), sc, d, ad, g, b, t)
 
     @T.macro
+    def stream_task(w, aq, st, ad, sc, d, y, bias_buf, task):
+        """streamed's task `task`."""
+        if task < ng // STREAMS:
+            acc = T.decl_buffer((STREAMS * ROWS,), "float32", scope="global")
+            for h in T.unroll(STREAMS):
+                acc[T.ramp(h * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+            for b in range(nb):
+                if prefetched:
+                    for h in T.unroll(STREAMS):
+                        for c in T.unroll(CHUNKS):
+                            T.evaluate(T.call_llvm_intrin(
+                                "void", "llvm.prefetch.p0", T.address_of(w[h * (ng // STREAMS) + task, b + PREFETCH, c, 0]),
+                                T.int32(0), T.int32(3), T.int32(1)))
+                for h in T.unroll(STREAMS):
+                    block_term(w, aq, st, ad, sc, d, acc, h, h * (ng // STREAMS) + task, b, 0)
+            for h in T.unroll(STREAMS):
+                store_rows(y, 0, (h * (ng // STREAMS) + task) * ROWS, ROWS, n, acc, h * ROWS, None, bias_buf)
+        else:
+            for g in range(ng // STREAMS * STREAMS, ng):
+                tile(w, aq, st, ad, sc, d, y, bias_buf, g, 0, 1)
+
+    @T.macro
     def streamed(w, aq, st, ad, sc, d, y, bias_buf):
         """Task p reads groups p, per + p, 2 per + p, 3 per + p in lockstep, block by block,
         each prefetched ahead (STREAMS streams whose DRAM page crossings fall at different
-        times, as the Q8_0 decode GEMV reads: x86/vnni.py); the groups left over are one more task."""
-        for task in T.parallel(tasks):
-            if task < ng // STREAMS:
-                acc = T.decl_buffer((STREAMS * ROWS,), "float32", scope="global")
-                for h in T.unroll(STREAMS):
-                    acc[T.ramp(h * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
-                for b in range(nb):
-                    if prefetched:
-                        for h in T.unroll(STREAMS):
-                            for c in T.unroll(CHUNKS):
-                                T.evaluate(T.call_llvm_intrin(
-                                    "void", "llvm.prefetch.p0", T.address_of(w[h * (ng // STREAMS) + task, b + PREFETCH, c, 0]),
-                                    T.int32(0), T.int32(3), T.int32(1)))
-                    for h in T.unroll(STREAMS):
-                        block_term(w, aq, st, ad, sc, d, acc, h, h * (ng // STREAMS) + task, b, 0)
-                for h in T.unroll(STREAMS):
-                    store_rows(y, 0, (h * (ng // STREAMS) + task) * ROWS, ROWS, n, acc, h * ROWS, None, bias_buf)
-            else:
-                for g in range(ng // STREAMS * STREAMS, ng):
-                    tile(w, aq, st, ad, sc, d, y, bias_buf, g, 0, 1)
+        times, as the Q8_0 decode GEMV reads: x86/vnni.py); the groups left over are one more task.
+        The tasks go to the threads as they come for them (task_claims.py)."""
+        flags = T.decl_buffer((tasks + 1,), "int32", scope="global")
+        for i in range(tasks + 1):
+            flags[i] = 0
+        with T.attr(0, task_claims.PRAGMA, task_claims.IR):
+            for slot in T.parallel(tasks):
+                if task_claims.seen(T, flags, tasks) == 0:
+                    for k in range(tasks):
+                        # (an expression, not a variable: one assigned in a loop becomes a buffer)
+                        if task_claims.take(T, flags, task_claims.nth(slot, k, tasks)) == 1:
+                            stream_task(w, aq, st, ad, sc, d, y, bias_buf, task_claims.nth(slot, k, tasks))
+                    T.evaluate(task_claims.set_done(T, flags, tasks))
 
     return streamed
 

@@ -33,7 +33,7 @@ indices, each chunk made the codes u = book[q] + 128 by one vpshufb; their sums 
 
 from __future__ import annotations
 
-from .. import DECODE_GEMV, DECODE_PREFETCH, SCHEDULED, code_book, dot_bits, q4_k_scales
+from .. import DECODE_GEMV, DECODE_PREFETCH, SCHEDULED, code_book, dot_bits, q4_k_scales, task_claims
 from ..kernel_cache import cached_kernel
 from ..row_groups import ROWS, chunks, groups
 from ..w4a8 import block_sum_factor, gemm_kernel, store_rows, token_count
@@ -350,32 +350,47 @@ def q4_matmul(n: int, nb: int, scale_dtype: str = "float16", tokens: int | None 
         return ng // streams + (1 if ng % streams else 0)
 
     @T.macro
+    def stream_task(w, aq, off, ws, ad, y, wc, bias, count, streams, task):
+        """streamed's task `task`."""
+        if task < ng // streams:
+            acc = T.decl_buffer((streams * count * ROWS,), "float32", scope="global")
+            dots = T.decl_buffer((count * ROWS,), "int32", scope="global")
+            for i in T.unroll(streams * count):
+                acc[T.ramp(i * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+            for b in range(nb):
+                for h in T.unroll(streams):
+                    for i in T.unroll(chunks(dot_bits(dot))):
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                                      T.address_of(w[h * (ng // streams) + task, b + few_ahead(dot, streams), i, 0]),
+                                                      T.int32(0), T.int32(locality), T.int32(1)))
+                for h in T.unroll(streams):
+                    accumulate(w, aq, off, ws, ad, wc, acc, dots, None, h * count, h * (ng // streams) + task, b, 0, count)
+            for h in T.unroll(streams):
+                for t in T.unroll(count):
+                    store_rows(y, t, (h * (ng // streams) + task) * ROWS, ROWS, n, acc, (h * count + t) * ROWS, None,
+                               bias)
+        else:
+            for g in range(ng // streams * streams, ng):
+                tile(w, aq, off, ws, ad, y, wc, bias, g, 0, count, True, False)
+
+    @T.macro
     def streamed(w, aq, off, ws, ad, y, wc, bias, count, streams):
         """All M = `count` tokens at once (FEW_STREAMS): with per = ng // streams, task i reads
         groups i, per + i, 2 per + i, ... in lockstep, block by block, prefetching ahead (past a
         group's last block into the stream's next group, the thread's next task); the groups
-        left over (the ragged last one among them) are one more task, in a prefetching tile."""
-        for task in T.parallel(_tasks(streams)):
-            if task < ng // streams:
-                acc = T.decl_buffer((streams * count * ROWS,), "float32", scope="global")
-                dots = T.decl_buffer((count * ROWS,), "int32", scope="global")
-                for i in T.unroll(streams * count):
-                    acc[T.ramp(i * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
-                for b in range(nb):
-                    for h in T.unroll(streams):
-                        for i in T.unroll(chunks(dot_bits(dot))):
-                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
-                                                          T.address_of(w[h * (ng // streams) + task, b + few_ahead(dot, streams), i, 0]),
-                                                          T.int32(0), T.int32(locality), T.int32(1)))
-                    for h in T.unroll(streams):
-                        accumulate(w, aq, off, ws, ad, wc, acc, dots, None, h * count, h * (ng // streams) + task, b, 0, count)
-                for h in T.unroll(streams):
-                    for t in T.unroll(count):
-                        store_rows(y, t, (h * (ng // streams) + task) * ROWS, ROWS, n, acc, (h * count + t) * ROWS, None,
-                                   bias)
-            else:
-                for g in range(ng // streams * streams, ng):
-                    tile(w, aq, off, ws, ad, y, wc, bias, g, 0, count, True, False)
+        left over (the ragged last one among them) are one more task, in a prefetching tile.
+        The tasks go to the threads as they come for them (task_claims.py)."""
+        flags = T.decl_buffer((_tasks(streams) + 1,), "int32", scope="global")
+        for i in range(_tasks(streams) + 1):
+            flags[i] = 0
+        with T.attr(0, task_claims.PRAGMA, task_claims.IR):
+            for slot in T.parallel(_tasks(streams)):
+                if task_claims.seen(T, flags, _tasks(streams)) == 0:
+                    for k in range(_tasks(streams)):
+                        # (an expression, not a variable: one assigned in a loop becomes a buffer)
+                        if task_claims.take(T, flags, task_claims.nth(slot, k, _tasks(streams))) == 1:
+                            stream_task(w, aq, off, ws, ad, y, wc, bias, count, streams, task_claims.nth(slot, k, _tasks(streams)))
+                    T.evaluate(task_claims.set_done(T, flags, _tasks(streams)))
 
     @T.macro
     def group_tiles(w, aq, off, ws, ad, y, wc, bias, g, sums):
@@ -624,7 +639,7 @@ def decode_gemv(outputs: tuple[tuple[int, bool, bool], ...], nb: int, scale_dtyp
                 left = list(range(per * (STREAMS // len(wts)), groups(n)))
                 plan.append((first, per, left))
                 first += per + (1 if left else 0)
-            with T.parallel(0, first) as task:
+            with task_claims.launch(T, first) as task:
                 for (n, wts, y), (lo, per, left) in zip(jobs, plan):
                     job(task, lo, per, left, wts, y, n)
     return ib.get()
