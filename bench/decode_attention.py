@@ -10,7 +10,9 @@ Variants (the kernel as `--target host` builds it first):
   keys split as the host's kernel rule says (targets.Kernels.decode_split_keys);
 - tiles for 32 x 64 B: the tiles AVX-512's register file takes (on an AVX2 machine they
   spill: what the host's rule avoids);
-- split 512: the keys in spans of 512, a task each, merged after (what ARM's rule does).
+- split 512: the keys in spans of 512, a task each, merged after (what ARM's rule does);
+- K prefetch 16 lines / 4 KiB: the scores pass's prefetch distance the host's rule does not
+  take (targets.Kernels.decode_key_prefetch).
 
 Per depth, KV type and thread count: milliseconds for the 24 layers (one token's attention,
 rotary, cache writes and Q8_0 of the output included) and the ratio to the host variant; the
@@ -43,16 +45,21 @@ def _ints(text: str, low: int = 1) -> list[int]:
 
 
 def variants():
-    """{name: (registers, split_keys)}, the host's kernel first."""
+    """{name: (registers, split_keys, key_prefetch)}, the host's kernel first."""
     from qwc.compiler.targets import get_target, kernels_for, vector_registers
 
     host = get_target("host")
-    regs, split = vector_registers(host.features), kernels_for(host.features).decode_split_keys
-    out = {f"host ({regs[0]} x {regs[1]} B, split {split})": (regs, split)}
+    rule = kernels_for(host.features)
+    regs, split, ahead = vector_registers(host.features), rule.decode_split_keys, rule.decode_key_prefetch
+    out = {f"host ({regs[0]} x {regs[1]} B, split {split}, K prefetch {ahead or 'lines'})": (regs, split, ahead)}
     if regs != (32, 64):
-        out["tiles for 32 x 64 B"] = ((32, 64), split)
+        out["tiles for 32 x 64 B"] = ((32, 64), split, ahead)
     if split != 512:
-        out["split 512"] = (regs, 512)
+        out["split 512"] = (regs, 512, ahead)
+    if ahead is not None:
+        out["K prefetch 16 lines"] = (regs, split, None)
+    if ahead != 4096:
+        out["K prefetch 4 KiB"] = (regs, split, 4096)
     return out
 
 
@@ -65,9 +72,9 @@ def kernels(dtype: str):
 
     target = get_target("host").tvm_target()
     out = {}
-    for name, (regs, split) in variants().items():
+    for name, (regs, split, ahead) in variants().items():
         f = decode_attention.decode_attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, "int64", w4a8.ZERO_POINT,
-                                       "plain", None, dtype, regs, split)
+                                       "plain", None, dtype, regs, split, key_prefetch=ahead)
         out[name] = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=target)
     return out
 

@@ -1,10 +1,10 @@
 """Two artifacts' decode steps side by side: a change to the decode kernels measured against the
 build before it, in one process, window by window in turn (the machine is shared and noisy):
 
-    .venv/bin/python bench/decode_pair.py BEFORE.qwc AFTER.qwc [--threads 2] [--rounds 5]
+    .venv/bin/python bench/decode_pair.py BEFORE.qwc AFTER.qwc [--threads 2] [--rounds 5] [--past 512]
 
-Each round times a window of 64 decode steps of each artifact after the same fresh 512-token
-prompt (bench/gemv.py's decode_window). The table has each artifact's best and median
+Each round times a window of 64 decode steps of each artifact after the same fresh `--past`-token
+prompt (4096: decode at depth, where the cache is a large share of a step's bytes) (bench/gemv.py's decode_window). The table has each artifact's best and median
 window in tok/s, the GB/s that is of the bytes a step reads (gemv.py's read_per_step and the K/V
 cache), its share of the read bandwidth measured before and after the rounds (the higher
 reading), and AFTER's ratio to BEFORE.
@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-PAST, STEPS = 512, 64
+STEPS = 64
 
 
 def main() -> None:
@@ -27,18 +27,19 @@ def main() -> None:
     p.add_argument("after")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--past", type=int, default=512, help="prompt tokens before each window (default 512)")
     args = p.parse_args()
-    if args.rounds < 1:
-        p.error("--rounds must be at least 1")
+    if args.rounds < 1 or args.past < 1:
+        p.error("--rounds and --past must be at least 1")
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gemv import decode_window, read_bandwidth, read_per_step
 
     from qwc.runtime.engine import Engine
 
-    engines = [Engine(a, ctx=PAST + STEPS + 8, threads=args.threads) for a in (args.before, args.after)]
-    prompt = list(np.random.default_rng(0).integers(0, 1000, PAST))
-    step_bytes = [read_per_step(e.manifest) + e.kv_bytes_per_token * (PAST + STEPS // 2) for e in engines]
+    engines = [Engine(a, ctx=args.past + STEPS + 8, threads=args.threads) for a in (args.before, args.after)]
+    prompt = list(np.random.default_rng(0).integers(0, 1000, args.past))
+    step_bytes = [read_per_step(e.manifest) + e.kv_bytes_per_token * (args.past + STEPS // 2) for e in engines]
     bw_before = read_bandwidth()
     rates = [[], []]
     for _ in range(args.rounds):
@@ -47,7 +48,7 @@ def main() -> None:
     bw_after = read_bandwidth()
     held = max(bw_before, bw_after)
     print(f"{args.threads} threads; read bandwidth "
-          f"{bw_before:.1f} GB/s before, {bw_after:.1f} after; {args.rounds} rounds of {STEPS} steps after {PAST} tokens\n")
+          f"{bw_before:.1f} GB/s before, {bw_after:.1f} after; {args.rounds} rounds of {STEPS} steps after {args.past} tokens\n")
     print("| artifact | best tok/s | median tok/s | GB/s (best) | of the bandwidth | windows |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for name, b, r in zip((args.before, args.after), step_bytes, rates):

@@ -450,7 +450,8 @@ class GroupQueryAttention(F.OnnxOpConverter):
                 per_head = rule.decode_attention == "three_pass_heads"
                 decode_like = bb.add_func(decode_attention.decode_attention(
                     heads, kv_heads, head_dim, scale, str(positions.ty.dtype), None, "plain", 1 if per_head else None,
-                    kv_dtype, vector_registers(_ctx().features), rule.decode_split_keys, segments=True),
+                    kv_dtype, vector_registers(_ctx().features), rule.decode_split_keys, segments=True,
+                    key_prefetch=rule.decode_key_prefetch),
                     _kname("attention_3pass_segments" + ("_heads" if per_head else "") + suffix))
                 out = bb.emit(relax.call_tir_inplace(decode_like, [q, kc, vc, segments, positions, out], 5, q.ty))
             return relax.Tuple([out, kc, vc])

@@ -96,7 +96,7 @@ def _plan(mod, defs: Bindings, rotary_kernels: dict, head_norms: dict, zero_poin
 def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, layout: str = "plain",
                           per_head: bool = False, registers: tuple[int, int] = (16, 32),
                           split_keys: int | None = None, queries: bool = False, rows: bool = False,
-                          head_norms: dict | None = None):
+                          head_norms: dict | None = None, key_prefetch: int | None = None):
     """The pass; `kname` names a kernel in this entry point, `rotary_kernels` maps the rotary
     kernels the import emitted to their head count and `head_norms` those that norm each head
     to the norm's epsilon (frontend.ImportContext), `zero_point`:
@@ -106,7 +106,7 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, l
     keys a task takes (targets.Kernels.decode_split_keys); `queries`: the attentions of any
     number of tokens (the verify entry point's), each token's as its decode step's; `rows`: of
     a token of each of B sequences (decode_batch's), each row's as its decode step's (neither
-    with zero_point)."""
+    with zero_point); `key_prefetch`: targets.Kernels.decode_key_prefetch."""
     if (queries or rows) and zero_point is not None:
         raise ValueError("fuse_decode_attention: the queries and rows forms do not write Q8_0 blocks")
     lead = [1, None] if queries else [None, 1] if rows else [1, 1]
@@ -127,7 +127,7 @@ def fuse_decode_attention(kname, rotary_kernels: dict, zero_point: int | None, l
                 kernel = decode_attention.decode_attention(f["heads"], f["kv_heads"], f["head_dim"], f["scale"],
                                                str(pos.ty.dtype), zero_point if quantize else None, layout,
                                                1 if per_head else None, kv_dtype, registers, split_keys, queries,
-                                               rows, head_norm=f["head_norm"])
+                                               rows, head_norm=f["head_norm"], key_prefetch=key_prefetch)
                 suffix = ("_queries" if queries else "_rows" if rows else "") + ("_heads" if per_head else "") + ("" if not quantize else "_q8" if layout == "plain"
                                                            else f"_q8_{layout}") + (
                     "" if kv_dtype == "float32" else f"_{kv_dtype}") + ("" if f["head_norm"] is None else "_head_norm")

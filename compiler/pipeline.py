@@ -155,7 +155,7 @@ def fusions(ctx):
             ctx.kname, dict(ctx.rotary_kernels), ZERO_POINT if w4a8_path else None,
             kernels.int_dots.decode_layout if w4a8_path else "plain", kernels.decode_attention == "three_pass_heads",
             vector_registers(ctx.features), kernels.decode_split_keys, queries=ctx.verify, rows=ctx.batched,
-            head_norms=dict(ctx.head_norms)))
+            head_norms=dict(ctx.head_norms), key_prefetch=kernels.decode_key_prefetch))
     if kernels.decode_threads and kernels.int_dots and ctx.act_bits == 8:
         passes.append(split_residual_gemv(ctx.kname, kernels.decode_threads))
     return tvm.transform.Sequential(passes)

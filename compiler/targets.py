@@ -219,6 +219,11 @@ class Kernels:
     # decode GEMVs' split sums differ from the GEMM's anyway, and the launch lengthened the
     # mixed step's critical path at 64 threads (docs/history/arm.md).
     exact_step_decode: bool = True
+    # bytes decode attention's scores pass prefetches ahead in each K stream (None: the
+    # kernel's K_PREFETCH_LINES lines, 1 KiB of a float32 cache, 512 bytes of a float16 one).
+    # AMD Zen: 4 KiB, where the nearer prefetch left the pass waiting on DRAM
+    # (kernels/decode_attention.py, docs/history/x86-speed.md)
+    decode_key_prefetch: int | None = None
 
 
 _VNNI = IntDots("x86", "vnni", "vnni", "plain", "plain", (1, 2, 4, 8), "vnni8", "vnni8", "vnni", q4_k_compact=True,
@@ -249,7 +254,7 @@ KERNEL_RULES: tuple[tuple[frozenset[str], Kernels], ...] = (
     (frozenset({"dotprod"}), Kernels(_SDOT, "three_pass_heads", 512, 128, exact_step_decode=False)),
     (frozenset({"neon"}), Kernels(None, "three_pass_heads", 512, exact_step_decode=False)),
     (frozenset({"amx_int8", "amx_tile", "avx512_vnni", "avx512bw", "avx512f"}), Kernels(_VNNI_AMX, "three_pass")),
-    (frozenset({"avx512_vnni", "avx512bw", "avx512f", "zen"}), Kernels(_VNNI_ZEN, "three_pass")),
+    (frozenset({"avx512_vnni", "avx512bw", "avx512f", "zen"}), Kernels(_VNNI_ZEN, "three_pass", decode_key_prefetch=4096)),
     (frozenset({"avx512_vnni", "avx512bw", "avx512f"}), Kernels(_VNNI, "three_pass")),
     (frozenset({"avx2", "fma"}), Kernels(_AVX2, "three_pass")),
     (frozenset(), Kernels(None, "three_pass")),

@@ -92,12 +92,15 @@ from .kv_cache import (
 
 # Decode attention reads each K tile and V row once, from DRAM, at what one core can pull: its
 # passes are reads. So the scores keep several streams in flight, each with a software
-# prefetch 1 KiB ahead into L1 (a tile of keys is one 4 KiB page, where the hardware streamer
-# restarts); 8 or 32 lines ahead were no faster. The values pass reads V a block at a time, the
-# next block prefetched while the first tile of this one runs (two blocks ahead, or none, were
-# slower).
+# prefetch K_PREFETCH_LINES lines ahead into L1 (a float32 tile of keys is one 4 KiB page, where
+# the hardware streamer restarts); on the Xeon it was tuned on, 8 or 32 lines ahead were no
+# faster. An AMD Zen's scores pass waited on its K lines at that distance (a float16 line is
+# half a float32 one, so 16 lines are 512 bytes); 4 KiB ahead in bytes, whatever the cache's
+# type, keeps it fed (`key_prefetch`, targets.Kernels.decode_key_prefetch). The values pass
+# reads V a block at a time, the next block prefetched while the first tile of this one runs
+# (two blocks ahead, or none, were slower).
 SCORE_STREAMS = 2        # K tiles scored at once (if their accumulators fit the registers)
-K_PREFETCH_LINES = 16    # 1 KiB ahead in each K stream
+K_PREFETCH_LINES = 16    # lines of 16 keys ahead in each K stream, where `key_prefetch` is None
 V_BLOCK = 64             # keys a block of the values pass (8 KiB of f16 V at head_dim 64: in L1)
 WRITES_Q8 = "qwc.decode_attention_q8"   # marks a decode attention that also writes its output's Q8_0
 
@@ -195,7 +198,7 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
                      zero_point: int | None = None, layout: str = "plain", heads_per_task: int | None = None,
                      kv_dtype: str = "float32", registers: tuple[int, int] = (16, 32),
                      split_keys: int | None = None, queries: bool = False, rows: bool = False,
-                     segments: bool = False, head_norm: float | None = None):
+                     segments: bool = False, head_norm: float | None = None, key_prefetch: int | None = None):
     """Arguments: q [1, 1, heads*head_dim] and k, v [1, 1, kv_heads*head_dim] before rotary, the
     K and V caches (of `kv_dtype`, written in place at slot seqlens[0]), seqlens [1],
     position_ids [1, 1] of `pos_dtype`, cos / sin [P, head_dim / 2], then the outputs: out (q's
@@ -207,6 +210,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     described under "The call's forms" in the module's docstring.
 
     `queries`, `rows` and `segments` take no `zero_point` (the o projection is a GEMM there).
+
+    `key_prefetch`: bytes each K stream prefetches ahead (None: K_PREFETCH_LINES lines).
 
     `head_norm` (an epsilon; not with `segments`, whose queries come normed and rotated): Qwen3's
     QK-norm, each head of q and k normed before it is rotated (kernels/head_norm.py), its gains
@@ -234,6 +239,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
     vb = V_BLOCK
     q8 = kv_dtype == "q8_0"
     width, element = cache_width(kv_dtype, head_dim), cache_element(kv_dtype)
+    # a K line is element d of a tile's 16 keys
+    ahead = K_PREFETCH_LINES if key_prefetch is None else -(-key_prefetch // (kt * KV_DTYPES[kv_dtype]))
     if not supports_format(kv_dtype, head_dim):
         raise ValueError(f"decode_attention: a {kv_dtype} cache of head_dim {head_dim}")
     # the scores' loop over a key's elements, in q8_0's blocks (whose scales it hoists)
@@ -340,12 +347,12 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, scale: float, pos
             for gs in T.unroll(ng):
                 for blk, dd in T.grid(blocks, block):   # line d of a tile: element d of its 16 keys
                     d = T.bind(blk * block + dd)
-                    if gs == 0:   # each stream's line K_PREFETCH_LINES on (past the tile: the next)
+                    if gs == 0:   # each stream's line `ahead` on (past the tile: the next)
                         for i in T.unroll(nt):
                             first = T.bind((t0 + T.min(i * per + r, tiles - T.int64(1))) * T.int64(kt))
                             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(kc[
-                                row, kvh, k_row_col(first, d + K_PREFETCH_LINES, head_dim, width)[0],
-                                k_row_col(first, d + K_PREFETCH_LINES, head_dim, width)[1]]), T.int32(0), T.int32(3),
+                                row, kvh, k_row_col(first, d + ahead, head_dim, width)[0],
+                                k_row_col(first, d + ahead, head_dim, width)[1]]), T.int32(0), T.int32(3),
                                 T.int32(1)))
                     for i in T.unroll(nt):
                         first = T.bind((t0 + T.min(i * per + r, tiles - T.int64(1))) * T.int64(kt))   # the tile's first key

@@ -67,12 +67,21 @@ def test_x86_decode_fuses_everything_it_can(graph):
 def test_a_zens_decode_gemvs_keep_their_prefetch_through_the_fusions(graph):
     """On an AMD Zen (the hint "zen": targets.IntDots.decode_prefetch "hardware") every decode
     GEMV the fusions build (siblings, residual, gate/up with the quantizer) is built as the
-    importer built its parts: without software prefetches. Elsewhere they keep them."""
-    from qwc.compiler.kernels import DECODE_PREFETCH
+    importer built its parts: without software prefetches. Elsewhere they keep them. Decode
+    attention's scores pass prefetches its K lines 4 KiB ahead on the Zen
+    (targets.Kernels.decode_key_prefetch), K_PREFETCH_LINES lines elsewhere."""
+    import re
+
+    from qwc.compiler.kernels import DECODE_PREFETCH, decode_attention
+    from qwc.compiler.kernels.kv_cache import KEY_TILE
 
     for features, prefetch in ((VNNI | {"zen"}, "hardware"), (VNNI, "software")):
         mod = relax.transform.DeadCodeElimination(["main"])(
             import_graph(graph(features), seq=1, prefix="decode", act_bits=8, features=features))
+        attention = [gv for gv in mod.functions if "attention_3pass" in gv.name_hint]
+        assert len(attention) == 1 and attention[0].name_hint.endswith("_q8"), attention   # a float32 cache
+        lines = 4096 // (KEY_TILE * 4) if prefetch == "hardware" else decode_attention.K_PREFETCH_LINES
+        assert f"d + {lines}" in mod[attention[0]].script(), re.findall(r"d \+ \d+", mod[attention[0]].script())
         gemvs = [gv for gv in mod.functions if "_gemv_" in gv.name_hint and gv.name_hint in _kernels(mod)]
         assert any("silu_mul_q8" in gv.name_hint for gv in gemvs) and any("_bias" in gv.name_hint for gv in gemvs)
         for gv in gemvs:

@@ -978,6 +978,46 @@ def test_decode_attention_rotates_writes_the_cache_and_quantizes(heads, kvh, hd,
         np.testing.assert_array_equal(got.numpy(), exp.numpy())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
+def test_decode_attention_key_prefetch_moves_only_the_prefetch(dtype):
+    """key_prefetch (targets.Kernels.decode_key_prefetch) sets how far ahead the scores pass
+    prefetches each K stream, in bytes whatever the cache's type: the kernel's outputs and
+    cache are the default kernel's bit for bit, and its prefetches reach 4 KiB past the line
+    they are issued at, where the default's reach K_PREFETCH_LINES lines."""
+    import re
+
+    import tvm
+
+    from qwc.compiler.kernels import decode_attention
+    from qwc.compiler.kernels.kv_cache import KEY_TILE, KV_DTYPES
+
+    heads, kvh, hd, past = 14, 2, 64, 1300
+    rng = np.random.default_rng(3)
+    cap = -(-(past + 1) // 16) * 16 + 16
+    k, v = (rng.standard_normal((past + 1, kvh * hd), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 1, heads * hd), dtype=np.float32)
+    angles = np.arange(past + 8)[:, None] * 10000.0 ** (-np.arange(hd // 2) / (hd // 2))
+    inputs = (q, k[None, past:], v[None, past:])
+    tables = (np.array([[past]], np.int64), np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
+    nb = heads * hd // 32
+    results = []
+    for ahead in (None, 4096):
+        func = decode_attention.decode_attention(heads, kvh, hd, hd ** -0.5, "int64", w4a8.ZERO_POINT, "plain", None,
+                                                 dtype, (32, 64), None, key_prefetch=ahead)
+        # the line a K prefetch reads: `d + distance` in the scores pass's index arithmetic
+        lines = {int(x) for x in re.findall(r"d \+ (\d+)", func.script()) if "prefetch" in func.script()}
+        want = decode_attention.K_PREFETCH_LINES if ahead is None else ahead // (KEY_TILE * KV_DTYPES[dtype])
+        assert want in lines, (ahead, lines)
+        kc, vc = _filled_caches(k, v, ((0, past),), kvh, hd, cap, dtype)
+        outs = [tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in (
+            (q.shape, np.float32), ((1, nb, 32), np.int8), ((1, nb), np.float32), ((1, nb), np.int32))]
+        _host_kernel(func)(*(tvm.runtime.tensor(x) for x in inputs), kc, vc, tvm.runtime.tensor(np.array([past], np.int32)),
+                           *(tvm.runtime.tensor(x) for x in tables), *outs)
+        results.append([x.numpy() for x in (kc, vc, *outs)])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("heads, kvh, hd, per_task", [(14, 2, 64, None), (4, 2, 32, 1)])
 @pytest.mark.parametrize("past, t", [(0, 1), (5, 3), (14, 4), (40, 9), (1020, 7), (1300, 2)])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])

@@ -61,8 +61,9 @@ AMD_CPUINFO = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmod
 
 def test_an_amd_zen_leaves_decode_prefetch_to_the_hardware():
     """/proc/cpuinfo of an AMD Zen (family 0x17 on) gives the hint "zen"; with AVX-512 VNNI the
-    rules then pick the VNNI kernels with decode_prefetch "hardware", as the named x86-zen;
-    an Intel CPU with the same flags, and a Zen with AVX2 only, keep software prefetches."""
+    rules then pick the VNNI kernels with decode_prefetch "hardware" and decode attention's K
+    prefetched 4 KiB ahead, as the named x86-zen; an Intel CPU with the same flags, and a Zen
+    with AVX2 only, keep software prefetches and the kernel's own K distance."""
     from qwc import cpu
 
     zen = cpu.x86_features_of(AMD_CPUINFO)
@@ -73,6 +74,8 @@ def test_an_amd_zen_leaves_decode_prefetch_to_the_hardware():
     assert kernels_for(zen).int_dots.decode_prefetch == "hardware"
     assert kernels_for(get_target("x86-zen").features) == kernels_for(zen)
     assert kernels_for(intel).int_dots.decode_prefetch == "software"
+    assert (kernels_for(zen).decode_key_prefetch, kernels_for(intel).decode_key_prefetch) == (4096, None)
+    assert kernels_for(get_target("arm-yitian").features).decode_key_prefetch is None   # ARM's kernels unchanged
     zen3 = {"avx2", "fma", "zen"}
     assert (kernels_for(zen3).int_dots.decode, kernels_for(zen3).int_dots.decode_prefetch) == ("avx2", "software")
     assert kernels_for(zen).int_dots.prefill == kernels_for(intel).int_dots.prefill == "vnni"
