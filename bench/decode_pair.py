@@ -4,10 +4,11 @@ build before it, in one process, window by window in turn (the machine is shared
     .venv/bin/python bench/decode_pair.py BEFORE.qwc AFTER.qwc [--threads 2] [--rounds 5] [--past 512]
 
 Each round times a window of 64 decode steps of each artifact after the same fresh `--past`-token
-prompt (4096: decode at depth, where the cache is a large share of a step's bytes) (bench/gemv.py's decode_window). The table has each artifact's best and median
-window in tok/s, the GB/s that is of the bytes a step reads (gemv.py's read_per_step and the K/V
-cache), its share of the read bandwidth measured before and after the rounds (the higher
-reading), and AFTER's ratio to BEFORE.
+prompt (bench/gemv.py's decode_window; 4096 measures decode at depth, where the cache is a large
+share of a step's bytes). The table has each artifact's best and median window in tok/s, the
+GB/s that is of the bytes a step reads (gemv.py's read_per_step and the K/V cache), its share
+of the read bandwidth measured before and after the rounds (the higher reading), and AFTER's
+ratio to BEFORE.
 """
 
 from __future__ import annotations

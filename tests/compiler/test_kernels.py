@@ -1005,7 +1005,8 @@ def test_decode_attention_key_prefetch_moves_only_the_prefetch(dtype):
         func = decode_attention.decode_attention(heads, kvh, hd, hd ** -0.5, "int64", w4a8.ZERO_POINT, "plain", None,
                                                  dtype, (32, 64), None, key_prefetch=ahead)
         # the line a K prefetch reads: `d + distance` in the scores pass's index arithmetic
-        lines = {int(x) for x in re.findall(r"d \+ (\d+)", func.script()) if "prefetch" in func.script()}
+        assert "llvm.prefetch" in func.script()
+        lines = {int(x) for x in re.findall(r"d \+ (\d+)", func.script())}
         want = decode_attention.K_PREFETCH_LINES if ahead is None else ahead // (KEY_TILE * KV_DTYPES[dtype])
         assert want in lines, (ahead, lines)
         kc, vc = _filled_caches(k, v, ((0, past),), kvh, hd, cap, dtype)
