@@ -1,6 +1,7 @@
 """The decode attention kernel alone at depth (kernels/decode_attention.py), in
 variants side by side, on this machine: the Qwen2.5-0.5B shape (14 heads, 2 kv heads, head
-dim 64), 24 layers' caches (so the cache is read from DRAM, as a decode step reads it):
+dim 64), 24 layers' caches, so that the cache is read from DRAM as a decode step reads it
+(where they outgrow the last-level cache: 50 MB of float16 at 4,096 keys, 200 MB at 16,384):
 
     .venv/bin/python bench/decode_attention.py [--depths 512,4096,16384] [--threads 1,2]
         [--kv f16,f32] [--rounds 15]
